@@ -1,0 +1,28 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+torch.set_num_threads(1)  # tests are many small runs; one thread each is fastest on 2 cores
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> str:
+    """One MNIST-1D cache for the whole session."""
+    from trainers.data import mnist1d
+
+    path = tmp_path_factory.mktemp("data")
+    mnist1d(str(path))
+    return str(path)
+
+
+def run_script(script: str, *args: str, cwd=None, timeout=300, env=None) -> subprocess.CompletedProcess:
+    """Run an entry script as a user would, with the project on PYTHONPATH (for tests.factories)."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True,
+                          cwd=cwd or ROOT, timeout=timeout, env=full_env)

@@ -1,0 +1,60 @@
+"""Model and dataset factories that tests pass to the trainer as `tests.factories:NAME`."""
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+def linreg(seed=0, **_):
+    """The classic accumulation check: y = -2 x1 + 3.4 x2 + 4.2 plus a little noise."""
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(1200, 2, generator=g)
+    y = x @ torch.tensor([-2.0, 3.4]) + 4.2 + 0.1 * torch.randn(1200, generator=g)
+    return TensorDataset(x[:1000], y[:1000, None]), TensorDataset(x[1000:], y[1000:, None])
+
+
+def zero_linear(input_shape, num_classes, **_):
+    model = nn.Linear(input_shape[0], num_classes)
+    nn.init.zeros_(model.weight)
+    nn.init.zeros_(model.bias)
+    return model
+
+
+def blobs(seed=0, **_):
+    """90 train and 30 test points in 3 classes: 3 windows of 30 at b=10, k=3."""
+    g = torch.Generator().manual_seed(7)
+    y = torch.arange(120) % 3
+    x = torch.randn(120, 4, generator=g) + y[:, None].float()
+    return TensorDataset(x[:90], y[:90]), TensorDataset(x[90:], y[90:])
+
+
+class GradProbe(nn.Module):
+    """Records, at every training forward, whether the weight's gradient is empty."""
+
+    def __init__(self, input_shape, num_classes, **_):
+        super().__init__()
+        self.linear = nn.Linear(input_shape[0], num_classes)
+        self.grad_was_empty = []
+
+    def forward(self, x):
+        if self.training:
+            self.grad_was_empty.append(self.linear.weight.grad is None)
+        return self.linear(x)
+
+
+def half_frozen(input_shape, num_classes, **_):
+    model = nn.Sequential(nn.Flatten(), nn.Linear(input_shape[-1] * input_shape[0], 32), nn.ReLU(),
+                          nn.Linear(32, num_classes))
+    model[1].requires_grad_(False)
+    return model
+
+
+def not_a_model(**_):
+    return "not a module"
+
+
+def not_a_dataset(**_):
+    return [1, 2, 3]
+
+
+def broken_model(**_):
+    raise RuntimeError("factory exploded")

@@ -1,0 +1,64 @@
+import json
+
+import pytest
+
+from tests.conftest import run_script
+from trainers.cli import main
+
+
+def one_line_error(capsys, argv) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    errors = [line for line in err if line.startswith("error:")]
+    assert len(errors) == 1 and not any("Traceback" in line for line in err), err
+    return errors[0]
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--physical-batch", "0"], "physical_batch must be >= 1"),
+    (["--accum-steps", "0"], "accum_steps must be >= 1"),
+    (["--physical-batch", "eight"], "physical_batch takes an integer, got 'eight'"),
+    (["--physical-batch", "512", "--accum-steps", "16"], "effective batch 8192"),
+    (["--model", "vgg"], "unknown model 'vgg'"),
+    (["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
+    (["--lr-rule", "cube"], "unknown lr_rule 'cube'"),
+    (["--bn-momentum-rule", "half"], "unknown bn_momentum_rule 'half'"),
+    (["--model", "nosuchpkg.mod:make"], "does not import"),
+    (["--model", "tests.factories:missing"], "has no callable 'missing'"),
+    (["--model", "tests.factories:not_a_model"], "returned str, not a torch.nn.Module"),
+    (["--dataset", "tests.factories:not_a_dataset"], "must return (train, test) TensorDatasets"),
+    (["--model", "tests.factories"], "or give package.module:factory"),
+    (["--model", ":make"], "import path ':make' is malformed"),
+])
+def test_bad_input_is_one_line(capsys, data_dir, argv, expected):
+    line = one_line_error(capsys, [*argv, "--data-dir", data_dir, "--epochs", "1"])
+    assert expected in line
+
+
+def test_missing_offline_dataset(capsys, tmp_path):
+    line = one_line_error(capsys, ["--dataset", "mnist", "--data-dir", str(tmp_path / "none"), "--epochs", "1"])
+    assert "dataset MNIST is not in" in line and "could not be downloaded" in line
+
+
+def test_bn_rule_without_bn_is_a_warning(capsys, data_dir):
+    assert main(["--model", "mlp", "--bn-momentum-rule", "matched", "--epochs", "1", "--data-dir", data_dir]) == 0
+    assert "warning: bn_momentum_rule='matched' has no effect" in capsys.readouterr().err
+
+
+def test_script_trains_and_writes_json(tmp_path, data_dir):
+    out = tmp_path / "result.json"
+    proc = run_script("trainers/train.py", "--physical-batch", "16", "--accum-steps", "4", "--lr-rule", "linear",
+                      "--bn-momentum-rule", "matched", "--epochs", "2", "--data-dir", data_dir, "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "16 x 4 = 64" in proc.stdout and "val acc" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["status"] == "ok" and len(result["history"]) == 2
+    assert result["config"]["effective_batch"] == 64 and result["config"]["lr"] == pytest.approx(0.1)
+    assert result["config"]["bn_momentum"] == pytest.approx(1 - 0.9 ** 0.25)
+
+
+def test_script_bad_input_has_no_traceback(data_dir):
+    proc = run_script("trainers/train.py", "--accum-steps", "0", "--data-dir", data_dir)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: accum_steps must be >= 1, got 0"

@@ -1,0 +1,233 @@
+import math
+import random
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainers import ConfigError, TrainConfig, train
+from trainers.data import load_data, mnist1d
+from trainers.loop import evaluate, lr_at, permutation, windows
+from trainers.models import build_model
+
+
+def max_rel_diff(a: nn.Module, b: nn.Module) -> float:
+    return max(((p - q).abs().max() / q.abs().max()).item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+# MNIST-1D has 4,000 training samples: with b=24, k=3 (B=72) the last window holds 40 = 24 + 16,
+# so every epoch ends with a short window and a short micro-batch.
+SHORT_TAIL = dict(model="mlp", physical_batch=24, accum_steps=3, epochs=3, base_lr=0.05)
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("float64", 1e-12)])
+def test_accumulation_equals_true_batch_without_bn(data_dir, dtype, tol):
+    accum = TrainConfig(**SHORT_TAIL, dtype=dtype, data_dir=data_dir)
+    true = replace(accum, physical_batch=72, accum_steps=1)
+    assert 4000 % 72 == 40
+    a, t = train(accum), train(true)
+    assert max_rel_diff(a.model, t.model) <= tol
+    assert a.history[-1]["steps"] == t.history[-1]["steps"] == 3 * 56
+
+
+def naive_loss_over_k(config: TrainConfig) -> nn.Module:
+    """The usual loop: mean loss of each micro-batch divided by k."""
+    data = load_data(config.dataset, config.data_dir, config.seed)
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, data.input_shape, data.num_classes, config.norm)
+    opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
+    for epoch in range(1, config.epochs + 1):
+        for window in windows(permutation(config, epoch, len(data.x_train), torch.device("cpu")), config):
+            for idx in window.split(config.physical_batch):
+                loss = F.cross_entropy(model(data.x_train[idx]), data.y_train[idx]) / config.accum_steps
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return model
+
+
+def test_naive_loss_over_k_is_not_exact(data_dir):
+    accum = TrainConfig(**SHORT_TAIL, data_dir=data_dir)
+    true = train(replace(accum, physical_batch=72, accum_steps=1))
+    # It under-weights the short last window, so it misses the tolerance that ours meets.
+    assert max_rel_diff(naive_loss_over_k(accum), true.model) > 1e-3
+
+
+def hand_written_regression(batch: int, forget_zero_grad: bool = False) -> list[float]:
+    from tests.factories import linreg, zero_linear
+
+    (x, y), _ = (d.tensors for d in linreg())
+    model = zero_linear((2,), 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
+    for _ in range(3):
+        total = 0.0
+        for xs, ys in zip(x.split(batch), y.split(batch)):
+            loss = ((model(xs) - ys) ** 2).mean()
+            loss.backward()
+            opt.step()
+            if not forget_zero_grad:
+                opt.zero_grad()
+            total += loss.item() * len(xs)
+        losses.append(total / len(x))
+    return losses
+
+
+def test_classic_linear_regression(data_dir):
+    base = TrainConfig(model="tests.factories:zero_linear", dataset="tests.factories:linreg", momentum=0.0,
+                       base_lr=0.01, shuffle=False, epochs=3, physical_batch=40, data_dir=data_dir)
+    big = [r["train_loss"] for r in train(base).history]
+    accum_result = train(replace(base, physical_batch=10, accum_steps=4))
+    accum = [r["train_loss"] for r in accum_result.history]
+    assert accum == pytest.approx(big, rel=1e-6)
+    assert big == pytest.approx(hand_written_regression(40), rel=1e-6)
+    assert big[-1] < big[0] / 5  # it learns: 75 steps at lr 0.01 from zero move towards (-2, 3.4)
+    w = accum_result.model.weight.detach().flatten().tolist()
+    assert w[0] < -1 and w[1] > 1.5
+    # A loop that forgets zero_grad piles gradients up and drifts away from these losses.
+    assert hand_written_regression(40, forget_zero_grad=True) != pytest.approx(big, rel=1e-2)
+
+
+def test_gradients_are_zeroed_once_per_window(data_dir):
+    config = TrainConfig(model="tests.factories:GradProbe", dataset="tests.factories:blobs",
+                         physical_batch=10, accum_steps=3, epochs=2, data_dir=data_dir)
+    probe = train(config).model
+    # 90 samples = 3 windows of 3 micro-batches: each window starts with no gradient, the rest add to it.
+    assert probe.grad_was_empty == [True, False, False] * 6
+
+
+def test_batchnorm_makes_accumulation_differ(data_dir):
+    accum = TrainConfig(physical_batch=16, accum_steps=4, epochs=1, data_dir=data_dir)
+    a, t = train(accum), train(replace(accum, physical_batch=64, accum_steps=1))
+    assert max_rel_diff(a.model, t.model) > 1e-3
+
+
+@pytest.mark.parametrize("k", [2, 4, 16])
+def test_matched_momentum_decays_like_one_true_batch_update(k):
+    config = TrainConfig(bn_momentum_rule="matched", accum_steps=k)
+    micro, true = nn.BatchNorm1d(3, momentum=config.bn_momentum), nn.BatchNorm1d(3, momentum=0.1)
+    for layer in (micro, true):
+        layer.running_mean.fill_(1.0)
+    zero_mean = torch.tensor([[-1.0, -2.0, -3.0], [1.0, 2.0, 3.0]])  # batch mean 0: only the decay shows
+    for _ in range(k):
+        micro(zero_mean)
+    true(zero_mean.repeat(k, 1))
+    torch.testing.assert_close(micro.running_mean, true.running_mean, rtol=1e-6, atol=0)
+    assert true.running_mean[0].item() == pytest.approx(0.9)
+    scaled = replace(config, bn_momentum_rule="scaled")
+    assert scaled.bn_momentum == pytest.approx(0.1 / k)
+    assert (1 - scaled.bn_momentum) ** k != pytest.approx(0.9, abs=1e-4)  # m/k decays less than matched
+
+
+def test_trainer_sets_momentum_on_every_bn_layer(data_dir):
+    result = train(TrainConfig(bn_momentum_rule="matched", accum_steps=4, epochs=1, data_dir=data_dir))
+    layers = [m for m in result.model.modules() if isinstance(m, nn.BatchNorm1d)]
+    assert len(layers) == 3
+    assert all(m.momentum == pytest.approx(1 - 0.9 ** 0.25) for m in layers)
+
+
+def test_frozen_parameters_stay_unchanged(data_dir):
+    config = TrainConfig(model="tests.factories:half_frozen", epochs=1, data_dir=data_dir)
+    torch.manual_seed(config.seed)
+    from tests.factories import half_frozen
+
+    initial = half_frozen((1, 40), 10)
+    trained = train(config).model
+    assert torch.equal(trained[1].weight, initial[1].weight)
+    assert not torch.equal(trained[3].weight, initial[3].weight)
+
+
+def test_evaluation_keeps_bn_statistics_and_train_mode(data_dir):
+    result = train(TrainConfig(epochs=1, data_dir=data_dir))
+    model = result.model
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    data = load_data("mnist1d", data_dir, 0)
+    model.train()
+    evaluate(model, data.x_test, data.y_test, 256)
+    assert model.training
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_lr_rules():
+    base = TrainConfig(base_lr=0.1, base_batch=32, physical_batch=32, accum_steps=16)
+    assert replace(base, lr_rule="none").lr == pytest.approx(0.1)
+    assert replace(base, lr_rule="linear").lr == pytest.approx(1.6)
+    assert replace(base, lr_rule="sqrt").lr == pytest.approx(0.4)
+    assert replace(base, lr_rule="linear", accum_steps=1).lr == pytest.approx(0.1)
+
+
+def test_warmup_and_cosine_schedule():
+    config = TrainConfig(base_lr=0.1, lr_rule="linear", accum_steps=4, warmup_epochs=2, epochs=4,
+                         schedule="cosine")
+    per_epoch, total = 5, 20
+    values = [lr_at(config, s, total, per_epoch) for s in range(total)]
+    assert values[:10] == pytest.approx([0.4 * (s + 1) / 10 for s in range(10)])
+    assert values[10] == pytest.approx(0.4)  # the peak, where cosine starts
+    assert values[15] == pytest.approx(0.2)  # half-way through the cosine
+    assert all(a > b for a, b in zip(values[10:], values[11:]))
+    constant = replace(config, schedule="constant")
+    assert [lr_at(constant, s, total, per_epoch) for s in range(10, 20)] == pytest.approx([0.4] * 10)
+
+
+def test_trainer_follows_the_schedule(data_dir):
+    config = TrainConfig(model="mlp", base_lr=0.05, physical_batch=100, accum_steps=4, epochs=3,
+                         warmup_epochs=1, lr_rule="sqrt", schedule="cosine", data_dir=data_dir)
+    history = train(config).history
+    steps = [r["steps"] for r in history]
+    assert steps == [10, 20, 30]
+    assert [r["lr"] for r in history] == pytest.approx([lr_at(config, s - 1, 30, 10) for s in steps])
+    assert history[0]["lr"] == pytest.approx(config.lr)  # the last warmup step reaches the peak
+
+def test_drop_last_skips_the_short_window(data_dir):
+    config = TrainConfig(**SHORT_TAIL, drop_last=True, data_dir=data_dir)
+    assert train(replace(config, epochs=1)).history[-1]["steps"] == 55
+
+
+def test_metrics_and_memory(data_dir):
+    small = train(TrainConfig(epochs=2, physical_batch=16, data_dir=data_dir))
+    large = train(TrainConfig(epochs=1, physical_batch=256, data_dir=data_dir))
+    row = small.history[-1]
+    for key in ("train_loss", "val_loss", "val_acc", "lr", "steps", "epoch_time_s", "samples_per_s",
+                "peak_memory_bytes"):
+        assert math.isfinite(row[key]), key
+    assert small.status == "ok" and small.memory_source == "saved_tensors"
+    assert 0.1 < row["val_acc"] <= 1 and row["steps"] == 2 * 250
+    # Saved-tensor bytes grow with the physical batch.
+    assert large.metrics["peak_memory_bytes"] > 5 * small.metrics["peak_memory_bytes"]
+
+
+def test_nan_loss_is_diverged_not_a_crash(data_dir):
+    result = train(TrainConfig(model="mlp", base_lr=1e6, epochs=5, data_dir=data_dir))
+    assert result.status == "diverged"
+    assert len(result.history) < 5
+    assert not math.isfinite(result.metrics["train_loss"])
+
+
+def test_mnist1d_cache_restores_global_rng(tmp_path):
+    np.random.seed(5)
+    random.seed(5)
+    expected = (np.random.rand(), random.random())
+    np.random.seed(5)
+    random.seed(5)
+    data = mnist1d(str(tmp_path))
+    assert (tmp_path / "mnist1d.npz").exists()
+    assert (np.random.rand(), random.random()) == expected
+    assert data.x_train.shape == (4000, 1, 40) and data.x_test.shape == (1000, 1, 40)
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(physical_batch=0), "physical_batch must be >= 1"),
+    (dict(accum_steps=-1), "accum_steps must be >= 1"),
+    (dict(lr_rule="cubic"), "unknown lr_rule 'cubic'"),
+    (dict(bn_momentum_rule="half"), "unknown bn_momentum_rule"),
+    (dict(model="vgg"), "unknown model 'vgg'"),
+    (dict(dataset="imagenet"), "unknown dataset 'imagenet'"),
+    (dict(base_lr=float("nan")), "base_lr must be a positive number"),
+])
+def test_config_validates_itself(bad, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(**bad)

@@ -1,0 +1,162 @@
+"""TrainConfig: one training configuration, validated, with its derived values."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+LR_RULES = ("none", "linear", "sqrt")
+BN_RULES = ("default", "scaled", "matched")
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULES = ("constant", "cosine")
+NORMS = ("batch", "group", "none")
+PRECISIONS = ("fp32", "bf16")
+DTYPES = ("float32", "float64")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class BatchsweepError(Exception):
+    """An error the user can fix; entry points print it as one line, without a traceback."""
+
+
+class ConfigError(BatchsweepError, ValueError):
+    """A configuration value that is unknown, malformed or out of range."""
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...], extra: str = "") -> None:
+    if value not in allowed:
+        raise ConfigError(f"unknown {name} {value!r}: choose one of {', '.join(allowed)}{extra}")
+
+
+def _at_least(name: str, value: float, low: float) -> None:
+    if not value >= low:  # also rejects NaN
+        raise ConfigError(f"{name} must be >= {low}, got {value}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One configuration. Field names are the CLI flags (with dashes), MLflow params and report columns."""
+
+    model: str = "cnn1d"  # registry name or package.module:factory
+    dataset: str = "mnist1d"  # registry name or package.module:factory
+    norm: str = "batch"  # cnn1d only: batch | group | none
+    physical_batch: int = 32  # b: samples per forward/backward
+    accum_steps: int = 1  # k: micro-batches per optimizer step
+    drop_last: bool = False  # drop the short last window of an epoch
+    shuffle: bool = True  # one seeded permutation per epoch
+    lr_rule: str = "none"  # none | linear | sqrt, relative to base_batch
+    base_lr: float = 0.05
+    base_batch: int = 32
+    warmup_epochs: float = 0.0  # linear warmup (Goyal et al. 2017)
+    schedule: str = "constant"  # after warmup: constant | cosine
+    bn_momentum_rule: str = "default"  # default | scaled | matched
+    bn_base_momentum: float = 0.1  # m: PyTorch's default BatchNorm momentum
+    ghost_batch: int = 0  # >0: BatchNorm normalizes in chunks of this size (Ghost BN)
+    optimizer: str = "sgd"  # sgd | adamw
+    momentum: float = 0.9  # SGD momentum
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    grad_clip: float = 0.0  # max global grad norm per step; 0 = off
+    epochs: int = 10
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "fp32"  # fp32 | bf16 (autocast)
+    channels_last: bool = False  # for 2-D conv nets
+    dtype: str = "float32"  # parameter and input dtype; float64 for exactness checks
+    eval_batch: int = 1024
+    data_dir: str = "data"  # datasets and the MNIST-1D cache
+
+    def __post_init__(self) -> None:
+        if ":" not in self.model:
+            from .models import MODELS
+
+            _choice("model", self.model, tuple(MODELS), ", or give package.module:factory")
+        if ":" not in self.dataset:
+            from .data import DATASETS
+
+            _choice("dataset", self.dataset, tuple(DATASETS), ", or give package.module:factory")
+        _choice("norm", self.norm, NORMS)
+        _choice("lr_rule", self.lr_rule, LR_RULES)
+        _choice("bn_momentum_rule", self.bn_momentum_rule, BN_RULES)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("schedule", self.schedule, SCHEDULES)
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("device", self.device, DEVICES)
+        for name in ("physical_batch", "accum_steps", "base_batch", "epochs", "eval_batch"):
+            _at_least(name, getattr(self, name), 1)
+        for name in ("ghost_batch", "seed"):
+            _at_least(name, getattr(self, name), 0)
+        for name in ("warmup_epochs", "weight_decay", "grad_clip", "momentum"):
+            _at_least(name, getattr(self, name), 0.0)
+        if not (self.base_lr > 0 and math.isfinite(self.base_lr)):
+            raise ConfigError(f"base_lr must be a positive number, got {self.base_lr}")
+        if not 0 < self.bn_base_momentum <= 1:
+            raise ConfigError(f"bn_base_momentum must be in (0, 1], got {self.bn_base_momentum}")
+        if self.warmup_epochs > self.epochs:
+            raise ConfigError(f"warmup_epochs ({self.warmup_epochs}) is longer than the run ({self.epochs} epochs)")
+        if self.nesterov and (self.optimizer != "sgd" or self.momentum == 0):
+            raise ConfigError("nesterov needs optimizer=sgd with momentum > 0")
+
+    @property
+    def effective_batch(self) -> int:
+        """B = b * k: samples per optimizer step."""
+        return self.physical_batch * self.accum_steps
+
+    @property
+    def lr(self) -> float:
+        """The peak learning rate after the scaling rule."""
+        ratio = self.effective_batch / self.base_batch
+        scale = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.lr_rule]
+        return self.base_lr * scale
+
+    @property
+    def bn_momentum(self) -> float:
+        """BatchNorm momentum used with k running-stat updates per optimizer step."""
+        m, k = self.bn_base_momentum, self.accum_steps
+        if self.bn_momentum_rule == "scaled":  # MosaicML composer's m / k
+            return m / k
+        if self.bn_momentum_rule == "matched":  # k updates decay old stats by (1 - m), like one true-batch update
+            return 1.0 - (1.0 - m) ** (1.0 / k)
+        return m
+
+    def derived(self) -> dict[str, Any]:
+        return {"effective_batch": self.effective_batch, "lr": self.lr, "bn_momentum": self.bn_momentum}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field plus the derived values: the params a run is logged with."""
+        return {**dataclasses.asdict(self), **self.derived()}
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def parse_value(name: str, text: str) -> Any:
+    """Turn the text of a command-line value into the field's type, or raise ConfigError."""
+    if name not in FIELDS:
+        raise ConfigError(f"unknown setting {name!r}: known settings are {', '.join(FIELDS)}")
+    kind = type(FIELDS[name].default)
+    if kind is bool:
+        lowered = text.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{name} takes true or false, got {text!r}")
+    try:
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"{name} takes {'an integer' if kind is int else 'a number' if kind is float else 'text'}, got {text!r}") from None
+
+
+def apply_overrides(config: TrainConfig, pairs: list[str]) -> TrainConfig:
+    """Apply 'key=value' strings to a config, type-checked."""
+    changes = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise ConfigError(f"malformed setting {pair!r}: write key=value, e.g. --set weight_decay=5e-4")
+        changes[key] = parse_value(key, value.strip())
+    return dataclasses.replace(config, **changes)

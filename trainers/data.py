@@ -1,0 +1,130 @@
+"""Dataset registry. Every dataset is held in memory as tensors and batched by indexing."""
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import BatchsweepError, ConfigError
+from .imports import load_factory
+
+
+class DataError(BatchsweepError):
+    """A dataset that cannot be found or made."""
+
+
+@dataclass
+class Data:
+    """Train and test tensors; `num_classes` is the output width (the target width for float targets)."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+    @property
+    def classification(self) -> bool:
+        return not self.y_train.is_floating_point()
+
+    @property
+    def num_classes(self) -> int:
+        if self.classification:
+            return int(max(self.y_train.max(), self.y_test.max())) + 1
+        return 1 if self.y_train.dim() == 1 else self.y_train.shape[1]
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> "Data":
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, dtype if t.is_floating_point() else None)
+
+        return Data(move(self.x_train), move(self.y_train), move(self.x_test), move(self.y_test))
+
+
+def mnist1d(data_dir: str, **_) -> Data:
+    """MNIST-1D (Greydanus 2020): 4,000 train and 1,000 test series of length 40, generated offline."""
+    path = Path(data_dir) / "mnist1d.npz"
+    if not path.exists():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # mnist1d imports scipy.ndimage.filters
+            from mnist1d.data import get_dataset_args, make_dataset
+        # make_dataset reseeds numpy's and Python's global RNGs; give the caller theirs back.
+        np_state, py_state = np.random.get_state(), random.getstate()
+        try:
+            raw = make_dataset(get_dataset_args())
+        finally:
+            np.random.set_state(np_state)
+            random.setstate(py_state)
+        _save_npz_atomically(path, x=raw["x"], y=raw["y"], x_test=raw["x_test"], y_test=raw["y_test"])
+    with np.load(path, allow_pickle=False) as arrays:
+        x, x_test = (torch.from_numpy(arrays[k]).float().unsqueeze(1) for k in ("x", "x_test"))
+        y, y_test = (torch.from_numpy(arrays[k]).long() for k in ("y", "y_test"))
+    return Data(x, y, x_test, y_test)
+
+
+def _save_npz_atomically(path: Path, **arrays: np.ndarray) -> None:
+    """Concurrent workers may build the cache at once: each writes a temp file and renames it into place."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz.tmp")
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise DataError(f"cannot write the dataset cache in {path.parent} ({exc.strerror}): "
+                        f"pass a writable --data-dir") from None
+
+
+def _torchvision(cls_name: str, mean: tuple[float, ...], std: tuple[float, ...]):
+    def load(data_dir: str, **_) -> Data:
+        import torchvision.datasets as tvd
+
+        cls = getattr(tvd, cls_name)
+        try:
+            splits = [cls(data_dir, train=train, download=True) for train in (True, False)]
+        except Exception as exc:  # a failed download raises URLError, RuntimeError or OSError
+            raise DataError(f"dataset {cls_name} is not in {data_dir!r} and could not be downloaded "
+                            f"({type(exc).__name__}): copy its files there or connect to the network") from None
+        tensors = []
+        for split in splits:
+            images = torch.as_tensor(np.asarray(split.data)).float() / 255.0
+            images = images.unsqueeze(1) if images.dim() == 3 else images.permute(0, 3, 1, 2)  # to N,C,H,W
+            m = torch.tensor(mean).view(1, -1, 1, 1)
+            s = torch.tensor(std).view(1, -1, 1, 1)
+            tensors += [(images - m) / s, torch.as_tensor(np.asarray(split.targets)).long()]
+        return Data(*tensors)
+
+    return load
+
+
+DATASETS = {
+    "mnist1d": mnist1d,
+    "mnist": _torchvision("MNIST", (0.1307,), (0.3081,)),
+    "fashion_mnist": _torchvision("FashionMNIST", (0.2860,), (0.3530,)),
+    "cifar10": _torchvision("CIFAR10", (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+}
+
+
+def _from_tensor_datasets(path: str, pair) -> Data:
+    try:
+        train, test = pair
+        (x, y), (x_test, y_test) = train.tensors, test.tensors
+    except (TypeError, ValueError, AttributeError):
+        raise ConfigError(f"dataset factory {path!r} must return (train, test) TensorDatasets of "
+                          f"(inputs, labels)") from None
+    return Data(x, y, x_test, y_test)
+
+
+def load_data(name: str, data_dir: str, seed: int) -> Data:
+    if ":" in name:
+        return _from_tensor_datasets(name, load_factory(name, "dataset")(data_dir=data_dir, seed=seed))
+    return DATASETS[name](data_dir=data_dir, seed=seed)
+

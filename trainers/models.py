@@ -1,0 +1,100 @@
+"""Model registry: built-in networks by name, user networks by `package.module:factory`."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import ConfigError
+from .imports import load_factory
+
+
+def _norm(kind: str, channels: int) -> nn.Module:
+    if kind == "batch":
+        return nn.BatchNorm1d(channels)
+    if kind == "group":
+        return nn.GroupNorm(4, channels)
+    return nn.Identity()
+
+
+def cnn1d(input_shape, num_classes, norm="batch", **_) -> nn.Module:
+    """Conv1d net for MNIST-1D (about 10k parameters); `norm` picks BatchNorm, GroupNorm or none."""
+    channels, length = input_shape
+    bias = norm == "none"
+    layers, width_in = [], channels
+    for width, stride in ((16, 1), (32, 2), (32, 2)):
+        layers += [nn.Conv1d(width_in, width, 3 if stride == 2 else 5, stride, 1 if stride == 2 else 2, bias=bias),
+                   _norm(norm, width), nn.ReLU()]
+        width_in = width
+        length = (length - 1) // stride + 1
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(width_in * length, num_classes))
+
+
+def mlp(input_shape, num_classes, hidden=128, **_) -> nn.Module:
+    """Two hidden layers, no normalization: accumulation is exact for it."""
+    inputs = 1
+    for size in input_shape:
+        inputs *= size
+    return nn.Sequential(nn.Flatten(), nn.Linear(inputs, hidden), nn.ReLU(),
+                         nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, num_classes))
+
+
+def resnet18(input_shape, num_classes, **_) -> nn.Module:
+    """torchvision's ResNet-18 for 32x32 images: 3x3 stem with stride 1 and no max-pool."""
+    from torchvision.models import resnet18 as tv_resnet18
+
+    net = tv_resnet18(num_classes=num_classes)
+    net.conv1 = nn.Conv2d(input_shape[0], 64, kernel_size=3, stride=1, padding=1, bias=False)
+    net.maxpool = nn.Identity()
+    return net
+
+
+MODELS = {"cnn1d": cnn1d, "mlp": mlp, "resnet18": resnet18}
+
+
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, norm: str) -> nn.Module:
+    if ":" in name:
+        model = load_factory(name, "model")(input_shape=input_shape, num_classes=num_classes)
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model factory {name!r} returned {type(model).__name__}, not a torch.nn.Module")
+        return model
+    if name != "cnn1d" and norm != "batch":
+        raise ConfigError(f"norm={norm!r} applies to cnn1d only, not {name!r}")
+    return MODELS[name](input_shape=input_shape, num_classes=num_classes, norm=norm)
+
+
+def batchnorm_layers(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def set_bn_momentum(model: nn.Module, momentum: float) -> int:
+    """Set every BatchNorm layer's momentum; returns how many layers there are."""
+    layers = batchnorm_layers(model)
+    for layer in layers:
+        layer.momentum = momentum
+    return len(layers)
+
+
+def _ghost_forward(layer: nn.modules.batchnorm._BatchNorm, ghost: int):
+    plain = layer.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not layer.training or x.shape[0] <= ghost:
+            return plain(x)
+        # Each chunk is normalized by its own statistics and updates the running stats once,
+        # exactly as k micro-batches of size `ghost` would under accumulation.
+        return torch.cat([plain(chunk) for chunk in x.split(ghost)])
+
+    return forward
+
+
+def use_ghost_batch(model: nn.Module, ghost: int) -> int:
+    """Make every BatchNorm layer normalize in chunks of `ghost` samples (Hoffer et al. 2017)."""
+    layers = batchnorm_layers(model)
+    for layer in layers:
+        layer.forward = _ghost_forward(layer, ghost)
+    return len(layers)
+
+
+def has_conv2d(model: nn.Module) -> bool:
+    """channels_last applies only to nets with 2-D convolutions."""
+    return any(isinstance(m, nn.Conv2d) for m in model.modules())
