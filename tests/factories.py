@@ -58,3 +58,11 @@ def not_a_dataset(**_):
 
 def broken_model(**_):
     raise RuntimeError("factory exploded")
+
+
+def blobs1k(seed=0, **_):
+    """1,024 train and 256 test points in 3 classes: big enough for every accum_lr point (B <= 512)."""
+    g = torch.Generator().manual_seed(11)
+    y = torch.arange(1280) % 3
+    x = torch.randn(1280, 4, generator=g) + y[:, None].float()
+    return TensorDataset(x[:1024], y[:1024]), TensorDataset(x[1024:], y[1024:])

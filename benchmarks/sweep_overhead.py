@@ -1,0 +1,62 @@
+"""Tracking overhead of a study: the share of the trials' wall time spent outside the trainer.
+
+Everything a worker does between and around `train()` calls counts as overhead: Optuna storage reads and
+writes (claiming a point, user attributes, tell), MLflow runs, batched logging and the history artifact.
+Runs trials of a study into a temporary SQLite store and prints `overhead=<fraction>` on the last line.
+
+    python benchmarks/sweep_overhead.py [--study accum_lr] [--trials 6] [--epochs N]
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import optuna
+
+import sweeps.runner as runner
+from sweeps.cli import build_plan, parse_args
+from sweeps.runner import Worker, create_studies, open_storage
+from sweeps.tracking import Tracker
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--study", default="accum_lr")
+    parser.add_argument("--trials", type=int, default=6)
+    parser.add_argument("--epochs", help="default: the study's own")
+    parser.add_argument("--data-dir", default="data")
+    args = parser.parse_args()
+
+    in_train: list[float] = []
+    train = runner.train
+
+    def timed_train(config, on_epoch=None):
+        start = time.perf_counter()
+        try:
+            return train(config, on_epoch=on_epoch)
+        finally:
+            in_train.append(time.perf_counter() - start)
+
+    runner.train = timed_train
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # as sweeps/run.py does
+    with tempfile.TemporaryDirectory() as folder:
+        argv = ["--study", args.study, "--n-trials", str(args.trials), "--set", f"data_dir={args.data_dir}",
+                "--storage", f"sqlite:///{folder}/optuna.db", "--tracking-uri", f"sqlite:///{folder}/mlflow.db"]
+        plan = build_plan(parse_args(argv + (["--epochs", args.epochs] if args.epochs else [])))
+        create_studies(plan, open_storage(plan.storage))
+        tracker = Tracker(plan.tracking_uri, plan.study_name)
+        parent = tracker.start_parent("overhead", {}, {})
+        worker = Worker(plan, parent)
+        start = time.perf_counter()
+        ran = worker.run(plan.n_trials)
+        total = time.perf_counter() - start
+    outside = total - sum(in_train)
+    print(f"study={args.study} trials={ran} epochs={plan.base.epochs} store=SQLite")
+    print(f"wall time {total:.2f} s, in the trainer {sum(in_train):.2f} s, outside it {outside:.2f} s "
+          f"({outside / ran * 1000:.0f} ms a trial)")
+    print(f"overhead={outside / total:.4f}")
+
+
+if __name__ == "__main__":
+    main()

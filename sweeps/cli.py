@@ -1,0 +1,246 @@
+"""Command line of `python sweeps/run.py`."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import multiprocessing
+import sys
+import time
+
+from trainers.cli import format_bytes
+from trainers.config import BatchsweepError, ConfigError, TrainConfig, apply_overrides, parse_value
+
+from .studies import STUDIES, describe, get_study
+from .tracking import HOST, Tracker, default_tracking_uri
+
+# Flags that set one trainer field for every trial of the study.
+CONFIG_FLAGS = ("epochs", "model", "dataset", "device", "seed")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="sweeps/run.py", description="Run an Optuna study of gradient accumulation, "
+                                "every trial tracked in MLflow. Running the same command again resumes it.")
+    p.add_argument("--study", default="accum_lr", help="which study (see --list); default accum_lr")
+    p.add_argument("--list", action="store_true", help="list the studies and exit")
+    p.add_argument("--n-trials", type=int, help="run at most this many trials now (default: all that are left)")
+    for name in CONFIG_FLAGS:
+        p.add_argument("--" + name, help=f"set {name} for every trial")
+    p.add_argument("--seeds", type=int, default=1, help="repeat every point over this many seeds (from --seed)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any trainer field, e.g. --set weight_decay=5e-4 (repeatable)")
+    p.add_argument("--storage", help="Optuna storage URL (default: SQLite in mlruns/optuna.db)")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: SQLite in mlruns/mlflow.db)")
+    p.add_argument("--study-name", help="Optuna study and MLflow experiment name (default: the study's id)")
+    p.add_argument("--workers", type=int, default=1, help="worker processes on the same storage")
+    p.add_argument("--fail-fast", action="store_true", help="stop at the first trial that raises an error")
+    p.add_argument("--dry-run", action="store_true", help="print the trials it would run and exit")
+    return p.parse_args(argv)
+
+
+def build_plan(args: argparse.Namespace):
+    from .runner import Plan, default_storage
+
+    study = get_study(args.study)
+    if args.seeds < 1:
+        raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+    if args.n_trials is not None and args.n_trials < 1:
+        raise ConfigError(f"--n-trials must be >= 1, got {args.n_trials}")
+    flags = {name: parse_value(name, getattr(args, name)) for name in CONFIG_FLAGS if getattr(args, name)}
+    base = apply_overrides(dataclasses.replace(TrainConfig(), **{**study.fixed, **flags}), args.set)
+    plan = Plan(study=study, base=base, seeds=tuple(range(base.seed, base.seed + args.seeds)),
+                study_name=args.study_name or study.name, storage=args.storage or default_storage(),
+                tracking_uri=args.tracking_uri or default_tracking_uri(), n_trials=args.n_trials,
+                fail_fast=args.fail_fast)
+    for _, point, seed in plan.units():
+        plan.config(point, seed)  # validates every trial's configuration before anything is written
+    return plan
+
+
+def format_table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    # Numbers are right-aligned, text left-aligned.
+    numeric = [bool(rows) and all(r[i][:1] in "0123456789-." for r in rows) for i in range(len(headers))]
+    line = lambda cells: "  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(cells, widths, numeric))
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def list_studies() -> str:
+    rows = [[s.name, str(len(s.points) * (s.tune.trials_per_point if s.tune else 1)), s.summary]
+            for s in STUDIES.values()]
+    return format_table(["study", "trials", "what it varies"], rows)
+
+
+def dry_run_table(plan) -> str:
+    rows = []
+    for name, point, seed in plan.units():
+        c = plan.config(point, seed)
+        tuned = f"TPE x{plan.study.tune.trials_per_point} over {plan.study.tune.field}" if plan.study.tune else ""
+        rows.append([describe(point), str(c.physical_batch), str(c.accum_steps), str(c.effective_batch),
+                     c.lr_rule, tuned or f"{c.lr:.4g}", c.bn_momentum_rule, f"{c.bn_momentum:.4g}",
+                     str(c.epochs), str(seed)])
+    return format_table(["trial", "b", "k", "B", "lr_rule", "lr", "bn_rule", "bn_momentum", "epochs", "seed"], rows)
+
+
+def results_table(plan, storage) -> str:
+    """Every trial of the study, best first."""
+    import optuna
+
+    trials = []
+    for name in dict.fromkeys(u[0] for u in plan.units()):
+        trials += [t for t in optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
+                   if t.user_attrs.get("reason") != "duplicate" and t.state.is_finished()]
+    sign = -1 if plan.direction == "maximize" else 1
+    trials.sort(key=lambda t: (t.value is None, sign * (t.value or 0)))
+    varied = list(dict.fromkeys(k for t in trials for k in t.user_attrs.get("config", {})))
+    objective = "param_rel_diff" if plan.study.kind == "equivalence" else "val_acc"
+    headers = ["#", *varied, "B", "lr", "state", objective, "samples/s", "peak memory"]
+    rows = []
+    for t in trials:
+        m = t.user_attrs.get("metrics", {})
+        value = m.get(objective)
+        config = t.user_attrs.get("config", {})
+        derived = plan.config({k: v for k, v in config.items() if k != "seed"}, config.get("seed", 0))
+        rows.append([str(t.number), *(_fmt(config.get(k)) for k in varied), str(derived.effective_batch),
+                     f"{derived.lr:.4g}",
+                     t.user_attrs.get("reason") or t.state.name.lower(),
+                     "-" if value is None else (f"{value:.2e}" if objective == "param_rel_diff" else f"{value:.4f}"),
+                     f"{m['samples_per_s']:,.0f}" if "samples_per_s" in m else "-",
+                     format_bytes(m["peak_memory_bytes"]) if "peak_memory_bytes" in m else "-"])
+    return format_table(headers, rows)
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "-" if value is None else str(value)
+
+
+def _worker_process(plan, parent_run_id: str, index: int, budget: int | None) -> None:
+    """One of --workers N: quiet, one torch thread (several multi-threaded workers thrash a small CPU)."""
+    import optuna
+    import torch
+
+    from .runner import Worker
+
+    torch.set_num_threads(1)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    try:
+        Worker(plan, parent_run_id, index).run(budget)
+    except KeyboardInterrupt:
+        pass
+
+
+def run_workers(plan, parent_run_id: str, workers: int, total: int) -> None:
+    """Start the worker processes and draw one bar over the study's trials while they work."""
+    from tqdm import tqdm
+
+    from .runner import open_storage, remaining
+
+    storage = open_storage(plan.storage)
+    budgets = [None] * workers if plan.n_trials is None else \
+        [plan.n_trials // workers + (i < plan.n_trials % workers) for i in range(workers)]
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_worker_process, args=(plan, parent_run_id, i, b)) for i, b in enumerate(budgets)]
+    for proc in procs:
+        proc.start()
+    start_left = remaining(plan, storage)
+    with tqdm(total=total, unit="trial", file=sys.stderr, dynamic_ncols=True) as bar:
+        while any(p.is_alive() for p in procs):
+            time.sleep(1.0)
+            bar.n = min(start_left - remaining(plan, storage), total)
+            bar.refresh()
+    if any(p.exitcode not in (0, None) for p in procs) and plan.fail_fast:
+        raise BatchsweepError("a worker stopped at a failed trial (--fail-fast); see the MLflow run's 'error' tag")
+
+
+def run_in_process(plan, parent_run_id: str, total: int) -> None:
+    from tqdm import tqdm
+
+    from .runner import Hooks, Worker
+
+    trials = tqdm(total=total, unit="trial", file=sys.stderr, dynamic_ncols=True, position=0)
+    epochs = tqdm(total=0, unit="epoch", file=sys.stderr, dynamic_ncols=True, position=1, leave=False)
+
+    def trial_start(name: str, n_epochs: int) -> None:
+        epochs.reset(total=n_epochs)
+        epochs.set_description(name)
+
+    def epoch_done(row: dict) -> None:
+        epochs.set_postfix(val_acc=f"{row['val_acc']:.3f}")
+        epochs.update(1)
+
+    hooks = Hooks(trial_done=lambda t: trials.update(1), trial_start=trial_start, epoch_done=epoch_done,
+                  say=lambda line: tqdm.write(line, file=sys.stderr))
+    try:
+        Worker(plan, parent_run_id, 0, hooks).run(plan.n_trials)
+    finally:
+        epochs.close()
+        trials.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines would break the progress bars
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    if args.list:
+        print(list_studies())
+        return 0
+    try:
+        plan = build_plan(args)
+        if args.dry_run:
+            print(dry_run_table(plan))
+            return 0
+        return run(plan, args.workers)
+    except BatchsweepError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def run(plan, workers: int) -> int:
+    import optuna
+
+    from .runner import create_studies, open_storage, remaining
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # trial failures are reported in one line each
+    storage = open_storage(plan.storage)
+    tracker = Tracker(plan.tracking_uri, plan.study_name)
+    try:
+        create_studies(plan, storage)
+    except Exception as exc:
+        raise BatchsweepError(f"cannot use the Optuna storage {plan.storage} ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:200]}): check it, or pass another --storage") from None
+    closed = tracker.close_orphans()
+    left = remaining(plan, storage)
+    total = left if plan.n_trials is None else min(left, plan.n_trials)
+    print(f"study {plan.study_name}: {left} trials left, running {total} "
+          f"({workers} worker{'s' * (workers > 1)}); MLflow {plan.tracking_uri}"
+          + (f"; closed {closed} interrupted runs" if closed else ""), file=sys.stderr)
+    params = {**plan.base.to_dict(), "seeds": len(plan.seeds), "n_trials": plan.n_trials, "workers": workers}
+    parent = tracker.start_parent(f"{plan.study_name} {time.strftime('%Y-%m-%d %H:%M:%S')}", params,
+                                  {"study": plan.study.name, "storage": plan.storage, "host": HOST,
+                                   "summary": plan.study.summary})
+    status = "FINISHED"
+    try:
+        if workers == 1:
+            run_in_process(plan, parent, total)
+        else:
+            run_workers(plan, parent, workers, total)
+    except KeyboardInterrupt:
+        status = "KILLED"
+        print(f"\ninterrupted: finished trials are kept; run the same command again to resume "
+              f"study {plan.study_name}", file=sys.stderr)
+        return 130
+    except BaseException:
+        status = "FAILED"
+        raise
+    finally:
+        tracker.finish(parent, status, tags={"trials_left": remaining(plan, storage)})
+    print(results_table(plan, storage))
+    left = remaining(plan, storage)
+    if left:
+        print(f"{left} trials left: run the same command again to continue", file=sys.stderr)
+    return 0
+

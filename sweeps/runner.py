@@ -1,0 +1,310 @@
+"""Run a study: Optuna picks and records the trials, the trainer trains them, MLflow tracks them."""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import os
+import random
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import optuna
+import torch
+from optuna.trial import TrialState
+
+from trainers import ConfigError, TrainConfig, train
+from trainers.config import BatchsweepError
+from trainers.loop import device_name, resolve_device
+
+from .studies import Point, Study, config_key, describe, point_key
+from .tracking import HOST, Tracker, git_commit, pid_alive
+
+FINAL = (TrialState.COMPLETE, TrialState.PRUNED)
+RETRY_REASONS = ("duplicate",)  # a PRUNED trial with this reason did not run its point
+
+
+class StorageError(BatchsweepError):
+    """The Optuna storage cannot be opened."""
+
+
+def default_storage(root: str = "mlruns") -> str:
+    return f"sqlite:///{Path(root).resolve()}/optuna.db"
+
+
+def open_storage(url: str) -> optuna.storages.BaseStorage:
+    """SQLite, PostgreSQL or MySQL through Optuna's RDB storage, or `journal:PATH` for a journal file."""
+    if url.startswith("journal:"):
+        from optuna.storages.journal import JournalFileBackend
+
+        return optuna.storages.JournalStorage(JournalFileBackend(url.removeprefix("journal:")))
+    scheme = url.split("://", 1)[0].split("+", 1)[0] if "://" in url else ""
+    if scheme not in ("sqlite", "postgresql", "mysql"):
+        raise StorageError(f"unknown storage {url!r}: use sqlite:///PATH, postgresql://..., mysql://... "
+                           f"or journal:PATH")
+    connect = {"timeout": 60} if scheme == "sqlite" else {"connect_timeout": 5}
+    if scheme == "sqlite":
+        Path(url.split(":///", 1)[1]).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with warnings.catch_warnings():  # heartbeats are marked experimental; they have worked since Optuna 2.9
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            # Heartbeats let any worker fail a trial whose process died on another machine.
+            return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": connect},
+                                              heartbeat_interval=30, grace_period=120)
+    except Exception as exc:
+        raise StorageError(f"cannot open the Optuna storage {url} ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0][:200]}): check the URL and that the server runs") from None
+
+
+@dataclass
+class Plan:
+    """What one invocation runs."""
+
+    study: Study
+    base: TrainConfig  # the study's fixed fields and the command line's overrides
+    seeds: tuple[int, ...]
+    study_name: str
+    storage: str
+    tracking_uri: str
+    n_trials: int | None = None  # None: everything left
+    fail_fast: bool = False
+
+    def config(self, point: Point, seed: int) -> TrainConfig:
+        return dataclasses.replace(self.base, **point, seed=seed)
+
+    def units(self) -> list[tuple[str, Point, int]]:
+        """(Optuna study name, point, seed): one Optuna study for a grid, one per point and seed when tuned."""
+        if self.study.tune is None:
+            return [(self.study_name, p, s) for s in self.seeds for p in self.study.points]
+        return [(f"{self.study_name}/{point_key(p, s)}", p, s) for s in self.seeds for p in self.study.points]
+
+    @property
+    def direction(self) -> str:
+        return "minimize" if self.study.kind == "equivalence" else "maximize"
+
+
+def sampler_for(plan: Plan, unit: int, worker: int) -> optuna.samplers.BaseSampler:
+    seed = plan.study.sampler_seed * 1000 + unit * 10 + worker  # workers must not repeat each other's draws
+    if plan.study.tune is None:
+        return optuna.samplers.RandomSampler(seed=seed)  # unused: grid values are fixed, see claim_point
+    # Optuna 5 changed TPE's defaults; pin every setting that shapes the search.
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=4, multivariate=False, group=False,
+                                      constant_liar=False, consider_endpoints=False)
+
+
+def pruner_for(plan: Plan) -> optuna.pruners.BasePruner:
+    if plan.study.tune is None:
+        return optuna.pruners.NopPruner()
+    return optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=2)
+
+
+def create_studies(plan: Plan, storage: optuna.storages.BaseStorage) -> None:
+    """Create (or find) every Optuna study once, before any worker starts."""
+    for name in dict.fromkeys(u[0] for u in plan.units()):
+        optuna.create_study(storage=storage, study_name=name, direction=plan.direction, load_if_exists=True)
+
+
+def owner() -> str:
+    return f"{HOST}:{os.getpid()}"
+
+
+def fail_orphans(study: optuna.Study, trials: list[optuna.trial.FrozenTrial]) -> int:
+    """Mark RUNNING trials whose process on this host is gone as FAIL, so their points run again."""
+    failed = 0
+    for t in trials:
+        host, _, pid = t.user_attrs.get("owner", "").rpartition(":")
+        if t.state == TrialState.RUNNING and host == HOST and not pid_alive(int(pid)):
+            try:
+                study.tell(t.number, state=TrialState.FAIL)
+                failed += 1
+            except (RuntimeError, ValueError):  # another worker got there first
+                pass
+    return failed
+
+
+def holds(t: optuna.trial.FrozenTrial) -> bool:
+    """Whether a trial holds its point: running it, or done with it for good."""
+    return t.state == TrialState.RUNNING or (t.state in FINAL and t.user_attrs.get("reason") not in RETRY_REASONS)
+
+
+def taken_points(trials: list[optuna.trial.FrozenTrial], besides: int = -1) -> set[str]:
+    return {config_key(t.user_attrs["config"]) for t in trials
+            if "config" in t.user_attrs and t.number != besides and holds(t)}
+
+
+def remaining(plan: Plan, storage) -> int:
+    """Trials still to run in the whole study (grid points left, or tuning trials left)."""
+    left = 0
+    for name in dict.fromkeys(u[0] for u in plan.units()):
+        study = optuna.load_study(study_name=name, storage=storage)
+        if plan.study.tune is None:
+            keys = {point_key(p, s) for _, p, s in plan.units()}
+            left += len(keys - taken_points(study.get_trials(deepcopy=False)))
+        else:
+            done = sum(1 for t in study.get_trials(deepcopy=False) if holds(t))
+            left += max(plan.study.tune.trials_per_point - done, 0)
+    return left
+
+
+@dataclass
+class Hooks:
+    """How a worker reports progress; the defaults stay silent."""
+
+    trial_done: Callable[[optuna.trial.FrozenTrial], None] = lambda t: None
+    trial_start: Callable[[str, int], None] = lambda name, epochs: None
+    epoch_done: Callable[[dict[str, float]], None] = lambda row: None
+    say: Callable[[str], None] = lambda line: None
+
+
+class Worker:
+    """One process's loop: claim a trial, train it, record it, until the budget or the study is done."""
+
+    def __init__(self, plan: Plan, parent_run_id: str, index: int = 0, hooks: Hooks | None = None):
+        self.plan, self.parent_run_id, self.index = plan, parent_run_id, index
+        self.hooks = hooks or Hooks()
+        self.storage = open_storage(plan.storage)
+        self.tracker = Tracker(plan.tracking_uri, plan.study_name)
+        self.device = device_name(resolve_device(plan.base.device))
+        self.commit = git_commit()
+        self._last_number = -1  # the trial number of the last objective call
+
+    def run(self, budget: int | None) -> int:
+        """Run at most `budget` trials (None: until nothing is left); returns how many ran."""
+        ran = 0
+        units = self.plan.units()
+        names = list(dict.fromkeys(u[0] for u in units))
+        for i, name in enumerate(names):
+            study = optuna.load_study(study_name=name, storage=self.storage,
+                                      sampler=sampler_for(self.plan, i, self.index), pruner=pruner_for(self.plan))
+            mine = [(p, s) for n, p, s in units if n == name]
+            while budget is None or ran < budget:
+                trials = study.get_trials(deepcopy=False)
+                fail_orphans(study, trials)
+                if not self._work_left(trials, mine):
+                    break
+                self._last_number = -1
+                try:
+                    # optimize() (not ask/tell) so that the RDB storage's heartbeat covers the trial;
+                    # it marks a trial that raises as FAIL before passing the exception on.
+                    study.optimize(lambda trial: self.objective(study, trial, mine), n_trials=1)
+                except Exception as exc:
+                    line = f"trial {self._last_number} failed: {type(exc).__name__}: {exc}"
+                    if self.plan.fail_fast:
+                        raise BatchsweepError(f"{line} (stopped by --fail-fast)") from None
+                    self.hooks.say(line)
+                if self._last_number < 0:
+                    continue
+                last = study.get_trials(deepcopy=False)[self._last_number]
+                if last.user_attrs.get("reason") != "duplicate":
+                    ran += 1
+                    self.hooks.trial_done(last)
+        return ran
+
+    def _work_left(self, trials: list[optuna.trial.FrozenTrial], mine: list[tuple[Point, int]]) -> bool:
+        if self.plan.study.tune is None:
+            return bool({point_key(p, s) for p, s in mine} - taken_points(trials))
+        return sum(1 for t in trials if holds(t)) < self.plan.study.tune.trials_per_point
+
+    def objective(self, study: optuna.Study, trial: optuna.Trial, mine: list[tuple[Point, int]]) -> float:
+        self._last_number = trial.number
+        trial.set_user_attr("owner", owner())
+        if self.plan.study.tune is None:
+            point, seed = self.claim_point(study, trial, mine)
+        else:
+            (point, seed), tune = mine[0], self.plan.study.tune
+            point = {**point, tune.field: trial.suggest_float(tune.field, tune.low, tune.high, log=True)}
+            trial.set_user_attr("config", {**point, "seed": seed})
+        return self.run_trial(trial, point, seed)
+
+    def claim_point(self, study: optuna.Study, trial: optuna.Trial,
+                    mine: list[tuple[Point, int]]) -> tuple[Point, int]:
+        """Take the next free grid point; yield it if another trial holds it too (no point runs twice)."""
+        taken = taken_points(study.get_trials(deepcopy=False), besides=trial.number)
+        free = [(p, s) for p, s in mine if point_key(p, s) not in taken]
+        if free:
+            point, seed = free[self.index % len(free)]
+            # Grid values are chosen, not sampled: they are a user attribute, not Optuna params.
+            trial.set_user_attr("config", {**point, "seed": seed})
+            if point_key(point, seed) not in taken_points(study.get_trials(deepcopy=False), besides=trial.number):
+                return point, seed  # checked after our claim is visible to the others
+        trial.set_user_attr("reason", "duplicate")
+        time.sleep(random.random() * 0.2)  # break the tie with a worker that claimed at the same moment
+        raise optuna.TrialPruned("another trial holds this point")
+
+    def run_trial(self, trial: optuna.Trial, point: Point, seed: int) -> float:
+        config = self.plan.config(point, seed)
+        tags = {"optuna.trial_number": trial.number, "optuna.study_name": trial.study.study_name,
+                "device": self.device, "torch_version": torch.__version__, "git_commit": self.commit,
+                "study": self.plan.study.name}
+        run_id = self.tracker.start_trial(self.parent_run_id, f"{trial.number}: {describe(point)}",
+                                          config.to_dict(), tags)
+        trial.set_user_attr("mlflow_run_id", run_id)
+        self.hooks.trial_start(describe(point), config.epochs)
+        history: list[dict[str, float]] = []
+        tune = self.plan.study.tune
+
+        def on_epoch(row: dict[str, float]) -> None:
+            history.append(row)
+            self.hooks.epoch_done(row)
+            if tune is not None:
+                trial.report(row["val_acc"] if math.isfinite(row["val_acc"]) else 0.0, int(row["epoch"]))
+                if trial.should_prune():
+                    raise optuna.TrialPruned(f"pruned at epoch {int(row['epoch'])}")
+
+        def end(status: str, reason: str | None, metrics: dict[str, float] | None = None, **extra: Any) -> None:
+            state = {"FINISHED": "COMPLETE", "KILLED": "PRUNED" if reason == "pruned" else "FAIL"}.get(status, "FAIL")
+            if reason:
+                trial.set_user_attr("reason", reason)
+            if metrics:
+                trial.set_user_attr("metrics", {k: v for k, v in metrics.items() if math.isfinite(v)})
+            self.tracker.finish(run_id, status, history=history, metrics=metrics,
+                                tags={"reason": reason, "state": state, **extra})
+
+        try:
+            if self.plan.study.kind == "equivalence":
+                metrics, status = self._equivalence(config, on_epoch)
+            else:
+                result = train(config, on_epoch=on_epoch)
+                metrics, status = result.metrics, result.status
+                extra = {"memory_source": result.memory_source}
+        except optuna.TrialPruned:
+            end("KILLED", "pruned", _final(history))
+            raise
+        except torch.OutOfMemoryError:
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            end("FAILED", "oom", _final(history))
+            raise optuna.TrialPruned("out of memory") from None
+        except ConfigError as exc:  # e.g. b*k larger than the training set: the point cannot run
+            end("FAILED", "invalid", error=str(exc))
+            self.hooks.say(f"trial {trial.number} ({describe(point)}): {exc}")
+            raise optuna.TrialPruned(str(exc)) from None
+        except KeyboardInterrupt:
+            end("KILLED", "interrupted")
+            raise
+        except Exception as exc:
+            end("FAILED", "error", error=f"{type(exc).__name__}: {exc}"[:5000])
+            raise
+        if status == "diverged":
+            end("FAILED", "diverged", metrics)
+            raise optuna.TrialPruned("diverged: non-finite training loss")
+        end("FINISHED", None, metrics, **(extra if self.plan.study.kind != "equivalence" else {}))
+        return metrics["param_rel_diff" if self.plan.study.kind == "equivalence" else "val_acc"]
+
+    def _equivalence(self, config: TrainConfig, on_epoch) -> tuple[dict[str, float], str]:
+        """Train (b, k) and its true-batch twin (b*k, 1) from the same initial weights and compare."""
+        accum = train(config, on_epoch=on_epoch)
+        true = train(dataclasses.replace(config, physical_batch=config.effective_batch, accum_steps=1))
+        diff = max(((p - q).abs().max() / q.abs().max()).item()
+                   for p, q in zip(accum.model.parameters(), true.model.parameters()))
+        metrics = {**accum.metrics, "param_rel_diff": diff, "twin_val_acc": true.metrics["val_acc"],
+                   "acc_gap": accum.metrics["val_acc"] - true.metrics["val_acc"]}
+        return metrics, "diverged" if "diverged" in (accum.status, true.status) else "ok"
+
+
+def _final(history: list[dict[str, float]]) -> dict[str, float] | None:
+    return dict(history[-1]) if history else None

@@ -1,0 +1,173 @@
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+from mlflow import MlflowClient
+
+from tests.conftest import ROOT
+from sweeps.studies import STUDIES, config_key, point_key
+
+TINY = ["--model", "mlp", "--dataset", "tests.factories:blobs1k", "--epochs", "1"]
+
+
+def sweep(cwd, *args, timeout=300):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(ROOT / "sweeps/run.py"), *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout, env=env)
+
+
+def stores(cwd):
+    return f"sqlite:///{cwd}/mlruns/optuna.db", MlflowClient(f"sqlite:///{cwd}/mlruns/mlflow.db")
+
+
+def grid_trials(storage, name="accum_lr"):
+    study = optuna.load_study(study_name=name, storage=storage)
+    return [t for t in study.trials if t.user_attrs.get("reason") != "duplicate"]
+
+
+def child_runs(client, name="accum_lr"):
+    exp = client.get_experiment_by_name(name)
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    return [r for r in runs if "mlflow.parentRunId" in r.data.tags], [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+
+
+def test_tiny_study_end_to_end(tmp_path):
+    proc = sweep(tmp_path, *TINY, "--n-trials", "3", "--seed", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert "val_acc" in proc.stdout and "24 trials left" in proc.stderr
+    storage, client = stores(tmp_path)
+    trials = grid_trials(storage)
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 3
+    children, parents = child_runs(client)
+    assert len(parents) == 1 and len(children) == 3
+    parent = parents[0]
+    assert parent.info.status == "FINISHED" and parent.data.params["model"] == "mlp"
+    by_id = {r.info.run_id: r for r in children}
+    for t in trials:
+        run = by_id[t.user_attrs["mlflow_run_id"]]  # each leads to the other
+        assert run.data.tags["optuna.trial_number"] == str(t.number)
+        assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert run.info.status == "FINISHED" and run.data.tags["state"] == "COMPLETE"
+        p = run.data.params
+        assert int(p["effective_batch"]) == int(p["physical_batch"]) * int(p["accum_steps"])
+        assert p["seed"] == "3" and p["lr_rule"] == t.user_attrs["config"]["lr_rule"] and "bn_momentum" in p
+        assert run.data.metrics["val_acc"] == pytest.approx(t.value)
+        assert {"train_loss", "val_loss", "samples_per_s", "peak_memory_bytes"} <= set(run.data.metrics)
+        history = client.get_metric_history(run.info.run_id, "val_acc")
+        assert [m.step for m in history] == [1]
+        assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["history.csv"]
+        for tag in ("device", "torch_version", "optuna.study_name"):
+            assert run.data.tags[tag]
+
+
+def test_dry_run_and_list_write_nothing(tmp_path):
+    listing = sweep(tmp_path, "--list")
+    assert listing.returncode == 0 and all(name in listing.stdout for name in STUDIES)
+    dry = sweep(tmp_path, "--dry-run", "--seeds", "2")
+    assert dry.returncode == 0
+    assert len(dry.stdout.strip().splitlines()) == 2 + 27 * 2
+    assert not (tmp_path / "mlruns").exists()
+
+
+def wait_for_complete(storage_path, at_least, proc, timeout=120):
+    """Poll the Optuna SQLite file until `at_least` trials are COMPLETE."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if storage_path.exists():
+            try:
+                study = optuna.load_study(study_name="accum_lr", storage=f"sqlite:///{storage_path}")
+                if sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials) >= at_least:
+                    return
+            except Exception:  # not created yet
+                pass
+        time.sleep(0.2)
+
+
+def test_resume_after_sigkill_runs_every_point_once(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # 3 epochs make a trial long enough to be killed in the middle of one.
+    args = [sys.executable, str(ROOT / "sweeps/run.py"), *TINY, "--epochs", "3"]
+    storage_path = tmp_path / "mlruns/optuna.db"
+    for kill_after in (2, 9):
+        proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_complete(storage_path, kill_after, proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    final = sweep(tmp_path, *TINY, "--epochs", "3")
+    assert final.returncode == 0, final.stderr
+    assert "0 trials left" not in final.stderr
+    trials = grid_trials(f"sqlite:///{storage_path}")
+    complete = [config_key(t.user_attrs["config"]) for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    expected = {point_key(p, 0) for p in STUDIES["accum_lr"].points}
+    assert sorted(complete) == sorted(expected)  # each point exactly once
+    assert all(t.state.is_finished() for t in trials)
+    children, parents = child_runs(stores(tmp_path)[1])
+    assert not [r for r in children + parents if r.info.status == "RUNNING"]
+    assert len([r for r in children if r.info.status == "FINISHED"]) == 27
+
+
+def test_two_workers_cover_the_grid_once(tmp_path):
+    proc = sweep(tmp_path, *TINY, "--workers", "2")
+    assert proc.returncode == 0, proc.stderr
+    storage, client = stores(tmp_path)
+    trials = grid_trials(storage)
+    points = [config_key(t.user_attrs["config"]) for t in trials]
+    assert len(points) == len(set(points)) == 27
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    assert len({t.user_attrs["owner"] for t in trials}) == 2  # both workers ran trials
+    children, _ = child_runs(client)
+    assert sorted(r.info.run_id for r in children if r.info.status == "FINISHED") == \
+        sorted(t.user_attrs["mlflow_run_id"] for t in trials)
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--study", "nope"], "unknown study 'nope'"),
+    (["--set", "nope=1"], "unknown setting 'nope'"),
+    (["--set", "physical_batch=big"], "physical_batch takes an integer, got 'big'"),
+    (["--set", "weight_decay"], "malformed setting 'weight_decay'"),
+    (["--epochs", "0"], "epochs must be >= 1"),
+    (["--storage", "redis://localhost/0"], "unknown storage 'redis://localhost/0'"),
+    (["--storage", "postgresql://nobody@127.0.0.1:9/none"], "cannot open the Optuna storage"),
+    (["--tracking-uri", "http://127.0.0.1:9"], "cannot use the MLflow tracking store http://127.0.0.1:9"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, expected):
+    start = time.time()
+    proc = sweep(tmp_path, *TINY, *args, "--storage" if "--storage" not in args else "--n-trials",
+                 f"sqlite:///{tmp_path}/elsewhere/optuna.db" if "--storage" not in args else "1")
+    assert time.time() - start < 30
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], proc.stderr
+    assert not (tmp_path / "mlruns").exists()
+    if (tmp_path / "elsewhere/optuna.db").exists():  # the tracking URI failed after the storage opened
+        assert optuna.get_all_study_names(f"sqlite:///{tmp_path}/elsewhere/optuna.db") == []
+
+
+def test_distributed_study_on_postgresql_and_a_tracking_server(tmp_path):
+    from tests.servers import mlflow_server, postgres_server
+
+    with postgres_server() as pg, mlflow_server(tmp_path) as tracking:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        machines = []
+        for name in ("machine-a", "machine-b"):  # two independent processes, as on two machines
+            (tmp_path / name).mkdir()
+            machines.append(subprocess.Popen(
+                [sys.executable, str(ROOT / "sweeps/run.py"), *TINY, "--storage", pg, "--tracking-uri", tracking],
+                cwd=tmp_path / name, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outputs = [m.communicate(timeout=400) for m in machines]
+        assert [m.returncode for m in machines] == [0, 0], [err[-2000:] for _, err in outputs]
+        trials = grid_trials(pg)
+        complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+        assert sorted(config_key(t.user_attrs["config"]) for t in complete) == \
+            sorted(point_key(p, 0) for p in STUDIES["accum_lr"].points)  # covered exactly once
+        assert len(complete) == len(trials)
+        client = MlflowClient(tracking)
+        children, parents = child_runs(client)
+        assert len(parents) == 2  # one per invocation
+        finished = {r.info.run_id for r in children if r.info.status == "FINISHED"}
+        assert {t.user_attrs["mlflow_run_id"] for t in complete} == finished
+        assert len({t.user_attrs["owner"] for t in complete}) == 2  # both machines worked
