@@ -147,11 +147,16 @@ def run_workers(plan, parent_run_id: str, workers: int, total: int) -> None:
     for proc in procs:
         proc.start()
     start_left = remaining(plan, storage)
-    with tqdm(total=total, unit="trial", file=sys.stderr, dynamic_ncols=True) as bar:
-        while any(p.is_alive() for p in procs):
-            time.sleep(1.0)
-            bar.n = min(start_left - remaining(plan, storage), total)
-            bar.refresh()
+    try:
+        with tqdm(total=total, unit="trial", file=sys.stderr, dynamic_ncols=True) as bar:
+            while any(p.is_alive() for p in procs):
+                time.sleep(1.0)
+                bar.n = min(start_left - remaining(plan, storage), total)
+                bar.refresh()
+    except KeyboardInterrupt:  # the workers got the signal too: let them mark their trials first
+        for proc in procs:
+            proc.join(timeout=30)
+        raise
     if any(p.exitcode not in (0, None) for p in procs) and plan.fail_fast:
         raise BatchsweepError("a worker stopped at a failed trial (--fail-fast); see the MLflow run's 'error' tag")
 

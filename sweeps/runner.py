@@ -91,8 +91,8 @@ def sampler_for(plan: Plan, unit: int, worker: int) -> optuna.samplers.BaseSampl
     if plan.study.tune is None:
         return optuna.samplers.RandomSampler(seed=seed)  # unused: grid values are fixed, see claim_point
     # Optuna 5 changed TPE's defaults; pin every setting that shapes the search.
-    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=4, multivariate=False, group=False,
-                                      constant_liar=False, consider_endpoints=False)
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=4, n_ei_candidates=24, multivariate=False,
+                                      group=False, constant_liar=False)
 
 
 def pruner_for(plan: Plan) -> optuna.pruners.BasePruner:
@@ -170,6 +170,7 @@ class Worker:
         self.device = device_name(resolve_device(plan.base.device))
         self.commit = git_commit()
         self._last_number = -1  # the trial number of the last objective call
+        self.failed_here: list[str] = []  # keys of the trials that failed in this process: not retried now
 
     def run(self, budget: int | None) -> int:
         """Run at most `budget` trials (None: until nothing is left); returns how many ran."""
@@ -180,6 +181,7 @@ class Worker:
             study = optuna.load_study(study_name=name, storage=self.storage,
                                       sampler=sampler_for(self.plan, i, self.index), pruner=pruner_for(self.plan))
             mine = [(p, s) for n, p, s in units if n == name]
+            self.failed_here = []
             while budget is None or ran < budget:
                 trials = study.get_trials(deepcopy=False)
                 fail_orphans(study, trials)
@@ -198,6 +200,8 @@ class Worker:
                 if self._last_number < 0:
                     continue
                 last = study.get_trials(deepcopy=False)[self._last_number]
+                if last.state == TrialState.FAIL:
+                    self.failed_here.append(config_key(last.user_attrs.get("config", {})))
                 if last.user_attrs.get("reason") != "duplicate":
                     ran += 1
                     self.hooks.trial_done(last)
@@ -205,8 +209,9 @@ class Worker:
 
     def _work_left(self, trials: list[optuna.trial.FrozenTrial], mine: list[tuple[Point, int]]) -> bool:
         if self.plan.study.tune is None:
-            return bool({point_key(p, s) for p, s in mine} - taken_points(trials))
-        return sum(1 for t in trials if holds(t)) < self.plan.study.tune.trials_per_point
+            return bool({point_key(p, s) for p, s in mine} - taken_points(trials) - set(self.failed_here))
+        tried = sum(1 for t in trials if holds(t)) + len(self.failed_here)
+        return tried < self.plan.study.tune.trials_per_point
 
     def objective(self, study: optuna.Study, trial: optuna.Trial, mine: list[tuple[Point, int]]) -> float:
         self._last_number = trial.number
@@ -222,7 +227,7 @@ class Worker:
     def claim_point(self, study: optuna.Study, trial: optuna.Trial,
                     mine: list[tuple[Point, int]]) -> tuple[Point, int]:
         """Take the next free grid point; yield it if another trial holds it too (no point runs twice)."""
-        taken = taken_points(study.get_trials(deepcopy=False), besides=trial.number)
+        taken = taken_points(study.get_trials(deepcopy=False), besides=trial.number) | set(self.failed_here)
         free = [(p, s) for p, s in mine if point_key(p, s) not in taken]
         if free:
             point, seed = free[self.index % len(free)]

@@ -82,6 +82,7 @@ def point_key(point: Point, seed: int) -> str:
 
 
 def describe(point: Point) -> str:
-    """A short run name: 'b32 k4 linear'."""
+    """A short run name: 'b32 k4 linear', 'b32 k8 base_lr=0.0316'."""
     names = {"physical_batch": "b", "accum_steps": "k"}
-    return " ".join(f"{names[k]}{v}" if k in names else str(v) for k, v in point.items())
+    return " ".join(f"{names[k]}{v}" if k in names else f"{k}={v:.3g}" if isinstance(v, float) else str(v)
+                    for k, v in point.items())

@@ -1,0 +1,114 @@
+"""How trials end: diverged, failed, pruned, interrupted; and the equivalence and lr_search studies."""
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+
+from tests.conftest import ROOT
+from tests.test_sweeps import TINY, child_runs, stores, sweep, wait_for_complete
+
+State = optuna.trial.TrialState
+
+
+def runs_by_trial(client, trials, name="accum_lr"):
+    children, _ = child_runs(client, name)
+    by_id = {r.info.run_id: r for r in children}
+    return [by_id[t.user_attrs["mlflow_run_id"]] for t in trials]
+
+
+def test_diverged_trials_are_recorded_and_the_study_goes_on(tmp_path):
+    proc = sweep(tmp_path, *TINY, "--set", "base_lr=1e9", "--n-trials", "2")
+    assert proc.returncode == 0, proc.stderr
+    storage, client = stores(tmp_path)
+    trials = optuna.load_study(study_name="accum_lr", storage=storage).trials
+    assert [t.state for t in trials] == [State.PRUNED] * 2
+    assert [t.user_attrs["reason"] for t in trials] == ["diverged"] * 2
+    runs = runs_by_trial(client, trials)
+    assert [(r.info.status, r.data.tags["reason"]) for r in runs] == [("FAILED", "diverged")] * 2
+    assert "diverged" in proc.stdout  # the final table says it
+
+
+def test_a_failing_model_factory_fails_its_trial_and_the_study_goes_on(tmp_path):
+    proc = sweep(tmp_path, *TINY, "--model", "tests.factories:broken_model", "--n-trials", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("failed: RuntimeError: factory exploded") == 3
+    assert "Traceback" not in proc.stderr
+    storage, client = stores(tmp_path)
+    trials = optuna.load_study(study_name="accum_lr", storage=storage).trials
+    assert [t.state for t in trials] == [State.FAIL] * 3
+    assert len({t.user_attrs["config"]["lr_rule"] for t in trials}) == 3  # three points, none retried now
+    for run in runs_by_trial(client, trials):
+        assert run.info.status == "FAILED" and run.data.tags["reason"] == "error"
+        assert run.data.tags["error"] == "RuntimeError: factory exploded"
+
+
+def test_fail_fast_stops_at_the_first_failure(tmp_path):
+    proc = sweep(tmp_path, *TINY, "--model", "tests.factories:broken_model", "--fail-fast")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == \
+        "error: trial 0 failed: RuntimeError: factory exploded (stopped by --fail-fast)"
+    storage, client = stores(tmp_path)
+    trials = optuna.load_study(study_name="accum_lr", storage=storage).trials
+    assert [t.state for t in trials] == [State.FAIL]
+    _, parents = child_runs(client)
+    assert [p.info.status for p in parents] == ["FAILED"]
+
+
+def test_ctrl_c_marks_the_running_trial_and_says_how_to_resume(tmp_path):
+    import os
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), *TINY, "--epochs", "40"], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_complete(tmp_path / "mlruns/optuna.db", 1, proc)
+    time.sleep(0.3)  # inside the next trial's 40 epochs
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "run the same command again to resume" in err and "Traceback" not in err
+    storage, client = stores(tmp_path)
+    trials = optuna.load_study(study_name="accum_lr", storage=storage).trials
+    assert all(t.state.is_finished() for t in trials)
+    interrupted = [t for t in trials if t.state == State.FAIL]
+    assert len(interrupted) == 1
+    run = runs_by_trial(client, interrupted)[0]
+    assert run.info.status == "KILLED" and run.data.tags["reason"] == "interrupted"
+    children, parents = child_runs(client)
+    assert [p.info.status for p in parents] == ["KILLED"]
+    assert not [r for r in children if r.info.status == "RUNNING"]
+
+
+def test_equivalence_study_separates_bn_from_no_bn(tmp_path, data_dir):
+    proc = sweep(tmp_path, "--study", "equivalence", "--epochs", "1", "--set", f"data_dir={data_dir}")
+    assert proc.returncode == 0, proc.stderr
+    storage, client = stores(tmp_path)
+    trials = optuna.load_study(study_name="equivalence", storage=storage).trials
+    assert len(trials) == 6 and all(t.state == State.COMPLETE for t in trials)
+    for t, run in zip(trials, runs_by_trial(client, trials, "equivalence")):
+        diff = run.data.metrics["param_rel_diff"]
+        assert diff == pytest.approx(t.value)
+        assert "acc_gap" in run.data.metrics and "twin_val_acc" in run.data.metrics
+        if t.user_attrs["config"]["model"] == "mlp":
+            assert diff < 1e-5  # float rounding only
+        else:
+            assert diff > 1e-3  # BatchNorm normalizes each micro-batch
+
+
+def test_lr_search_tunes_base_lr_with_tpe_and_prunes(tmp_path):
+    proc = sweep(tmp_path, *TINY, "--study", "lr_search", "--epochs", "4", "--n-trials", "8")
+    assert proc.returncode == 0, proc.stderr
+    storage, client = stores(tmp_path)
+    names = optuna.get_all_study_names(storage)
+    assert len(names) == 6  # one TPE search per effective batch, all created before any worker starts
+    trials = optuna.load_study(study_name="lr_search/accum_steps=1,physical_batch=32,seed=0", storage=storage).trials
+    assert len(trials) == 8
+    for t, run in zip(trials, runs_by_trial(client, trials, "lr_search")):
+        assert 1e-3 <= t.params["base_lr"] <= 2.0
+        assert float(run.data.params["base_lr"]) == pytest.approx(t.params["base_lr"])
+        expected = {State.COMPLETE: ("FINISHED", None), State.PRUNED: ("KILLED", "pruned")}[t.state]
+        assert (run.info.status, run.data.tags.get("reason")) == expected
+        if t.state == State.PRUNED:
+            assert len(t.intermediate_values) < 4
