@@ -5,8 +5,10 @@ import argparse
 import dataclasses
 import logging
 import multiprocessing
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 from trainers.cli import format_bytes
 from trainers.config import BatchsweepError, ConfigError, TrainConfig, apply_overrides, parse_value
@@ -35,6 +37,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1, help="worker processes on the same storage")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first trial that raises an error")
     p.add_argument("--dry-run", action="store_true", help="print the trials it would run and exit")
+    p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
     return p.parse_args(argv)
 
 
@@ -198,10 +201,24 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print(dry_run_table(plan))
             return 0
-        return run(plan, args.workers)
+        code = run(plan, args.workers)
     except BatchsweepError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if code or args.no_report:
+        return code
+    return write_report(plan)
+
+
+def write_report(plan) -> int:
+    """Run `analysis/report.py` as its own command: the analysis reads MLflow, never the sweep code."""
+    script = Path(__file__).resolve().parents[1] / "analysis" / "report.py"
+    done = subprocess.run([sys.executable, str(script), "--study", plan.study_name, "--tracking-uri",
+                           plan.tracking_uri])
+    if done.returncode:
+        print(f"warning: the report failed; the study's runs are complete. Retry with: python analysis/report.py "
+              f"--study {plan.study_name} --tracking-uri {plan.tracking_uri}", file=sys.stderr)
+    return done.returncode
 
 
 def run(plan, workers: int) -> int:

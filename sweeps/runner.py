@@ -77,9 +77,10 @@ class Plan:
 
     def units(self) -> list[tuple[str, Point, int]]:
         """(Optuna study name, point, seed): one Optuna study for a grid, one per point and seed when tuned."""
+        # Each point's seeds follow each other, so that a partial run already has its error bars.
         if self.study.tune is None:
-            return [(self.study_name, p, s) for s in self.seeds for p in self.study.points]
-        return [(f"{self.study_name}/{point_key(p, s)}", p, s) for s in self.seeds for p in self.study.points]
+            return [(self.study_name, p, s) for p in self.study.points for s in self.seeds]
+        return [(f"{self.study_name}/{point_key(p, s)}", p, s) for p in self.study.points for s in self.seeds]
 
     @property
     def direction(self) -> str:
@@ -242,7 +243,7 @@ class Worker:
     def run_trial(self, trial: optuna.Trial, point: Point, seed: int) -> float:
         config = self.plan.config(point, seed)
         tags = {"optuna.trial_number": trial.number, "optuna.study_name": trial.study.study_name,
-                "device": self.device, "torch_version": torch.__version__, "git_commit": self.commit,
+                "device_name": self.device, "torch_version": torch.__version__, "git_commit": self.commit,
                 "study": self.plan.study.name}
         run_id = self.tracker.start_trial(self.parent_run_id, f"{trial.number}: {describe(point)}",
                                           config.to_dict(), tags)

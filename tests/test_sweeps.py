@@ -11,7 +11,7 @@ from mlflow import MlflowClient
 from tests.conftest import ROOT
 from sweeps.studies import STUDIES, config_key, point_key
 
-TINY = ["--model", "mlp", "--dataset", "tests.factories:blobs1k", "--epochs", "1"]
+TINY = ["--model", "mlp", "--dataset", "tests.factories:blobs1k", "--epochs", "1", "--no-report"]
 
 
 def sweep(cwd, *args, timeout=300):
@@ -36,9 +36,10 @@ def child_runs(client, name="accum_lr"):
 
 
 def test_tiny_study_end_to_end(tmp_path):
-    proc = sweep(tmp_path, *TINY, "--n-trials", "3", "--seed", "3")
+    proc = sweep(tmp_path, *TINY[:-1], "--n-trials", "3", "--seed", "3")  # with its report
     assert proc.returncode == 0, proc.stderr
     assert "val_acc" in proc.stdout and "24 trials left" in proc.stderr
+    assert f"report: {tmp_path}/reports/accum_lr/report.html" in proc.stdout
     storage, client = stores(tmp_path)
     trials = grid_trials(storage)
     assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 3
@@ -46,6 +47,8 @@ def test_tiny_study_end_to_end(tmp_path):
     assert len(parents) == 1 and len(children) == 3
     parent = parents[0]
     assert parent.info.status == "FINISHED" and parent.data.params["model"] == "mlp"
+    report = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
+    assert {"report/report.html", "report/report.md", "report/trials.csv"} <= report
     by_id = {r.info.run_id: r for r in children}
     for t in trials:
         run = by_id[t.user_attrs["mlflow_run_id"]]  # each leads to the other
@@ -60,7 +63,7 @@ def test_tiny_study_end_to_end(tmp_path):
         history = client.get_metric_history(run.info.run_id, "val_acc")
         assert [m.step for m in history] == [1]
         assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["history.csv"]
-        for tag in ("device", "torch_version", "optuna.study_name"):
+        for tag in ("device_name", "torch_version", "optuna.study_name"):
             assert run.data.tags[tag]
 
 

@@ -179,8 +179,8 @@ def test_trainer_follows_the_schedule(data_dir):
     history = train(config).history
     steps = [r["steps"] for r in history]
     assert steps == [10, 20, 30]
-    assert [r["lr"] for r in history] == pytest.approx([lr_at(config, s - 1, 30, 10) for s in steps])
-    assert history[0]["lr"] == pytest.approx(config.lr)  # the last warmup step reaches the peak
+    assert [r["current_lr"] for r in history] == pytest.approx([lr_at(config, s - 1, 30, 10) for s in steps])
+    assert history[0]["current_lr"] == pytest.approx(config.lr)  # the last warmup step reaches the peak
 
 def test_drop_last_skips_the_short_window(data_dir):
     config = TrainConfig(**SHORT_TAIL, drop_last=True, data_dir=data_dir)
@@ -191,7 +191,7 @@ def test_metrics_and_memory(data_dir):
     small = train(TrainConfig(epochs=2, physical_batch=16, data_dir=data_dir))
     large = train(TrainConfig(epochs=1, physical_batch=256, data_dir=data_dir))
     row = small.history[-1]
-    for key in ("train_loss", "val_loss", "val_acc", "lr", "steps", "epoch_time_s", "samples_per_s",
+    for key in ("train_loss", "val_loss", "val_acc", "current_lr", "steps", "epoch_time_s", "samples_per_s",
                 "peak_memory_bytes"):
         assert math.isfinite(row[key]), key
     assert small.status == "ok" and small.memory_source == "saved_tensors"

@@ -231,7 +231,7 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None) -> TrainRe
         wall_time += epoch_time
         peak = torch.cuda.max_memory_allocated(device) if on_cuda else saved.peak + static_bytes
         row = {"epoch": epoch, "train_loss": train_loss, "val_loss": val_loss, "val_acc": val_acc,
-               "lr": lr, "steps": step, "epoch_time_s": epoch_time, "samples_per_s": epoch_samples / elapsed,
+               "current_lr": lr, "steps": step, "epoch_time_s": epoch_time, "samples_per_s": epoch_samples / elapsed,
                "peak_memory_bytes": float(peak)}
         history.append(row)
         if on_epoch is not None:

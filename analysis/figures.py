@@ -1,0 +1,193 @@
+"""The report's figures. Each takes the trial (and history) frames and returns a Figure, or None when the
+study has no data for it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+from .runs import aggregate  # noqa: E402
+
+MEMORY_LABELS = {"saved_tensors": "peak memory, MiB (saved-for-backward tensors + state, CPU)",
+                 "cuda_allocator": "peak memory, MiB (CUDA allocator)"}
+
+
+@dataclass
+class Figure:
+    name: str  # file stem
+    title: str
+    figure: plt.Figure
+    context: str  # which device, dataset, model, seeds and epochs stand behind it
+
+
+def context(trials: pd.DataFrame) -> str:
+    def values(column: str) -> str:
+        return ", ".join(sorted(map(str, trials[column].dropna().unique()))) if column in trials else "?"
+
+    seeds = trials["seed"].nunique() if "seed" in trials else 1
+    return (f"{values('model')} on {values('dataset')}; device {values('device_name')}; "
+            f"{seeds} seed{'s' * (seeds != 1)}; {values('epochs')} epochs; {len(trials)} trials")
+
+
+def _varies(trials: pd.DataFrame, column: str) -> bool:
+    return column in trials and trials[column].nunique() > 1
+
+
+def _log2_axis(ax, values) -> None:
+    ax.set_xscale("log", base=2)
+    ticks = sorted(set(int(v) for v in values))
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+
+
+def _finished(trials: pd.DataFrame) -> pd.DataFrame:
+    return trials[trials["status"] == "FINISHED"]
+
+
+def accuracy_vs_batch(trials: pd.DataFrame) -> Figure | None:
+    t = _finished(trials)
+    if not _varies(t, "effective_batch") or "val_acc" not in t:
+        return None
+    hue = "lr_rule" if _varies(t, "lr_rule") else "bn_momentum_rule" if _varies(t, "bn_momentum_rule") else None
+    keys = [k for k in (hue, "batch") if k]
+    stats = aggregate(t, [*keys, "effective_batch"], "val_acc")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    palette = dict(zip(sorted(stats[hue].unique()) if hue else [None], sns.color_palette()))
+    for group, rows in stats.groupby(keys) if keys else [((), stats)]:
+        group = group if isinstance(group, tuple) else (group,)
+        label = dict(zip(keys, group))
+        rows = rows.sort_values("effective_batch")
+        ax.errorbar(rows["effective_batch"], 100 * rows["mean"], yerr=100 * rows["ci95"].fillna(0),
+                    color=palette[label.get(hue)], marker="o" if label.get("batch") != "true batch" else "s",
+                    linestyle="-" if label.get("batch") != "true batch" else "--", capsize=3,
+                    label=" / ".join(str(v) for v in group))
+    _log2_axis(ax, stats["effective_batch"])
+    ax.set(xlabel="effective batch B = b·k", ylabel="final validation accuracy, %")
+    ax.legend(title=" / ".join(keys), fontsize=8)
+    return Figure("accuracy_vs_batch", "Validation accuracy against effective batch", fig, context(t))
+
+
+def memory_vs_batch(trials: pd.DataFrame) -> Figure | None:
+    t = _finished(trials)
+    if "peak_memory_bytes" not in t or not _varies(t, "effective_batch"):
+        return None
+    t = t.assign(peak_mib=t["peak_memory_bytes"] / 2 ** 20)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    sns.lineplot(data=t, x="effective_batch", y="peak_mib", hue="physical_batch", style="batch", markers=True,
+                 palette="viridis", hue_norm=matplotlib.colors.LogNorm(), errorbar=None, ax=ax)
+    _log2_axis(ax, t["effective_batch"])
+    sources = t["memory_source"].dropna().unique()
+    ax.set(xlabel="effective batch B = b·k",
+           ylabel=MEMORY_LABELS.get(sources[0], "peak memory, MiB") if len(sources) == 1 else "peak memory, MiB "
+           "(mixed sources: compare within one)")
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    return Figure("memory_vs_batch", "Peak memory against effective batch (hue: physical batch b)", fig, context(t))
+
+
+def throughput(trials: pd.DataFrame) -> Figure | None:
+    t = _finished(trials)
+    if "samples_per_s" not in t or not _varies(t, "physical_batch"):
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    sns.lineplot(data=t, x="physical_batch", y="samples_per_s", hue="accum_steps", marker="o", palette="crest",
+                 errorbar=None, ax=ax)
+    _log2_axis(ax, t["physical_batch"])
+    ax.set(xlabel="physical batch b", ylabel="training samples / s")
+    return Figure("throughput", "Training throughput against physical batch (hue: accumulation steps k)", fig,
+                  context(t))
+
+
+def learning_curves(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | None:
+    if history.empty or "val_acc" not in history:
+        return None
+    facet = next((c for c in ("lr_rule", "bn_momentum_rule", "model") if _varies(trials, c)), None)
+    cols = [c for c in ("run_id", "effective_batch", "batch", facet) if c and c in trials]
+    h = history.merge(trials[cols], on="run_id")
+    grid = sns.relplot(data=h, x="epoch", y="val_acc", hue="effective_batch", style="batch" if "batch" in h else None,
+                       col=facet, kind="line", palette="flare", hue_norm=matplotlib.colors.LogNorm(), errorbar=None,
+                       height=3.2, aspect=1.1, facet_kws={"sharey": True})
+    grid.set_axis_labels("epoch", "validation accuracy")
+    return Figure("learning_curves", f"Learning curves{f' by {facet}' if facet else ''}", grid.figure,
+                  context(trials))
+
+
+def best_lr(trials: pd.DataFrame) -> tuple[pd.DataFrame, float] | None:
+    """The best base LR per effective batch and the fitted exponent alpha of lr_opt ~ B^alpha."""
+    t = _finished(trials)
+    if "base_lr" not in t or not _varies(t, "effective_batch"):
+        return None
+    if t.groupby("effective_batch")["base_lr"].nunique().max() < 2:  # nothing was searched
+        return None
+    best = t.loc[t.groupby("effective_batch")["val_acc"].idxmax(), ["effective_batch", "base_lr", "val_acc"]]
+    best = best.sort_values("effective_batch")
+    alpha = float(np.polyfit(np.log(best["effective_batch"]), np.log(best["base_lr"]), 1)[0]) if len(best) > 1 \
+        else float("nan")
+    return best, alpha
+
+
+def lr_scaling(trials: pd.DataFrame) -> Figure | None:
+    found = best_lr(trials)
+    if found is None:
+        return None
+    best, alpha = found
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    ax.scatter(best["effective_batch"], best["base_lr"], zorder=3, label=f"best LR (fit: α = {alpha:.2f})")
+    b0, lr0 = best["effective_batch"].iloc[0], best["base_lr"].iloc[0]
+    xs = np.array([best["effective_batch"].min(), best["effective_batch"].max()])
+    intercept = np.mean(np.log(best["base_lr"]) - alpha * np.log(best["effective_batch"]))
+    ax.plot(xs, np.exp(intercept) * xs ** alpha, color="C0")
+    ax.plot(xs, lr0 * xs / b0, "--", color="gray", label="linear (α = 1)")
+    ax.plot(xs, lr0 * np.sqrt(xs / b0), ":", color="gray", label="square root (α = 0.5)")
+    ax.set_yscale("log")
+    _log2_axis(ax, best["effective_batch"])
+    ax.set(xlabel="effective batch B", ylabel="best learning rate")
+    ax.legend(fontsize=8)
+    return Figure("lr_scaling", "Best learning rate against effective batch (log–log)", fig, context(trials))
+
+
+def bn_rules(trials: pd.DataFrame) -> Figure | None:
+    t = _finished(trials)
+    if not _varies(t, "bn_momentum_rule") or "accum_steps" not in t:
+        return None
+    t = t.assign(rule=np.where(t["accum_steps"] > 1, t["bn_momentum_rule"], "true batch"),
+                 B=t["effective_batch"])
+    t.loc[t["B"] == t["physical_batch"].min(), "rule"] = "k = 1"  # the smallest B has no accumulation at all
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    sns.barplot(data=t.assign(val_pct=100 * t["val_acc"]), x="B", y="val_pct", hue="rule", errorbar=("ci", 95),
+                ax=ax)
+    low = 100 * t["val_acc"].min()
+    ax.set_ylim(max(0, low - 5), 100)
+    ax.set(xlabel="effective batch B (accumulated: b = 32, k = B/32; true batch: b = B, k = 1)",
+           ylabel="final validation accuracy, %")
+    return Figure("bn_rules", "Accuracy by BatchNorm momentum rule, beside the true-batch twin", fig, context(t))
+
+
+def equivalence(trials: pd.DataFrame) -> Figure | None:
+    t = _finished(trials)
+    if "param_rel_diff" not in t:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    sns.barplot(data=t, x="accum_steps", y="param_rel_diff", hue="model", ax=left, errorbar=None)
+    left.set_yscale("log")
+    left.set(xlabel="accumulation steps k (b = 32)", ylabel="largest relative parameter difference")
+    sns.barplot(data=t.assign(gap=100 * t["acc_gap"]), x="accum_steps", y="gap", hue="model", ax=right,
+                errorbar=None)
+    right.axhline(0, color="black", linewidth=0.8)
+    right.set(xlabel="accumulation steps k (b = 32)", ylabel="accuracy gap, points (accumulated − true batch)")
+    fig.tight_layout()
+    return Figure("equivalence", "Accumulated against true batch from the same weights: BN against no BN", fig,
+                  context(t))
+
+
+def all_figures(trials: pd.DataFrame, history: pd.DataFrame) -> list[Figure]:
+    made = [accuracy_vs_batch(trials), memory_vs_batch(trials), throughput(trials), learning_curves(trials, history),
+            lr_scaling(trials), bn_rules(trials), equivalence(trials)]
+    return [f for f in made if f is not None]
