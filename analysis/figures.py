@@ -50,11 +50,17 @@ def _finished(trials: pd.DataFrame) -> pd.DataFrame:
     return trials[trials["status"] == "FINISHED"]
 
 
+def tuned(trials: pd.DataFrame) -> bool:
+    """Whether base_lr was searched (several values at one B): then a mean over trials means little."""
+    return "base_lr" in trials and "effective_batch" in trials and \
+        trials.groupby("effective_batch")["base_lr"].nunique().max() > 1
+
+
 def accuracy_vs_batch(trials: pd.DataFrame) -> Figure | None:
     t = _finished(trials)
-    if not _varies(t, "effective_batch") or "val_acc" not in t:
+    if not _varies(t, "effective_batch") or "val_acc" not in t or tuned(t):
         return None
-    hue = "lr_rule" if _varies(t, "lr_rule") else "bn_momentum_rule" if _varies(t, "bn_momentum_rule") else None
+    hue = next((c for c in ("lr_rule", "bn_momentum_rule", "model") if _varies(t, c)), None)
     keys = [k for k in (hue, "batch") if k]
     stats = aggregate(t, [*keys, "effective_batch"], "val_acc")
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -79,7 +85,8 @@ def memory_vs_batch(trials: pd.DataFrame) -> Figure | None:
         return None
     t = t.assign(peak_mib=t["peak_memory_bytes"] / 2 ** 20)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    sns.lineplot(data=t, x="effective_batch", y="peak_mib", hue="physical_batch", style="batch", markers=True,
+    sns.lineplot(data=t, x="effective_batch", y="peak_mib", hue="physical_batch",
+                 style="model" if _varies(t, "model") else "batch", markers=True,
                  palette="viridis", hue_norm=matplotlib.colors.LogNorm(), errorbar=None, ax=ax)
     _log2_axis(ax, t["effective_batch"])
     sources = t["memory_source"].dropna().unique()
@@ -122,9 +129,7 @@ def learning_curves(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | Non
 def best_lr(trials: pd.DataFrame) -> tuple[pd.DataFrame, float] | None:
     """The best base LR per effective batch and the fitted exponent alpha of lr_opt ~ B^alpha."""
     t = _finished(trials)
-    if "base_lr" not in t or not _varies(t, "effective_batch"):
-        return None
-    if t.groupby("effective_batch")["base_lr"].nunique().max() < 2:  # nothing was searched
+    if not _varies(t, "effective_batch") or not tuned(t):
         return None
     best = t.loc[t.groupby("effective_batch")["val_acc"].idxmax(), ["effective_batch", "base_lr", "val_acc"]]
     best = best.sort_values("effective_batch")
@@ -161,8 +166,9 @@ def bn_rules(trials: pd.DataFrame) -> Figure | None:
                  B=t["effective_batch"])
     t.loc[t["B"] == t["physical_batch"].min(), "rule"] = "k = 1"  # the smallest B has no accumulation at all
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    sns.barplot(data=t.assign(val_pct=100 * t["val_acc"]), x="B", y="val_pct", hue="rule", errorbar=("ci", 95),
-                ax=ax)
+    order = [r for r in ("k = 1", "true batch", "default", "scaled", "matched") if r in set(t["rule"])]
+    sns.barplot(data=t.assign(val_pct=100 * t["val_acc"]), x="B", y="val_pct", hue="rule", hue_order=order,
+                errorbar=("ci", 95), ax=ax)
     low = 100 * t["val_acc"].min()
     ax.set_ylim(max(0, low - 5), 100)
     ax.set(xlabel="effective batch B (accumulated: b = 32, k = B/32; true batch: b = B, k = 1)",

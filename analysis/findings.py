@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .figures import best_lr
+from .figures import best_lr, tuned
 from .runs import aggregate
 
 WITHIN_POINTS = 0.5  # a difference smaller than this, in accuracy points, counts as "the same"
@@ -25,7 +25,8 @@ def _finished(trials: pd.DataFrame) -> pd.DataFrame:
 def lr_rules(trials: pd.DataFrame) -> list[str]:
     """Per LR rule: how far accuracy held up as B grew, against the smallest B."""
     t = _finished(trials)
-    if "lr_rule" not in t or t["effective_batch"].nunique() < 2:
+    # The question is how the LR should follow B: it needs several rules, each at one LR per B.
+    if "lr_rule" not in t or t["lr_rule"].nunique() < 2 or t["effective_batch"].nunique() < 2 or tuned(t):
         return []
     accumulated = t[t["accum_steps"] > 1] if "accum_steps" in t else t.iloc[:0]
     if not accumulated.empty:  # follow the accumulated series (one b, growing k); the twins are compared apart
@@ -79,8 +80,8 @@ def twins(trials: pd.DataFrame) -> list[str]:
 
 def memory(trials: pd.DataFrame) -> list[str]:
     t = _finished(trials)
-    if "peak_memory_bytes" not in t or "batch" not in t:
-        return []
+    if "peak_memory_bytes" not in t or "batch" not in t or t.get("model", pd.Series()).nunique() > 1:
+        return []  # memory of different models is not one series
     acc = t[t["batch"] == "accumulated"]
     if acc.empty:
         return []

@@ -56,6 +56,8 @@ def _save(figure: Figure, folder: Path, prefix: str) -> Path:
 def write_report(studies: list[StudyRuns], folder: Path) -> Path:
     """Write the report of one study, or of several side by side; returns report.html's path."""
     folder.mkdir(parents=True, exist_ok=True)
+    for old in [*folder.glob("*.png"), *folder.glob("*trials.csv"), *folder.glob("report.*")]:
+        old.unlink()  # a figure the data no longer supports must not linger from an earlier report
     title = " vs ".join(s.name for s in studies)
     stamp = time.strftime("%Y-%m-%d %H:%M")
     sections: dict[str, list[tuple[str, Figure, Path]]] = {}

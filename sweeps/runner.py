@@ -45,18 +45,29 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
     if scheme not in ("sqlite", "postgresql", "mysql"):
         raise StorageError(f"unknown storage {url!r}: use sqlite:///PATH, postgresql://..., mysql://... "
                            f"or journal:PATH")
-    connect = {"timeout": 60} if scheme == "sqlite" else {"connect_timeout": 5}
+    connect = {"timeout": 60} if scheme == "sqlite" else {"connect_timeout": 3}  # a server that is down: an error in seconds
     if scheme == "sqlite":
-        Path(url.split(":///", 1)[1]).parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with warnings.catch_warnings():  # heartbeats are marked experimental; they have worked since Optuna 2.9
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            # Heartbeats let any worker fail a trial whose process died on another machine.
-            return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": connect},
-                                              heartbeat_interval=30, grace_period=120)
-    except Exception as exc:
-        raise StorageError(f"cannot open the Optuna storage {url} ({type(exc).__name__}: "
-                           f"{str(exc).splitlines()[0][:200]}): check the URL and that the server runs") from None
+        folder = Path(url.split(":///", 1)[1]).parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot create the Optuna storage folder {folder} ({exc.strerror}): "
+                               f"make it writable or pass --storage") from None
+    for attempt in range(3):
+        try:
+            with warnings.catch_warnings():  # heartbeats are marked experimental; they have worked since Optuna 2.9
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                # Heartbeats let any worker fail a trial whose process died on another machine.
+                return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": connect},
+                                                  heartbeat_interval=30, grace_period=120)
+        except Exception as exc:
+            # Two machines starting at once both create the schema; the slower one finds it there next time.
+            if "already exists" in str(exc) and attempt < 2:
+                time.sleep(0.5 + random.random())
+                continue
+            raise StorageError(f"cannot open the Optuna storage {url} ({type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0][:200]}): check the URL and that the server runs") from None
+    raise AssertionError("unreachable")
 
 
 @dataclass
@@ -271,11 +282,10 @@ class Worker:
 
         try:
             if self.plan.study.kind == "equivalence":
-                metrics, status = self._equivalence(config, on_epoch)
+                metrics, status, memory_source = self._equivalence(config, on_epoch)
             else:
                 result = train(config, on_epoch=on_epoch)
-                metrics, status = result.metrics, result.status
-                extra = {"memory_source": result.memory_source}
+                metrics, status, memory_source = result.metrics, result.status, result.memory_source
         except optuna.TrialPruned:
             end("KILLED", "pruned", _final(history))
             raise
@@ -298,10 +308,10 @@ class Worker:
         if status == "diverged":
             end("FAILED", "diverged", metrics)
             raise optuna.TrialPruned("diverged: non-finite training loss")
-        end("FINISHED", None, metrics, **(extra if self.plan.study.kind != "equivalence" else {}))
+        end("FINISHED", None, metrics, memory_source=memory_source)
         return metrics["param_rel_diff" if self.plan.study.kind == "equivalence" else "val_acc"]
 
-    def _equivalence(self, config: TrainConfig, on_epoch) -> tuple[dict[str, float], str]:
+    def _equivalence(self, config: TrainConfig, on_epoch) -> tuple[dict[str, float], str, str]:
         """Train (b, k) and its true-batch twin (b*k, 1) from the same initial weights and compare."""
         accum = train(config, on_epoch=on_epoch)
         true = train(dataclasses.replace(config, physical_batch=config.effective_batch, accum_steps=1))
@@ -309,7 +319,7 @@ class Worker:
                    for p, q in zip(accum.model.parameters(), true.model.parameters()))
         metrics = {**accum.metrics, "param_rel_diff": diff, "twin_val_acc": true.metrics["val_acc"],
                    "acc_gap": accum.metrics["val_acc"] - true.metrics["val_acc"]}
-        return metrics, "diverged" if "diverged" in (accum.status, true.status) else "ok"
+        return metrics, "diverged" if "diverged" in (accum.status, true.status) else "ok", accum.memory_source
 
 
 def _final(history: list[dict[str, float]]) -> dict[str, float] | None:

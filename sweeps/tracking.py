@@ -8,6 +8,8 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -63,6 +65,19 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def _probe(uri: str, timeout: float = 4.0) -> None:
+    """One quick request, so that a server that is down or hung is an error in seconds, not after MLflow's
+    retries (minutes); MLflow's own retries still cover passing failures during the study."""
+    try:
+        urllib.request.urlopen(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/search?max_results=1", timeout=timeout)
+    except urllib.error.HTTPError:
+        return  # it answered
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise TrackingError(f"cannot reach the MLflow tracking server {uri} ({reason}): start it, or drop "
+                            f"--tracking-uri to use the local store") from None
+
+
 def _strings(values: dict[str, Any]) -> dict[str, str]:
     return {k: str(v) for k, v in values.items() if v is not None}
 
@@ -73,9 +88,7 @@ class Tracker:
     def __init__(self, uri: str, experiment: str):
         self.uri = uri
         if uri.startswith(("http://", "https://")):
-            # Fail within seconds when the server is down instead of retrying for minutes.
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+            _probe(uri)
         elif uri.startswith("sqlite:///"):
             db = Path(uri.removeprefix("sqlite:///"))
             try:

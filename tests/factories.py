@@ -66,3 +66,16 @@ def blobs1k(seed=0, **_):
     y = torch.arange(1280) % 3
     x = torch.randn(1280, 4, generator=g) + y[:, None].float()
     return TensorDataset(x[:1024], y[:1024]), TensorDataset(x[1024:], y[1024:])
+
+
+class OutOfMemory(nn.Module):
+    """Raises what a CUDA allocator raises when the batch does not fit, on any device."""
+
+    def __init__(self, input_shape, num_classes, **_):
+        super().__init__()
+        self.linear = nn.Linear(input_shape[0], num_classes)
+
+    def forward(self, x):
+        if self.training:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.linear(x)

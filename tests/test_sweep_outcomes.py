@@ -112,3 +112,12 @@ def test_lr_search_tunes_base_lr_with_tpe_and_prunes(tmp_path):
         assert (run.info.status, run.data.tags.get("reason")) == expected
         if t.state == State.PRUNED:
             assert len(t.intermediate_values) < 4
+
+
+def test_out_of_memory_is_recorded_and_the_next_trial_runs(tmp_path):
+    proc = sweep(tmp_path, *TINY, "--model", "tests.factories:OutOfMemory", "--n-trials", "2")
+    assert proc.returncode == 0, proc.stderr
+    storage, client = stores(tmp_path)
+    trials = optuna.load_study(study_name="accum_lr", storage=storage).trials
+    assert [(t.state, t.user_attrs["reason"]) for t in trials] == [(State.PRUNED, "oom")] * 2
+    assert [(r.info.status, r.data.tags["reason"]) for r in runs_by_trial(client, trials)] == [("FAILED", "oom")] * 2
