@@ -231,3 +231,44 @@ def test_mnist1d_cache_restores_global_rng(tmp_path):
 def test_config_validates_itself(bad, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig(**bad)
+
+
+def test_saved_tensor_measure_sees_graphs_kept_alive():
+    from trainers.loop import SavedTensorBytes
+
+    model = nn.Sequential(nn.Linear(40, 256), nn.ReLU(), nn.Linear(256, 10))
+    peaks = {}
+    for mode in ("backward each", "keep graphs"):
+        saved, losses = SavedTensorBytes(model), []
+        for _ in range(8):
+            with saved.hooks():
+                loss = model(torch.randn(32, 40)).sum()
+            if mode == "backward each":
+                loss.backward()
+            else:
+                losses.append(loss)
+        if losses:
+            sum(losses).backward()
+        peaks[mode] = saved.peak
+        assert saved.current == 0  # everything released once backward ran
+    # The leaky loop holds all 8 micro-batches' activations at once.
+    assert peaks["keep graphs"] > 6 * peaks["backward each"]
+
+
+def test_memory_is_flat_under_accumulation(data_dir):
+    peak = {k: train(TrainConfig(epochs=1, physical_batch=32, accum_steps=k, data_dir=data_dir)).metrics[
+        "peak_memory_bytes"] for k in (1, 16)}
+    true = train(TrainConfig(epochs=1, physical_batch=512, data_dir=data_dir)).metrics["peak_memory_bytes"]
+    assert peak[16] <= 1.05 * peak[1] and true > 8 * peak[1]
+
+
+def test_resnet18_channels_last_and_bf16_autocast_run(data_dir):
+    # The GPU options, exercised on the CPU (bf16 convolutions are emulated here, so bf16 runs on the mlp).
+    config = TrainConfig(model="resnet18", dataset="tests.factories:cifar_tiny", physical_batch=16, accum_steps=2,
+                         epochs=1, channels_last=True, data_dir=data_dir)
+    result = train(config)
+    assert result.status == "ok" and result.warnings == []
+    assert result.model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    bf16 = train(replace(config, model="mlp", precision="bf16"))
+    assert bf16.status == "ok" and math.isfinite(bf16.metrics["val_loss"])
+    assert bf16.warnings == ["channels_last has no effect: the model has no 2-D convolution"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import platform
 import time
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -84,23 +85,35 @@ def sum_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 class SavedTensorBytes:
-    """Bytes of the unique storages autograd saves for backward, parameters excluded (counted apart)."""
+    """Peak bytes of the storages autograd holds for backward, counted while they are alive, parameters
+    excluded (counted apart). A loop that kept earlier micro-batches' graphs alive would show here."""
 
     def __init__(self, model: nn.Module):
         self.skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.live: dict[int, int] = {}
+        self.live: dict[int, list[int]] = {}  # storage pointer -> [bytes, saved tensors using it]
+        self.current = 0
         self.peak = 0
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in self.skip:
-            self.live[storage.data_ptr()] = storage.nbytes()
+        ptr = storage.data_ptr()
+        if ptr in self.skip:
+            return t
+        entry = self.live.get(ptr)
+        if entry is None:
+            entry = self.live[ptr] = [storage.nbytes(), 0]
+            self.current += entry[0]
+            self.peak = max(self.peak, self.current)
+        entry[1] += 1
+        weakref.finalize(t, self._release, ptr)  # runs when autograd lets go of this saved tensor
         return t
 
-    def after_backward(self) -> None:
-        """Backward frees what was saved: take the peak and start counting afresh."""
-        self.peak = max(self.peak, sum(self.live.values()))
-        self.live.clear()
+    def _release(self, ptr: int) -> None:
+        entry = self.live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self.live[ptr]
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
@@ -200,7 +213,7 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None) -> TrainRe
             for group in optimizer.param_groups:
                 group["lr"] = lr
             n_window = len(window)
-            # Saved-tensor bytes are the same for every full micro-batch: count them in the first window only.
+            # Every full window holds the same tensors: count them in the first window of each epoch only.
             measuring = w == 0 and not on_cuda
             for idx in window.split(b):
                 with saved.hooks() if measuring else nullcontext():
@@ -208,8 +221,6 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None) -> TrainRe
                         loss = sum_loss(model(data.x_train[idx]), data.y_train[idx])
                 # Divide by the window's sample count, not by k: exact for short windows and micro-batches.
                 (loss / n_window).backward()
-                if measuring:
-                    saved.after_backward()
                 loss_total += loss.detach()
             if config.grad_clip:
                 nn.utils.clip_grad_norm_(params, config.grad_clip)
