@@ -193,7 +193,25 @@ def equivalence(trials: pd.DataFrame) -> Figure | None:
                   context(t))
 
 
+def health(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | None:
+    """grad_norm and update_ratio over epochs for every trial: an LR scaled too far stands out."""
+    if history.empty or "grad_norm" not in history or "update_ratio" not in history:
+        return None
+    hue = next((c for c in ("lr_rule", "bn_momentum_rule", "model") if _varies(trials, c)), None)
+    h = history.merge(trials[["run_id", *([hue] if hue else [])]], on="run_id")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in ((left, "grad_norm", "gradient norm |G_B| (mean over steps)"),
+                           (right, "update_ratio", "update ratio |Δθ| / |θ| (mean over steps)")):
+        sns.lineplot(data=h, x="epoch", y=key, hue=hue, units="run_id", estimator=None, alpha=0.7, ax=ax)
+        ax.set_yscale("log")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.set(xlabel="epoch", ylabel=label)
+    right.axhline(1e-3, color="gray", linestyle=":", linewidth=1)  # the usual healthy order of magnitude
+    fig.tight_layout()
+    return Figure("health", "Training health: gradient norm and update ratio of every trial", fig, context(trials))
+
+
 def all_figures(trials: pd.DataFrame, history: pd.DataFrame) -> list[Figure]:
     made = [accuracy_vs_batch(trials), memory_vs_batch(trials), throughput(trials), learning_curves(trials, history),
-            lr_scaling(trials), bn_rules(trials), equivalence(trials)]
+            lr_scaling(trials), bn_rules(trials), equivalence(trials), health(trials, history)]
     return [f for f in made if f is not None]

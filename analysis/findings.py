@@ -160,6 +160,16 @@ def failures(trials: pd.DataFrame) -> list[str]:
     return [f"{len(bad)} of {len(trials)} trials did not finish ({listing}); they are left out of the figures."]
 
 
+def health(trials: pd.DataFrame) -> list[str]:
+    if "health" not in trials:
+        return []
+    broken = trials[trials["health"].notna() & (trials["health"] != "ok")]
+    if broken.empty:
+        return [f"All {trials['health'].notna().sum()} trials with a health verdict were healthy."]
+    counts = ", ".join(f"{n} {verdict}" for verdict, n in broken["health"].value_counts().items())
+    return [f"{len(broken)} trials were not healthy ({counts}): see the training health table."]
+
+
 def summarize(trials: pd.DataFrame) -> list[str]:
     return [*exactness(trials), *lr_rules(trials), *twins(trials), *bn(trials), *lr_exponent(trials),
-            *memory(trials), *failures(trials)]
+            *memory(trials), *failures(trials), *health(trials)]

@@ -15,7 +15,7 @@ from .runs import StudyRuns
 
 # Columns of the trials table in the report, when the study has them.
 TABLE = ["effective_batch", "physical_batch", "accum_steps", "lr_rule", "lr", "bn_momentum_rule", "model", "seed",
-         "status", "reason", "val_acc", "param_rel_diff", "acc_gap", "samples_per_s", "peak_memory_bytes"]
+         "status", "reason", "health", "val_acc", "param_rel_diff", "acc_gap", "samples_per_s", "peak_memory_bytes"]
 
 CSS = """
 body { font-family: system-ui, sans-serif; max-width: 1200px; margin: 2em auto; padding: 0 1em; color: #222; }
@@ -33,6 +33,26 @@ def _table(trials: pd.DataFrame) -> pd.DataFrame:
     return trials[columns].sort_values(columns[0]) if columns else trials
 
 
+def _unhealthy(trials: pd.DataFrame) -> pd.DataFrame | None:
+    """The trials whose verdict is not ok, with where it started; None when the runs carry no verdict."""
+    if "health" not in trials or trials["health"].isna().all():
+        return None
+    bad = trials[trials["health"].notna() & (trials["health"] != "ok")]
+    columns = [c for c in ("effective_batch", "physical_batch", "accum_steps", "lr_rule", "lr", "seed", "health",
+                           "health_epoch", "val_acc", "warnings") if c in bad]
+    return bad[columns]
+
+
+def _cell(value) -> str:
+    return "" if pd.isna(value) else f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _md_table(frame: pd.DataFrame) -> str:
+    lines = ["| " + " | ".join(map(str, frame.columns)) + " |", "|" + "---|" * len(frame.columns)]
+    lines += ["| " + " | ".join(_cell(v).replace("|", "/") for v in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join(lines)
+
+
 def _html_table(frame: pd.DataFrame) -> str:
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in frame.columns)
     rows = []
@@ -40,7 +60,7 @@ def _html_table(frame: pd.DataFrame) -> str:
         cells = []
         for value in row:
             numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-            text = "" if pd.isna(value) else f"{value:.4g}" if isinstance(value, float) else str(value)
+            text = _cell(value)
             cells.append(f"<td class='n'>{html.escape(text)}</td>" if numeric else f"<td>{html.escape(text)}</td>")
         rows.append("<tr>" + "".join(cells) + "</tr>")
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
@@ -90,6 +110,13 @@ def write_report(studies: list[StudyRuns], folder: Path) -> Path:
             body.append(f"<figure><img alt='{html.escape(label + fig.title)}' src='data:image/png;base64,{data}'>"
                         f"<figcaption>{html.escape(label + fig.context)}</figcaption></figure>")
         body.append("</div>")
+    for study in studies:
+        unhealthy = _unhealthy(study.trials)
+        if unhealthy is not None:
+            md += [f"## Training health: {study.name}", "", _md_table(unhealthy) if not unhealthy.empty
+                   else "Every trial was healthy.", ""]
+            body.append(f"<h2>Training health: {html.escape(study.name)}</h2>"
+                        + (_html_table(unhealthy) if not unhealthy.empty else "<p>Every trial was healthy.</p>"))
     for study in studies:
         prefix = f"{study.name}-" if len(studies) > 1 else ""
         md += [f"## Trials: {study.name}", "", f"All trials are in [{prefix}trials.csv]({prefix}trials.csv).", ""]

@@ -10,7 +10,8 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from scipy import stats
 
 # Run-level tags worth a column; the rest stay in MLflow.
-TAGS = ("state", "reason", "device_name", "memory_source", "torch_version", "optuna.trial_number")
+TAGS = ("state", "reason", "device_name", "memory_source", "torch_version", "optuna.trial_number", "health",
+        "health_epoch", "warnings")
 
 
 class AnalysisError(Exception):

@@ -99,7 +99,7 @@ def results_table(plan, storage) -> str:
     trials.sort(key=lambda t: (t.value is None, sign * (t.value or 0)))
     varied = list(dict.fromkeys(k for t in trials for k in t.user_attrs.get("config", {})))
     objective = "param_rel_diff" if plan.study.kind == "equivalence" else "val_acc"
-    headers = ["#", *varied, "B", "lr", "state", objective, "samples/s", "peak memory"]
+    headers = ["#", *varied, "B", "lr", "state", "health", objective, "samples/s", "peak memory"]
     rows = []
     for t in trials:
         m = t.user_attrs.get("metrics", {})
@@ -108,7 +108,7 @@ def results_table(plan, storage) -> str:
         derived = plan.config({k: v for k, v in config.items() if k != "seed"}, config.get("seed", 0))
         rows.append([str(t.number), *(_fmt(config.get(k)) for k in varied), str(derived.effective_batch),
                      f"{derived.lr:.4g}",
-                     t.user_attrs.get("reason") or t.state.name.lower(),
+                     t.user_attrs.get("reason") or t.state.name.lower(), t.user_attrs.get("health", "-"),
                      "-" if value is None else (f"{value:.2e}" if objective == "param_rel_diff" else f"{value:.4f}"),
                      f"{m['samples_per_s']:,.0f}" if "samples_per_s" in m else "-",
                      format_bytes(m["peak_memory_bytes"]) if "peak_memory_bytes" in m else "-"])

@@ -280,12 +280,16 @@ class Worker:
             self.tracker.finish(run_id, status, history=history, metrics=metrics,
                                 tags={"reason": reason, "state": state, **extra})
 
+        health: dict[str, Any] = {}  # verdict and warnings, for trials of one configuration
         try:
             if self.plan.study.kind == "equivalence":
                 metrics, status, memory_source = self._equivalence(config, on_epoch)
             else:
                 result = train(config, on_epoch=on_epoch)
                 metrics, status, memory_source = result.metrics, result.status, result.memory_source
+                health = {"health": result.health, "health_epoch": result.health_epoch,
+                          "warnings": " | ".join(result.warnings) or None}
+                trial.set_user_attr("health", result.health)
         except optuna.TrialPruned:
             end("KILLED", "pruned", _final(history))
             raise
@@ -306,9 +310,9 @@ class Worker:
             end("FAILED", "error", error=f"{type(exc).__name__}: {exc}"[:5000])
             raise
         if status == "diverged":
-            end("FAILED", "diverged", metrics)
+            end("FAILED", "diverged", metrics, **health)
             raise optuna.TrialPruned("diverged: non-finite training loss")
-        end("FINISHED", None, metrics, memory_source=memory_source)
+        end("FINISHED", None, metrics, memory_source=memory_source, **health)
         return metrics["param_rel_diff" if self.plan.study.kind == "equivalence" else "val_acc"]
 
     def _equivalence(self, config: TrainConfig, on_epoch) -> tuple[dict[str, float], str, str]:

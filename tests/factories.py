@@ -86,3 +86,28 @@ def cifar_tiny(seed=0, **_):
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(96, 3, 32, 32, generator=g), torch.randint(0, 10, (96,), generator=g)
     return TensorDataset(x[:64], y[:64]), TensorDataset(x[64:], y[64:])
+
+
+class ForgetsALayer(nn.Sequential):
+    """Its own optimizer groups leave the first layer out: a classic silent bug."""
+
+    def param_groups(self):
+        return [{"params": list(self[2].parameters())}]
+
+
+def forgets_a_layer(input_shape, num_classes, **_):
+    return ForgetsALayer(nn.Linear(input_shape[-1], 32), nn.ReLU(), nn.Linear(32, num_classes), nn.Flatten())
+
+
+class UnusedLayer(nn.Module):
+    def __init__(self, input_shape, num_classes, **_):
+        super().__init__()
+        self.used = nn.Sequential(nn.Flatten(), nn.Linear(input_shape[-1], 16), nn.ReLU(), nn.Linear(16, num_classes))
+        self.unused = nn.Linear(4, 4)  # built but never called in forward
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def unused_layer(input_shape, num_classes, **_):
+    return UnusedLayer(input_shape, num_classes)

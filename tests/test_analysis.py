@@ -114,6 +114,7 @@ def test_report_command_and_compare(tiny_study):
     assert {"report.html", "report.md", "trials.csv", "accuracy_vs_batch.png"} <= {p.name for p in folder.iterdir()}
     md = (folder / "report.md").read_text()
     assert "## Findings: accum_lr" in md and "2 seeds; 2 epochs" in md
+    assert "## Training health: accum_lr" in md and "health.png" in md
     # A second study under another name, then both side by side.
     assert sweep(tiny_study, *TINY, "--study", "batch_memory", "--n-trials", "3").returncode == 0
     proc = run_script("analysis/report.py", "--compare", "accum_lr", "batch_memory", "--tracking-uri", uri,

@@ -38,7 +38,7 @@ def child_runs(client, name="accum_lr"):
 def test_tiny_study_end_to_end(tmp_path):
     proc = sweep(tmp_path, *TINY[:-1], "--n-trials", "3", "--seed", "3")  # with its report
     assert proc.returncode == 0, proc.stderr
-    assert "val_acc" in proc.stdout and "24 trials left" in proc.stderr
+    assert "val_acc" in proc.stdout and "health" in proc.stdout and "24 trials left" in proc.stderr
     assert f"report: {tmp_path}/reports/accum_lr/report.html" in proc.stdout
     storage, client = stores(tmp_path)
     trials = grid_trials(storage)
@@ -63,8 +63,10 @@ def test_tiny_study_end_to_end(tmp_path):
         history = client.get_metric_history(run.info.run_id, "val_acc")
         assert [m.step for m in history] == [1]
         assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["history.csv"]
-        for tag in ("device_name", "torch_version", "optuna.study_name"):
+        for tag in ("device_name", "torch_version", "optuna.study_name", "health"):
             assert run.data.tags[tag]
+        assert run.data.tags["health"] == t.user_attrs["health"]
+        assert {"grad_norm", "update_ratio", "dead_fraction"} <= set(run.data.metrics)
 
 
 def test_dry_run_and_list_write_nothing(tmp_path):

@@ -272,3 +272,48 @@ def test_resnet18_channels_last_and_bf16_autocast_run(data_dir):
     bf16 = train(replace(config, model="mlp", precision="bf16"))
     assert bf16.status == "ok" and math.isfinite(bf16.metrics["val_loss"])
     assert bf16.warnings == ["channels_last has no effect: the model has no 2-D convolution"]
+
+
+def test_a_healthy_default_run_is_ok(data_dir):
+    result = train(TrainConfig(epochs=3, data_dir=data_dir))
+    assert result.health == "ok" and result.health_epoch is None and result.warnings == []
+    for row in result.history:
+        assert row["grad_norm"] > 0 and 1e-4 < row["update_ratio"] < 0.1 and row["dead_fraction"] == 0.0
+
+
+def test_far_too_large_learning_rates_are_flagged(data_dir):
+    # SGD at lr 50 on cnn1d: the first steps blow the weights up, every ReLU goes negative for every input,
+    # so from epoch 2 only the output bias still gets a gradient and accuracy sits at chance: dead.
+    dead = train(TrainConfig(base_lr=50.0, epochs=3, data_dir=data_dir))
+    assert (dead.status, dead.health, dead.health_epoch) == ("ok", "dead", 2)
+    assert dead.history[1]["dead_fraction"] > 0.5
+    # The mlp has no normalization to absorb lr 5: its loss overflows to NaN in the first epoch: diverged.
+    diverged = train(TrainConfig(model="mlp", base_lr=5.0, epochs=3, data_dir=data_dir))
+    assert (diverged.health, diverged.health_epoch) == ("diverged", 1)
+    # And too small: nothing moves, the loss does not fall, accuracy stays at chance: stalled.
+    stalled = train(TrainConfig(base_lr=1e-7, epochs=2, data_dir=data_dir))
+    assert stalled.health == "stalled"
+
+
+def test_exploding_and_dead_verdicts_from_their_thresholds():
+    from trainers.health import verdict
+
+    row = dict(epoch=1, train_loss=2.3, val_acc=0.5, grad_norm=1.0, update_ratio=1e-3, dead_fraction=0.0)
+    assert verdict("ok", [row, {**row, "epoch": 2, "train_loss": 1.0}], chance=0.1, classes=10) == ("ok", None)
+    assert verdict("ok", [row, {**row, "epoch": 2, "update_ratio": 1.5}], 0.1, 10) == ("exploding", 2)
+    collapsed = {**row, "epoch": 2, "grad_norm": 1e-9, "val_acc": 0.1}
+    assert verdict("ok", [row, collapsed], 0.1, 10) == ("dead", 2)
+    assert verdict("ok", [row, {**collapsed, "val_acc": 0.9}], 0.1, 10)[0] != "dead"  # not at chance
+
+
+def test_frozen_and_left_out_parameters_are_reported(data_dir):
+    frozen = train(TrainConfig(model="tests.factories:half_frozen", epochs=1, data_dir=data_dir))
+    assert frozen.warnings == ["2 parameter tensors are frozen (requires_grad=False) and will not change: "
+                               "1.weight, 1.bias"]
+    left_out = train(TrainConfig(model="tests.factories:forgets_a_layer", epochs=1, data_dir=data_dir))
+    assert left_out.warnings == ["2 trainable parameter tensors are in no optimizer group and will not change: "
+                                 "0.weight, 0.bias"]
+    unused = train(TrainConfig(model="tests.factories:unused_layer", epochs=1, data_dir=data_dir))
+    assert unused.warnings == ["2 parameter tensors in the optimizer never received a gradient: "
+                               "unused.weight, unused.bias"]
+    assert unused.history[0]["dead_fraction"] == pytest.approx(2 / 6)

@@ -42,6 +42,13 @@ class Data:
             return int(max(self.y_train.max(), self.y_test.max())) + 1
         return 1 if self.y_train.dim() == 1 else self.y_train.shape[1]
 
+    @property
+    def chance(self) -> float | None:
+        """The accuracy of always answering the test set's most common class (None for float targets)."""
+        if not self.classification:
+            return None
+        return torch.bincount(self.y_test.cpu()).max().item() / len(self.y_test)
+
     def to(self, device: torch.device, dtype: torch.dtype) -> "Data":
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, dtype if t.is_floating_point() else None)

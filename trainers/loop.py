@@ -15,6 +15,7 @@ from torch import nn
 
 from .config import ConfigError, TrainConfig
 from .data import Data, load_data
+from .health import StepStats, coverage_warnings, never_updated, verdict
 from .models import build_model, has_conv2d, set_bn_momentum, use_ghost_batch
 
 EpochCallback = Callable[[dict[str, float]], None]
@@ -30,11 +31,13 @@ class TrainResult:
     device_name: str
     memory_source: str  # "cuda_allocator" or "saved_tensors"; see peak memory in the README
     warnings: list[str] = field(default_factory=list)
+    health: str = "ok"  # ok, diverged, exploding, dead or stalled: see trainers/health.py
+    health_epoch: int | None = None  # the first epoch where it showed
 
     def to_dict(self) -> dict[str, Any]:
-        return {"status": self.status, "config": self.config.to_dict(), "metrics": self.metrics,
-                "history": self.history, "device_name": self.device_name,
-                "memory_source": self.memory_source, "warnings": self.warnings}
+        return {"status": self.status, "health": self.health, "health_epoch": self.health_epoch,
+                "config": self.config.to_dict(), "metrics": self.metrics, "history": self.history,
+                "device_name": self.device_name, "memory_source": self.memory_source, "warnings": self.warnings}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -147,7 +150,15 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int,
     return loss.item() / n, (correct.item() / n if not y.is_floating_point() else math.nan)
 
 
-def make_optimizer(config: TrainConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+def optimizer_groups(model: nn.Module) -> list:
+    """The model's own `param_groups()` when it defines one (e.g. no weight decay on biases), else every
+    parameter that requires a gradient."""
+    if callable(getattr(model, "param_groups", None)):
+        return list(model.param_groups())
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def make_optimizer(config: TrainConfig, params: list) -> torch.optim.Optimizer:
     if config.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov,
@@ -188,8 +199,13 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None) -> TrainRe
     """Train `config`. `on_epoch(row)` is called after every epoch; an exception it raises stops the run."""
     device, data, model, notes = _prepare(config)
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(config, params)
+    optimizer = make_optimizer(config, optimizer_groups(model))
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    notes += coverage_warnings(model, optimizer)
+    stats = StepStats(params)
+    # Health statistics cost about 1/15 of a cnn1d micro-batch of 32 on a CPU: take them every step from
+    # k = 8, every ceil(8/k)-th step below, so they stay near 1% of the work (the means stay unbiased).
+    stats_every = math.ceil(8 / config.accum_steps)
     bf16 = config.precision == "bf16"
     b = config.physical_batch
     n_train = len(data.x_train)
@@ -222,9 +238,14 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None) -> TrainRe
                 # Divide by the window's sample count, not by k: exact for short windows and micro-batches.
                 (loss / n_window).backward()
                 loss_total += loss.detach()
+            sampled = step % stats_every == 0
+            if sampled:
+                stats.before_step()
             if config.grad_clip:
                 nn.utils.clip_grad_norm_(params, config.grad_clip)
             optimizer.step()
+            if sampled:
+                stats.after_step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
             epoch_samples += n_window
@@ -243,7 +264,7 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None) -> TrainRe
         peak = torch.cuda.max_memory_allocated(device) if on_cuda else saved.peak + static_bytes
         row = {"epoch": epoch, "train_loss": train_loss, "val_loss": val_loss, "val_acc": val_acc,
                "current_lr": lr, "steps": step, "epoch_time_s": epoch_time, "samples_per_s": epoch_samples / elapsed,
-               "peak_memory_bytes": float(peak)}
+               "peak_memory_bytes": float(peak), **stats.epoch()}
         history.append(row)
         if on_epoch is not None:
             on_epoch(row)
@@ -252,6 +273,11 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None) -> TrainRe
 
     metrics = {**history[-1], "samples_per_s": samples / train_time, "wall_time_s": wall_time,
                "peak_memory_bytes": max(r["peak_memory_bytes"] for r in history)}
+    idle = never_updated(model, stats)
+    if idle:
+        notes.append(idle)
+    health, health_epoch = verdict(status, history, data.chance, data.num_classes if data.classification else None)
     return TrainResult(config=config, status=status, metrics=metrics, history=history, model=model,
                        device_name=device_name(device),
-                       memory_source="cuda_allocator" if on_cuda else "saved_tensors", warnings=notes)
+                       memory_source="cuda_allocator" if on_cuda else "saved_tensors", warnings=notes,
+                       health=health, health_epoch=health_epoch)
