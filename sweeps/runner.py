@@ -316,14 +316,22 @@ class Worker:
         return metrics["param_rel_diff" if self.plan.study.kind == "equivalence" else "val_acc"]
 
     def _equivalence(self, config: TrainConfig, on_epoch) -> tuple[dict[str, float], str, str]:
-        """Train (b, k) and its true-batch twin (b*k, 1) from the same initial weights and compare."""
+        """Train (b, k) and its true-batch twin (b*k, 1) from the same initial weights and compare; with
+        BatchNorm also the ghost twin (b*k, 1, ghost_batch=b), which normalizes the same chunks of b."""
         accum = train(config, on_epoch=on_epoch)
-        true = train(dataclasses.replace(config, physical_batch=config.effective_batch, accum_steps=1))
-        diff = max(((p - q).abs().max() / q.abs().max()).item()
-                   for p, q in zip(accum.model.parameters(), true.model.parameters()))
-        metrics = {**accum.metrics, "param_rel_diff": diff, "twin_val_acc": true.metrics["val_acc"],
-                   "acc_gap": accum.metrics["val_acc"] - true.metrics["val_acc"]}
+        true_config = dataclasses.replace(config, physical_batch=config.effective_batch, accum_steps=1)
+        true = train(true_config)
+        metrics = {**accum.metrics, "param_rel_diff": _rel_diff(accum.model, true.model),
+                   "twin_val_acc": true.metrics["val_acc"], "acc_gap": accum.metrics["val_acc"] - true.metrics["val_acc"]}
+        if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in accum.model.modules()):
+            ghost = train(dataclasses.replace(true_config, ghost_batch=config.physical_batch))
+            metrics["ghost_rel_diff"] = _rel_diff(accum.model, ghost.model)
         return metrics, "diverged" if "diverged" in (accum.status, true.status) else "ok", accum.memory_source
+
+
+def _rel_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    """The largest relative difference between corresponding parameters."""
+    return max(((p - q).abs().max() / q.abs().max()).item() for p, q in zip(a.parameters(), b.parameters()))
 
 
 def _final(history: list[dict[str, float]]) -> dict[str, float] | None:

@@ -317,3 +317,16 @@ def test_frozen_and_left_out_parameters_are_reported(data_dir):
     assert unused.warnings == ["2 parameter tensors in the optimizer never received a gradient: "
                                "unused.weight, unused.bias"]
     assert unused.history[0]["dead_fraction"] == pytest.approx(2 / 6)
+
+
+def test_ghost_batch_true_batch_matches_accumulated_bn(data_dir):
+    # Accumulated BN training is Ghost BatchNorm with ghost size b: the true batch with ghost_batch = b
+    # normalizes the same chunks and updates the running statistics as often, so it matches.
+    accum = TrainConfig(physical_batch=16, accum_steps=4, epochs=1, dtype="float64", data_dir=data_dir)
+    ghost = train(replace(accum, physical_batch=64, accum_steps=1, ghost_batch=16))
+    accumulated = train(accum)
+    assert max_rel_diff(accumulated.model, ghost.model) < 1e-12
+    for (name, a), (_, g) in zip(accumulated.model.named_buffers(), ghost.model.named_buffers()):
+        torch.testing.assert_close(a, g, rtol=1e-9, atol=1e-12, msg=name)  # running stats and counts too
+    plain = train(replace(accum, physical_batch=64, accum_steps=1))
+    assert max_rel_diff(accumulated.model, plain.model) > 1e-2
