@@ -288,7 +288,8 @@ class Worker:
                 result = train(config, on_epoch=on_epoch)
                 metrics, status, memory_source = result.metrics, result.status, result.memory_source
                 health = {"health": result.health, "health_epoch": result.health_epoch,
-                          "warnings": " | ".join(result.warnings) or None}
+                          "warnings": " | ".join(result.warnings) or None,
+                          "noise_scale": "unavailable: accum_steps=1" if config.accum_steps == 1 else None}
                 trial.set_user_attr("health", result.health)
         except optuna.TrialPruned:
             end("KILLED", "pruned", _final(history))

@@ -16,6 +16,7 @@ from torch import nn
 from .config import ConfigError, TrainConfig
 from .data import Data, load_data
 from .health import StepStats, coverage_warnings, never_updated, verdict
+from .noise import NoiseScale
 from .models import build_model, has_conv2d, set_bn_momentum, use_ghost_batch
 
 EpochCallback = Callable[[dict[str, float]], None]
@@ -209,6 +210,8 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None) -> TrainRe
     bf16 = config.precision == "bf16"
     b = config.physical_batch
     n_train = len(data.x_train)
+    # The noise scale needs micro-batches and a window that differ: k >= 2.
+    noise = NoiseScale(params, b, config.effective_batch, n_train) if config.accum_steps > 1 else None
     steps_per_epoch = len(windows(torch.arange(n_train), config))
     total_steps = steps_per_epoch * config.epochs
     on_cuda = device.type == "cuda"
@@ -231,16 +234,23 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None) -> TrainRe
             n_window = len(window)
             # Every full window holds the same tensors: count them in the first window of each epoch only.
             measuring = w == 0 and not on_cuda
-            for idx in window.split(b):
+            sampled = step % stats_every == 0
+            tracking_noise = noise is not None and sampled and n_window == config.effective_batch
+            for i, idx in enumerate(window.split(b)):
+                if tracking_noise and i:
+                    noise.before_micro()
                 with saved.hooks() if measuring else nullcontext():
                     with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
                         loss = sum_loss(model(data.x_train[idx]), data.y_train[idx])
                 # Divide by the window's sample count, not by k: exact for short windows and micro-batches.
                 (loss / n_window).backward()
+                if tracking_noise:
+                    noise.after_micro(i == 0, n_window, len(idx))
                 loss_total += loss.detach()
-            sampled = step % stats_every == 0
             if sampled:
-                stats.before_step()
+                window_grad_norm = stats.before_step()
+                if tracking_noise:
+                    noise.step(window_grad_norm)
             if config.grad_clip:
                 nn.utils.clip_grad_norm_(params, config.grad_clip)
             optimizer.step()
@@ -265,6 +275,9 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None) -> TrainRe
         row = {"epoch": epoch, "train_loss": train_loss, "val_loss": val_loss, "val_acc": val_acc,
                "current_lr": lr, "steps": step, "epoch_time_s": epoch_time, "samples_per_s": epoch_samples / elapsed,
                "peak_memory_bytes": float(peak), **stats.epoch()}
+        scale = noise.value() if noise is not None else None
+        if scale is not None:  # not a number while |G|^2 is not measurable, nor for k = 1
+            row["noise_scale"] = scale
         history.append(row)
         if on_epoch is not None:
             on_epoch(row)
