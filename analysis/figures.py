@@ -56,6 +56,14 @@ def tuned(trials: pd.DataFrame) -> bool:
         trials.groupby("effective_batch")["base_lr"].nunique().max() > 1
 
 
+def critical_batch(trials: pd.DataFrame) -> float | None:
+    """The predicted critical batch: the median noise scale measured at the end of the finished trials."""
+    t = _finished(trials)
+    if "noise_scale" not in t or t["noise_scale"].notna().sum() == 0:
+        return None
+    return float(t["noise_scale"].median())
+
+
 def accuracy_vs_batch(trials: pd.DataFrame) -> Figure | None:
     t = _finished(trials)
     if not _varies(t, "effective_batch") or "val_acc" not in t or tuned(t):
@@ -63,7 +71,20 @@ def accuracy_vs_batch(trials: pd.DataFrame) -> Figure | None:
     hue = next((c for c in ("lr_rule", "bn_momentum_rule", "model") if _varies(t, c)), None)
     keys = [k for k in (hue, "batch") if k]
     stats = aggregate(t, [*keys, "effective_batch"], "val_acc")
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    b_crit = critical_batch(t)
+    if b_crit is None:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+    else:  # the measured noise scale beside the accuracy curve
+        fig, (ax, noise_ax) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+        measured = t.dropna(subset=["noise_scale"])
+        sns.scatterplot(data=measured, x="effective_batch", y="noise_scale", hue=hue, ax=noise_ax, legend=False)
+        noise_ax.axhline(b_crit, color="gray", linestyle="--", linewidth=1)
+        _log2_axis(noise_ax, measured["effective_batch"])
+        noise_ax.set_yscale("log")
+        noise_ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        noise_ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        noise_ax.set(xlabel="effective batch B (trials with k ≥ 2)",
+                     ylabel="gradient noise scale at the last epoch", title=f"median {b_crit:.0f}")
     palette = dict(zip(sorted(stats[hue].unique()) if hue else [None], sns.color_palette()))
     for group, rows in stats.groupby(keys) if keys else [((), stats)]:
         group = group if isinstance(group, tuple) else (group,)
@@ -73,10 +94,14 @@ def accuracy_vs_batch(trials: pd.DataFrame) -> Figure | None:
                     color=palette[label.get(hue)], marker="o" if label.get("batch") != "true batch" else "s",
                     linestyle="-" if label.get("batch") != "true batch" else "--", capsize=3,
                     label=" / ".join(str(v) for v in group))
+    if b_crit is not None:
+        ax.axvline(b_crit, color="gray", linestyle="--", linewidth=1, label=f"predicted critical batch ≈ {b_crit:.0f}")
     _log2_axis(ax, stats["effective_batch"])
     ax.set(xlabel="effective batch B = b·k", ylabel="final validation accuracy, %")
     ax.legend(title=" / ".join(keys), fontsize=8)
-    return Figure("accuracy_vs_batch", "Validation accuracy against effective batch", fig, context(t))
+    fig.tight_layout()
+    return Figure("accuracy_vs_batch", "Validation accuracy against effective batch"
+                  + (", beside the measured gradient noise scale" if b_crit is not None else ""), fig, context(t))
 
 
 def memory_vs_batch(trials: pd.DataFrame) -> Figure | None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .figures import best_lr, tuned
+from .figures import best_lr, critical_batch, tuned
 from .runs import aggregate
 
 WITHIN_POINTS = 0.5  # a difference smaller than this, in accuracy points, counts as "the same"
@@ -155,6 +155,34 @@ def lr_exponent(trials: pd.DataFrame) -> list[str]:
             f"to {best['base_lr'].iloc[-1]:.3g} at B = {best['effective_batch'].iloc[-1]}."]
 
 
+def noise_scale(trials: pd.DataFrame) -> list[str]:
+    """The predicted critical batch, and whether accuracy started to fall near it."""
+    b_crit = critical_batch(trials)
+    if b_crit is None:
+        return []
+    t = _finished(trials)
+    measured = t["noise_scale"].dropna()
+    sentence = (f"The gradient noise scale at the last epoch was {b_crit:.0f} (median of {len(measured)} trials "
+                f"with k ≥ 2, range {measured.min():.0f}–{measured.max():.0f}): McCandlish et al. (2018) predict "
+                f"that batches beyond about {b_crit:.0f} buy little speed-up per sample")
+    if "effective_batch" in t and t["effective_batch"].nunique() > 1 and not tuned(t):
+        keys = [c for c in ("lr_rule", "bn_momentum_rule", "batch") if c in t and t[c].nunique() > 1]
+        means = aggregate(t, [*keys, "effective_batch"], "val_acc")
+        best = means.groupby("effective_batch")["mean"].max().sort_index()  # the best configuration at each B
+        base = best.iloc[0]
+        fell = best[best < base - WITHIN_POINTS / 100]
+        if fell.empty:
+            sentence += (f"; the best configuration at each B stayed within {WITHIN_POINTS} points of "
+                         f"B = {best.index[0]} up to B = {best.index[-1]}")
+        else:
+            first = int(fell.index[0])
+            where = "below" if first < b_crit / 1.5 else "above" if first > b_crit * 1.5 else "near"
+            sentence += (f"; the best configuration at each B first fell more than {WITHIN_POINTS} points below "
+                         f"B = {best.index[0]} at B = {first} ({100 * fell.iloc[0]:.1f}% against "
+                         f"{100 * base:.1f}%), {where} that prediction")
+    return [sentence + "."]
+
+
 def failures(trials: pd.DataFrame) -> list[str]:
     bad = trials[trials["status"] != "FINISHED"]
     if bad.empty:
@@ -176,4 +204,4 @@ def health(trials: pd.DataFrame) -> list[str]:
 
 def summarize(trials: pd.DataFrame) -> list[str]:
     return [*exactness(trials), *lr_rules(trials), *twins(trials), *bn(trials), *lr_exponent(trials),
-            *memory(trials), *failures(trials), *health(trials)]
+            *noise_scale(trials), *memory(trials), *failures(trials), *health(trials)]

@@ -177,3 +177,16 @@ def test_html_report_opens_in_chromium_with_every_figure(tiny_study, tmp_path):
     result = json.loads(dom.split('<pre id="probe">', 1)[1].split("</pre>", 1)[0].replace("&quot;", '"'))
     assert result["errors"] == []
     assert len(result["images"]) >= 3 and all(i["ok"] for i in result["images"]), result["images"]
+
+
+def test_noise_scale_sentence_names_the_predicted_critical_batch():
+    def falls_at_256(rule, B, kind, seed):
+        return flat(rule, B, kind, seed) - (0.03 if B >= 256 else 0.0)
+
+    trials = synthetic(falls_at_256)
+    trials["noise_scale"] = trials["accum_steps"].map(lambda k: 250.0 if k > 1 else float("nan"))
+    sentences = " ".join(summarize(trials))
+    assert "The gradient noise scale at the last epoch was 250 (median of 36 trials with k ≥ 2" in sentences
+    assert "first fell more than 0.5 points below B = 32 at B = 256" in sentences and "near that prediction" in sentences
+    figure = all_figures(trials, pd.DataFrame())[0]
+    assert figure.name == "accuracy_vs_batch" and "noise scale" in figure.title
