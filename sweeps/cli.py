@@ -38,6 +38,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fail-fast", action="store_true", help="stop at the first trial that raises an error")
     p.add_argument("--dry-run", action="store_true", help="print the trials it would run and exit")
     p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+    p.add_argument("--plan", action="store_true", help="plan b and k for --target-batch within --memory-budget")
+    p.add_argument("--target-batch", type=int, help="with --plan: the effective batch to reach")
+    p.add_argument("--memory-budget", help="with --plan: e.g. 6GiB, 512MiB")
     return p.parse_args(argv)
 
 
@@ -197,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         print(list_studies())
         return 0
     try:
+        if args.plan:
+            return memory_plan(args)
         plan = build_plan(args)
         if args.dry_run:
             print(dry_run_table(plan))
@@ -208,6 +213,34 @@ def main(argv: list[str] | None = None) -> int:
     if code or args.no_report:
         return code
     return write_report(plan)
+
+
+def memory_plan(args: argparse.Namespace) -> int:
+    """Answer --plan: the largest physical batch within the budget and the steps to the target batch."""
+    from trainers.loop import resolve_device
+
+    from .planner import from_study, parse_bytes, plan, probe
+
+    if args.target_batch is None or args.memory_budget is None:
+        raise ConfigError("--plan needs --target-batch N and --memory-budget SIZE (e.g. 6GiB)")
+    budget = parse_bytes(args.memory_budget)
+    flags = {name: parse_value(name, getattr(args, name)) for name in CONFIG_FLAGS if getattr(args, name)}
+    config = apply_overrides(dataclasses.replace(TrainConfig(), **flags), args.set)
+    memory_source = "cuda_allocator" if resolve_device(config.device).type == "cuda" else "saved_tensors"
+    uri = args.tracking_uri or default_tracking_uri()
+    fitted = (from_study(config, uri, memory_source) if not uri.startswith("sqlite:///")
+              or Path(uri.removeprefix("sqlite:///")).exists() else None) or probe(config)
+    answer = plan(fitted, args.target_batch, budget)
+    print(f"{config.model} on {config.dataset}: peak memory ({fitted.memory_source}) = "
+          f"{format_bytes(fitted.fixed)} + {format_bytes(fitted.per_sample)} x b, from the {fitted.source}")
+    print(f"plan: physical batch {answer.physical_batch} x {answer.accum_steps} accumulation steps = "
+          f"{answer.effective_batch} (peak about {format_bytes(fitted.peak(answer.physical_batch))} of "
+          f"{format_bytes(budget)})")
+    if answer.note:
+        print(f"note: {answer.note}")
+    print(f"run it: python trainers/train.py --model {config.model} --dataset {config.dataset} "
+          f"--physical-batch {answer.physical_batch} --accum-steps {answer.accum_steps}")
+    return 0
 
 
 def write_report(plan) -> int:

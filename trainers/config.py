@@ -59,6 +59,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 0.0  # max global grad norm per step; 0 = off
     epochs: int = 10
+    max_steps: int = 0  # stop after this many optimizer steps (0: run every epoch); for quick probes
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "fp32"  # fp32 | bf16 (autocast)
@@ -86,7 +87,7 @@ class TrainConfig:
         _choice("device", self.device, DEVICES)
         for name in ("physical_batch", "accum_steps", "base_batch", "epochs", "eval_batch"):
             _at_least(name, getattr(self, name), 1)
-        for name in ("ghost_batch", "seed"):
+        for name in ("ghost_batch", "seed", "max_steps"):
             _at_least(name, getattr(self, name), 0)
         for name in ("warmup_epochs", "weight_decay", "grad_clip", "momentum"):
             _at_least(name, getattr(self, name), 0.0)

@@ -259,6 +259,8 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None) -> TrainRe
             optimizer.zero_grad(set_to_none=True)
             step += 1
             epoch_samples += n_window
+            if step == config.max_steps:
+                break
         train_loss = loss_total.item() / epoch_samples  # the epoch's one synchronization
         elapsed = time.perf_counter() - start
         train_time += elapsed
@@ -281,7 +283,7 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None) -> TrainRe
         history.append(row)
         if on_epoch is not None:
             on_epoch(row)
-        if status == "diverged":
+        if status == "diverged" or step == config.max_steps:
             break
 
     metrics = {**history[-1], "samples_per_s": samples / train_time, "wall_time_s": wall_time,

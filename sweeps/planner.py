@@ -1,0 +1,97 @@
+"""The memory planner: the largest physical batch that fits a memory budget, and the accumulation steps
+that reach a target batch. Peak memory = fixed + per_sample * b, fitted from a `batch_memory` study of the
+same model, dataset and memory source, or from a quick probe of a few batch sizes when there is none."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from trainers import ConfigError, TrainConfig, train
+
+UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}
+PROBE_BATCHES = (8, 32, 128)
+PROBE_STEPS = 3
+
+
+def parse_bytes(text: str) -> int:
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([KMG]i?B|B)?\s*", text, re.IGNORECASE)
+    if not match or (match.group(2) or "").upper() not in UNITS:
+        raise ConfigError(f"memory budget {text!r} is not a size: write e.g. 6GiB, 512MiB or 2e9")
+    return int(float(match.group(1)) * UNITS[(match.group(2) or "").upper()])
+
+
+@dataclass
+class Fit:
+    fixed: float  # bytes that do not grow with b: weights, gradients, optimizer state, (CUDA) the dataset
+    per_sample: float  # bytes per sample of the physical batch
+    source: str  # where the points came from
+    memory_source: str  # saved_tensors or cuda_allocator
+    points: list[tuple[int, float]]
+
+    def peak(self, b: int) -> float:
+        return self.fixed + self.per_sample * b
+
+
+def fit(points: list[tuple[int, float]], source: str, memory_source: str) -> Fit:
+    b, peak = np.array([p[0] for p in points], float), np.array([p[1] for p in points], float)
+    per_sample, fixed = np.polyfit(b, peak, 1)
+    return Fit(float(fixed), float(per_sample), source, memory_source, points)
+
+
+def from_study(config: TrainConfig, tracking_uri: str, memory_source: str) -> Fit | None:
+    """The finished runs of a batch_memory study with this model, dataset and memory source, if any."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    experiment = client.get_experiment_by_name("batch_memory")
+    if experiment is None:
+        return None
+    runs = client.search_runs([experiment.experiment_id], max_results=1000, filter_string=(
+        f"attributes.status = 'FINISHED' and params.model = '{config.model}' and params.dataset = '{config.dataset}'"
+        f" and tags.memory_source = '{memory_source}'"))
+    points = sorted((int(r.data.params["physical_batch"]), r.data.metrics["peak_memory_bytes"]) for r in runs
+                    if "peak_memory_bytes" in r.data.metrics)
+    if len({b for b, _ in points}) < 2:
+        return None
+    return fit(points, f"batch_memory study in {tracking_uri} ({len(points)} runs)", memory_source)
+
+
+def probe(config: TrainConfig) -> Fit:
+    """Measure a few physical batches for a few steps each."""
+    points, memory_source = [], "?"
+    for b in PROBE_BATCHES:
+        result = train(dataclasses.replace(config, physical_batch=b, accum_steps=1, epochs=1, max_steps=PROBE_STEPS))
+        points.append((b, result.metrics["peak_memory_bytes"]))
+        memory_source = result.memory_source
+    return fit(points, f"probe of b = {', '.join(map(str, PROBE_BATCHES))} ({PROBE_STEPS} steps each)", memory_source)
+
+
+@dataclass
+class Plan:
+    physical_batch: int
+    accum_steps: int
+    note: str | None
+
+    @property
+    def effective_batch(self) -> int:
+        return self.physical_batch * self.accum_steps
+
+
+def plan(model: Fit, target: int, budget: int) -> Plan:
+    """The largest b within the budget that divides the target; the nearest b*k with a note otherwise."""
+    if target < 1:
+        raise ConfigError(f"--target-batch must be >= 1, got {target}")
+    largest = int((budget - model.fixed) // model.per_sample) if model.per_sample > 0 else target
+    if largest < 1:
+        raise ConfigError(f"even b = 1 needs about {model.peak(1) / 2 ** 20:.1f} MiB, more than the budget of "
+                          f"{budget / 2 ** 20:.1f} MiB: raise --memory-budget or use a smaller model")
+    largest = min(largest, target)
+    divisor = max(d for d in range(1, largest + 1) if target % d == 0)
+    if divisor * 2 > largest:  # within a factor 2 of the largest that fits: keep b*k exactly the target
+        return Plan(divisor, target // divisor, None)
+    k = max(1, round(target / largest))
+    return Plan(largest, k, f"no divisor of {target} near the largest batch that fits ({largest}): "
+                            f"B = {largest * k} instead of {target}")

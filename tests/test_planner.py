@@ -1,0 +1,45 @@
+import pytest
+
+from sweeps.planner import parse_bytes, plan, probe, Fit
+from tests.test_sweeps import TINY, sweep
+from trainers import ConfigError, TrainConfig, train
+
+
+def test_planned_batch_runs_within_the_budget(data_dir):
+    config = TrainConfig(data_dir=data_dir)
+    budget = parse_bytes("2MiB")
+    answer = plan(probe(config), target=1024, budget=budget)
+    assert answer.effective_batch == 1024 and answer.note is None
+    peak = lambda b: train(TrainConfig(physical_batch=b, epochs=1, max_steps=3, data_dir=data_dir)).metrics[
+        "peak_memory_bytes"]
+    assert peak(answer.physical_batch) <= budget  # the plan fits (saved-tensor measure, CPU) ...
+    assert peak(2 * answer.physical_batch) > budget  # ... and the next divisor would not
+
+
+def test_plan_rounds_to_a_divisor_or_says_why():
+    fit = Fit(fixed=1000.0, per_sample=100.0, source="test", memory_source="saved_tensors", points=[])
+    assert (plan(fit, 1000, 1000 + 100 * 130).physical_batch, plan(fit, 1000, 1000 + 100 * 130).accum_steps) == \
+        (125, 8)
+    prime = plan(fit, 997, 1000 + 100 * 130)  # 997 is prime: no divisor near 130
+    assert (prime.physical_batch, prime.accum_steps, prime.effective_batch) == (130, 8, 1040)
+    assert "B = 1040 instead of 997" in prime.note
+    with pytest.raises(ConfigError, match="even b = 1 needs"):
+        plan(fit, 1000, 500)
+
+
+@pytest.mark.parametrize("text,expected", [("6GiB", 6 * 2 ** 30), ("512 MiB", 512 * 2 ** 20), ("2e9", 2 * 10 ** 9),
+                                           ("1.5GB", 1_500_000_000)])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+def test_plan_from_a_batch_memory_study(tmp_path):
+    assert sweep(tmp_path, *TINY, "--study", "batch_memory", "--n-trials", "4").returncode == 0
+    proc = sweep(tmp_path, "--plan", "--target-batch", "512", "--memory-budget", "1MiB", "--model", "mlp",
+                 "--dataset", "tests.factories:blobs1k")
+    assert proc.returncode == 0, proc.stderr
+    assert "from the batch_memory study" in proc.stdout and "(4 runs)" in proc.stdout
+    assert "plan: physical batch" in proc.stdout and "= 512" in proc.stdout
+    bad = sweep(tmp_path, "--plan", "--target-batch", "512", "--memory-budget", "lots")
+    assert bad.returncode == 2 and bad.stderr.strip() == \
+        "error: memory budget 'lots' is not a size: write e.g. 6GiB, 512MiB or 2e9"
