@@ -337,8 +337,9 @@ def test_noise_scale_matches_per_sample_gradients(data_dir):
     # training sample's own gradient, at the initial weights.
     from torch.func import functional_call, grad, vmap
 
+    # k = 16: every window is measured (below that, every ceil(16/k)-th).
     config = TrainConfig(model="mlp", dataset="tests.factories:blobs1k", base_lr=1e-9, momentum=0.0,
-                         physical_batch=8, accum_steps=8, epochs=6, data_dir=data_dir)
+                         physical_batch=4, accum_steps=16, epochs=6, data_dir=data_dir)
     estimates = [row["noise_scale"] for row in train(config).history]
     data = load_data(config.dataset, data_dir, 0)
     torch.manual_seed(config.seed)

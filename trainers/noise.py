@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-EMA_DECAY = 0.95  # per measured step: about the last 20 steps count
+EMA_DECAY = 0.9  # per measured window: about the last 10 count
 
 
 class NoiseScale:
