@@ -46,7 +46,7 @@ def _log2_axis(ax, values) -> None:
     ax.minorticks_off()
 
 
-def _finished(trials: pd.DataFrame) -> pd.DataFrame:
+def finished(trials: pd.DataFrame) -> pd.DataFrame:
     return trials[trials["status"] == "FINISHED"]
 
 
@@ -58,14 +58,14 @@ def tuned(trials: pd.DataFrame) -> bool:
 
 def critical_batch(trials: pd.DataFrame) -> float | None:
     """The predicted critical batch: the median noise scale measured at the end of the finished trials."""
-    t = _finished(trials)
+    t = finished(trials)
     if "noise_scale" not in t or t["noise_scale"].notna().sum() == 0:
         return None
     return float(t["noise_scale"].median())
 
 
 def accuracy_vs_batch(trials: pd.DataFrame) -> Figure | None:
-    t = _finished(trials)
+    t = finished(trials)
     if not _varies(t, "effective_batch") or "val_acc" not in t or tuned(t):
         return None
     hue = next((c for c in ("lr_rule", "bn_momentum_rule", "model") if _varies(t, c)), None)
@@ -105,7 +105,7 @@ def accuracy_vs_batch(trials: pd.DataFrame) -> Figure | None:
 
 
 def memory_vs_batch(trials: pd.DataFrame) -> Figure | None:
-    t = _finished(trials)
+    t = finished(trials)
     if "peak_memory_bytes" not in t or not _varies(t, "effective_batch"):
         return None
     t = t.assign(peak_mib=t["peak_memory_bytes"] / 2 ** 20)
@@ -125,7 +125,7 @@ def memory_vs_batch(trials: pd.DataFrame) -> Figure | None:
 
 
 def throughput(trials: pd.DataFrame) -> Figure | None:
-    t = _finished(trials)
+    t = finished(trials)
     if "samples_per_s" not in t or not _varies(t, "physical_batch"):
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -153,7 +153,7 @@ def learning_curves(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | Non
 
 def best_lr(trials: pd.DataFrame) -> tuple[pd.DataFrame, float] | None:
     """The best base LR per effective batch and the fitted exponent alpha of lr_opt ~ B^alpha."""
-    t = _finished(trials)
+    t = finished(trials)
     if not _varies(t, "effective_batch") or not tuned(t):
         return None
     best = t.loc[t.groupby("effective_batch")["val_acc"].idxmax(), ["effective_batch", "base_lr", "val_acc"]]
@@ -184,7 +184,7 @@ def lr_scaling(trials: pd.DataFrame) -> Figure | None:
 
 
 def bn_rules(trials: pd.DataFrame) -> Figure | None:
-    t = _finished(trials)
+    t = finished(trials)
     if not _varies(t, "bn_momentum_rule") or "accum_steps" not in t:
         return None
     t = t.assign(rule=np.where(t["accum_steps"] > 1, t["bn_momentum_rule"], "true batch"),
@@ -202,7 +202,7 @@ def bn_rules(trials: pd.DataFrame) -> Figure | None:
 
 
 def equivalence(trials: pd.DataFrame) -> Figure | None:
-    t = _finished(trials)
+    t = finished(trials)
     if "param_rel_diff" not in t:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .figures import best_lr, critical_batch, tuned
+from .figures import best_lr, critical_batch, finished, tuned
 from .runs import aggregate
 
 WITHIN_POINTS = 0.5  # a difference smaller than this, in accuracy points, counts as "the same"
@@ -18,13 +18,9 @@ def _points(diff: float) -> str:
     return f"{abs(100 * diff):.1f} points"
 
 
-def _finished(trials: pd.DataFrame) -> pd.DataFrame:
-    return trials[trials["status"] == "FINISHED"]
-
-
 def lr_rules(trials: pd.DataFrame) -> list[str]:
     """Per LR rule: how far accuracy held up as B grew, against the smallest B."""
-    t = _finished(trials)
+    t = finished(trials)
     # The question is how the LR should follow B: it needs several rules, each at one LR per B.
     if "lr_rule" not in t or t["lr_rule"].nunique() < 2 or t["effective_batch"].nunique() < 2 or tuned(t):
         return []
@@ -59,7 +55,7 @@ def lr_rules(trials: pd.DataFrame) -> list[str]:
 
 def twins(trials: pd.DataFrame) -> list[str]:
     """Accumulated points against their true-batch twins at the same B and rules."""
-    t = _finished(trials)
+    t = finished(trials)
     if "batch" not in t or t["batch"].nunique() < 2:
         return []
     keys = [c for c in ("lr_rule", "effective_batch") if c in t]
@@ -79,7 +75,7 @@ def twins(trials: pd.DataFrame) -> list[str]:
 
 
 def memory(trials: pd.DataFrame) -> list[str]:
-    t = _finished(trials)
+    t = finished(trials)
     if "peak_memory_bytes" not in t or "batch" not in t or t.get("model", pd.Series()).nunique() > 1:
         return []  # memory of different models is not one series
     acc = t[t["batch"] == "accumulated"]
@@ -102,7 +98,7 @@ def memory(trials: pd.DataFrame) -> list[str]:
 
 
 def bn(trials: pd.DataFrame) -> list[str]:
-    t = _finished(trials)
+    t = finished(trials)
     if "bn_momentum_rule" not in t or t["bn_momentum_rule"].nunique() < 2:
         return []
     k = t["accum_steps"].max()
@@ -120,7 +116,7 @@ def bn(trials: pd.DataFrame) -> list[str]:
 
 def exactness(trials: pd.DataFrame) -> list[str]:
     """Per model: is accumulation exactly the true batch, and if not, why."""
-    t = _finished(trials)
+    t = finished(trials)
     if "param_rel_diff" not in t:
         return []
     out = []
@@ -160,7 +156,7 @@ def noise_scale(trials: pd.DataFrame) -> list[str]:
     b_crit = critical_batch(trials)
     if b_crit is None:
         return []
-    t = _finished(trials)
+    t = finished(trials)
     measured = t["noise_scale"].dropna()
     sentence = (f"The gradient noise scale at the last epoch was {b_crit:.0f} (median of {len(measured)} trials "
                 f"with k ≥ 2, range {measured.min():.0f}–{measured.max():.0f}): McCandlish et al. (2018) predict "

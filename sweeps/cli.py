@@ -95,7 +95,7 @@ def results_table(plan, storage) -> str:
     import optuna
 
     trials = []
-    for name in dict.fromkeys(u[0] for u in plan.units()):
+    for name in plan.study_names():
         trials += [t for t in optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
                    if t.user_attrs.get("reason") != "duplicate" and t.state.is_finished()]
     sign = -1 if plan.direction == "maximize" else 1
@@ -228,8 +228,8 @@ def memory_plan(args: argparse.Namespace) -> int:
     config = apply_overrides(dataclasses.replace(TrainConfig(), **flags), args.set)
     memory_source = "cuda_allocator" if resolve_device(config.device).type == "cuda" else "saved_tensors"
     uri = args.tracking_uri or default_tracking_uri()
-    fitted = (from_study(config, uri, memory_source) if not uri.startswith("sqlite:///")
-              or Path(uri.removeprefix("sqlite:///")).exists() else None) or probe(config)
+    no_local_store = uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists()
+    fitted = (None if no_local_store else from_study(config, uri, memory_source)) or probe(config)
     answer = plan(fitted, args.target_batch, budget)
     print(f"{config.model} on {config.dataset}: peak memory ({fitted.memory_source}) = "
           f"{format_bytes(fitted.fixed)} + {format_bytes(fitted.per_sample)} x b, from the {fitted.source}")

@@ -93,6 +93,10 @@ class Plan:
             return [(self.study_name, p, s) for p in self.study.points for s in self.seeds]
         return [(f"{self.study_name}/{point_key(p, s)}", p, s) for p in self.study.points for s in self.seeds]
 
+    def study_names(self) -> list[str]:
+        """The Optuna studies, in order, each once."""
+        return list(dict.fromkeys(name for name, _, _ in self.units()))
+
     @property
     def direction(self) -> str:
         return "minimize" if self.study.kind == "equivalence" else "maximize"
@@ -115,7 +119,7 @@ def pruner_for(plan: Plan) -> optuna.pruners.BasePruner:
 
 def create_studies(plan: Plan, storage: optuna.storages.BaseStorage) -> None:
     """Create (or find) every Optuna study once, before any worker starts."""
-    for name in dict.fromkeys(u[0] for u in plan.units()):
+    for name in plan.study_names():
         optuna.create_study(storage=storage, study_name=name, direction=plan.direction, load_if_exists=True)
 
 
@@ -150,7 +154,7 @@ def taken_points(trials: list[optuna.trial.FrozenTrial], besides: int = -1) -> s
 def remaining(plan: Plan, storage) -> int:
     """Trials still to run in the whole study (grid points left, or tuning trials left)."""
     left = 0
-    for name in dict.fromkeys(u[0] for u in plan.units()):
+    for name in plan.study_names():
         study = optuna.load_study(study_name=name, storage=storage)
         if plan.study.tune is None:
             keys = {point_key(p, s) for _, p, s in plan.units()}
@@ -188,8 +192,7 @@ class Worker:
         """Run at most `budget` trials (None: until nothing is left); returns how many ran."""
         ran = 0
         units = self.plan.units()
-        names = list(dict.fromkeys(u[0] for u in units))
-        for i, name in enumerate(names):
+        for i, name in enumerate(self.plan.study_names()):
             study = optuna.load_study(study_name=name, storage=self.storage,
                                       sampler=sampler_for(self.plan, i, self.index), pruner=pruner_for(self.plan))
             mine = [(p, s) for n, p, s in units if n == name]
