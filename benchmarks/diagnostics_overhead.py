@@ -1,79 +1,77 @@
-"""Cost of the diagnostics: the trainer with them against the trainer without them.
+"""Cost of the diagnostics: the time the trainer spends inside them, as a share of its training time.
 
-`--what health` (grad_norm, update_ratio, dead_fraction), `noise` (the gradient noise scale) or `both`.
-Same model, data and device in one process, interleaved repeats after a warm-up; prints the median
-samples/s ratio (with / without) and, last, `overhead=<1 - ratio>`.
+The health statistics (`trainers/health.py`: StepStats.before_step and after_step) and the gradient noise
+scale (`trainers/noise.py`: NoiseScale.after_micro and step) are timed where they run, in the same runs
+whose training time they are divided by: the machine's noise hits numerator and denominator alike. What
+they cost beyond their own calls (caches, allocator) shows in `throughput.py`, whose hand-written loop
+computes none of them. Prints each part per call and, last, the median total share as `overhead=<x>`.
 
-    python benchmarks/diagnostics_overhead.py [--what noise] [--accum-steps 4] [--device cuda]
+    python benchmarks/diagnostics_overhead.py [--accum-steps 16] [--device cuda]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
+from collections import defaultdict
 
 import torch
 
-import trainers.loop as loop
 from trainers import TrainConfig, train
 from trainers.cli import add_config_flags, config_from_args
+from trainers.data import load_data
 from trainers.health import StepStats
 from trainers.noise import NoiseScale
 
-
-class NoStats(StepStats):
-    """Takes nothing but |G_B| (which the noise scale needs): the trainer without health statistics."""
-
-    def before_step(self):
-        grads = [p.grad for p in self.params if p.grad is not None]
-        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-
-    def after_step(self) -> None:
-        pass
-
-    def epoch(self) -> dict[str, float]:
-        return {"grad_norm": 1.0, "update_ratio": 1e-3, "dead_fraction": 0.0}
+PARTS = {StepStats: ("before_step", "after_step"), NoiseScale: ("after_micro", "step")}
+spent: dict[str, float] = defaultdict(float)
+calls: dict[str, int] = defaultdict(int)
 
 
-class NoNoise(NoiseScale):
-    """Measures nothing."""
+def timed(cls: type, name: str) -> None:
+    """Wrap cls.name so that every call adds its time to `spent` (synchronized on a GPU, where the work is
+    queued rather than done inside the call)."""
+    method, key = getattr(cls, name), f"{cls.__name__}.{name}"
 
-    def before_micro(self) -> None:
-        pass
+    def wrapper(self, *args, **kwargs):
+        start = time.perf_counter()
+        result = method(self, *args, **kwargs)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        spent[key] += time.perf_counter() - start
+        calls[key] += 1
+        return result
 
-    def after_micro(self, first: bool, n_window: int, n: int) -> None:
-        pass
-
-    def step(self, window_grad_norm) -> None:
-        pass
+    setattr(cls, name, wrapper)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_flags(parser)
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--what", choices=("health", "noise", "both"), default="both")
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    config = config_from_args(args, TrainConfig(epochs=4, accum_steps=4))
+    config = config_from_args(args, TrainConfig(epochs=10, accum_steps=4))
+    n_train = len(load_data(config.dataset, config.data_dir, config.seed).x_train)
+    for cls, names in PARTS.items():
+        for name in names:
+            timed(cls, name)
     train(config)  # warm-up
-    ratios = []
-    off = {"health": {"StepStats": NoStats}, "noise": {"NoiseScale": NoNoise}}
-    switched = {**off["health"], **off["noise"]} if args.what == "both" else off[args.what]
-    real = {"StepStats": StepStats, "NoiseScale": NoiseScale}
+    shares, per_call = [], defaultdict(list)
     for _ in range(args.repeats):
-        for name, cls in real.items():
-            setattr(loop, name, cls)
-        with_them = train(config).metrics["samples_per_s"]
-        for name, cls in switched.items():
-            setattr(loop, name, cls)
-        without = train(config).metrics["samples_per_s"]
-        ratios.append(with_them / without)
-    for name, cls in real.items():
-        setattr(loop, name, cls)
-    ratio = statistics.median(ratios)
-    print(f"what={args.what} model={config.model} b={config.physical_batch} k={config.accum_steps} "
-          f"ratios={[round(r, 3) for r in ratios]}")
-    print(f"with/without median {ratio:.3f}")
-    print(f"overhead={1 - ratio:.3f}")
+        spent.clear()
+        calls.clear()
+        result = train(config)
+        train_time = config.epochs * n_train / result.metrics["samples_per_s"]
+        shares.append(sum(spent.values()) / train_time)
+        for key, seconds in spent.items():
+            per_call[key].append((seconds / calls[key], calls[key], seconds / train_time))
+    print(f"model={config.model} b={config.physical_batch} k={config.accum_steps} epochs={config.epochs} "
+          f"threads={torch.get_num_threads()}")
+    for key, rows in per_call.items():
+        print(f"{key:24s} {statistics.median(r[0] for r in rows) * 1e6:7.1f} µs a call, "
+              f"{rows[0][1]} calls a run, share {statistics.median(r[2] for r in rows):.4f}")
+    print(f"total shares: {[round(s, 4) for s in shares]}")
+    print(f"overhead={statistics.median(shares):.4f}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """Samples/s of batchsweep's trainer against a plain hand-written accumulation loop.
 
-Same model, data, device and precision, in one process; repeats interleaved after a warm-up so that
-machine noise hits both alike. Prints the median ratio (trainer / hand-written) as `ratio=<x>` last.
+Same model, data, device and precision, in one process. The two alternate epoch by epoch: the trainer
+runs `--epochs` epochs and, from its per-epoch callback, the hand-written loop runs one epoch of its own
+after each of them. Each trainer epoch is compared with the mean of the hand-written epochs just before
+and just after it, so that the machine's slow and fast seconds, and any drift, hit both alike. After a
+warm-up, prints every epoch, the quartiles of the ratios and, last, their median as `ratio=<x>`.
 
     python benchmarks/throughput.py [--device cuda] [--model resnet18 --dataset cifar10 --precision bf16]
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -19,50 +23,61 @@ from trainers.cli import add_config_flags, config_from_args
 from trainers.loop import _prepare, make_optimizer, permutation
 
 
-def hand_written(config: TrainConfig) -> float:
-    """The loop everyone writes: loss / k, backward, step every k micro-batches. Returns samples/s."""
-    device, data, model, _ = _prepare(config)
-    optimizer = make_optimizer(config, list(model.parameters()))
-    b, k, n = config.physical_batch, config.accum_steps, len(data.x_train)
-    bf16 = config.precision == "bf16"
-    start = time.perf_counter()
-    for epoch in range(1, config.epochs + 1):
-        for i, idx in enumerate(permutation(config, epoch, n, device).split(b)):
-            with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
+class HandWritten:
+    """The loop everyone writes: loss / k, backward, step every k micro-batches. One epoch per call."""
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        self.device, self.data, self.model, _ = _prepare(config)
+        self.optimizer = make_optimizer(config, list(self.model.parameters()))
+        self.epoch = 0
+
+    def run_epoch(self) -> float:
+        """Trains one epoch; returns its samples/s."""
+        config, data, model, optimizer = self.config, self.data, self.model, self.optimizer
+        b, k, n = config.physical_batch, config.accum_steps, len(data.x_train)
+        bf16 = config.precision == "bf16"
+        self.epoch += 1
+        start = time.perf_counter()
+        for i, idx in enumerate(permutation(config, self.epoch, n, self.device).split(b)):
+            with torch.autocast(self.device.type, torch.bfloat16, enabled=bf16):
                 loss = F.cross_entropy(model(data.x_train[idx]), data.y_train[idx]) / k
             loss.backward()
             if (i + 1) % k == 0:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return config.epochs * n / (time.perf_counter() - start)
-
-
-def ours(config: TrainConfig) -> float:
-    """Training samples/s as the trainer reports it (evaluation excluded, as in the hand-written loop)."""
-    return train(config).metrics["samples_per_s"]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return n / (time.perf_counter() - start)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_flags(parser)
-    parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    base = TrainConfig(physical_batch=32, accum_steps=4, epochs=4)
-    config = config_from_args(args, base)
+    config = config_from_args(args, TrainConfig(physical_batch=32, accum_steps=4, epochs=40))
     print(f"model={config.model} dataset={config.dataset} b={config.physical_batch} k={config.accum_steps} "
-          f"precision={config.precision} threads={torch.get_num_threads()}")
-    ours(config), hand_written(config)  # warm-up: caches, allocator, kernels
+          f"precision={config.precision} threads={torch.get_num_threads()} epochs={config.epochs}")
+    hand = HandWritten(config)
+    warm_up = min(config.epochs, 2)
+    train(replace(config, epochs=warm_up))  # caches, allocator, kernels
+    hand_sps = [hand.run_epoch() for _ in range(warm_up)][-1:]
     ratios = []
-    for r in range(args.repeats):
-        ours_sps, hand_sps = ours(config), hand_written(config)
-        ratios.append(ours_sps / hand_sps)
-        print(f"repeat {r + 1}: trainer {ours_sps:,.0f} samples/s, hand-written {hand_sps:,.0f} samples/s, "
-              f"ratio {ratios[-1]:.3f}")
+
+    def pair(row: dict[str, float]) -> None:
+        hand_sps.append(hand.run_epoch())
+        ratios.append(row["samples_per_s"] / statistics.mean(hand_sps[-2:]))
+        print(f"epoch {int(row['epoch'])}: trainer {row['samples_per_s']:,.0f} samples/s, "
+              f"hand-written {hand_sps[-1]:,.0f} samples/s, ratio {ratios[-1]:.3f}")
+
+    train(config, on_epoch=pair)
+    if len(ratios) > 1:
+        quartiles = statistics.quantiles(ratios, n=4)
+        print(f"quartiles of the ratio: {quartiles[0]:.3f} {quartiles[1]:.3f} {quartiles[2]:.3f} "
+              f"({len(ratios)} epochs)")
     print(f"ratio={statistics.median(ratios):.3f}")
 
 

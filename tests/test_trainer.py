@@ -295,6 +295,64 @@ def test_far_too_large_learning_rates_are_flagged(data_dir):
     assert stalled.health == "stalled"
 
 
+def test_step_statistics_match_a_direct_computation():
+    from trainers.health import StepStats
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(5)), nn.Parameter(torch.randn(2))]
+    stats = StepStats(params)
+    grad_norms, ratios = [], []
+    for step in range(3):
+        params[0].grad, params[1].grad = torch.randn(3, 4), torch.randn(5)  # params[2] never gets one
+        old = torch.cat([p.detach().flatten() for p in params])
+        grad_norms.append(torch.cat([params[0].grad.flatten(), params[1].grad.flatten()]).norm())
+        stats.before_step()
+        with torch.no_grad():
+            params[0].sub_(0.1 * params[0].grad)
+            params[1].mul_(1.5)
+        new = torch.cat([p.detach().flatten() for p in params])
+        ratios.append((new - old).norm() / new.norm())
+        stats.after_step()
+    row = stats.epoch()
+    assert row["grad_norm"] == pytest.approx(torch.stack(grad_norms).mean().item(), rel=1e-6)
+    assert row["update_ratio"] == pytest.approx(torch.stack(ratios).mean().item(), rel=1e-6)
+    assert row["dead_fraction"] == pytest.approx(1 / 3)
+    assert stats.ever_got_grad.tolist() == [True, True, False]
+    assert stats.epoch() == {}  # a new epoch starts empty
+
+
+def test_measuring_changes_nothing(data_dir):
+    # The diagnostics read gradients and weights, never write them: a run that measures nothing (no-op
+    # stand-ins, as in benchmarks/) ends with bitwise the same weights.
+    import trainers.loop as loop
+    from trainers.health import StepStats
+    from trainers.noise import NoiseScale
+
+    class Blind(StepStats):
+        def before_step(self):
+            pass
+
+        def after_step(self):
+            pass
+
+    class Deaf(NoiseScale):
+        def after_micro(self):
+            pass
+
+        def step(self):
+            pass
+
+    config = TrainConfig(physical_batch=16, accum_steps=16, epochs=1, data_dir=data_dir)
+    measured = train(config)
+    assert "noise_scale" in measured.metrics and "grad_norm" in measured.metrics
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop, "StepStats", Blind)
+        patch.setattr(loop, "NoiseScale", Deaf)
+        blind = train(config)
+    for p, q in zip(measured.model.parameters(), blind.model.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_exploding_and_dead_verdicts_from_their_thresholds():
     from trainers.health import verdict
 

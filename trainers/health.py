@@ -17,59 +17,52 @@ STALLED_LOSS_FALL = 0.01  # the training loss fell by less than 1% from the firs
 # ... or never got below the loss of a uniform guess, ln(classes): falling from a blow-up is not learning.
 
 
+def tensor_norms(grads: list[torch.Tensor | None], zero: torch.Tensor) -> list[torch.Tensor]:
+    """Per-tensor norms (0-dim tensors on the device), `zero` for a tensor without gradient."""
+    present = [g for g in grads if g is not None]
+    if len(present) == len(grads):
+        return list(torch._foreach_norm(grads))
+    norms = iter(torch._foreach_norm(present) if present else ())
+    return [next(norms) if g is not None else zero for g in grads]
+
+
 class StepStats:
-    """Window-gradient norm, relative update size and which tensors got a gradient, kept on the device
-    and read once per epoch: a dozen small ops a step, no synchronization."""
+    """Window-gradient norm, relative update size and which tensors got a gradient. A sampled step only takes
+    per-tensor norms and a copy of the weights (four foreach ops, no synchronization); the rest of the
+    arithmetic waits for the epoch's end, a handful of ops over all its sampled steps at once."""
 
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
         self.weights = [p.detach() for p in params]
         self.before = [w.clone() for w in self.weights]  # the weights before each step, reused
         self.n = len(params)
-        device = params[0].device if params else "cpu"
-        self.zero = torch.zeros((), device=device)
+        self.zero = torch.zeros((), device=params[0].device, dtype=params[0].dtype) if params else None
         self.ever_got_grad = torch.zeros(self.n, dtype=torch.bool)  # over the whole run
-        self.grad_norm_sum = torch.zeros((), device=device)
-        self.update_ratio_sum = torch.zeros((), device=device)
-        self.tensor_norms = torch.zeros(self.n, device=device)  # per tensor, summed over the epoch
-        self.steps = 0
+        self.grad_norms: list[torch.Tensor] = []  # per sampled step, n per-tensor gradient norms
+        self.moves: list[torch.Tensor] = []  # per sampled step, n norms of the change, then n of the weights
 
-    def before_step(self) -> torch.Tensor:
-        """Call with the window's gradient in place, before clipping; returns |G_B| as a tensor."""
-        grads = [p.grad for p in self.params]
-        if all(g is not None for g in grads):
-            per_tensor = torch.stack(torch._foreach_norm(grads))
-        else:  # a tensor without gradient this window counts as zero
-            norms = iter(torch._foreach_norm([g for g in grads if g is not None]))
-            per_tensor = torch.stack([next(norms) if g is not None else self.zero for g in grads])
-        self.tensor_norms.add_(per_tensor)
-        total = torch.linalg.vector_norm(per_tensor)
-        self.grad_norm_sum.add_(total)
+    def before_step(self) -> None:
+        """Call with the window's gradient in place, before clipping."""
+        self.grad_norms += tensor_norms([p.grad for p in self.params], self.zero)
         torch._foreach_copy_(self.before, self.weights)
-        return total
 
     def after_step(self) -> None:
         torch._foreach_sub_(self.before, self.weights)  # now the step's change, old - new
-        # One norm per row: |change| and |weights| over all tensors.
-        moved, size = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(self.before + self.weights))
-                                               .view(2, self.n), dim=1)
-        self.update_ratio_sum.add_(moved / size.clamp_min(1e-30))
-        self.steps += 1
+        self.moves += torch._foreach_norm(self.before + self.weights)
 
     def epoch(self) -> dict[str, float]:
-        """The epoch's means, and the fraction of trainable tensors that never got a nonzero gradient."""
-        if not self.steps:
+        """The epoch's means over its sampled steps, and the fraction of trainable tensors that got no
+        nonzero gradient in any of them."""
+        if not self.grad_norms:
             return {}
-        grad_norm, update_ratio = self.grad_norm_sum.item() / self.steps, self.update_ratio_sum.item() / self.steps
-        got_grad = (self.tensor_norms > 0).cpu()
+        grads = torch.stack(self.grad_norms).view(-1, self.n)
+        moved, size = torch.linalg.vector_norm(torch.stack(self.moves).view(-1, 2, self.n), dim=2).unbind(1)
+        got_grad = (grads > 0).any(0).cpu()
         self.ever_got_grad |= got_grad
-        out = {"grad_norm": grad_norm, "update_ratio": update_ratio,
-               "dead_fraction": 1.0 - got_grad.float().mean().item()}
-        self.grad_norm_sum.zero_()
-        self.update_ratio_sum.zero_()
-        self.tensor_norms.zero_()
-        self.steps = 0
-        return out
+        self.grad_norms, self.moves = [], []
+        return {"grad_norm": torch.linalg.vector_norm(grads, dim=1).mean().item(),
+                "update_ratio": (moved / size.clamp_min(1e-30)).mean().item(),
+                "dead_fraction": 1.0 - got_grad.float().mean().item()}
 
 
 def coverage_warnings(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:

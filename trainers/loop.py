@@ -204,8 +204,8 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None) -> TrainRe
     params = [p for group in optimizer.param_groups for p in group["params"]]
     notes += coverage_warnings(model, optimizer)
     stats = StepStats(params)
-    # Health statistics cost about 1/15 of a cnn1d micro-batch of 32 on a CPU per step: take them every step
-    # from k = 16, every ceil(16/k)-th step below (the means stay unbiased), so they stay near 1% of the work.
+    # A sampled step's health statistics cost about a twelfth of a cnn1d micro-batch of 32 on a CPU: take them
+    # every step from k = 16, every ceil(16/k)-th step below (the means stay unbiased), about 0.5% of the time.
     stats_every = math.ceil(16 / config.accum_steps)
     bf16 = config.precision == "bf16"
     b = config.physical_batch
@@ -227,31 +227,31 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None) -> TrainRe
         start = time.perf_counter()
         loss_total = torch.zeros((), device=device, dtype=torch.float64)
         epoch_samples = 0
-        for w, window in enumerate(windows(permutation(config, epoch, n_train, device), config)):
+        for window in windows(permutation(config, epoch, n_train, device), config):
             lr = lr_at(config, step, total_steps, steps_per_epoch)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             n_window = len(window)
-            # Every full window holds the same tensors: count them in the first window of each epoch only.
-            measuring = w == 0 and not on_cuda
+            # Every full window holds the same tensors: count them in the run's first window only (the
+            # counting hooks cost a sixth of a micro-batch).
+            measuring = step == 0 and not on_cuda
             sampled = step % stats_every == 0
-            # The noise scale on every other diagnostics step: its copies cost more (full windows only).
+            # The noise scale on every other diagnostics step, full windows only: it costs a flat copy of the
+            # gradient and a norm per micro-batch.
             tracking_noise = noise is not None and step % (2 * stats_every) == 0 and n_window == config.effective_batch
-            for i, idx in enumerate(window.split(b)):
-                if tracking_noise and i:
-                    noise.before_micro()
+            for idx in window.split(b):
                 with saved.hooks() if measuring else nullcontext():
                     with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
                         loss = sum_loss(model(data.x_train[idx]), data.y_train[idx])
                 # Divide by the window's sample count, not by k: exact for short windows and micro-batches.
                 (loss / n_window).backward()
                 if tracking_noise:
-                    noise.after_micro(i == 0, n_window, len(idx))
+                    noise.after_micro()
                 loss_total += loss.detach()
             if sampled:
-                window_grad_norm = stats.before_step()
-                if tracking_noise:
-                    noise.step(window_grad_norm)
+                stats.before_step()
+            if tracking_noise:
+                noise.step()
             if config.grad_clip:
                 nn.utils.clip_grad_norm_(params, config.grad_clip)
             optimizer.step()
