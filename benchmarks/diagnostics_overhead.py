@@ -18,7 +18,7 @@ from collections import defaultdict
 import torch
 
 from trainers import TrainConfig, train
-from trainers.cli import add_config_flags, config_from_args
+from trainers.cli import add_config_flags, config_from_args, run_script
 from trainers.data import load_data
 from trainers.health import StepStats
 from trainers.noise import NoiseScale
@@ -75,4 +75,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -13,7 +13,7 @@ import argparse
 from dataclasses import replace
 
 from trainers import TrainConfig, train
-from trainers.cli import add_config_flags, config_from_args, format_bytes
+from trainers.cli import add_config_flags, config_from_args, format_bytes, run_script
 
 
 def main() -> None:
@@ -37,4 +37,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -18,6 +18,7 @@ import sweeps.runner as runner
 from sweeps.cli import build_plan, parse_args
 from sweeps.runner import Worker, create_studies, open_storage
 from sweeps.tracking import Tracker
+from trainers.cli import run_script
 
 
 def main() -> None:
@@ -59,4 +60,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

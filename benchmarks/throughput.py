@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from trainers import TrainConfig, train
-from trainers.cli import add_config_flags, config_from_args
+from trainers.cli import add_config_flags, config_from_args, run_script
 from trainers.loop import _prepare, make_optimizer, permutation
 
 
@@ -82,4 +82,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

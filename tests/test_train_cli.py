@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from tests.conftest import run_script
 from trainers.cli import main
@@ -62,3 +63,16 @@ def test_script_bad_input_has_no_traceback(data_dir):
     proc = run_script("trainers/train.py", "--accum-steps", "0", "--data-dir", data_dir)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: accum_steps must be >= 1, got 0"
+
+
+@pytest.mark.parametrize("script", ["benchmarks/throughput.py", "benchmarks/memory.py",
+                                    "benchmarks/diagnostics_overhead.py"])
+def test_benchmark_scripts_refuse_bad_input_in_one_line(script):
+    result = run_script(script, "--physical-batch", "0")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["error: physical_batch must be >= 1, got 0"], result.stderr
+    if not torch.cuda.is_available():  # where there is a GPU, --device cuda is good input
+        result = run_script(script, "--device", "cuda")
+        assert result.returncode == 2
+        assert result.stderr.strip().splitlines() == [
+            "error: device 'cuda' is not available on this machine: use --device cpu or auto"], result.stderr

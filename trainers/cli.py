@@ -66,6 +66,15 @@ def summary_table(result) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def run_script(main) -> None:
+    """Run a benchmark script's `main()`: bad input (a BatchsweepError) is one line and exit status 2."""
+    try:
+        main()
+    except BatchsweepError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
 def epoch_progress(total: int):
     """A bar over epochs: returns (callback, close)."""
     from tqdm import tqdm
