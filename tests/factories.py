@@ -19,12 +19,17 @@ def zero_linear(input_shape, num_classes, **_):
     return model
 
 
+def _blobs(train: int, test: int, data_seed: int):
+    """Points in 4-D around one centre per class, 3 classes taking turns."""
+    g = torch.Generator().manual_seed(data_seed)
+    y = torch.arange(train + test) % 3
+    x = torch.randn(train + test, 4, generator=g) + y[:, None].float()
+    return TensorDataset(x[:train], y[:train]), TensorDataset(x[train:], y[train:])
+
+
 def blobs(seed=0, **_):
     """90 train and 30 test points in 3 classes: 3 windows of 30 at b=10, k=3."""
-    g = torch.Generator().manual_seed(7)
-    y = torch.arange(120) % 3
-    x = torch.randn(120, 4, generator=g) + y[:, None].float()
-    return TensorDataset(x[:90], y[:90]), TensorDataset(x[90:], y[90:])
+    return _blobs(90, 30, 7)
 
 
 class GradProbe(nn.Module):
@@ -62,10 +67,7 @@ def broken_model(**_):
 
 def blobs1k(seed=0, **_):
     """1,024 train and 256 test points in 3 classes: big enough for every accum_lr point (B <= 512)."""
-    g = torch.Generator().manual_seed(11)
-    y = torch.arange(1280) % 3
-    x = torch.randn(1280, 4, generator=g) + y[:, None].float()
-    return TensorDataset(x[:1024], y[:1024]), TensorDataset(x[1024:], y[1024:])
+    return _blobs(1024, 256, 11)
 
 
 class OutOfMemory(nn.Module):

@@ -17,15 +17,6 @@ STALLED_LOSS_FALL = 0.01  # the training loss fell by less than 1% from the firs
 # ... or never got below the loss of a uniform guess, ln(classes): falling from a blow-up is not learning.
 
 
-def tensor_norms(grads: list[torch.Tensor | None], zero: torch.Tensor) -> list[torch.Tensor]:
-    """Per-tensor norms (0-dim tensors on the device), `zero` for a tensor without gradient."""
-    present = [g for g in grads if g is not None]
-    if len(present) == len(grads):
-        return list(torch._foreach_norm(grads))
-    norms = iter(torch._foreach_norm(present) if present else ())
-    return [next(norms) if g is not None else zero for g in grads]
-
-
 class StepStats:
     """Window-gradient norm, relative update size and which tensors got a gradient. A sampled step only takes
     per-tensor norms and a copy of the weights (four foreach ops, no synchronization); the rest of the
@@ -43,7 +34,10 @@ class StepStats:
 
     def before_step(self) -> None:
         """Call with the window's gradient in place, before clipping."""
-        self.grad_norms += tensor_norms([p.grad for p in self.params], self.zero)
+        grads = [p.grad for p in self.params]
+        present = [g for g in grads if g is not None]
+        norms = iter(torch._foreach_norm(present) if present else ())
+        self.grad_norms += [next(norms) if g is not None else self.zero for g in grads]  # none counts as zero
         torch._foreach_copy_(self.before, self.weights)
 
     def after_step(self) -> None:

@@ -14,11 +14,6 @@ from torch import nn
 EMA_DECAY = 0.9  # per measured window: about the last 10 count
 
 
-def flat_grad(params: list[nn.Parameter]) -> torch.Tensor:
-    """The gradients of `params` as one new vector, zeros where a tensor has none."""
-    return torch.cat([(p.grad if p.grad is not None else p.new_zeros(p.shape)).reshape(-1) for p in params])
-
-
 class NoiseScale:
     """Measures full windows only: after each micro-batch's backward, a flat copy of the accumulated gradient;
     the increment is its difference from the copy before, and the last copy is the window's gradient. One
@@ -36,7 +31,8 @@ class NoiseScale:
 
     def after_micro(self) -> None:
         """After every micro-batch's backward in a measured window."""
-        current = flat_grad(self.params)
+        current = torch.cat([(p.grad if p.grad is not None else p.new_zeros(p.shape)).reshape(-1)
+                             for p in self.params])
         self.small.append(torch.linalg.vector_norm(current if self.previous is None else current - self.previous))
         self.previous = current
 
