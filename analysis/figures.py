@@ -12,7 +12,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from .runs import aggregate  # noqa: E402
+from .runs import aggregate, knee, steps_to_target  # noqa: E402
 
 MEMORY_LABELS = {"saved_tensors": "peak memory, MiB (saved-for-backward tensors + state, CPU)",
                  "cuda_allocator": "peak memory, MiB (CUDA allocator)"}
@@ -26,13 +26,30 @@ class Figure:
     context: str  # which device, dataset, model, seeds and epochs stand behind it
 
 
-def context(trials: pd.DataFrame) -> str:
-    def values(column: str) -> str:
-        return ", ".join(sorted(map(str, trials[column].dropna().unique()))) if column in trials else "?"
+def _values(trials: pd.DataFrame, column: str) -> str:
+    return ", ".join(sorted(map(str, trials[column].dropna().unique()))) if column in trials else "?"
 
+
+def protocol(trials: pd.DataFrame) -> str:
+    """The training protocol behind the trials: optimizer, schedule, warmup, weight decay, epochs, seeds."""
     seeds = trials["seed"].nunique() if "seed" in trials else 1
-    return (f"{values('model')} on {values('dataset')}; device {values('device_name')}; "
-            f"{seeds} seed{'s' * (seeds != 1)}; {values('epochs')} epochs; {len(trials)} trials")
+    parts = []
+    if "optimizer" in trials:
+        parts.append(_values(trials, "optimizer") + (f" (momentum {_values(trials, 'momentum')})"
+                                                      if "momentum" in trials and "sgd" in set(trials["optimizer"]) else ""))
+    if "schedule" in trials:
+        warmup = _values(trials, "warmup_epochs") if "warmup_epochs" in trials else "0"
+        parts.append(f"{'no warmup' if warmup in ('0', '0.0') else f'linear warmup {warmup} epochs'}, then "
+                     f"{_values(trials, 'schedule')}")
+    if "weight_decay" in trials:
+        parts.append(f"weight decay {_values(trials, 'weight_decay')}")
+    parts += [f"{_values(trials, 'epochs')} epochs", f"{seeds} seed{'s' * (seeds != 1)}"]
+    return "; ".join(parts)
+
+
+def context(trials: pd.DataFrame) -> str:
+    return (f"{_values(trials, 'model')} on {_values(trials, 'dataset')}; device {_values(trials, 'device_name')}; "
+            f"{protocol(trials)}; {len(trials)} trials")
 
 
 def _varies(trials: pd.DataFrame, column: str) -> bool:
@@ -56,12 +73,20 @@ def tuned(trials: pd.DataFrame) -> bool:
         trials.groupby("effective_batch")["base_lr"].nunique().max() > 1
 
 
+def reliable_noise(trials: pd.DataFrame) -> pd.Series:
+    """The last-epoch noise scales that can be read: runs that marked theirs unreliable are left out."""
+    if "noise_scale" not in trials:
+        return pd.Series(dtype=float)
+    ok = trials["noise_scale"].notna()
+    if "noise_scale_reliable" in trials:
+        ok &= trials["noise_scale_reliable"].fillna(1.0) > 0
+    return trials.loc[ok, "noise_scale"]
+
+
 def critical_batch(trials: pd.DataFrame) -> float | None:
-    """The predicted critical batch: the median noise scale measured at the end of the finished trials."""
-    t = finished(trials)
-    if "noise_scale" not in t or t["noise_scale"].notna().sum() == 0:
-        return None
-    return float(t["noise_scale"].median())
+    """The predicted critical batch: the median of the reliable noise scales at the end of the finished trials."""
+    values = reliable_noise(finished(trials))
+    return float(values.median()) if len(values) else None
 
 
 def accuracy_vs_batch(trials: pd.DataFrame) -> Figure | None:
@@ -76,7 +101,7 @@ def accuracy_vs_batch(trials: pd.DataFrame) -> Figure | None:
         fig, ax = plt.subplots(figsize=(7, 4.5))
     else:  # the measured noise scale beside the accuracy curve
         fig, (ax, noise_ax) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
-        measured = t.dropna(subset=["noise_scale"])
+        measured = t.loc[reliable_noise(t).index]
         sns.scatterplot(data=measured, x="effective_batch", y="noise_scale", hue=hue, ax=noise_ax, legend=False)
         noise_ax.axhline(b_crit, color="gray", linestyle="--", linewidth=1)
         _log2_axis(noise_ax, measured["effective_batch"])
@@ -236,7 +261,49 @@ def health(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | None:
     return Figure("health", "Training health: gradient norm and update ratio of every trial", fig, context(trials))
 
 
+def steps_vs_batch(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | None:
+    """Steps and samples to the target accuracy against B on log-log axes, with perfect scaling (Shallue et al.)."""
+    t = finished(trials)
+    if tuned(t) or "effective_batch" not in t or t["effective_batch"].nunique() < 3:
+        return None
+    if "accum_steps" in t and (t["accum_steps"] > 1).any():
+        t = t[t["physical_batch"] == t.loc[t["accum_steps"] > 1, "physical_batch"].mode().iloc[0]]
+    keys = [c for c in ("lr_rule", "bn_momentum_rule") if c in t and t[c].nunique() > 1]
+    found = steps_to_target(t, history, keys)
+    if found is None or found[0]["steps"].notna().sum() < 2:
+        return None
+    table, target = found
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    groups = list(table.groupby(keys)) if keys else [("all", table)]
+    for color, (group, rows) in zip(sns.color_palette(), groups):
+        group = group[0] if isinstance(group, tuple) else group
+        rows = rows.dropna(subset=["steps"]).sort_values("effective_batch")
+        for ax, column in ((left, "steps"), (right, "samples")):
+            ax.plot(rows["effective_batch"], rows[column], "o-", color=color, label=str(group))
+        b = knee(rows)
+        if b:
+            left.axvline(b, color=color, linestyle=":", linewidth=1)
+    reached = table.dropna(subset=["steps"]).sort_values("effective_batch")
+    b0 = reached["effective_batch"].iloc[0]
+    first = reached[reached["effective_batch"] == b0]["steps"].min()
+    xs = np.array(sorted(table["effective_batch"].unique()), float)
+    left.plot(xs, first * b0 / xs, "--", color="gray", label="perfect scaling (steps ∝ 1/B)")
+    right.plot(xs, np.full_like(xs, first * b0), "--", color="gray", label="perfect scaling (samples constant)")
+    for ax, label in ((left, "optimizer steps to target"), (right, "training samples to target")):
+        _log2_axis(ax, xs)
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.set(xlabel="effective batch B", ylabel=label)
+    left.legend(title=" / ".join(keys) or None, fontsize=8)
+    fig.suptitle(f"target: {100 * target:.1f}% validation accuracy (95% of the best mean); dotted: where steps "
+                 f"stopped halving; evaluated once an epoch", fontsize=9)
+    fig.tight_layout()
+    return Figure("steps_to_target", "Steps and samples to the target accuracy against effective batch (log–log)",
+                  fig, context(t))
+
+
 def all_figures(trials: pd.DataFrame, history: pd.DataFrame) -> list[Figure]:
-    made = [accuracy_vs_batch(trials), memory_vs_batch(trials), throughput(trials), learning_curves(trials, history),
-            lr_scaling(trials), bn_rules(trials), equivalence(trials), health(trials, history)]
+    made = [accuracy_vs_batch(trials), steps_vs_batch(trials, history), memory_vs_batch(trials), throughput(trials),
+            learning_curves(trials, history), lr_scaling(trials), bn_rules(trials), equivalence(trials),
+            health(trials, history)]
     return [f for f in made if f is not None]

@@ -1,13 +1,24 @@
-"""The report's summary: plain sentences computed from the trials frame."""
+"""The report's summary: plain sentences computed from the trials frame.
+
+Every comparison (rule against rule, accumulated against its true-batch twin, a batch against the smallest
+one) is decided against the seed-to-seed spread: the difference of the same seeds (same initial weights,
+same sample order) is averaged, and it is stated as a difference only when its 95% t-interval over the
+seeds excludes zero; otherwise it is "indistinguishable (± the interval's half-width)". With one seed no
+difference can be separated from seed noise, and the sentences say so.
+"""
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pandas as pd
 
-from .figures import best_lr, critical_batch, finished, tuned
-from .runs import aggregate
+from .figures import best_lr, critical_batch, finished, reliable_noise, tuned
+from .runs import Difference, aggregate, knee, paired, steps_to_target
 
-WITHIN_POINTS = 0.5  # a difference smaller than this, in accuracy points, counts as "the same"
 EXACT = 1e-4  # relative parameter difference below which accumulation is float rounding, not a change
+ROUNDING = 1e-10  # in float64, a ghost twin this close shows that what is left in float32 is rounding
+BOOTSTRAPS = 2000
 
 
 def _pct(x: float) -> str:
@@ -18,60 +29,97 @@ def _points(diff: float) -> str:
     return f"{abs(100 * diff):.1f} points"
 
 
+def verdict(d: Difference, ahead: str = "higher", behind: str = "lower") -> str:
+    """How a paired difference (in accuracy) reads: a stated difference only when its interval excludes 0."""
+    if d.n < 2:
+        return f"{_points(d.mean)} {ahead if d.mean > 0 else behind} in one seed, which cannot be told from seed noise"
+    lo, hi = 100 * (d.mean - d.half), 100 * (d.mean + d.half)
+    if d.separated:
+        return f"{_points(d.mean)} {ahead if d.mean > 0 else behind}, 95% CI {lo:+.1f} to {hi:+.1f} over {d.n} seeds"
+    return f"indistinguishable ({100 * d.mean:+.1f} ± {100 * d.half:.1f} points over {d.n} seeds)"
+
+
+def _seed_note(t: pd.DataFrame) -> list[str]:
+    if "seed" in t and t["seed"].nunique() == 1 and len(t) > 1:
+        return ["With one seed no difference between configurations can be told from seed noise; run the study "
+                "with --seeds 3 (or more) to separate them."]
+    return []
+
+
+def _series(t: pd.DataFrame) -> pd.DataFrame:
+    """The accumulated series (one physical batch, growing k) when the study has one; else everything."""
+    if "accum_steps" in t and (t["accum_steps"] > 1).any():
+        b = t.loc[t["accum_steps"] > 1, "physical_batch"].mode().iloc[0]
+        return t[t["physical_batch"] == b]
+    return t
+
+
 def lr_rules(trials: pd.DataFrame) -> list[str]:
-    """Per LR rule: how far accuracy held up as B grew, against the smallest B."""
+    """Per LR rule: from which B accuracy fell below the smallest B, and the rules' ranking at the largest."""
     t = finished(trials)
-    # The question is how the LR should follow B: it needs several rules, each at one LR per B.
     if "lr_rule" not in t or t["lr_rule"].nunique() < 2 or t["effective_batch"].nunique() < 2 or tuned(t):
         return []
-    accumulated = t[t["accum_steps"] > 1] if "accum_steps" in t else t.iloc[:0]
-    if not accumulated.empty:  # follow the accumulated series (one b, growing k); the twins are compared apart
-        t = t[t["physical_batch"] == accumulated["physical_batch"].mode().iloc[0]]
+    t = _series(t)
     out = []
-    means = aggregate(t, ["lr_rule", "effective_batch"], "val_acc")
-    for rule, rows in means.groupby("lr_rule"):
-        rows = rows.sort_values("effective_batch")
-        sizes, accs = list(rows["effective_batch"]), list(rows["mean"])
+    for rule, rows in t.groupby("lr_rule"):
+        sizes = sorted(rows["effective_batch"].unique())
         if len(sizes) < 2:
             continue
-        b0, base = sizes[0], accs[0]
-        fell = next((i for i, acc in enumerate(accs) if base - acc > WITHIN_POINTS / 100), None)
+        base = rows[rows["effective_batch"] == sizes[0]]
+        diffs = {b: paired(rows[rows["effective_batch"] == b], base, "val_acc") for b in sizes[1:]}
+        fell = next((b for b, d in diffs.items() if d and d.separated and d.mean < 0), None)
+        last = diffs[sizes[-1]]
         if fell is None:
-            sentence = f"The {rule} LR rule stayed within {WITHIN_POINTS} points of B = {b0} up to B = {sizes[-1]}"
-        elif fell == 1:
-            sentence = f"The {rule} LR rule fell more than {WITHIN_POINTS} points below B = {b0} already at B = {sizes[1]}"
+            out.append(f"The {rule} LR rule did not fall measurably below B = {sizes[0]} up to B = {sizes[-1]}: "
+                       f"at B = {sizes[-1]} it was {verdict(last)}.")
         else:
-            sentence = f"The {rule} LR rule stayed within {WITHIN_POINTS} points of B = {b0} up to B = {sizes[fell - 1]}"
-        if fell is not None or accs[-1] - base > WITHIN_POINTS / 100:
-            change = "lost" if accs[-1] < base else "gained"
-            sentence += f"; at B = {sizes[-1]} it {change} {_points(accs[-1] - base)} ({_pct(accs[-1])} against {_pct(base)})"
-        out.append(sentence + ".")
-    largest = means[means["effective_batch"] == means["effective_batch"].max()].sort_values("mean", ascending=False)
-    if len(largest) > 1:
-        ranked = ", then ".join(f"{r} ({_pct(m)})" for r, m in zip(largest["lr_rule"], largest["mean"]))
-        out.append(f"At the largest batch, B = {largest['effective_batch'].iloc[0]}, the best rule was {ranked}.")
+            at_last = "" if fell == sizes[-1] else f"; at B = {sizes[-1]} it was {verdict(last)}"
+            out.append(f"The {rule} LR rule fell below B = {sizes[0]} from B = {fell} ({verdict(diffs[fell])})"
+                       f"{at_last}.")
+    largest = t[t["effective_batch"] == t["effective_batch"].max()]
+    means = largest.groupby("lr_rule")["val_acc"].mean().sort_values(ascending=False)
+    if len(means) > 1:
+        best = means.index[0]
+        stats = aggregate(largest, ["lr_rule"], "val_acc").set_index("lr_rule")
+        spread = "" if math.isnan(stats.loc[best, "ci95"]) else f" ± {100 * stats.loc[best, 'ci95']:.1f}"
+        others = []
+        for rule in means.index[1:]:
+            d = paired(largest[largest["lr_rule"] == rule], largest[largest["lr_rule"] == best], "val_acc")
+            others.append(f"{rule} {verdict(d)}" if d else f"{rule} {_pct(means[rule])}")
+        out.append(f"At the largest batch, B = {int(largest['effective_batch'].iloc[0])}, the {best} rule had the "
+                   f"highest mean ({_pct(means[best])}{spread}); against it, " + "; ".join(others) + ".")
     return out
 
 
 def twins(trials: pd.DataFrame) -> list[str]:
-    """Accumulated points against their true-batch twins at the same B and rules."""
+    """Accumulated points against their true-batch twins at the same B and rules, paired by seed."""
     t = finished(trials)
     if "batch" not in t or t["batch"].nunique() < 2:
         return []
-    keys = [c for c in ("lr_rule", "effective_batch") if c in t]
-    means = aggregate(t[t["effective_batch"] > t["physical_batch"].min()], [*keys, "batch"], "val_acc")
-    wide = means.pivot_table(index=keys, columns="batch", values="mean")
-    if not {"accumulated", "true batch"} <= set(wide.columns):  # a partial study: no pair yet
+    keys = [c for c in ("lr_rule", "bn_momentum_rule") if c in t and t[c].nunique() > 1]
+    t = t[t["effective_batch"] > t["physical_batch"].min()]
+    pairs = []
+    for group, rows in t.groupby([*keys, "effective_batch"]):
+        group = group if isinstance(group, tuple) else (group,)
+        d = paired(rows[rows["batch"] == "accumulated"], rows[rows["batch"] == "true batch"], "val_acc")
+        if d is not None:
+            pairs.append((dict(zip([*keys, "effective_batch"], group)), d))
+    if not pairs:
         return []
-    wide = wide.dropna()
-    if wide.empty:
-        return []
-    gap = wide["accumulated"] - wide["true batch"]
-    worst = gap.abs().idxmax()
-    where = ", ".join(f"{k} = {v}" for k, v in zip(keys, worst if isinstance(worst, tuple) else (worst,)))
-    return [f"Accumulation and the true batch at the same B differed by {_points(gap.abs().mean())} on average "
-            f"over {len(gap)} pairs; the largest gap was {_points(gap[worst])} "
-            f"({'accumulated ahead' if gap[worst] > 0 else 'true batch ahead'}) at {where}."]
+    apart = [(where, d) for where, d in pairs if d.separated]
+    median = float(np.median([abs(d.mean) for _, d in pairs]))
+    n = min(d.n for _, d in pairs)
+    if n < 2:
+        return [f"Accumulation and the true batch at the same B differed by a median of {_points(median)} over "
+                f"{len(pairs)} pairs, in one seed: no pair can be told from seed noise."]
+    sentence = (f"Accumulation and its true-batch twin at the same B were indistinguishable in "
+                f"{len(pairs) - len(apart)} of {len(pairs)} pairs (paired 95% t-intervals over {n} seeds; median "
+                f"|difference| {_points(median)})")
+    if apart:
+        named = "; ".join(f"{', '.join(f'{k} = {v}' for k, v in where.items())}: "
+                          f"{verdict(d, 'accumulated ahead', 'true batch ahead')}" for where, d in apart)
+        sentence += f"; they differed at {named}"
+    return [sentence + "."]
 
 
 def memory(trials: pd.DataFrame) -> list[str]:
@@ -98,20 +146,30 @@ def memory(trials: pd.DataFrame) -> list[str]:
 
 
 def bn(trials: pd.DataFrame) -> list[str]:
+    """BN momentum rules: final accuracy (paired against the true batch) and, what a momentum rule changes,
+    how far the running statistics are from the population statistics of the final weights."""
     t = finished(trials)
     if "bn_momentum_rule" not in t or t["bn_momentum_rule"].nunique() < 2:
         return []
-    k = t["accum_steps"].max()
-    at_k = aggregate(t[t["accum_steps"] == k], ["bn_momentum_rule"], "val_acc").sort_values("mean", ascending=False)
-    ranked = ", ".join(f"{r} {_pct(m)}" for r, m in zip(at_k["bn_momentum_rule"], at_k["mean"]))
-    sentence = f"At k = {k} (B = {k * t['physical_batch'].min()}), BN momentum rules reached {ranked}"
-    true = t[(t["accum_steps"] == 1) & (t["effective_batch"] == k * t["physical_batch"].min())]
-    if not true.empty:
-        sentence += f"; the true batch reached {_pct(true['val_acc'].mean())}"
-    spread = at_k["mean"].max() - at_k["mean"].min()
-    verdict = "the rules made no difference there" if spread < WITHIN_POINTS / 100 else \
-        f"the spread between rules was {_points(spread)}"
-    return [f"{sentence}: {verdict}."]
+    out = []
+    b = t["physical_batch"].min()
+    for k in sorted(t.loc[t["accum_steps"] > 1, "accum_steps"].unique()):
+        at_k = t[(t["accum_steps"] == k) & (t["physical_batch"] == b)]
+        true = t[(t["accum_steps"] == 1) & (t["effective_batch"] == k * b)]
+        rules = sorted(at_k["bn_momentum_rule"].unique())
+        if "bn_mean_error" in t and not true.empty and true["bn_mean_error"].notna().any():
+            errors = at_k.groupby("bn_momentum_rule")["bn_mean_error"].mean()
+            target = float(true["bn_mean_error"].mean())
+            nearest = (errors - target).abs().idxmin()
+            listing = ", ".join(f"{r} {errors[r]:.3f}" for r in rules)
+            out.append(f"At k = {k} (B = {k * b}), the BN running means ended {listing} population standard "
+                       f"deviations from the population means of the final weights (true batch: {target:.3f}): "
+                       f"{nearest} tracks the population as the true batch does.")
+        accuracy = "; ".join(f"{r} {verdict(d, 'above', 'below')}" for r in rules
+                             if (d := paired(at_k[at_k["bn_momentum_rule"] == r], true, "val_acc")) is not None)
+        if accuracy:
+            out.append(f"Final accuracy at k = {k} against the true batch: {accuracy}.")
+    return out
 
 
 def exactness(trials: pd.DataFrame) -> list[str]:
@@ -133,50 +191,96 @@ def exactness(trials: pd.DataFrame) -> list[str]:
                    "something in the model depends on the micro-batch (BatchNorm or another batch statistic)")
             ghost = ""
             if "ghost_rel_diff" in rows and rows["ghost_rel_diff"].notna().any():
-                ghost = (f" The true batch with ghost_batch = b came within {rows['ghost_rel_diff'].max():.1e} of "
-                         f"accumulation, against {worst:.2g} without it: what remains is float rounding.")
+                ghost = (f" The true batch with ghost_batch = b came within {rows['ghost_rel_diff'].max():.2g} of "
+                         f"accumulation in {rows['dtype'].iloc[0] if 'dtype' in rows else 'float32'}, against "
+                         f"{worst:.2g} without it")
+                f64 = rows["ghost_rel_diff_fp64"].max() if "ghost_rel_diff_fp64" in rows else math.nan
+                if f64 < ROUNDING:
+                    ghost += (f"; in float64 the same pair agreed to {f64:.1e}, so what remains in float32 is "
+                              f"rounding, amplified by training.")
+                elif math.isfinite(f64):
+                    ghost += f"; in float64 they still differ by {f64:.1e}: that is not rounding."
+                else:
+                    ghost += ": rounding amplified by training, or a real difference (no float64 twin measured)."
             out.append(f"{model}: accumulation is not the true batch (largest relative parameter difference "
                        f"{worst:.2g}; {gaps}): {why}.{ghost}")
     return out
 
 
 def lr_exponent(trials: pd.DataFrame) -> list[str]:
+    """The fitted exponent of lr_opt ~ B^alpha, with a bootstrap interval over the trials at each B."""
     found = best_lr(trials)
     if found is None:
         return []
     best, alpha = found
-    nearer = "square-root" if abs(alpha - 0.5) < abs(alpha - 1) else "linear"
-    return [f"The best learning rate grew as B^{alpha:.2f} (linear scaling predicts 1, square root 0.5; "
-            f"nearer the {nearer} rule), from {best['base_lr'].iloc[0]:.3g} at B = {best['effective_batch'].iloc[0]} "
-            f"to {best['base_lr'].iloc[-1]:.3g} at B = {best['effective_batch'].iloc[-1]}."]
+    t = finished(trials)
+    rng = np.random.default_rng(0)
+    groups = [g[["base_lr", "val_acc"]].to_numpy() for _, g in t.groupby("effective_batch")]
+    sizes = np.log(np.array(sorted(t["effective_batch"].unique()), float))
+    draws = []
+    for _ in range(BOOTSTRAPS):
+        lrs = []
+        for g in groups:
+            sample = g[rng.integers(0, len(g), len(g))]
+            lrs.append(sample[sample[:, 1].argmax(), 0])
+        draws.append(np.polyfit(sizes, np.log(lrs), 1)[0])
+    lo, hi = np.percentile(draws, [2.5, 97.5])
+    if lo > 0.5 and lo <= 1 <= hi:
+        reading = "linear scaling (the interval excludes the square root)"
+    elif lo <= 0.5 <= hi and hi < 1:
+        reading = "square-root scaling (the interval excludes linear)"
+    else:
+        reading = "neither rule singled out: the interval holds both or neither of 0.5 and 1"
+    return [f"The best learning rate grew as B^{alpha:.2f} (95% bootstrap interval {lo:.2f} to {hi:.2f}, "
+            f"{BOOTSTRAPS} resamples of the trials at each B): {reading}; from {best['base_lr'].iloc[0]:.3g} at "
+            f"B = {best['effective_batch'].iloc[0]} to {best['base_lr'].iloc[-1]:.3g} at "
+            f"B = {best['effective_batch'].iloc[-1]}."]
+
+
+def steps(trials: pd.DataFrame, history: pd.DataFrame) -> list[str]:
+    """Steps to the target accuracy against B (Shallue et al. 2018), the knee, and the noise scale's prediction."""
+    t = finished(trials)
+    if tuned(t) or "effective_batch" not in t or t["effective_batch"].nunique() < 3:
+        return []
+    keys = [c for c in ("lr_rule", "bn_momentum_rule") if c in t and t[c].nunique() > 1]
+    found = steps_to_target(_series(t), history, keys)
+    if found is None:
+        return []
+    table, target = found
+    out = []
+    knees = {}
+    for group, rows in table.groupby(keys) if keys else [("all", table)]:
+        group = group[0] if isinstance(group, tuple) else group
+        knees[group] = knee(rows)
+    per = "; ".join(f"{g}: {'beyond B = ' + str(b) if b else 'not within the batches measured'}"
+                    for g, b in knees.items())
+    out.append(f"Steps to reach {_pct(target)} validation accuracy ({int(100 * 0.95)}% of the best configuration's "
+               f"mean) stopped halving with each doubling of B (less than a quarter fewer steps) {per}. Accuracy is "
+               f"evaluated once an epoch, so steps are known to within one epoch's steps.")
+    b_crit = critical_batch(t)
+    measured = [b for b in knees.values() if b]
+    if b_crit is not None and measured:
+        knee_b = max(measured)
+        where = "within a factor of 2 of" if knee_b / 2 <= b_crit <= knee_b * 2 else \
+            "below" if b_crit < knee_b else "above"
+        out.append(f"The measured gradient noise scale predicts a critical batch of about {b_crit:.0f} "
+                   f"(McCandlish et al. 2018): {where} where steps-to-target stopped halving (B = {knee_b}).")
+    return out
 
 
 def noise_scale(trials: pd.DataFrame) -> list[str]:
-    """The predicted critical batch, and whether accuracy started to fall near it."""
-    b_crit = critical_batch(trials)
-    if b_crit is None:
-        return []
+    """The measured noise scale, reliable values only."""
     t = finished(trials)
-    measured = t["noise_scale"].dropna()
-    sentence = (f"The gradient noise scale at the last epoch was {b_crit:.0f} (median of {len(measured)} trials "
-                f"with k ≥ 2, range {measured.min():.0f}–{measured.max():.0f}): McCandlish et al. (2018) predict "
-                f"that batches beyond about {b_crit:.0f} buy little speed-up per sample")
-    if "effective_batch" in t and t["effective_batch"].nunique() > 1 and not tuned(t):
-        keys = [c for c in ("lr_rule", "bn_momentum_rule", "batch") if c in t and t[c].nunique() > 1]
-        means = aggregate(t, [*keys, "effective_batch"], "val_acc")
-        best = means.groupby("effective_batch")["mean"].max().sort_index()  # the best configuration at each B
-        base = best.iloc[0]
-        fell = best[best < base - WITHIN_POINTS / 100]
-        if fell.empty:
-            sentence += (f"; the best configuration at each B stayed within {WITHIN_POINTS} points of "
-                         f"B = {best.index[0]} up to B = {best.index[-1]}")
-        else:
-            first = int(fell.index[0])
-            where = "below" if first < b_crit / 1.5 else "above" if first > b_crit * 1.5 else "near"
-            sentence += (f"; the best configuration at each B first fell more than {WITHIN_POINTS} points below "
-                         f"B = {best.index[0]} at B = {first} ({100 * fell.iloc[0]:.1f}% against "
-                         f"{100 * base:.1f}%), {where} that prediction")
-    return [sentence + "."]
+    if "noise_scale" not in t or t["noise_scale"].notna().sum() == 0:
+        return []
+    values = reliable_noise(t)
+    dropped = int(t["noise_scale"].notna().sum()) - len(values)
+    rule = (f"; {dropped} value{'s' * (dropped != 1)} left out as unreliable (the measured |G|² fell below the "
+            f"finite-set correction tr(Σ)/N, where the estimate tends to N whatever the gradient)") if dropped else ""
+    if values.empty:
+        return [f"The gradient noise scale could not be read at the last epoch{rule}."]
+    return [f"The gradient noise scale at the last epoch was {values.median():.0f} (median of {len(values)} trials "
+            f"with k ≥ 2, range {values.min():.0f}–{values.max():.0f}){rule}."]
 
 
 def failures(trials: pd.DataFrame) -> list[str]:
@@ -193,11 +297,26 @@ def health(trials: pd.DataFrame) -> list[str]:
         return []
     broken = trials[trials["health"].notna() & (trials["health"] != "ok")]
     if broken.empty:
-        return [f"All {trials['health'].notna().sum()} trials with a health verdict were healthy."]
-    counts = ", ".join(f"{n} {verdict}" for verdict, n in broken["health"].value_counts().items())
+        return []  # the health section says it; a sentence about nothing is left out
+    counts = ", ".join(f"{n} {name}" for name, n in broken["health"].value_counts().items())
     return [f"{len(broken)} trials were not healthy ({counts}): see the training health table."]
 
 
-def summarize(trials: pd.DataFrame) -> list[str]:
-    return [*exactness(trials), *lr_rules(trials), *twins(trials), *bn(trials), *lr_exponent(trials),
-            *noise_scale(trials), *memory(trials), *failures(trials), *health(trials)]
+def _comparisons(trials: pd.DataFrame, history: pd.DataFrame) -> list[str]:
+    return [*lr_rules(trials), *twins(trials), *bn(trials), *lr_exponent(trials), *noise_scale(trials),
+            *steps(trials, history), *memory(trials)]
+
+
+def summarize(trials: pd.DataFrame, history: pd.DataFrame | None = None) -> list[str]:
+    """The findings. Sentences that compare configurations hold one model and one dataset at a time."""
+    history = pd.DataFrame() if history is None else history
+    keys = [c for c in ("model", "dataset") if c in trials and trials[c].nunique() > 1]
+    if keys:
+        comparisons = []
+        for group, rows in trials.groupby(keys):
+            label = " on ".join(map(str, group if isinstance(group, tuple) else (group,)))
+            part = history[history["run_id"].isin(rows["run_id"])] if not history.empty else history
+            comparisons += [f"{label}: {s}" for s in _comparisons(rows, part)]
+    else:
+        comparisons = _comparisons(trials, history)
+    return [*exactness(trials), *comparisons, *_seed_note(finished(trials)), *failures(trials), *health(trials)]

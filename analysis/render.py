@@ -1,18 +1,27 @@
-"""Write a report: figures as PNG, the trials as CSV, report.md, and a stand-alone report.html."""
+"""Write a report: figures as PNG, the trials as CSV, report.md, and a stand-alone report.html.
+
+Every string from the data (names, params, tags, messages) is escaped: the HTML by a Jinja2 environment with
+autoescape, the Markdown by a backslash before each character Markdown would act on. The report folder's
+name is derived from the study names and never leaves the output folder; the report deletes and uploads only
+the files it wrote itself (listed in the folder's manifest).
+"""
 from __future__ import annotations
 
 import base64
-import html
+import re
+import shlex
 import time
 from pathlib import Path
 
+import jinja2
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from .figures import Figure, all_figures
+from .figures import Figure, all_figures, protocol
 from .findings import summarize
 from .runs import StudyRuns
 
+MANIFEST = ".batchsweep-report"  # the files the last report wrote in this folder, one name a line
 # Columns of the trials table in the report, when the study has them.
 TABLE = ["effective_batch", "physical_batch", "accum_steps", "lr_rule", "lr", "bn_momentum_rule", "model", "seed",
          "status", "reason", "health", "val_acc", "param_rel_diff", "acc_gap", "samples_per_s", "peak_memory_bytes"]
@@ -47,23 +56,27 @@ def _cell(value) -> str:
     return "" if pd.isna(value) else f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+# The characters that make Markdown markup here: emphasis, code, links (no '[', so no '(' after one),
+# HTML and entities, table cells, strikethrough. Lines never start with data, so '#' and list marks stay;
+# '_' makes emphasis only at a word's edge (CommonMark), so lr_rule stays as it is.
+MD_SPECIAL = re.compile(r"([\\`*\[\]<>|~&])|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
+
+
+def md(text) -> str:
+    """Text that Markdown shows as it is: no markup, no link, no HTML."""
+    return MD_SPECIAL.sub(lambda m: "\\" + m.group(0), str(text)).replace("\n", " ")
+
+
 def _md_table(frame: pd.DataFrame) -> str:
-    lines = ["| " + " | ".join(map(str, frame.columns)) + " |", "|" + "---|" * len(frame.columns)]
-    lines += ["| " + " | ".join(_cell(v).replace("|", "/") for v in row) + " |" for row in frame.itertuples(index=False)]
+    lines = ["| " + " | ".join(md(c) for c in frame.columns) + " |", "|" + "---|" * len(frame.columns)]
+    lines += ["| " + " | ".join(md(_cell(v)) for v in row) + " |" for row in frame.itertuples(index=False)]
     return "\n".join(lines)
 
 
-def _html_table(frame: pd.DataFrame) -> str:
-    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in frame.columns)
-    rows = []
-    for _, row in frame.iterrows():
-        cells = []
-        for value in row:
-            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-            text = _cell(value)
-            cells.append(f"<td class='n'>{html.escape(text)}</td>" if numeric else f"<td>{html.escape(text)}</td>")
-        rows.append("<tr>" + "".join(cells) + "</tr>")
-    return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+def _rows(frame: pd.DataFrame) -> list[list[tuple[str, bool]]]:
+    """The table's cells as (text, numeric) for the template."""
+    return [[(_cell(v), isinstance(v, (int, float)) and not isinstance(v, bool)) for v in row]
+            for row in frame.itertuples(index=False)]
 
 
 def _save(figure: Figure, folder: Path, prefix: str) -> Path:
@@ -73,56 +86,117 @@ def _save(figure: Figure, folder: Path, prefix: str) -> Path:
     return path
 
 
-def write_report(studies: list[StudyRuns], folder: Path) -> Path:
-    """Write the report of one study, or of several side by side; returns report.html's path."""
+TEMPLATE = jinja2.Environment(autoescape=True).from_string("""<!DOCTYPE html>
+<html lang='en'><head><meta charset='utf-8'><title>batchsweep: {{ title }}</title><style>{{ css }}</style></head>
+<body>
+<h1>batchsweep report: {{ title }}</h1>
+<p class='meta'>Made {{ stamp }} from {{ source }}. Reproduce with <code>{{ reproduce }}</code>.</p>
+{% for name, sentences, how in summaries %}
+<div class='summary'><h2>Findings: {{ name }}</h2><p class='meta'>Protocol: {{ how }}.</p><ul>
+{% for s in sentences %}<li>{{ s }}</li>{% endfor %}
+</ul></div>
+{% endfor %}
+{% for section, items in sections %}
+<h2>{{ section }}</h2><div class='row'>
+{% for label, fig, data in items %}
+<figure><img alt='{{ label }}{{ fig.title }}' src='data:image/png;base64,{{ data }}'>
+<figcaption>{{ label }}{{ fig.context }}</figcaption></figure>
+{% endfor %}
+</div>
+{% endfor %}
+{% for name, table in health %}
+<h2>Training health: {{ name }}</h2>
+{% if table is none %}<p>Every trial was healthy.</p>{% else %}{{ html_table(table) }}{% endif %}
+{% endfor %}
+{% for name, table in trials %}<h2>Trials: {{ name }}</h2>{{ html_table(table) }}{% endfor %}
+</body></html>
+""")
+
+TABLE_TEMPLATE = jinja2.Environment(autoescape=True).from_string(
+    "<table><tr>{% for c in columns %}<th>{{ c }}</th>{% endfor %}</tr>"
+    "{% for row in rows %}<tr>{% for text, numeric in row %}"
+    "<td{% if numeric %} class='n'{% endif %}>{{ text }}</td>{% endfor %}</tr>{% endfor %}</table>")
+
+
+def _html_table(frame: pd.DataFrame):
+    return jinja2.utils.markupsafe.Markup(TABLE_TEMPLATE.render(columns=list(map(str, frame.columns)),
+                                                                rows=_rows(frame)))
+
+
+def folder_name(names: list[str]) -> str:
+    """A folder name for the report of these studies: letters, digits, '.', '_' and '-' only, never '..'."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", "_vs_".join(names)).lstrip(".")[:150]
+    return safe or "study"
+
+
+def _clear(folder: Path) -> None:
+    """Delete what the last report wrote here, and nothing else."""
+    manifest = folder / MANIFEST
+    if not manifest.exists():
+        return
+    for name in manifest.read_text().splitlines():
+        path = folder / name
+        if name and "/" not in name and name not in (".", "..") and path.is_file():
+            path.unlink()
+    manifest.unlink()
+
+
+def write_report(studies: list[StudyRuns], folder: Path) -> list[Path]:
+    """Write the report of one study, or of several side by side, into `folder`. Returns the files written,
+    report.html first."""
+    source = studies[0].tracking_uri  # as it may be shown: no password
     folder.mkdir(parents=True, exist_ok=True)
-    for old in [*folder.glob("*.png"), *folder.glob("*trials.csv"), *folder.glob("report.*")]:
-        old.unlink()  # a figure the data no longer supports must not linger from an earlier report
+    _clear(folder)  # a figure the data no longer supports must not linger from an earlier report
+    written: list[Path] = []
     title = " vs ".join(s.name for s in studies)
     stamp = time.strftime("%Y-%m-%d %H:%M")
     sections: dict[str, list[tuple[str, Figure, Path]]] = {}
     summaries = []
     for study in studies:
-        prefix = f"{study.name}-" if len(studies) > 1 else ""
+        prefix = f"{folder_name([study.name])}-" if len(studies) > 1 else ""
         for fig in all_figures(study.trials, study.history):
-            sections.setdefault(fig.title, []).append((study.name, fig, _save(fig, folder, prefix)))
-        summaries.append((study.name, summarize(study.trials)))
-        _table(study.trials).to_csv(folder / f"{prefix}trials.csv", index=False)
-
-    md = [f"# batchsweep report: {title}", "", f"Made {stamp} from {studies[0].tracking_uri}.", ""]
-    body = [f"<h1>batchsweep report: {html.escape(title)}</h1>",
-            f"<p class='meta'>Made {stamp} from {html.escape(studies[0].tracking_uri)}. "
-            f"Reproduce with <code>python analysis/report.py "
-            f"{'--compare ' + ' '.join(s.name for s in studies) if len(studies) > 1 else '--study ' + title}</code>."
-            f"</p>"]
-    for name, sentences in summaries:
-        md += [f"## Findings: {name}", "", *(f"- {s}" for s in sentences or ["No finished trials yet."]), ""]
-        body.append(f"<div class='summary'><h2>Findings: {html.escape(name)}</h2><ul>"
-                    + "".join(f"<li>{html.escape(s)}</li>" for s in sentences or ["No finished trials yet."])
-                    + "</ul></div>")
-    for section_title, items in sections.items():
-        md += [f"## {section_title}", ""]
-        body.append(f"<h2>{html.escape(section_title)}</h2><div class='row'>")
-        for name, fig, path in items:
-            data = base64.b64encode(path.read_bytes()).decode()
-            label = f"{name}: " if len(studies) > 1 else ""
-            md += [f"![{label}{fig.title}]({path.name})", "", f"*{label}{fig.context}*", ""]
-            body.append(f"<figure><img alt='{html.escape(label + fig.title)}' src='data:image/png;base64,{data}'>"
-                        f"<figcaption>{html.escape(label + fig.context)}</figcaption></figure>")
-        body.append("</div>")
+            path = _save(fig, folder, prefix)
+            written.append(path)
+            sections.setdefault(fig.title, []).append((f"{study.name}: " if len(studies) > 1 else "", fig, path))
+        summaries.append((study.name, summarize(study.trials, study.history) or ["No finished trials yet."],
+                          protocol(study.trials)))
+        csv = folder / f"{prefix}trials.csv"
+        _table(study.trials).to_csv(csv, index=False)
+        written.append(csv)
+    names = [s.name for s in studies]
+    reproduce = "python analysis/report.py " + (f"--compare {' '.join(map(shlex.quote, names))}" if len(names) > 1
+                                                 else f"--study {shlex.quote(names[0])}")
+    health = []
     for study in studies:
         unhealthy = _unhealthy(study.trials)
         if unhealthy is not None:
-            md += [f"## Training health: {study.name}", "", _md_table(unhealthy) if not unhealthy.empty
-                   else "Every trial was healthy.", ""]
-            body.append(f"<h2>Training health: {html.escape(study.name)}</h2>"
-                        + (_html_table(unhealthy) if not unhealthy.empty else "<p>Every trial was healthy.</p>"))
+            health.append((study.name, None if unhealthy.empty else unhealthy))
+
+    md_lines = [f"# batchsweep report: {md(title)}", "", f"Made {stamp} from {md(source)}. Reproduce with: "
+                f"{md(reproduce)}", ""]
+    for name, sentences, how in summaries:
+        md_lines += [f"## Findings: {md(name)}", "", f"Protocol: {md(how)}.", "", *(f"- {md(s)}" for s in sentences),
+                     ""]
+    for section_title, items in sections.items():
+        md_lines += [f"## {md(section_title)}", ""]
+        for label, fig, path in items:
+            md_lines += [f"![{md(label + fig.title)}]({path.name})", "", f"*{md(label + fig.context)}*", ""]
+    for name, table in health:
+        md_lines += [f"## Training health: {md(name)}", "", "Every trial was healthy." if table is None
+                     else _md_table(table), ""]
     for study in studies:
-        prefix = f"{study.name}-" if len(studies) > 1 else ""
-        md += [f"## Trials: {study.name}", "", f"All trials are in [{prefix}trials.csv]({prefix}trials.csv).", ""]
-        body.append(f"<h2>Trials: {html.escape(study.name)}</h2>{_html_table(_table(study.trials))}")
-    (folder / "report.md").write_text("\n".join(md))
-    page = (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>batchsweep: {html.escape(title)}"
-            f"</title><style>{CSS}</style></head><body>{''.join(body)}</body></html>")
+        prefix = f"{folder_name([study.name])}-" if len(studies) > 1 else ""
+        md_lines += [f"## Trials: {md(study.name)}", "", f"All trials are in [{prefix}trials.csv]({prefix}trials.csv).",
+                     ""]
+    (folder / "report.md").write_text("\n".join(md_lines))
+
+    page = TEMPLATE.render(
+        title=title, css=jinja2.utils.markupsafe.Markup(CSS), stamp=stamp, source=source, reproduce=reproduce,
+        summaries=summaries, health=health, html_table=_html_table,
+        sections=[(t, [(label, fig, base64.b64encode(path.read_bytes()).decode()) for label, fig, path in items])
+                  for t, items in sections.items()],
+        trials=[(s.name, _table(s.trials)) for s in studies])
     (folder / "report.html").write_text(page)
-    return folder / "report.html"
+    written = [folder / "report.html", folder / "report.md", *written]
+    (folder / MANIFEST).write_text("\n".join(p.name for p in written) + "\n")
+    return written

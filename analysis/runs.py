@@ -24,7 +24,7 @@ class StudyRuns:
     trials: pd.DataFrame  # one row per trial run, typed params, metrics, tags
     history: pd.DataFrame  # one row per (run_id, epoch)
     parent_run_id: str | None  # the latest invocation's run: the report's artifacts go there
-    tracking_uri: str
+    tracking_uri: str  # as it may be shown: any password as ***
 
 
 def _typed(column: pd.Series) -> pd.Series:
@@ -37,15 +37,17 @@ def _typed(column: pd.Series) -> pd.Series:
     return column
 
 
-def load_study(name: str, tracking_uri: str) -> StudyRuns:
-    client = MlflowClient(tracking_uri=tracking_uri)
+def load_study(name: str, tracking_uri: str, shown_uri: str | None = None) -> StudyRuns:
+    """The study's runs; `shown_uri` is the tracking URI as messages may show it (no password)."""
+    shown_uri = shown_uri or tracking_uri
     try:
+        client = MlflowClient(tracking_uri=tracking_uri)  # a damaged SQLite store already fails here
         experiment = client.get_experiment_by_name(name)
     except Exception as exc:
-        raise AnalysisError(f"cannot read the MLflow store {tracking_uri} ({type(exc).__name__}): "
-                            f"check --tracking-uri") from None
+        raise AnalysisError(f"cannot read the MLflow store {shown_uri} ({type(exc).__name__}): check "
+                            f"--tracking-uri, or move a damaged store aside") from None
     if experiment is None:
-        raise AnalysisError(f"no study {name!r} in {tracking_uri}: run `python sweeps/run.py --study {name}` first, "
+        raise AnalysisError(f"no study {name!r} in {shown_uri}: run `python sweeps/run.py --study {name}` first, "
                             f"or pass the --tracking-uri it used")
     runs, token = [], None
     while True:
@@ -57,7 +59,7 @@ def load_study(name: str, tracking_uri: str) -> StudyRuns:
     children = [r for r in runs if MLFLOW_PARENT_RUN_ID in r.data.tags]
     parents = sorted((r for r in runs if MLFLOW_PARENT_RUN_ID not in r.data.tags), key=lambda r: r.info.start_time)
     if not children:
-        raise AnalysisError(f"study {name!r} has no trial runs yet in {tracking_uri}")
+        raise AnalysisError(f"study {name!r} has no trial runs yet in {shown_uri}")
     rows = []
     for run in children:
         rows.append({"run_id": run.info.run_id, "status": run.info.status,
@@ -71,7 +73,7 @@ def load_study(name: str, tracking_uri: str) -> StudyRuns:
     if "accum_steps" in trials:
         trials["batch"] = trials["accum_steps"].map(lambda k: "accumulated" if k > 1 else "true batch")
     return StudyRuns(name, trials, _history(client, children), parents[-1].info.run_id if parents else None,
-                     tracking_uri)
+                     shown_uri)
 
 
 def _history(client: MlflowClient, runs) -> pd.DataFrame:
@@ -101,3 +103,68 @@ def aggregate(trials: pd.DataFrame, by: list[str], value: str) -> pd.DataFrame:
     out = grouped.agg(mean="mean", n="count").reset_index()
     out["ci95"] = grouped.apply(ci95).values
     return out
+
+
+@dataclass
+class Difference:
+    """a - b over the seeds both have, paired by seed (same seed: same initial weights, same sample order)."""
+
+    mean: float
+    half: float  # half-width of the 95% t-interval of the paired differences; NaN for one seed
+    n: int
+
+    @property
+    def separated(self) -> bool:
+        """Whether the interval excludes zero: only then is it stated as a difference."""
+        return self.n >= 2 and abs(self.mean) > self.half
+
+
+def paired(a: pd.DataFrame, b: pd.DataFrame, value: str) -> Difference | None:
+    """The paired difference of `value` between two configurations' trials (one row per seed each)."""
+    if "seed" not in a or "seed" not in b:
+        return None
+    merged = (a.groupby("seed")[value].mean().rename("a").to_frame()
+              .join(b.groupby("seed")[value].mean().rename("b"), how="inner").dropna())
+    if merged.empty:
+        return None
+    d = merged["a"] - merged["b"]
+    return Difference(float(d.mean()), ci95(d), len(d))
+
+
+TARGET_SHARE = 0.95  # the target accuracy is this share of the best configuration's mean final accuracy
+
+
+def steps_to_target(trials: pd.DataFrame, history: pd.DataFrame, keys: list[str]) -> tuple[pd.DataFrame, float] | None:
+    """Optimizer steps (and samples) to first reach the target validation accuracy, per configuration
+    (`keys` + effective_batch), median over the seeds that reached it, and the target. Evaluation runs once
+    an epoch, so a trial's count is the steps at the end of the first epoch at or above the target."""
+    if history.empty or not {"steps", "val_acc"} <= set(history) or "effective_batch" not in trials:
+        return None
+    finals = aggregate(trials, [*keys, "effective_batch"], "val_acc")
+    if finals.empty:
+        return None
+    target = TARGET_SHARE * float(finals["mean"].max())
+    h = history.merge(trials[["run_id", *keys, "effective_batch"]], on="run_id")
+    reached = h[h["val_acc"] >= target].groupby("run_id")[["steps", "epoch"]].min()
+    per_trial = trials[["run_id", *keys, "effective_batch"]].merge(reached, on="run_id", how="left")
+    rows = []
+    for group, g in per_trial.groupby([*keys, "effective_batch"], dropna=False):
+        group = group if isinstance(group, tuple) else (group,)
+        ok = g["steps"].dropna()
+        rows.append({**dict(zip([*keys, "effective_batch"], group)), "seeds": len(g), "reached": len(ok),
+                     "steps": float(ok.median()) if len(ok) * 2 > len(g) else math.nan})
+    out = pd.DataFrame(rows)
+    out["samples"] = out["steps"] * out["effective_batch"]
+    return out, target
+
+
+def knee(series: pd.DataFrame) -> int | None:
+    """The effective batch beyond which steps-to-target stopped halving: the first doubling of B (in the
+    series, sorted by B) that cut the steps by less than a quarter (perfect scaling halves them)."""
+    s = series.dropna(subset=["steps"]).sort_values("effective_batch")
+    sizes, steps = list(s["effective_batch"]), list(s["steps"])
+    for i in range(1, len(sizes)):
+        per_doubling = (steps[i] / steps[i - 1]) ** (1 / math.log2(sizes[i] / sizes[i - 1]))
+        if per_doubling > 0.75:
+            return int(sizes[i - 1])
+    return None

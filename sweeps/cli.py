@@ -5,6 +5,8 @@ import argparse
 import dataclasses
 import logging
 import multiprocessing
+import os
+import queue
 import subprocess
 import sys
 import time
@@ -13,11 +15,19 @@ from pathlib import Path
 from trainers.cli import format_bytes
 from trainers.config import BatchsweepError, ConfigError, TrainConfig, apply_overrides, parse_value
 
-from .studies import STUDIES, describe, get_study
+from .studies import STUDIES, check_name, describe, get_study
 from .tracking import HOST, Tracker, default_tracking_uri
+from .urls import check_storage, check_tracking_uri, redact, sqlite_path
 
 # Flags that set one trainer field for every trial of the study.
 CONFIG_FLAGS = ("epochs", "model", "dataset", "device", "seed")
+# Upper bounds of the counts, each with its reason.
+LIMITS = {
+    "--seeds": (1000, "error bars need 3 to 10 seeds; more than 1,000 is a typo"),
+    "--workers": (4 * (os.cpu_count() or 1), "more than 4 worker processes per CPU core only thrash"),
+    "--n-trials": (1_000_000, "a budget beyond a million trials is a typo"),
+}
+MAX_UNITS = 100_000  # points x seeds: a study this size takes days; beyond it, a typo
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -28,13 +38,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--n-trials", type=int, help="run at most this many trials now (default: all that are left)")
     for name in CONFIG_FLAGS:
         p.add_argument("--" + name, help=f"set {name} for every trial")
-    p.add_argument("--seeds", type=int, default=1, help="repeat every point over this many seeds (from --seed)")
+    p.add_argument("--seeds", type=int, help="repeat every point over this many seeds (from --seed); default: the "
+                   "study's own (3 for accum_lr and bn_momentum)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any trainer field, e.g. --set weight_decay=5e-4 (repeatable)")
     p.add_argument("--storage", help="Optuna storage URL (default: SQLite in mlruns/optuna.db)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: SQLite in mlruns/mlflow.db)")
     p.add_argument("--study-name", help="Optuna study and MLflow experiment name (default: the study's id)")
-    p.add_argument("--workers", type=int, default=1, help="worker processes on the same storage")
+    p.add_argument("--workers", type=int, help="worker processes on the same storage; default: the study's own "
+                   "(2 for accum_lr and bn_momentum), at most the CPU cores")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first trial that raises an error")
     p.add_argument("--dry-run", action="store_true", help="print the trials it would run and exit")
     p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
@@ -48,17 +60,23 @@ def build_plan(args: argparse.Namespace):
     from .runner import Plan, default_storage
 
     study = get_study(args.study)
-    if args.seeds < 1:
-        raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
-    if args.workers < 1:
-        raise ConfigError(f"--workers must be >= 1, got {args.workers}")
-    if args.n_trials is not None and args.n_trials < 1:
-        raise ConfigError(f"--n-trials must be >= 1, got {args.n_trials}")
+    if args.seeds is None:
+        args.seeds = study.seeds
+    if args.workers is None:
+        args.workers = min(study.workers, os.cpu_count() or 1)
+    for flag, value in (("--seeds", args.seeds), ("--workers", args.workers), ("--n-trials", args.n_trials)):
+        high, why = LIMITS[flag]
+        if value is not None and not 1 <= value <= high:
+            raise ConfigError(f"{flag} must be between 1 and {high:,} ({why}), got {value}")
+    if len(study.points) * args.seeds > MAX_UNITS:
+        raise ConfigError(f"{len(study.points)} points x {args.seeds} seeds is more than {MAX_UNITS:,} trials: "
+                          f"lower --seeds")
     flags = {name: parse_value(name, getattr(args, name)) for name in CONFIG_FLAGS if getattr(args, name)}
     base = apply_overrides(dataclasses.replace(TrainConfig(), **{**study.fixed, **flags}), args.set)
     plan = Plan(study=study, base=base, seeds=tuple(range(base.seed, base.seed + args.seeds)),
-                study_name=args.study_name or study.name, storage=args.storage or default_storage(),
-                tracking_uri=args.tracking_uri or default_tracking_uri(), n_trials=args.n_trials,
+                study_name=check_name(args.study_name or study.name),
+                storage=check_storage(args.storage or default_storage()),
+                tracking_uri=check_tracking_uri(args.tracking_uri or default_tracking_uri()), n_trials=args.n_trials,
                 fail_fast=args.fail_fast)
     for _, point, seed in plan.units():
         plan.config(point, seed)  # validates every trial's configuration before anything is written
@@ -124,19 +142,24 @@ def _fmt(value) -> str:
     return "-" if value is None else str(value)
 
 
-def _worker_process(plan, parent_run_id: str, index: int, budget: int | None) -> None:
-    """One of --workers N: quiet, one torch thread (several multi-threaded workers thrash a small CPU)."""
+def _worker_process(plan, parent_run_id: str, index: int, budget: int | None, messages) -> None:
+    """One of --workers N: one torch thread (several multi-threaded workers thrash a small CPU); its lines go
+    to the main process, which prints them above the bar. A fatal error is its last line, and exit status 2."""
     import optuna
     import torch
 
-    from .runner import Worker
+    from .runner import Hooks, Worker
 
     torch.set_num_threads(1)
     optuna.logging.set_verbosity(optuna.logging.ERROR)
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
     try:
-        Worker(plan, parent_run_id, index).run(budget)
+        Worker(plan, parent_run_id, index, Hooks(say=messages.put)).run(budget)
     except KeyboardInterrupt:
         pass
+    except BatchsweepError as exc:
+        messages.put(f"error: {exc}")
+        sys.exit(2)
 
 
 def run_workers(plan, parent_run_id: str, workers: int, total: int) -> None:
@@ -149,22 +172,44 @@ def run_workers(plan, parent_run_id: str, workers: int, total: int) -> None:
     budgets = [None] * workers if plan.n_trials is None else \
         [plan.n_trials // workers + (i < plan.n_trials % workers) for i in range(workers)]
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_worker_process, args=(plan, parent_run_id, i, b)) for i, b in enumerate(budgets)]
+    messages = ctx.Queue()
+    procs = [ctx.Process(target=_worker_process, args=(plan, parent_run_id, i, b, messages))
+             for i, b in enumerate(budgets)]
     for proc in procs:
         proc.start()
     start_left = remaining(plan, storage)
+    fatal = []
+
+    def drain() -> None:
+        while True:
+            try:
+                line = messages.get_nowait()
+            except queue.Empty:
+                return
+            if line.startswith("error: "):
+                fatal.append(line.removeprefix("error: "))
+            else:
+                tqdm.write(line, file=sys.stderr)
+
     try:
         with tqdm(total=total, unit="trial", file=sys.stderr, dynamic_ncols=True) as bar:
             while any(p.is_alive() for p in procs):
                 time.sleep(1.0)
-                bar.n = min(start_left - remaining(plan, storage), total)
+                drain()
+                try:
+                    bar.n = min(start_left - remaining(plan, storage), total)
+                except Exception:  # the storage is away: the workers report it
+                    continue
                 bar.refresh()
+            for proc in procs:
+                proc.join()
+            drain()
     except KeyboardInterrupt:  # the workers got the signal too: let them mark their trials first
         for proc in procs:
             proc.join(timeout=30)
         raise
-    if any(p.exitcode not in (0, None) for p in procs) and plan.fail_fast:
-        raise BatchsweepError("a worker stopped at a failed trial (--fail-fast); see the MLflow run's 'error' tag")
+    if fatal:
+        raise BatchsweepError(fatal[0])
 
 
 def run_in_process(plan, parent_run_id: str, total: int) -> None:
@@ -186,7 +231,7 @@ def run_in_process(plan, parent_run_id: str, total: int) -> None:
     hooks = Hooks(trial_done=lambda t: trials.update(1), trial_start=trial_start, epoch_done=epoch_done,
                   say=lambda line: tqdm.write(line, file=sys.stderr))
     try:
-        Worker(plan, parent_run_id, 0, hooks).run(plan.n_trials)
+        return Worker(plan, parent_run_id, 0, hooks).run(plan.n_trials)
     finally:
         epochs.close()
         trials.close()
@@ -227,8 +272,8 @@ def memory_plan(args: argparse.Namespace) -> int:
     flags = {name: parse_value(name, getattr(args, name)) for name in CONFIG_FLAGS if getattr(args, name)}
     config = apply_overrides(dataclasses.replace(TrainConfig(), **flags), args.set)
     memory_source = "cuda_allocator" if resolve_device(config.device).type == "cuda" else "saved_tensors"
-    uri = args.tracking_uri or default_tracking_uri()
-    no_local_store = uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists()
+    uri = check_tracking_uri(args.tracking_uri or default_tracking_uri())
+    no_local_store = sqlite_path(uri) is not None and not sqlite_path(uri).exists()
     fitted = (None if no_local_store else from_study(config, uri, memory_source)) or probe(config)
     answer = plan(fitted, args.target_batch, budget)
     print(f"{config.model} on {config.dataset}: peak memory ({fitted.memory_source}) = "
@@ -244,13 +289,14 @@ def memory_plan(args: argparse.Namespace) -> int:
 
 
 def write_report(plan) -> int:
-    """Run `analysis/report.py` as its own command: the analysis reads MLflow, never the sweep code."""
+    """Run `analysis/report.py` as its own command: the analysis reads MLflow, never the sweep code. The
+    tracking URI goes through the environment (MLFLOW_TRACKING_URI), never on a command line that `ps` shows."""
     script = Path(__file__).resolve().parents[1] / "analysis" / "report.py"
-    done = subprocess.run([sys.executable, str(script), "--study", plan.study_name, "--tracking-uri",
-                           plan.tracking_uri])
+    done = subprocess.run([sys.executable, str(script), "--study", plan.study_name],
+                          env={**os.environ, "MLFLOW_TRACKING_URI": plan.tracking_uri})
     if done.returncode:
         print(f"warning: the report failed; the study's runs are complete. Retry with: python analysis/report.py "
-              f"--study {plan.study_name} --tracking-uri {plan.tracking_uri}", file=sys.stderr)
+              f"--study {plan.study_name} --tracking-uri {redact(plan.tracking_uri)}", file=sys.stderr)
     return done.returncode
 
 
@@ -265,17 +311,19 @@ def run(plan, workers: int) -> int:
     try:
         create_studies(plan, storage)
     except Exception as exc:
-        raise BatchsweepError(f"cannot use the Optuna storage {plan.storage} ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0][:200]}): check it, or pass another --storage") from None
+        from .tracking import first_line
+
+        raise BatchsweepError(f"cannot use the Optuna storage {redact(plan.storage)} ({first_line(exc, plan.storage)}):"
+                              f" check it, or pass another --storage") from None
     closed = tracker.close_orphans()
     left = remaining(plan, storage)
     total = left if plan.n_trials is None else min(left, plan.n_trials)
     print(f"study {plan.study_name}: {left} trials left, running {total} "
-          f"({workers} worker{'s' * (workers > 1)}); MLflow {plan.tracking_uri}"
+          f"({workers} worker{'s' * (workers > 1)}); MLflow {redact(plan.tracking_uri)}"
           + (f"; closed {closed} interrupted runs" if closed else ""), file=sys.stderr)
     params = {**plan.base.to_dict(), "seeds": len(plan.seeds), "n_trials": plan.n_trials, "workers": workers}
     parent = tracker.start_parent(f"{plan.study_name} {time.strftime('%Y-%m-%d %H:%M:%S')}", params,
-                                  {"study": plan.study.name, "storage": plan.storage, "host": HOST,
+                                  {"study": plan.study.name, "storage": redact(plan.storage), "host": HOST,
                                    "summary": plan.study.summary})
     status = "FINISHED"
     try:
@@ -292,10 +340,27 @@ def run(plan, workers: int) -> int:
         status = "FAILED"
         raise
     finally:
-        tracker.finish(parent, status, tags={"trials_left": remaining(plan, storage)})
+        try:
+            tags = {"trials_left": remaining(plan, storage)}
+        except Exception:  # the storage went away: the parent run still ends
+            tags = {}
+        tracker.finish(parent, status, tags=tags)
     print(results_table(plan, storage))
     left = remaining(plan, storage)
     if left:
         print(f"{left} trials left: run the same command again to continue", file=sys.stderr)
-    return 0
+    return 1 if all_failed(plan, storage) else 0
 
+
+def all_failed(plan, storage) -> bool:
+    """Whether the study has trials and every one that ended failed with an error: then the command fails too."""
+    import optuna
+
+    ended = [t for name in plan.study_names()
+             for t in optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
+             if t.state.is_finished() and t.user_attrs.get("reason") != "duplicate"]
+    if not ended or any(t.state != optuna.trial.TrialState.FAIL for t in ended):
+        return False
+    print(f"error: all {len(ended)} trials of study {plan.study_name} failed with an error: see the lines above, "
+          f"or the 'error' tag of their MLflow runs", file=sys.stderr)
+    return True

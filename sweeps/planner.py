@@ -4,23 +4,31 @@ same model, dataset and memory source, or from a quick probe of a few batch size
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from trainers import ConfigError, TrainConfig, train
+from trainers.config import MAX_COUNT
+
+from .tracking import quote
 
 UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}
 PROBE_BATCHES = (8, 32, 128)
 PROBE_STEPS = 3
+MAX_BUDGET = 2 ** 60  # an exbibyte: more than any machine has
 
 
 def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([KMG]i?B|B)?\s*", text, re.IGNORECASE)
     if not match or (match.group(2) or "").upper() not in UNITS:
         raise ConfigError(f"memory budget {text!r} is not a size: write e.g. 6GiB, 512MiB or 2e9")
-    return int(float(match.group(1)) * UNITS[(match.group(2) or "").upper()])
+    size = float(match.group(1)) * UNITS[(match.group(2) or "").upper()]
+    if not (math.isfinite(size) and 1 <= size <= MAX_BUDGET):
+        raise ConfigError(f"memory budget {text!r} is out of range: give between 1 byte and 1 EiB, e.g. 6GiB")
+    return int(size)
 
 
 @dataclass
@@ -50,8 +58,8 @@ def from_study(config: TrainConfig, tracking_uri: str, memory_source: str) -> Fi
     if experiment is None:
         return None
     runs = client.search_runs([experiment.experiment_id], max_results=1000, filter_string=(
-        f"attributes.status = 'FINISHED' and params.model = '{config.model}' and params.dataset = '{config.dataset}'"
-        f" and tags.memory_source = '{memory_source}'"))
+        f"attributes.status = 'FINISHED' and params.model = {quote(config.model)} and params.dataset = "
+        f"{quote(config.dataset)} and tags.memory_source = {quote(memory_source)}"))
     points = sorted((int(r.data.params["physical_batch"]), r.data.metrics["peak_memory_bytes"]) for r in runs
                     if "peak_memory_bytes" in r.data.metrics)
     if len({b for b, _ in points}) < 2:
@@ -69,6 +77,12 @@ def probe(config: TrainConfig) -> Fit:
     return fit(points, f"probe of b = {', '.join(map(str, PROBE_BATCHES))} ({PROBE_STEPS} steps each)", memory_source)
 
 
+def _divisors(n: int) -> list[int]:
+    """Every divisor of n, in sqrt(n) steps."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in small]
+
+
 @dataclass
 class Plan:
     physical_batch: int
@@ -82,14 +96,14 @@ class Plan:
 
 def plan(model: Fit, target: int, budget: int) -> Plan:
     """The largest b within the budget that divides the target; the nearest b*k with a note otherwise."""
-    if target < 1:
-        raise ConfigError(f"--target-batch must be >= 1, got {target}")
+    if not 1 <= target <= MAX_COUNT:
+        raise ConfigError(f"--target-batch must be between 1 and {MAX_COUNT}, got {target}")
     largest = int((budget - model.fixed) // model.per_sample) if model.per_sample > 0 else target
     if largest < 1:
         raise ConfigError(f"even b = 1 needs about {model.peak(1) / 2 ** 20:.1f} MiB, more than the budget of "
                           f"{budget / 2 ** 20:.1f} MiB: raise --memory-budget or use a smaller model")
     largest = min(largest, target)
-    divisor = max(d for d in range(1, largest + 1) if target % d == 0)
+    divisor = max(d for d in _divisors(target) if d <= largest)
     if divisor * 2 > largest:  # within a factor 2 of the largest that fits: keep b*k exactly the target
         return Plan(divisor, target // divisor, None)
     k = max(1, round(target / largest))

@@ -21,14 +21,26 @@ from trainers.config import BatchsweepError
 from trainers.loop import device_name, resolve_device
 
 from .studies import Point, Study, config_key, describe, point_key
-from .tracking import HOST, Tracker, git_commit, pid_alive
+from .tracking import HOST, Tracker, first_line, git_commit, pid_alive
+from .urls import check_storage, redact, sqlite_path
 
 FINAL = (TrialState.COMPLETE, TrialState.PRUNED)
 RETRY_REASONS = ("duplicate",)  # a PRUNED trial with this reason did not run its point
+# Consecutive failures to read, create or record a trial in the Optuna storage before a worker gives up: a
+# storage that stopped accepting writes (a folder turned read-only, a database server that went down) would
+# otherwise fail every next trial forever.
+STORAGE_FAILURES = 3
 
 
 class StorageError(BatchsweepError):
-    """The Optuna storage cannot be opened."""
+    """The Optuna storage cannot be opened, or stopped accepting writes."""
+
+
+def is_storage_failure(exc: BaseException) -> bool:
+    """Whether an exception came from the storage (Optuna's or SQLAlchemy's errors, a journal file's OSError)."""
+    import sqlalchemy.exc
+
+    return isinstance(exc, (optuna.exceptions.StorageInternalError, sqlalchemy.exc.SQLAlchemyError, OSError))
 
 
 def default_storage(root: str = "mlruns") -> str:
@@ -37,17 +49,20 @@ def default_storage(root: str = "mlruns") -> str:
 
 def open_storage(url: str) -> optuna.storages.BaseStorage:
     """SQLite, PostgreSQL or MySQL through Optuna's RDB storage, or `journal:PATH` for a journal file."""
+    check_storage(url)
     if url.startswith("journal:"):
         from optuna.storages.journal import JournalFileBackend
 
-        return optuna.storages.JournalStorage(JournalFileBackend(url.removeprefix("journal:")))
-    scheme = url.split("://", 1)[0].split("+", 1)[0] if "://" in url else ""
-    if scheme not in ("sqlite", "postgresql", "mysql"):
-        raise StorageError(f"unknown storage {url!r}: use sqlite:///PATH, postgresql://..., mysql://... "
-                           f"or journal:PATH")
+        path = url.removeprefix("journal:")
+        try:
+            return optuna.storages.JournalStorage(JournalFileBackend(path))
+        except OSError as exc:
+            raise StorageError(f"cannot open the Optuna journal {path} ({exc.strerror}): make its folder "
+                               f"writable or pass another --storage") from None
+    scheme = url.split("://", 1)[0].split("+", 1)[0]
     connect = {"timeout": 60} if scheme == "sqlite" else {"connect_timeout": 3}  # a server that is down: an error in seconds
     if scheme == "sqlite":
-        folder = Path(url.split(":///", 1)[1]).parent
+        folder = sqlite_path(url).parent
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -65,8 +80,8 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
             if "already exists" in str(exc) and attempt < 2:
                 time.sleep(0.5 + random.random())
                 continue
-            raise StorageError(f"cannot open the Optuna storage {url} ({type(exc).__name__}: "
-                               f"{str(exc).splitlines()[0][:200]}): check the URL and that the server runs") from None
+            raise StorageError(f"cannot open the Optuna storage {redact(url)} ({first_line(exc, url)}): check the "
+                               f"URL and that the server runs") from None
     raise AssertionError("unreachable")
 
 
@@ -186,10 +201,19 @@ class Worker:
         self.device = device_name(resolve_device(plan.base.device))
         self.commit = git_commit()
         self._last_number = -1  # the trial number of the last objective call
+        self._trial_raised = False  # whether the last trial's own code (training) raised, not the storage
         self.failed_here: list[str] = []  # keys of the trials that failed in this process: not retried now
+        self.storage_failures: list[str] = []  # consecutive failures of the storage, latest last
 
     def run(self, budget: int | None) -> int:
-        """Run at most `budget` trials (None: until nothing is left); returns how many ran."""
+        """Run at most `budget` trials (None: until nothing is left); returns how many ran. Every MLflow run
+        it started is ended, whatever raised."""
+        try:
+            return self._run(budget)
+        finally:
+            self.tracker.end_open_runs("KILLED")
+
+    def _run(self, budget: int | None) -> int:
         ran = 0
         units = self.plan.units()
         for i, name in enumerate(self.plan.study_names()):
@@ -198,29 +222,52 @@ class Worker:
             mine = [(p, s) for n, p, s in units if n == name]
             self.failed_here = []
             while budget is None or ran < budget:
-                trials = study.get_trials(deepcopy=False)
-                fail_orphans(study, trials)
+                try:
+                    trials = study.get_trials(deepcopy=False)
+                    fail_orphans(study, trials)
+                except Exception as exc:
+                    self._storage_failed(exc)
+                    continue
                 if not self._work_left(trials, mine):
                     break
-                self._last_number = -1
+                self._last_number, self._trial_raised = -1, False
                 try:
                     # optimize() (not ask/tell) so that the RDB storage's heartbeat covers the trial;
                     # it marks a trial that raises as FAIL before passing the exception on.
                     study.optimize(lambda trial: self.objective(study, trial, mine), n_trials=1)
                 except Exception as exc:
-                    line = f"trial {self._last_number} failed: {type(exc).__name__}: {exc}"
+                    if is_storage_failure(exc) and not self._trial_raised:
+                        self._storage_failed(exc)
+                        continue
+                    line = f"trial {self._last_number} failed: {first_line(exc, self.plan.storage)}"
                     if self.plan.fail_fast:
                         raise BatchsweepError(f"{line} (stopped by --fail-fast)") from None
                     self.hooks.say(line)
-                if self._last_number < 0:
+                try:
+                    last = study.get_trials(deepcopy=False)[self._last_number] if self._last_number >= 0 else None
+                except Exception as exc:
+                    self._storage_failed(exc)
                     continue
-                last = study.get_trials(deepcopy=False)[self._last_number]
+                self.storage_failures = []
+                if last is None:
+                    continue
                 if last.state == TrialState.FAIL:
                     self.failed_here.append(config_key(last.user_attrs.get("config", {})))
                 if last.user_attrs.get("reason") != "duplicate":
                     ran += 1
                     self.hooks.trial_done(last)
         return ran
+
+    def _storage_failed(self, exc: Exception) -> None:
+        """Count a failure to read, create or record a trial; give up after a few in a row."""
+        self.storage_failures.append(first_line(exc, self.plan.storage))
+        if len(self.storage_failures) >= STORAGE_FAILURES:
+            raise StorageError(
+                f"the Optuna storage {redact(self.plan.storage)} stopped accepting writes "
+                f"({self.storage_failures[-1]}), {STORAGE_FAILURES} times in a row: check that its server runs, or "
+                f"that its folder and disk are writable, then run the same command again to resume (finished "
+                f"trials are kept)")
+        time.sleep(0.5 * len(self.storage_failures))
 
     def _work_left(self, trials: list[optuna.trial.FrozenTrial], mine: list[tuple[Point, int]]) -> bool:
         if self.plan.study.tune is None:
@@ -261,7 +308,11 @@ class Worker:
                 "study": self.plan.study.name}
         run_id = self.tracker.start_trial(self.parent_run_id, f"{trial.number}: {describe(point)}",
                                           config.to_dict(), tags)
-        trial.set_user_attr("mlflow_run_id", run_id)
+        try:
+            trial.set_user_attr("mlflow_run_id", run_id)
+        except Exception:
+            self.tracker.end(run_id, "FAILED")
+            raise
         self.hooks.trial_start(describe(point), config.epochs)
         history: list[dict[str, float]] = []
         tune = self.plan.study.tune
@@ -276,12 +327,20 @@ class Worker:
 
         def end(status: str, reason: str | None, metrics: dict[str, float] | None = None, **extra: Any) -> None:
             state = {"FINISHED": "COMPLETE", "KILLED": "PRUNED" if reason == "pruned" else "FAIL"}.get(status, "FAIL")
-            if reason:
-                trial.set_user_attr("reason", reason)
-            if metrics:
-                trial.set_user_attr("metrics", {k: v for k, v in metrics.items() if math.isfinite(v)})
-            self.tracker.finish(run_id, status, history=history, metrics=metrics,
-                                tags={"reason": reason, "state": state, **extra})
+            try:  # Optuna first: it decides whether the point runs again
+                if reason:
+                    trial.set_user_attr("reason", reason)
+                if metrics:
+                    trial.set_user_attr("metrics", {k: v for k, v in metrics.items() if math.isfinite(v)})
+                if extra.get("health"):
+                    trial.set_user_attr("health", extra["health"])
+            finally:
+                error = self.tracker.finish(run_id, status, history=history, metrics=metrics,
+                                            tags={"reason": reason, "state": state, **extra})
+            if error:
+                self.hooks.say(f"trial {trial.number} ({describe(point)}): trained, but recording it in MLflow "
+                               f"failed ({error}); its result is kept in Optuna and its run is marked FAILED "
+                               f"with reason record_error")
 
         health: dict[str, Any] = {}  # verdict and warnings, for trials of one configuration
         try:
@@ -293,7 +352,6 @@ class Worker:
                 health = {"health": result.health, "health_epoch": result.health_epoch,
                           "warnings": " | ".join(result.warnings) or None,
                           "noise_scale": "unavailable: accum_steps=1" if config.accum_steps == 1 else None}
-                trial.set_user_attr("health", result.health)
         except optuna.TrialPruned:
             end("KILLED", "pruned", _final(history))
             raise
@@ -311,6 +369,7 @@ class Worker:
             end("KILLED", "interrupted")
             raise
         except Exception as exc:
+            self._trial_raised = True
             end("FAILED", "error", error=f"{type(exc).__name__}: {exc}"[:5000])
             raise
         if status == "diverged":
@@ -321,15 +380,19 @@ class Worker:
 
     def _equivalence(self, config: TrainConfig, on_epoch) -> tuple[dict[str, float], str, str]:
         """Train (b, k) and its true-batch twin (b*k, 1) from the same initial weights and compare; with
-        BatchNorm also the ghost twin (b*k, 1, ghost_batch=b), which normalizes the same chunks of b."""
+        BatchNorm also the ghost twin (b*k, 1, ghost_batch=b), which normalizes the same chunks of b, and that
+        pair once more in float64: only if it agrees there is what remains in float32 rounding."""
         accum = train(config, on_epoch=on_epoch)
         true_config = dataclasses.replace(config, physical_batch=config.effective_batch, accum_steps=1)
         true = train(true_config)
         metrics = {**accum.metrics, "param_rel_diff": _rel_diff(accum.model, true.model),
                    "twin_val_acc": true.metrics["val_acc"], "acc_gap": accum.metrics["val_acc"] - true.metrics["val_acc"]}
         if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in accum.model.modules()):
-            ghost = train(dataclasses.replace(true_config, ghost_batch=config.physical_batch))
-            metrics["ghost_rel_diff"] = _rel_diff(accum.model, ghost.model)
+            ghost_config = dataclasses.replace(true_config, ghost_batch=config.physical_batch)
+            metrics["ghost_rel_diff"] = _rel_diff(accum.model, train(ghost_config).model)
+            if config.dtype != "float64":
+                in_f64 = [train(dataclasses.replace(c, dtype="float64")).model for c in (config, ghost_config)]
+                metrics["ghost_rel_diff_fp64"] = _rel_diff(*in_f64)
         return metrics, "diverged" if "diverged" in (accum.status, true.status) else "ok", accum.memory_source
 
 

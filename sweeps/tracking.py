@@ -9,6 +9,7 @@ import subprocess
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -19,6 +20,8 @@ from mlflow.store.artifact.artifact_repository_registry import get_artifact_repo
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from trainers.config import BatchsweepError
+
+from .urls import redact, sqlite_path
 
 HOST = socket.gethostname()
 # History keys logged with their epoch as step; throughput and memory are logged once, for the whole run.
@@ -67,19 +70,42 @@ def pid_alive(pid: int) -> bool:
 
 def _probe(uri: str, timeout: float = 4.0) -> None:
     """One quick request, so that a server that is down or hung is an error in seconds, not after MLflow's
-    retries (minutes); MLflow's own retries still cover passing failures during the study."""
+    retries (minutes); MLflow's own retries still cover passing failures during the study. Any user and
+    password are left out: they would otherwise go into a host-name lookup."""
+    parts = urllib.parse.urlsplit(uri)
+    netloc = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
+    bare = urllib.parse.urlunsplit(parts._replace(netloc=netloc)).rstrip("/")
     try:
-        urllib.request.urlopen(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/search?max_results=1", timeout=timeout)
+        urllib.request.urlopen(f"{bare}/api/2.0/mlflow/experiments/search?max_results=1", timeout=timeout)
     except urllib.error.HTTPError:
         return  # it answered
     except (OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise TrackingError(f"cannot reach the MLflow tracking server {uri} ({reason}): start it, or drop "
+        raise TrackingError(f"cannot reach the MLflow tracking server {redact(uri)} ({reason}): start it, or drop "
                             f"--tracking-uri to use the local store") from None
+
+
+def first_line(exc: BaseException, *urls: str) -> str:
+    """An exception as 'Type: first line of its message', with any password in `urls` scrubbed."""
+    from .urls import scrub
+
+    text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+    return scrub(f"{type(exc).__name__}: {text}" if text else type(exc).__name__, *urls)
 
 
 def _strings(values: dict[str, Any]) -> dict[str, str]:
     return {k: str(v) for k, v in values.items() if v is not None}
+
+
+def quote(value: str) -> str:
+    """A value inside an MLflow filter string, in whichever quote it does not hold (MLflow's filter parser
+    has no escapes)."""
+    value = str(value)
+    if "'" not in value:
+        return f"'{value}'"
+    if '"' not in value:
+        return f'"{value}"'
+    raise BatchsweepError(f"{value!r} holds both kinds of quote, which an MLflow filter cannot express: rename it")
 
 
 class Tracker:
@@ -89,8 +115,8 @@ class Tracker:
         self.uri = uri
         if uri.startswith(("http://", "https://")):
             _probe(uri)
-        elif uri.startswith("sqlite:///"):
-            db = Path(uri.removeprefix("sqlite:///"))
+        elif sqlite_path(uri) is not None:
+            db = sqlite_path(uri)
             try:
                 db.parent.mkdir(parents=True, exist_ok=True)
                 probe = db.parent / f".write-test-{os.getpid()}"
@@ -99,13 +125,14 @@ class Tracker:
             except OSError as exc:
                 raise TrackingError(f"cannot write the MLflow store in {db.parent} ({exc.strerror}): "
                                     f"make it writable or pass --tracking-uri") from None
-        self.client = MlflowClient(tracking_uri=uri)
         self.artifact_uris: dict[str, str] = {}  # run id -> artifact URI, for the runs this tracker started
+        self.open_runs: set[str] = set()  # started here and not ended yet
         try:
+            self.client = MlflowClient(tracking_uri=uri)  # a damaged SQLite store already fails here
             self.experiment_id = retry(lambda: self._experiment(experiment))
         except Exception as exc:
-            raise TrackingError(f"cannot use the MLflow tracking store {uri} ({type(exc).__name__}: "
-                                f"{str(exc).splitlines()[0][:200]}): start the server or check --tracking-uri") from None
+            raise TrackingError(f"cannot use the MLflow tracking store {redact(uri)} ({first_line(exc, uri)}): "
+                                f"start the server, check --tracking-uri, or move a damaged store aside") from None
 
     def _experiment(self, name: str) -> str:
         found = self.client.get_experiment_by_name(name)
@@ -128,6 +155,7 @@ class Tracker:
     def start_parent(self, run_name: str, params: dict[str, Any], tags: dict[str, Any]) -> str:
         run = retry(lambda: self.client.create_run(self.experiment_id, run_name=run_name,
                                                    tags={**_strings(tags), **self._owner_tags()}))
+        self.open_runs.add(run.info.run_id)
         self.log(run.info.run_id, params=params)
         return run.info.run_id
 
@@ -137,6 +165,7 @@ class Tracker:
             self.experiment_id, run_name=run_name,
             tags={**_strings(tags), **self._owner_tags(), MLFLOW_PARENT_RUN_ID: parent_run_id}))
         self.artifact_uris[run.info.run_id] = run.info.artifact_uri
+        self.open_runs.add(run.info.run_id)
         self.log(run.info.run_id, params=params)
         return run.info.run_id
 
@@ -157,23 +186,51 @@ class Tracker:
                                                 tags=tags_list if start == 0 else []))
 
     def finish(self, run_id: str, status: str, history: list[dict[str, float]] | None = None,
-               metrics: dict[str, float] | None = None, tags: dict[str, Any] | None = None) -> None:
-        """Log the results, the history as CSV, and end the run as FINISHED, FAILED or KILLED."""
-        if history and metrics:  # per-epoch keys are in the history already; their last step is the final value
-            metrics = {k: v for k, v in metrics.items() if k in RUN_LEVEL or k not in history[0]}
-        self.log(run_id, metrics=metrics, history=history, tags=tags)
-        if history:
-            self._log_history_csv(run_id, history)
-        retry(lambda: self.client.set_terminated(run_id, status))
+               metrics: dict[str, float] | None = None, tags: dict[str, Any] | None = None) -> str | None:
+        """Log the results and the history as CSV, and end the run as FINISHED, FAILED or KILLED. The run is
+        ended whatever fails; a failure to record returns its message (the run then ends FAILED with tags
+        `reason` = `record_error` and `error`) instead of raising, so that a trained trial is not lost."""
+        keys = {k for row in history or [] for k in row}
+        if metrics:  # per-epoch keys are in the history already; their last step is the final value
+            metrics = {k: v for k, v in metrics.items() if k in RUN_LEVEL or k not in keys}
+        error = None
+        try:
+            self.log(run_id, metrics=metrics, history=history, tags=tags)
+            if history:
+                self._log_history_csv(run_id, history)
+        except Exception as exc:  # whatever the store raised: the run must still end, the trial stays trained
+            error = first_line(exc, self.uri)
+            status = "FAILED"
+            try:
+                retry(lambda: self.client.log_batch(run_id, tags=[RunTag("reason", "record_error"),
+                                                                  RunTag("error", error)]))
+            except Exception:
+                pass
+        self.end(run_id, status)
+        return error
+
+    def end(self, run_id: str, status: str) -> None:
+        """End a run this tracker started, once; a store that refuses even this leaves it to close_orphans."""
+        try:
+            retry(lambda: self.client.set_terminated(run_id, status))
+        except Exception:
+            return
+        self.open_runs.discard(run_id)
+
+    def end_open_runs(self, status: str) -> None:
+        for run_id in list(self.open_runs):
+            self.end(run_id, status)
 
     def _log_history_csv(self, run_id: str, history: list[dict[str, float]]) -> None:
         # Straight to the run's artifact repository: client.log_text would first fetch the whole run
         # (get_run, about 55 ms on SQLite) only to learn the artifact URI that create_run returned.
         uri = self.artifact_uris.get(run_id) or self.client.get_run(run_id).info.artifact_uri
+        # Every key of every row: some metrics first appear after epoch 1 (noise_scale after a warmup).
+        columns = list(dict.fromkeys(k for row in history for k in row))
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "history.csv"
             with open(path, "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=list(history[0]))
+                writer = csv.DictWriter(f, fieldnames=columns)
                 writer.writeheader()
                 writer.writerows(history)
             retry(lambda: get_artifact_repository(uri, tracking_uri=self.uri).log_artifact(str(path)))
@@ -181,7 +238,8 @@ class Tracker:
     def close_orphans(self) -> int:
         """End the RUNNING runs whose process on this host is gone (killed, crashed) as KILLED."""
         runs = retry(lambda: self.client.search_runs(
-            [self.experiment_id], filter_string=f"attributes.status = 'RUNNING' and tags.`batchsweep.host` = '{HOST}'",
+            [self.experiment_id], filter_string=f"attributes.status = 'RUNNING' and tags.`batchsweep.host` = "
+                                                f"{quote(HOST)}",
             max_results=10_000))
         closed = 0
         for run in runs:

@@ -27,9 +27,29 @@ def _pg_bin(name: str) -> str | None:
     return shutil.which(name)
 
 
+class Postgres:
+    """A throw-away PostgreSQL cluster on 127.0.0.1 (trust authentication: any password is accepted)."""
+
+    def __init__(self, folder: Path, as_postgres: list[str], pg_ctl: str):
+        self.folder, self.as_postgres, self.pg_ctl = folder, as_postgres, pg_ctl
+        self.port = free_port()
+        self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def start(self) -> None:
+        subprocess.run([*self.as_postgres, self.pg_ctl, "-D", str(self.folder / "data"), "-l",
+                        str(self.folder / "log"), "-w", "-t", "60", "-o",
+                        f"-p {self.port} -h 127.0.0.1 -k {self.folder} -c fsync=off", "start"],
+                       check=True, capture_output=True)
+
+    def stop(self) -> None:
+        subprocess.run([*self.as_postgres, self.pg_ctl, "-D", str(self.folder / "data"), "-m", "immediate", "stop"],
+                       capture_output=True)
+
+
 @contextlib.contextmanager
 def postgres_server():
-    """A throw-away PostgreSQL cluster; yields its URL. Skips only off CI when PostgreSQL is not installed."""
+    """A throw-away PostgreSQL cluster; yields it (`.url`, `.stop()`, `.start()`). Skips only off CI when
+    PostgreSQL is not installed."""
     initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
     if not (initdb and pg_ctl):
         if os.environ.get("CI"):
@@ -40,16 +60,21 @@ def postgres_server():
     if os.geteuid() == 0:  # PostgreSQL refuses to run as root
         shutil.chown(folder, "postgres", "postgres")
         as_postgres = ["runuser", "-u", "postgres", "--"]
-    data, port = folder / "data", free_port()
-    subprocess.run([*as_postgres, initdb, "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync"],
+    subprocess.run([*as_postgres, initdb, "-D", str(folder / "data"), "-A", "trust", "-U", "postgres", "--no-sync"],
                    check=True, capture_output=True)
-    subprocess.run([*as_postgres, pg_ctl, "-D", str(data), "-l", str(folder / "log"), "-w", "-t", "60",
-                    "-o", f"-p {port} -h 127.0.0.1 -k {folder} -c fsync=off", "start"], check=True, capture_output=True)
+    server = Postgres(folder, as_postgres, pg_ctl)
+    server.start()
     try:
-        yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
+        yield server
     finally:
-        subprocess.run([*as_postgres, pg_ctl, "-D", str(data), "-m", "immediate", "stop"], capture_output=True)
+        server.stop()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def pg_dump(server: Postgres) -> str:
+    """Everything the cluster's database holds, as SQL text."""
+    return subprocess.run([*server.as_postgres, _pg_bin("pg_dump"), "-h", "127.0.0.1", "-p", str(server.port),
+                           "-U", "postgres", "postgres"], check=True, capture_output=True, text=True).stdout
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ import pytest
 from analysis.figures import all_figures, best_lr
 from analysis.findings import summarize
 from analysis.render import write_report
-from analysis.runs import StudyRuns, aggregate, load_study
+from analysis.runs import StudyRuns, aggregate, knee, load_study, steps_to_target
 from tests.conftest import run_script
 from tests.test_sweeps import TINY, sweep
 
@@ -39,17 +39,38 @@ def flat(rule, B, kind, seed):
     return 0.95 + 0.001 * seed
 
 
-def test_planted_gap_shows_up_in_the_summary():
-    def planted(rule, B, kind, seed):
+def test_a_difference_outside_the_noise_is_stated():
+    def planted(rule, B, kind, seed):  # the same 2.1 points in every seed: the interval excludes zero
         return flat(rule, B, kind, seed) - (0.021 if rule == "linear" and B == 512 else 0.0)
 
     sentences = " ".join(summarize(synthetic(planted)))
-    assert "The linear LR rule stayed within 0.5 points of B = 32 up to B = 256; at B = 512 it lost 2.1 points" \
-        in sentences
-    assert "The sqrt LR rule stayed within 0.5 points of B = 32 up to B = 512." in sentences
-    assert "the best rule was none (95.1%), then sqrt (95.1%), then linear (93.0%)" in sentences
-    # Without the plant, no rule loses anything.
-    assert "lost" not in " ".join(summarize(synthetic(flat)))
+    assert ("The linear LR rule fell below B = 32 from B = 512 (2.1 points lower, 95% CI -2.1 to -2.1 over 3 seeds)."
+            in sentences)
+    assert "The sqrt LR rule did not fall measurably below B = 32 up to B = 512" in sentences
+    assert "against it, sqrt indistinguishable (+0.0 ± 0.0 points over 3 seeds); linear 2.1 points lower" in sentences
+    assert "fell below" not in " ".join(summarize(synthetic(flat)))
+
+
+def test_a_difference_inside_the_noise_is_indistinguishable():
+    swing = {0: -0.03, 1: 0.02, 2: -0.005}  # a mean of -0.5 points, and seeds that disagree on its sign
+
+    def noisy(rule, B, kind, seed):
+        return flat(rule, B, kind, seed) + (swing[seed] if rule == "linear" and B == 512 else 0.0)
+
+    sentences = " ".join(summarize(synthetic(noisy)))
+    assert "The linear LR rule did not fall measurably below B = 32 up to B = 512: at B = 512 it was " \
+           "indistinguishable (-0.5 ± 6.2 points over 3 seeds)" in sentences
+    assert "fell below" not in sentences
+
+
+def test_one_seed_cannot_separate_anything():
+    def planted(rule, B, kind, seed):
+        return flat(rule, B, kind, seed) - (0.021 if rule == "linear" and B == 512 else 0.0)
+
+    one = synthetic(planted)
+    sentences = " ".join(summarize(one[one.seed == 0]))
+    assert "2.1 points lower in one seed, which cannot be told from seed noise" in sentences
+    assert "run the study with --seeds 3" in sentences and "fell below" not in sentences
 
 
 def test_planted_accumulation_gap_is_named():
@@ -57,7 +78,49 @@ def test_planted_accumulation_gap_is_named():
         return flat(rule, B, kind, seed) - (0.04 if kind == "accumulated" and B == 128 and rule == "sqrt" else 0)
 
     sentences = " ".join(summarize(synthetic(planted)))
-    assert "the largest gap was 4.0 points (true batch ahead) at lr_rule = sqrt, effective_batch = 128" in sentences
+    assert "indistinguishable in 11 of 12 pairs (paired 95% t-intervals over 3 seeds" in sentences
+    assert "they differed at lr_rule = sqrt, effective_batch = 128: 4.0 points true batch ahead" in sentences
+
+
+def test_steps_to_target_and_its_knee():
+    # Steps to reach 90% halve with each doubling of B up to 128 and stay flat beyond: the knee is at 128.
+    trials = synthetic(flat)
+    trials = trials[trials.physical_batch == 32].assign(lr_rule="sqrt").drop_duplicates(["seed", "effective_batch"])
+    rows = []
+    for r in trials.itertuples():
+        per_epoch = 4000 // r.effective_batch
+        reach = {32: 4, 64: 4, 128: 4, 256: 8, 512: 16}[r.effective_batch]  # epochs to the target
+        for e in range(1, 21):
+            rows.append(dict(run_id=r.run_id, epoch=e, steps=e * per_epoch, val_acc=0.5 if e < reach else 0.95))
+    history = pd.DataFrame(rows)
+    table, target = steps_to_target(trials, history, ["lr_rule"])
+    assert target == pytest.approx(0.95 * 0.951)
+    assert list(table.sort_values("effective_batch")["steps"]) == [4 * 125, 4 * 62, 4 * 31, 8 * 15, 16 * 7]
+    assert knee(table) == 128
+    sentences = " ".join(summarize(trials.assign(noise_scale=150.0), history))
+    assert "stopped halving with each doubling of B (less than a quarter fewer steps) all: beyond B = 128" in sentences
+    assert "predicts a critical batch of about 150 (McCandlish et al. 2018): within a factor of 2 of where " \
+           "steps-to-target stopped halving (B = 128)" in sentences
+    names = [f.name for f in all_figures(trials, history)]
+    assert "steps_to_target" in names
+
+
+def test_bn_rules_are_compared_by_their_running_statistics():
+    rows = []
+    errors = {"default": 0.02, "scaled": 0.13, "matched": 0.125, "true": 0.12}
+    for seed in (0, 1, 2):
+        for rule in ("default", "scaled", "matched"):
+            rows.append(dict(run_id=f"{seed}{rule}", status="FINISHED", physical_batch=32, accum_steps=16,
+                             effective_batch=512, bn_momentum_rule=rule, seed=seed, val_acc=0.9,
+                             bn_mean_error=errors[rule], batch="accumulated"))
+        rows.append(dict(run_id=f"{seed}true", status="FINISHED", physical_batch=512, accum_steps=1,
+                         effective_batch=512, bn_momentum_rule="default", seed=seed, val_acc=0.9,
+                         bn_mean_error=errors["true"], batch="true batch"))
+    sentences = " ".join(summarize(pd.DataFrame(rows)))
+    assert "the BN running means ended default 0.020, matched 0.125, scaled 0.130 population standard deviations" \
+           in sentences
+    assert "(true batch: 0.120): matched tracks the population as the true batch does" in sentences
+    assert "Final accuracy at k = 16 against the true batch: default indistinguishable" in sentences
 
 
 def test_seed_aggregation_gives_mean_and_t_interval():
@@ -73,7 +136,7 @@ def test_figures_from_a_synthetic_frame(tmp_path):
     history = pd.DataFrame([dict(run_id=r, epoch=e, val_acc=0.5 + 0.2 * e) for r in trials.run_id for e in (1, 2)])
     names = [f.name for f in all_figures(trials, history)]
     assert names == ["accuracy_vs_batch", "memory_vs_batch", "throughput", "learning_curves"]
-    page = write_report([StudyRuns("synthetic", trials, history, None, "sqlite:///nowhere")], tmp_path)
+    page = write_report([StudyRuns("synthetic", trials, history, None, "sqlite:///nowhere")], tmp_path)[0]
     assert page.read_text().count("<img") == 4
     assert all((tmp_path / f"{n}.png").stat().st_size > 1000 for n in names)
 
@@ -85,7 +148,10 @@ def test_lr_exponent_is_fitted():
             for b in (32, 64, 128, 256) for lr in [0.05 * (b / 32) ** 0.7 * f for f in (0.5, 1.0, 2.0)]]
     best, alpha = best_lr(pd.DataFrame(rows))
     assert alpha == pytest.approx(0.7, abs=1e-6)
-    assert "grew as B^0.70" in " ".join(summarize(pd.DataFrame(rows)))
+    sentence = " ".join(summarize(pd.DataFrame(rows)))
+    assert "grew as B^0.70 (95% bootstrap interval" in sentence
+    # Each B has 3 trials: resampling them moves the best LR by a factor of 2, so neither rule is singled out.
+    assert "neither rule singled out" in sentence
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +179,8 @@ def test_report_command_and_compare(tiny_study):
     folder = tiny_study / "reports/accum_lr"
     assert {"report.html", "report.md", "trials.csv", "accuracy_vs_batch.png"} <= {p.name for p in folder.iterdir()}
     md = (folder / "report.md").read_text()
-    assert "## Findings: accum_lr" in md and "2 seeds; 2 epochs" in md
+    assert "## Findings: accum_lr" in md and "2 epochs; 2 seeds" in md
+    assert "Protocol: sgd (momentum 0.9); no warmup, then cosine; weight decay 0.0005; 2 epochs; 2 seeds." in md
     assert "## Training health: accum_lr" in md and "health.png" in md
     # A second study under another name, then both side by side.
     assert sweep(tiny_study, *TINY, "--study", "batch_memory", "--n-trials", "3").returncode == 0
@@ -179,14 +246,13 @@ def test_html_report_opens_in_chromium_with_every_figure(tiny_study, tmp_path):
     assert len(result["images"]) >= 3 and all(i["ok"] for i in result["images"]), result["images"]
 
 
-def test_noise_scale_sentence_names_the_predicted_critical_batch():
-    def falls_at_256(rule, B, kind, seed):
-        return flat(rule, B, kind, seed) - (0.03 if B >= 256 else 0.0)
-
-    trials = synthetic(falls_at_256)
+def test_noise_scale_sentence_leaves_out_unreliable_values():
+    trials = synthetic(flat)
     trials["noise_scale"] = trials["accum_steps"].map(lambda k: 250.0 if k > 1 else float("nan"))
+    trials["noise_scale_reliable"] = trials["accum_steps"].map(lambda k: 0.0 if k == 16 else 1.0)
+    trials.loc[trials.accum_steps == 16, "noise_scale"] = 4000.0  # the finite-set correction dominated
     sentences = " ".join(summarize(trials))
-    assert "The gradient noise scale at the last epoch was 250 (median of 36 trials with k ≥ 2" in sentences
-    assert "first fell more than 0.5 points below B = 32 at B = 256" in sentences and "near that prediction" in sentences
+    assert "The gradient noise scale at the last epoch was 250 (median of 27 trials with k ≥ 2, range 250–250); " \
+           "9 values left out as unreliable" in sentences
     figure = all_figures(trials, pd.DataFrame())[0]
     assert figure.name == "accuracy_vs_batch" and "noise scale" in figure.title

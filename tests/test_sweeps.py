@@ -11,7 +11,9 @@ from mlflow import MlflowClient
 from tests.conftest import ROOT
 from sweeps.studies import STUDIES, config_key, point_key
 
-TINY = ["--model", "mlp", "--dataset", "tests.factories:blobs1k", "--epochs", "1", "--no-report"]
+# One seed, one worker, no warmup: the studies' own protocol (3 seeds, 2 workers, 2 warmup epochs) is for users.
+TINY = ["--model", "mlp", "--dataset", "tests.factories:blobs1k", "--epochs", "1", "--seeds", "1", "--workers", "1",
+        "--set", "warmup_epochs=0", "--no-report"]
 
 
 def sweep(cwd, *args, timeout=300):
@@ -147,6 +149,19 @@ def test_workers_cover_the_grid_once(tmp_path, workers, storage):
     (["--storage", "redis://localhost/0"], "unknown storage 'redis://localhost/0'"),
     (["--storage", "postgresql://nobody@127.0.0.1:9/none"], "cannot open the Optuna storage"),
     (["--tracking-uri", "http://127.0.0.1:9"], "cannot reach the MLflow tracking server http://127.0.0.1:9"),
+    (["--storage", "sqlite://optuna.db"], "--storage 'sqlite://optuna.db' is not a SQLite URL"),
+    (["--tracking-uri", "sqlite://mlflow.db"], "--tracking-uri 'sqlite://mlflow.db' is not a SQLite URL"),
+    (["--storage", "journal:"], "--storage 'journal:' names no file"),
+    (["--seed", "99999999999999999999"], "seed must be at most 4294967295"),
+    (["--set", "eval_batch=99999999999999999999"], "eval_batch must be at most 2147483647"),
+    (["--set", "weight_decay=1e308"], "weight_decay 1e+308 times the learning rate"),
+    (["--set", "base_lr=1e308", "--set", "lr_rule=linear"], "scales base_lr 1e+308 to an infinite learning rate"),
+    (["--set", "base_lr=1e400"], "base_lr must be a finite number"),
+    (["--seeds", "100000", "--dry-run"], "--seeds must be between 1 and 1,000"),
+    (["--workers", "100000"], "--workers must be between 1 and"),
+    (["--n-trials", "0"], "--n-trials must be between 1 and 1,000,000"),
+    (["--study-name", "../escape"], "study name '../escape' is not a plain name"),
+    (["--study-name", "/tmp/abs"], "study name '/tmp/abs' is not a plain name"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, expected):
     proc = sweep(tmp_path, *TINY, *args, "--storage" if "--storage" not in args else "--n-trials",
@@ -162,7 +177,8 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, expected):
 def test_distributed_study_on_postgresql_and_a_tracking_server(tmp_path):
     from tests.servers import mlflow_server, postgres_server
 
-    with postgres_server() as pg, mlflow_server(tmp_path) as tracking:
+    with postgres_server() as server, mlflow_server(tmp_path) as tracking:
+        pg = server.url
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         machines = []
         for name in ("machine-a", "machine-b"):  # two independent processes, as on two machines

@@ -42,6 +42,14 @@ def test_missing_offline_dataset(capsys, tmp_path):
     assert "dataset MNIST is not in" in line and "could not be downloaded" in line
 
 
+def test_refused_dataset_files_say_so(capsys, tmp_path):
+    (tmp_path / "cifar-10-batches-py").mkdir()
+    (tmp_path / "cifar-10-batches-py/data_batch_1").write_bytes(b"not a pickle")
+    line = one_line_error(capsys, ["--dataset", "cifar10", "--data-dir", str(tmp_path), "--epochs", "1"])
+    assert "the files in" in line and "were refused" in line and "failed their checksum" in line
+    assert "could not be downloaded" not in line
+
+
 def test_bn_rule_without_bn_is_a_warning(capsys, data_dir):
     assert main(["--model", "mlp", "--bn-momentum-rule", "matched", "--epochs", "1", "--data-dir", data_dir]) == 0
     assert "warning: bn_momentum_rule='matched' has no effect" in capsys.readouterr().err

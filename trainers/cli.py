@@ -57,7 +57,9 @@ def summary_table(result) -> str:
         ("val acc", "n/a" if math.isnan(m["val_acc"]) else f"{m['val_acc']:.2%}"),
         ("samples/s", f"{m['samples_per_s']:,.0f}"),
         (f"peak memory ({result.memory_source})", format_bytes(m["peak_memory_bytes"])),
-        ("noise scale", f"{m['noise_scale']:.0f}" if "noise_scale" in m else
+        ("noise scale", f"{m['noise_scale']:.0f}" + (" (unreliable: the finite-set correction dominates)"
+                                                      if m.get("noise_scale_reliable") == 0 else "")
+         if "noise_scale" in m else
          "n/a (needs accum_steps >= 2)" if c.accum_steps == 1 else "n/a (not measurable yet)"),
         ("health", result.health + (f" (from epoch {result.health_epoch})" if result.health_epoch else "")),
         ("wall time", f"{m['wall_time_s']:.1f} s"),

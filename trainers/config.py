@@ -14,6 +14,8 @@ NORMS = ("batch", "group", "none")
 PRECISIONS = ("fp32", "bf16")
 DTYPES = ("float32", "float64")
 DEVICES = ("auto", "cpu", "cuda")
+MAX_COUNT = 2 ** 31 - 1  # batch sizes, steps, epochs: beyond this no run gets there, and torch's indices overflow
+MAX_SEED = 2 ** 32 - 1  # the range every RNG in the stack accepts (numpy's is the narrowest)
 
 
 class BatchsweepError(Exception):
@@ -89,14 +91,29 @@ class TrainConfig:
             _at_least(name, getattr(self, name), 1)
         for name in ("ghost_batch", "seed", "max_steps"):
             _at_least(name, getattr(self, name), 0)
+        for name, f in FIELDS.items():
+            value = getattr(self, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number, got {value}")
+            if type(value) is int and value > (MAX_SEED if name == "seed" else MAX_COUNT):
+                raise ConfigError(f"{name} must be at most {MAX_SEED if name == 'seed' else MAX_COUNT}, got {value}")
         for name in ("warmup_epochs", "weight_decay", "grad_clip", "momentum"):
             _at_least(name, getattr(self, name), 0.0)
-        if not (self.base_lr > 0 and math.isfinite(self.base_lr)):
+        if not self.base_lr > 0:
             raise ConfigError(f"base_lr must be a positive number, got {self.base_lr}")
+        if not math.isfinite(self.lr):
+            raise ConfigError(f"the {self.lr_rule} rule scales base_lr {self.base_lr:g} to an infinite learning rate "
+                              f"at B = {self.effective_batch}: lower --base-lr")
+        if not self.momentum < 1:
+            raise ConfigError(f"momentum must be below 1 (at 1 and above every step grows), got {self.momentum}")
+        if self.lr * self.weight_decay >= 1:
+            raise ConfigError(f"weight_decay {self.weight_decay:g} times the learning rate {self.lr:.4g} is >= 1: each "
+                              f"step would shrink the weights through zero; lower --weight-decay")
         if not 0 < self.bn_base_momentum <= 1:
             raise ConfigError(f"bn_base_momentum must be in (0, 1], got {self.bn_base_momentum}")
         if self.warmup_epochs > self.epochs:
-            raise ConfigError(f"warmup_epochs ({self.warmup_epochs}) is longer than the run ({self.epochs} epochs)")
+            raise ConfigError(f"warmup_epochs ({self.warmup_epochs}) is longer than the run ({self.epochs} epochs): "
+                              f"raise --epochs or lower warmup_epochs (e.g. --set warmup_epochs=0)")
         if self.nesterov and (self.optimizer != "sgd" or self.momentum == 0):
             raise ConfigError("nesterov needs optimizer=sgd with momentum > 0")
 

@@ -27,6 +27,7 @@ class Data:
     y_train: torch.Tensor
     x_test: torch.Tensor
     y_test: torch.Tensor
+    notes: tuple[str, ...] = ()  # what loading had to mend (e.g. a rebuilt cache), for the run's warnings
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -53,13 +54,35 @@ class Data:
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, dtype if t.is_floating_point() else None)
 
-        return Data(move(self.x_train), move(self.y_train), move(self.x_test), move(self.y_test))
+        return Data(move(self.x_train), move(self.y_train), move(self.x_test), move(self.y_test), self.notes)
+
+
+MNIST1D_SHAPES = {"x": (4000, 40), "y": (4000,), "x_test": (1000, 40), "y_test": (1000,)}
+
+
+def _read_mnist1d(path: Path) -> dict[str, np.ndarray] | None:
+    """The cached arrays, or None when the file is not a complete MNIST-1D cache (empty, truncated, other)."""
+    try:
+        with np.load(path, allow_pickle=False) as arrays:
+            found = {k: arrays[k] for k in MNIST1D_SHAPES}
+    except Exception:  # zipfile, pickle refusal, missing key, truncated member: all mean "not our cache"
+        return None
+    if any(found[k].shape != shape for k, shape in MNIST1D_SHAPES.items()):
+        return None
+    return found
 
 
 def mnist1d(data_dir: str, **_) -> Data:
-    """MNIST-1D (Greydanus 2020): 4,000 train and 1,000 test series of length 40, generated offline."""
+    """MNIST-1D (Greydanus 2020): 4,000 train and 1,000 test series of length 40, generated offline and
+    cached. A cache that is not one (empty, truncated, another file) is rebuilt, with a note: the data is
+    deterministic, so nothing is lost."""
     path = Path(data_dir) / "mnist1d.npz"
-    if not path.exists():
+    notes: tuple[str, ...] = ()
+    arrays = _read_mnist1d(path) if path.exists() else None
+    if arrays is None:
+        if path.exists():
+            notes = (f"the MNIST-1D cache {path} was not a complete cache (empty, truncated or another file): "
+                     f"rebuilt it",)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # mnist1d imports scipy.ndimage.filters
             from mnist1d.data import get_dataset_args, make_dataset
@@ -70,18 +93,22 @@ def mnist1d(data_dir: str, **_) -> Data:
         finally:
             np.random.set_state(np_state)
             random.setstate(py_state)
-        _save_npz_atomically(path, x=raw["x"], y=raw["y"], x_test=raw["x_test"], y_test=raw["y_test"])
-    with np.load(path, allow_pickle=False) as arrays:
-        x, x_test = (torch.from_numpy(arrays[k]).float().unsqueeze(1) for k in ("x", "x_test"))
-        y, y_test = (torch.from_numpy(arrays[k]).long() for k in ("y", "y_test"))
-    return Data(x, y, x_test, y_test)
+        arrays = {k: np.asarray(raw[k]) for k in MNIST1D_SHAPES}
+        _save_npz_atomically(path, **arrays)
+    x, x_test = (torch.from_numpy(arrays[k]).float().unsqueeze(1) for k in ("x", "x_test"))
+    y, y_test = (torch.from_numpy(arrays[k]).long() for k in ("y", "y_test"))
+    return Data(x, y, x_test, y_test, notes)
 
 
 def _save_npz_atomically(path: Path, **arrays: np.ndarray) -> None:
-    """Concurrent workers may build the cache at once: each writes a temp file and renames it into place."""
+    """Concurrent workers may build the cache at once: each writes a temp file and renames it into place.
+    The file gets the permissions the umask gives any new file (mkstemp alone would make it 0600)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz.tmp")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)
         os.replace(tmp, path)
@@ -96,8 +123,14 @@ def _torchvision(cls_name: str, mean: tuple[float, ...], std: tuple[float, ...])
 
         cls = getattr(tvd, cls_name)
         try:
-            splits = [cls(data_dir, train=train, download=True) for train in (True, False)]
+            # torchvision checks what it finds (MD5 sums for CIFAR's pickles, weights_only for MNIST's .pt)
+            # and downloads only what is missing.
+            splits = [cls(data_dir, train=train, download=not _present(data_dir, cls_name)) for train in (True, False)]
         except Exception as exc:  # a failed download raises URLError, RuntimeError or OSError
+            if _present(data_dir, cls_name):
+                raise DataError(f"dataset {cls_name}: the files in {data_dir!r} were refused ({type(exc).__name__}: "
+                                f"{str(exc).strip().splitlines()[0][:160] if str(exc).strip() else 'no message'}): "
+                                f"they are incomplete or failed their checksum; replace them") from None
             raise DataError(f"dataset {cls_name} is not in {data_dir!r} and could not be downloaded "
                             f"({type(exc).__name__}): copy its files there or connect to the network") from None
         tensors = []
@@ -110,6 +143,12 @@ def _torchvision(cls_name: str, mean: tuple[float, ...], std: tuple[float, ...])
         return Data(*tensors)
 
     return load
+
+
+def _present(data_dir: str, cls_name: str) -> bool:
+    """Whether torchvision's folder for this dataset exists with files in it."""
+    folder = Path(data_dir) / ("cifar-10-batches-py" if cls_name == "CIFAR10" else cls_name)
+    return folder.is_dir() and any(folder.rglob("*"))
 
 
 DATASETS = {

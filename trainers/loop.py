@@ -17,7 +17,7 @@ from .config import ConfigError, TrainConfig
 from .data import Data, load_data
 from .health import StepStats, coverage_warnings, never_updated, verdict
 from .noise import NoiseScale
-from .models import build_model, has_conv2d, set_bn_momentum, use_ghost_batch
+from .models import bn_population_error, build_model, has_conv2d, set_bn_momentum, use_ghost_batch
 
 EpochCallback = Callable[[dict[str, float]], None]
 
@@ -177,7 +177,7 @@ def _prepare(config: TrainConfig) -> tuple[torch.device, Data, nn.Module, list[s
                           f"lower --physical-batch or --accum-steps")
     torch.manual_seed(config.seed)  # same seed, same initial weights, whatever b and k are
     model = build_model(config.model, data.input_shape, data.num_classes, config.norm)
-    notes = []
+    notes = list(data.notes)
     bn_layers = set_bn_momentum(model, config.bn_momentum)
     if bn_layers == 0 and config.bn_momentum_rule != "default":
         notes.append(f"bn_momentum_rule={config.bn_momentum_rule!r} has no effect: model {config.model!r} "
@@ -280,7 +280,7 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None) -> TrainRe
                "peak_memory_bytes": float(peak), **stats.epoch()}
         scale = noise.value() if noise is not None else None
         if scale is not None:  # not a number while |G|^2 is not measurable, nor for k = 1
-            row["noise_scale"] = scale
+            row["noise_scale"], row["noise_scale_reliable"] = scale[0], float(scale[1])
         history.append(row)
         if on_epoch is not None:
             on_epoch(row)
@@ -289,6 +289,8 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None) -> TrainRe
 
     metrics = {**history[-1], "samples_per_s": samples / train_time, "wall_time_s": wall_time,
                "peak_memory_bytes": max(r["peak_memory_bytes"] for r in history)}
+    if status == "ok":
+        metrics.update(bn_population_error(model, data.x_train, config.eval_batch))
     idle = never_updated(model, stats)
     if idle:
         notes.append(idle)

@@ -95,6 +95,39 @@ def use_ghost_batch(model: nn.Module, ghost: int) -> int:
     return len(layers)
 
 
+@torch.no_grad()
+def bn_population_error(model: nn.Module, x: torch.Tensor, batch: int) -> dict[str, float]:
+    """How far each BatchNorm layer's running statistics are from the population statistics of the final
+    weights, recomputed in one pass over `x` (the training inputs) with a cumulative average, as
+    torch.optim.swa_utils.update_bn does. `bn_mean_error`: mean over channels and layers of
+    |running mean - population mean| / population std; `bn_var_error`: mean of |ln(running var / population
+    var)|. What a momentum rule changes shows here, not in final accuracy. The model is left as it was."""
+    layers = batchnorm_layers(model)
+    if not layers:
+        return {}
+    saved = [(layer.running_mean.clone(), layer.running_var.clone(), layer.num_batches_tracked.clone(),
+              layer.momentum) for layer in layers]
+    was_training = model.training
+    for layer in layers:
+        layer.reset_running_stats()
+        layer.momentum = None  # a cumulative average over the pass
+    model.train()
+    for xs in x.split(batch):
+        model(xs)
+    mean_errors, var_errors = [], []
+    for layer, (mean, var, count, momentum) in zip(layers, saved):
+        pop_mean, pop_var = layer.running_mean.double(), layer.running_var.double().clamp_min(layer.eps)
+        mean_errors.append(((mean.double() - pop_mean).abs() / pop_var.sqrt()).mean())
+        var_errors.append((var.double().clamp_min(layer.eps) / pop_var).log().abs().mean())
+        layer.running_mean.copy_(mean)
+        layer.running_var.copy_(var)
+        layer.num_batches_tracked.copy_(count)
+        layer.momentum = momentum
+    model.train(was_training)
+    return {"bn_mean_error": torch.stack(mean_errors).mean().item(),
+            "bn_var_error": torch.stack(var_errors).mean().item()}
+
+
 def has_conv2d(model: nn.Module) -> bool:
     """channels_last applies only to nets with 2-D convolutions."""
     return any(isinstance(m, nn.Conv2d) for m in model.modules())

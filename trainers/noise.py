@@ -56,15 +56,28 @@ class NoiseScale:
         self.weight = self.weight * EMA_DECAY ** windows + 1 - EMA_DECAY ** windows
         self.small, self.big = [], []
 
-    def value(self) -> float | None:
-        """B_simple from the smoothed estimates, or None while |G|^2 is not measurable (not positive yet).
+    def value(self) -> tuple[float, bool] | None:
+        """(B_simple, reliable) from the smoothed estimates, or None while |G|^2 is not measurable (not
+        positive yet).
 
         Windows are drawn without replacement from N samples, which biases the two-batch |G|^2 low by
         tr(S)/(N-1): correct it, or the noise scale late in training comes out several times too large.
+        Late in training the measured |G|^2 falls towards that bias: where the correction tr(S)/N is larger
+        than what was measured, the estimate says more about N than about a critical batch, and it is
+        marked unreliable (see RELIABLE below).
         """
         self._fold()
         if not self.weight:
             return None
-        g2, s = (self.ema / self.weight).tolist()
-        g2, s = g2 + s / self.N, s * (self.N - 1) / self.N
-        return s / g2 if g2 > 0 else None
+        measured, s = (self.ema / self.weight).tolist()
+        g2, s = measured + s / self.N, s * (self.N - 1) / self.N
+        if g2 <= 0:
+            return None
+        return s / g2, reliable(measured, s, self.N)
+
+
+def reliable(measured_g2: float, trace: float, n: int) -> bool:
+    """The rule: a noise scale is reliable while the measured |G|^2 is at least the finite-set correction
+    tr(S)/N, i.e. while the correction at most doubles it. Beyond that, B_simple tends to N whatever the
+    gradient is."""
+    return measured_g2 >= trace / n

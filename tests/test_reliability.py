@@ -1,0 +1,136 @@
+"""What a study must survive: metrics that appear late, a store that refuses a write, failing workers, a storage
+server that goes down, damaged files, and inputs out of range."""
+import csv
+import io
+import os
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+from mlflow import MlflowClient
+
+from sweeps.tracking import Tracker
+from tests.conftest import ROOT
+from tests.test_sweeps import TINY, child_runs, stores, sweep
+from trainers import TrainConfig, train
+
+State = optuna.trial.TrialState
+
+
+def history_csv(client: MlflowClient, run_id: str) -> list[dict[str, str]]:
+    path = client.download_artifacts(run_id, "history.csv")
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_history_takes_every_key_of_every_row(tmp_path):
+    # noise_scale is not measurable in epoch 1 after a warmup: it first appears in a later row.
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "late")
+    parent = tracker.start_parent("parent", {}, {})
+    run_id = tracker.start_trial(parent, "trial", {"seed": 0}, {})
+    history = [{"epoch": e, "val_acc": 0.5 + e / 10, **({"noise_scale": 100.0 * e} if e >= 3 else {})}
+               for e in (1, 2, 3, 4)]
+    assert tracker.finish(run_id, "FINISHED", history=history, metrics=dict(history[-1])) is None
+    run = tracker.client.get_run(run_id)
+    assert run.info.status == "FINISHED" and "reason" not in run.data.tags
+    rows = history_csv(tracker.client, run_id)
+    assert [r["noise_scale"] for r in rows] == ["", "", "300.0", "400.0"]
+    assert [m.step for m in tracker.client.get_metric_history(run_id, "noise_scale")] == [3, 4]
+
+
+def test_a_refused_write_ends_the_run_and_says_why(tmp_path):
+    # MLflow refuses a metric name with '<' in it: recording fails after training, the run must still end.
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "refused")
+    parent = tracker.start_parent("parent", {}, {})
+    run_id = tracker.start_trial(parent, "trial", {}, {})
+    error = tracker.finish(run_id, "FINISHED", history=[{"epoch": 1, "bad<name": 1.0}], metrics={"val_acc": 0.9})
+    assert error and "bad<name" in error
+    run = tracker.client.get_run(run_id)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["reason"] == "record_error" and run.data.tags["error"] == error
+    assert tracker.open_runs == {parent}
+    tracker.end_open_runs("KILLED")
+    assert tracker.client.get_run(parent).info.status == "KILLED" and tracker.open_runs == set()
+
+
+def test_failures_in_worker_processes_reach_the_terminal(tmp_path):
+    proc = sweep(tmp_path, *TINY, "--model", "tests.factories:broken_model", "--workers", "2", "--n-trials", "4")
+    lines = proc.stderr.splitlines()
+    failed = [line for line in lines if "failed: RuntimeError: factory exploded" in line]
+    assert len(failed) == 4, proc.stderr
+    assert "Traceback" not in proc.stderr
+    # Every trial failed with an error: the command fails too, and says so.
+    assert proc.returncode == 1
+    assert "error: all 4 trials of study accum_lr failed with an error" in proc.stderr
+    children, parents = child_runs(stores(tmp_path)[1])
+    assert [r.info.status for r in children] == ["FAILED"] * 4 and parents[0].info.status == "FINISHED"
+
+
+def test_a_storage_server_that_goes_down_stops_the_study_in_one_line(tmp_path):
+    from tests.servers import postgres_server
+
+    with postgres_server() as server:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), *TINY, "--epochs", "3", "--storage",
+                                 server.url], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            done = [t for t in optuna.load_study(study_name="accum_lr", storage=server.url).trials
+                    if t.state == State.COMPLETE] if optuna.get_all_study_names(server.url) else []
+            if len(done) >= 2:
+                break
+            time.sleep(0.3)
+        server.stop()
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, err[-3000:]
+        last = err.strip().splitlines()[-1]
+        assert last.startswith(f"error: the Optuna storage {server.url} stopped accepting writes"), err[-3000:]
+        assert "run the same command again to resume" in last and "Traceback" not in err
+        _, parents = child_runs(stores(tmp_path)[1])
+        assert [p.info.status for p in parents] == ["FAILED"]
+        server.start()
+        kept = [t for t in optuna.load_study(study_name="accum_lr", storage=server.url).trials
+                if t.state == State.COMPLETE]
+        assert len(kept) >= 2  # what finished before stays finished
+
+
+def test_a_corrupt_dataset_cache_is_rebuilt_with_a_note(tmp_path):
+    cache = tmp_path / "mnist1d.npz"
+    for content in (b"", b"PK\x03\x04 truncated zip", b"something else entirely" * 50):
+        cache.write_bytes(content)
+        result = train(TrainConfig(epochs=1, max_steps=2, data_dir=str(tmp_path)))
+        assert result.status == "ok"
+        assert any("was not a complete cache" in w and "rebuilt it" in w for w in result.warnings)
+    again = train(TrainConfig(epochs=1, max_steps=2, data_dir=str(tmp_path)))
+    assert not any("cache" in w for w in again.warnings)  # the rebuilt cache is a good one
+    umask = os.umask(0)
+    os.umask(umask)
+    assert cache.stat().st_mode & 0o777 == 0o666 & ~umask  # as the umask gives any new file, not 0600
+
+
+@pytest.mark.parametrize("script", ["sweeps/run.py", "analysis/report.py"])
+def test_a_corrupt_mlflow_store_is_one_line_and_left_alone(tmp_path, script):
+    (tmp_path / "mlruns").mkdir()
+    garbage = os.urandom(4096)
+    (tmp_path / "mlruns/mlflow.db").write_bytes(garbage)
+    args = [*TINY, "--storage", f"sqlite:///{tmp_path}/optuna.db"] if script == "sweeps/run.py" else \
+        ["--study", "accum_lr"]
+    proc = subprocess.run([sys.executable, str(ROOT / script), *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "mlflow.db" in lines[0], proc.stderr
+    assert (tmp_path / "mlruns/mlflow.db").read_bytes() == garbage
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--memory-budget", "1e400", "--target-batch", "64"], "memory budget '1e400' is out of range"),
+    (["--memory-budget", "1GiB", "--target-batch", "1000000000000"], "--target-batch must be between 1 and"),
+])
+def test_plan_bad_input_is_one_line(tmp_path, args, expected):
+    proc = sweep(tmp_path, "--plan", *args, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and expected in proc.stderr, proc.stderr
