@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from .figures import best_lr, critical_batch, finished, reliable_noise, tuned
-from .runs import Difference, aggregate, knee, paired, steps_to_target
+from .runs import TARGET_SHARE, Difference, aggregate, knee, paired, steps_to_target
 
 EXACT = 1e-4  # relative parameter difference below which accumulation is float rounding, not a change
 ROUNDING = 1e-10  # in float64, a ghost twin this close shows that what is left in float32 is rounding
@@ -249,14 +249,15 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame) -> list[str]:
     table, target = found
     out = []
     knees = {}
-    for group, rows in table.groupby(keys) if keys else [("all", table)]:
+    for group, rows in table.groupby(keys) if keys else [("", table)]:
         group = group[0] if isinstance(group, tuple) else group
         knees[group] = knee(rows)
-    per = "; ".join(f"{g}: {'beyond B = ' + str(b) if b else 'not within the batches measured'}"
+    per = ", ".join(f"{f'for {g} ' if g else ''}{f'beyond B = {b}' if b else 'nowhere within the batches measured'}"
                     for g, b in knees.items())
-    out.append(f"Steps to reach {_pct(target)} validation accuracy ({int(100 * 0.95)}% of the best configuration's "
-               f"mean) stopped halving with each doubling of B (less than a quarter fewer steps) {per}. Accuracy is "
-               f"evaluated once an epoch, so steps are known to within one epoch's steps.")
+    out.append(f"Steps to reach {_pct(target)} validation accuracy ({100 * TARGET_SHARE:.0f}% of the best "
+               f"configuration's mean) stopped halving with each doubling of B (a doubling saved less than a "
+               f"quarter of them) {per}. Accuracy is evaluated once an epoch, so steps are known to within one "
+               f"epoch's steps.")
     b_crit = critical_batch(t)
     measured = [b for b in knees.values() if b]
     if b_crit is not None and measured:

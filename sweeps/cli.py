@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from trainers.cli import format_bytes
-from trainers.config import BatchsweepError, ConfigError, TrainConfig, apply_overrides, parse_value
+from trainers.config import BatchsweepError, ConfigError, TrainConfig, parse_overrides, parse_value
 
 from .studies import STUDIES, check_name, describe, get_study
 from .tracking import HOST, Tracker, default_tracking_uri
@@ -72,7 +72,7 @@ def build_plan(args: argparse.Namespace):
         raise ConfigError(f"{len(study.points)} points x {args.seeds} seeds is more than {MAX_UNITS:,} trials: "
                           f"lower --seeds")
     flags = {name: parse_value(name, getattr(args, name)) for name in CONFIG_FLAGS if getattr(args, name)}
-    base = apply_overrides(dataclasses.replace(TrainConfig(), **{**study.fixed, **flags}), args.set)
+    base = TrainConfig(**{**study.fixed, **flags, **parse_overrides(args.set)})
     plan = Plan(study=study, base=base, seeds=tuple(range(base.seed, base.seed + args.seeds)),
                 study_name=check_name(args.study_name or study.name),
                 storage=check_storage(args.storage or default_storage()),
@@ -270,7 +270,7 @@ def memory_plan(args: argparse.Namespace) -> int:
         raise ConfigError("--plan needs --target-batch N and --memory-budget SIZE (e.g. 6GiB)")
     budget = parse_bytes(args.memory_budget)
     flags = {name: parse_value(name, getattr(args, name)) for name in CONFIG_FLAGS if getattr(args, name)}
-    config = apply_overrides(dataclasses.replace(TrainConfig(), **flags), args.set)
+    config = TrainConfig(**{**flags, **parse_overrides(args.set)})
     memory_source = "cuda_allocator" if resolve_device(config.device).type == "cuda" else "saved_tensors"
     uri = check_tracking_uri(args.tracking_uri or default_tracking_uri())
     no_local_store = sqlite_path(uri) is not None and not sqlite_path(uri).exists()

@@ -322,7 +322,8 @@ class Worker:
             self.hooks.epoch_done(row)
             if tune is not None:
                 trial.report(row["val_acc"] if math.isfinite(row["val_acc"]) else 0.0, int(row["epoch"]))
-                if trial.should_prune():
+                # A trial that trained its last epoch is complete: pruning it would throw its result away.
+                if row["epoch"] < config.epochs and trial.should_prune():
                     raise optuna.TrialPruned(f"pruned at epoch {int(row['epoch'])}")
 
         def end(status: str, reason: str | None, metrics: dict[str, float] | None = None, **extra: Any) -> None:

@@ -98,7 +98,8 @@ def test_steps_to_target_and_its_knee():
     assert list(table.sort_values("effective_batch")["steps"]) == [4 * 125, 4 * 62, 4 * 31, 8 * 15, 16 * 7]
     assert knee(table) == 128
     sentences = " ".join(summarize(trials.assign(noise_scale=150.0), history))
-    assert "stopped halving with each doubling of B (less than a quarter fewer steps) all: beyond B = 128" in sentences
+    assert "stopped halving with each doubling of B (a doubling saved less than a quarter of them) beyond B = 128." \
+        in sentences
     assert "predicts a critical batch of about 150 (McCandlish et al. 2018): within a factor of 2 of where " \
            "steps-to-target stopped halving (B = 128)" in sentences
     names = [f.name for f in all_figures(trials, history)]

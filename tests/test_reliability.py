@@ -127,6 +127,33 @@ def test_a_corrupt_mlflow_store_is_one_line_and_left_alone(tmp_path, script):
 
 
 @pytest.mark.parametrize("args,expected", [
+    (["--storage", "sqlite://optuna.db"], "--storage 'sqlite://optuna.db' is not a SQLite URL"),
+    (["--tracking-uri", "sqlite://mlflow.db"], "--tracking-uri 'sqlite://mlflow.db' is not a SQLite URL"),
+    (["--storage", "journal:"], "--storage 'journal:' names no file"),
+    (["--seed", "99999999999999999999"], "seed must be at most 4294967295"),
+    (["--set", "eval_batch=99999999999999999999"], "eval_batch must be at most 2147483647"),
+    (["--set", "weight_decay=1e308"], "weight_decay 1e+308 times the learning rate"),
+    (["--set", "base_lr=1e308", "--set", "lr_rule=linear", "--set", "weight_decay=0"],
+     "scales base_lr 1e+308 to an infinite learning rate"),
+    (["--set", "base_lr=1e400"], "base_lr must be a finite number"),
+    (["--seeds", "100000", "--dry-run"], "--seeds must be between 1 and 1,000"),
+    (["--workers", "100000"], "--workers must be between 1 and"),
+    (["--n-trials", "0"], "--n-trials must be between 1 and 1,000,000"),
+    (["--study-name", "../escape"], "study name '../escape' is not a plain name"),
+    (["--study-name", "/tmp/abs"], "study name '/tmp/abs' is not a plain name"),
+])
+def test_bad_values_are_one_line_and_write_nothing(tmp_path, monkeypatch, capsys, args, expected):
+    # In-process (the subprocess cases are in test_sweeps.py): these fail before anything is opened.
+    from sweeps.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main([*TINY, *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args,expected", [
     (["--memory-budget", "1e400", "--target-batch", "64"], "memory budget '1e400' is out of range"),
     (["--memory-budget", "1GiB", "--target-batch", "1000000000000"], "--target-batch must be between 1 and"),
 ])

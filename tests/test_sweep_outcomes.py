@@ -20,7 +20,7 @@ def runs_by_trial(client, trials, name="accum_lr"):
 
 
 def test_diverged_trials_are_recorded_and_the_study_goes_on(tmp_path):
-    proc = sweep(tmp_path, *TINY, "--set", "base_lr=1e9", "--n-trials", "2")
+    proc = sweep(tmp_path, *TINY, "--set", "base_lr=1e9", "--set", "weight_decay=0", "--n-trials", "2")
     assert proc.returncode == 0, proc.stderr
     storage, client = stores(tmp_path)
     trials = optuna.load_study(study_name="accum_lr", storage=storage).trials
@@ -95,10 +95,10 @@ def test_equivalence_study_separates_bn_from_no_bn(tmp_path, data_dir):
             assert diff < 1e-5  # float rounding only
         else:
             assert diff > 1e-3  # BatchNorm normalizes each micro-batch ...
-            # ... as Ghost BN with ghost size b does: what remains is float32 rounding (1e-15 in float64,
-            # see test_trainer.py), orders of magnitude below the difference without it.
-            assert run.data.metrics["ghost_rel_diff"] < diff / 100
-            assert run.data.metrics["ghost_rel_diff_fp64"] < 1e-10  # in float64 the ghost twin is exact
+            # ... as Ghost BN with ghost size b does: in float64 the ghost twin is exact, so what remains in
+            # float32 (1e-3 to 1e-2 after an epoch, far below the difference without it) is rounding.
+            assert run.data.metrics["ghost_rel_diff"] < diff / 20
+            assert run.data.metrics["ghost_rel_diff_fp64"] < 1e-10
     report = (tmp_path / "reports/equivalence/report.md").read_text()
     assert "mlp: accumulation is exactly the true batch" in report
     assert "cnn1d: accumulation is not the true batch" in report and "ghost_batch = b came within" in report
@@ -116,10 +116,13 @@ def test_lr_search_tunes_base_lr_with_tpe_and_prunes(tmp_path):
     for t, run in zip(trials, runs_by_trial(client, trials, "lr_search")):
         assert 1e-3 <= t.params["base_lr"] <= 2.0
         assert float(run.data.params["base_lr"]) == pytest.approx(t.params["base_lr"])
+        if t.user_attrs.get("reason") == "diverged":  # TPE tries LRs up to 2.0: some blow up
+            assert (t.state, run.info.status, run.data.tags["reason"]) == (State.PRUNED, "FAILED", "diverged")
+            continue
         expected = {State.COMPLETE: ("FINISHED", None), State.PRUNED: ("KILLED", "pruned")}[t.state]
         assert (run.info.status, run.data.tags.get("reason")) == expected
         if t.state == State.PRUNED:
-            assert len(t.intermediate_values) < 4
+            assert len(t.intermediate_values) < 4  # stopped before its last epoch
 
 
 def test_out_of_memory_is_recorded_and_the_next_trial_runs(tmp_path):

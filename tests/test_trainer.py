@@ -226,7 +226,8 @@ def test_mnist1d_cache_restores_global_rng(tmp_path):
     (dict(bn_momentum_rule="half"), "unknown bn_momentum_rule"),
     (dict(model="vgg"), "unknown model 'vgg'"),
     (dict(dataset="imagenet"), "unknown dataset 'imagenet'"),
-    (dict(base_lr=float("nan")), "base_lr must be a positive number"),
+    (dict(base_lr=float("nan")), "base_lr must be a finite number"),
+    (dict(momentum=1.0), "momentum must be below 1"),
 ])
 def test_config_validates_itself(bad, message):
     with pytest.raises(ConfigError, match=message):

@@ -168,8 +168,8 @@ def parse_value(name: str, text: str) -> Any:
         raise ConfigError(f"{name} takes {'an integer' if kind is int else 'a number' if kind is float else 'text'}, got {text!r}") from None
 
 
-def apply_overrides(config: TrainConfig, pairs: list[str]) -> TrainConfig:
-    """Apply 'key=value' strings to a config, type-checked."""
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """'key=value' strings as field values, type-checked (the config is validated once, with all of them)."""
     changes = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -177,4 +177,4 @@ def apply_overrides(config: TrainConfig, pairs: list[str]) -> TrainConfig:
         if not sep or not key:
             raise ConfigError(f"malformed setting {pair!r}: write key=value, e.g. --set weight_decay=5e-4")
         changes[key] = parse_value(key, value.strip())
-    return dataclasses.replace(config, **changes)
+    return changes

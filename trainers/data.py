@@ -122,12 +122,13 @@ def _torchvision(cls_name: str, mean: tuple[float, ...], std: tuple[float, ...])
         import torchvision.datasets as tvd
 
         cls = getattr(tvd, cls_name)
+        present = _present(data_dir, cls_name)  # before a download attempt creates the folder
         try:
             # torchvision checks what it finds (MD5 sums for CIFAR's pickles, weights_only for MNIST's .pt)
             # and downloads only what is missing.
-            splits = [cls(data_dir, train=train, download=not _present(data_dir, cls_name)) for train in (True, False)]
+            splits = [cls(data_dir, train=train, download=not present) for train in (True, False)]
         except Exception as exc:  # a failed download raises URLError, RuntimeError or OSError
-            if _present(data_dir, cls_name):
+            if present:
                 raise DataError(f"dataset {cls_name}: the files in {data_dir!r} were refused ({type(exc).__name__}: "
                                 f"{str(exc).strip().splitlines()[0][:160] if str(exc).strip() else 'no message'}): "
                                 f"they are incomplete or failed their checksum; replace them") from None
@@ -148,7 +149,7 @@ def _torchvision(cls_name: str, mean: tuple[float, ...], std: tuple[float, ...])
 def _present(data_dir: str, cls_name: str) -> bool:
     """Whether torchvision's folder for this dataset exists with files in it."""
     folder = Path(data_dir) / ("cifar-10-batches-py" if cls_name == "CIFAR10" else cls_name)
-    return folder.is_dir() and any(folder.rglob("*"))
+    return folder.is_dir() and any(p.is_file() for p in folder.rglob("*"))
 
 
 DATASETS = {
