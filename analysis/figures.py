@@ -293,10 +293,11 @@ def steps_vs_batch(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | None
         _log2_axis(ax, xs)
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.set(xlabel="effective batch B", ylabel=label)
     left.legend(title=" / ".join(keys) or None, fontsize=8)
-    fig.suptitle(f"target: {100 * target:.1f}% validation accuracy (95% of the best mean); dotted: where steps "
-                 f"stopped halving; evaluated once an epoch", fontsize=9)
+    fig.suptitle(f"target: {100 * target:.1f}% validation accuracy (95% of the best mean), evaluated once an epoch; "
+                 f"dotted: where steps stopped halving; no point: most seeds never reached the target", fontsize=9)
     fig.tight_layout()
     return Figure("steps_to_target", "Steps and samples to the target accuracy against effective batch (log–log)",
                   fig, context(t))

@@ -252,8 +252,13 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame) -> list[str]:
     for group, rows in table.groupby(keys) if keys else [("", table)]:
         group = group[0] if isinstance(group, tuple) else group
         knees[group] = knee(rows)
-    per = ", ".join(f"{f'for {g} ' if g else ''}{f'beyond B = {b}' if b else 'nowhere within the batches measured'}"
-                    for g, b in knees.items())
+    def where(b: int | None) -> str:
+        return f"beyond B = {b}" if b else "nowhere within the batches measured"
+
+    if len(knees) > 1 and len(set(knees.values())) == 1:
+        per = f"for every {' and '.join(keys)} {where(next(iter(knees.values())))}"
+    else:
+        per = ", ".join(f"{f'for {g} ' if g else ''}{where(b)}" for g, b in knees.items())
     out.append(f"Steps to reach {_pct(target)} validation accuracy ({100 * TARGET_SHARE:.0f}% of the best "
                f"configuration's mean) stopped halving with each doubling of B (a doubling saved less than a "
                f"quarter of them) {per}. Accuracy is evaluated once an epoch, so steps are known to within one "

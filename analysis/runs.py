@@ -160,10 +160,15 @@ def steps_to_target(trials: pd.DataFrame, history: pd.DataFrame, keys: list[str]
 
 def knee(series: pd.DataFrame) -> int | None:
     """The effective batch beyond which steps-to-target stopped halving: the first doubling of B (in the
-    series, sorted by B) that cut the steps by less than a quarter (perfect scaling halves them)."""
-    s = series.dropna(subset=["steps"]).sort_values("effective_batch")
+    series, sorted by B) that cut the steps by less than a quarter (perfect scaling halves them), or after
+    which most seeds no longer reached the target at all."""
+    s = series.sort_values("effective_batch")
     sizes, steps = list(s["effective_batch"]), list(s["steps"])
     for i in range(1, len(sizes)):
+        if math.isnan(steps[i - 1]):
+            return None  # not reached at a smaller B: no scaling to speak of
+        if math.isnan(steps[i]):
+            return int(sizes[i - 1])
         per_doubling = (steps[i] / steps[i - 1]) ** (1 / math.log2(sizes[i] / sizes[i - 1]))
         if per_doubling > 0.75:
             return int(sizes[i - 1])
