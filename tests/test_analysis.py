@@ -228,21 +228,24 @@ def chromium() -> str:
     pytest.skip("headless Chromium is not installed here (apt-get install chromium)")
 
 
+def probe_in_chromium(page: str, folder: Path, probe: str = PROBE) -> dict:
+    """Open an HTML page, with `probe` injected first, in headless Chromium; returns what the probe found."""
+    probed = folder / "probed.html"
+    probed.write_text(page.replace("<head>", "<head>" + probe, 1))
+    out = subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                          "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                          "--disable-sync", f"--user-data-dir={folder / 'profile'}", "--virtual-time-budget=5000",
+                          "--dump-dom", probed.as_uri()], capture_output=True, text=True, timeout=120)
+    assert '<pre id="probe">' in out.stdout, out.stderr[-2000:]
+    return json.loads(out.stdout.split('<pre id="probe">', 1)[1].split("</pre>", 1)[0].replace("&quot;", '"'))
+
+
 def test_html_report_opens_in_chromium_with_every_figure(tiny_study, tmp_path):
-    browser = chromium()
+    chromium()
     uri = f"sqlite:///{tiny_study}/mlruns/mlflow.db"
     assert run_script("analysis/report.py", "--study", "accum_lr", "--tracking-uri", uri, "--no-log",
                       "--out", str(tmp_path)).returncode == 0
-    page = (tmp_path / "accum_lr/report.html").read_text()
-    probed = tmp_path / "probed.html"
-    probed.write_text(page.replace("<head>", "<head>" + PROBE, 1))
-    out = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                          "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                          f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000", "--dump-dom",
-                          probed.as_uri()], capture_output=True, text=True, timeout=120)
-    dom = out.stdout
-    assert '<pre id="probe">' in dom, out.stderr[-2000:]
-    result = json.loads(dom.split('<pre id="probe">', 1)[1].split("</pre>", 1)[0].replace("&quot;", '"'))
+    result = probe_in_chromium((tmp_path / "accum_lr/report.html").read_text(), tmp_path)
     assert result["errors"] == []
     assert len(result["images"]) >= 3 and all(i["ok"] for i in result["images"]), result["images"]
 

@@ -1,9 +1,6 @@
 """Secrets never shown or stored, names never paths, text from the data escaped in the report."""
-import json
 import os
 import re
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -12,8 +9,8 @@ from mlflow import MlflowClient
 
 from analysis.render import folder_name
 from sweeps.urls import check_tracking_uri, redact, scrub
-from tests.conftest import ROOT, run_script
-from tests.test_analysis import PROBE, chromium
+from tests.conftest import run_script
+from tests.test_analysis import PROBE, probe_in_chromium
 from tests.test_sweeps import TINY, sweep
 
 PASSWORD = "Zq7-planted-Secret"
@@ -159,15 +156,7 @@ def test_markup_from_the_data_is_escaped_in_html_and_markdown(named_study, tmp_p
     assert "&lt;b id=&#39;injected&#39;&gt;bold&lt;/b&gt;" in page  # the tag, in the trials table, as text
     probe = PROBE.replace("images});", "images, title: document.title, "
                           "injected: document.querySelectorAll('#injected, [onerror]').length});")
-    probed = tmp_path / "probed.html"
-    probed.write_text(page.replace("<head>", "<head>" + probe, 1))
-    out = subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                          "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                          f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000", "--dump-dom",
-                          probed.as_uri()], capture_output=True, text=True, timeout=120)
-    dom = out.stdout
-    assert '<pre id="probe">' in dom, out.stderr[-2000:]
-    result = json.loads(dom.split('<pre id="probe">', 1)[1].split("</pre>", 1)[0].replace("&quot;", '"'))
+    result = probe_in_chromium(page, tmp_path, probe)
     assert result["errors"] == [] and result["injected"] == 0 and result["title"] != "pwned"
     assert all(i["ok"] for i in result["images"])
     assert "python analysis/report.py --study &#39;../&lt;img src=x" in page  # the reproduce line: quoted, escaped
