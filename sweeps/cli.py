@@ -91,9 +91,9 @@ def format_table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def list_studies() -> str:
-    rows = [[s.name, str(len(s.points) * (s.tune.trials_per_point if s.tune else 1)), s.summary]
-            for s in STUDIES.values()]
-    return format_table(["study", "trials", "what it varies"], rows)
+    rows = [[s.name, str(len(s.points) * (s.tune.trials_per_point if s.tune else 1) * s.seeds), str(s.seeds),
+             s.summary] for s in STUDIES.values()]
+    return format_table(["study", "trials", "seeds", "what it varies"], rows)
 
 
 def dry_run_table(plan) -> str:

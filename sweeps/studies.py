@@ -54,13 +54,13 @@ K = (1, 2, 4, 8, 16)
 PROTOCOL = dict(epochs=12, warmup_epochs=2, schedule="cosine", weight_decay=5e-4)
 
 STUDIES = {s.name: s for s in [
-    Study("accum_lr", "b=32, k in 1..16 x LR rule none/linear/sqrt, with true-batch twins; warmup and cosine, "
-                      "3 seeds; objective val_acc",
+    Study("accum_lr", "b=32, k in 1..16 x LR rule none/linear/sqrt, with true-batch twins; warmup and cosine; "
+                      "objective val_acc",
           fixed=dict(**PROTOCOL, base_lr=0.05, base_batch=32),
           points=tuple(twins([dict(physical_batch=32, accum_steps=k, lr_rule=r)
                               for k in K for r in ("none", "linear", "sqrt")])), seeds=3, workers=2),
     Study("bn_momentum", "k in 4, 16 x BN momentum rule default/scaled/matched on cnn1d, with k = 1 and the "
-                         "true-batch twins; warmup and cosine, 3 seeds",
+                         "true-batch twins; warmup and cosine",
           fixed=dict(**PROTOCOL, model="cnn1d", norm="batch", base_lr=0.05, lr_rule="sqrt"),
           points=tuple(twins([dict(physical_batch=32, accum_steps=1, bn_momentum_rule="default")]
                              + [dict(physical_batch=32, accum_steps=k, bn_momentum_rule=r)

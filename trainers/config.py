@@ -91,7 +91,7 @@ class TrainConfig:
             _at_least(name, getattr(self, name), 1)
         for name in ("ghost_batch", "seed", "max_steps"):
             _at_least(name, getattr(self, name), 0)
-        for name, f in FIELDS.items():
+        for name in FIELDS:
             value = getattr(self, name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{name} must be a finite number, got {value}")
