@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import jinja2
+from markupsafe import Markup
 import matplotlib.pyplot as plt
 import pandas as pd
 
@@ -119,7 +120,7 @@ TABLE_TEMPLATE = jinja2.Environment(autoescape=True).from_string(
 
 
 def _html_table(frame: pd.DataFrame):
-    return jinja2.utils.markupsafe.Markup(TABLE_TEMPLATE.render(columns=list(map(str, frame.columns)),
+    return Markup(TABLE_TEMPLATE.render(columns=list(map(str, frame.columns)),
                                                                 rows=_rows(frame)))
 
 
@@ -191,7 +192,7 @@ def write_report(studies: list[StudyRuns], folder: Path) -> list[Path]:
     (folder / "report.md").write_text("\n".join(md_lines))
 
     page = TEMPLATE.render(
-        title=title, css=jinja2.utils.markupsafe.Markup(CSS), stamp=stamp, source=source, reproduce=reproduce,
+        title=title, css=Markup(CSS), stamp=stamp, source=source, reproduce=reproduce,
         summaries=summaries, health=health, html_table=_html_table,
         sections=[(t, [(label, fig, base64.b64encode(path.read_bytes()).decode()) for label, fig, path in items])
                   for t, items in sections.items()],
