@@ -159,12 +159,25 @@ def bn(trials: pd.DataFrame) -> list[str]:
         rules = sorted(at_k["bn_momentum_rule"].unique())
         if "bn_mean_error" in t and not true.empty and true["bn_mean_error"].notna().any():
             errors = at_k.groupby("bn_momentum_rule")["bn_mean_error"].mean()
-            target = float(true["bn_mean_error"].mean())
-            nearest = (errors - target).abs().idxmin()
             listing = ", ".join(f"{r} {errors[r]:.3f}" for r in rules)
+            apart, alike = [], []
+            for r in rules:
+                d = paired(at_k[at_k["bn_momentum_rule"] == r], true, "bn_mean_error")
+                if d is not None and d.separated:
+                    apart.append(f"{r} {'further from' if d.mean > 0 else 'closer to'} it than the true batch "
+                                 f"({d.mean:+.3f}, 95% CI {d.mean - d.half:+.3f} to {d.mean + d.half:+.3f})")
+                elif d is not None:
+                    alike.append(r)
+            n = int(true["seed"].nunique()) if "seed" in true else 1
+            verdict_text = (f"indistinguishable from the true batch's over {n} seeds: {', '.join(alike)}"
+                            if alike else "")
+            if n < 2:
+                verdict_text = "with one seed no rule can be told from the true batch"
+            elif apart:
+                verdict_text = "; ".join([*apart, *([verdict_text] if verdict_text else [])])
             out.append(f"At k = {k} (B = {k * b}), the BN running means ended {listing} population standard "
-                       f"deviations from the population means of the final weights (true batch: {target:.3f}): "
-                       f"{nearest} tracks the population as the true batch does.")
+                       f"deviations from the population means of the final weights (true batch: "
+                       f"{float(true['bn_mean_error'].mean()):.3f}); {verdict_text}.")
         accuracy = "; ".join(f"{r} {verdict(d, 'above', 'below')}" for r in rules
                              if (d := paired(at_k[at_k["bn_momentum_rule"] == r], true, "val_acc")) is not None)
         if accuracy:

@@ -108,19 +108,23 @@ def test_steps_to_target_and_its_knee():
 
 def test_bn_rules_are_compared_by_their_running_statistics():
     rows = []
-    errors = {"default": 0.02, "scaled": 0.13, "matched": 0.125, "true": 0.12}
+    errors = {"default": 0.02, "scaled": 0.13, "matched": 0.12, "true": 0.12}
+    jitter = {0: 0.0, 1: 0.004, 2: -0.004}  # seed to seed, shared by the rules of one seed but scaled's
     for seed in (0, 1, 2):
         for rule in ("default", "scaled", "matched"):
+            noise = jitter[(seed + 1) % 3] if rule == "scaled" else jitter[seed]
             rows.append(dict(run_id=f"{seed}{rule}", status="FINISHED", physical_batch=32, accum_steps=16,
                              effective_batch=512, bn_momentum_rule=rule, seed=seed, val_acc=0.9,
-                             bn_mean_error=errors[rule], batch="accumulated"))
+                             bn_mean_error=errors[rule] + noise, batch="accumulated"))
         rows.append(dict(run_id=f"{seed}true", status="FINISHED", physical_batch=512, accum_steps=1,
                          effective_batch=512, bn_momentum_rule="default", seed=seed, val_acc=0.9,
-                         bn_mean_error=errors["true"], batch="true batch"))
+                         bn_mean_error=errors["true"] + jitter[seed], batch="true batch"))
     sentences = " ".join(summarize(pd.DataFrame(rows)))
-    assert "the BN running means ended default 0.020, matched 0.125, scaled 0.130 population standard deviations" \
-           in sentences
-    assert "(true batch: 0.120): matched tracks the population as the true batch does" in sentences
+    assert "the BN running means ended default 0.020, matched 0.120, scaled 0.130 population standard deviations" \
+        in sentences
+    # default is 0.1 closer in every seed: stated; scaled's 0.01 is inside its seed noise: not stated.
+    assert "(true batch: 0.120); default closer to it than the true batch (-0.100, 95% CI -0.100 to -0.100); " \
+           "indistinguishable from the true batch's over 3 seeds: matched, scaled." in sentences
     assert "Final accuracy at k = 16 against the true batch: default indistinguishable" in sentences
 
 
