@@ -314,7 +314,10 @@ def run(plan, workers: int) -> int:
 
         raise BatchsweepError(f"cannot use the Optuna storage {redact(plan.storage)} ({first_line(exc, plan.storage)}):"
                               f" check it, or pass another --storage") from None
-    closed = tracker.close_orphans()
+    complete = {t.user_attrs["mlflow_run_id"] for name in plan.study_names()
+                for t in optuna.load_study(study_name=name, storage=storage).get_trials(
+                    deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)) if "mlflow_run_id" in t.user_attrs}
+    closed = tracker.close_orphans(complete)
     left = remaining(plan, storage)
     total = left if plan.n_trials is None else min(left, plan.n_trials)
     print(f"study {plan.study_name}: {left} trials left, running {total} "

@@ -251,6 +251,9 @@ class Worker:
                 self.storage_failures = []
                 if last is None:
                     continue
+                run_id = last.user_attrs.get("mlflow_run_id")
+                if run_id in self.tracker.open_runs:  # a trained trial, now recorded: its run ends
+                    self.tracker.end(run_id, "FINISHED" if last.state == TrialState.COMPLETE else "FAILED")
                 if last.state == TrialState.FAIL:
                     self.failed_here.append(config_key(last.user_attrs.get("config", {})))
                 if last.user_attrs.get("reason") != "duplicate":
@@ -336,8 +339,11 @@ class Worker:
                 if extra.get("health"):
                     trial.set_user_attr("health", extra["health"])
             finally:
+                # A finished trial's run ends once Optuna has recorded it complete (see _run): a kill between
+                # the two then leaves a run that the next invocation closes by the trial's state.
                 error = self.tracker.finish(run_id, status, history=history, metrics=metrics,
-                                            tags={"reason": reason, "state": state, **extra})
+                                            tags={"reason": reason, "state": state, **extra},
+                                            end=status != "FINISHED")
             if error:
                 self.hooks.say(f"trial {trial.number} ({describe(point)}): trained, but recording it in MLflow "
                                f"failed ({error}); its result is kept in Optuna and its run is marked FAILED "

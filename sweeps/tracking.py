@@ -186,10 +186,12 @@ class Tracker:
                                                 tags=tags_list if start == 0 else []))
 
     def finish(self, run_id: str, status: str, history: list[dict[str, float]] | None = None,
-               metrics: dict[str, float] | None = None, tags: dict[str, Any] | None = None) -> str | None:
-        """Log the results and the history as CSV, and end the run as FINISHED, FAILED or KILLED. The run is
-        ended whatever fails; a failure to record returns its message (the run then ends FAILED with tags
-        `reason` = `record_error` and `error`) instead of raising, so that a trained trial is not lost."""
+               metrics: dict[str, float] | None = None, tags: dict[str, Any] | None = None,
+               end: bool = True) -> str | None:
+        """Log the results and the history as CSV, and end the run as FINISHED, FAILED or KILLED (with
+        end=False a successful run stays open for the caller to end once Optuna has recorded the trial). The
+        run is ended whatever fails; a failure to record returns its message (the run then ends FAILED with
+        tags `reason` = `record_error` and `error`) instead of raising, so that a trained trial is not lost."""
         keys = {k for row in history or [] for k in row}
         if metrics:  # per-epoch keys are in the history already; their last step is the final value
             metrics = {k: v for k, v in metrics.items() if k in RUN_LEVEL or k not in keys}
@@ -206,7 +208,8 @@ class Tracker:
                                                                   RunTag("error", error)]))
             except Exception:
                 pass
-        self.end(run_id, status)
+        if end or error:
+            self.end(run_id, status)
         return error
 
     def end(self, run_id: str, status: str) -> None:
@@ -235,8 +238,9 @@ class Tracker:
                 writer.writerows(history)
             retry(lambda: get_artifact_repository(uri, tracking_uri=self.uri).log_artifact(str(path)))
 
-    def close_orphans(self) -> int:
-        """End the RUNNING runs whose process on this host is gone (killed, crashed) as KILLED."""
+    def close_orphans(self, complete: set[str] = frozenset()) -> int:
+        """End the RUNNING runs whose process on this host is gone (killed, crashed): FINISHED for the runs in
+        `complete` (their Optuna trial was recorded complete before the process died), else KILLED."""
         runs = retry(lambda: self.client.search_runs(
             [self.experiment_id], filter_string=f"attributes.status = 'RUNNING' and tags.`batchsweep.host` = "
                                                 f"{quote(HOST)}",
@@ -245,7 +249,10 @@ class Tracker:
         for run in runs:
             pid = int(run.data.tags.get("batchsweep.pid", "0"))
             if pid and not pid_alive(pid):
-                retry(lambda: self.client.set_tag(run.info.run_id, "reason", "interrupted"))
-                retry(lambda: self.client.set_terminated(run.info.run_id, "KILLED"))
+                if run.info.run_id in complete:
+                    retry(lambda: self.client.set_terminated(run.info.run_id, "FINISHED"))
+                else:
+                    retry(lambda: self.client.set_tag(run.info.run_id, "reason", "interrupted"))
+                    retry(lambda: self.client.set_terminated(run.info.run_id, "KILLED"))
                 closed += 1
         return closed
