@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import gc
 import math
 import os
@@ -30,6 +31,7 @@ RETRY_REASONS = ("duplicate",)  # a PRUNED trial with this reason did not run it
 # storage that stopped accepting writes (a folder turned read-only, a database server that went down) would
 # otherwise fail every next trial forever.
 STORAGE_FAILURES = 3
+HEARTBEAT_GRACE_S = 120  # a trial whose process sent no heartbeat for this long is dead
 
 
 class StorageError(BatchsweepError):
@@ -74,7 +76,7 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 # Heartbeats let any worker fail a trial whose process died on another machine.
                 return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": connect},
-                                                  heartbeat_interval=30, grace_period=120)
+                                                  heartbeat_interval=30, grace_period=HEARTBEAT_GRACE_S)
         except Exception as exc:
             # Two machines starting at once both create the schema; the slower one finds it there next time.
             if "already exists" in str(exc) and attempt < 2:
@@ -143,11 +145,16 @@ def owner() -> str:
 
 
 def fail_orphans(study: optuna.Study, trials: list[optuna.trial.FrozenTrial]) -> int:
-    """Mark RUNNING trials whose process on this host is gone as FAIL, so their points run again."""
-    failed = 0
+    """Mark RUNNING trials whose process is gone as FAIL, so their points run again: those of a dead process on
+    this host, and those that never got an owner (a process killed between Optuna creating the trial and its
+    first heartbeat, which Optuna's own check never fails) once they are older than the heartbeat's grace."""
+    failed, now = 0, datetime.datetime.now()
     for t in trials:
+        if t.state != TrialState.RUNNING:
+            continue
         host, _, pid = t.user_attrs.get("owner", "").rpartition(":")
-        if t.state == TrialState.RUNNING and host == HOST and not pid_alive(int(pid)):
+        if host == HOST and not pid_alive(int(pid)) or (
+                not pid and (now - t.datetime_start).total_seconds() > HEARTBEAT_GRACE_S):
             try:
                 study.tell(t.number, state=TrialState.FAIL)
                 failed += 1
