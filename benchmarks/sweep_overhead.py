@@ -14,8 +14,8 @@ import time
 
 import optuna
 
-import sweeps.runner as runner
-from sweeps.cli import build_plan, parse_args
+import sweeps.objective as objective
+from sweeps.cli import build_invocation, parse_args
 from sweeps.runner import Worker, create_studies, open_storage
 from sweeps.tracking import Tracker
 from trainers.cli import run_script
@@ -30,7 +30,7 @@ def main() -> None:
     args = parser.parse_args()
 
     in_train: list[float] = []
-    train = runner.train
+    train = objective.train
 
     def timed_train(config, on_epoch=None):
         start = time.perf_counter()
@@ -39,12 +39,12 @@ def main() -> None:
         finally:
             in_train.append(time.perf_counter() - start)
 
-    runner.train = timed_train
+    objective.train = timed_train
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # as sweeps/run.py does
     with tempfile.TemporaryDirectory() as folder:
         argv = ["--study", args.study, "--n-trials", str(args.trials), "--set", f"data_dir={args.data_dir}",
                 "--storage", f"sqlite:///{folder}/optuna.db", "--tracking-uri", f"sqlite:///{folder}/mlflow.db"]
-        plan = build_plan(parse_args(argv + (["--epochs", args.epochs] if args.epochs else [])))
+        plan = build_invocation(parse_args(argv + (["--epochs", args.epochs] if args.epochs else [])))
         create_studies(plan, open_storage(plan.storage))
         tracker = Tracker(plan.tracking_uri, plan.study_name)
         parent = tracker.start_parent("overhead", {}, {})

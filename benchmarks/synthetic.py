@@ -12,3 +12,11 @@ def cifar_shaped(seed=0, train=50_000, test=2_000, **_):
     x = torch.randn(train + test, 3, 32, 32, generator=g)
     y = torch.randint(0, 10, (train + test,), generator=g)
     return TensorDataset(x[:train], y[:train]), TensorDataset(x[train:], y[train:])
+
+
+def blobs(seed=0, train=1024, test=256, **_):
+    """Four classes of 8-D points around their own centres: trials that take milliseconds to train."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(train + test) % 4
+    x = torch.randn(train + test, 8, generator=g) + y[:, None].float()
+    return TensorDataset(x[:train], y[:train]), TensorDataset(x[train:], y[train:])

@@ -84,7 +84,7 @@ def _divisors(n: int) -> list[int]:
 
 
 @dataclass
-class Plan:
+class MemoryPlan:
     physical_batch: int
     accum_steps: int
     note: str | None
@@ -94,7 +94,7 @@ class Plan:
         return self.physical_batch * self.accum_steps
 
 
-def plan(model: Fit, target: int, budget: int) -> Plan:
+def plan(model: Fit, target: int, budget: int) -> MemoryPlan:
     """The largest b within the budget that divides the target; the nearest b*k with a note otherwise."""
     if not 1 <= target <= MAX_COUNT:
         raise ConfigError(f"--target-batch must be between 1 and {MAX_COUNT}, got {target}")
@@ -105,7 +105,7 @@ def plan(model: Fit, target: int, budget: int) -> Plan:
     largest = min(largest, target)
     divisor = max(d for d in _divisors(target) if d <= largest)
     if divisor * 2 > largest:  # within a factor 2 of the largest that fits: keep b*k exactly the target
-        return Plan(divisor, target // divisor, None)
+        return MemoryPlan(divisor, target // divisor, None)
     k = max(1, round(target / largest))
-    return Plan(largest, k, f"no divisor of {target} near the largest batch that fits ({largest}): "
+    return MemoryPlan(largest, k, f"no divisor of {target} near the largest batch that fits ({largest}): "
                             f"B = {largest * k} instead of {target}")

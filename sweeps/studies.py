@@ -1,82 +1,114 @@
-"""The study registry. A study is data: fixed trainer fields, the points it visits, how each is searched."""
+"""A study is data: fixed trainer fields, a grid of points, the fields a sampler searches, and the objective.
+Study files (sweeps/studyfile.py) are read into it; the built-in studies are such files in sweeps/builtin/."""
 from __future__ import annotations
 
+import itertools
+import operator
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainers.config import ConfigError
+from trainers.config import ConfigError, TrainConfig
 
 Point = dict[str, Any]  # TrainConfig fields that vary between trials
 
+SAMPLERS = ("grid", "random", "tpe", "cmaes", "nsga2")
+PRUNERS = ("none", "median", "hyperband")
+KINDS = ("train", "equivalence")  # train: one configuration; equivalence: (b, k) against (b*k, 1)
+DIRECTIONS = ("maximize", "minimize")
+OPERATORS = {"<=": operator.le, ">=": operator.ge, "==": operator.eq, "!=": operator.ne, "<": operator.lt,
+             ">": operator.gt}
+CONSTRAINT = re.compile(r"\s*([a-z_]+)\s*(<=|>=|==|!=|<|>)\s*([-+0-9.eE]+)\s*")
+
 
 @dataclass(frozen=True)
-class Tune:
-    """TPE over one field per point, log-uniform in [low, high], with a median pruner on val_acc per epoch."""
+class Param:
+    """One field the sampler searches: Optuna's float, int or categorical distribution."""
 
-    field: str
-    low: float
-    high: float
-    trials_per_point: int
+    type: str  # float | int | categorical
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+    choices: tuple = ()
+
+    def distribution(self):
+        from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+        if self.type == "categorical":
+            return CategoricalDistribution(self.choices)
+        kind = FloatDistribution if self.type == "float" else IntDistribution
+        return kind(self.low, self.high, log=self.log)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """`field op number` over a trial's configuration, derived values included (effective_batch, lr)."""
+
+    text: str
+
+    def parts(self) -> tuple[str, str, float]:
+        name, op, number = CONSTRAINT.fullmatch(self.text).groups()
+        return name, op, float(number)
+
+    def holds(self, config: TrainConfig) -> bool:
+        name, op, number = self.parts()
+        return OPERATORS[op](getattr(config, name), number)
 
 
 @dataclass(frozen=True)
 class Study:
     name: str
     summary: str
-    fixed: dict[str, Any]  # TrainConfig fields shared by every trial
-    points: tuple[Point, ...]  # grid studies: every point once per seed; tuned studies: one TPE search each
-    tune: Tune | None = None
-    kind: str = "train"  # "train": objective val_acc; "equivalence": (b, k) against (b*k, 1)
-    sampler_seed: int = 0
-    seeds: int = 1  # the default of --seeds: enough that a finding is not one seed's noise
+    fixed: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields shared by every trial
+    grid: dict[str, tuple] = field(default_factory=dict)  # axis -> values; every combination, in order
+    tune: dict[str, Param] = field(default_factory=dict)  # fields the sampler searches at each grid point
+    sampler: str = "grid"
+    trials: int = 1  # per grid point and seed, for samplers other than grid
+    pruner: str = "none"
+    twins: bool = False
+    constraints: tuple[Constraint, ...] = ()
+    kind: str = "train"
+    metrics: tuple[str, ...] = ("val_acc",)
+    directions: tuple[str, ...] = ("maximize",)
+    seeds: int = 1  # the default of --seeds
     workers: int = 1  # the default of --workers
+    sampler_seed: int = 0
+    source: str = ""  # the file or import path it was read from
+
+    @property
+    def points(self) -> tuple[Point, ...]:
+        """The grid's points in order (the last axis fastest), then the twins; each once."""
+        axes = list(self.grid)
+        points = [_canonical(dict(zip(axes, values))) for values in itertools.product(*self.grid.values())]
+        return tuple(_unique(twins(points) if self.twins else points))
+
+    @property
+    def trials_per_unit(self) -> int:
+        return 1 if self.sampler == "grid" else self.trials
 
 
-def twins(points: list[Point]) -> list[Point]:
-    """Each accumulated point and its true-batch twin (b*k, 1) at the same effective batch. A BN momentum
-    rule does nothing at k = 1, so the twins of several rules are one twin."""
-    out = list(points)
+def _canonical(point: Point) -> Point:
+    """At k = 1 every BN momentum rule is the default one: points that differ only in it are one point."""
+    if point.get("accum_steps", 1) == 1 and "bn_momentum_rule" in point:
+        return {**point, "bn_momentum_rule": "default"}
+    return point
+
+
+def _unique(points: list[Point]) -> list[Point]:
+    out: list[Point] = []
     for p in points:
-        if p.get("accum_steps", 1) > 1:
-            twin = {**p, "physical_batch": p["physical_batch"] * p["accum_steps"], "accum_steps": 1}
-            if "bn_momentum_rule" in twin:
-                twin["bn_momentum_rule"] = "default"
-            if twin not in out:
-                out.append(twin)
+        if p not in out:
+            out.append(p)
     return out
 
 
-K = (1, 2, 4, 8, 16)
-# The protocol under which LR-scaling rules are claimed to hold (Goyal et al. 2017): a linear warmup, then a
-# decay to zero, weight decay as usual with SGD; three seeds so that a finding is not one seed's noise. On a
-# 2-core CPU the default study takes about 4 minutes with its two workers (docs/science.md).
-PROTOCOL = dict(epochs=12, warmup_epochs=2, schedule="cosine", weight_decay=5e-4)
-
-STUDIES = {s.name: s for s in [
-    Study("accum_lr", "b=32, k in 1..16 x LR rule none/linear/sqrt, with true-batch twins; warmup and cosine; "
-                      "objective val_acc",
-          fixed=dict(**PROTOCOL, base_lr=0.05, base_batch=32),
-          points=tuple(twins([dict(physical_batch=32, accum_steps=k, lr_rule=r)
-                              for k in K for r in ("none", "linear", "sqrt")])), seeds=3, workers=2),
-    Study("bn_momentum", "k in 4, 16 x BN momentum rule default/scaled/matched on cnn1d, with k = 1 and the "
-                         "true-batch twins; warmup and cosine",
-          fixed=dict(**PROTOCOL, model="cnn1d", norm="batch", base_lr=0.05, lr_rule="sqrt"),
-          points=tuple(twins([dict(physical_batch=32, accum_steps=1, bn_momentum_rule="default")]
-                             + [dict(physical_batch=32, accum_steps=k, bn_momentum_rule=r)
-                                for k in (4, 16) for r in ("default", "scaled", "matched")])), seeds=3, workers=2),
-    Study("batch_memory", "b in 8..1024 x k in 1, 4, one epoch: peak memory and samples/s",
-          fixed=dict(epochs=1),
-          points=tuple(dict(physical_batch=2 ** i, accum_steps=k) for k in (1, 4) for i in range(3, 11))),
-    Study("lr_search", "TPE over base LR for each effective batch B in 32..1024 (b=32), median pruner",
-          fixed=dict(epochs=8, lr_rule="none", warmup_epochs=1, schedule="cosine", weight_decay=5e-4),
-          points=tuple(dict(physical_batch=32, accum_steps=2 ** i) for i in range(6)),
-          tune=Tune("base_lr", 1e-3, 2.0, trials_per_point=8)),
-    Study("equivalence", "(b, k) against (b*k, 1) from the same weights, mlp (no BN) and cnn1d (BN)",
-          fixed=dict(epochs=3),
-          points=tuple(dict(model=m, physical_batch=32, accum_steps=k) for m in ("mlp", "cnn1d") for k in (2, 4, 8)),
-          kind="equivalence"),
-]}
+def twins(points: list[Point]) -> list[Point]:
+    """The points, then the true-batch twin (b*k, 1) of each accumulated one, at the same effective batch."""
+    out = list(points)
+    for p in points:
+        if p.get("accum_steps", 1) > 1:
+            out.append(_canonical({**p, "physical_batch": p["physical_batch"] * p["accum_steps"], "accum_steps": 1}))
+    return out
 
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -89,12 +121,6 @@ def check_name(name: str) -> str:
         raise ConfigError(f"study name {name!r} is not a plain name: use up to 100 letters, digits, '.', '_' or '-', "
                           f"starting with a letter or digit (no '/', no '..')")
     return name
-
-
-def get_study(name: str) -> Study:
-    if name not in STUDIES:
-        raise ConfigError(f"unknown study {name!r}: choose one of {', '.join(STUDIES)} (see --list)")
-    return STUDIES[name]
 
 
 def config_key(config: Point) -> str:

@@ -1,11 +1,9 @@
 """What a study must survive: metrics that appear late, a store that refuses a write, failing workers, a storage
 server that goes down, damaged files, and inputs out of range."""
 import csv
-import io
 import os
 import subprocess
 import sys
-import time
 
 import optuna
 import pytest
@@ -13,7 +11,7 @@ from mlflow import MlflowClient
 
 from sweeps.tracking import Tracker
 from tests.conftest import ROOT
-from tests.test_sweeps import TINY, child_runs, stores, sweep
+from tests.test_sweeps import TINY, child_runs, stores, sweep, wait_for_complete
 from trainers import TrainConfig, train
 
 State = optuna.trial.TrialState
@@ -76,13 +74,7 @@ def test_a_storage_server_that_goes_down_stops_the_study_in_one_line(tmp_path):
         proc = subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), *TINY, "--epochs", "3", "--storage",
                                  server.url], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            done = [t for t in optuna.load_study(study_name="accum_lr", storage=server.url).trials
-                    if t.state == State.COMPLETE] if optuna.get_all_study_names(server.url) else []
-            if len(done) >= 2:
-                break
-            time.sleep(0.3)
+        wait_for_complete(server.url, 2, proc)
         server.stop()
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 2, err[-3000:]
@@ -178,13 +170,7 @@ def test_a_storage_folder_that_turns_read_only_stops_the_study_in_one_line(tmp_p
         proc = subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), *TINY, "--epochs", "3", "--storage",
                                  storage], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
-        deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None:
-            if (store / "optuna.db").exists() and optuna.get_all_study_names(storage):
-                trials = optuna.load_study(study_name="accum_lr", storage=storage).trials
-                if sum(t.state == State.COMPLETE for t in trials) >= 2:
-                    break
-            time.sleep(0.3)
+        wait_for_complete(store / "optuna.db", 2, proc)  # tolerates reading while the sweep creates the schema
         subprocess.run(["chattr", "+i", str(store)], check=True)
         _, err = proc.communicate(timeout=120)
     finally:

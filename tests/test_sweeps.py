@@ -10,7 +10,8 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.conftest import ROOT
-from sweeps.studies import STUDIES, config_key, point_key
+from sweeps.studies import config_key, point_key
+from sweeps.studyfile import builtin_names, load
 
 # One seed, one worker, no warmup: the studies' own protocol (3 seeds, 2 workers, 2 warmup epochs) is for users.
 TINY = ["--model", "mlp", "--dataset", "tests.factories:blobs1k", "--epochs", "1", "--seeds", "1", "--workers", "1",
@@ -74,23 +75,24 @@ def test_tiny_study_end_to_end(tmp_path):
 
 def test_dry_run_and_list_write_nothing(tmp_path):
     listing = sweep(tmp_path, "--list")
-    assert listing.returncode == 0 and all(name in listing.stdout for name in STUDIES)
+    assert listing.returncode == 0 and all(name in listing.stdout for name in builtin_names())
     dry = sweep(tmp_path, "--dry-run", "--seeds", "2")
     assert dry.returncode == 0
     assert len(dry.stdout.strip().splitlines()) == 2 + 27 * 2
     assert not (tmp_path / "mlruns").exists()
 
 
-def wait_for_complete(storage_path, at_least, proc, timeout=120):
-    """Poll the Optuna SQLite file until `at_least` trials are COMPLETE."""
+def wait_for_complete(storage, at_least, proc, timeout=120, study="accum_lr"):
+    """Poll an Optuna storage (a SQLite file's path, or a URL) until `at_least` trials are COMPLETE."""
+    url = storage if isinstance(storage, str) else f"sqlite:///{storage}"
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
-        if storage_path.exists():
+        if isinstance(storage, str) or storage.exists():
             try:
-                study = optuna.load_study(study_name="accum_lr", storage=f"sqlite:///{storage_path}")
-                if sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials) >= at_least:
+                trials = optuna.load_study(study_name=study, storage=url).trials
+                if sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials) >= at_least:
                     return
-            except Exception:  # not created yet
+            except Exception:  # not created yet, or its schema is being created
                 pass
         time.sleep(0.2)
 
@@ -110,7 +112,7 @@ def test_resume_after_sigkill_runs_every_point_once(tmp_path):
     assert final.returncode == 0, final.stderr
     trials = grid_trials(f"sqlite:///{storage_path}")
     complete = [config_key(t.user_attrs["config"]) for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
-    expected = {point_key(p, 0) for p in STUDIES["accum_lr"].points}
+    expected = {point_key(p, 0) for p in load("accum_lr").points}
     assert sorted(complete) == sorted(expected)  # each point exactly once
     # A kill between Optuna creating a trial and the trial naming its owner leaves one that holds nothing;
     # the next invocation fails it once the heartbeat's grace has passed (test_ownerless_trial_fails_after_grace).
@@ -194,7 +196,7 @@ def test_distributed_study_on_postgresql_and_a_tracking_server(tmp_path):
         trials = grid_trials(pg)
         complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
         assert sorted(config_key(t.user_attrs["config"]) for t in complete) == \
-            sorted(point_key(p, 0) for p in STUDIES["accum_lr"].points)  # covered exactly once
+            sorted(point_key(p, 0) for p in load("accum_lr").points)  # covered exactly once
         assert len(complete) == len(trials)
         client = MlflowClient(tracking)
         children, parents = child_runs(client)

@@ -1,0 +1,198 @@
+"""Running a study: its worker processes, one progress bar, the parent MLflow run, the report at the end."""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import queue
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from trainers.config import BatchsweepError
+
+from .outcomes import OUTCOMES, outcome_of
+from .studies import describe
+from .tables import results_table
+from .tracking import HOST, Tracker
+from .urls import redact
+
+
+def _worker_process(inv, parent_run_id: str, index: int, budget: int | None, messages) -> None:
+    """One of --workers N: one torch thread (several multi-threaded workers thrash a small CPU); its lines go
+    to the main process, which prints them above the bar. A fatal error is its last line, and exit status 2."""
+    import optuna
+    import torch
+
+    from .runner import Hooks, Worker
+
+    torch.set_num_threads(1)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    try:
+        Worker(inv, parent_run_id, index, Hooks(say=messages.put)).run(budget)
+    except KeyboardInterrupt:
+        pass
+    except BatchsweepError as exc:
+        messages.put(f"error: {exc}")
+        sys.exit(2)
+
+
+def run_workers(inv, parent_run_id: str, workers: int, total: int) -> None:
+    """Start the worker processes and draw one bar over the study's trials while they work."""
+    from tqdm import tqdm
+
+    from .runner import open_storage, remaining
+
+    storage = open_storage(inv.storage)
+    budgets = [None] * workers if inv.n_trials is None else \
+        [inv.n_trials // workers + (i < inv.n_trials % workers) for i in range(workers)]
+    ctx = multiprocessing.get_context("spawn")
+    messages = ctx.Queue()
+    procs = [ctx.Process(target=_worker_process, args=(inv, parent_run_id, i, b, messages))
+             for i, b in enumerate(budgets)]
+    for proc in procs:
+        proc.start()
+    start_left = remaining(inv, storage)
+    fatal = []
+
+    def drain() -> None:
+        while True:
+            try:
+                line = messages.get_nowait()
+            except queue.Empty:
+                return
+            if line.startswith("error: "):
+                fatal.append(line.removeprefix("error: "))
+            else:
+                tqdm.write(line, file=sys.stderr)
+
+    try:
+        with tqdm(total=total, unit="trial", file=sys.stderr, dynamic_ncols=True) as bar:
+            while any(p.is_alive() for p in procs):
+                time.sleep(1.0)
+                drain()
+                try:
+                    bar.n = min(start_left - remaining(inv, storage), total)
+                except Exception:  # the storage is away: the workers report it
+                    continue
+                bar.refresh()
+            for proc in procs:
+                proc.join()
+            drain()
+    except KeyboardInterrupt:  # the workers got the signal too: let them mark their trials first
+        for proc in procs:
+            proc.join(timeout=30)
+        raise
+    if fatal:
+        raise BatchsweepError(fatal[0])
+
+
+def run_in_process(inv, parent_run_id: str, total: int) -> None:
+    from tqdm import tqdm
+
+    from .runner import Hooks, Worker
+
+    trials = tqdm(total=total, unit="trial", file=sys.stderr, dynamic_ncols=True, position=0)
+    epochs = tqdm(total=0, unit="epoch", file=sys.stderr, dynamic_ncols=True, position=1, leave=False)
+
+    def trial_start(name: str, n_epochs: int) -> None:
+        epochs.reset(total=n_epochs)
+        epochs.set_description(name)
+
+    def epoch_done(row: dict) -> None:
+        epochs.set_postfix(val_acc=f"{row['val_acc']:.3f}")
+        epochs.update(1)
+
+    hooks = Hooks(trial_done=lambda t: trials.update(1), trial_start=trial_start, epoch_done=epoch_done,
+                  say=lambda line: tqdm.write(line, file=sys.stderr))
+    try:
+        return Worker(inv, parent_run_id, 0, hooks).run(inv.n_trials)
+    finally:
+        epochs.close()
+        trials.close()
+
+
+def write_report(inv) -> int:
+    """Run `analysis/report.py` as its own command: the analysis reads MLflow, never the sweep code. The
+    tracking URI goes through the environment (MLFLOW_TRACKING_URI), never on a command line that `ps` shows."""
+    script = Path(__file__).resolve().parents[1] / "analysis" / "report.py"
+    done = subprocess.run([sys.executable, str(script), "--study", inv.study_name],
+                          env={**os.environ, "MLFLOW_TRACKING_URI": inv.tracking_uri})
+    if done.returncode:
+        print(f"warning: the report failed; the study's runs are complete. Retry with: python analysis/report.py "
+              f"--study {inv.study_name} --tracking-uri {redact(inv.tracking_uri)}", file=sys.stderr)
+    return done.returncode
+
+
+def run(inv, workers: int) -> int:
+    import optuna
+
+    from .runner import create_studies, open_storage, remaining
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # trial failures are reported in one line each
+    storage = open_storage(inv.storage)
+    tracker = Tracker(inv.tracking_uri, inv.study_name)
+    try:
+        create_studies(inv, storage)
+    except Exception as exc:
+        from .tracking import first_line
+
+        raise BatchsweepError(f"cannot use the Optuna storage {redact(inv.storage)} ({first_line(exc, inv.storage)}):"
+                              f" check it, or pass another --storage") from None
+    complete = {t.user_attrs["mlflow_run_id"] for name in inv.study_names()
+                for t in optuna.load_study(study_name=name, storage=storage).get_trials(
+                    deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)) if "mlflow_run_id" in t.user_attrs}
+    closed = tracker.close_orphans(complete)
+    left = remaining(inv, storage)
+    total = left if inv.n_trials is None else min(left, inv.n_trials)
+    print(f"study {inv.study_name}: {left} trials left, running {total} "
+          f"({workers} worker{'s' * (workers > 1)}); MLflow {redact(inv.tracking_uri)}"
+          + (f"; closed {closed} interrupted runs" if closed else ""), file=sys.stderr)
+    if inv.dropped:
+        print(f"not run: {len(inv.dropped)} points that break a constraint, e.g. {describe(inv.dropped[0][0])} "
+              f"({inv.dropped[0][1]}); --dry-run lists them", file=sys.stderr)
+    params = {**inv.base.to_dict(), "seeds": len(inv.seeds), "n_trials": inv.n_trials, "workers": workers}
+    parent = tracker.start_parent(f"{inv.study_name} {time.strftime('%Y-%m-%d %H:%M:%S')}", params,
+                                  {"study": inv.study.name, "storage": redact(inv.storage), "host": HOST,
+                                   "summary": inv.study.summary, "study_file": inv.study.source})
+    status = "FINISHED"
+    try:
+        if workers == 1:
+            run_in_process(inv, parent, total)
+        else:
+            run_workers(inv, parent, workers, total)
+    except KeyboardInterrupt:
+        status = "KILLED"
+        print(f"\ninterrupted: finished trials are kept; run the same command again to resume "
+              f"study {inv.study_name}", file=sys.stderr)
+        return 130
+    except BaseException:
+        status = "FAILED"
+        raise
+    finally:
+        try:
+            tags = {"trials_left": remaining(inv, storage)}
+        except Exception:  # the storage went away: the parent run still ends
+            tags = {}
+        tracker.finish(parent, status, tags=tags)
+    print(results_table(inv, storage))
+    left = remaining(inv, storage)
+    if left:
+        print(f"{left} trials left: run the same command again to continue", file=sys.stderr)
+    return 1 if all_failed(inv, storage) else 0
+
+
+def all_failed(inv, storage) -> bool:
+    """Whether the study has trials and every one that ended failed with an error: then the command fails too."""
+    import optuna
+
+    ended = [t for name in inv.study_names()
+             for t in optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
+             if t.state.is_finished() and outcome_of(t) != OUTCOMES["duplicate"]]
+    if not ended or any(t.state != optuna.trial.TrialState.FAIL for t in ended):
+        return False
+    print(f"error: all {len(ended)} trials of study {inv.study_name} failed with an error: see the lines above, "
+          f"or the 'error' tag of their MLflow runs", file=sys.stderr)
+    return True

@@ -1,0 +1,260 @@
+"""Study files: a study in TOML (or a Python object of the same shape), validated before anything runs.
+
+    python sweeps/run.py --study path/to/study.toml
+    python sweeps/run.py --study package.module:STUDY     # a Study, or a dict shaped like the file
+    python sweeps/run.py --study accum_lr                 # a built-in, one of sweeps/builtin/*.toml
+
+Every problem is one ConfigError naming the file, the key and what to change.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from trainers.config import FIELDS, ConfigError
+from trainers.imports import import_object
+
+from .studies import (CONSTRAINT, DIRECTIONS, KINDS, PRUNERS, SAMPLERS, Constraint, Param, Study, check_name)
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib
+
+BUILTIN = Path(__file__).resolve().parent / "builtin"
+DERIVED = ("effective_batch", "lr", "bn_momentum")  # what a constraint may name besides the fields
+KEYS = {
+    "": ("name", "summary", "seeds", "workers", "fixed", "grid", "tune", "search", "objective"),
+    "search": ("sampler", "trials", "pruner", "twins", "constraints", "seed"),
+    "objective": ("kind", "metrics", "directions"),
+    "tune": ("type", "low", "high", "log", "choices"),
+}
+
+
+def builtin_names() -> list[str]:
+    return sorted(p.stem for p in BUILTIN.glob("*.toml"))
+
+
+def load(spec: str) -> Study:
+    """A built-in study's name, a .toml path, or package.module:ATTR."""
+    if spec.endswith(".toml") or "/" in spec or "\\" in spec:
+        return read_file(Path(spec))
+    if ":" in spec:
+        return from_python(spec)
+    if spec in builtin_names():
+        return read_file(BUILTIN / f"{spec}.toml")
+    raise ConfigError(f"unknown study {spec!r}: name a built-in one ({', '.join(builtin_names())}), a study file "
+                      f"(path/to/study.toml) or package.module:STUDY (see --list)")
+
+
+def read_file(path: Path) -> Study:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"study file {path} does not exist: check the path") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read study file {path} ({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML ({exc}): fix the syntax") from None
+    return parse(data, str(path))
+
+
+def from_python(spec: str) -> Study:
+    obj = import_object(spec, "study")
+    if isinstance(obj, Study):
+        return obj
+    if isinstance(obj, dict):
+        return parse(obj, spec)
+    module_name, _, attr = spec.partition(":")
+    raise ConfigError(f"study {spec!r}: module {module_name!r} has no Study or dict named {attr!r}")
+
+
+def parse(data: dict[str, Any], source: str) -> Study:
+    """Check every key and value of a study file's content and build the Study."""
+    def fail(key: str, problem: str) -> ConfigError:
+        return ConfigError(f"{source}: {key}: {problem}")
+
+    def table(key: str) -> dict[str, Any]:
+        value = data.get(key, {})
+        if not isinstance(value, dict):
+            raise fail(key, f"must be a table ([{key}]), got {_kind(value)}")
+        return value
+
+    def unknown(where: str, keys, allowed) -> None:
+        for key in keys:
+            if key not in allowed:
+                raise fail(f"{where}.{key}" if where else key, f"unknown key: the keys here are {', '.join(allowed)}")
+
+    unknown("", data, KEYS[""])
+    name = _typed(data, "name", str, fail, required=True)
+    try:
+        check_name(name)
+    except ConfigError as exc:
+        raise fail("name", str(exc)) from None
+    fixed, grid_table, tune_table = table("fixed"), table("grid"), table("tune")
+    search, objective = table("search"), table("objective")
+    unknown("search", search, KEYS["search"])
+    unknown("objective", objective, KEYS["objective"])
+
+    for key, value in fixed.items():
+        _field_value(f"fixed.{key}", key, value, fail)
+    grid: dict[str, tuple] = {}
+    for key, values in grid_table.items():
+        if not isinstance(values, list) or not values:
+            raise fail(f"grid.{key}", f"must be a non-empty list of values, got {_kind(values)}")
+        grid[key] = tuple(_field_value(f"grid.{key}", key, v, fail) for v in values)
+        if len(set(grid[key])) < len(grid[key]):
+            raise fail(f"grid.{key}", "lists a value twice: list each once")
+    tune = {key: _param(f"tune.{key}", key, spec, fail) for key, spec in tune_table.items()}
+    tables = {"fixed": set(fixed), "grid": set(grid), "tune": set(tune)}
+    for first, second in (("fixed", "grid"), ("fixed", "tune"), ("grid", "tune")):
+        both = tables[first] & tables[second]
+        if both:
+            raise fail(f"{second}.{sorted(both)[0]}", f"is also in [{first}]: give each field in one table only")
+
+    sampler = _choice(search, "search.sampler", "sampler", SAMPLERS, "grid", fail)
+    pruner = _choice(search, "search.pruner", "pruner", PRUNERS, "none", fail)
+    kind = _choice(objective, "objective.kind", "kind", KINDS, "train", fail)
+    default_metric = "param_rel_diff" if kind == "equivalence" else "val_acc"
+    metrics = tuple(_strings(objective, "objective.metrics", "metrics", [default_metric], fail))
+    directions = tuple(_strings(objective, "objective.directions", "directions",
+                                ["minimize" if kind == "equivalence" else "maximize"] * len(metrics), fail))
+    if len(directions) != len(metrics) or not metrics:
+        raise fail("objective.directions", f"give one direction per metric ({len(metrics)} metrics, "
+                                           f"{len(directions)} directions)")
+    for d in directions:
+        if d not in DIRECTIONS:
+            raise fail("objective.directions", f"{d!r} is not a direction: use maximize or minimize")
+    if sampler == "grid":
+        if tune:
+            raise fail("tune", "needs a sampler that searches: set [search] sampler to random, tpe, cmaes or nsga2")
+        if "trials" in search:
+            raise fail("search.trials", "applies to samplers other than grid (a grid runs each point once per seed)")
+    elif not tune:
+        raise fail("search.sampler", f"{sampler} searches the fields of [tune], and there are none: add one, or use "
+                                     f"sampler = \"grid\"")
+    if sampler == "cmaes":
+        try:
+            import cmaes  # noqa: F401  (Optuna's CmaEsSampler needs it)
+        except ModuleNotFoundError:
+            raise fail("search.sampler", "cmaes needs the cmaes package: pip install cmaes, or use tpe") from None
+        if len(metrics) > 1:
+            raise fail("search.sampler", "cmaes optimizes one metric: use nsga2 or tpe for several")
+    if pruner != "none" and len(metrics) > 1:
+        raise fail("search.pruner", "Optuna prunes single-objective studies only: use pruner = \"none\"")
+    twins = _typed(search, "twins", bool, fail, default=False, key="search.twins")
+    if twins and not {"physical_batch", "accum_steps"} <= set(grid):
+        raise fail("search.twins", "a twin (b*k, 1) changes physical_batch and accum_steps: put both in [grid]")
+    if kind == "equivalence" and sampler != "grid":
+        raise fail("objective.kind", "an equivalence study compares grid points: use sampler = \"grid\"")
+    constraints = tuple(_constraint(text, fail) for text in _strings(search, "search.constraints", "constraints",
+                                                                      [], fail))
+    return Study(name=name, summary=_typed(data, "summary", str, fail, default=""), fixed=dict(fixed), grid=grid,
+                 tune=tune, sampler=sampler, trials=_count(search, "search.trials", "trials", 10, 100_000, fail),
+                 pruner=pruner, twins=twins, constraints=constraints, kind=kind, metrics=metrics,
+                 directions=directions, seeds=_count(data, "seeds", "seeds", 1, 1000, fail),
+                 workers=_count(data, "workers", "workers", 1, 256, fail),
+                 sampler_seed=_count(search, "search.seed", "seed", 0, 2 ** 31 - 1, fail, low=0), source=source)
+
+
+def _kind(value: Any) -> str:
+    return {bool: "true/false", int: "an integer", float: "a number", str: "text", list: "a list",
+            dict: "a table"}.get(type(value), type(value).__name__)
+
+
+def _typed(table: dict, name: str, kind: type, fail, default: Any = None, required: bool = False,
+           key: str | None = None) -> Any:
+    key = key or name
+    if name not in table:
+        if required:
+            raise fail(key, "is missing: add it")
+        return default
+    value = table[name]
+    if type(value) is not kind:
+        raise fail(key, f"must be {_kind(kind())}, got {_kind(value)} {value!r}")
+    return value
+
+
+def _count(table: dict, key: str, name: str, default: int, high: int, fail, low: int = 1) -> int:
+    value = _typed(table, name, int, fail, default=default, key=key)
+    if not low <= value <= high:
+        raise fail(key, f"must be between {low} and {high:,}, got {value}")
+    return value
+
+
+def _choice(table: dict, key: str, name: str, allowed: tuple[str, ...], default: str, fail) -> str:
+    value = _typed(table, name, str, fail, default=default, key=key)
+    if value not in allowed:
+        raise fail(key, f"{value!r} is not one of {', '.join(allowed)}")
+    return value
+
+
+def _strings(table: dict, key: str, name: str, default: list[str], fail) -> list[str]:
+    value = table.get(name, default)
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise fail(key, f"must be a list of names, e.g. [\"val_acc\"], got {value!r}")
+    return value
+
+
+def _field_value(key: str, field: str, value: Any, fail) -> Any:
+    """A TrainConfig field's value of the field's type (an integer is a float where a float is due)."""
+    if field not in FIELDS:
+        close = [f for f in FIELDS if f.startswith(field[:4])]
+        raise fail(key, f"{field!r} is not a trainer field" + (f" (did you mean {close[0]}?)" if close else "")
+                   + ": see `python trainers/train.py --help`")
+    kind = type(FIELDS[field].default)
+    if kind is float and type(value) is int:
+        value = float(value)
+    if type(value) is not kind:
+        raise fail(key, f"must be {_kind(kind())}, got {_kind(value)} {value!r}")
+    if kind is float and not math.isfinite(value):
+        raise fail(key, f"must be a finite number, got {value!r}")
+    return value
+
+
+def _param(key: str, field: str, spec: Any, fail) -> Param:
+    if field not in FIELDS:
+        _field_value(key, field, None, fail)  # names the unknown field
+    if not isinstance(spec, dict):
+        raise fail(key, f"must be a table ([{key}]) with type and low/high or choices, got {_kind(spec)}")
+    for name in spec:
+        if name not in KEYS["tune"]:
+            raise fail(f"{key}.{name}", f"unknown key: the keys here are {', '.join(KEYS['tune'])}")
+    if "type" not in spec:
+        raise fail(f"{key}.type", "is missing: float, int or categorical")
+    kind = _choice(spec, f"{key}.type", "type", ("float", "int", "categorical"), "", fail)
+    if kind == "categorical":
+        choices = spec.get("choices")
+        if not isinstance(choices, list) or not choices:
+            raise fail(f"{key}.choices", "must be a non-empty list of values")
+        return Param("categorical", choices=tuple(_field_value(f"{key}.choices", field, c, fail) for c in choices))
+    if "choices" in spec:
+        raise fail(f"{key}.choices", f"belongs to type = \"categorical\"; a {kind} takes low and high")
+    field_kind = type(FIELDS[field].default)
+    if kind == "float" and field_kind is not float or kind == "int" and field_kind is not int:
+        raise fail(f"{key}.type", f"{field} is {_kind(field_kind())}: use type = "
+                                  f"\"{'int' if field_kind is int else 'float' if field_kind is float else 'categorical'}\"")
+    low, high = (_field_value(f"{key}.{b}", field, spec[b], fail) if b in spec else None for b in ("low", "high"))
+    if low is None or high is None:
+        raise fail(f"{key}.{'low' if low is None else 'high'}", "is missing: give low and high")
+    log = _typed(spec, "log", bool, fail, default=False, key=f"{key}.log")
+    if not low < high or log and low <= 0:
+        raise fail(key, f"needs low < high{' and low > 0 (log scale)' if log else ''}, got low={low}, high={high}")
+    return Param(kind, low=low, high=high, log=log)
+
+
+def _constraint(text: str, fail) -> Constraint:
+    match = CONSTRAINT.fullmatch(text)
+    if not match:
+        raise fail("search.constraints", f"{text!r} is not `field op number`, e.g. \"effective_batch <= 4096\"")
+    name = match.group(1)
+    if name not in FIELDS and name not in DERIVED:
+        raise fail("search.constraints", f"{text!r}: {name!r} is neither a trainer field nor one of {', '.join(DERIVED)}")
+    try:
+        float(match.group(3))
+    except ValueError:
+        raise fail("search.constraints", f"{text!r}: {match.group(3)!r} is not a number") from None
+    return Constraint(text.strip())

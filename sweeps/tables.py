@@ -1,0 +1,95 @@
+"""What the sweep command prints as tables: the studies, a dry run's trials, a study's results."""
+from __future__ import annotations
+
+from trainers.cli import format_bytes
+
+from .outcomes import OUTCOMES, outcome_of
+from .studies import describe
+from .studyfile import BUILTIN, builtin_names, load
+
+
+def format_table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    # Numbers are right-aligned, text left-aligned.
+    numeric = [bool(rows) and all(r[i][:1] in "0123456789-." for r in rows) for i in range(len(headers))]
+    line = lambda cells: "  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(cells, widths, numeric))
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def list_studies() -> str:
+    rows = []
+    for name in builtin_names():
+        s = load(name)
+        rows.append([s.name, str(len(s.points) * s.trials_per_unit * s.seeds), str(s.seeds), s.sampler,
+                     s.summary, str((BUILTIN / f"{name}.toml").relative_to(BUILTIN.parents[1]))])
+    return format_table(["study", "trials", "seeds", "search", "what it varies", "file"], rows) + \
+        "\n\nyour own: --study path/to/study.toml (copy one of these files to start)"
+
+
+def dry_run_table(inv) -> str:
+    study, rows = inv.study, []
+    searched = ", ".join(study.tune)
+    # A searched field changes the derived values: the table cannot show them before the sampler draws.
+    searched_lr = bool({"base_lr", "base_batch", "lr_rule", "physical_batch", "accum_steps"} & set(study.tune))
+    searched_bn = bool({"bn_momentum_rule", "bn_base_momentum", "accum_steps"} & set(study.tune))
+    for unit in inv.units():
+        c = inv.config(unit.point, unit.seed)
+        rows.append([describe(unit.point) or "-", str(c.physical_batch), str(c.accum_steps), str(c.effective_batch),
+                     c.lr_rule, "searched" if searched_lr else f"{c.lr:.4g}", c.bn_momentum_rule,
+                     "searched" if searched_bn else f"{c.bn_momentum:.4g}", str(c.epochs),
+                     str(unit.seed), f"{study.sampler} x{study.trials} over {searched}" if study.tune else ""])
+    headers = ["trial", "b", "k", "B", "lr_rule", "lr", "bn_rule", "bn_momentum", "epochs", "seed", "search"]
+    if not study.tune:
+        headers, rows = headers[:-1], [r[:-1] for r in rows]
+    lines = [format_table(headers, rows)]
+    for point, why in inv.dropped:
+        lines.append(f"not run: {describe(point)} breaks the constraint {why}")
+    return "\n".join(lines)
+
+
+def results_table(inv, storage) -> str:
+    """Every finished trial of the study, best first; the best (one objective) or the Pareto front (several)
+    marked with *."""
+    import optuna
+
+    trials, marked = [], set()
+    for name in inv.study_names():
+        study = optuna.load_study(study_name=name, storage=storage)
+        done = [t for t in study.get_trials(deepcopy=False)
+                if t.state.is_finished() and outcome_of(t) != OUTCOMES["duplicate"]]
+        trials += [(name, t) for t in done]
+        if any(t.state == optuna.trial.TrialState.COMPLETE for t in done):
+            best = study.best_trials if len(inv.study.metrics) > 1 else [study.best_trial]
+            marked |= {(name, t.number) for t in best}
+    metrics, directions = inv.study.metrics, inv.study.directions
+    sign = -1 if directions[0] == "maximize" else 1
+    trials.sort(key=lambda nt: (nt[1].values is None, sign * (nt[1].values[0] if nt[1].values else 0)))
+    varied = list(dict.fromkeys(k for _, t in trials for k in t.user_attrs.get("config", {})))
+    headers = ["#", *varied, "B", "lr", "outcome", "health", *metrics, "samples/s", "peak memory",
+               "front" if len(metrics) > 1 else "best"]
+    rows = []
+    for name, t in trials:
+        m = t.user_attrs.get("metrics", {})
+        config = t.user_attrs.get("config", {})
+        derived = inv.config({k: v for k, v in config.items() if k != "seed"}, config.get("seed", 0))
+        rows.append([str(t.number), *(_fmt(config.get(k)) for k in varied), str(derived.effective_batch),
+                     f"{derived.lr:.4g}", outcome_of(t).name, t.user_attrs.get("health", "-"),
+                     *(_metric(metric, m.get(metric)) for metric in metrics),
+                     f"{m['samples_per_s']:,.0f}" if "samples_per_s" in m else "-",
+                     format_bytes(m["peak_memory_bytes"]) if "peak_memory_bytes" in m else "-",
+                     "*" if (name, t.number) in marked else ""])
+    return format_table(headers, rows)
+
+
+def _metric(name: str, value) -> str:
+    if value is None:
+        return "-"
+    if name.endswith("_bytes"):
+        return format_bytes(value)
+    return f"{value:.2e}" if abs(value) < 1e-3 and value else f"{value:.4f}"
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "-" if value is None else str(value)

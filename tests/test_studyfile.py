@@ -1,0 +1,301 @@
+"""Study files: the built-ins as files, validation in one line, searches and outcomes, a user's own study."""
+import signal
+import subprocess
+import sys
+import textwrap
+
+import optuna
+import pytest
+
+from sweeps.cli import main
+from sweeps.outcomes import OUTCOMES, holds, infeasible
+from sweeps.search import GridSearch, SamplerSearch, make_search
+from sweeps.studies import point_key
+from sweeps.studyfile import builtin_names, load, parse
+from tests.test_sweeps import child_runs, stores, wait_for_complete
+
+State = optuna.trial.TrialState
+K = (1, 2, 4, 8, 16)
+
+
+def old_twins(points):
+    """The registry's twins() before study files, kept here as the reference."""
+    out = list(points)
+    for p in points:
+        if p.get("accum_steps", 1) > 1:
+            twin = {**p, "physical_batch": p["physical_batch"] * p["accum_steps"], "accum_steps": 1}
+            if "bn_momentum_rule" in twin:
+                twin["bn_momentum_rule"] = "default"
+            if twin not in out:
+                out.append(twin)
+    return out
+
+
+# The points of the built-in studies as sweeps/studies.py wrote them in Python before they became files.
+BEFORE = {
+    "accum_lr": old_twins([dict(physical_batch=32, accum_steps=k, lr_rule=r) for k in K
+                           for r in ("none", "linear", "sqrt")]),
+    "bn_momentum": old_twins([dict(physical_batch=32, accum_steps=1, bn_momentum_rule="default")]
+                             + [dict(physical_batch=32, accum_steps=k, bn_momentum_rule=r)
+                                for k in (4, 16) for r in ("default", "scaled", "matched")]),
+    "batch_memory": [dict(physical_batch=2 ** i, accum_steps=k) for k in (1, 4) for i in range(3, 11)],
+    "lr_search": [dict(physical_batch=32, accum_steps=2 ** i) for i in range(6)],
+    "equivalence": [dict(model=m, physical_batch=32, accum_steps=k) for m in ("mlp", "cnn1d") for k in (2, 4, 8)],
+}
+
+
+def test_builtin_study_files_give_the_same_trials_as_before():
+    assert builtin_names() == sorted(BEFORE)
+    for name, points in BEFORE.items():
+        assert list(load(name).points) == points, name  # same points, same order
+    assert load("lr_search").tune["base_lr"].distribution() == \
+        optuna.distributions.FloatDistribution(1e-3, 2.0, log=True)
+    assert (load("lr_search").sampler, load("lr_search").trials, load("lr_search").pruner) == ("tpe", 8, "median")
+    assert load("equivalence").metrics == ("param_rel_diff",) and load("equivalence").directions == ("minimize",)
+    assert (load("accum_lr").seeds, load("accum_lr").workers, load("accum_lr").fixed["schedule"]) == (3, 2, "cosine")
+
+
+GOOD = """
+name = "mine"
+[grid]
+physical_batch = [16]
+accum_steps = [1, 4]
+[tune.base_lr]
+type = "float"
+low = 0.01
+high = 0.5
+log = true
+[search]
+sampler = "tpe"
+trials = 2
+"""
+
+
+@pytest.mark.parametrize("edit,expected", [
+    (("", "colour = 3\n"), "colour: unknown key"),
+    (('name = "mine"', 'name = "../up"'), "name: study name '../up' is not a plain name"),
+    (("[grid]", "[grid]\nphysical_bacth = [1]"), "grid.physical_bacth: 'physical_bacth' is not a trainer field "
+                                                "(did you mean physical_batch?)"),
+    (("accum_steps = [1, 4]", 'accum_steps = ["4"]'), "grid.accum_steps: must be an integer, got text '4'"),
+    (("accum_steps = [1, 4]", "accum_steps = []"), "grid.accum_steps: must be a non-empty list"),
+    (("accum_steps = [1, 4]", "accum_steps = [4, 4]"), "grid.accum_steps: lists a value twice"),
+    (("high = 0.5", "high = 0.001"), "tune.base_lr: needs low < high"),
+    (('type = "float"', 'type = "normal"'), "tune.base_lr.type: 'normal' is not one of float, int, categorical"),
+    (('sampler = "tpe"', 'sampler = "bayes"'), "search.sampler: 'bayes' is not one of grid, random, tpe"),
+    (('sampler = "tpe"', 'sampler = "grid"'), "tune: needs a sampler that searches"),
+    (("trials = 2", "trials = 0"), "search.trials: must be between 1 and 100,000, got 0"),
+    (("trials = 2", 'trials = 2\nconstraints = ["effective_batch <== 3"]'), "search.constraints: 'effective_batch <== 3'"
+                                                                            " is not `field op number`"),
+    (("trials = 2", 'trials = 2\nconstraints = ["width < 3"]'), "'width' is neither a trainer field"),
+    (("trials = 2", "trials = 2\ntwins = true\n[fixed]\naccum_steps = 2"), "grid.accum_steps: is also in [fixed]"),
+    (("trials = 2", 'trials = 2\n[objective]\nmetrics = ["val_acc", "peak_memory_bytes"]\ndirections = ["maximize"]'),
+     "objective.directions: give one direction per metric (2 metrics, 1 directions)"),
+    (("trials = 2", 'trials = 2\npruner = "median"\n[objective]\nmetrics = ["val_acc", "peak_memory_bytes"]\n'
+                    'directions = ["maximize", "minimize"]'), "search.pruner: Optuna prunes single-objective"),
+    (("[grid]", "[grid\n"), "not valid TOML"),
+])
+def test_a_bad_study_file_is_one_line_naming_file_and_key(tmp_path, capsys, edit, expected):
+    path = tmp_path / "study.toml"
+    path.write_text(GOOD.replace(*edit) if edit[0] else edit[1] + GOOD)
+    assert main(["--study", str(path), "--dry-run", "--storage", f"sqlite:///{tmp_path}/o.db"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}: ") and expected in err and len(err.strip().splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == [path]  # nothing written
+
+
+def test_dry_run_of_a_file_lists_its_trials_and_the_points_a_constraint_drops(tmp_path, capsys):
+    path = tmp_path / "study.toml"
+    path.write_text(GOOD.replace("accum_steps = [1, 4]", "accum_steps = [1, 4, 64]")
+                    .replace("trials = 2", 'trials = 2\nconstraints = ["effective_batch <= 256"]'))
+    assert main(["--study", str(path), "--dry-run", "--seeds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("tpe x2 over base_lr") == 4  # (b16 k1, b16 k4) x 2 seeds
+    assert "not run: b16 k64 breaks the constraint effective_batch <= 256" in out
+
+
+def objective_for(search, mine, worker=0):
+    def objective(trial):
+        point, seed = search.next_point(trial, mine, set(), worker)
+        return point.get("accum_steps", 1) * 0.1 + point.get("base_lr", 0) + seed * 0.01
+    return objective
+
+
+def test_grid_search_walks_every_point_once_and_records_optuna_params():
+    study_def = parse({"name": "g", "grid": {"physical_batch": [8, 16], "accum_steps": [1, 2], "lr_rule":
+                       ["none", "sqrt"]}, "search": {"twins": True}}, "test")
+    search = make_search(study_def, "g", list(study_def.points), (0, 1))
+    assert isinstance(search, GridSearch) and len(search.units()) == 2 * (8 + 2)  # (8, 2)'s twin is the grid's (16, 1)
+    study = optuna.create_study(sampler=search.sampler(0, 0))
+    study.optimize(objective_for(search, search.units()), n_trials=len(search.units()))
+    keys = [point_key({k: v for k, v in t.user_attrs["config"].items() if k != "seed"}, t.user_attrs["config"]["seed"])
+            for t in study.trials]
+    assert keys == [point_key(u.point, u.seed) for u in search.units()]  # in order, each once
+    assert search.left(study.trials, search.units(), set()) == 0
+    for t in study.trials:  # every varied field is a param, over the axis's full list (twins included)
+        assert t.params == {k: v for k, v in t.user_attrs["config"].items() if k != "seed"}
+        assert t.distributions["physical_batch"].choices == (8, 16, 32)
+    importances = optuna.importance.get_param_importances(
+        study, evaluator=optuna.importance.PedAnovaImportanceEvaluator())
+    assert set(importances) == {"physical_batch", "accum_steps", "lr_rule"}
+    assert max(importances, key=importances.get) == "accum_steps"  # the objective depends on it alone
+    assert set(optuna.importance.get_param_importances(study)) == set(importances)  # fANOVA, Optuna's default
+    figure = optuna.visualization.plot_parallel_coordinate(study)
+    assert set(figure.layout.xaxis.ticktext) >= {"physical_batch", "accum_steps", "lr_rule"}  # one axis each
+
+
+def test_grid_search_yields_a_point_that_another_trial_holds():
+    study_def = parse({"name": "g", "grid": {"accum_steps": [1, 2]}}, "test")
+    search = make_search(study_def, "g", list(study_def.points), (0,))
+    study = optuna.create_study(sampler=search.sampler(0, 0))
+    study.optimize(objective_for(search, search.units()), n_trials=1)
+    # A second worker whose only unit is the point already done gets Duplicate, not a second run.
+    from sweeps.search import Duplicate
+
+    trial = study.ask()
+    with pytest.raises(Duplicate):
+        search.next_point(trial, search.units()[:1], set())
+
+
+def test_sampler_search_runs_trials_per_point_with_the_grid_pinned():
+    study_def = parse({"name": "t", "grid": {"accum_steps": [1, 4]}, "tune": {"base_lr": {
+        "type": "float", "low": 0.01, "high": 1.0, "log": True}, "lr_rule": {"type": "categorical", "choices":
+        ["none", "sqrt"]}}, "search": {"sampler": "tpe", "trials": 5}}, "test")
+    search = make_search(study_def, "t", list(study_def.points), (0,))
+    assert isinstance(search, SamplerSearch)
+    assert [u.study_name for u in search.units()] == ["t/accum_steps=1,seed=0", "t/accum_steps=4,seed=0"]
+    for i, unit in enumerate(search.units()):
+        study = optuna.create_study(sampler=search.sampler(i, 0))
+        study.optimize(objective_for(search, [unit]), n_trials=5)
+        assert search.left(study.trials, [unit], set()) == 0
+        assert all(t.params["accum_steps"] == unit.point["accum_steps"] for t in study.trials)
+        assert all(0.01 <= t.params["base_lr"] <= 1.0 and t.params["lr_rule"] in ("none", "sqrt")
+                   for t in study.trials)
+        assert len({t.params["base_lr"] for t in study.trials}) == 5  # searched, not fixed
+
+
+def test_outcome_table_decides_state_status_and_retry():
+    trial = lambda state, reason=None: optuna.trial.create_trial(
+        state=state, value=None if state != State.COMPLETE else 1.0, user_attrs={"reason": reason} if reason else {})
+    assert holds(trial(State.COMPLETE)) and not holds(trial(State.FAIL))
+    assert not holds(trial(State.PRUNED, "duplicate")) and holds(trial(State.PRUNED, "oom"))
+    assert infeasible(trial(State.PRUNED, "oom")) == [1.0] and infeasible(trial(State.PRUNED)) == [0.0]
+    for o in OUTCOMES.values():  # an outcome that runs again is never COMPLETE; an infeasible one ends for good
+        assert o.retry == "never" or o.state != State.COMPLETE
+        assert not o.infeasible or (o.retry, o.state) == ("never", State.PRUNED)
+
+
+# A user's project: a model and dataset of its own, outside the package, found from the current folder.
+PROJECT = {
+    "myproj/__init__.py": "",
+    "myproj/nets.py": """
+        from torch import nn
+
+        def make_net(input_shape, num_classes, width=16, **_):
+            return nn.Sequential(nn.Linear(input_shape[0], width), nn.ReLU(), nn.Linear(width, num_classes))
+        """,
+    "myproj/data.py": """
+        import torch
+        from torch.utils.data import TensorDataset
+
+        def make_data(seed=0, **_):
+            g = torch.Generator().manual_seed(3)
+            y = torch.arange(320) % 4
+            x = torch.randn(320, 6, generator=g) + 1.5 * torch.nn.functional.one_hot(y, 6)[:, :6].float()
+            return TensorDataset(x[:256], y[:256]), TensorDataset(x[256:], y[256:])
+        """,
+}
+FIXED = '[fixed]\nmodel = "myproj.nets:make_net"\ndataset = "myproj.data:make_data"\nepochs = 2\nwarmup_epochs = 0\n'
+
+
+def write_project(folder):
+    for name, text in PROJECT.items():
+        (folder / name).parent.mkdir(exist_ok=True)
+        (folder / name).write_text(textwrap.dedent(text))
+
+
+def run_cmd(cwd, *args):
+    # No PYTHONPATH: the installed package, and the user's modules from the current folder.
+    return subprocess.Popen([sys.executable, "-m", "sweeps", *args, "--no-report"], cwd=cwd, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_own_study_file_with_tpe_resumes_after_a_kill(tmp_path):
+    write_project(tmp_path)
+    (tmp_path / "study.toml").write_text(f'name = "own_tpe"\n{FIXED}' + textwrap.dedent("""
+        [grid]
+        physical_batch = [8]
+        accum_steps = [1, 4]
+        [tune.base_lr]
+        type = "float"
+        low = 0.01
+        high = 0.5
+        log = true
+        [search]
+        sampler = "tpe"
+        trials = 3
+        pruner = "median"
+        twins = true
+        """))
+    proc = run_cmd(tmp_path, "--study", "study.toml")
+    wait_for_complete(tmp_path / "mlruns/optuna.db", 2, proc, study="own_tpe/accum_steps=1,physical_batch=8,seed=0")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc = run_cmd(tmp_path, "--study", "study.toml")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    storage, client = stores(tmp_path)
+    names = sorted(optuna.get_all_study_names(storage))
+    assert names == ["own_tpe/accum_steps=1,physical_batch=32,seed=0", "own_tpe/accum_steps=1,physical_batch=8,seed=0",
+                     "own_tpe/accum_steps=4,physical_batch=8,seed=0"]  # the twin (32, 1) included
+    holding = []
+    for name in names:
+        trials = optuna.load_study(study_name=name, storage=storage).trials
+        kept = [t for t in trials if holds(t)]
+        assert len(kept) == 3 and all(t.state.is_finished() for t in kept), name
+        assert all("base_lr" in t.params and "accum_steps" in t.params for t in kept)
+        holding += kept
+    children, parents = child_runs(client, "own_tpe")
+    assert len(parents) == 2 and {r.data.tags["mlflow.parentRunId"] for r in children} <= {p.info.run_id for p in parents}
+    finished = {r.info.run_id for r in children if r.info.status in ("FINISHED", "KILLED")}
+    assert {t.user_attrs["mlflow_run_id"] for t in holding} <= finished  # every trial kept is one ended run
+    assert "best" in out.splitlines()[0] and out.count(" *") == 3  # the best trial of each point is marked
+
+
+def test_own_study_file_with_nsga2_marks_the_pareto_front(tmp_path):
+    write_project(tmp_path)
+    (tmp_path / "study.toml").write_text(f'name = "own_pareto"\n{FIXED}' + textwrap.dedent("""
+        [tune.physical_batch]
+        type = "categorical"
+        choices = [8, 32, 128]
+        [tune.accum_steps]
+        type = "categorical"
+        choices = [1, 2]
+        [search]
+        sampler = "nsga2"
+        trials = 8
+        [objective]
+        metrics = ["val_acc", "peak_memory_bytes"]
+        directions = ["maximize", "minimize"]
+        """))
+    proc = run_cmd(tmp_path, "--study", "study.toml")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    storage, client = stores(tmp_path)
+    study = optuna.load_study(study_name="own_pareto/seed=0", storage=storage)
+    assert len(study.trials) == 8 and all(t.state == State.COMPLETE for t in study.trials)
+    front = {t.number for t in study.best_trials}
+    rows = [line.split() for line in out.splitlines()[2:]]
+    assert {int(r[0]) for r in rows if r[-1] == "*"} == front and 0 < len(front) < 8 + 1
+    assert "front" in out.splitlines()[0]
+    children, parents = child_runs(client, "own_pareto")
+    assert len(children) == 8 and len(parents) == 1
+    assert all(r.data.tags["mlflow.parentRunId"] == parents[0].info.run_id for r in children)
+
+
+def test_a_study_built_in_python(tmp_path, monkeypatch, capsys):
+    (tmp_path / "userstudy.py").write_text("STUDY = {'name': 'py', 'grid': {'accum_steps': [1, 2, 4]}}\nOTHER = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["--study", "userstudy:STUDY", "--dry-run"]) == 0
+    assert capsys.readouterr().out.count("\nk") == 3  # trials k1, k2, k4
+    assert main(["--study", "userstudy:OTHER", "--dry-run"]) == 2
+    assert "module 'userstudy' has no Study or dict named 'OTHER'" in capsys.readouterr().err
