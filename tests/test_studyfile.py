@@ -3,6 +3,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import optuna
 import pytest
@@ -299,3 +300,16 @@ def test_a_study_built_in_python(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out.count("\nk") == 3  # trials k1, k2, k4
     assert main(["--study", "userstudy:OTHER", "--dry-run"]) == 2
     assert "module 'userstudy' has no Study or dict named 'OTHER'" in capsys.readouterr().err
+
+
+def test_the_installed_command_runs_from_any_folder(tmp_path):
+    command = [str(Path(sys.executable).parent / "batchsweep")]
+    usage = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)
+    assert usage.returncode == 2 and "run" in usage.stdout and "report" in usage.stdout
+    dry = subprocess.run(command + ["run", "--study", "equivalence", "--dry-run"], capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert dry.returncode == 0 and dry.stdout.count("cnn1d b32") == 3, dry.stderr
+    wrong = subprocess.run(command + ["sweep"], capture_output=True, text=True, cwd=tmp_path)
+    assert wrong.returncode == 2 and wrong.stderr.strip() == "error: unknown command 'sweep': use one of run, plan, " \
+                                                             "report, train"
+    assert list(tmp_path.iterdir()) == []  # a dry run writes nothing
