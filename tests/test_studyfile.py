@@ -313,3 +313,20 @@ def test_the_installed_command_runs_from_any_folder(tmp_path):
     assert wrong.returncode == 2 and wrong.stderr.strip() == "error: unknown command 'sweep': use one of run, plan, " \
                                                              "report, train"
     assert list(tmp_path.iterdir()) == []  # a dry run writes nothing
+
+
+def test_objective_values_and_pruners_follow_the_file():
+    from sweeps.objective import MetricMissing, make_objective
+
+    study_def = parse({"name": "o", "grid": {"accum_steps": [1]}, "objective": {
+        "metrics": ["val_acc", "peak_memory_bytes"], "directions": ["maximize", "minimize"]}}, "test")
+    objective = make_objective(study_def)
+    assert objective.values({"val_acc": 0.9, "peak_memory_bytes": 1e6, "x": 1}) == [0.9, 1e6]
+    with pytest.raises(MetricMissing, match="'peak_memory_bytes' was not logged; this trial logged val_acc"):
+        objective.values({"val_acc": 0.9})
+    assert objective.epoch_value({"val_acc": 0.5}) is None  # several objectives: Optuna prunes none
+    tuned = {"name": "p", "tune": {"base_lr": {"type": "float", "low": 0.01, "high": 1.0}},
+             "search": {"sampler": "random", "pruner": "hyperband"}}
+    search = make_search(parse(tuned, "test"), "p", [{}], (0,))
+    assert isinstance(search.pruner(epochs=12), optuna.pruners.HyperbandPruner)
+    assert make_objective(parse(tuned, "test")).epoch_value({"val_acc": float("nan")}) == float("-inf")
