@@ -4,7 +4,10 @@ Everything a worker does between and around `train()` calls counts as overhead: 
 writes (claiming a point, user attributes, tell), MLflow runs, batched logging and the history artifact.
 Runs trials of a study into a temporary SQLite store and prints `overhead=<fraction>` on the last line.
 
-    python benchmarks/sweep_overhead.py [--study accum_lr] [--trials 6] [--epochs N]
+    python benchmarks/sweep_overhead.py [--study accum_lr] [--trials 6] [--epochs N] [--system-metrics]
+
+With --system-metrics, MLflow's system-metrics monitor runs beside every trial (sampled every second): the
+difference in overhead between a run with and one without it is what it costs.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=6)
     parser.add_argument("--epochs", help="default: the study's own")
     parser.add_argument("--data-dir", default="data")
+    parser.add_argument("--system-metrics", action="store_true")
     args = parser.parse_args()
 
     in_train: list[float] = []
@@ -44,7 +48,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         argv = ["--study", args.study, "--n-trials", str(args.trials), "--set", f"data_dir={args.data_dir}",
                 "--storage", f"sqlite:///{folder}/optuna.db", "--tracking-uri", f"sqlite:///{folder}/mlflow.db"]
-        plan = build_invocation(parse_args(argv + (["--epochs", args.epochs] if args.epochs else [])))
+        argv += (["--epochs", args.epochs] if args.epochs else []) + (["--system-metrics"] * args.system_metrics)
+        plan = build_invocation(parse_args(argv))
         create_studies(plan, open_storage(plan.storage))
         tracker = Tracker(plan.tracking_uri, plan.study_name)
         parent = tracker.start_parent("overhead", {}, {})
@@ -53,7 +58,8 @@ def main() -> None:
         ran = worker.run(plan.n_trials)
         total = time.perf_counter() - start
     outside = total - sum(in_train)
-    print(f"study={args.study} trials={ran} epochs={plan.base.epochs} store=SQLite")
+    print(f"study={args.study} trials={ran} epochs={plan.base.epochs} store=SQLite "
+          f"system_metrics={args.system_metrics}")
     print(f"wall time {total:.2f} s, in the trainer {sum(in_train):.2f} s, outside it {outside:.2f} s "
           f"({outside / ran * 1000:.0f} ms a trial)")
     print(f"overhead={outside / total:.4f}")

@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, help="worker processes on the same storage; default: the study's own "
                    "(2 for accum_lr and bn_momentum), at most the CPU cores")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first trial that raises an error")
+    p.add_argument("--system-metrics", action="store_true", help="log MLflow's system metrics (CPU, memory, disk, "
+                   "network, GPU when present) for every trial, sampled every second")
     p.add_argument("--dry-run", action="store_true", help="print the trials it would run and exit")
     p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
     p.add_argument("--plan", action="store_true", help="plan b and k for --target-batch within --memory-budget")
@@ -75,7 +77,7 @@ def build_invocation(args: argparse.Namespace):
                      study_name=check_name(args.study_name or study.name),
                      storage=check_storage(args.storage or default_storage()),
                      tracking_uri=check_tracking_uri(args.tracking_uri or default_tracking_uri()),
-                     n_trials=args.n_trials, fail_fast=args.fail_fast)
+                     n_trials=args.n_trials, fail_fast=args.fail_fast, system_metrics=args.system_metrics)
     # Every trial's configuration is valid before anything is written: each grid point, and each at the ends
     # of every searched range.
     ends = [(name, v) for name, p in study.tune.items() for v in (p.choices or (p.low, p.high))]

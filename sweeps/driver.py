@@ -15,7 +15,7 @@ from trainers.config import BatchsweepError
 from .outcomes import OUTCOMES, outcome_of
 from .studies import describe
 from .tables import results_table
-from .tracking import HOST, Tracker
+from .tracking import HOST, Tracker, git_commit, standard_tags
 from .urls import redact
 
 
@@ -156,7 +156,14 @@ def run(inv, workers: int) -> int:
     params = {**inv.base.to_dict(), "seeds": len(inv.seeds), "n_trials": inv.n_trials, "workers": workers}
     parent = tracker.start_parent(f"{inv.study_name} {time.strftime('%Y-%m-%d %H:%M:%S')}", params,
                                   {"study": inv.study.name, "storage": redact(inv.storage), "host": HOST,
-                                   "summary": inv.study.summary, "study_file": inv.study.source})
+                                   "summary": inv.study.summary, "study_file": inv.study.source,
+                                   **standard_tags(git_commit())})
+    # The UI's descriptions; the report replaces the parent run's with its findings.
+    tracker.describe(None, f"{inv.study.summary}\n\nStudy file: {inv.study.source}. One parent run per "
+                           f"invocation of `sweeps/run.py --study`, one nested run per trial.")
+    tracker.describe(parent, f"Study {inv.study_name}: {inv.study.summary}. The report is written when the "
+                             f"study finishes: reports/{inv.study_name}/report.html, and in this run's artifacts "
+                             f"under report/.")
     status = "FINISHED"
     try:
         if workers == 1:

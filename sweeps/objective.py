@@ -24,6 +24,7 @@ class Trained:
     status: str  # "ok" or "diverged"
     memory_source: str
     health: dict[str, Any] = field(default_factory=dict)  # verdict and warnings, as MLflow tags
+    dataset: dict[str, Any] = field(default_factory=dict)  # name, digest and sizes of what it trained on
 
 
 class Objective:
@@ -35,7 +36,7 @@ class Objective:
         health = {"health": result.health, "health_epoch": result.health_epoch,
                   "warnings": " | ".join(result.warnings) or None,
                   "noise_scale": "unavailable: accum_steps=1" if config.accum_steps == 1 else None}
-        return Trained(result.metrics, result.status, result.memory_source, health)
+        return Trained(result.metrics, result.status, result.memory_source, health, result.dataset)
 
     def values(self, metrics: dict[str, float]) -> list[float]:
         """The objective's values, one per metric; a metric that was not logged is an error of the study."""
@@ -74,7 +75,7 @@ class Equivalence(Objective):
                 in_f64 = [train(dataclasses.replace(c, dtype="float64")).model for c in (config, ghost_config)]
                 metrics["ghost_rel_diff_fp64"] = rel_diff(*in_f64)
         status = "diverged" if "diverged" in (accum.status, true.status) else "ok"
-        return Trained(metrics, status, accum.memory_source)
+        return Trained(metrics, status, accum.memory_source, dataset=accum.dataset)
 
 
 OBJECTIVES = {"train": Objective, "equivalence": Equivalence}

@@ -26,7 +26,7 @@ from .objective import make_objective
 from .outcomes import OUTCOMES, outcome_of
 from .search import Duplicate, Search, Unit, make_search
 from .studies import Point, Study, config_key, describe
-from .tracking import HOST, Tracker, first_line, git_commit, pid_alive
+from .tracking import HOST, Tracker, first_line, git_commit, pid_alive, standard_tags, system_metrics
 from .urls import check_storage, redact, sqlite_path
 
 # Consecutive failures to read, create or record a trial in the Optuna storage before a worker gives up: a
@@ -101,6 +101,7 @@ class Invocation:
     tracking_uri: str
     n_trials: int | None = None  # None: everything left
     fail_fast: bool = False
+    system_metrics: bool = False  # MLflow's system metrics for every trial
 
     def config(self, point: Point, seed: int) -> TrainConfig:
         return dataclasses.replace(self.base, **point, seed=seed)
@@ -190,6 +191,7 @@ class Worker:
         self._trial_raised = False  # whether the last trial's own code (training) raised, not the storage
         self.failed_here: set[str] = set()  # keys of the trials that failed in this process: not retried now
         self.storage_failures: list[str] = []  # consecutive failures of the storage, latest last
+        self.datasets_logged: set[str] = set()  # digests logged as inputs of the parent run
 
     def run(self, budget: int | None) -> int:
         """Run at most `budget` trials (None: until nothing is left); returns how many ran. Every MLflow run
@@ -274,8 +276,8 @@ class Worker:
     def run_trial(self, trial: optuna.Trial, point: Point, seed: int) -> float | list[float]:
         config = self.inv.config(point, seed)
         tags = {"optuna.trial_number": trial.number, "optuna.study_name": trial.study.study_name,
-                "device_name": self.device, "torch_version": torch.__version__, "git_commit": self.commit,
-                "study": self.inv.study.name}
+                "device_name": self.device, "torch_version": torch.__version__, "study": self.inv.study.name,
+                **standard_tags(self.commit)}
         run_id = self.tracker.start_trial(self.parent_run_id, f"{trial.number}: {describe(point)}",
                                           config.to_dict(), tags)
         try:
@@ -297,7 +299,8 @@ class Worker:
                 if row["epoch"] < config.epochs and trial.should_prune():
                     raise optuna.TrialPruned(f"pruned at epoch {int(row['epoch'])}")
 
-        def end(name: str, metrics: dict[str, float] | None = None, **extra: Any) -> None:
+        def end(name: str, metrics: dict[str, float] | None = None, dataset: dict[str, Any] | None = None,
+                **extra: Any) -> None:
             """Record the outcome: Optuna first (it decides whether the point runs again), then MLflow."""
             outcome = OUTCOMES[name]
             reason = None if name == "complete" else name
@@ -313,7 +316,7 @@ class Worker:
                 # the two then leaves a run that the next invocation closes by the trial's state.
                 error = self.tracker.finish(run_id, outcome.status, history=history, metrics=metrics,
                                             tags={"reason": reason, "state": outcome.state.name, **extra},
-                                            end=name != "complete")
+                                            end=name != "complete", dataset=dataset)
             if error:
                 self.hooks.say(f"trial {trial.number} ({describe(point)}): trained, but recording it in MLflow "
                                f"failed ({error}); its result is kept in Optuna and its run is marked FAILED "
@@ -323,8 +326,13 @@ class Worker:
         if broken:
             end("invalid", error=f"breaks the study's constraint {broken}")
             raise optuna.TrialPruned(f"breaks the constraint {broken}")
+        monitor = system_metrics(run_id, self.inv.tracking_uri) if self.inv.system_metrics else None
         try:
-            trained = self.objective.train(config, on_epoch)
+            try:
+                trained = self.objective.train(config, on_epoch)
+            finally:
+                if monitor is not None:
+                    monitor.finish()
             values = self.objective.values(trained.metrics) if trained.status == "ok" else None
         except optuna.TrialPruned:
             end("pruned", _final(history))
@@ -347,9 +355,16 @@ class Worker:
             end("error", error=f"{type(exc).__name__}: {exc}"[:5000])
             raise
         if trained.status == "diverged":
-            end("diverged", trained.metrics, **trained.health)
+            end("diverged", trained.metrics, trained.dataset, **trained.health)
             raise optuna.TrialPruned("diverged: non-finite training loss")
-        end("complete", trained.metrics, memory_source=trained.memory_source, **trained.health)
+        end("complete", trained.metrics, trained.dataset, memory_source=trained.memory_source, **trained.health)
+        if trained.dataset and trained.dataset["digest"] not in self.datasets_logged:
+            # The parent run (the row the UI shows first) names the data its trials trained on, too.
+            self.datasets_logged.add(trained.dataset["digest"])
+            try:
+                self.tracker.log_dataset(self.parent_run_id, trained.dataset)
+            except Exception:  # the trial is recorded; the parent's Dataset column is a convenience
+                pass
         return values[0] if len(values) == 1 else values
 
 

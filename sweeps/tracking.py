@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import csv
+import getpass
+import json
 import os
 import random
 import socket
@@ -15,9 +17,10 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
-from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+from mlflow.utils.mlflow_tags import (MLFLOW_DATASET_CONTEXT, MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NOTE,
+                                     MLFLOW_SOURCE_NAME, MLFLOW_SOURCE_TYPE, MLFLOW_USER)
 
 from trainers.config import BatchsweepError
 
@@ -26,6 +29,9 @@ from .urls import redact, sqlite_path
 HOST = socket.gethostname()
 # History keys logged with their epoch as step; throughput and memory are logged once, for the whole run.
 RUN_LEVEL = ("samples_per_s", "peak_memory_bytes", "wall_time_s")
+# With --system-metrics, MLflow samples CPU, memory, disk, network (and GPU) this often during a trial; its
+# environment variable MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL overrides it.
+SYSTEM_METRICS_INTERVAL_S = 1.0
 T = TypeVar("T")
 
 
@@ -56,6 +62,27 @@ def git_commit() -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None
+
+
+def standard_tags(commit: str | None) -> dict[str, str]:
+    """MLflow's own tags, which fill the UI's Source, Version and User columns."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # a container whose uid has no name
+        user = str(os.getuid())
+    tags = {MLFLOW_SOURCE_NAME: "sweeps/run.py", MLFLOW_SOURCE_TYPE: "LOCAL", MLFLOW_USER: user}
+    if commit:
+        tags[MLFLOW_GIT_COMMIT] = commit
+    return tags
+
+
+def system_metrics(run_id: str, uri: str):
+    """Start MLflow's own system-metrics monitor for one run (a thread); call .finish() when the trial ends."""
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S, tracking_uri=uri)
+    monitor.start()
+    return monitor
 
 
 def pid_alive(pid: int) -> bool:
@@ -187,11 +214,12 @@ class Tracker:
 
     def finish(self, run_id: str, status: str, history: list[dict[str, float]] | None = None,
                metrics: dict[str, float] | None = None, tags: dict[str, Any] | None = None,
-               end: bool = True) -> str | None:
+               end: bool = True, dataset: dict[str, Any] | None = None) -> str | None:
         """Log the results and the history as CSV, and end the run as FINISHED, FAILED or KILLED (with
         end=False a successful run stays open for the caller to end once Optuna has recorded the trial). The
         run is ended whatever fails; a failure to record returns its message (the run then ends FAILED with
-        tags `reason` = `record_error` and `error`) instead of raising, so that a trained trial is not lost."""
+        tags `reason` = `record_error` and `error`) instead of raising, so that a trained trial is not lost.
+        `dataset` (name, digest, train_size, test_size) becomes the run's input: the UI's Dataset column."""
         keys = {k for row in history or [] for k in row}
         if metrics:  # per-epoch keys are in the history already; their last step is the final value
             metrics = {k: v for k, v in metrics.items() if k in RUN_LEVEL or k not in keys}
@@ -200,6 +228,8 @@ class Tracker:
             self.log(run_id, metrics=metrics, history=history, tags=tags)
             if history:
                 self._log_history_csv(run_id, history)
+            if dataset and dataset.get("digest"):
+                self.log_dataset(run_id, dataset)
         except Exception as exc:  # whatever the store raised: the run must still end, the trial stays trained
             error = first_line(exc, self.uri)
             status = "FAILED"
@@ -211,6 +241,20 @@ class Tracker:
         if end or error:
             self.end(run_id, status)
         return error
+
+    def log_dataset(self, run_id: str, info: dict[str, Any]) -> None:
+        profile = {"num_rows": info["train_size"], "num_test_rows": info["test_size"]}
+        dataset = Dataset(name=info["name"], digest=info["digest"], source_type="code",
+                          source=json.dumps({"dataset": info["name"]}), profile=json.dumps(profile))
+        retry(lambda: self.client.log_inputs(run_id, datasets=[
+            DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, "train")])]))
+
+    def describe(self, run_id: str | None, text: str) -> None:
+        """The description that the UI shows: of a run, or (run_id None) of the experiment."""
+        if run_id is None:
+            retry(lambda: self.client.set_experiment_tag(self.experiment_id, MLFLOW_RUN_NOTE, text))
+        else:
+            retry(lambda: self.client.set_tag(run_id, MLFLOW_RUN_NOTE, text))
 
     def end(self, run_id: str, status: str) -> None:
         """End a run this tracker started, once; a store that refuses even this leaves it to close_orphans."""

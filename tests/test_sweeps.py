@@ -1,5 +1,8 @@
 import datetime
+import getpass
+import html
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -205,6 +208,35 @@ def test_distributed_study_on_postgresql_and_a_tracking_server(tmp_path):
         assert {t.user_attrs["mlflow_run_id"] for t in complete} == finished
         assert len({t.user_attrs["owner"] for t in complete}) == 2  # both machines worked
 
+        # The MLflow UI, as a user opens it: the runs table and the latest parent run's page have their
+        # standard columns filled (source, version, user, dataset) and the descriptions written.
+        report = subprocess.run([sys.executable, str(ROOT / "analysis/report.py"), "--study", "accum_lr",
+                                 "--out", str(tmp_path / "reports")], capture_output=True, text=True, env={
+                                     **env, "MLFLOW_TRACKING_URI": tracking}, timeout=300)
+        assert report.returncode == 0, report.stderr[-2000:]
+        experiment = client.get_experiment_by_name("accum_lr").experiment_id
+        latest = max(parents, key=lambda r: r.info.start_time).info.run_id
+        table = ui_text(f"{tracking}/#/experiments/{experiment}/runs", tmp_path / "ui-table")
+        assert "true-batch twins" in table  # the experiment's description: the study's summary
+        assert "Source" in table and "run.py" in table and "tests.factories:blobs1k" in table, table[:3000]
+        page = ui_text(f"{tracking}/#/experiments/{experiment}/runs/{latest}", tmp_path / "ui-run")
+        assert "Findings of study accum_lr:" in page and "report.html" in page, page[:3000]
+        assert f"Created by {getpass.getuser()}" in page and "run.py" in page
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+        assert commit[:7] in page  # the Version: mlflow.source.git.commit
+        assert "Datasets tests.factories:blobs1k" in page
+
+
+def ui_text(url, profile):
+    """The text of a page of the MLflow UI after headless Chromium has run its scripts."""
+    from tests.test_analysis import chromium
+
+    out = subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                          "--disable-background-networking", f"--user-data-dir={profile}", "--window-size=2400,1400",
+                          "--virtual-time-budget=25000", "--dump-dom", url], capture_output=True, text=True, timeout=180)
+    text = re.sub(r"<(script|style)\b.*?</\1>", " ", out.stdout, flags=re.S)
+    return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", text)))
+
 
 def test_corrupted_optuna_storage_is_one_line_and_left_alone(tmp_path):
     (tmp_path / "mlruns").mkdir()
@@ -247,3 +279,16 @@ def test_points_larger_than_the_training_set_are_recorded_and_skipped(tmp_path):
     assert invalid == [512, 1024] and len(trials) == 16
     children, _ = child_runs(client, "batch_memory")
     assert sorted(r.data.tags.get("reason", "") for r in children if r.info.status == "FAILED") == ["invalid"] * 2
+
+
+def test_system_metrics_are_logged_for_each_trial(tmp_path):
+    env_interval = {"MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.1"}  # trials of a second get several samples
+    proc = subprocess.run([sys.executable, str(ROOT / "sweeps/run.py"), *TINY, "--epochs", "4", "--n-trials", "2",
+                           "--system-metrics"], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env_interval})
+    assert proc.returncode == 0, proc.stderr
+    children, _ = child_runs(stores(tmp_path)[1])
+    assert len(children) == 2
+    for run in children:
+        assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(run.data.metrics)
+        assert run.info.status == "FINISHED"

@@ -34,6 +34,7 @@ class TrainResult:
     warnings: list[str] = field(default_factory=list)
     health: str = "ok"  # ok, diverged, exploding, dead or stalled: see trainers/health.py
     health_epoch: int | None = None  # the first epoch where it showed
+    dataset: dict[str, Any] = field(default_factory=dict)  # name, digest, train_size, test_size
 
     def to_dict(self) -> dict[str, Any]:
         return {"status": self.status, "health": self.health, "health_epoch": self.health_epoch,
@@ -169,7 +170,7 @@ def make_optimizer(config: TrainConfig, params: list) -> torch.optim.Optimizer:
 def _prepare(config: TrainConfig) -> tuple[torch.device, Data, nn.Module, list[str]]:
     device = resolve_device(config.device)
     dtype = getattr(torch, config.dtype)
-    data = load_data(config.dataset, config.data_dir, config.seed)
+    data = load_data(config.dataset, config.data_dir, config.seed).with_digest()
     n = len(data.x_train)
     if config.effective_batch > n:
         raise ConfigError(f"effective batch {config.effective_batch} (physical_batch {config.physical_batch} x "
@@ -295,7 +296,8 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None) -> TrainRe
     if idle:
         notes.append(idle)
     health, health_epoch = verdict(status, history, data.chance, data.num_classes if data.classification else None)
+    dataset = {"name": config.dataset, "digest": data.digest, "train_size": n_train, "test_size": len(data.x_test)}
     return TrainResult(config=config, status=status, metrics=metrics, history=history, model=model,
-                       device_name=device_name(device),
+                       device_name=device_name(device), dataset=dataset,
                        memory_source="cuda_allocator" if on_cuda else "saved_tensors", warnings=notes,
                        health=health, health_epoch=health_epoch)
