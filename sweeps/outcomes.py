@@ -17,7 +17,8 @@ class Outcome:
     status: str | None  # of the trial's MLflow run (None: the trial has no run)
     retry: str  # "now": another worker may take the point at once; "later": the next invocation runs it again;
     #             "never": the point is done
-    infeasible: bool  # fed back to the sampler as a broken constraint, so that it leaves the neighbourhood
+    infeasible: bool  # recorded as a broken Optuna constraint (trial.set_constraint), so that TPE and NSGA-II
+    #                   leave the neighbourhood
     means: str
 
 
@@ -51,9 +52,3 @@ def holds(trial: FrozenTrial) -> bool:
         return True
     outcome = outcome_of(trial)
     return outcome is not None and outcome.retry == "never"
-
-
-def infeasible(trial: FrozenTrial) -> list[float]:
-    """Optuna's constraints_func: positive for a trial whose point could not run (oom, invalid, diverged)."""
-    outcome = outcome_of(trial)
-    return [1.0 if outcome is not None and outcome.infeasible else 0.0]

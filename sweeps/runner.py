@@ -305,6 +305,8 @@ class Worker:
             outcome = OUTCOMES[name]
             reason = None if name == "complete" else name
             try:
+                # Optuna's constraint: TPE and NSGA-II leave the neighbourhood of a point that could not run.
+                trial.set_constraint("infeasible", 1.0 if outcome.infeasible else 0.0)
                 if reason:
                     trial.set_user_attr("reason", reason)
                 if metrics:

@@ -17,7 +17,7 @@ from typing import Any
 import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution
 
-from .outcomes import holds, infeasible
+from .outcomes import holds
 from .studies import Param, Point, Study, config_key, point_key
 
 
@@ -147,10 +147,9 @@ class SamplerSearch(Search):
         base = {
             "random": lambda: optuna.samplers.RandomSampler(seed=seed),
             "tpe": lambda: optuna.samplers.TPESampler(seed=seed, n_startup_trials=4, n_ei_candidates=24,
-                                                      multivariate=False, group=False, constant_liar=False,
-                                                      constraints_func=infeasible),
+                                                      multivariate=False, group=False, constant_liar=False),
             "cmaes": lambda: optuna.samplers.CmaEsSampler(seed=seed),
-            "nsga2": lambda: optuna.samplers.NSGAIISampler(seed=seed, constraints_func=infeasible),
+            "nsga2": lambda: optuna.samplers.NSGAIISampler(seed=seed),
         }[name]()
         pinned = Pinned(base)
         pinned.values = dict(self.units()[unit].point)

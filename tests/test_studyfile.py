@@ -9,7 +9,7 @@ import optuna
 import pytest
 
 from sweeps.cli import main
-from sweeps.outcomes import OUTCOMES, holds, infeasible
+from sweeps.outcomes import OUTCOMES, holds
 from sweeps.search import GridSearch, SamplerSearch, make_search
 from sweeps.studies import point_key
 from sweeps.studyfile import builtin_names, load, parse
@@ -179,7 +179,7 @@ def test_outcome_table_decides_state_status_and_retry():
         state=state, value=None if state != State.COMPLETE else 1.0, user_attrs={"reason": reason} if reason else {})
     assert holds(trial(State.COMPLETE)) and not holds(trial(State.FAIL))
     assert not holds(trial(State.PRUNED, "duplicate")) and holds(trial(State.PRUNED, "oom"))
-    assert infeasible(trial(State.PRUNED, "oom")) == [1.0] and infeasible(trial(State.PRUNED)) == [0.0]
+    assert OUTCOMES["oom"].infeasible and not OUTCOMES["pruned"].infeasible
     for o in OUTCOMES.values():  # an outcome that runs again is never COMPLETE; an infeasible one ends for good
         assert o.retry == "never" or o.state != State.COMPLETE
         assert not o.infeasible or (o.retry, o.state) == ("never", State.PRUNED)

@@ -131,4 +131,5 @@ def test_out_of_memory_is_recorded_and_the_next_trial_runs(tmp_path):
     storage, client = stores(tmp_path)
     trials = optuna.load_study(study_name="accum_lr", storage=storage).trials
     assert [(t.state, t.user_attrs["reason"]) for t in trials] == [(State.PRUNED, "oom")] * 2
+    assert [t.constraints for t in trials] == [{"infeasible": 1.0}] * 2  # what TPE and NSGA-II read
     assert [(r.info.status, r.data.tags["reason"]) for r in runs_by_trial(client, trials)] == [("FAILED", "oom")] * 2
