@@ -24,7 +24,7 @@ from trainers.loop import device_name, resolve_device
 
 from .objective import make_objective
 from .outcomes import OUTCOMES, outcome_of
-from .search import Duplicate, Search, Unit, make_search
+from .search import Duplicate, Search, StudyChanged, Unit, make_search
 from .studies import Point, Study, config_key, describe
 from .tracking import HOST, Tracker, first_line, git_commit, pid_alive, standard_tags, system_metrics
 from .urls import check_storage, redact, sqlite_path
@@ -225,6 +225,8 @@ class Worker:
                     # optimize() (not ask/tell) so that the RDB storage's heartbeat covers the trial;
                     # it marks a trial that raises as FAIL before passing the exception on.
                     study.optimize(lambda trial: self.trial(trial, mine), n_trials=1)
+                except StudyChanged:
+                    raise  # every next trial would fail the same way: the study stops with one line
                 except Exception as exc:
                     if is_storage_failure(exc) and not self._trial_raised:
                         self._storage_failed(exc)

@@ -18,6 +18,8 @@ import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution
 
 from .outcomes import holds
+from trainers.config import BatchsweepError
+
 from .studies import Param, Point, Study, config_key, point_key
 
 
@@ -32,6 +34,10 @@ class Unit:
 
 class Duplicate(Exception):
     """Another trial holds the point this one claimed."""
+
+
+class StudyChanged(BatchsweepError):
+    """The study's grid or search space is not the one its Optuna study's earlier trials were recorded with."""
 
 
 class Pinned(optuna.samplers.BaseSampler):
@@ -103,6 +109,17 @@ class Search:
         # Workers must not repeat each other's draws, nor a resumed search its own.
         return (self.study.sampler_seed * 1000 + unit * 10 + worker + done * 7919) % 2 ** 32
 
+    def _record_axes(self, trial: optuna.Trial, point: Point) -> None:
+        """The point's grid fields as Optuna params (the pinned sampler returns the point's values)."""
+        for name in point:
+            try:
+                trial.suggest_categorical(name, self.axes[name].choices)
+            except ValueError:  # Optuna refuses a categorical whose choices changed within a study
+                raise StudyChanged(
+                    f"the [grid] of study {self.study_name} changed since its first trials: {name} now takes "
+                    f"{list(self.axes[name].choices)}; restore the grid, or run it under a new --study-name"
+                ) from None
+
     def _record(self, trial: optuna.Trial, point: Point, seed: int) -> None:
         trial.set_user_attr("config", {**point, "seed": seed})
 
@@ -127,8 +144,7 @@ class GridSearch(Search):
             if point_key(unit.point, unit.seed) not in taken_points(study.get_trials(deepcopy=False),
                                                                      besides=trial.number):
                 study.sampler.values = dict(unit.point)  # checked after our claim is visible to the others
-                for name, value in unit.point.items():
-                    trial.suggest_categorical(name, self.axes[name].choices)
+                self._record_axes(trial, unit.point)
                 return unit.point, unit.seed
         time.sleep(random.random() * 0.2)  # break the tie with a worker that claimed at the same moment
         raise Duplicate("another trial holds this point")
@@ -158,9 +174,12 @@ class SamplerSearch(Search):
     def next_point(self, trial: optuna.Trial, mine: list[Unit], failed_here: set[str],
                    worker: int = 0) -> tuple[Point, int]:
         (unit,) = mine
-        for name, value in unit.point.items():
-            trial.suggest_categorical(name, self.axes[name].choices)
-        tuned = {name: suggest(trial, name, param) for name, param in self.study.tune.items()}
+        self._record_axes(trial, unit.point)
+        try:
+            tuned = {name: suggest(trial, name, param) for name, param in self.study.tune.items()}
+        except ValueError as exc:  # Optuna refuses a param whose distribution changed within a study
+            raise StudyChanged(f"the [tune] ranges of study {self.study_name} changed since its first trials "
+                               f"({exc}): restore them, or run it under a new --study-name") from None
         point = {**unit.point, **tuned}
         self._record(trial, point, unit.seed)
         return point, unit.seed

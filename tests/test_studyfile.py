@@ -330,3 +330,18 @@ def test_objective_values_and_pruners_follow_the_file():
     search = make_search(parse(tuned, "test"), "p", [{}], (0,))
     assert isinstance(search.pruner(epochs=12), optuna.pruners.HyperbandPruner)
     assert make_objective(parse(tuned, "test")).epoch_value({"val_acc": float("nan")}) == float("-inf")
+
+
+def test_a_grid_changed_under_a_running_study_stops_it_in_one_line():
+    from sweeps.search import StudyChanged
+
+    first = parse({"name": "g", "grid": {"accum_steps": [1, 2]}}, "test")
+    search = make_search(first, "g", list(first.points), (0,))
+    study = optuna.create_study(sampler=search.sampler(0, 0))
+    study.optimize(objective_for(search, search.units()), n_trials=1)
+    changed = parse({"name": "g", "grid": {"accum_steps": [1, 2, 4]}}, "test")
+    search = make_search(changed, "g", list(changed.points), (0,))
+    study.sampler = search.sampler(0, 0)
+    with pytest.raises(StudyChanged, match=r"the \[grid\] of study g changed since its first trials: accum_steps "
+                                           r"now takes \[1, 2, 4\]; restore the grid, or run it under a new"):
+        study.optimize(objective_for(search, search.units()), n_trials=1)
