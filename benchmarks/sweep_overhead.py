@@ -24,6 +24,22 @@ from sweeps.tracking import Tracker
 from trainers.cli import run_script
 
 
+def timed_trainer() -> list[float]:
+    """Make every train() that the sweeps call append its duration to the list returned (for this process)."""
+    durations: list[float] = []
+    train = objective.train
+
+    def timed_train(config, on_epoch=None):
+        start = time.perf_counter()
+        try:
+            return train(config, on_epoch=on_epoch)
+        finally:
+            durations.append(time.perf_counter() - start)
+
+    objective.train = timed_train
+    return durations
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--study", default="accum_lr")
@@ -33,32 +49,22 @@ def main() -> None:
     parser.add_argument("--system-metrics", action="store_true")
     args = parser.parse_args()
 
-    in_train: list[float] = []
-    train = objective.train
-
-    def timed_train(config, on_epoch=None):
-        start = time.perf_counter()
-        try:
-            return train(config, on_epoch=on_epoch)
-        finally:
-            in_train.append(time.perf_counter() - start)
-
-    objective.train = timed_train
+    in_train = timed_trainer()
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # as sweeps/run.py does
     with tempfile.TemporaryDirectory() as folder:
         argv = ["--study", args.study, "--n-trials", str(args.trials), "--set", f"data_dir={args.data_dir}",
                 "--storage", f"sqlite:///{folder}/optuna.db", "--tracking-uri", f"sqlite:///{folder}/mlflow.db"]
         argv += (["--epochs", args.epochs] if args.epochs else []) + (["--system-metrics"] * args.system_metrics)
-        plan = build_invocation(parse_args(argv))
-        create_studies(plan, open_storage(plan.storage))
-        tracker = Tracker(plan.tracking_uri, plan.study_name)
+        inv = build_invocation(parse_args(argv))
+        create_studies(inv, open_storage(inv.storage))
+        tracker = Tracker(inv.tracking_uri, inv.study_name)
         parent = tracker.start_parent("overhead", {}, {})
-        worker = Worker(plan, parent)
+        worker = Worker(inv, parent)
         start = time.perf_counter()
-        ran = worker.run(plan.n_trials)
+        ran = worker.run(inv.n_trials)
         total = time.perf_counter() - start
     outside = total - sum(in_train)
-    print(f"study={args.study} trials={ran} epochs={plan.base.epochs} store=SQLite "
+    print(f"study={args.study} trials={ran} epochs={inv.base.epochs} store=SQLite "
           f"system_metrics={args.system_metrics}")
     print(f"wall time {total:.2f} s, in the trainer {sum(in_train):.2f} s, outside it {outside:.2f} s "
           f"({outside / ran * 1000:.0f} ms a trial)")

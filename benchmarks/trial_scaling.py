@@ -18,7 +18,7 @@ import time
 
 import optuna
 
-import sweeps.objective as objective
+from sweep_overhead import timed_trainer
 from sweeps.cli import build_invocation, parse_args
 from sweeps.runner import Hooks, Worker, create_studies, open_storage
 from sweeps.tracking import Tracker
@@ -37,22 +37,13 @@ def main() -> None:
             "--tracking-uri", f"sqlite:///{folder}/mlflow.db"]))
         create_studies(inv, open_storage(inv.storage))
         parent = Tracker(inv.tracking_uri, inv.study_name).start_parent("scaling", {}, {})
-        times, in_train, last = [], [], [time.perf_counter()]
-        train = objective.train
-
-        def timed_train(config, on_epoch=None):
-            start = time.perf_counter()
-            try:
-                return train(config, on_epoch=on_epoch)
-            finally:
-                in_train.append(time.perf_counter() - start)
+        times, in_train, last = [], timed_trainer(), [time.perf_counter()]
 
         def trial_done(_trial) -> None:
             now = time.perf_counter()
             times.append(now - last[0])
             last[0] = now
 
-        objective.train = timed_train
 
         Worker(inv, parent, 0, Hooks(trial_done=trial_done)).run(None)
     if len(times) < 100:

@@ -164,7 +164,7 @@ def run(inv, workers: int) -> int:
     tracker.describe(parent, f"Study {inv.study_name}: {inv.study.summary}. The report is written when the "
                              f"study finishes: reports/{inv.study_name}/report.html, and in this run's artifacts "
                              f"under report/.")
-    status = "FINISHED"
+    status, left = "FINISHED", None
     try:
         if workers == 1:
             run_in_process(inv, parent, total)
@@ -180,12 +180,11 @@ def run(inv, workers: int) -> int:
         raise
     finally:
         try:
-            tags = {"trials_left": remaining(inv, storage)}
+            left = remaining(inv, storage)
         except Exception:  # the storage went away: the parent run still ends
-            tags = {}
-        tracker.finish(parent, status, tags=tags)
+            pass
+        tracker.finish(parent, status, tags={"trials_left": left})
     print(results_table(inv, storage))
-    left = remaining(inv, storage)
     if left:
         print(f"{left} trials left: run the same command again to continue", file=sys.stderr)
     return 1 if all_failed(inv, storage) else 0
