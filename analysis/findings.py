@@ -190,7 +190,11 @@ def exactness(trials: pd.DataFrame) -> list[str]:
     t = finished(trials)
     if "param_rel_diff" not in t:
         return []
-    out = []
+    out = ["Each loss term is divided by its number of counted items over the whole window (samples, or tokens "
+           "that are not padding), never by k: without BatchNorm, a window's gradient is then exactly the gradient "
+           "of the mean loss over all its items, whatever each micro-batch holds (unequal token counts, a short "
+           "last window). A mean per micro-batch divided by k is not: it gives the items of a micro-batch with "
+           "fewer of them more weight."]
     for model, rows in t.groupby("model"):
         worst = rows["param_rel_diff"].max()
         gaps = f"accuracy gap {100 * rows['acc_gap'].min():+.1f} to {100 * rows['acc_gap'].max():+.1f} points"

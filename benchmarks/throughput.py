@@ -7,6 +7,12 @@ and just after it, so that the machine's slow and fast seconds, and any drift, h
 warm-up, prints every epoch, the quartiles of the ratios and, last, their median as `ratio=<x>`.
 
     python benchmarks/throughput.py [--device cuda] [--model resnet18 --dataset cifar10 --precision bf16]
+
+A dataset that is not tensors (`--dataset cifar_shaped`, any Dataset with augmentation) goes through the
+trainer's DataLoader path; the hand-written loop then reads it through the DataLoader everyone writes
+(shuffle=True, batch_size=b, the same --num-workers, persistent), without batchsweep's per-sample seeding.
+
+    python benchmarks/throughput.py --model tests.factories:small_conv2d --dataset cifar_shaped --num-workers 1
 """
 from __future__ import annotations
 
@@ -18,9 +24,12 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from torch.utils.data import DataLoader
+
 from trainers import TrainConfig, train
 from trainers.cli import add_config_flags, config_from_args, run_script
-from trainers.loop import _prepare, make_optimizer, permutation
+from trainers.loop import make_optimizer, prepare
+from trainers.order import permutation
 
 
 class HandWritten:
@@ -28,20 +37,37 @@ class HandWritten:
 
     def __init__(self, config: TrainConfig):
         self.config = config
-        self.device, self.data, self.model, _ = _prepare(config)
+        prepared = prepare(config)
+        self.device, self.data, self.model = prepared.device, prepared.data, prepared.model
         self.optimizer = make_optimizer(config, list(self.model.parameters()))
         self.epoch = 0
+        train_set = self.data.train_set
+        if train_set is not None:
+            workers = config.num_workers
+            self.loader = DataLoader(train_set, batch_size=config.physical_batch, shuffle=True, num_workers=workers,
+                                     persistent_workers=workers > 0, pin_memory=config.pin_memory,
+                                     prefetch_factor=config.prefetch_factor if workers else None)
+
+    def batches(self):
+        if self.data.train_set is not None:
+            for x, y in self.loader:
+                yield (x.to(self.device, non_blocking=self.config.pin_memory),
+                       y.to(self.device, non_blocking=self.config.pin_memory))
+            return
+        data = self.data
+        for idx in permutation(self.config, self.epoch, len(data.x_train), self.device).split(self.config.physical_batch):
+            yield data.x_train[idx], data.y_train[idx]
 
     def run_epoch(self) -> float:
         """Trains one epoch; returns its samples/s."""
         config, data, model, optimizer = self.config, self.data, self.model, self.optimizer
-        b, k, n = config.physical_batch, config.accum_steps, len(data.x_train)
+        k, n = config.accum_steps, data.n_train
         bf16 = config.precision == "bf16"
         self.epoch += 1
         start = time.perf_counter()
-        for i, idx in enumerate(permutation(config, self.epoch, n, self.device).split(b)):
+        for i, (x, y) in enumerate(self.batches()):
             with torch.autocast(self.device.type, torch.bfloat16, enabled=bf16):
-                loss = F.cross_entropy(model(data.x_train[idx]), data.y_train[idx]) / k
+                loss = F.cross_entropy(model(x), y) / k
             loss.backward()
             if (i + 1) % k == 0:
                 optimizer.step()

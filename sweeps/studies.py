@@ -60,7 +60,9 @@ class Study:
     name: str
     summary: str
     fixed: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields shared by every trial
-    grid: dict[str, tuple] = field(default_factory=dict)  # axis -> values; every combination, in order
+    # axis -> values; every combination, in order. An axis "a+b" varies two fields together: its values are
+    # (a, b) tuples.
+    grid: dict[str, tuple] = field(default_factory=dict)
     tune: dict[str, Param] = field(default_factory=dict)  # fields the sampler searches at each grid point
     sampler: str = "grid"
     trials: int = 1  # per grid point and seed, for samplers other than grid
@@ -78,8 +80,13 @@ class Study:
     @property
     def points(self) -> tuple[Point, ...]:
         """The grid's points in order (the last axis fastest), then the twins; each once."""
-        axes = list(self.grid)
-        points = [_canonical(dict(zip(axes, values))) for values in itertools.product(*self.grid.values())]
+        axes = [key.split("+") for key in self.grid]
+        points = []
+        for values in itertools.product(*self.grid.values()):
+            point: Point = {}
+            for fields, value in zip(axes, values):
+                point.update(zip(fields, value) if len(fields) > 1 else {fields[0]: value})
+            points.append(_canonical(point))
         return tuple(_unique(twins(points) if self.twins else points))
 
     @property

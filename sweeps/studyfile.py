@@ -105,11 +105,21 @@ def parse(data: dict[str, Any], source: str) -> Study:
     for key, values in grid_table.items():
         if not isinstance(values, list) or not values:
             raise fail(f"grid.{key}", f"must be a non-empty list of values, got {_kind(values)}")
-        grid[key] = tuple(_field_value(f"grid.{key}", key, v, fail) for v in values)
+        fields = key.split("+")
+        if len(fields) == 1:
+            grid[key] = tuple(_field_value(f"grid.{key}", key, v, fail) for v in values)
+        else:  # fields that vary together, e.g. "model+dataset" = [["mlp", "mnist1d"], ["gpt", "pytext"]]
+            if not all(isinstance(v, list) and len(v) == len(fields) for v in values):
+                raise fail(f"grid.{key}", f"each value must be a list of {len(fields)} values, one for each of "
+                                          f"{', '.join(fields)}")
+            grid[key] = tuple(tuple(_field_value(f"grid.{key}", f, x, fail) for f, x in zip(fields, v)) for v in values)
         if len(set(grid[key])) < len(grid[key]):
             raise fail(f"grid.{key}", "lists a value twice: list each once")
     tune = {key: _param(f"tune.{key}", key, spec, fail) for key, spec in tune_table.items()}
-    tables = {"fixed": set(fixed), "grid": set(grid), "tune": set(tune)}
+    grid_fields = [f for key in grid for f in key.split("+")]
+    if len(set(grid_fields)) < len(grid_fields):
+        raise fail("grid", "names a field in two axes: give each field one axis")
+    tables = {"fixed": set(fixed), "grid": set(grid_fields), "tune": set(tune)}
     for first, second in (("fixed", "grid"), ("fixed", "tune"), ("grid", "tune")):
         both = tables[first] & tables[second]
         if both:
@@ -146,7 +156,7 @@ def parse(data: dict[str, Any], source: str) -> Study:
     if pruner != "none" and len(metrics) > 1:
         raise fail("search.pruner", "Optuna prunes single-objective studies only: use pruner = \"none\"")
     twins = _typed(search, "twins", bool, fail, default=False, key="search.twins")
-    if twins and not {"physical_batch", "accum_steps"} <= set(grid):
+    if twins and not {"physical_batch", "accum_steps"} <= set(grid_fields):
         raise fail("search.twins", "a twin (b*k, 1) changes physical_batch and accum_steps: put both in [grid]")
     if kind == "equivalence" and sampler != "grid":
         raise fail("objective.kind", "an equivalence study compares grid points: use sampler = \"grid\"")

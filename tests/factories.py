@@ -113,3 +113,86 @@ class UnusedLayer(nn.Module):
 
 def unused_layer(input_shape, num_classes, **_):
     return UnusedLayer(input_shape, num_classes)
+
+
+def tokens(seed=0, **_):
+    """50 train and 10 test sequences of 3 to 16 tokens (vocabulary 20) padded to 16, targets -100 at the
+    padding: micro-batches hold unequal token counts, and at B = 16 the last window holds 2 sequences."""
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(3, 17, (60,), generator=g)
+    x = torch.randint(1, 20, (60, 16), generator=g)
+    y = torch.roll(x, -1, 1)
+    pad = torch.arange(16)[None, :] >= lengths[:, None]
+    x[pad], y[pad] = 0, -100
+    y[torch.arange(60), lengths - 1] = -100  # the last token of a sequence predicts nothing
+    return TensorDataset(x[:50], y[:50]), TensorDataset(x[50:], y[50:])
+
+
+def two_terms(output, target):
+    """Token cross-entropy and, per sequence, a penalty on the mean logit: two terms with different counts."""
+    counted = target != -100
+    ce = nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1), ignore_index=-100,
+                                     reduction="sum")
+    return {"tokens": (ce, counted.sum()), "logit_mean": (output.mean((1, 2)).pow(2).sum(), len(target))}
+
+
+two_terms.counts = lambda target: {"tokens": (target != -100).sum(), "logit_mean": len(target)}
+
+
+def tokens_without_counts(output, target):
+    """Counts tokens but does not say so in advance: the trainer must refuse it."""
+    counted = target != -100
+    return nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1),
+                                       reduction="sum"), counted.sum()
+
+
+class Jittered(torch.utils.data.Dataset):
+    """40 series of 2 channels x 12 outside the package, augmented per sample with torch's RNG: channel 0 is
+    shifted circularly by a random amount, flipped with probability 1/2 and jittered; channel 1 holds the
+    sample's index, untouched, so that a probe can read which samples a micro-batch held."""
+
+    def __init__(self, n=40, offset=0):
+        g = torch.Generator().manual_seed(3 + offset)
+        self.base, self.targets = torch.randn(n, 12, generator=g), torch.arange(n) % 3
+        self.base += self.targets[:, None].double().float()
+        self.offset = offset
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        signal = self.base[i].roll(int(torch.randint(0, 12, ())))
+        if torch.rand(()) < 0.5:
+            signal = signal.flip(0)
+        signal = signal + 0.05 * torch.randn(12)
+        return torch.stack([signal, torch.full((12,), float(i + self.offset))]), self.targets[i]
+
+
+def jittered(seed=0, **_):
+    return Jittered(), Jittered(12, offset=1000)
+
+
+def small_conv2d(input_shape, num_classes, **_):
+    """A 2-D conv net with BatchNorm small enough for CIFAR-shaped tests on a CPU."""
+    return nn.Sequential(nn.Conv2d(input_shape[0], 8, 3, 2, 1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(128, num_classes))
+
+
+def a_number(output, target):
+    """Returns a plain number, not (sum, count)."""
+    return 1.0
+
+
+class WithOwnLoss(nn.Module):
+    """A classifier that brings its own loss: cross-entropy plus an L2 term on its logits, per sample."""
+
+    def __init__(self, input_shape, num_classes, **_):
+        super().__init__()
+        self.linear = nn.Linear(input_shape[0], num_classes)
+
+    def forward(self, x):
+        return self.linear(x)
+
+    def loss(self, output, target):
+        return {"ce": (nn.functional.cross_entropy(output, target, reduction="sum"), len(target)),
+                "l2": (output.pow(2).sum(), len(target))}

@@ -41,11 +41,13 @@ BEFORE = {
                                 for k in (4, 16) for r in ("default", "scaled", "matched")]),
     "batch_memory": [dict(physical_batch=2 ** i, accum_steps=k) for k in (1, 4) for i in range(3, 11)],
     "lr_search": [dict(physical_batch=32, accum_steps=2 ** i) for i in range(6)],
-    "equivalence": [dict(model=m, physical_batch=32, accum_steps=k) for m in ("mlp", "cnn1d") for k in (2, 4, 8)],
+    "equivalence": [dict(model=m, dataset=d, physical_batch=32, accum_steps=k)
+                    for m, d in (("mlp", "mnist1d"), ("cnn1d", "mnist1d"), ("gpt", "pytext")) for k in (2, 4, 8)],
 }
 
 
 def test_builtin_study_files_give_the_same_trials_as_before():
+    # (equivalence has gained gpt on pytext, its fields joined to the model's in one axis)
     assert builtin_names() == sorted(BEFORE)
     for name, points in BEFORE.items():
         assert list(load(name).points) == points, name  # same points, same order
@@ -94,6 +96,11 @@ trials = 2
     (("trials = 2", 'trials = 2\npruner = "median"\n[objective]\nmetrics = ["val_acc", "peak_memory_bytes"]\n'
                     'directions = ["maximize", "minimize"]'), "search.pruner: Optuna prunes single-objective"),
     (("[grid]", "[grid\n"), "not valid TOML"),
+    (("accum_steps = [1, 4]", '"accum_steps+model" = [[1, "mlp"], [4]]'), "grid.accum_steps+model: each value must be "
+                                                                          "a list of 2 values, one for each of"),
+    (("accum_steps = [1, 4]", '"accum_steps+physical_batch" = [[1, 8]]'), "grid: names a field in two axes"),
+    (("accum_steps = [1, 4]", '"accum_steps+model" = [[1, 2]]'), "grid.accum_steps+model: must be text, got an "
+                                                                 "integer 2"),
 ])
 def test_a_bad_study_file_is_one_line_naming_file_and_key(tmp_path, capsys, edit, expected):
     path = tmp_path / "study.toml"
@@ -102,6 +109,15 @@ def test_a_bad_study_file_is_one_line_naming_file_and_key(tmp_path, capsys, edit
     err = capsys.readouterr().err
     assert err.startswith(f"error: {path}: ") and expected in err and len(err.strip().splitlines()) == 1, err
     assert list(tmp_path.iterdir()) == [path]  # nothing written
+
+
+def test_fields_joined_in_one_axis_vary_together():
+    study = parse({"name": "j", "grid": {"model+dataset": [["mlp", "mnist1d"], ["gpt", "pytext"]],
+                                         "accum_steps": [1, 2]}}, "j.toml")
+    assert list(study.points) == [dict(model="mlp", dataset="mnist1d", accum_steps=1),
+                                  dict(model="mlp", dataset="mnist1d", accum_steps=2),
+                                  dict(model="gpt", dataset="pytext", accum_steps=1),
+                                  dict(model="gpt", dataset="pytext", accum_steps=2)]
 
 
 def test_dry_run_of_a_file_lists_its_trials_and_the_points_a_constraint_drops(tmp_path, capsys):
@@ -308,7 +324,7 @@ def test_the_installed_command_runs_from_any_folder(tmp_path):
     assert usage.returncode == 2 and "run" in usage.stdout and "report" in usage.stdout
     dry = subprocess.run(command + ["run", "--study", "equivalence", "--dry-run"], capture_output=True, text=True,
                          cwd=tmp_path)
-    assert dry.returncode == 0 and dry.stdout.count("cnn1d b32") == 3, dry.stderr
+    assert dry.returncode == 0 and dry.stdout.count("cnn1d mnist1d b32") == 3, dry.stderr
     wrong = subprocess.run(command + ["sweep"], capture_output=True, text=True, cwd=tmp_path)
     assert wrong.returncode == 2 and wrong.stderr.strip() == "error: unknown command 'sweep': use one of run, plan, " \
                                                              "report, train"

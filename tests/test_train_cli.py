@@ -28,7 +28,7 @@ def one_line_error(capsys, argv) -> str:
     (["--model", "nosuchpkg.mod:make"], "does not import"),
     (["--model", "tests.factories:missing"], "has no callable 'missing'"),
     (["--model", "tests.factories:not_a_model"], "returned str, not a torch.nn.Module"),
-    (["--dataset", "tests.factories:not_a_dataset"], "must return (train, test) TensorDatasets"),
+    (["--dataset", "tests.factories:not_a_dataset"], "must return (train, test) Datasets"),
     (["--model", "tests.factories"], "or give package.module:factory"),
     (["--model", ":make"], "import path ':make' is malformed"),
 ])

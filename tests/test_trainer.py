@@ -10,7 +10,8 @@ from torch import nn
 
 from trainers import ConfigError, TrainConfig, train
 from trainers.data import load_data, mnist1d
-from trainers.loop import evaluate, lr_at, permutation, windows
+from trainers.loop import evaluate, lr_at
+from trainers.order import permutation, windows
 from trainers.models import build_model
 
 
@@ -235,7 +236,7 @@ def test_config_validates_itself(bad, message):
 
 
 def test_saved_tensor_measure_sees_graphs_kept_alive():
-    from trainers.loop import SavedTensorBytes
+    from trainers.probes import SavedTensorBytes
 
     model = nn.Sequential(nn.Linear(40, 256), nn.ReLU(), nn.Linear(256, 10))
     peaks = {}
@@ -323,33 +324,13 @@ def test_step_statistics_match_a_direct_computation():
 
 
 def test_measuring_changes_nothing(data_dir):
-    # The diagnostics read gradients and weights, never write them: a run that measures nothing (no-op
-    # stand-ins, as in benchmarks/) ends with bitwise the same weights.
-    import trainers.loop as loop
-    from trainers.health import StepStats
-    from trainers.noise import NoiseScale
-
-    class Blind(StepStats):
-        def before_step(self):
-            pass
-
-        def after_step(self):
-            pass
-
-    class Deaf(NoiseScale):
-        def after_micro(self):
-            pass
-
-        def step(self):
-            pass
-
+    # The diagnostics read gradients and weights, never write them: a run without them ends with bitwise the
+    # same weights.
     config = TrainConfig(physical_batch=16, accum_steps=16, epochs=1, data_dir=data_dir)
     measured = train(config)
     assert "noise_scale" in measured.metrics and "grad_norm" in measured.metrics
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(loop, "StepStats", Blind)
-        patch.setattr(loop, "NoiseScale", Deaf)
-        blind = train(config)
+    blind = train(config, diagnostics=False)
+    assert "noise_scale" not in blind.metrics and "grad_norm" not in blind.metrics
     for p, q in zip(measured.model.parameters(), blind.model.parameters()):
         assert torch.equal(p, q)
 

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import BatchsweepError, ConfigError  # noqa: F401  (re-exported: callers import them from here)
+
 LR_RULES = ("none", "linear", "sqrt")
 BN_RULES = ("default", "scaled", "matched")
 OPTIMIZERS = ("sgd", "adamw")
@@ -16,14 +18,9 @@ DTYPES = ("float32", "float64")
 DEVICES = ("auto", "cpu", "cuda")
 MAX_COUNT = 2 ** 31 - 1  # batch sizes, steps, epochs: beyond this no run gets there, and torch's indices overflow
 MAX_SEED = 2 ** 32 - 1  # the range every RNG in the stack accepts (numpy's is the narrowest)
-
-
-class BatchsweepError(Exception):
-    """An error the user can fix; entry points print it as one line, without a traceback."""
-
-
-class ConfigError(BatchsweepError, ValueError):
-    """A configuration value that is unknown, malformed or out of range."""
+# The registries' names (models.MODELS, data.DATASETS), here so that validating a config imports neither.
+MODEL_NAMES = ("cnn1d", "mlp", "resnet18", "gpt")
+DATASET_NAMES = ("mnist1d", "mnist", "fashion_mnist", "cifar10", "cifar_shaped", "pytext")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...], extra: str = "") -> None:
@@ -42,6 +39,7 @@ class TrainConfig:
 
     model: str = "cnn1d"  # registry name or package.module:factory
     dataset: str = "mnist1d"  # registry name or package.module:factory
+    loss: str = "auto"  # auto: the model's own `loss`, else cross-entropy or squared error; or package.module:fn
     norm: str = "batch"  # cnn1d only: batch | group | none
     physical_batch: int = 32  # b: samples per forward/backward
     accum_steps: int = 1  # k: micro-batches per optimizer step
@@ -68,17 +66,18 @@ class TrainConfig:
     channels_last: bool = False  # for 2-D conv nets
     dtype: str = "float32"  # parameter and input dtype; float64 for exactness checks
     eval_batch: int = 1024
+    num_workers: int = 0  # DataLoader processes for datasets that are not tensors (persistent between epochs)
+    pin_memory: bool = False  # page-locked batches and non-blocking copies to the GPU
+    prefetch_factor: int = 2  # micro-batches each loader process keeps ready
     data_dir: str = "data"  # datasets and the MNIST-1D cache
 
     def __post_init__(self) -> None:
         if ":" not in self.model:
-            from .models import MODELS
-
-            _choice("model", self.model, tuple(MODELS), ", or give package.module:factory")
+            _choice("model", self.model, MODEL_NAMES, ", or give package.module:factory")
         if ":" not in self.dataset:
-            from .data import DATASETS
-
-            _choice("dataset", self.dataset, tuple(DATASETS), ", or give package.module:factory")
+            _choice("dataset", self.dataset, DATASET_NAMES, ", or give package.module:factory")
+        if self.loss != "auto" and ":" not in self.loss:
+            raise ConfigError(f"unknown loss {self.loss!r}: use auto, or give package.module:fn")
         _choice("norm", self.norm, NORMS)
         _choice("lr_rule", self.lr_rule, LR_RULES)
         _choice("bn_momentum_rule", self.bn_momentum_rule, BN_RULES)
@@ -87,9 +86,9 @@ class TrainConfig:
         _choice("precision", self.precision, PRECISIONS)
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
-        for name in ("physical_batch", "accum_steps", "base_batch", "epochs", "eval_batch"):
+        for name in ("physical_batch", "accum_steps", "base_batch", "epochs", "eval_batch", "prefetch_factor"):
             _at_least(name, getattr(self, name), 1)
-        for name in ("ghost_batch", "seed", "max_steps"):
+        for name in ("ghost_batch", "seed", "max_steps", "num_workers"):
             _at_least(name, getattr(self, name), 0)
         for name in FIELDS:
             value = getattr(self, name)

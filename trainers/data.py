@@ -1,10 +1,14 @@
-"""Dataset registry. Every dataset is held in memory as tensors and batched by indexing."""
+"""Dataset registry. A dataset is held in memory as tensors and batched by indexing, or, when its training
+set is any other map-style Dataset (with its own per-sample transforms: augmentation), read through a
+DataLoader in the same order (trainers/feed.py). The test set is always held as tensors: it is read once,
+through the dataset's own test-time transforms, and evaluated every epoch without a loader."""
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import os
 import random
+import sysconfig
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -13,58 +17,78 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import BatchsweepError, ConfigError
+from torch.utils.data import Dataset, TensorDataset
+
+from .errors import ConfigError, DataError
 from .imports import load_factory
-
-
-class DataError(BatchsweepError):
-    """A dataset that cannot be found or made."""
+from .losses import IGNORE_INDEX
 
 
 @dataclass
 class Data:
-    """Train and test tensors; `num_classes` is the output width (the target width for float targets)."""
+    """Train and test data; `num_classes` is the output width (the target width for float targets, the
+    vocabulary for tokens). The training set is tensors (x_train, y_train) or a Dataset (train_set)."""
 
-    x_train: torch.Tensor
-    y_train: torch.Tensor
+    x_train: torch.Tensor | None
+    y_train: torch.Tensor | None
     x_test: torch.Tensor
     y_test: torch.Tensor
     notes: tuple[str, ...] = ()  # what loading had to mend (e.g. a rebuilt cache), for the run's warnings
-    digest: str = ""  # of the tensors as loaded (see with_digest): the dataset's identity in a run's record
+    digest: str = ""  # of the data as loaded (see with_digest): the dataset's identity in a run's record
+    train_set: Dataset | None = None  # read through a DataLoader (trainers/feed.py)
+    classes: int = 0  # the output width when the labels alone do not tell it (a vocabulary)
+
+    @property
+    def n_train(self) -> int:
+        return len(self.train_set) if self.train_set is not None else len(self.x_train)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
-        return tuple(self.x_train.shape[1:])
+        return tuple(self.x_test.shape[1:])
 
     @property
     def classification(self) -> bool:
-        return not self.y_train.is_floating_point()
+        return not self.y_test.is_floating_point()
 
     @property
     def num_classes(self) -> int:
+        if self.classes:
+            return self.classes
         if self.classification:
-            return int(max(self.y_train.max(), self.y_test.max())) + 1
-        return 1 if self.y_train.dim() == 1 else self.y_train.shape[1]
+            labels = [self.y_test, self.y_train if self.train_set is None else
+                      torch.as_tensor(getattr(self.train_set, "targets", [0]))]
+            return int(max(t[t != IGNORE_INDEX].max() for t in labels)) + 1
+        return 1 if self.y_test.dim() == 1 else self.y_test.shape[1]
 
     @property
     def chance(self) -> float | None:
-        """The accuracy of always answering the test set's most common class (None for float targets)."""
+        """The accuracy of always answering the test set's most common class or token (None for float
+        targets)."""
         if not self.classification:
             return None
-        return torch.bincount(self.y_test.cpu()).max().item() / len(self.y_test)
+        counted = self.y_test[self.y_test != IGNORE_INDEX].cpu()
+        return torch.bincount(counted).max().item() / len(counted)
 
     def to(self, device: torch.device, dtype: torch.dtype) -> "Data":
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, dtype if t.is_floating_point() else None)
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, dtype if t.is_floating_point() else None)
 
-        return Data(move(self.x_train), move(self.y_train), move(self.x_test), move(self.y_test), self.notes,
-                    self.digest)
+        return dataclasses.replace(self, x_train=move(self.x_train), y_train=move(self.y_train),
+                                   x_test=move(self.x_test), y_test=move(self.y_test))
 
     def with_digest(self) -> "Data":
-        """The same data with `digest`: SHA-256 over the four tensors' bytes, first 16 hex digits (about 1 ms
-        a MB). Two runs with the same digest trained and tested on the same numbers."""
+        """The same data with `digest`: SHA-256 over the tensors' bytes, first 16 hex digits (about 1 ms a MB).
+        Two runs with the same digest trained and tested on the same numbers. A training Dataset counts by
+        its class, size and `targets` (its augmented samples differ every epoch by design)."""
         h = hashlib.sha256()
-        for t in (self.x_train, self.y_train, self.x_test, self.y_test):
+        tensors = [self.x_test, self.y_test]
+        if self.train_set is None:
+            tensors = [self.x_train, self.y_train] + tensors
+        else:
+            h.update(f"{type(self.train_set).__qualname__}:{len(self.train_set)}".encode())
+            if hasattr(self.train_set, "targets"):
+                tensors.append(torch.as_tensor(self.train_set.targets))
+        for t in tensors:
             h.update(str((t.dtype, tuple(t.shape))).encode())
             h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return dataclasses.replace(self, digest=h.hexdigest()[:16])
@@ -130,7 +154,7 @@ def _save_npz_atomically(path: Path, **arrays: np.ndarray) -> None:
                         f"pass a writable --data-dir") from None
 
 
-def _torchvision(cls_name: str, mean: tuple[float, ...], std: tuple[float, ...]):
+def _torchvision(cls_name: str, mean: tuple[float, ...], std: tuple[float, ...], augment: bool = False):
     def load(data_dir: str, **_) -> Data:
         import torchvision.datasets as tvd
 
@@ -147,16 +171,93 @@ def _torchvision(cls_name: str, mean: tuple[float, ...], std: tuple[float, ...])
                                 f"they are incomplete or failed their checksum; replace them") from None
             raise DataError(f"dataset {cls_name} is not in {data_dir!r} and could not be downloaded "
                             f"({type(exc).__name__}): copy its files there or connect to the network") from None
-        tensors = []
+        images, labels = [], []
         for split in splits:
-            images = torch.as_tensor(np.asarray(split.data)).float() / 255.0
-            images = images.unsqueeze(1) if images.dim() == 3 else images.permute(0, 3, 1, 2)  # to N,C,H,W
-            m = torch.tensor(mean).view(1, -1, 1, 1)
-            s = torch.tensor(std).view(1, -1, 1, 1)
-            tensors += [(images - m) / s, torch.as_tensor(np.asarray(split.targets)).long()]
-        return Data(*tensors)
+            pixels = torch.as_tensor(np.asarray(split.data))
+            images.append(pixels.unsqueeze(1) if pixels.dim() == 3 else pixels.permute(0, 3, 1, 2))  # N,C,H,W
+            labels.append(torch.as_tensor(np.asarray(split.targets)).long())
+        if augment:
+            train_set = Augmented(images[0], labels[0], mean, std)
+            return Data(None, None, normalize(images[1], mean, std), labels[1], train_set=train_set)
+        return Data(normalize(images[0], mean, std), labels[0], normalize(images[1], mean, std), labels[1])
 
     return load
+
+
+def normalize(images: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+    """uint8 images (N, C, H, W) or (C, H, W) as floats with the channels' mean and std."""
+    shape = (-1, 1, 1)
+    return (images.float() / 255.0 - torch.tensor(mean).view(shape)) / torch.tensor(std).view(shape)
+
+
+class Augmented(Dataset):
+    """The standard CIFAR augmentation, per sample: a random 32x32 crop of the image padded by 4 pixels
+    (zeros), a horizontal flip with probability 1/2, then normalization. Draws from torch's RNG, which the
+    loader seeds per (seed, epoch, sample)."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, mean, std, pad: int = 4):
+        self.images, self.targets, self.mean, self.std, self.pad = images, labels, mean, std, pad
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image = normalize(self.images[i], self.mean, self.std)
+        _, height, width = image.shape
+        padded = torch.nn.functional.pad(image, (self.pad,) * 4)
+        top, left = torch.randint(0, 2 * self.pad + 1, (2,)).tolist()
+        crop = padded[:, top:top + height, left:left + width]
+        if torch.rand(()) < 0.5:
+            crop = crop.flip(-1)
+        return crop, self.targets[i]
+
+
+def cifar_shaped(data_dir: str = "", augment: bool = True, train: int = 2000, test: int = 500, **_) -> Data:
+    """Generated CIFAR-shaped data, 3x32x32 uint8 images in 10 classes (a smooth random pattern per class
+    plus noise), with CIFAR's augmentation: the DataLoader path without a download."""
+    g = torch.Generator().manual_seed(10)
+    patterns = torch.nn.functional.interpolate(torch.rand(10, 3, 8, 8, generator=g), size=32, mode="bilinear")
+    labels = torch.arange(train + test) % 10
+    noise = torch.randn(train + test, 3, 32, 32, generator=g) * 0.15
+    images = ((patterns[labels] + noise).clamp(0, 1) * 255).round().to(torch.uint8)
+    mean, std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
+    x_test = normalize(images[train:], mean, std)
+    if augment:
+        return Data(None, None, x_test, labels[train:], train_set=Augmented(images[:train], labels[:train], mean, std))
+    return Data(normalize(images[:train], mean, std), labels[:train], x_test, labels[train:])
+
+
+PYTEXT_CONTEXT = 64  # tokens per sequence at most
+
+
+def pytext(data_dir: str = "", train: int = 4000, test: int = 1000, **_) -> Data:
+    """Byte-level text from the installed Python standard library's source files (no download): the files in
+    sorted order, every 8th one, cut into sequences of 9 to 65 bytes. Inputs are the first L-1 bytes, targets
+    the next ones; both are padded on the right to 64 (targets with IGNORE_INDEX), so micro-batches hold
+    different numbers of tokens. Deterministic for a Python version."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in ("test", "tests", "site-packages", "dist-packages", "idlelib")]
+        files += [Path(folder) / n for n in names if n.endswith(".py")]
+    files.sort()
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(9, PYTEXT_CONTEXT + 2, (train + test,), generator=g).tolist()
+    text = bytearray()
+    for path in files[::8]:
+        if len(text) >= sum(lengths):
+            break
+        text += path.read_bytes()
+    if len(text) < sum(lengths):
+        raise DataError(f"the standard library in {root} holds too little text for pytext: use another dataset")
+    x = torch.zeros(len(lengths), PYTEXT_CONTEXT, dtype=torch.long)
+    y = torch.full((len(lengths), PYTEXT_CONTEXT), IGNORE_INDEX, dtype=torch.long)
+    start = 0
+    for row, length in enumerate(lengths):
+        chunk = torch.tensor(list(text[start:start + length]), dtype=torch.long)
+        x[row, :length - 1], y[row, :length - 1] = chunk[:-1], chunk[1:]
+        start += length
+    return Data(x[:train], y[:train], x[train:], y[train:], classes=256)
 
 
 def _present(data_dir: str, cls_name: str) -> bool:
@@ -169,22 +270,35 @@ DATASETS = {
     "mnist1d": mnist1d,
     "mnist": _torchvision("MNIST", (0.1307,), (0.3081,)),
     "fashion_mnist": _torchvision("FashionMNIST", (0.2860,), (0.3530,)),
-    "cifar10": _torchvision("CIFAR10", (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar10": _torchvision("CIFAR10", (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), augment=True),
+    "cifar_shaped": cifar_shaped,
+    "pytext": pytext,
 }
 
 
-def _from_tensor_datasets(path: str, pair) -> Data:
+def _from_datasets(path: str, pair) -> Data:
+    """TensorDatasets stay tensors; any other training Dataset is read through a DataLoader, and its test
+    set is read once into tensors."""
     try:
         train, test = pair
-        (x, y), (x_test, y_test) = train.tensors, test.tensors
-    except (TypeError, ValueError, AttributeError):
-        raise ConfigError(f"dataset factory {path!r} must return (train, test) TensorDatasets of "
-                          f"(inputs, labels)") from None
-    return Data(x, y, x_test, y_test)
+        if not isinstance(train, Dataset) or not isinstance(test, Dataset):
+            raise TypeError
+        if isinstance(test, TensorDataset):
+            x_test, y_test = test.tensors
+        else:
+            samples = [test[i] for i in range(len(test))]
+            x_test, y_test = (torch.stack([torch.as_tensor(s[part]) for s in samples]) for part in (0, 1))
+        if isinstance(train, TensorDataset):
+            x, y = train.tensors
+            return Data(x, y, x_test, y_test)
+    except (TypeError, ValueError, IndexError):
+        raise ConfigError(f"dataset factory {path!r} must return (train, test) Datasets of (input, label) "
+                          f"samples") from None
+    return Data(None, None, x_test, y_test, train_set=train)
 
 
 def load_data(name: str, data_dir: str, seed: int) -> Data:
     if ":" in name:
-        return _from_tensor_datasets(name, load_factory(name, "dataset")(data_dir=data_dir, seed=seed))
+        return _from_datasets(name, load_factory(name, "dataset")(data_dir=data_dir, seed=seed))
     return DATASETS[name](data_dir=data_dir, seed=seed)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-from .config import ConfigError
+from .errors import ConfigError
 
 
 def import_object(path: str, what: str):

@@ -4,8 +4,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .config import ConfigError
+from .errors import ConfigError
 from .imports import load_factory
+from .lm import gpt
 
 
 def _norm(kind: str, channels: int) -> nn.Module:
@@ -48,7 +49,7 @@ def resnet18(input_shape, num_classes, **_) -> nn.Module:
     return net
 
 
-MODELS = {"cnn1d": cnn1d, "mlp": mlp, "resnet18": resnet18}
+MODELS = {"cnn1d": cnn1d, "mlp": mlp, "resnet18": resnet18, "gpt": gpt}
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, norm: str) -> nn.Module:
@@ -96,9 +97,9 @@ def use_ghost_batch(model: nn.Module, ghost: int) -> int:
 
 
 @torch.no_grad()
-def bn_population_error(model: nn.Module, x: torch.Tensor, batch: int) -> dict[str, float]:
+def bn_population_error(model: nn.Module, inputs) -> dict[str, float]:
     """How far each BatchNorm layer's running statistics are from the population statistics of the final
-    weights, recomputed in one pass over `x` (the training inputs) with a cumulative average, as
+    weights, recomputed in one pass over `inputs` (batches of the training inputs) with a cumulative average, as
     torch.optim.swa_utils.update_bn does. `bn_mean_error`: mean over channels and layers of
     |running mean - population mean| / population std; `bn_var_error`: mean of |ln(running var / population
     var)|. What a momentum rule changes shows here, not in final accuracy. The model is left as it was."""
@@ -112,7 +113,7 @@ def bn_population_error(model: nn.Module, x: torch.Tensor, batch: int) -> dict[s
         layer.reset_running_stats()
         layer.momentum = None  # a cumulative average over the pass
     model.train()
-    for xs in x.split(batch):
+    for xs in inputs:
         model(xs)
     mean_errors, var_errors = [], []
     for layer, (mean, var, count, momentum) in zip(layers, saved):

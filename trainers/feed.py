@@ -1,0 +1,128 @@
+"""The windows of an epoch as micro-batches on the device, in the order of trainers/order.py. Tensors are
+batched by indexing; any other Dataset is read through a DataLoader whose batch sampler yields the same
+micro-batches, with each sample's augmentation seeded from (seed, epoch, sample)."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+from .config import TrainConfig
+from .data import Data
+from .losses import Loss, add_counts, counts_samples
+from .order import MicroBatches, permutation, sample_seed, windows
+
+
+@dataclass
+class Window:
+    """One optimizer step's samples: their number, the loss's item counts, and the micro-batches."""
+
+    size: int
+    counts: Any  # a number, a tensor, or a dict of them by loss term
+    batches: Iterable[tuple[Any, torch.Tensor]]
+
+
+class Seeded(Dataset):
+    """Reads sample i of epoch e with torch's, Python's and numpy's RNGs seeded from (seed, e, i): (b, k) and
+    (b*k, 1), any number of loader processes, and a rerun all see the same augmented samples. In the main
+    process (num_workers = 0) the caller's RNG states are given back (numpy's costs about 0.3 ms a sample:
+    loader processes skip it, their RNGs serve nobody else)."""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        epoch, index = key
+        seed = sample_seed(self.seed, epoch, index)
+        if get_worker_info() is not None:
+            _seed_all(seed)
+            return self.dataset[index]
+        states = torch.default_generator.get_state(), random.getstate(), np.random.get_state()
+        try:
+            _seed_all(seed)
+            return self.dataset[index]
+        finally:
+            torch.default_generator.set_state(states[0])
+            random.setstate(states[1])
+            np.random.set_state(states[2])
+
+
+def _seed_all(seed: int) -> None:
+    torch.default_generator.manual_seed(seed)  # CPU only: torch.manual_seed would also seed every GPU (slow)
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+
+
+class Feed:
+    def __init__(self, data: Data, config: TrainConfig, device: torch.device, loss: Loss):
+        self.data, self.config, self.device, self.loss = data, config, device, loss
+        self.dtype = getattr(torch, config.dtype)
+        self.n = data.n_train
+        self.loader, self.per_sample = None, None
+        if data.train_set is not None:
+            self.sampler = MicroBatches(config, self.n)
+            workers = config.num_workers
+            self.loader = DataLoader(Seeded(data.train_set, config.seed), batch_sampler=self.sampler,
+                                     num_workers=workers, pin_memory=config.pin_memory and device.type == "cuda",
+                                     persistent_workers=workers > 0, prefetch_factor=config.prefetch_factor
+                                     if workers else None)
+
+    def steps_per_epoch(self) -> int:
+        return len(windows(torch.arange(self.n), self.config))
+
+    def epoch(self, epoch: int) -> Iterator[Window]:
+        if self.loader is None:
+            return self._tensor_windows(epoch)
+        return self._loader_windows(epoch)
+
+    def _tensor_windows(self, epoch: int) -> Iterator[Window]:
+        x, y, b = self.data.x_train, self.data.y_train, self.config.physical_batch
+        for window in windows(permutation(self.config, epoch, self.n, self.device), self.config):
+            yield Window(len(window), self.loss.counts(y[window]), ((x[idx], y[idx]) for idx in window.split(b)))
+
+    def _loader_windows(self, epoch: int) -> Iterator[Window]:
+        self.sampler.set_epoch(epoch)
+        batches, b = iter(self.loader), self.config.physical_batch
+        for window in windows(torch.arange(self.n), self.config):
+            parts = -(-len(window) // b)
+            if self.per_sample:  # the counts are the window's size: train on each micro-batch as it comes
+                yield Window(len(window), len(window), (self.to_device(next(batches)) for _ in range(parts)))
+                continue
+            # The whole window's micro-batches first: their targets give the counts before any backward.
+            micro = [self.to_device(next(batches)) for _ in range(parts)]
+            counts = [self.loss.counts(target) for _, target in micro]
+            if self.per_sample is None:  # decided on the first window: a dataset and loss count alike in all
+                self.per_sample = all(counts_samples(c, len(t)) for c, (_, t) in zip(counts, micro))
+            total = None
+            for c in counts:
+                total = add_counts(total, c)
+            yield Window(len(window), total, micro)
+
+    def to_device(self, batch) -> tuple[Any, torch.Tensor]:
+        x, y = batch
+        blocking = not self.config.pin_memory
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            t = t.to(self.device, self.dtype if t.is_floating_point() else None, non_blocking=not blocking)
+            return t.contiguous(memory_format=torch.channels_last) if self.config.channels_last and t.dim() == 4 else t
+
+        return move(x), move(torch.as_tensor(y))
+
+    def inputs(self, batch: int) -> Iterator[torch.Tensor]:
+        """The training inputs in order, in batches (augmented as in epoch 0): for BatchNorm's population
+        statistics."""
+        if self.loader is None:
+            yield from self.data.x_train.split(batch)
+            return
+        keys = [(0, i) for i in range(self.n)]
+        loader = DataLoader(Seeded(self.data.train_set, self.config.seed), batch_size=batch, sampler=keys,
+                            num_workers=self.config.num_workers)
+        for x, _ in loader:
+            yield self.to_device((x, torch.zeros(0)))[0]

@@ -1,0 +1,49 @@
+"""The order of an epoch: one seeded permutation, cut into windows of B samples (one optimizer step each),
+each cut into micro-batches of b. It depends on seed and epoch only, never on b or k, so (b, k) and
+(b*k, 1) step through the same samples."""
+from __future__ import annotations
+
+import torch
+
+from .config import TrainConfig
+
+
+def permutation(config: TrainConfig, epoch: int, n: int, device: torch.device | None = None) -> torch.Tensor:
+    """Sample order of an epoch."""
+    if not config.shuffle:
+        return torch.arange(n, device=device)
+    generator = torch.Generator().manual_seed(config.seed * 100_003 + epoch)
+    return torch.randperm(n, generator=generator).to(device)
+
+
+def windows(order: torch.Tensor, config: TrainConfig) -> list[torch.Tensor]:
+    """Cut an epoch's order into windows of B samples."""
+    parts = list(order.split(config.effective_batch))
+    if config.drop_last and len(parts[-1]) < config.effective_batch:
+        parts.pop()
+    return parts
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of one sample's augmentation in one epoch: whatever b, k and the loader's processes are, a
+    sample is augmented the same way in the same epoch of the same seed."""
+    return ((seed * 1_000_003 + epoch) * 2_147_483_659 + index) % 2 ** 63
+
+
+class MicroBatches(torch.utils.data.Sampler):
+    """A DataLoader's batch sampler: the micro-batches of every window of an epoch, in order, as lists of
+    (epoch, sample index) keys for `Seeded`. Call `set_epoch` before each epoch, as with DistributedSampler."""
+
+    def __init__(self, config: TrainConfig, n: int):
+        self.config, self.n, self.epoch = config, n, 1
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        for window in windows(permutation(self.config, self.epoch, self.n), self.config):
+            for idx in window.split(self.config.physical_batch):
+                yield [(self.epoch, i) for i in idx.tolist()]
+
+    def __len__(self) -> int:
+        return sum(-(-len(w) // self.config.physical_batch) for w in windows(torch.arange(self.n), self.config))

@@ -1,0 +1,226 @@
+"""What the loop measures, behind one seam. The loop calls every probe at fixed points: around a micro-batch's
+forward, after its backward, before and after the optimizer step, at the end of an epoch and of the run. Each
+probe keeps its own schedule (which steps it measures) and returns its epoch's values for the history row.
+`train(config, probes=[...])` adds a user's own."""
+from __future__ import annotations
+
+import math
+import weakref
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import TrainConfig
+from .health import StepStats, never_updated
+from .losses import Terms
+from .noise import NoiseScale
+
+
+@dataclass
+class Run:
+    """What a probe may read: set up once, before the first step."""
+
+    config: TrainConfig
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    params: list[nn.Parameter]  # the optimizer's, in order
+    device: torch.device
+    n_train: int
+
+
+@dataclass
+class Micro:
+    """One micro-batch, after its backward: the step it belongs to, its window's size, its inputs and
+    targets, and the loss terms' detached (sum, count)."""
+
+    step: int
+    window: int
+    x: Any
+    y: torch.Tensor
+    terms: Terms
+
+
+class Probe:
+    """The seam. Every method is optional; none may change gradients, weights or RNG states."""
+
+    def start(self, run: Run) -> None:
+        self.run = run
+
+    def forward(self, step: int):
+        """A context around a micro-batch's forward and loss."""
+        return nullcontext()
+
+    def after_micro(self, micro: Micro) -> None:
+        pass
+
+    def before_step(self, step: int, window: int) -> None:
+        """With the window's gradient in place, before clipping."""
+
+    def after_step(self, step: int) -> None:
+        pass
+
+    def epoch_end(self, epoch: int) -> dict[str, float]:
+        return {}
+
+    def notes(self) -> list[str]:
+        """Warnings for the run's record, at its end."""
+        return []
+
+
+class LossTerms(Probe):
+    """The epoch's mean of each loss term over its counted items: `train_loss` is their sum (the objective),
+    and a loss with named terms adds `loss/<name>` each. Sums stay on the device until the epoch's end."""
+
+    def start(self, run: Run) -> None:
+        super().start(run)
+        self.sums: dict[str, list] = {}
+
+    def after_micro(self, micro: Micro) -> None:
+        for name, (total, count) in micro.terms.items():
+            entry = self.sums.get(name)
+            if entry is None:
+                entry = self.sums[name] = [torch.zeros((), device=total.device, dtype=torch.float64), 0]
+            entry[0] += total.detach()
+            entry[1] = entry[1] + count
+
+    def epoch_end(self, epoch: int) -> dict[str, float]:
+        means = {name: (float(total) / float(count) if float(count) else math.nan)
+                 for name, (total, count) in self.sums.items()}
+        self.sums = {}
+        row = {"train_loss": sum(means.values())}
+        if list(means) != ["loss"]:
+            row.update({f"loss/{name}": value for name, value in means.items()})
+        return row
+
+
+class SavedTensorBytes:
+    """Peak bytes of the storages autograd holds for backward, counted while they are alive, parameters
+    excluded (counted apart). A loop that kept earlier micro-batches' graphs alive would show here."""
+
+    def __init__(self, model: nn.Module):
+        self.skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.live: dict[int, list[int]] = {}  # storage pointer -> [bytes, saved tensors using it]
+        self.current = 0
+        self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self.skip:
+            return t
+        entry = self.live.get(ptr)
+        if entry is None:
+            entry = self.live[ptr] = [storage.nbytes(), 0]
+            self.current += entry[0]
+            self.peak = max(self.peak, self.current)
+        entry[1] += 1
+        weakref.finalize(t, self._release, ptr)  # runs when autograd lets go of this saved tensor
+        return t
+
+    def _release(self, ptr: int) -> None:
+        entry = self.live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self.live[ptr]
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Parameters, their gradients and the optimizer state, in bytes."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+                if torch.is_tensor(v))
+    return params + grads + state
+
+
+class PeakMemory(Probe):
+    """`peak_memory_bytes`: the CUDA allocator's peak on a GPU; on a CPU the saved tensors' peak, counted in
+    the run's first window only (every full window holds the same tensors, and the counting hooks cost a sixth
+    of a micro-batch), plus parameters, gradients and optimizer state."""
+
+    def start(self, run: Run) -> None:
+        super().start(run)
+        self.on_cuda = run.device.type == "cuda"
+        if self.on_cuda:
+            torch.cuda.reset_peak_memory_stats(run.device)
+        self.saved = SavedTensorBytes(run.model)
+        self.static = 0
+
+    def forward(self, step: int):
+        return self.saved.hooks() if step == 0 and not self.on_cuda else nullcontext()
+
+    def epoch_end(self, epoch: int) -> dict[str, float]:
+        if self.on_cuda:
+            return {"peak_memory_bytes": float(torch.cuda.max_memory_allocated(self.run.device))}
+        if not self.static:
+            self.static = state_bytes(self.run.model, self.run.optimizer)
+        return {"peak_memory_bytes": float(self.saved.peak + self.static)}
+
+
+class Health(Probe):
+    """Gradient norm, update ratio and dead tensors (trainers/health.py). A sampled step's statistics cost
+    about a twelfth of a cnn1d micro-batch of 32 on a CPU: every step from k = 16, every ceil(16/k)-th step
+    below (the means stay unbiased), about 0.5% of the time."""
+
+    def start(self, run: Run) -> None:
+        super().start(run)
+        self.stats = StepStats(run.params)
+        self.every = math.ceil(16 / run.config.accum_steps)
+
+    def before_step(self, step: int, window: int) -> None:
+        self.sampled = step % self.every == 0
+        if self.sampled:
+            self.stats.before_step()
+
+    def after_step(self, step: int) -> None:
+        if self.sampled:
+            self.stats.after_step()
+
+    def epoch_end(self, epoch: int) -> dict[str, float]:
+        return self.stats.epoch()
+
+    def notes(self) -> list[str]:
+        idle = never_updated(self.run.model, self.stats)
+        return [idle] if idle else []
+
+
+class Noise(Probe):
+    """The gradient noise scale (trainers/noise.py), for k >= 2 (it needs micro-batches and a window that
+    differ), on every other health step and full windows only: it costs a flat copy of the gradient and a
+    norm per micro-batch."""
+
+    def start(self, run: Run) -> None:
+        super().start(run)
+        config = run.config
+        self.noise = NoiseScale(run.params, config.physical_batch, config.effective_batch, run.n_train) \
+            if config.accum_steps > 1 else None
+        self.every = 2 * math.ceil(16 / config.accum_steps)
+
+    def _measures(self, step: int, window: int) -> bool:
+        return self.noise is not None and step % self.every == 0 and window == self.run.config.effective_batch
+
+    def after_micro(self, micro: Micro) -> None:
+        if self._measures(micro.step, micro.window):
+            self.noise.after_micro()
+
+    def before_step(self, step: int, window: int) -> None:
+        if self._measures(step, window):
+            self.noise.step()
+
+    def epoch_end(self, epoch: int) -> dict[str, float]:
+        scale = self.noise.value() if self.noise is not None else None
+        if scale is None:  # not a number while |G|^2 is not measurable, nor for k = 1
+            return {}
+        return {"noise_scale": scale[0], "noise_scale_reliable": float(scale[1])}
+
+
+def diagnostics() -> list[Probe]:
+    """The built-in measurements, fresh."""
+    return [PeakMemory(), Health(), Noise()]
