@@ -24,6 +24,7 @@ class Figure:
     title: str
     figure: plt.Figure
     context: str  # which device, dataset, model, seeds and epochs stand behind it
+    finding: str = ""  # the sentence it answers with, for the findings
 
 
 def _values(trials: pd.DataFrame, column: str) -> str:

@@ -8,6 +8,7 @@ the files it wrote itself (listed in the folder's manifest).
 from __future__ import annotations
 
 import base64
+import math
 import re
 import shlex
 import time
@@ -21,6 +22,7 @@ import pandas as pd
 from .figures import Figure, all_figures, protocol
 from .findings import summarize
 from .runs import StudyRuns
+from .space import space_figures
 
 MANIFEST = ".batchsweep-report"  # the files the last report wrote in this folder, one name a line
 # Columns of the trials table in the report, when the study has them.
@@ -38,9 +40,53 @@ th { text-align: left; } td.n { text-align: right; font-variant-numeric: tabular
 """
 
 
-def _table(trials: pd.DataFrame) -> pd.DataFrame:
+def _table(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> pd.DataFrame:
+    """The trials table; with an objective, a first column marks the best finished trial with ★."""
     columns = [c for c in TABLE if c in trials]
-    return trials[columns].sort_values(columns[0]) if columns else trials
+    table = trials[columns].sort_values(columns[0]) if columns else trials
+    if objective is None or objective[0] not in trials:
+        return table
+    metric, direction = objective
+    done = trials[(trials["status"] == "FINISHED") & trials[metric].notna()] if "status" in trials else trials
+    best = None if done.empty else (done[metric].idxmax() if direction == "maximize" else done[metric].idxmin())
+    return table.assign(best=["★" if i == best else "" for i in table.index])[["best", *table.columns]]
+
+
+# Headers with units, and how a column's numbers are shown; one format per column.
+MIB = 2 ** 20
+UNITS = {"samples_per_s": ("samples/s", lambda v: f"{v:,.0f}"),
+         "peak_memory_bytes": ("peak memory, MiB", lambda v: f"{v / MIB:,.1f}"),
+         "acc_gap": ("acc_gap, points", lambda v: f"{100 * v:+.2f}"),
+         "param_rel_diff": ("param_rel_diff", lambda v: f"{v:.2e}")}
+
+
+def _number_format(column: pd.Series):
+    """The header and one format for a column of numbers: integers as such, accuracies in %, else fixed
+    decimals that give the smallest value three significant digits, or scientific notation over many decades."""
+    values, name = column.dropna(), str(column.name)
+    if values.empty or (values % 1 == 0).all():
+        return name, lambda v: f"{v:.0f}"
+    if "acc" in name and values.between(0, 1).all():
+        return f"{name}, %", lambda v: f"{100 * v:.2f}"
+    small, large = values.abs()[values != 0].min(), values.abs().max()
+    if pd.isna(small) or small < 1e-3 or large >= 1e6:
+        return name, lambda v: f"{v:.2e}"
+    decimals = min(6, max(0, 2 - math.floor(math.log10(small))))
+    return name, lambda v: f"{v:.{decimals}f}"
+
+
+def _display(frame: pd.DataFrame) -> tuple[list[str], list[list[tuple[str, bool]]]]:
+    """The table's headers, and its cells as (text, numeric), each numeric column in one format."""
+    headers, formats = [], []
+    for name in frame.columns:
+        column = frame[name]
+        numeric = pd.api.types.is_numeric_dtype(column) and not pd.api.types.is_bool_dtype(column)
+        header, fmt = UNITS.get(name) or (_number_format(column) if numeric else (name, str))
+        headers.append(header)
+        formats.append((fmt, numeric))
+    rows = [[("" if pd.isna(v) else fmt(v) if numeric else str(v), numeric) for v, (fmt, numeric) in zip(row, formats)]
+            for row in frame.itertuples(index=False)]
+    return headers, rows
 
 
 def _unhealthy(trials: pd.DataFrame) -> pd.DataFrame | None:
@@ -51,10 +97,6 @@ def _unhealthy(trials: pd.DataFrame) -> pd.DataFrame | None:
     columns = [c for c in ("effective_batch", "physical_batch", "accum_steps", "lr_rule", "lr", "seed", "health",
                            "health_epoch", "val_acc", "warnings") if c in bad]
     return bad[columns]
-
-
-def _cell(value) -> str:
-    return "" if pd.isna(value) else f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 # The characters that make Markdown markup here: emphasis, code, links (no '[', so no '(' after one),
@@ -69,15 +111,10 @@ def md(text) -> str:
 
 
 def _md_table(frame: pd.DataFrame) -> str:
-    lines = ["| " + " | ".join(md(c) for c in frame.columns) + " |", "|" + "---|" * len(frame.columns)]
-    lines += ["| " + " | ".join(md(_cell(v)) for v in row) + " |" for row in frame.itertuples(index=False)]
+    headers, rows = _display(frame)
+    lines = ["| " + " | ".join(md(c) for c in headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(md(text) for text, _ in row) + " |" for row in rows]
     return "\n".join(lines)
-
-
-def _rows(frame: pd.DataFrame) -> list[list[tuple[str, bool]]]:
-    """The table's cells as (text, numeric) for the template."""
-    return [[(_cell(v), isinstance(v, (int, float)) and not isinstance(v, bool)) for v in row]
-            for row in frame.itertuples(index=False)]
 
 
 def _save(figure: Figure, folder: Path, prefix: str) -> Path:
@@ -120,8 +157,8 @@ TABLE_TEMPLATE = jinja2.Environment(autoescape=True).from_string(
 
 
 def _html_table(frame: pd.DataFrame):
-    return Markup(TABLE_TEMPLATE.render(columns=list(map(str, frame.columns)),
-                                                                rows=_rows(frame)))
+    headers, rows = _display(frame)
+    return Markup(TABLE_TEMPLATE.render(columns=headers, rows=rows))
 
 
 def folder_name(names: list[str]) -> str:
@@ -155,12 +192,13 @@ def write_report(studies: list[StudyRuns], folder: Path) -> list[Path]:
     summaries = []
     for study in studies:
         prefix = f"{folder_name([study.name])}-" if len(studies) > 1 else ""
-        for fig in all_figures(study.trials, study.history):
+        figures = [*all_figures(study.trials, study.history), *space_figures(study)]
+        for fig in figures:
             path = _save(fig, folder, prefix)
             written.append(path)
             sections.setdefault(fig.title, []).append((f"{study.name}: " if len(studies) > 1 else "", fig, path))
-        summaries.append((study.name, summarize(study.trials, study.history) or ["No finished trials yet."],
-                          protocol(study.trials)))
+        findings = summarize(study.trials, study.history) + [f.finding for f in figures if f.finding]
+        summaries.append((study.name, findings or ["No finished trials yet."], protocol(study.trials)))
         csv = folder / f"{prefix}trials.csv"
         _table(study.trials).to_csv(csv, index=False)
         written.append(csv)
@@ -196,7 +234,7 @@ def write_report(studies: list[StudyRuns], folder: Path) -> list[Path]:
         summaries=summaries, health=health, html_table=_html_table,
         sections=[(t, [(label, fig, base64.b64encode(path.read_bytes()).decode()) for label, fig, path in items])
                   for t, items in sections.items()],
-        trials=[(s.name, _table(s.trials)) for s in studies])
+        trials=[(s.name, _table(s.trials, s.objectives[0])) for s in studies])
     (folder / "report.html").write_text(page)
     written = [folder / "report.html", folder / "report.md", *written]
     (folder / MANIFEST).write_text("\n".join(p.name for p in written) + "\n")

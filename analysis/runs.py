@@ -25,6 +25,24 @@ class StudyRuns:
     history: pd.DataFrame  # one row per (run_id, epoch)
     parent_run_id: str | None  # the latest invocation's run: the report's artifacts go there
     tracking_uri: str  # as it may be shown: any password as ***
+    varied: tuple[str, ...] = ()  # the fields the study varies (its grid axes and searched fields)
+    objectives: tuple[tuple[str, str], ...] = (("val_acc", "maximize"),)  # (metric, direction) as Optuna saw them
+
+DERIVED = ("effective_batch", "lr")  # params computed from others: never counted as varied on their own
+
+
+def _varied(tag: str | None, trials: pd.DataFrame, params: list[str]) -> tuple[str, ...]:
+    """The study's varied fields as its latest invocation recorded them; for runs from before that tag, the
+    params that take more than one value (seed and derived values aside)."""
+    if tag:
+        return tuple(f for f in tag.split(",") if f in trials)
+    return tuple(p for p in params if p not in ("seed", *DERIVED) and trials[p].nunique() > 1)
+
+
+def _objectives(tag: str | None) -> tuple[tuple[str, str], ...]:
+    if not tag:
+        return (("val_acc", "maximize"),)
+    return tuple(tuple(part.rsplit(":", 1)) for part in tag.split(","))  # type: ignore[misc]
 
 
 def _typed(column: pd.Series) -> pd.Series:
@@ -72,8 +90,11 @@ def load_study(name: str, tracking_uri: str, shown_uri: str | None = None) -> St
     trials = trials.rename(columns={c: c.removeprefix("param:") for c in params})
     if "accum_steps" in trials:
         trials["batch"] = trials["accum_steps"].map(lambda k: "accumulated" if k > 1 else "true batch")
+    tags = parents[-1].data.tags if parents else {}
+    names = [c.removeprefix("param:") for c in params]
     return StudyRuns(name, trials, _history(client, children), parents[-1].info.run_id if parents else None,
-                     shown_uri)
+                     shown_uri, _varied(tags.get("batchsweep.varied"), trials, names),
+                     _objectives(tags.get("batchsweep.objective")))
 
 
 def _history(client: MlflowClient, runs) -> pd.DataFrame:

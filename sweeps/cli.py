@@ -95,8 +95,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines would break the progress bars
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    if os.getcwd() not in sys.path:  # the user's own modules (model, dataset, study) from the current folder
-        sys.path.insert(0, os.getcwd())
     try:
         if args.list:
             print(list_studies())

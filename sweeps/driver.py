@@ -157,6 +157,10 @@ def run(inv, workers: int) -> int:
     parent = tracker.start_parent(f"{inv.study_name} {time.strftime('%Y-%m-%d %H:%M:%S')}", params,
                                   {"study": inv.study.name, "storage": redact(inv.storage), "host": HOST,
                                    "summary": inv.study.summary, "study_file": inv.study.source,
+                                   # What the report's importance, parallel coordinates and fronts read.
+                                   "batchsweep.varied": ",".join(inv.study.varied),
+                                   "batchsweep.objective": ",".join(f"{m}:{d}" for m, d in zip(
+                                       inv.study.metrics, inv.study.directions)),
                                    **standard_tags(git_commit())})
     # The UI's descriptions; the report replaces the parent run's with its findings.
     tracker.describe(None, f"{inv.study.summary}\n\nStudy file: {inv.study.source}. One parent run per "

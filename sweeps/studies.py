@@ -90,6 +90,11 @@ class Study:
         return tuple(_unique(twins(points) if self.twins else points))
 
     @property
+    def varied(self) -> tuple[str, ...]:
+        """The fields the study varies: its grid's axes, then the searched fields."""
+        return tuple(f for key in self.grid for f in key.split("+")) + tuple(self.tune)
+
+    @property
     def trials_per_unit(self) -> int:
         return 1 if self.sampler == "grid" else self.trials
 

@@ -9,8 +9,10 @@ import pytest
 
 from analysis.figures import all_figures, best_lr
 from analysis.findings import summarize
-from analysis.render import write_report
+from analysis.render import MIB, _display, _table, write_report
 from analysis.runs import StudyRuns, aggregate, knee, load_study, steps_to_target
+from analysis.space import (MIN_IMPORTANCE_TRIALS, front, importance, memory_front, parallel_coordinates,
+                            time_front)
 from tests.conftest import run_script
 from tests.test_sweeps import TINY, sweep
 
@@ -264,3 +266,54 @@ def test_noise_scale_sentence_leaves_out_unreliable_values():
            "9 values left out as unreliable" in sentences
     figure = all_figures(trials, pd.DataFrame())[0]
     assert figure.name == "accuracy_vs_batch" and "noise scale" in figure.title
+
+
+def test_importance_finds_the_field_that_was_planted():
+    gains = {"none": 0.0, "sqrt": 0.2, "linear": 0.1}  # the LR rule decides; b and k barely matter
+    trials = synthetic(lambda rule, B, kind, seed: 0.6 + gains[rule] + 0.002 * seed)
+    study = StudyRuns("s", trials, pd.DataFrame(), None, "", varied=("physical_batch", "accum_steps", "lr_rule"))
+    figure = importance(study)
+    assert figure is not None and figure.finding.startswith("Of the varied fields, lr_rule mattered most for val_acc")
+    assert f"(from {len(trials)} finished trials)" in figure.finding
+    assert importance(StudyRuns("s", trials.head(MIN_IMPORTANCE_TRIALS - 1), pd.DataFrame(), None, "",
+                                varied=("physical_batch", "lr_rule"))) is None  # too few trials to say
+    assert parallel_coordinates(study) is not None
+
+
+def budget_study() -> StudyRuns:
+    """b = 8 .. 64 at k = 1: accuracy and memory grow with b, and the larger b reach the target sooner."""
+    rows, history = [], []
+    for b in (8, 16, 32, 64):
+        for seed in (0, 1):
+            run = f"{b}-{seed}"
+            rows.append(dict(run_id=run, status="FINISHED", physical_batch=b, accum_steps=1, seed=seed, epochs=3,
+                             model="m", dataset="d", device_name="cpu", peak_memory_bytes=b * MIB,
+                             val_acc=0.80 + b / 1000 + seed / 1000))
+            history += [dict(run_id=run, epoch=e, epoch_time_s=10.0, val_acc=(0.5 if e < 5 - b // 16 else 0.8 + b / 1000))
+                        for e in (1, 2, 3, 4)]
+    return StudyRuns("budget", pd.DataFrame(rows), pd.DataFrame(history), None, "", varied=("physical_batch",))
+
+
+def test_pareto_fronts_answer_a_budget():
+    study = budget_study()
+    memory = memory_front(study)
+    assert memory.finding == ("Within 32.0 MiB of peak memory, the best was b = 32 (83.2 ± 0.6%); the best overall "
+                              "was b = 64 (86.5 ± 0.6%) at 64.0 MiB of peak memory.")
+    # The target is 95% of 86.45%: b = 64 reaches it in epoch 1, b = 32 in epoch 3, b = 8 and 16 never.
+    time = time_front(study)
+    assert time.finding == ("The best overall was b = 64 (86.5 ± 0.6%) at 10.0 s to reach val_acc 82.1%; no "
+                            "configuration needed half of that or less.")
+    assert [len(c.get_offsets()) for c in time.figure.axes[0].collections] == [1, 1]  # b = 32 dominated, 64 on it
+    points = pd.DataFrame({"cost": [1, 2, 2, 3], "value": [0.5, 0.7, 0.6, 0.7]})
+    assert list(front(points, "cost", "value")) == [True, True, False, False]
+    assert list(front(points, "cost", "value", maximize=False)) == [True, False, False, False]
+
+
+def test_table_columns_keep_one_format_and_mark_the_best():
+    trials = pd.DataFrame({"effective_batch": [32, 64], "lr": [0.05, 0.1], "status": ["FINISHED", "FINISHED"],
+                           "val_acc": [0.91, 0.935], "samples_per_s": [9934.2, 12760.0],
+                           "peak_memory_bytes": [3 * MIB, 5.5 * MIB]})
+    headers, rows = _display(_table(trials, ("val_acc", "maximize")))
+    assert headers == ["best", "effective_batch", "lr", "status", "val_acc, %", "samples/s", "peak memory, MiB"]
+    assert [[text for text, _ in row] for row in rows] == [
+        ["", "32", "0.0500", "FINISHED", "91.00", "9,934", "3.0"], ["★", "64", "0.1000", "FINISHED", "93.50", "12,760", "5.5"]]

@@ -8,6 +8,8 @@ from pathlib import Path
 import optuna
 import pytest
 
+from analysis.runs import load_study
+from analysis.space import objectives_front
 from sweeps.cli import main
 from sweeps.outcomes import OUTCOMES, holds
 from sweeps.search import GridSearch, SamplerSearch, make_search
@@ -307,6 +309,22 @@ def test_own_study_file_with_nsga2_marks_the_pareto_front(tmp_path):
     children, parents = child_runs(client, "own_pareto")
     assert len(children) == 8 and len(parents) == 1
     assert all(r.data.tags["mlflow.parentRunId"] == parents[0].info.run_id for r in children)
+    # The report, from MLflow alone, draws the same front as Optuna's and says so.
+    report = subprocess.run([sys.executable, "-m", "analysis.report", "--study", "own_pareto", "--no-log"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stderr
+    md = (tmp_path / "reports/own_pareto/report.md").read_text()
+    assert f"holds {len(front)} of 8 finished trials" in md and "objectives_front.png" in md
+    assert "parallel_coordinates.png" in md and "memory_front.png" in md
+    on_front = {r.info.run_id for r in children if r.data.tags["optuna.trial_number"] in {str(n) for n in front}}
+    runs = load_study("own_pareto", f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    assert runs.varied == ("physical_batch", "accum_steps")
+    assert runs.objectives == (("val_acc", "maximize"), ("peak_memory_bytes", "minimize"))
+    figure = objectives_front(runs)
+    assert figure is not None and figure.finding.count(": val_acc ") == min(len(front), 4)
+    plotted = {tuple(p) for p in figure.figure.axes[0].lines[0].get_xydata()}
+    expected = runs.trials[runs.trials["run_id"].isin(on_front)]
+    assert plotted == set(zip(expected["val_acc"], expected["peak_memory_bytes"]))
 
 
 def test_a_study_built_in_python(tmp_path, monkeypatch, capsys):

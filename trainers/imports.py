@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Callable
 
 from .errors import ConfigError
@@ -12,6 +14,8 @@ def import_object(path: str, what: str):
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
         raise ConfigError(f"{what} import path {path!r} is malformed: write package.module:name")
+    if os.getcwd() not in sys.path:  # like `python -m`: the user's own modules from the current folder
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any failure while importing user code

@@ -1,0 +1,334 @@
+"""How the trials spread over what the study varied: which field mattered (fANOVA importance), every trial
+over every field (parallel coordinates), and the best configurations for a memory or time budget (Pareto
+fronts). Each figure comes with one sentence, its finding.
+
+Importance is fANOVA's (Optuna's FanovaImportanceEvaluator, Hutter et al. 2014): a random forest fitted to
+the objective, whose variance it splits among the fields. It uses every finished trial, which suits grids
+where every combination is present, and needs no choice of what counts as a good trial; PED-ANOVA compares
+the top 10% of trials with the rest, a handful of trials in a study of 27 to 81.
+"""
+from __future__ import annotations
+
+import math
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from .figures import Figure, context, finished
+from .runs import TARGET_SHARE, StudyRuns, ci95
+
+MIN_IMPORTANCE_TRIALS = 10  # fewer finished trials say nothing about which field mattered
+SHORT = {"physical_batch": "b", "accum_steps": "k"}
+ORDER = {"lr_rule": ["none", "sqrt", "linear"], "bn_momentum_rule": ["default", "scaled", "matched"]}
+MIB = 2 ** 20
+
+
+def _objective_trials(study: StudyRuns) -> pd.DataFrame:
+    """Finished trials whose objective values are all finite."""
+    t = finished(study.trials)
+    metrics = [m for m, _ in study.objectives]
+    if not set(metrics) <= set(t):
+        return t.iloc[0:0]
+    return t[np.isfinite(t[metrics].astype(float)).all(axis=1)]
+
+
+def _fields(study: StudyRuns, t: pd.DataFrame) -> list[str]:
+    return [f for f in study.varied if f in t and t[f].nunique() > 1]
+
+
+def _is_number(column: pd.Series) -> bool:
+    return pd.api.types.is_numeric_dtype(column) and not pd.api.types.is_bool_dtype(column)
+
+
+def _choices(column: pd.Series) -> list[str]:
+    """A categorical field's values in a fixed order: the known rules' own order, else sorted."""
+    values = sorted(map(str, column.dropna().unique()))
+    known = ORDER.get(str(column.name), [])
+    return [v for v in known if v in values] + [v for v in values if v not in known]
+
+
+def _log(values: pd.Series) -> bool:
+    return bool((values > 0).all() and values.max() / values.min() >= 4)
+
+
+def _value(name: str, value) -> str:
+    if isinstance(value, float) and not value.is_integer():
+        return f"{value:.3g}"
+    return str(int(value)) if isinstance(value, (int, float, np.integer)) and not isinstance(value, bool) else str(value)
+
+
+def label(row: pd.Series | dict, fields: list[str]) -> str:
+    """A configuration as people say it: 'b = 64, k = 8, sqrt'."""
+    parts = []
+    for f in fields:
+        v = row[f]
+        if f in SHORT:
+            parts.append(f"{SHORT[f]} = {_value(f, v)}")
+        elif f in ORDER:
+            parts.append(str(v) if f == "lr_rule" else f"BN {v}")
+        else:
+            parts.append(f"{f} = {_value(f, v)}")
+    return ", ".join(parts)
+
+
+def _percent(metric: str, values: pd.Series) -> bool:
+    return "acc" in metric and bool(values.between(0, 1).all())
+
+
+def shown(mean: float, half: float = math.nan, percent: bool = False) -> str:
+    scale, unit = (100, "%") if percent else (1, "")
+    text = f"{scale * mean:.1f}" if percent else f"{mean:.4g}"
+    if math.isfinite(half):
+        text += f" ± {scale * half:.1f}" if percent else f" ± {half:.2g}"
+    return text + unit
+
+
+def importance(study: StudyRuns) -> Figure | None:
+    """fANOVA importance of each varied field for each objective."""
+    import optuna
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+    from optuna.importance import FanovaImportanceEvaluator, get_param_importances
+
+    t = _objective_trials(study)
+    fields = _fields(study, t)
+    if len(t) < MIN_IMPORTANCE_TRIALS or not fields:
+        return None
+    distributions = {}
+    for f in fields:
+        column = t[f]
+        if _is_number(column) and (column % 1 == 0).all():
+            distributions[f] = IntDistribution(int(column.min()), int(column.max()), log=_log(column))
+        elif _is_number(column):
+            distributions[f] = FloatDistribution(float(column.min()), float(column.max()), log=_log(column))
+        else:
+            distributions[f] = CategoricalDistribution(_choices(column))
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    rebuilt = optuna.create_study(directions=[d for _, d in study.objectives])
+    for _, row in t.iterrows():
+        params = {f: (int(row[f]) if isinstance(d, IntDistribution) else float(row[f])
+                      if isinstance(d, FloatDistribution) else str(row[f])) for f, d in distributions.items()}
+        rebuilt.add_trial(optuna.trial.create_trial(params=params, distributions=distributions,
+                                                    values=[float(row[m]) for m, _ in study.objectives]))
+    metrics = [m for m, _ in study.objectives]
+    shares = {m: get_param_importances(rebuilt, evaluator=FanovaImportanceEvaluator(seed=0),
+                                       target=lambda trial, i=i: trial.values[i], normalize=True)
+              for i, m in enumerate(metrics)}
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 0.5 + 0.45 * len(fields)), squeeze=False)
+    for ax, m in zip(axes[0], metrics):
+        order = sorted(fields, key=lambda f: shares[m].get(f, 0.0))
+        ax.barh(order, [shares[m].get(f, 0.0) for f in order], color="C0")
+        ax.set(xlabel=f"share of the variance of {m} (fANOVA)", xlim=(0, 1))
+    first = sorted(shares[metrics[0]].items(), key=lambda kv: -kv[1])
+    ranked = "; then ".join(f"{f} ({share:.0%})" for f, share in first[1:3])
+    finding = (f"Of the varied fields, {first[0][0]} mattered most for {metrics[0]}: {first[0][1]:.0%} of the "
+               f"variance fANOVA attributes to single fields" + (f"; then {ranked}" if ranked else "")
+               + f" (from {len(t)} finished trials).")
+    return Figure("importance", f"Which field mattered: fANOVA importance, from {len(t)} finished trials", fig,
+                  context(t), finding)
+
+
+def parallel_coordinates(study: StudyRuns) -> Figure | None:
+    """Every finished trial as a line over the varied fields and the objectives, coloured by the first one."""
+    t = _objective_trials(study)
+    fields = _fields(study, t)
+    metrics = [m for m, _ in study.objectives]
+    if len(t) < 2 or not fields:
+        return None
+    axes_names = fields + metrics
+    positions, ticks = {}, {}
+    for name in axes_names:
+        column = t[name]
+        if _is_number(column):
+            values = column.astype(float)
+            scaled = np.log(values) if _log(values) else values
+            low, high = float(scaled.min()), float(scaled.max())
+            positions[name] = (scaled - low) / (high - low) if high > low else scaled * 0 + 0.5
+            shown_values = sorted(values.unique())
+            if len(shown_values) > 6 or name in metrics:
+                shown_values = [values.min(), values.max()]
+            ticks[name] = [(float(((np.log(v) if _log(values) else v) - low) / (high - low)) if high > low else 0.5,
+                            _value(name, v) if name not in metrics else f"{v:.4g}") for v in shown_values]
+        else:
+            choices = _choices(column)
+            step = 1 / (len(choices) - 1) if len(choices) > 1 else 0
+            positions[name] = column.astype(str).map({c: i * step for i, c in enumerate(choices)}).astype(float)
+            ticks[name] = [(i * step if step else 0.5, c) for i, c in enumerate(choices)]
+    first, direction = study.objectives[0]
+    colour = t[first].astype(float)
+    cmap = plt.get_cmap("viridis" if direction == "maximize" else "viridis_r")
+    norm = plt.Normalize(colour.min(), colour.max())
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(axes_names)), 4.5))
+    xs = np.arange(len(axes_names))
+    best_last = colour.sort_values(ascending=direction == "maximize").index  # the best drawn on top
+    jitter = np.random.default_rng(0)
+    for i in best_last:
+        ys = [positions[n][i] for n in axes_names]
+        ys = np.array(ys) + jitter.uniform(-0.01, 0.01, len(ys))  # trials on the same values stay apart
+        ax.plot(xs, ys, color=cmap(norm(colour[i])), alpha=0.6, linewidth=1)
+    for x, name in zip(xs, axes_names):
+        ax.axvline(x, color="#888", linewidth=0.8)
+        for y, text in ticks[name]:
+            ax.text(x + 0.03, y, text, fontsize=7, va="center")
+    ax.set_xticks(xs, [SHORT.get(n, n) for n in axes_names])
+    ax.set_yticks([])
+    ax.set_ylim(-0.05, 1.05)
+    fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label=first)
+    return Figure("parallel_coordinates", "Every finished trial over the varied fields and the objective", fig,
+                  context(t))
+
+
+def front(points: pd.DataFrame, cost: str, value: str, maximize: bool = True) -> pd.Series:
+    """Whether each point is on the Pareto front: no other point is as cheap and as good, and cheaper or
+    better."""
+    c, v = points[cost].to_numpy(float), points[value].to_numpy(float)
+    sign = 1 if maximize else -1
+    on = []
+    for i in range(len(points)):
+        dominated = (c <= c[i]) & (sign * v >= sign * v[i]) & ((c < c[i]) | (sign * v > sign * v[i]))
+        on.append(not dominated.any())
+    return pd.Series(on, index=points.index)
+
+
+def _per_configuration(t: pd.DataFrame, fields: list[str], value: str, cost: str) -> pd.DataFrame:
+    """Mean and 95% interval of `value` over each configuration's seeds, and its mean `cost`."""
+    rows = []
+    for key, g in t.groupby(fields, dropna=False):
+        key = key if isinstance(key, tuple) else (key,)
+        rows.append({**dict(zip(fields, key)), value: g[value].mean(), "half": ci95(g[value]), cost: g[cost].mean(),
+                     "n": len(g)})
+    return pd.DataFrame(rows)
+
+
+def _front_figure(points: pd.DataFrame, fields: list[str], cost: str, value: str, cost_label: str,
+                  percent: bool, maximize: bool, name: str, title: str, trials: pd.DataFrame,
+                  finding: str) -> Figure:
+    on = front(points, cost, value, maximize)
+    scale = 100 if percent else 1
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    ax.scatter(points.loc[~on, cost], scale * points.loc[~on, value], color="C0", alpha=0.25, label="dominated")
+    best = points[on].sort_values(cost)
+    # The front as the best value reachable within each cost: a staircase (the intervals are in the sentence).
+    ax.step(best[cost], scale * best[value], where="post", color="C3")
+    ax.scatter(best[cost], scale * best[value], color="C3", zorder=3, label="Pareto front")
+    for _, row in best.iterrows():
+        ax.annotate(label(row, fields), (row[cost], scale * row[value]), fontsize=7, xytext=(4, -10),
+                    textcoords="offset points")
+    ax.set(xlabel=cost_label, ylabel=f"{value}{', %' if percent else ''} (mean over seeds)")
+    if points[cost].min() > 0 and points[cost].max() / points[cost].min() >= 8:
+        ax.set_xscale("log")
+    ax.legend(fontsize=8)
+    return Figure(name, title, fig, context(trials), finding)
+
+
+def _budget_sentence(points: pd.DataFrame, fields: list[str], cost: str, value: str, percent: bool,
+                     maximize: bool, unit) -> str:
+    """The best configuration within half the cost of the overall best, and the overall best."""
+    def best_of(frame: pd.DataFrame) -> pd.Series:  # the best value; of equal values, the cheapest
+        return frame.sort_values([value, cost], ascending=[not maximize, True]).iloc[0]
+
+    top = best_of(points)
+    within = points[points[cost] <= top[cost] / 2]
+    best = f"the best overall was {label(top, fields)} ({shown(top[value], top['half'], percent)}) at {unit(top[cost])}"
+    if within.empty:
+        return f"{best[0].upper()}{best[1:]}; no configuration needed half of that or less."
+    cheap = best_of(within)
+    return (f"Within {unit(top[cost] / 2)}, the best was {label(cheap, fields)} "
+            f"({shown(cheap[value], cheap['half'], percent)}); {best}.")
+
+
+def memory_front(study: StudyRuns) -> Figure | None:
+    """The first objective against peak memory, per configuration."""
+    t = _objective_trials(study)
+    fields = _fields(study, t)
+    value, direction = study.objectives[0]
+    if "peak_memory_bytes" not in t or not fields or len(t) < 2:
+        return None
+    t = t.dropna(subset=["peak_memory_bytes"])
+    points = _per_configuration(t.assign(memory_mib=t["peak_memory_bytes"] / MIB), fields, value, "memory_mib")
+    if len(points) < 2:
+        return None
+    percent, maximize = _percent(value, t[value]), direction == "maximize"
+    finding = _budget_sentence(points, fields, "memory_mib", value, percent, maximize,
+                               lambda mib: f"{mib:,.1f} MiB of peak memory")
+    return _front_figure(points, fields, "memory_mib", value, "peak memory, MiB", percent, maximize, "memory_front",
+                         f"Pareto front: {value} against peak memory", t, finding)
+
+
+def time_to_target(trials: pd.DataFrame, history: pd.DataFrame, metric: str, target: float) -> pd.Series | None:
+    """Seconds of training and evaluation until each trial first reached `target`, NaN where it never did."""
+    if history.empty or not {"epoch_time_s", metric} <= set(history):
+        return None
+    h = history[history["run_id"].isin(trials["run_id"])].sort_values(["run_id", "epoch"])
+    h = h.assign(elapsed=h.groupby("run_id")["epoch_time_s"].cumsum())
+    reached = h[h[metric] >= target].groupby("run_id")["elapsed"].min()
+    return trials["run_id"].map(reached)
+
+
+def time_front(study: StudyRuns) -> Figure | None:
+    """The first objective (an accuracy to maximize) against the time to reach the target."""
+    t = _objective_trials(study)
+    fields = _fields(study, t)
+    value, direction = study.objectives[0]
+    if direction != "maximize" or not fields or len(t) < 2:
+        return None
+    # The target, as for steps to target: a share of the best configuration's mean final value.
+    target = TARGET_SHARE * float(t.groupby(fields, dropna=False)[value].mean().max())
+    seconds = time_to_target(t, study.history, value, target)
+    if seconds is None:
+        return None
+    t = t.assign(seconds=seconds.values)
+    # A configuration counts when most of its seeds reached the target; its time is their median.
+    rows = []
+    for key, g in t.groupby(fields, dropna=False):
+        key = key if isinstance(key, tuple) else (key,)
+        if g["seconds"].notna().sum() * 2 > len(g):
+            rows.append({**dict(zip(fields, key)), value: g[value].mean(), "half": ci95(g[value]),
+                         "seconds": g["seconds"].median()})
+    points = pd.DataFrame(rows)
+    if len(points) < 2:
+        return None
+    percent = _percent(value, t[value])
+    target_text = shown(target, percent=percent)
+    finding = _budget_sentence(points, fields, "seconds", value, percent, True,
+                               lambda s: f"{s:,.1f} s to reach {value} {target_text}")
+    return _front_figure(points, fields, "seconds", value, f"seconds to reach {value} {target_text} (median over seeds)",
+                         percent, True, "time_front", f"Pareto front: {value} against time to the target", t, finding)
+
+
+def objectives_front(study: StudyRuns) -> Figure | None:
+    """A study of two objectives: every finished trial, and Optuna's Pareto front of them."""
+    if len(study.objectives) != 2:
+        return None
+    import optuna
+
+    t = _objective_trials(study)
+    if len(t) < 2:
+        return None
+    (m1, d1), (m2, d2) = study.objectives
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    rebuilt = optuna.create_study(directions=[d1, d2])
+    for i, (_, row) in enumerate(t.iterrows()):
+        rebuilt.add_trial(optuna.trial.create_trial(values=[float(row[m1]), float(row[m2])],
+                                                    user_attrs={"row": i}))
+    on = t.index[[trial.user_attrs["row"] for trial in rebuilt.best_trials]]
+    fields = _fields(study, t)
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    rest = t.drop(on)
+    ax.scatter(rest[m1], rest[m2], color="C0", alpha=0.25, label="dominated")
+    best = t.loc[on].sort_values(m1)
+    ax.plot(best[m1], best[m2], "o-", color="C3", label="Pareto front (Optuna's best_trials)")
+    ax.set(xlabel=f"{m1} ({d1})", ylabel=f"{m2} ({d2})")
+    ax.legend(fontsize=8)
+    listed = "; ".join(f"{label(row, fields) or 'trial'}: {m1} {row[m1]:.4g}, {m2} {row[m2]:.4g}"
+                       for _, row in best.head(4).iterrows())
+    finding = (f"Optuna's Pareto front of {m1} ({d1}) and {m2} ({d2}) holds {len(on)} of {len(t)} finished trials: "
+               f"{listed}{'; …' if len(on) > 4 else ''}.")
+    return Figure("objectives_front", f"Pareto front of the study's objectives: {m1} and {m2}", fig, context(t),
+                  finding)
+
+
+def space_figures(study: StudyRuns) -> list[Figure]:
+    made = [importance(study), parallel_coordinates(study), memory_front(study), time_front(study),
+            objectives_front(study)]
+    return [f for f in made if f is not None]
