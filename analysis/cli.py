@@ -62,11 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     except AnalysisError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from .findings import summarize
     from .render import folder_name, write_report
 
     folder = Path(args.out) / folder_name(names)
-    written = write_report(studies, folder)
+    written, findings = write_report(studies, folder)
     if not args.no_log:
         from mlflow import MlflowClient
 
@@ -76,9 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                 for path in written:  # the report's own files, not whatever else the folder holds
                     client.log_artifact(study.parent_run_id, str(path), "report")
                 # The run's description in the UI: the findings, and where the report is.
-                findings = summarize(study.trials, study.history) or ["No finished trials yet."]
                 client.set_tag(study.parent_run_id, "mlflow.note.content", "\n".join(
-                    [f"Findings of study {study.name}:", "", *(f"- {line}" for line in findings), "",
+                    [f"Findings of study {study.name}:", "", *(f"- {line}" for line in findings[study.name]), "",
                      f"Report: {written[0].resolve()} (and report/report.html in this run's artifacts)."]))
     print(f"report: {written[0].resolve()}")
     return 0

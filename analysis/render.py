@@ -179,9 +179,9 @@ def _clear(folder: Path) -> None:
     manifest.unlink()
 
 
-def write_report(studies: list[StudyRuns], folder: Path) -> list[Path]:
+def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], dict[str, list[str]]]:
     """Write the report of one study, or of several side by side, into `folder`. Returns the files written,
-    report.html first."""
+    report.html first, and each study's findings."""
     source = studies[0].tracking_uri  # as it may be shown: no password
     folder.mkdir(parents=True, exist_ok=True)
     _clear(folder)  # a figure the data no longer supports must not linger from an earlier report
@@ -238,4 +238,4 @@ def write_report(studies: list[StudyRuns], folder: Path) -> list[Path]:
     (folder / "report.html").write_text(page)
     written = [folder / "report.html", folder / "report.md", *written]
     (folder / MANIFEST).write_text("\n".join(p.name for p in written) + "\n")
-    return written
+    return written, {name: sentences for name, sentences, _ in summaries}

@@ -52,7 +52,7 @@ def _log(values: pd.Series) -> bool:
     return bool((values > 0).all() and values.max() / values.min() >= 4)
 
 
-def _value(name: str, value) -> str:
+def _value(value) -> str:
     if isinstance(value, float) and not value.is_integer():
         return f"{value:.3g}"
     return str(int(value)) if isinstance(value, (int, float, np.integer)) and not isinstance(value, bool) else str(value)
@@ -64,11 +64,11 @@ def label(row: pd.Series | dict, fields: list[str]) -> str:
     for f in fields:
         v = row[f]
         if f in SHORT:
-            parts.append(f"{SHORT[f]} = {_value(f, v)}")
+            parts.append(f"{SHORT[f]} = {_value(v)}")
         elif f in ORDER:
             parts.append(str(v) if f == "lr_rule" else f"BN {v}")
         else:
-            parts.append(f"{f} = {_value(f, v)}")
+            parts.append(f"{f} = {_value(v)}")
     return ", ".join(parts)
 
 
@@ -148,7 +148,7 @@ def parallel_coordinates(study: StudyRuns) -> Figure | None:
             if len(shown_values) > 6 or name in metrics:
                 shown_values = [values.min(), values.max()]
             ticks[name] = [(float(((np.log(v) if _log(values) else v) - low) / (high - low)) if high > low else 0.5,
-                            _value(name, v) if name not in metrics else f"{v:.4g}") for v in shown_values]
+                            _value(v) if name not in metrics else f"{v:.4g}") for v in shown_values]
         else:
             choices = _choices(column)
             step = 1 / (len(choices) - 1) if len(choices) > 1 else 0

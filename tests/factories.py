@@ -1,4 +1,7 @@
 """Model and dataset factories that tests pass to the trainer as `tests.factories:NAME`."""
+import random
+
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -147,29 +150,47 @@ def tokens_without_counts(output, target):
 
 
 class Jittered(torch.utils.data.Dataset):
-    """40 series of 2 channels x 12 outside the package, augmented per sample with torch's RNG: channel 0 is
-    shifted circularly by a random amount, flipped with probability 1/2 and jittered; channel 1 holds the
-    sample's index, untouched, so that a probe can read which samples a micro-batch held."""
+    """40 series of 2 channels x 12 outside the package, augmented per sample with torch's RNG (or Python's,
+    or numpy's: `rng`): channel 0 is shifted circularly by a random amount, flipped with probability 1/2 and
+    jittered; channel 1 holds the sample's index, untouched, so that a probe can read which samples a
+    micro-batch held."""
 
-    def __init__(self, n=40, offset=0):
+    def __init__(self, n=40, offset=0, rng="torch"):
         g = torch.Generator().manual_seed(3 + offset)
         self.base, self.targets = torch.randn(n, 12, generator=g), torch.arange(n) % 3
         self.base += self.targets[:, None].double().float()
-        self.offset = offset
+        self.offset, self.rng = offset, rng
 
     def __len__(self):
         return len(self.base)
 
+    def _draws(self):
+        """A shift, whether to flip, and 12 jitters."""
+        if self.rng == "python":
+            return random.randrange(12), random.random() < 0.5, torch.tensor([random.gauss(0, 1) for _ in range(12)])
+        if self.rng == "numpy":
+            return int(np.random.randint(12)), np.random.rand() < 0.5, torch.from_numpy(np.random.randn(12)).float()
+        return int(torch.randint(0, 12, ())), torch.rand(()) < 0.5, torch.randn(12)
+
     def __getitem__(self, i):
-        signal = self.base[i].roll(int(torch.randint(0, 12, ())))
-        if torch.rand(()) < 0.5:
+        shift, flip, jitter = self._draws()
+        signal = self.base[i].roll(shift)
+        if flip:
             signal = signal.flip(0)
-        signal = signal + 0.05 * torch.randn(12)
+        signal = signal + 0.05 * jitter
         return torch.stack([signal, torch.full((12,), float(i + self.offset))]), self.targets[i]
 
 
 def jittered(seed=0, **_):
     return Jittered(), Jittered(12, offset=1000)
+
+
+def jittered_python(seed=0, **_):
+    return Jittered(rng="python"), Jittered(12, offset=1000)
+
+
+def jittered_numpy(seed=0, **_):
+    return Jittered(rng="numpy"), Jittered(12, offset=1000)
 
 
 def small_conv2d(input_shape, num_classes, **_):

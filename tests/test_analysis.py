@@ -143,7 +143,7 @@ def test_figures_from_a_synthetic_frame(tmp_path):
     history = pd.DataFrame([dict(run_id=r, epoch=e, val_acc=0.5 + 0.2 * e) for r in trials.run_id for e in (1, 2)])
     names = [f.name for f in all_figures(trials, history)]
     assert names == ["accuracy_vs_batch", "memory_vs_batch", "throughput", "learning_curves"]
-    page = write_report([StudyRuns("synthetic", trials, history, None, "sqlite:///nowhere")], tmp_path)[0]
+    page = write_report([StudyRuns("synthetic", trials, history, None, "sqlite:///nowhere")], tmp_path)[0][0]
     assert page.read_text().count("<img") == 4
     assert all((tmp_path / f"{n}.png").stat().st_size > 1000 for n in names)
 
@@ -254,6 +254,8 @@ def test_html_report_opens_in_chromium_with_every_figure(tiny_study, tmp_path):
     result = probe_in_chromium((tmp_path / "accum_lr/report.html").read_text(), tmp_path)
     assert result["errors"] == []
     assert len(result["images"]) >= 3 and all(i["ok"] for i in result["images"]), result["images"]
+    alts = " ".join(i["alt"] for i in result["images"])
+    assert "Every finished trial over the varied fields" in alts and "Pareto front: val_acc against peak memory" in alts
 
 
 def test_noise_scale_sentence_leaves_out_unreliable_values():

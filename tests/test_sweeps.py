@@ -139,7 +139,7 @@ def test_ownerless_trial_fails_after_grace(tmp_path):
     assert [t.state.name for t in study.get_trials()] == ["FAIL", "RUNNING"]
 
 
-@pytest.mark.parametrize("workers,storage", [(2, "sqlite"), (4, "sqlite"), (4, "journal")])
+@pytest.mark.parametrize("workers,storage", [(4, "sqlite"), (2, "journal")])
 def test_workers_cover_the_grid_once(tmp_path, workers, storage):
     url = f"sqlite:///{tmp_path}/mlruns/optuna.db" if storage == "sqlite" else f"journal:{tmp_path}/optuna.log"
     proc = sweep(tmp_path, *TINY, "--workers", str(workers), "--storage", url)

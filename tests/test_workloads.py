@@ -100,11 +100,13 @@ JITTERED = dict(model="mlp", dataset="tests.factories:jittered", dtype="float64"
                 epochs=3)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_a_dataset_with_augmentation_sees_the_same_samples_at_b_k_and_bk_1(workers):
+@pytest.mark.parametrize("workers,dataset", [(0, "jittered"), (2, "jittered"), (2, "jittered_python"),
+                                             (2, "jittered_numpy")])
+def test_a_dataset_with_augmentation_sees_the_same_samples_at_b_k_and_bk_1(workers, dataset):
     # Outside the package, read through the DataLoader path: at (4, 3) and (12, 1) every optimizer step
-    # sees the same sample indices and the same augmented inputs, with loader processes or without.
-    accum = TrainConfig(**JITTERED, num_workers=workers)
+    # sees the same sample indices and the same augmented inputs, with loader processes or without, whether
+    # the augmentation draws from torch's, Python's or numpy's RNG.
+    accum = TrainConfig(**{**JITTERED, "dataset": f"tests.factories:{dataset}"}, num_workers=workers)
     seen_a, seen_t, seen_0 = Seen(), Seen(), Seen()
     a = train(accum, probes=[seen_a])
     t = train(replace(accum, physical_batch=12, accum_steps=1), probes=[seen_t])
