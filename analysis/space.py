@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import matplotlib.pyplot as plt
+from matplotlib import ticker
 import numpy as np
 import pandas as pd
 
@@ -207,7 +208,7 @@ def _front_figure(points: pd.DataFrame, fields: list[str], cost: str, value: str
     scale = 100 if percent else 1
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     ax.scatter(points.loc[~on, cost], scale * points.loc[~on, value], color="C0", alpha=0.25, label="dominated")
-    best = points[on].sort_values(cost)
+    best = points[on].sort_values(cost).drop_duplicates([cost, value])  # equal configurations, one label
     # The front as the best value reachable within each cost: a staircase (the intervals are in the sentence).
     ax.step(best[cost], scale * best[value], where="post", color="C3")
     ax.scatter(best[cost], scale * best[value], color="C3", zorder=3, label="Pareto front")
@@ -217,6 +218,8 @@ def _front_figure(points: pd.DataFrame, fields: list[str], cost: str, value: str
     ax.set(xlabel=cost_label, ylabel=f"{value}{', %' if percent else ''} (mean over seeds)")
     if points[cost].min() > 0 and points[cost].max() / points[cost].min() >= 8:
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
     ax.legend(fontsize=8)
     return Figure(name, title, fig, context(trials), finding)
 

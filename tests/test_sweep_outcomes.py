@@ -61,8 +61,11 @@ def test_ctrl_c_marks_the_running_trial_and_says_how_to_resume(tmp_path):
     import os
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # As from a terminal: a shell that started the tests in the background left SIGINT ignored, and a child
+    # inherits that.
     proc = subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), *TINY, "--epochs", "40"], cwd=tmp_path,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     wait_for_complete(tmp_path / "mlruns/optuna.db", 1, proc)
     time.sleep(0.3)  # inside the next trial's 40 epochs
     proc.send_signal(signal.SIGINT)
