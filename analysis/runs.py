@@ -28,6 +28,7 @@ class StudyRuns:
     varied: tuple[str, ...] = ()  # the fields the study varies (its grid axes and searched fields)
     objectives: tuple[tuple[str, str], ...] = (("val_acc", "maximize"),)  # (metric, direction) as Optuna saw them
 
+
 DERIVED = ("effective_batch", "lr")  # params computed from others: never counted as varied on their own
 
 
