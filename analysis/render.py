@@ -89,6 +89,19 @@ def _display(frame: pd.DataFrame) -> tuple[list[str], list[list[tuple[str, bool]
     return headers, rows
 
 
+def _models(trials: pd.DataFrame, objective: tuple[str, str]) -> pd.DataFrame | None:
+    """The trials whose trained model is in MLflow, with how to load it; None when there are none."""
+    if "batchsweep.model" not in trials or trials["batchsweep.model"].isna().all():
+        return None
+    kept = trials[trials["batchsweep.model"].notna()]
+    load = ["mlflow.pytorch.load_model('runs:/" + run + "/model')" if kind == "pytorch" else
+            "runs:/" + run + "/model: state_dict.pt, built as model.json says"
+            for run, kind in zip(kept["run_id"], kept["batchsweep.model"])]
+    columns = [c for c in ("optuna.trial_number", "physical_batch", "accum_steps", "lr_rule", "seed", objective[0])
+               if c in kept]
+    return kept[columns].assign(load=load)
+
+
 def _unhealthy(trials: pd.DataFrame) -> pd.DataFrame | None:
     """The trials whose verdict is not ok, with where it started; None when the runs carry no verdict."""
     if "health" not in trials or trials["health"].isna().all():
@@ -146,6 +159,7 @@ TEMPLATE = jinja2.Environment(autoescape=True).from_string("""<!DOCTYPE html>
 <h2>Training health: {{ name }}</h2>
 {% if table is none %}<p>Every trial was healthy.</p>{% else %}{{ html_table(table) }}{% endif %}
 {% endfor %}
+{% for name, table in models %}<h2>Trained models: {{ name }}</h2>{{ html_table(table) }}{% endfor %}
 {% for name, table in trials %}<h2>Trials: {{ name }}</h2>{{ html_table(table) }}{% endfor %}
 </body></html>
 """)
@@ -223,6 +237,9 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
     for name, table in health:
         md_lines += [f"## Training health: {md(name)}", "", "Every trial was healthy." if table is None
                      else _md_table(table), ""]
+    models = [(s.name, table) for s in studies if (table := _models(s.trials, s.objectives[0])) is not None]
+    for name, table in models:
+        md_lines += [f"## Trained models: {md(name)}", "", _md_table(table), ""]
     for study in studies:
         prefix = f"{folder_name([study.name])}-" if len(studies) > 1 else ""
         md_lines += [f"## Trials: {md(study.name)}", "", f"All trials are in [{prefix}trials.csv]({prefix}trials.csv).",
@@ -231,7 +248,7 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
 
     page = TEMPLATE.render(
         title=title, css=Markup(CSS), stamp=stamp, source=source, reproduce=reproduce,
-        summaries=summaries, health=health, html_table=_html_table,
+        summaries=summaries, health=health, html_table=_html_table, models=models,
         sections=[(t, [(label, fig, base64.b64encode(path.read_bytes()).decode()) for label, fig, path in items])
                   for t, items in sections.items()],
         trials=[(s.name, _table(s.trials, s.objectives[0])) for s in studies])

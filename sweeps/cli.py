@@ -5,6 +5,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from trainers.cli import format_bytes
 from trainers.config import BatchsweepError, ConfigError, TrainConfig, parse_overrides, parse_value
@@ -23,6 +24,7 @@ LIMITS = {
     "--workers": (4 * (os.cpu_count() or 1), "more than 4 worker processes per CPU core only thrash"),
     "--n-trials": (1_000_000, "a budget beyond a million trials is a typo"),
 }
+LOG_MODELS = ("none", "best", "all")
 MAX_UNITS = 100_000  # points x seeds: a study this size takes days; beyond it, a typo
 
 
@@ -47,6 +49,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fail-fast", action="store_true", help="stop at the first trial that raises an error")
     p.add_argument("--system-metrics", action="store_true", help="log MLflow's system metrics (CPU, memory, disk, "
                    "network, GPU when present) for every trial, sampled every second")
+    p.add_argument("--checkpoint-dir", help="a checkpoint folder per trial configuration, written every epoch: a "
+                   "killed trial resumes from it when its point runs again (default: mlruns/checkpoints; a folder "
+                   "all machines share when several run the study; 'none' turns checkpoints off)")
+    p.add_argument("--log-models", choices=LOG_MODELS, default="best", help="the trained models kept in MLflow "
+                   "at the end: of the invocation's best trial (the Pareto front for several objectives), of all "
+                   "its trials, or none (default: best)")
     p.add_argument("--dry-run", action="store_true", help="print the trials it would run and exit")
     p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
     p.add_argument("--plan", action="store_true", help="plan b and k for --target-batch within --memory-budget")
@@ -77,7 +85,10 @@ def build_invocation(args: argparse.Namespace):
                      study_name=check_name(args.study_name or study.name),
                      storage=check_storage(args.storage or default_storage()),
                      tracking_uri=check_tracking_uri(args.tracking_uri or default_tracking_uri()),
-                     n_trials=args.n_trials, fail_fast=args.fail_fast, system_metrics=args.system_metrics)
+                     n_trials=args.n_trials, fail_fast=args.fail_fast, system_metrics=args.system_metrics,
+                     checkpoint_dir=None if args.checkpoint_dir == "none" else str(
+                         Path(args.checkpoint_dir or "mlruns/checkpoints").resolve()),
+                     log_models=args.log_models)
     # Every trial's configuration is valid before anything is written: each grid point, and each at the ends
     # of every searched range.
     ends = [(name, v) for name, p in study.tune.items() for v in (p.choices or (p.low, p.high))]

@@ -5,18 +5,24 @@ import logging
 import multiprocessing
 import os
 import queue
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from trainers.checkpoint import make_writable_folder
 from trainers.config import BatchsweepError
 
 from .outcomes import OUTCOMES, outcome_of
 from .studies import describe
 from .tables import results_table
-from .tracking import HOST, Tracker, git_commit, standard_tags
+from .tracking import HOST, Tracker, first_line, git_commit, standard_tags
 from .urls import redact
+
+# A worker's message that moves the bar: counting this invocation's trials, not the study's, keeps the bar
+# right when another machine's workers share the study or a point claimed twice is given back.
+TRIAL_DONE = "\0trial done"
 
 
 def _worker_process(inv, parent_run_id: str, index: int, budget: int | None, messages) -> None:
@@ -31,7 +37,8 @@ def _worker_process(inv, parent_run_id: str, index: int, budget: int | None, mes
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     try:
-        Worker(inv, parent_run_id, index, Hooks(say=messages.put)).run(budget)
+        Worker(inv, parent_run_id, index,
+               Hooks(say=messages.put, trial_done=lambda t: messages.put(TRIAL_DONE))).run(budget)
     except KeyboardInterrupt:
         pass
     except BatchsweepError as exc:
@@ -43,9 +50,6 @@ def run_workers(inv, parent_run_id: str, workers: int, total: int) -> None:
     """Start the worker processes and draw one bar over the study's trials while they work."""
     from tqdm import tqdm
 
-    from .runner import open_storage, remaining
-
-    storage = open_storage(inv.storage)
     budgets = [None] * workers if inv.n_trials is None else \
         [inv.n_trials // workers + (i < inv.n_trials % workers) for i in range(workers)]
     ctx = multiprocessing.get_context("spawn")
@@ -54,16 +58,17 @@ def run_workers(inv, parent_run_id: str, workers: int, total: int) -> None:
              for i, b in enumerate(budgets)]
     for proc in procs:
         proc.start()
-    start_left = remaining(inv, storage)
     fatal = []
 
-    def drain() -> None:
+    def drain(bar) -> None:
         while True:
             try:
                 line = messages.get_nowait()
             except queue.Empty:
                 return
-            if line.startswith("error: "):
+            if line == TRIAL_DONE:
+                bar.update(1)
+            elif line.startswith("error: "):
                 fatal.append(line.removeprefix("error: "))
             else:
                 tqdm.write(line, file=sys.stderr)
@@ -72,18 +77,21 @@ def run_workers(inv, parent_run_id: str, workers: int, total: int) -> None:
         with tqdm(total=total, unit="trial", file=sys.stderr, dynamic_ncols=True) as bar:
             while any(p.is_alive() for p in procs):
                 time.sleep(1.0)
-                drain()
-                try:
-                    bar.n = min(start_left - remaining(inv, storage), total)
-                except Exception:  # the storage is away: the workers report it
-                    continue
-                bar.refresh()
+                drain(bar)
+                bar.refresh()  # the elapsed time moves on between trials too
             for proc in procs:
                 proc.join()
-            drain()
-    except KeyboardInterrupt:  # the workers got the signal too: let them mark their trials first
+            drain(bar)
+    except KeyboardInterrupt:  # from a terminal the workers got the signal too: let them mark their trials
+        for proc in procs:
+            proc.join(timeout=5)
+        for proc in procs:  # a signal to this process alone (kill -INT): pass it on, or they would run on
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGINT)
         for proc in procs:
             proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
         raise
     if fatal:
         raise BatchsweepError(fatal[0])
@@ -129,22 +137,23 @@ def write_report(inv) -> int:
 def run(inv, workers: int) -> int:
     import optuna
 
-    from .runner import create_studies, open_storage, remaining
+    from .runner import create_studies, free_dead_trials, open_storage, remaining
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # trial failures are reported in one line each
     storage = open_storage(inv.storage)
     tracker = Tracker(inv.tracking_uri, inv.study_name)
+    if inv.checkpoint_dir:  # one line now rather than one per trial; before the study is created
+        make_writable_folder(Path(inv.checkpoint_dir))
     try:
         create_studies(inv, storage)
     except Exception as exc:
-        from .tracking import first_line
-
         raise BatchsweepError(f"cannot use the Optuna storage {redact(inv.storage)} ({first_line(exc, inv.storage)}):"
                               f" check it, or pass another --storage") from None
     complete = {t.user_attrs["mlflow_run_id"] for name in inv.study_names()
                 for t in optuna.load_study(study_name=name, storage=storage).get_trials(
                     deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)) if "mlflow_run_id" in t.user_attrs}
     closed = tracker.close_orphans(complete)
+    free_dead_trials(inv, storage)  # before counting: their points run again in this invocation
     left = remaining(inv, storage)
     total = left if inv.n_trials is None else min(left, inv.n_trials)
     print(f"study {inv.study_name}: {left} trials left, running {total} "
@@ -188,6 +197,13 @@ def run(inv, workers: int) -> int:
         except Exception:  # the storage went away: the parent run still ends
             pass
         tracker.finish(parent, status, tags={"trials_left": left})
+    from .models import keep_models
+
+    try:
+        keep_models(inv, tracker, parent, lambda line: print(line, file=sys.stderr))
+    except Exception as exc:  # the trials are recorded; the models and the clean-up are a convenience
+        print(f"warning: the models were not logged ({first_line(exc, inv.storage)}); the trials are kept",
+              file=sys.stderr)
     print(results_table(inv, storage))
     if left:
         print(f"{left} trials left: run the same command again to continue", file=sys.stderr)

@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 
 from trainers import TrainConfig, train
+from trainers.checkpoint import Checkpointing
 from trainers.config import BatchsweepError
 
 from .studies import Study
@@ -25,18 +26,21 @@ class Trained:
     memory_source: str
     health: dict[str, Any] = field(default_factory=dict)  # verdict and warnings, as MLflow tags
     dataset: dict[str, Any] = field(default_factory=dict)  # name, digest and sizes of what it trained on
+    resumed_after: int = 0  # the epoch of the checkpoint it went on from
 
 
 class Objective:
     def __init__(self, study: Study):
         self.metrics, self.directions = study.metrics, study.directions
 
-    def train(self, config: TrainConfig, on_epoch: Callable[[dict[str, float]], None]) -> Trained:
-        result = train(config, on_epoch=on_epoch)
+    def train(self, config: TrainConfig, on_epoch: Callable[[dict[str, float]], None],
+              checkpoint: Checkpointing | None = None) -> Trained:
+        result = train(config, on_epoch=on_epoch, checkpoint=checkpoint)
         health = {"health": result.health, "health_epoch": result.health_epoch,
                   "warnings": " | ".join(result.warnings) or None,
                   "noise_scale": "unavailable: accum_steps=1" if config.accum_steps == 1 else None}
-        return Trained(result.metrics, result.status, result.memory_source, health, result.dataset)
+        return Trained(result.metrics, result.status, result.memory_source, health, result.dataset,
+                       result.resumed_after)
 
     def values(self, metrics: dict[str, float]) -> list[float]:
         """The objective's values, one per metric; a metric that was not logged is an error of the study."""
@@ -61,8 +65,9 @@ class Equivalence(Objective):
     twin (b*k, 1, ghost_batch=b), which normalizes the same chunks of b, and that pair once more in float64:
     only if it agrees there is what remains float32 rounding."""
 
-    def train(self, config: TrainConfig, on_epoch: Callable[[dict[str, float]], None]) -> Trained:
-        accum = train(config, on_epoch=on_epoch)
+    def train(self, config: TrainConfig, on_epoch: Callable[[dict[str, float]], None],
+              checkpoint: Checkpointing | None = None) -> Trained:
+        accum = train(config, on_epoch=on_epoch, checkpoint=checkpoint)  # the twins are trained again
         true_config = dataclasses.replace(config, physical_batch=config.effective_batch, accum_steps=1)
         true = train(true_config)
         metrics = {**accum.metrics, "param_rel_diff": rel_diff(accum.model, true.model),
@@ -75,7 +80,7 @@ class Equivalence(Objective):
                 in_f64 = [train(dataclasses.replace(c, dtype="float64")).model for c in (config, ghost_config)]
                 metrics["ghost_rel_diff_fp64"] = rel_diff(*in_f64)
         status = "diverged" if "diverged" in (accum.status, true.status) else "ok"
-        return Trained(metrics, status, accum.memory_source, dataset=accum.dataset)
+        return Trained(metrics, status, accum.memory_source, dataset=accum.dataset, resumed_after=accum.resumed_after)
 
 
 OBJECTIVES = {"train": Objective, "equivalence": Equivalence}

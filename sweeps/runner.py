@@ -20,8 +20,10 @@ from optuna.trial import TrialState
 
 from trainers import ConfigError, TrainConfig
 from trainers.config import BatchsweepError
+from trainers.checkpoint import Checkpointing
 from trainers.loop import device_name, resolve_device
 
+from .models import claim, folder_of, resumes, spare
 from .objective import make_objective
 from .outcomes import OUTCOMES, outcome_of
 from .search import Duplicate, Search, StudyChanged, Unit, make_search
@@ -102,6 +104,8 @@ class Invocation:
     n_trials: int | None = None  # None: everything left
     fail_fast: bool = False
     system_metrics: bool = False  # MLflow's system metrics for every trial
+    checkpoint_dir: str | None = None  # a folder per configuration beneath it (None: no checkpoints)
+    log_models: str = "best"  # none | best | all: the models of this invocation's trials kept in MLflow
 
     def config(self, point: Point, seed: int) -> TrainConfig:
         return dataclasses.replace(self.base, **point, seed=seed)
@@ -156,6 +160,16 @@ def fail_orphans(study: optuna.Study, trials: list[optuna.trial.FrozenTrial]) ->
             except (RuntimeError, ValueError):  # another worker got there first
                 pass
     return failed
+
+
+def free_dead_trials(inv: Invocation, storage) -> None:
+    """Fail the RUNNING trials of processes that are gone: on this host, or silent past the heartbeat's grace."""
+    for name in inv.study_names():
+        study = optuna.load_study(study_name=name, storage=storage)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
+        fail_orphans(study, study.get_trials(deepcopy=False))
 
 
 def remaining(inv: Invocation, storage) -> int:
@@ -251,6 +265,10 @@ class Worker:
                 if outcome_of(last) != OUTCOMES["duplicate"]:
                     ran += 1
                     self.hooks.trial_done(last)
+                    try:
+                        spare(self.inv, self.parent_run_id)
+                    except Exception as exc:  # checkpoints are removed at the end of the invocation anyway
+                        self._storage_failed(exc)
         return ran
 
     def _storage_failed(self, exc: Exception) -> None:
@@ -277,13 +295,18 @@ class Worker:
 
     def run_trial(self, trial: optuna.Trial, point: Point, seed: int) -> float | list[float]:
         config = self.inv.config(point, seed)
+        folder = folder_of(self.inv, config, trial.number) if self.inv.checkpoint_dir else None
+        previous = resumes(folder) if folder else None
         tags = {"optuna.trial_number": trial.number, "optuna.study_name": trial.study.study_name,
                 "device_name": self.device, "torch_version": torch.__version__, "study": self.inv.study.name,
-                **standard_tags(self.commit)}
+                "batchsweep.resumes_run": previous, **standard_tags(self.commit)}
         run_id = self.tracker.start_trial(self.parent_run_id, f"{trial.number}: {describe(point)}",
                                           config.to_dict(), tags)
         try:
             trial.set_user_attr("mlflow_run_id", run_id)
+            trial.set_user_attr("invocation", self.parent_run_id)
+            if folder:
+                claim(folder, run_id)
         except Exception:
             self.tracker.end(run_id, "FAILED")
             raise
@@ -333,7 +356,7 @@ class Worker:
         monitor = system_metrics(run_id, self.inv.tracking_uri) if self.inv.system_metrics else None
         try:
             try:
-                trained = self.objective.train(config, on_epoch)
+                trained = self.objective.train(config, on_epoch, Checkpointing(str(folder)) if folder else None)
             finally:
                 if monitor is not None:
                     monitor.finish()
@@ -361,7 +384,8 @@ class Worker:
         if trained.status == "diverged":
             end("diverged", trained.metrics, trained.dataset, **trained.health)
             raise optuna.TrialPruned("diverged: non-finite training loss")
-        end("complete", trained.metrics, trained.dataset, memory_source=trained.memory_source, **trained.health)
+        end("complete", trained.metrics, trained.dataset, memory_source=trained.memory_source, **trained.health,
+            resumed_after_epoch=trained.resumed_after or None)
         if trained.dataset and trained.dataset["digest"] not in self.datasets_logged:
             # The parent run (the row the UI shows first) names the data its trials trained on, too.
             self.datasets_logged.add(trained.dataset["digest"])

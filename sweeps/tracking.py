@@ -264,6 +264,13 @@ class Tracker:
             return
         self.open_runs.discard(run_id)
 
+    def log_artifacts(self, run_id: str, folder: str, path: str) -> None:
+        uri = self.artifact_uris.get(run_id) or self.client.get_run(run_id).info.artifact_uri
+        retry(lambda: get_artifact_repository(uri, tracking_uri=self.uri).log_artifacts(folder, path))
+
+    def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
+        retry(lambda: self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in _strings(tags).items()]))
+
     def end_open_runs(self, status: str) -> None:
         for run_id in list(self.open_runs):
             self.end(run_id, status)

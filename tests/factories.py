@@ -217,3 +217,48 @@ class WithOwnLoss(nn.Module):
     def loss(self, output, target):
         return {"ce": (nn.functional.cross_entropy(output, target, reduction="sum"), len(target)),
                 "l2": (output.pow(2).sum(), len(target))}
+
+
+class Killable(nn.Module):
+    """A small conv net with BatchNorm and dropout (so that a resumed run needs the buffers and torch's RNG
+    state) that kills its own process with SIGKILL at its n-th forward in train or eval mode, when
+    BATCHSWEEP_TEST_KILL is `marker:mode:n` and the marker file exists (it is removed first: a rerun trains
+    on)."""
+
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv1d(input_shape[0], 8, 3, padding=1), nn.BatchNorm1d(8), nn.ReLU(),
+                                 nn.Dropout(0.2), nn.Flatten(), nn.Linear(8 * input_shape[1], num_classes))
+        self.calls = {"train": 0, "eval": 0}
+
+    def forward(self, x):
+        import os
+        import signal
+
+        mode = "train" if self.training else "eval"
+        self.calls[mode] += 1
+        marker, _, rest = os.environ.get("BATCHSWEEP_TEST_KILL", "").partition(":")
+        when_mode, _, n = rest.partition(":")
+        if marker and when_mode == mode and self.calls[mode] == int(n) and os.path.exists(marker):
+            os.unlink(marker)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.net(x)
+
+
+def killable(input_shape, num_classes, **_):
+    return Killable(input_shape, num_classes)
+
+
+class Branchy(nn.Module):
+    """A forward whose control flow depends on the data: torch.export cannot trace it."""
+
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.linear = nn.Linear(input_shape[0], num_classes)
+
+    def forward(self, x):
+        return self.linear(x) if x.sum() > 0 else -self.linear(x)
+
+
+def branchy(input_shape, num_classes, **_):
+    return Branchy(input_shape, num_classes)

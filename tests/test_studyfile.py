@@ -309,6 +309,9 @@ def test_own_study_file_with_nsga2_marks_the_pareto_front(tmp_path):
     children, parents = child_runs(client, "own_pareto")
     assert len(children) == 8 and len(parents) == 1
     assert all(r.data.tags["mlflow.parentRunId"] == parents[0].info.run_id for r in children)
+    on_front = {r.info.run_id for r in children if r.data.tags["optuna.trial_number"] in {str(n) for n in front}}
+    assert {r.info.run_id for r in children if "batchsweep.model" in r.data.tags} == on_front  # their models
+    assert not list((tmp_path / "mlruns/checkpoints").rglob("checkpoint.pt"))
     # The report, from MLflow alone, draws the same front as Optuna's and says so.
     report = subprocess.run([sys.executable, "-m", "analysis.report", "--study", "own_pareto", "--no-log"], cwd=tmp_path,
                             capture_output=True, text=True, timeout=300)
@@ -316,7 +319,6 @@ def test_own_study_file_with_nsga2_marks_the_pareto_front(tmp_path):
     md = (tmp_path / "reports/own_pareto/report.md").read_text()
     assert f"holds {len(front)} of 8 finished trials" in md and "objectives_front.png" in md
     assert "parallel_coordinates.png" in md and "memory_front.png" in md
-    on_front = {r.info.run_id for r in children if r.data.tags["optuna.trial_number"] in {str(n) for n in front}}
     runs = load_study("own_pareto", f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     assert runs.varied == ("physical_batch", "accum_steps")
     assert runs.objectives == (("val_acc", "maximize"), ("peak_memory_bytes", "minimize"))

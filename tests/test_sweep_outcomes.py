@@ -67,6 +67,10 @@ def test_ctrl_c_marks_the_running_trial_and_says_how_to_resume(tmp_path):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     wait_for_complete(tmp_path / "mlruns/optuna.db", 1, proc)
+    storage = f"sqlite:///{tmp_path}/mlruns/optuna.db"
+    while not [t for t in optuna.load_study(study_name="accum_lr", storage=storage).trials
+               if t.state == State.RUNNING and "mlflow_run_id" in t.user_attrs]:
+        time.sleep(0.1)
     time.sleep(0.3)  # inside the next trial's 40 epochs
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)

@@ -18,7 +18,7 @@ from sweeps.studyfile import builtin_names, load
 
 # One seed, one worker, no warmup: the studies' own protocol (3 seeds, 2 workers, 2 warmup epochs) is for users.
 TINY = ["--model", "mlp", "--dataset", "tests.factories:blobs1k", "--epochs", "1", "--seeds", "1", "--workers", "1",
-        "--set", "warmup_epochs=0", "--no-report"]
+        "--set", "warmup_epochs=0", "--log-models", "none", "--no-report"]
 
 
 def sweep(cwd, *args, timeout=300):
@@ -43,7 +43,7 @@ def child_runs(client, name="accum_lr"):
 
 
 def test_tiny_study_end_to_end(tmp_path):
-    proc = sweep(tmp_path, *TINY[:-1], "--n-trials", "3", "--seed", "3")  # with its report
+    proc = sweep(tmp_path, *TINY[:-1], "--n-trials", "3", "--seed", "3", "--log-models", "best")  # and its report
     assert proc.returncode == 0, proc.stderr
     assert "val_acc" in proc.stdout and "health" in proc.stdout and "24 trials left" in proc.stderr
     assert f"report: {tmp_path}/reports/accum_lr/report.html" in proc.stdout
@@ -69,11 +69,15 @@ def test_tiny_study_end_to_end(tmp_path):
         assert {"train_loss", "val_loss", "samples_per_s", "peak_memory_bytes"} <= set(run.data.metrics)
         history = client.get_metric_history(run.info.run_id, "val_acc")
         assert [m.step for m in history] == [1]
-        assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["history.csv"]
+        logged = run.data.tags.get("batchsweep.model") == "pytorch"
+        assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["history.csv", *["model"] * logged]
+        assert not logged or t.value == max(u.value for u in trials)
         for tag in ("device_name", "torch_version", "optuna.study_name", "health"):
             assert run.data.tags[tag]
         assert run.data.tags["health"] == t.user_attrs["health"]
         assert {"grad_norm", "update_ratio", "dead_fraction"} <= set(run.data.metrics)
+    # --log-models best: the best trial's model, and no other's
+    assert sum("batchsweep.model" in r.data.tags for r in children) == 1
 
 
 def test_dry_run_and_list_write_nothing(tmp_path):
@@ -111,8 +115,12 @@ def test_resume_after_sigkill_runs_every_point_once(tmp_path):
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+    done = {config_key(t.user_attrs["config"]) for t in grid_trials(f"sqlite:///{storage_path}")
+            if t.state == optuna.trial.TrialState.COMPLETE}
     final = sweep(tmp_path, *TINY, "--epochs", "3")
     assert final.returncode == 0, final.stderr
+    # The killed process's trial is failed before counting: its point is counted as left, not as held.
+    assert f"study accum_lr: {27 - len(done)} trials left" in final.stderr
     trials = grid_trials(f"sqlite:///{storage_path}")
     complete = [config_key(t.user_attrs["config"]) for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
     expected = {point_key(p, 0) for p in load("accum_lr").points}
@@ -170,6 +178,7 @@ def test_workers_cover_the_grid_once(tmp_path, workers, storage):
     (["--storage", "redis://localhost/0"], "unknown storage 'redis://localhost/0'"),
     (["--storage", "postgresql://nobody@127.0.0.1:9/none"], "cannot open the Optuna storage"),
     (["--tracking-uri", "http://127.0.0.1:9"], "cannot reach the MLflow tracking server http://127.0.0.1:9"),
+    (["--checkpoint-dir", "/proc/nope"], "cannot write checkpoints to /proc/nope (No such file or directory)"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, expected):
     proc = sweep(tmp_path, *TINY, *args, "--storage" if "--storage" not in args else "--n-trials",
@@ -177,7 +186,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, expected):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], proc.stderr
-    assert not (tmp_path / "mlruns").exists()
+    assert not (tmp_path / "mlruns").exists() or "checkpoint" in expected  # (checked once the stores are open)
     if (tmp_path / "elsewhere/optuna.db").exists():  # the tracking URI failed after the storage opened
         assert optuna.get_all_study_names(f"sqlite:///{tmp_path}/elsewhere/optuna.db") == []
 

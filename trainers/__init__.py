@@ -2,8 +2,9 @@
 
 Imports torch, torchvision and mnist1d only, so it runs on a bare GPU machine.
 """
+from .checkpoint import Checkpointing
 from .config import BatchsweepError, ConfigError, TrainConfig
 from .data import DataError
 from .loop import TrainResult, train
 
-__all__ = ["BatchsweepError", "ConfigError", "DataError", "TrainConfig", "TrainResult", "train"]
+__all__ = ["BatchsweepError", "Checkpointing", "ConfigError", "DataError", "TrainConfig", "TrainResult", "train"]

@@ -62,6 +62,7 @@ def summary_table(result) -> str:
          if "noise_scale" in m else
          "n/a (needs accum_steps >= 2)" if c.accum_steps == 1 else "n/a (not measurable yet)"),
         ("health", result.health + (f" (from epoch {result.health_epoch})" if result.health_epoch else "")),
+        *([("resumed", f"after epoch {result.resumed_after} (from its checkpoint)")] if result.resumed_after else []),
         ("wall time", f"{m['wall_time_s']:.1f} s"),
     ]
     width = max(len(k) for k, _ in rows)
@@ -95,19 +96,36 @@ def main(argv: list[str] | None = None) -> int:
                                      "Train one configuration with exact gradient accumulation.")
     add_config_flags(parser)
     parser.add_argument("--json", metavar="PATH", help="write the result (config, metrics, history) as JSON")
+    parser.add_argument("--checkpoint-dir", metavar="DIR", help="save the run at the end of its epochs into DIR; "
+                        "the same command again resumes after the last finished epoch")
+    parser.add_argument("--checkpoint-every", type=int, default=1, metavar="N",
+                        help="checkpoint every N epochs (0: by time only); the last epoch is always saved")
+    parser.add_argument("--checkpoint-minutes", type=float, default=0.0, metavar="M",
+                        help="also checkpoint at the end of an epoch once M minutes passed since the last one")
     args = parser.parse_args(argv)
+    from .checkpoint import Checkpointing
     from .loop import train
 
+    checkpoint = None
     try:
         config = config_from_args(args)
+        checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every, args.checkpoint_minutes) \
+            if args.checkpoint_dir else None
+        if checkpoint and checkpoint.path.exists():
+            print(f"resuming from {checkpoint.path}", file=sys.stderr)
         on_epoch, close = epoch_progress(config.epochs)
         try:
-            result = train(config, on_epoch=on_epoch)
+            result = train(config, on_epoch=on_epoch, checkpoint=checkpoint)
         finally:
             close()
     except BatchsweepError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: " + (f"{checkpoint.path} holds the last finished epoch; run the same command again to "
+                                 f"resume" if checkpoint and checkpoint.path.exists() else
+                                 "nothing was saved (--checkpoint-dir DIR saves every epoch)"), file=sys.stderr)
+        return 130
     for note in result.warnings:
         print(f"warning: {note}", file=sys.stderr)
     print(summary_table(result))

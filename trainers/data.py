@@ -276,7 +276,7 @@ DATASETS = {
 }
 
 
-def _from_datasets(path: str, pair) -> Data:
+def _from_datasets(path: str, pair, seed: int) -> Data:
     """TensorDatasets stay tensors; any other training Dataset is read through a DataLoader, and its test
     set is read once into tensors."""
     try:
@@ -285,8 +285,10 @@ def _from_datasets(path: str, pair) -> Data:
             raise TypeError
         if isinstance(test, TensorDataset):
             x_test, y_test = test.tensors
-        else:
-            samples = [test[i] for i in range(len(test))]
+        else:  # in a state of its own: a test set that draws (augments) reads the same in every run
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                samples = [test[i] for i in range(len(test))]
             x_test, y_test = (torch.stack([torch.as_tensor(s[part]) for s in samples]) for part in (0, 1))
         if isinstance(train, TensorDataset):
             x, y = train.tensors
@@ -299,6 +301,6 @@ def _from_datasets(path: str, pair) -> Data:
 
 def load_data(name: str, data_dir: str, seed: int) -> Data:
     if ":" in name:
-        return _from_datasets(name, load_factory(name, "dataset")(data_dir=data_dir, seed=seed))
+        return _from_datasets(name, load_factory(name, "dataset")(data_dir=data_dir, seed=seed), seed)
     return DATASETS[name](data_dir=data_dir, seed=seed)
 

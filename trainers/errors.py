@@ -11,3 +11,7 @@ class ConfigError(BatchsweepError, ValueError):
 
 class DataError(BatchsweepError):
     """A dataset that cannot be found or made."""
+
+
+class CheckpointError(BatchsweepError):
+    """A checkpoint that cannot be read or written, or is of another run."""

@@ -85,10 +85,13 @@ class Feed:
         if data.train_set is not None:
             self.sampler = MicroBatches(config, self.n)
             workers = config.num_workers
+            # A generator of its own: a loader draws its processes' base seed when an epoch's iteration
+            # starts, and drawing it from torch's global RNG would move the training's (dropout) by one draw
+            # per epoch with 0 processes and once per run with persistent ones, and differently on resume.
             self.loader = DataLoader(Seeded(data.train_set, config.seed), batch_sampler=self.sampler,
                                      num_workers=workers, pin_memory=config.pin_memory and device.type == "cuda",
                                      persistent_workers=workers > 0, prefetch_factor=config.prefetch_factor
-                                     if workers else None)
+                                     if workers else None, generator=torch.Generator().manual_seed(config.seed))
 
     def steps_per_epoch(self) -> int:
         return len(windows(torch.arange(self.n), self.config))
@@ -139,6 +142,6 @@ class Feed:
             return
         keys = [(0, i) for i in range(self.n)]
         loader = DataLoader(Seeded(self.data.train_set, self.config.seed), batch_size=batch, sampler=keys,
-                            num_workers=self.config.num_workers)
+                            num_workers=self.config.num_workers, generator=torch.Generator())
         for x, _ in loader:
             yield self.to_device((x, torch.zeros(0)))[0]

@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .checkpoint import Checkpointer, Checkpointing, Progress, restore
 from .config import TrainConfig
 from .data import Data, load_data
 from .errors import ConfigError
@@ -37,11 +38,13 @@ class TrainResult:
     health: str = "ok"  # ok, diverged, exploding, dead or stalled: see trainers/health.py
     health_epoch: int | None = None  # the first epoch where it showed
     dataset: dict[str, Any] = field(default_factory=dict)  # name, digest, train_size, test_size
+    resumed_after: int = 0  # the epoch of the checkpoint it resumed from (0: it did not)
 
     def to_dict(self) -> dict[str, Any]:
         return {"status": self.status, "health": self.health, "health_epoch": self.health_epoch,
                 "config": self.config.to_dict(), "metrics": self.metrics, "history": self.history,
-                "device_name": self.device_name, "memory_source": self.memory_source, "warnings": self.warnings}
+                "device_name": self.device_name, "memory_source": self.memory_source, "warnings": self.warnings,
+                "resumed_after": self.resumed_after}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -163,10 +166,14 @@ def around_forward(probes: list[Probe], step: int):
 
 
 def train(config: TrainConfig, on_epoch: EpochCallback | None = None, probes: list[Probe] = (),
-          diagnostics: bool = True) -> TrainResult:
+          diagnostics: bool = True, checkpoint: Checkpointing | None = None) -> TrainResult:
     """Train `config`. `on_epoch(row)` is called after every epoch; an exception it raises stops the run.
     `probes` are measured beside the built-in diagnostics (trainers/probes.py); `diagnostics=False` leaves
-    those out (the loss terms are always accounted)."""
+    those out (the loss terms are always accounted). With `checkpoint`, the run is saved at the end of its
+    epochs and goes on from the last checkpoint in that folder; `on_epoch` then first sees the restored
+    epochs' rows again, so that whoever records them has the whole history."""
+    checkpointer = Checkpointer(checkpoint, config) if checkpoint else None
+    saved = checkpointer.load() if checkpointer else None
     prepared = prepare(config)
     device, data, model, notes = prepared.device, prepared.data, prepared.model, prepared.notes
     model.train()
@@ -180,16 +187,20 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None, probes: li
     run = Run(config, model, optimizer, params, device, data.n_train)
     for probe in probes:
         probe.start(run)
+    progress = restore(saved, model, optimizer, probes) if saved else Progress()
+    resumed_after = progress.epoch
+    for row in progress.history if on_epoch is not None else ():
+        on_epoch(row)
     forwarding = [p for p in probes if type(p).forward is not Probe.forward]
     bf16 = config.precision == "bf16"
     steps_per_epoch = feed.steps_per_epoch()
     total_steps = steps_per_epoch * config.epochs
     tokens = data.classification and data.y_test.dim() == 2
-    history: list[dict[str, float]] = []
-    status, step, train_time, wall_time, samples = "ok", 0, 0.0, 0.0, 0
-    lr = config.lr
+    step, lr = progress.step, config.lr
 
-    for epoch in range(1, config.epochs + 1):
+    for epoch in range(progress.epoch + 1, config.epochs + 1):
+        if progress.finished:
+            break
         start = time.perf_counter()
         epoch_samples = 0
         for window in feed.epoch(epoch):
@@ -221,37 +232,44 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None, probes: li
                 break
         row = {"epoch": epoch, **terms.epoch_end(epoch)}  # the epoch's synchronization
         elapsed = time.perf_counter() - start
-        train_time += elapsed
-        samples += epoch_samples
         if math.isfinite(row["train_loss"]):
             val_loss, val_acc = evaluate(model, data.x_test, data.y_test, config.eval_batch, loss, config.precision)
         else:
-            status, val_loss, val_acc = "diverged", math.nan, math.nan
+            progress.status, val_loss, val_acc = "diverged", math.nan, math.nan
         epoch_time = time.perf_counter() - start
-        wall_time += epoch_time
         row.update(val_loss=val_loss, val_acc=val_acc, current_lr=lr, steps=step, epoch_time_s=epoch_time,
                    samples_per_s=epoch_samples / elapsed)
         if tokens:
             row["val_perplexity"] = math.exp(min(val_loss, 700.0)) if math.isfinite(val_loss) else math.nan
         for probe in probes[1:]:
             row.update(probe.epoch_end(epoch))
-        history.append(row)
+        progress.history.append(row)
+        progress.epoch, progress.step = epoch, step
+        progress.train_time += elapsed
+        progress.wall_time += epoch_time
+        progress.samples += epoch_samples
+        progress.finished = progress.status == "diverged" or step == config.max_steps or epoch == config.epochs
+        if checkpointer and checkpointer.due(progress):
+            checkpointer.save(progress, model, optimizer, probes)
         if on_epoch is not None:
             on_epoch(row)
-        if status == "diverged" or step == config.max_steps:
-            break
 
-    metrics = {**history[-1], "samples_per_s": samples / train_time, "wall_time_s": wall_time}
+    if checkpointer:
+        checkpointer.wait()
+    history = progress.history
+    metrics = {**history[-1], "samples_per_s": progress.samples / progress.train_time,
+               "wall_time_s": progress.wall_time}
     if "peak_memory_bytes" in metrics:
         metrics["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in history)
-    if status == "ok":
+    if progress.status == "ok":
         metrics.update(bn_population_error(model, feed.inputs(config.eval_batch)))
     for probe in probes:
         notes += probe.notes()
-    health, health_epoch = verdict(status, history, data.chance, data.num_classes if data.classification else None)
+    health, health_epoch = verdict(progress.status, history, data.chance,
+                                   data.num_classes if data.classification else None)
     dataset = {"name": config.dataset, "digest": data.digest, "train_size": data.n_train,
                "test_size": len(data.x_test)}
-    return TrainResult(config=config, status=status, metrics=metrics, history=history, model=model,
+    return TrainResult(config=config, status=progress.status, metrics=metrics, history=history, model=model,
                        device_name=device_name(device), dataset=dataset,
                        memory_source="cuda_allocator" if device.type == "cuda" else "saved_tensors",
-                       warnings=notes, health=health, health_epoch=health_epoch)
+                       warnings=notes, health=health, health_epoch=health_epoch, resumed_after=resumed_after)

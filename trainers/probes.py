@@ -69,6 +69,13 @@ class Probe:
         """Warnings for the run's record, at its end."""
         return []
 
+    def state(self) -> dict[str, Any]:
+        """What the probe carries from one epoch into the next (tensors, numbers): a checkpoint keeps it."""
+        return {}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Take back `state()` after start(), when a run resumes from a checkpoint."""
+
 
 class LossTerms(Probe):
     """The epoch's mean of each loss term over its counted items: `train_loss` is their sum (the objective),
@@ -163,6 +170,12 @@ class PeakMemory(Probe):
             self.static = state_bytes(self.run.model, self.run.optimizer)
         return {"peak_memory_bytes": float(self.saved.peak + self.static)}
 
+    def state(self) -> dict[str, Any]:
+        return {"saved_peak": self.saved.peak}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.saved.peak = state["saved_peak"]
+
 
 class Health(Probe):
     """Gradient norm, update ratio and dead tensors (trainers/health.py). A sampled step's statistics cost
@@ -189,6 +202,12 @@ class Health(Probe):
     def notes(self) -> list[str]:
         idle = never_updated(self.run.model, self.stats)
         return [idle] if idle else []
+
+    def state(self) -> dict[str, Any]:
+        return {"ever_got_grad": self.stats.ever_got_grad}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.stats.ever_got_grad = state["ever_got_grad"].clone()
 
 
 class Noise(Probe):
@@ -219,6 +238,13 @@ class Noise(Probe):
         if scale is None:  # not a number while |G|^2 is not measurable, nor for k = 1
             return {}
         return {"noise_scale": scale[0], "noise_scale_reliable": float(scale[1])}
+
+    def state(self) -> dict[str, Any]:
+        return {} if self.noise is None else {"ema": self.noise.ema, "weight": self.noise.weight}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        if self.noise is not None:
+            self.noise.ema, self.noise.weight = state["ema"].to(self.noise.ema.device), state["weight"]
 
 
 def diagnostics() -> list[Probe]:

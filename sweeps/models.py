@@ -1,0 +1,150 @@
+"""A study's trained models: one checkpoint folder per configuration, so that a killed trial resumes when its
+point runs again (on any machine that shares the folder), and at the end of an invocation its best trials'
+models in MLflow, from their last checkpoints."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import optuna
+import torch
+
+from trainers import TrainConfig
+from trainers.checkpoint import FILE, HOW_NOT_WHAT
+
+RUN_ID_FILE = "mlflow_run_id"  # the run of the trial that last trained in the folder
+
+
+def folder_of(inv, config: TrainConfig, trial_number: int) -> Path:
+    """A trial's checkpoint folder, named by a digest of what it computes (not of how this machine reads its
+    data), never by text a user gave beyond the checked study name. A grid point's folder is the same in every
+    invocation, so that a killed trial resumes; a sampler's trial has its own (a sampler draws new values
+    rather than repeat a killed trial's)."""
+    what = {k: v for k, v in dataclasses.asdict(config).items() if k not in HOW_NOT_WHAT}
+    if inv.study.sampler != "grid":
+        what["optuna_trial"] = trial_number
+    digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:20]
+    return Path(inv.checkpoint_dir) / inv.study_name / digest
+
+
+def resumes(folder: Path) -> str | None:
+    """The MLflow run of the killed trial whose checkpoint this trial goes on from, or None."""
+    link = folder / RUN_ID_FILE
+    if (folder / FILE).exists() and link.exists():
+        return link.read_text().strip() or None
+    return None
+
+
+def claim(folder: Path, run_id: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / RUN_ID_FILE).write_text(run_id)
+
+
+def chosen(trials: list[optuna.trial.FrozenTrial], directions: tuple[str, ...], policy: str) -> list:
+    """The trials whose models are kept: all, the best by the single objective, or the Pareto front."""
+    if policy != "best" or not trials:
+        return trials if policy == "all" else []
+    signs = [1.0 if d == "maximize" else -1.0 for d in directions]
+    score = [[s * v for s, v in zip(signs, t.values)] for t in trials]
+    if len(directions) == 1:
+        return [max(zip(score, trials), key=lambda pair: pair[0][0])[1]]
+
+    def dominated(a: list[float]) -> bool:
+        return any(all(x >= y for x, y in zip(b, a)) and b != a for b in score)
+
+    return [t for s, t in zip(score, trials) if not dominated(s)]
+
+
+def log_model(tracker, run_id: str, config: TrainConfig, folder: Path) -> str:
+    """The model of a trial's last checkpoint into its run's artifacts, under `model/`: MLflow's PyTorch
+    flavour (torch.export's format, with a signature and an input example), or where the model does not export,
+    its state dict and the factory that builds it. Returns which of the two."""
+    from mlflow.models import infer_signature
+
+    from trainers.loop import prepare
+
+    prepared = prepare(dataclasses.replace(config, device="cpu"))
+    model = prepared.model.eval()
+    model.load_state_dict(torch.load(folder / FILE, map_location="cpu", weights_only=True)["model"])
+    example = prepared.data.x_test[:2]
+    with tempfile.TemporaryDirectory() as scratch:
+        target = Path(scratch) / "model"
+        try:
+            import mlflow.pytorch
+
+            with torch.no_grad():
+                output = model(example)
+            mlflow.pytorch.save_model(model, str(target), input_example=example.numpy(),
+                                      signature=infer_signature(example.numpy(), output.numpy()),
+                                      pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+            kind = "pytorch"
+        except Exception:  # e.g. a model that torch.export cannot trace: the weights and how to build them
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir()
+            torch.save(model.state_dict(), target / "state_dict.pt")
+            (target / "model.json").write_text(json.dumps({
+                "model": config.model, "build": "trainers.loop.prepare(TrainConfig(**config)).model, then "
+                "load_state_dict(torch.load('state_dict.pt'))", "config": dataclasses.asdict(config)}, indent=2))
+            kind = "state_dict"
+        tracker.log_artifacts(run_id, str(target), "model")
+    return kind
+
+
+def _config_of(inv, trial) -> TrainConfig:
+    values = dict(trial.user_attrs["config"])
+    return inv.config(values, values.pop("seed"))
+
+
+def _ended(inv) -> list[optuna.trial.FrozenTrial]:
+    """The trials whose point will not run again: complete or pruned, and failed ones of a sampler's search
+    (it draws new values rather than repeat them); a failed or killed grid point resumes from its checkpoint."""
+    states = [optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED]
+    if inv.study.sampler != "grid":
+        states.append(optuna.trial.TrialState.FAIL)
+    return [t for name in inv.study_names() for t in optuna.load_study(study_name=name, storage=inv.storage)
+            .get_trials(deepcopy=False, states=tuple(states)) if "config" in t.user_attrs]
+
+
+def _candidates(inv, ended: list, invocation: str) -> list:
+    """This invocation's complete trials whose models may still be logged at its end."""
+    mine = [t for t in ended if t.state == optuna.trial.TrialState.COMPLETE
+            and t.user_attrs.get("invocation") == invocation]
+    return chosen(mine, inv.study.directions, inv.log_models)
+
+
+def spare(inv, invocation: str) -> None:
+    """After a trial: remove the checkpoints that no longer serve, so that a study holds about as many as it
+    runs trials at once, plus its best so far (for --log-models best; all of them for all)."""
+    if inv.checkpoint_dir is None:
+        return
+    ended = _ended(inv)
+    keep = {t.number for t in _candidates(inv, ended, invocation)}
+    for trial in ended:
+        if trial.number not in keep:
+            shutil.rmtree(folder_of(inv, _config_of(inv, trial), trial.number), ignore_errors=True)
+
+
+def keep_models(inv, tracker, invocation: str, say) -> None:
+    """At the end of an invocation: log the models of its best (or all) complete trials from their last
+    checkpoints, then remove the checkpoints of every trial whose point will not run again."""
+    if inv.checkpoint_dir is None:
+        return
+    ended = _ended(inv)
+    kept = _candidates(inv, ended, invocation)
+    if kept:
+        say(f"logging the models of {len(kept)} trial{'s' * (len(kept) > 1)} to MLflow ({inv.log_models})")
+    for trial in kept:
+        folder = folder_of(inv, _config_of(inv, trial), trial.number)
+        if not (folder / FILE).exists():
+            continue
+        try:
+            kind = log_model(tracker, trial.user_attrs["mlflow_run_id"], _config_of(inv, trial), folder)
+            tracker.set_tags(trial.user_attrs["mlflow_run_id"], {"batchsweep.model": kind})
+        except Exception as exc:
+            say(f"warning: the model of trial {trial.number} was not logged ({type(exc).__name__}: {exc})")
+    for trial in ended:
+        shutil.rmtree(folder_of(inv, _config_of(inv, trial), trial.number), ignore_errors=True)
