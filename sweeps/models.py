@@ -143,7 +143,7 @@ def keep_models(inv, tracker, invocation: str, say) -> None:
             continue
         try:
             kind = log_model(tracker, trial.user_attrs["mlflow_run_id"], _config_of(inv, trial), folder)
-            tracker.set_tags(trial.user_attrs["mlflow_run_id"], {"batchsweep.model": kind})
+            tracker.log(trial.user_attrs["mlflow_run_id"], tags={"batchsweep.model": kind})
         except Exception as exc:
             say(f"warning: the model of trial {trial.number} was not logged ({type(exc).__name__}: {exc})")
     for trial in ended:

@@ -265,20 +265,19 @@ class Tracker:
         self.open_runs.discard(run_id)
 
     def log_artifacts(self, run_id: str, folder: str, path: str) -> None:
-        uri = self.artifact_uris.get(run_id) or self.client.get_run(run_id).info.artifact_uri
-        retry(lambda: get_artifact_repository(uri, tracking_uri=self.uri).log_artifacts(folder, path))
+        retry(lambda: self._artifacts(run_id).log_artifacts(folder, path))
 
-    def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
-        retry(lambda: self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in _strings(tags).items()]))
+    def _artifacts(self, run_id: str):
+        # Straight to the run's artifact repository: client.log_text would first fetch the whole run
+        # (get_run, about 55 ms on SQLite) only to learn the artifact URI that create_run returned.
+        uri = self.artifact_uris.get(run_id) or self.client.get_run(run_id).info.artifact_uri
+        return get_artifact_repository(uri, tracking_uri=self.uri)
 
     def end_open_runs(self, status: str) -> None:
         for run_id in list(self.open_runs):
             self.end(run_id, status)
 
     def _log_history_csv(self, run_id: str, history: list[dict[str, float]]) -> None:
-        # Straight to the run's artifact repository: client.log_text would first fetch the whole run
-        # (get_run, about 55 ms on SQLite) only to learn the artifact URI that create_run returned.
-        uri = self.artifact_uris.get(run_id) or self.client.get_run(run_id).info.artifact_uri
         # Every key of every row: some metrics first appear after epoch 1 (noise_scale after a warmup).
         columns = list(dict.fromkeys(k for row in history for k in row))
         with tempfile.TemporaryDirectory() as folder:
@@ -287,7 +286,7 @@ class Tracker:
                 writer = csv.DictWriter(f, fieldnames=columns)
                 writer.writeheader()
                 writer.writerows(history)
-            retry(lambda: get_artifact_repository(uri, tracking_uri=self.uri).log_artifact(str(path)))
+            retry(lambda: self._artifacts(run_id).log_artifact(str(path)))
 
     def close_orphans(self, complete: set[str] = frozenset()) -> int:
         """End the RUNNING runs whose process on this host is gone (killed, crashed): FINISHED for the runs in
