@@ -26,8 +26,10 @@ from .space import space_figures
 
 MANIFEST = ".batchsweep-report"  # the files the last report wrote in this folder, one name a line
 # Columns of the trials table in the report, when the study has them.
-TABLE = ["effective_batch", "physical_batch", "accum_steps", "lr_rule", "lr", "bn_momentum_rule", "model", "seed",
-         "status", "reason", "health", "val_acc", "param_rel_diff", "acc_gap", "samples_per_s", "peak_memory_bytes"]
+TABLE = ["effective_batch", "physical_batch", "accum_steps", "world_size", "physical_batch_used", "oom_retries",
+         "lr_rule", "lr", "bn_momentum_rule", "model", "seed", "status", "reason", "health", "val_acc",
+         "param_rel_diff", "acc_gap", "samples_per_s", "peak_memory_bytes"]
+UNLESS = {"world_size": 1}  # columns left out when every trial has this value
 
 CSS = """
 body { font-family: system-ui, sans-serif; max-width: 1200px; margin: 2em auto; padding: 0 1em; color: #222; }
@@ -42,7 +44,7 @@ th { text-align: left; } td.n { text-align: right; font-variant-numeric: tabular
 
 def _table(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> pd.DataFrame:
     """The trials table; with an objective, a first column marks the best finished trial with ★."""
-    columns = [c for c in TABLE if c in trials]
+    columns = [c for c in TABLE if c in trials and not (c in UNLESS and (trials[c] == UNLESS[c]).all())]
     table = trials[columns].sort_values(columns[0]) if columns else trials
     if objective is None or objective[0] not in trials:
         return table

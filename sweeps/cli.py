@@ -7,11 +7,12 @@ import os
 import sys
 from pathlib import Path
 
+from trainers import interrupt
 from trainers.cli import format_bytes
 from trainers.config import BatchsweepError, ConfigError, TrainConfig, parse_overrides, parse_value
 
 from .driver import run, write_report
-from .studies import check_name
+from .studies import LAUNCHERS, check_name
 from .tables import dry_run_table, list_studies
 from .tracking import default_tracking_uri
 from .urls import check_storage, check_tracking_uri, sqlite_path
@@ -55,6 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-models", choices=LOG_MODELS, default="best", help="the trained models kept in MLflow "
                    "at the end: of the invocation's best trial (the Pareto front for several objectives), of all "
                    "its trials, or none (default: best)")
+    p.add_argument("--launcher", choices=LAUNCHERS, help="where each trial trains: in the worker process, or as a "
+                   "`torchrun --nproc-per-node N` job with N = its world_size (data-parallel; see README); default: "
+                   "the study's own (process)")
     p.add_argument("--dry-run", action="store_true", help="print the trials it would run and exit")
     p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
     p.add_argument("--plan", action="store_true", help="plan b and k for --target-batch within --memory-budget")
@@ -88,14 +92,19 @@ def build_invocation(args: argparse.Namespace):
                      n_trials=args.n_trials, fail_fast=args.fail_fast, system_metrics=args.system_metrics,
                      checkpoint_dir=None if args.checkpoint_dir == "none" else str(
                          Path(args.checkpoint_dir or "mlruns/checkpoints").resolve()),
-                     log_models=args.log_models)
+                     log_models=args.log_models, launcher=args.launcher or study.launcher)
+    if inv.launcher == "torchrun" and study.kind == "equivalence":
+        raise ConfigError("an equivalence study compares two models in one process: run it without --launcher "
+                          "torchrun")
     # Every trial's configuration is valid before anything is written: each grid point, and each at the ends
     # of every searched range.
     ends = [(name, v) for name, p in study.tune.items() for v in (p.choices or (p.low, p.high))]
     for unit in inv.units():
-        inv.config(unit.point, unit.seed)
-        for name, value in ends:
-            inv.config({**unit.point, name: value}, unit.seed)
+        for config in [inv.config(unit.point, unit.seed),
+                       *(inv.config({**unit.point, name: value}, unit.seed) for name, value in ends)]:
+            if config.world_size > 1 and inv.launcher != "torchrun":
+                raise ConfigError(f"world_size {config.world_size} trains data-parallel under torchrun: add "
+                                  f"--launcher torchrun (or launcher = \"torchrun\" in the study file)")
     if not inv.units():
         raise ConfigError(f"every point of study {study.name} breaks a constraint ({inv.dropped[0][1]}): nothing "
                           f"to run; loosen [search] constraints")
@@ -104,6 +113,7 @@ def build_invocation(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    interrupt.trap()
     logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines would break the progress bars
     logging.getLogger("alembic").setLevel(logging.WARNING)
     try:
@@ -146,6 +156,8 @@ def memory_plan(args: argparse.Namespace) -> int:
     print(f"plan: physical batch {answer.physical_batch} x {answer.accum_steps} accumulation steps = "
           f"{answer.effective_batch} (peak about {format_bytes(fitted.peak(answer.physical_batch))} of "
           f"{format_bytes(budget)})")
+    if fitted.ceiling:
+        print(f"note: kept below b = {fitted.ceiling}, the smallest that ran out of memory in a run of the store")
     if answer.note:
         print(f"note: {answer.note}")
     print(f"run it: python trainers/train.py --model {config.model} --dataset {config.dataset} "

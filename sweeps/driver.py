@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from trainers import interrupt
 from trainers.checkpoint import make_writable_folder
 from trainers.config import BatchsweepError
 
@@ -34,6 +35,7 @@ def _worker_process(inv, parent_run_id: str, index: int, budget: int | None, mes
     from .runner import Hooks, Worker
 
     torch.set_num_threads(1)
+    interrupt.trap()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     try:
@@ -77,6 +79,7 @@ def run_workers(inv, parent_run_id: str, workers: int, total: int) -> None:
         with tqdm(total=total, unit="trial", file=sys.stderr, dynamic_ncols=True) as bar:
             while any(p.is_alive() for p in procs):
                 time.sleep(1.0)
+                interrupt.check()
                 drain(bar)
                 bar.refresh()  # the elapsed time moves on between trials too
             for proc in procs:

@@ -12,6 +12,7 @@ from trainers import TrainConfig, train
 from trainers.checkpoint import Checkpointing
 from trainers.config import BatchsweepError
 
+from . import launch
 from .studies import Study
 
 
@@ -30,17 +31,20 @@ class Trained:
 
 
 class Objective:
-    def __init__(self, study: Study):
-        self.metrics, self.directions = study.metrics, study.directions
+    def __init__(self, study: Study, launcher: str = "process"):
+        self.metrics, self.directions, self.launcher = study.metrics, study.directions, launcher
 
     def train(self, config: TrainConfig, on_epoch: Callable[[dict[str, float]], None],
               checkpoint: Checkpointing | None = None) -> Trained:
-        result = train(config, on_epoch=on_epoch, checkpoint=checkpoint)
-        health = {"health": result.health, "health_epoch": result.health_epoch,
-                  "warnings": " | ".join(result.warnings) or None,
+        if self.launcher == "torchrun":
+            result = launch.run(config, on_epoch, checkpoint)
+        else:
+            result = train(config, on_epoch=on_epoch, checkpoint=checkpoint).to_dict()
+        health = {"health": result["health"], "health_epoch": result["health_epoch"],
+                  "warnings": " | ".join(result["warnings"]) or None,
                   "noise_scale": "unavailable: accum_steps=1" if config.accum_steps == 1 else None}
-        return Trained(result.metrics, result.status, result.memory_source, health, result.dataset,
-                       result.resumed_after)
+        return Trained(result["metrics"], result["status"], result["memory_source"], health, result["dataset"],
+                       result["resumed_after"])
 
     def values(self, metrics: dict[str, float]) -> list[float]:
         """The objective's values, one per metric; a metric that was not logged is an error of the study."""
@@ -86,8 +90,8 @@ class Equivalence(Objective):
 OBJECTIVES = {"train": Objective, "equivalence": Equivalence}
 
 
-def make_objective(study: Study) -> Objective:
-    return OBJECTIVES[study.kind](study)
+def make_objective(study: Study, launcher: str = "process") -> Objective:
+    return OBJECTIVES[study.kind](study, launcher)
 
 
 def rel_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:

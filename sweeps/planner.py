@@ -4,16 +4,19 @@ same model, dataset and memory source, or from a quick probe of a few batch size
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from trainers import ConfigError, TrainConfig, train
 from trainers.config import MAX_COUNT
 
 from .tracking import quote
+from .urls import sqlite_path
 
 UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}
 PROBE_BATCHES = (8, 32, 128)
@@ -38,6 +41,7 @@ class Fit:
     source: str  # where the points came from
     memory_source: str  # saved_tensors or cuda_allocator
     points: list[tuple[int, float]]
+    ceiling: int | None = None  # the smallest b that ran out of memory in a run of the store: plans stay below
 
     def peak(self, b: int) -> float:
         return self.fixed + self.per_sample * b
@@ -60,11 +64,20 @@ def from_study(config: TrainConfig, tracking_uri: str, memory_source: str) -> Fi
     runs = client.search_runs([experiment.experiment_id], max_results=1000, filter_string=(
         f"attributes.status = 'FINISHED' and params.model = {quote(config.model)} and params.dataset = "
         f"{quote(config.dataset)} and tags.memory_source = {quote(memory_source)}"))
-    points = sorted((int(r.data.params["physical_batch"]), r.data.metrics["peak_memory_bytes"]) for r in runs
-                    if "peak_memory_bytes" in r.data.metrics)
+    # A run whose micro-batches shrank on out-of-memory measured the b it trained at.
+    points = sorted((int(r.data.params.get("physical_batch_used", r.data.params["physical_batch"])),
+                     r.data.metrics["peak_memory_bytes"]) for r in runs if "peak_memory_bytes" in r.data.metrics)
     if len({b for b, _ in points}) < 2:
         return None
-    return fit(points, f"batch_memory study in {tracking_uri} ({len(points)} runs)", memory_source)
+    fitted = fit(points, f"batch_memory study in {tracking_uri} ({len(points)} runs)", memory_source)
+    # What ran out of memory in any study of this model and data on this kind of device.
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    failed = client.search_runs(experiments, max_results=1000, filter_string=(
+        f"metrics.oom_physical_batch > 0 and params.model = {quote(config.model)} and params.dataset = "
+        f"{quote(config.dataset)} and tags.memory_source = {quote(memory_source)}"))
+    sizes = [int(r.data.metrics["oom_physical_batch"]) for r in failed]
+    fitted.ceiling = min(sizes) if sizes else None
+    return fitted
 
 
 def probe(config: TrainConfig) -> Fit:
@@ -75,6 +88,23 @@ def probe(config: TrainConfig) -> Fit:
         points.append((b, result.metrics["peak_memory_bytes"]))
         memory_source = result.memory_source
     return fit(points, f"probe of b = {', '.join(map(str, PROBE_BATCHES))} ({PROBE_STEPS} steps each)", memory_source)
+
+
+@functools.lru_cache(maxsize=None)
+def start_batch(config: TrainConfig, target: int, tracking_uri: str) -> int:
+    """Where `physical_batch = "auto"` starts: on a GPU, the plan for its whole memory from a batch_memory study of
+    this model and data (below any b that ran out of memory), as a divisor of the target; b = B otherwise."""
+    from trainers.loop import resolve_device
+
+    device = resolve_device(config.device)
+    store = sqlite_path(tracking_uri)  # (no store yet: nothing to learn from, and none is created here)
+    if device.type != "cuda" or (store is not None and not store.exists()):
+        return target
+    fitted = from_study(config, tracking_uri, "cuda_allocator")
+    if fitted is None:
+        return target
+    b = plan(fitted, target, torch.cuda.get_device_properties(device).total_memory).physical_batch
+    return max(d for d in _divisors(target) if d <= b)
 
 
 def _divisors(n: int) -> list[int]:
@@ -99,6 +129,8 @@ def plan(model: Fit, target: int, budget: int) -> MemoryPlan:
     if not 1 <= target <= MAX_COUNT:
         raise ConfigError(f"--target-batch must be between 1 and {MAX_COUNT}, got {target}")
     largest = int((budget - model.fixed) // model.per_sample) if model.per_sample > 0 else target
+    if model.ceiling:
+        largest = min(largest, model.ceiling - 1)
     if largest < 1:
         raise ConfigError(f"even b = 1 needs about {model.peak(1) / 2 ** 20:.1f} MiB, more than the budget of "
                           f"{budget / 2 ** 20:.1f} MiB: raise --memory-budget or use a smaller model")

@@ -26,6 +26,7 @@ from trainers.loop import device_name, resolve_device
 from .models import claim, folder_of, resumes, spare
 from .objective import make_objective
 from .outcomes import OUTCOMES, outcome_of
+from .planner import start_batch
 from .search import Duplicate, Search, StudyChanged, Unit, make_search
 from .studies import Point, Study, config_key, describe
 from .tracking import HOST, Tracker, first_line, git_commit, pid_alive, standard_tags, system_metrics
@@ -106,9 +107,21 @@ class Invocation:
     system_metrics: bool = False  # MLflow's system metrics for every trial
     checkpoint_dir: str | None = None  # a folder per configuration beneath it (None: no checkpoints)
     log_models: str = "best"  # none | best | all: the models of this invocation's trials kept in MLflow
+    launcher: str = "process"  # process: trials train in the worker; torchrun: each trial is a torchrun job
 
     def config(self, point: Point, seed: int) -> TrainConfig:
-        return dataclasses.replace(self.base, **point, seed=seed)
+        if not self.study.auto_batch:
+            return dataclasses.replace(self.base, **point, seed=seed)
+        values = dict(point)
+        target = values.pop("effective_batch")
+        b = self.start_batch(target)
+        return dataclasses.replace(self.base, **values, physical_batch=b, accum_steps=target // b, seed=seed,
+                                   shrink_on_oom=True)
+
+    def start_batch(self, target: int) -> int:
+        """Where physical_batch = "auto" starts: the memory planner's b for the GPU's memory when a batch_memory
+        study of this model and data is in the store, else b = B."""
+        return start_batch(self.base, target, self.tracking_uri)
 
     def broken(self, config: TrainConfig) -> str | None:
         """The first of the study's constraints that a configuration breaks."""
@@ -196,7 +209,7 @@ class Worker:
     def __init__(self, inv: Invocation, parent_run_id: str, index: int = 0, hooks: Hooks | None = None):
         self.inv, self.parent_run_id, self.index = inv, parent_run_id, index
         self.hooks = hooks or Hooks()
-        self.objective = make_objective(inv.study)
+        self.objective = make_objective(inv.study, inv.launcher)
         self.storage = open_storage(inv.storage)
         self.tracker = Tracker(inv.tracking_uri, inv.study_name)
         self.device = device_name(resolve_device(inv.base.device))
@@ -213,7 +226,22 @@ class Worker:
         try:
             return self._run(budget)
         finally:
+            if self.tracker.open_runs:
+                try:
+                    for name in self.inv.search.study_names():
+                        self._end_recorded(optuna.load_study(study_name=name, storage=self.storage)
+                                           .get_trials(deepcopy=False))
+                except Exception:  # the storage went away: what is still open ends KILLED
+                    pass
             self.tracker.end_open_runs("KILLED")
+
+    def _end_recorded(self, trials: list[optuna.trial.FrozenTrial]) -> None:
+        """End the open runs of trials that Optuna has recorded finished: their end is skipped where reading the
+        trial back failed, or failed itself, and a complete trial's run must not end KILLED."""
+        for t in trials:
+            run_id = t.user_attrs.get("mlflow_run_id")
+            if run_id in self.tracker.open_runs and t.state.is_finished():
+                self.tracker.end(run_id, "FINISHED" if t.state == TrialState.COMPLETE else "FAILED")
 
     def _run(self, budget: int | None) -> int:
         ran, search, units = 0, self.inv.search, self.inv.units()
@@ -232,6 +260,7 @@ class Worker:
                 except Exception as exc:
                     self._storage_failed(exc)
                     continue
+                self._end_recorded(trials)
                 if not search.left(trials, mine, self.failed_here):
                     break
                 self._last_number, self._trial_raised = -1, False
@@ -257,9 +286,7 @@ class Worker:
                 self.storage_failures = []
                 if last is None:
                     continue
-                run_id = last.user_attrs.get("mlflow_run_id")
-                if run_id in self.tracker.open_runs:  # a trained trial, now recorded: its run ends
-                    self.tracker.end(run_id, "FINISHED" if last.state == TrialState.COMPLETE else "FAILED")
+                self._end_recorded([last])  # a trained trial, now recorded: its run ends
                 if last.state == TrialState.FAIL:
                     self.failed_here.add(config_key(last.user_attrs.get("config", {})))
                 if outcome_of(last) != OUTCOMES["duplicate"]:

@@ -15,6 +15,7 @@ Point = dict[str, Any]  # TrainConfig fields that vary between trials
 SAMPLERS = ("grid", "random", "tpe", "cmaes", "nsga2")
 PRUNERS = ("none", "median", "hyperband")
 KINDS = ("train", "equivalence")  # train: one configuration; equivalence: (b, k) against (b*k, 1)
+LAUNCHERS = ("process", "torchrun")  # where a trial trains: in the worker, or as a torchrun job
 DIRECTIONS = ("maximize", "minimize")
 OPERATORS = {"<=": operator.le, ">=": operator.ge, "==": operator.eq, "!=": operator.ne, "<": operator.lt,
              ">": operator.gt}
@@ -75,6 +76,8 @@ class Study:
     seeds: int = 1  # the default of --seeds
     workers: int = 1  # the default of --workers
     sampler_seed: int = 0
+    launcher: str = "process"  # the default of --launcher
+    auto_batch: bool = False  # physical_batch = "auto": points give effective_batch; b starts there, shrinks on OOM
     source: str = ""  # the file or import path it was read from
 
     @property

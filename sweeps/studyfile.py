@@ -12,10 +12,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from trainers.config import FIELDS, ConfigError
+from trainers.config import FIELDS, MAX_COUNT, ConfigError
 from trainers.imports import import_object
 
-from .studies import (CONSTRAINT, DIRECTIONS, KINDS, PRUNERS, SAMPLERS, Constraint, Param, Study, check_name)
+from .studies import (CONSTRAINT, DIRECTIONS, KINDS, LAUNCHERS, PRUNERS, SAMPLERS, Constraint, Param, Study, check_name)
 
 try:
     import tomllib
@@ -25,7 +25,7 @@ except ModuleNotFoundError:  # Python < 3.11
 BUILTIN = Path(__file__).resolve().parent / "builtin"
 DERIVED = ("effective_batch", "lr", "bn_momentum")  # what a constraint may name besides the fields
 KEYS = {
-    "": ("name", "summary", "seeds", "workers", "fixed", "grid", "tune", "search", "objective"),
+    "": ("name", "summary", "seeds", "workers", "launcher", "fixed", "grid", "tune", "search", "objective"),
     "search": ("sampler", "trials", "pruner", "twins", "constraints", "seed"),
     "objective": ("kind", "metrics", "directions"),
     "tune": ("type", "low", "high", "log", "choices"),
@@ -99,24 +99,46 @@ def parse(data: dict[str, Any], source: str) -> Study:
     unknown("search", search, KEYS["search"])
     unknown("objective", objective, KEYS["objective"])
 
+    # physical_batch = "auto": each trial starts at b = its effective_batch (a [fixed] value or a [grid] axis)
+    # and shrinks on out-of-memory.
+    auto = fixed.get("physical_batch") == "auto"
+    fixed = {k: v for k, v in fixed.items() if not (auto and k == "physical_batch")}
+    if auto and "effective_batch" in fixed:  # one target: a grid axis of one value
+        grid_table = {"effective_batch": [fixed.pop("effective_batch")], **grid_table}
+
+    def value_of(key: str, field: str, value: Any) -> Any:
+        if field != "effective_batch":
+            return _field_value(key, field, value, fail)
+        if not auto:
+            raise fail(key, "effective_batch is b x k x world_size: set physical_batch and accum_steps, or "
+                            "physical_batch = \"auto\" in [fixed] with effective_batch as the target")
+        if type(value) is not int or not 1 <= value <= MAX_COUNT:
+            raise fail(key, f"must be a positive integer, got {_kind(value)} {value!r}")
+        return value
+
     for key, value in fixed.items():
-        _field_value(f"fixed.{key}", key, value, fail)
+        value_of(f"fixed.{key}", key, value)
     grid: dict[str, tuple] = {}
     for key, values in grid_table.items():
         if not isinstance(values, list) or not values:
             raise fail(f"grid.{key}", f"must be a non-empty list of values, got {_kind(values)}")
         fields = key.split("+")
         if len(fields) == 1:
-            grid[key] = tuple(_field_value(f"grid.{key}", key, v, fail) for v in values)
+            grid[key] = tuple(value_of(f"grid.{key}", key, v) for v in values)
         else:  # fields that vary together, e.g. "model+dataset" = [["mlp", "mnist1d"], ["gpt", "pytext"]]
             if not all(isinstance(v, list) and len(v) == len(fields) for v in values):
                 raise fail(f"grid.{key}", f"each value must be a list of {len(fields)} values, one for each of "
                                           f"{', '.join(fields)}")
-            grid[key] = tuple(tuple(_field_value(f"grid.{key}", f, x, fail) for f, x in zip(fields, v)) for v in values)
+            grid[key] = tuple(tuple(value_of(f"grid.{key}", f, x) for f, x in zip(fields, v)) for v in values)
         if len(set(grid[key])) < len(grid[key]):
             raise fail(f"grid.{key}", "lists a value twice: list each once")
     tune = {key: _param(f"tune.{key}", key, spec, fail) for key, spec in tune_table.items()}
     grid_fields = [f for key in grid for f in key.split("+")]
+    if auto and "effective_batch" not in grid_fields:
+        raise fail("fixed.physical_batch", "\"auto\" needs the target: effective_batch = B in [fixed] or [grid]")
+    if auto and {"physical_batch", "accum_steps"} & (set(grid_fields) | set(tune) | set(fixed)):
+        raise fail("fixed.physical_batch", "\"auto\" sets physical_batch and accum_steps itself: leave them out "
+                                           "of [fixed], [grid] and [tune]")
     if len(set(grid_fields)) < len(grid_fields):
         raise fail("grid", "names a field in two axes: give each field one axis")
     tables = {"fixed": set(fixed), "grid": set(grid_fields), "tune": set(tune)}
@@ -160,6 +182,7 @@ def parse(data: dict[str, Any], source: str) -> Study:
         raise fail("search.twins", "a twin (b*k, 1) changes physical_batch and accum_steps: put both in [grid]")
     if kind == "equivalence" and sampler != "grid":
         raise fail("objective.kind", "an equivalence study compares grid points: use sampler = \"grid\"")
+    launcher = _choice(data, "launcher", "launcher", LAUNCHERS, "process", fail)
     constraints = tuple(_constraint(text, fail) for text in _strings(search, "search.constraints", "constraints",
                                                                       [], fail))
     return Study(name=name, summary=_typed(data, "summary", str, fail, default=""), fixed=dict(fixed), grid=grid,
@@ -167,7 +190,8 @@ def parse(data: dict[str, Any], source: str) -> Study:
                  pruner=pruner, twins=twins, constraints=constraints, kind=kind, metrics=metrics,
                  directions=directions, seeds=_count(data, "seeds", "seeds", 1, 1000, fail),
                  workers=_count(data, "workers", "workers", 1, 256, fail),
-                 sampler_seed=_count(search, "search.seed", "seed", 0, 2 ** 31 - 1, fail, low=0), source=source)
+                 sampler_seed=_count(search, "search.seed", "seed", 0, 2 ** 31 - 1, fail, low=0), launcher=launcher,
+                 auto_batch=auto, source=source)
 
 
 def _kind(value: Any) -> str:

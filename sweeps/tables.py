@@ -65,14 +65,17 @@ def results_table(inv, storage) -> str:
     sign = -1 if directions[0] == "maximize" else 1
     trials.sort(key=lambda nt: (nt[1].values is None, sign * (nt[1].values[0] if nt[1].values else 0)))
     varied = list(dict.fromkeys(k for _, t in trials for k in t.user_attrs.get("config", {})))
-    headers = ["#", *varied, "B", "lr", "outcome", "health", *metrics, "samples/s", "peak memory",
-               "front" if len(metrics) > 1 else "best"]
+    shrunk = inv.study.auto_batch or any("oom_retries" in t.user_attrs.get("metrics", {}) for _, t in trials)
+    headers = ["#", *varied, "B", *(["b used (OOM retries)"] if shrunk else []), "lr", "outcome", "health", *metrics,
+               "samples/s", "peak memory", "front" if len(metrics) > 1 else "best"]
     rows = []
     for name, t in trials:
         m = t.user_attrs.get("metrics", {})
         config = t.user_attrs.get("config", {})
         derived = inv.config({k: v for k, v in config.items() if k != "seed"}, config.get("seed", 0))
+        used = [f"{m['physical_batch_used']:.0f} ({m['oom_retries']:.0f})" if "oom_retries" in m else "-"]
         rows.append([str(t.number), *(_fmt(config.get(k)) for k in varied), str(derived.effective_batch),
+                     *(used if shrunk else []),
                      f"{derived.lr:.4g}", outcome_of(t).name, t.user_attrs.get("health", "-"),
                      *(_metric(metric, m.get(metric)) for metric in metrics),
                      f"{m['samples_per_s']:,.0f}" if "samples_per_s" in m else "-",

@@ -221,11 +221,14 @@ class Tracker:
         tags `reason` = `record_error` and `error`) instead of raising, so that a trained trial is not lost.
         `dataset` (name, digest, train_size, test_size) becomes the run's input: the UI's Dataset column."""
         keys = {k for row in history or [] for k in row}
+        params = None
         if metrics:  # per-epoch keys are in the history already; their last step is the final value
             metrics = {k: v for k, v in metrics.items() if k in RUN_LEVEL or k not in keys}
+            if "physical_batch_used" in metrics:  # where out-of-memory shrank b: a param, like physical_batch
+                params = {"physical_batch_used": int(metrics.pop("physical_batch_used"))}
         error = None
         try:
-            self.log(run_id, metrics=metrics, history=history, tags=tags)
+            self.log(run_id, params=params, metrics=metrics, history=history, tags=tags)
             if history:
                 self._log_history_csv(run_id, history)
             if dataset and dataset.get("digest"):

@@ -118,17 +118,47 @@ def unused_layer(input_shape, num_classes, **_):
     return UnusedLayer(input_shape, num_classes)
 
 
-def tokens(seed=0, **_):
+def tokens(seed=0, train=50, **_):
     """50 train and 10 test sequences of 3 to 16 tokens (vocabulary 20) padded to 16, targets -100 at the
     padding: micro-batches hold unequal token counts, and at B = 16 the last window holds 2 sequences."""
     g = torch.Generator().manual_seed(5)
-    lengths = torch.randint(3, 17, (60,), generator=g)
-    x = torch.randint(1, 20, (60, 16), generator=g)
+    lengths = torch.randint(3, 17, (train + 10,), generator=g)
+    x = torch.randint(1, 20, (train + 10, 16), generator=g)
     y = torch.roll(x, -1, 1)
     pad = torch.arange(16)[None, :] >= lengths[:, None]
     x[pad], y[pad] = 0, -100
-    y[torch.arange(60), lengths - 1] = -100  # the last token of a sequence predicts nothing
-    return TensorDataset(x[:50], y[:50]), TensorDataset(x[50:], y[50:])
+    y[torch.arange(train + 10), lengths - 1] = -100  # the last token of a sequence predicts nothing
+    return TensorDataset(x[:train], y[:train]), TensorDataset(x[train:], y[train:])
+
+
+def tokens53(seed=0, **_):
+    """At B = 12 on 2 ranks the last window holds 5 sequences: shards of 3 and 2, at b = 2 two micro-batches
+    on one rank and one on the other."""
+    return tokens(train=53)
+
+
+class Rows(torch.utils.data.Dataset):
+    """A TensorDataset's rows as a plain Dataset: read through the DataLoader path."""
+
+    def __init__(self, tensors: TensorDataset):
+        self.tensors = tensors
+
+    def __len__(self):
+        return len(self.tensors)
+
+    def __getitem__(self, i):
+        return self.tensors[i]
+
+
+def tokens49(seed=0, **_):
+    return tokens(train=49)
+
+
+def tokens49_read(seed=0, **_):
+    """Through the DataLoader path, where each rank counts its own shard's tokens; at B = 12 on 2 ranks the
+    last window holds one sequence, and one rank's shard of it is empty."""
+    train_set, test_set = tokens(train=49)
+    return Rows(train_set), test_set
 
 
 def two_terms(output, target):
@@ -234,6 +264,7 @@ class Killable(nn.Module):
     def forward(self, x):
         import os
         import signal
+        import threading
 
         mode = "train" if self.training else "eval"
         self.calls[mode] += 1
@@ -241,6 +272,11 @@ class Killable(nn.Module):
         when_mode, _, n = rest.partition(":")
         if marker and when_mode == mode and self.calls[mode] == int(n) and os.path.exists(marker):
             os.unlink(marker)
+            # The last epoch's checkpoint is written beside this epoch's training: let it land, so that the
+            # resume point does not depend on the machine's load (a kill mid-write has a test of its own).
+            for thread in threading.enumerate():
+                if thread.name == "checkpoint":
+                    thread.join()
             os.kill(os.getpid(), signal.SIGKILL)
         return self.net(x)
 
@@ -262,3 +298,23 @@ class Branchy(nn.Module):
 
 def branchy(input_shape, num_classes, **_):
     return Branchy(input_shape, num_classes)
+
+
+class FitsSixteen(nn.Module):
+    """Runs out of memory, as a GPU would, when a training micro-batch holds more than 16 samples: after its
+    first layer, so that the failed micro-batch leaves activations behind."""
+
+    def __init__(self, input_shape, num_classes, **_):
+        super().__init__()
+        self.first = nn.Sequential(nn.Flatten(), nn.Linear(int(np.prod(input_shape)), 32), nn.ReLU())
+        self.last = nn.Linear(32, num_classes)
+
+    def forward(self, x):
+        h = self.first(x)
+        if torch.is_grad_enabled() and len(x) > 16:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.last(h)
+
+
+def fits_16(input_shape, num_classes, **_):
+    return FitsSixteen(input_shape, num_classes)

@@ -103,6 +103,13 @@ trials = 2
     (("accum_steps = [1, 4]", '"accum_steps+physical_batch" = [[1, 8]]'), "grid: names a field in two axes"),
     (("accum_steps = [1, 4]", '"accum_steps+model" = [[1, 2]]'), "grid.accum_steps+model: must be text, got an "
                                                                  "integer 2"),
+    (("", 'launcher = "slurm"\n'), "launcher: 'slurm' is not one of process, torchrun"),
+    (("accum_steps = [1, 4]", "effective_batch = [64]"), "grid.effective_batch: effective_batch is b x k x world_size"),
+    (("[grid]", '[fixed]\nphysical_batch = "auto"\n[grid]'), 'fixed.physical_batch: "auto" needs the target'),
+    (("[grid]\nphysical_batch = [16]", '[fixed]\nphysical_batch = "auto"\n[grid]\neffective_batch = [64]'),
+     '"auto" sets physical_batch and accum_steps itself'),
+    (("[grid]\nphysical_batch = [16]", '[fixed]\nphysical_batch = "auto"\n[grid]\neffective_batch = [0]'),
+     "grid.effective_batch: must be a positive integer, got an integer 0"),
 ])
 def test_a_bad_study_file_is_one_line_naming_file_and_key(tmp_path, capsys, edit, expected):
     path = tmp_path / "study.toml"

@@ -74,7 +74,7 @@ def test_ctrl_c_marks_the_running_trial_and_says_how_to_resume(tmp_path):
     time.sleep(0.3)  # inside the next trial's 40 epochs
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130
+    assert proc.returncode == 130, err[-3000:]
     assert "run the same command again to resume" in err and "Traceback" not in err
     storage, client = stores(tmp_path)
     trials = optuna.load_study(study_name="accum_lr", storage=storage).trials

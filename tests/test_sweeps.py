@@ -214,7 +214,10 @@ def test_distributed_study_on_postgresql_and_a_tracking_server(tmp_path):
         children, parents = child_runs(client)
         assert len(parents) == 2  # one per invocation
         finished = {r.info.run_id for r in children if r.info.status == "FINISHED"}
-        assert {t.user_attrs["mlflow_run_id"] for t in complete} == finished
+        statuses = {r.info.run_id: (r.info.status, r.data.tags.get("reason")) for r in children}
+        assert {t.user_attrs["mlflow_run_id"] for t in complete} == finished, (
+            {t.number: statuses.get(t.user_attrs["mlflow_run_id"]) for t in complete},
+            [err[-2000:] for _, err in outputs])
         assert len({t.user_attrs["owner"] for t in complete}) == 2  # both machines worked
 
         # The MLflow UI, as a user opens it: the runs table and the latest parent run's page have their
@@ -291,8 +294,8 @@ def test_points_larger_than_the_training_set_are_recorded_and_skipped(tmp_path):
 
 
 def test_system_metrics_are_logged_for_each_trial(tmp_path):
-    env_interval = {"MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.1"}  # trials of a second get several samples
-    proc = subprocess.run([sys.executable, str(ROOT / "sweeps/run.py"), *TINY, "--epochs", "4", "--n-trials", "2",
+    env_interval = {"MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.1"}  # trials of a second (30 epochs) get several
+    proc = subprocess.run([sys.executable, str(ROOT / "sweeps/run.py"), *TINY, "--epochs", "30", "--n-trials", "2",
                            "--system-metrics"], capture_output=True, text=True, cwd=tmp_path, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env_interval})
     assert proc.returncode == 0, proc.stderr

@@ -1,5 +1,7 @@
 import math
 import random
+import signal
+import weakref
 from dataclasses import replace
 
 import numpy as np
@@ -8,11 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainers import ConfigError, TrainConfig, train
+from trainers import ConfigError, TrainConfig, interrupt, train
 from trainers.data import load_data, mnist1d
 from trainers.loop import evaluate, lr_at
 from trainers.order import permutation, windows
 from trainers.models import build_model
+from trainers.probes import Probe
 
 
 def max_rel_diff(a: nn.Module, b: nn.Module) -> float:
@@ -400,3 +403,35 @@ def test_noise_scale_is_not_a_number_for_k_1(data_dir):
     result = train(TrainConfig(epochs=1, data_dir=data_dir))
     assert "noise_scale" not in result.history[0] and "noise_scale" not in result.metrics
     assert "noise_scale" in train(TrainConfig(epochs=1, accum_steps=4, data_dir=data_dir)).metrics
+
+
+class SignalInFinalizer(Probe):
+    """Ctrl-C at the worst moment: while a finalizer runs (the CPU memory counter runs many per micro-batch),
+    where Python prints the KeyboardInterrupt as ignored and drops it."""
+
+    def start(self, run):
+        super().start(run)
+        self.steps = 0
+
+    def after_micro(self, micro):
+        if micro.step == 1:
+            held = type("Held", (), {})()
+            weakref.finalize(held, signal.raise_signal, signal.SIGINT)
+            del held
+
+    def after_step(self, step):
+        self.steps += 1
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_dropped_inside_a_finalizer_still_stops_the_run(data_dir):
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        interrupt.trap()
+        probe = SignalInFinalizer()
+        with pytest.raises(KeyboardInterrupt):
+            train(TrainConfig(model="mlp", physical_batch=32, accum_steps=2, epochs=2, data_dir=data_dir),
+                  probes=[probe])
+        assert probe.steps == 2  # steps 0 and 1: it stopped after the step that saw the signal
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -56,6 +56,9 @@ class Progress:
     train_time: float = 0.0
     wall_time: float = 0.0
     samples: int = 0
+    physical_batch: int = 0  # the b in use, when out-of-memory shrank it (0: the configuration's)
+    oom_retries: int = 0
+    oom_batch: int = 0  # the smallest b that ran out of memory (0: none did)
 
 
 def rng_states() -> dict[str, Any]:
@@ -89,13 +92,16 @@ def make_writable_folder(folder: Path) -> None:
 
 
 class Checkpointer:
-    """Writes a run's checkpoints into one folder and reads the last one back."""
+    """Writes a run's checkpoints into one folder and reads the last one back. Under torchrun every rank reads
+    it and rank 0 alone writes (`writes=False` elsewhere)."""
 
-    def __init__(self, spec: Checkpointing, config: TrainConfig):
-        self.spec, self.config = spec, config
+    def __init__(self, spec: Checkpointing, config: TrainConfig, writes: bool = True):
+        self.spec, self.config, self.writes = spec, config, writes
         self.last_write = time.monotonic()
         self.writer: threading.Thread | None = None
         self.failure: str | None = None
+        if not writes:
+            return
         folder = Path(spec.dir)
         make_writable_folder(folder)  # before the first epoch, not after it
         for stale in folder.glob(f"{FILE}.tmp-*"):  # a write that was killed: the checkpoint before it stands
@@ -103,8 +109,8 @@ class Checkpointer:
 
     def due(self, progress: Progress) -> bool:
         every, minutes = self.spec.every, self.spec.minutes
-        return progress.finished or bool(every and progress.epoch % every == 0) or bool(
-            minutes and time.monotonic() - self.last_write >= 60 * minutes)
+        return self.writes and (progress.finished or bool(every and progress.epoch % every == 0) or bool(
+            minutes and time.monotonic() - self.last_write >= 60 * minutes))
 
     def save(self, progress: Progress, model, optimizer, probes) -> None:
         """Serialize now (the weights move on in the next epoch), write in the background: the file's write and

@@ -7,7 +7,8 @@ import json
 import math
 import sys
 
-from .config import FIELDS, BatchsweepError, TrainConfig, parse_value
+from .config import FIELDS, BatchsweepError, ConfigError, TrainConfig, parse_value
+from .distributed import check_launch, launched_rank, launched_ranks
 
 
 def add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -25,13 +26,38 @@ def add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
 
 
 def config_from_args(args: argparse.Namespace, base: TrainConfig | None = None) -> TrainConfig:
-    """The given flags on top of `base`; each value is parsed to its field's type."""
+    """The given flags on top of `base`; each value is parsed to its field's type. `--physical-batch auto` with
+    `--effective-batch B` starts at b = B and shrinks on out-of-memory; `--effective-batch` with a number b sets
+    k = B / (b * N). Under torchrun, world_size defaults to the number of processes."""
+    base = base or TrainConfig()
+    auto = getattr(args, "physical_batch", None) == "auto"
+    target = getattr(args, "effective_batch", None)
     changes = {}
     for name in FIELDS:
         value = getattr(args, name, None)
-        if value is not None:
+        if value is not None and not (auto and name == "physical_batch"):
             changes[name] = value if isinstance(value, bool) else parse_value(name, value)
-    return dataclasses.replace(base or TrainConfig(), **changes)
+    if "world_size" not in changes and launched_ranks() > 1:
+        changes["world_size"] = launched_ranks()
+    if target is None:
+        if auto:
+            raise ConfigError("--physical-batch auto needs the target: add --effective-batch B (e.g. 256)")
+        return dataclasses.replace(base, **changes)
+    if not target.strip().isdigit() or int(target) < 1:
+        raise ConfigError(f"--effective-batch takes a positive integer, got {target!r}")
+    target = int(target)
+    if "accum_steps" in changes:
+        raise ConfigError("--effective-batch sets accum_steps (B / (b * world_size)): leave out --accum-steps")
+    world = changes.get("world_size", base.world_size)
+    if auto:
+        changes.update(physical_batch=target, accum_steps=1, shrink_on_oom=True)
+    else:
+        b = changes.get("physical_batch", base.physical_batch)
+        if target % (b * world):
+            raise ConfigError(f"--effective-batch {target} is not a multiple of physical_batch x world_size "
+                              f"({b} x {world}): choose a multiple, or --physical-batch auto")
+        changes["accum_steps"] = target // (b * world)
+    return dataclasses.replace(base, **changes)
 
 
 def format_bytes(n: float) -> str:
@@ -48,7 +74,12 @@ def summary_table(result) -> str:
         ("status", result.status),
         ("model / dataset", f"{c.model} / {c.dataset}"),
         ("device", result.device_name),
-        ("b x k = B", f"{c.physical_batch} x {c.accum_steps} = {c.effective_batch}"),
+        ("b x k = B", f"{c.physical_batch} x {c.accum_steps} = {c.effective_batch}" if c.world_size == 1 else
+         f"{c.physical_batch} x {c.accum_steps} x {c.world_size} processes = {c.effective_batch}"),
+        *([("shrunk on out-of-memory", f"b = {m['physical_batch_used']:.0f} after {m['oom_retries']:.0f} "
+                                        f"retries")] if m.get("oom_retries") else []),
+        *([("gradient all-reduces", f"{m['allreduce_calls']:.0f} in the last epoch, "
+                                    f"{format_bytes(m['allreduce_bytes'])}")] if "allreduce_calls" in m else []),
         ("lr", f"{c.lr:.4g} ({c.lr_rule} rule, base {c.base_lr:g} at {c.base_batch})"),
         ("bn momentum", f"{c.bn_momentum:.4g} ({c.bn_momentum_rule})"),
         ("epochs / steps", f"{len(result.history)} / {int(m['steps'])}"),
@@ -60,6 +91,7 @@ def summary_table(result) -> str:
         ("noise scale", f"{m['noise_scale']:.0f}" + (" (unreliable: the finite-set correction dominates)"
                                                       if m.get("noise_scale_reliable") == 0 else "")
          if "noise_scale" in m else
+         "n/a (not measured under torchrun)" if c.world_size > 1 else
          "n/a (needs accum_steps >= 2)" if c.accum_steps == 1 else "n/a (not measurable yet)"),
         ("health", result.health + (f" (from epoch {result.health_epoch})" if result.health_epoch else "")),
         *([("resumed", f"after epoch {result.resumed_after} (from its checkpoint)")] if result.resumed_after else []),
@@ -78,24 +110,37 @@ def run_script(main) -> None:
         sys.exit(2)
 
 
-def epoch_progress(total: int):
-    """A bar over epochs: returns (callback, close)."""
+def epoch_progress(total: int, jsonl: str | None = None):
+    """A bar over epochs, and each row appended to `jsonl` when given: returns (callback, close)."""
     from tqdm import tqdm
 
     bar = tqdm(total=total, unit="epoch", file=sys.stderr, dynamic_ncols=True)
+    rows = open(jsonl, "a") if jsonl else None
 
     def on_epoch(row: dict) -> None:
+        if rows:
+            rows.write(json.dumps(row) + "\n")
+            rows.flush()
         bar.set_postfix(loss=f"{row['train_loss']:.3f}", val_acc=f"{row['val_acc']:.3f}")
         bar.update(1)
 
-    return on_epoch, bar.close
+    def close() -> None:
+        bar.close()
+        if rows:
+            rows.close()
+
+    return on_epoch, close
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trainers/train.py", description=
                                      "Train one configuration with exact gradient accumulation.")
     add_config_flags(parser)
+    parser.add_argument("--effective-batch", metavar="B", help="samples per optimizer step: sets accum_steps, or with "
+                        "--physical-batch auto the target that b shrinks under on out-of-memory")
     parser.add_argument("--json", metavar="PATH", help="write the result (config, metrics, history) as JSON")
+    parser.add_argument("--epochs-jsonl", metavar="PATH", help="append each epoch's row to PATH as a JSON line, as "
+                        "it ends (for whoever follows the run: a study's torchrun launcher)")
     parser.add_argument("--checkpoint-dir", metavar="DIR", help="save the run at the end of its epochs into DIR; "
                         "the same command again resumes after the last finished epoch")
     parser.add_argument("--checkpoint-every", type=int, default=1, metavar="N",
@@ -103,29 +148,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-minutes", type=float, default=0.0, metavar="M",
                         help="also checkpoint at the end of an epoch once M minutes passed since the last one")
     args = parser.parse_args(argv)
+    import torch
+
+    from . import interrupt
     from .checkpoint import Checkpointing
     from .loop import train
 
-    checkpoint = None
+    checkpoint, lead = None, launched_rank() == 0  # under torchrun, rank 0 alone reports
+    interrupt.trap()
     try:
         config = config_from_args(args)
+        check_launch(config)
         checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every, args.checkpoint_minutes) \
             if args.checkpoint_dir else None
-        if checkpoint and checkpoint.path.exists():
+        if checkpoint and checkpoint.path.exists() and lead:
             print(f"resuming from {checkpoint.path}", file=sys.stderr)
-        on_epoch, close = epoch_progress(config.epochs)
+        on_epoch, close = epoch_progress(config.epochs, args.epochs_jsonl) if lead else (None, lambda: None)
         try:
             result = train(config, on_epoch=on_epoch, checkpoint=checkpoint)
         finally:
             close()
     except BatchsweepError as exc:
+        # Every rank says it: torchrun stops the others as soon as one exits, perhaps before rank 0 has spoken.
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except torch.OutOfMemoryError:
+        print("error: out of memory: lower --physical-batch, or give --physical-batch auto --effective-batch B to "
+              "shrink it on out-of-memory", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
-        print("interrupted: " + (f"{checkpoint.path} holds the last finished epoch; run the same command again to "
-                                 f"resume" if checkpoint and checkpoint.path.exists() else
-                                 "nothing was saved (--checkpoint-dir DIR saves every epoch)"), file=sys.stderr)
+        if lead:
+            print("interrupted: " + (f"{checkpoint.path} holds the last finished epoch; run the same command again "
+                                     f"to resume" if checkpoint and checkpoint.path.exists() else
+                                     "nothing was saved (--checkpoint-dir DIR saves every epoch)"), file=sys.stderr)
         return 130
+    if not lead:
+        return 0 if result.status == "ok" else 1
     for note in result.warnings:
         print(f"warning: {note}", file=sys.stderr)
     print(summary_table(result))

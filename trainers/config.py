@@ -43,6 +43,9 @@ class TrainConfig:
     norm: str = "batch"  # cnn1d only: batch | group | none
     physical_batch: int = 32  # b: samples per forward/backward
     accum_steps: int = 1  # k: micro-batches per optimizer step
+    world_size: int = 1  # N: data-parallel processes (torchrun's); B = b * k * N
+    sync_bn: bool = False  # with N > 1: SyncBatchNorm, normalizing over the ranks' micro-batches together (GPUs)
+    shrink_on_oom: bool = False  # on out-of-memory, halve b and double k (B stays) and run the window again
     drop_last: bool = False  # drop the short last window of an epoch
     shuffle: bool = True  # one seeded permutation per epoch
     lr_rule: str = "none"  # none | linear | sqrt, relative to base_batch
@@ -86,7 +89,7 @@ class TrainConfig:
         _choice("precision", self.precision, PRECISIONS)
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
-        for name in ("physical_batch", "accum_steps", "base_batch", "epochs", "eval_batch", "prefetch_factor"):
+        for name in ("physical_batch", "accum_steps", "world_size", "base_batch", "epochs", "eval_batch", "prefetch_factor"):
             _at_least(name, getattr(self, name), 1)
         for name in ("ghost_batch", "seed", "max_steps", "num_workers"):
             _at_least(name, getattr(self, name), 0)
@@ -113,13 +116,16 @@ class TrainConfig:
         if self.warmup_epochs > self.epochs:
             raise ConfigError(f"warmup_epochs ({self.warmup_epochs}) is longer than the run ({self.epochs} epochs): "
                               f"raise --epochs or lower warmup_epochs (e.g. --set warmup_epochs=0)")
+        if self.shrink_on_oom and self.world_size > 1:
+            raise ConfigError("--physical-batch auto (shrink on out-of-memory) runs one process: under torchrun give "
+                              "--physical-batch and --accum-steps")
         if self.nesterov and (self.optimizer != "sgd" or self.momentum == 0):
             raise ConfigError("nesterov needs optimizer=sgd with momentum > 0")
 
     @property
     def effective_batch(self) -> int:
-        """B = b * k: samples per optimizer step."""
-        return self.physical_batch * self.accum_steps
+        """B = b * k * N: samples per optimizer step, over every process."""
+        return self.physical_batch * self.accum_steps * self.world_size
 
     @property
     def lr(self) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -15,16 +15,23 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from .config import TrainConfig
 from .data import Data
 from .losses import Loss, add_counts, counts_samples
-from .order import MicroBatches, permutation, sample_seed, windows
+from .order import MicroBatches, permutation, sample_seed, shard, windows
 
 
 @dataclass
 class Window:
-    """One optimizer step's samples: their number, the loss's item counts, and the micro-batches."""
+    """One optimizer step: its number of samples and the loss's item counts, both over every process, and
+    this process's part of it: `rows` samples, which `cut(b)` yields as micro-batches of b (again, at a smaller
+    b, when a micro-batch ran out of memory)."""
 
     size: int
     counts: Any  # a number, a tensor, or a dict of them by loss term
-    batches: Iterable[tuple[Any, torch.Tensor]]
+    rows: int
+    cut: Callable[[int], Iterable[tuple[Any, torch.Tensor]]]
+
+    def parts(self, b: int) -> int:
+        """Micro-batches at b; an empty part still runs one, empty, so that every rank synchronizes once."""
+        return max(1, -(-self.rows // b))
 
 
 class Seeded(Dataset):
@@ -33,10 +40,10 @@ class Seeded(Dataset):
 
     Python's and numpy's global RNGs are seeded the same way once the dataset is seen to draw from them
     (seeding all three costs about 12 µs a sample, a tenth of a CIFAR augmentation). Until then each process
-    keeps them in a known state and, after every sample, draws once from each beside a twin in the same
-    state: a dataset that drew moved them on, the draws differ, and that sample is read again with all three
-    seeded, as is every later one. In the main process (num_workers = 0) torch's RNG is given back to the
-    training, which draws from it (dropout)."""
+    keeps them in a known state and, after every micro-batch, draws once from each beside a twin in the same
+    state: a dataset that drew moved them on, the draws differ, and that micro-batch is read again with all
+    three seeded per sample, as is every later one. In the main process (num_workers = 0) torch's RNG is
+    given back to the training, which draws from it (dropout)."""
 
     def __init__(self, dataset: Dataset, seed: int):
         self.dataset, self.seed = dataset, seed
@@ -57,33 +64,37 @@ class Seeded(Dataset):
             self.twins = random.Random(self.seed), np.random.RandomState(self.seed % 2 ** 32)
         saved = torch.default_generator.get_state() if get_worker_info() is None else None
         try:
-            return [self._read(epoch, index) for epoch, index in keys]
+            if not self.all_rngs:
+                samples = self._read(keys, all_rngs=False)
+                if random.random() == self.twins[0].random() and np.random.random() == self.twins[1].random():
+                    return samples
+                self.all_rngs = True  # it draws from them: this micro-batch again, and every later one, seeded
+            return self._read(keys, all_rngs=True)
         finally:
             if saved is not None:
                 torch.default_generator.set_state(saved)
 
-    def _read(self, epoch: int, index: int):
-        seed = sample_seed(self.seed, epoch, index)
-        torch.default_generator.manual_seed(seed)  # CPU only: torch.manual_seed would seed every GPU (slow)
-        if not self.all_rngs:
-            sample = self.dataset[index]
-            if random.random() == self.twins[0].random() and np.random.random() == self.twins[1].random():
-                return sample
-            self.all_rngs = True  # it draws from them: this sample again, and every later one, seeded
-            torch.default_generator.manual_seed(seed)
-        random.seed(seed)
-        np.random.seed(seed % 2 ** 32)
-        return self.dataset[index]
+    def _read(self, keys: list[tuple[int, int]], all_rngs: bool) -> list:
+        generator, dataset, samples = torch.default_generator, self.dataset, []
+        for epoch, index in keys:
+            seed = sample_seed(self.seed, epoch, index)
+            generator.manual_seed(seed)  # CPU only: torch.manual_seed would seed every GPU (slow)
+            if all_rngs:
+                random.seed(seed)
+                np.random.seed(seed % 2 ** 32)
+            samples.append(dataset[index])
+        return samples
 
 
 class Feed:
-    def __init__(self, data: Data, config: TrainConfig, device: torch.device, loss: Loss):
-        self.data, self.config, self.device, self.loss = data, config, device, loss
+    def __init__(self, data: Data, config: TrainConfig, device: torch.device, loss: Loss, parallel=None):
+        self.data, self.config, self.device, self.loss, self.parallel = data, config, device, loss, parallel
+        self.rank = parallel.rank if parallel else 0
         self.dtype = getattr(torch, config.dtype)
         self.n = data.n_train
-        self.loader, self.per_sample = None, None
+        self.loader, self.per_sample, self.empty = None, None, None
         if data.train_set is not None:
-            self.sampler = MicroBatches(config, self.n)
+            self.sampler = MicroBatches(config, self.n, self.rank)
             workers = config.num_workers
             # A generator of its own: a loader draws its processes' base seed when an epoch's iteration
             # starts, and drawing it from torch's global RNG would move the training's (dropout) by one draw
@@ -102,27 +113,52 @@ class Feed:
         return self._loader_windows(epoch)
 
     def _tensor_windows(self, epoch: int) -> Iterator[Window]:
-        x, y, b = self.data.x_train, self.data.y_train, self.config.physical_batch
+        x, y, world = self.data.x_train, self.data.y_train, self.config.world_size
+
+        def cut(mine: torch.Tensor, b: int) -> Iterator[tuple[Any, torch.Tensor]]:
+            for idx in mine.split(b) if len(mine) else (mine,):
+                yield x[idx], y[idx]
+
         for window in windows(permutation(self.config, epoch, self.n, self.device), self.config):
-            yield Window(len(window), self.loss.counts(y[window]), ((x[idx], y[idx]) for idx in window.split(b)))
+            # Every process holds the data: the counts of the whole window need no communication.
+            mine = shard(window, self.rank, world)
+            yield Window(len(window), self.loss.counts(y[window]), len(mine), lambda b, mine=mine: cut(mine, b))
 
     def _loader_windows(self, epoch: int) -> Iterator[Window]:
         self.sampler.set_epoch(epoch)
-        batches, b = iter(self.loader), self.config.physical_batch
+        batches, b, world = iter(self.loader), self.config.physical_batch, self.config.world_size
         for window in windows(torch.arange(self.n), self.config):
-            parts = -(-len(window) // b)
-            if self.per_sample:  # the counts are the window's size: train on each micro-batch as it comes
-                yield Window(len(window), len(window), (self.to_device(next(batches)) for _ in range(parts)))
+            rows = len(shard(window, self.rank, world))
+            parts = -(-rows // b)
+            if self.per_sample and not self.config.shrink_on_oom:
+                # The counts are the window's size: train on each micro-batch as it comes.
+                stream = (self.to_device(next(batches)) for _ in range(parts))
+                yield Window(len(window), len(window), rows, lambda _, s=stream: s if rows else [self.empty])
                 continue
-            # The whole window's micro-batches first: their targets give the counts before any backward.
+            # The whole window's micro-batches first: their targets give the counts before any backward (and a
+            # window that ran out of memory is cut again from them).
             micro = [self.to_device(next(batches)) for _ in range(parts)]
-            counts = [self.loss.counts(target) for _, target in micro]
+            if self.empty is None and micro:
+                self.empty = (micro[0][0][:0], micro[0][1][:0])
+            counts = [self.loss.counts(target) for _, target in micro or [self.empty]]
             if self.per_sample is None:  # decided on the first window: a dataset and loss count alike in all
                 self.per_sample = all(counts_samples(c, len(t)) for c, (_, t) in zip(counts, micro))
             total = None
             for c in counts:
                 total = add_counts(total, c)
-            yield Window(len(window), total, micro)
+            if self.per_sample:
+                total = len(window)
+            elif self.parallel:  # each rank read only its shard: the window's counts are the ranks' sum
+                total = self.parallel.sum_counts(total, self.device)
+            yield Window(len(window), total, rows, lambda b_now, micro=micro: self._recut(micro, b, b_now))
+
+    def _recut(self, micro: list, b: int, b_now: int) -> list:
+        if not micro:
+            return [self.empty]
+        if b_now == b:
+            return micro
+        x, y = torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])
+        return list(zip(x.split(b_now), y.split(b_now)))
 
     def to_device(self, batch) -> tuple[Any, torch.Tensor]:
         x, y = batch

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import platform
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -14,13 +14,16 @@ from torch import nn
 from .checkpoint import Checkpointer, Checkpointing, Progress, restore
 from .config import TrainConfig
 from .data import Data, load_data
+from .distributed import Parallel, launched_rank, local_device, setup
 from .errors import ConfigError
 from .feed import Feed
 from .health import coverage_warnings, verdict
-from .losses import IGNORE_INDEX, Loss, builtin, load_loss, window_count
+from .interrupt import check as check_interrupt
+from .losses import IGNORE_INDEX, Loss, builtin, load_loss, window_share
 from .models import bn_population_error, build_model, has_conv2d, set_bn_momentum, use_ghost_batch
 from .probes import LossTerms, Micro, Probe, Run
 from .probes import diagnostics as builtin_diagnostics
+from .shrink import Retry, at, smaller
 
 EpochCallback = Callable[[dict[str, float]], None]
 
@@ -44,7 +47,7 @@ class TrainResult:
         return {"status": self.status, "health": self.health, "health_epoch": self.health_epoch,
                 "config": self.config.to_dict(), "metrics": self.metrics, "history": self.history,
                 "device_name": self.device_name, "memory_source": self.memory_source, "warnings": self.warnings,
-                "resumed_after": self.resumed_after}
+                "dataset": self.dataset, "resumed_after": self.resumed_after}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -125,13 +128,14 @@ class Prepared:
 
 
 def prepare(config: TrainConfig) -> Prepared:
-    device = resolve_device(config.device)
+    device = local_device(resolve_device(config.device))
     dtype = getattr(torch, config.dtype)
     data = load_data(config.dataset, config.data_dir, config.seed).with_digest()
     n = data.n_train
     if config.effective_batch > n:
+        ranks = f" x world_size {config.world_size}" if config.world_size > 1 else ""
         raise ConfigError(f"effective batch {config.effective_batch} (physical_batch {config.physical_batch} x "
-                          f"accum_steps {config.accum_steps}) is larger than the training set ({n} samples): "
+                          f"accum_steps {config.accum_steps}{ranks}) is larger than the training set ({n} samples): "
                           f"lower --physical-batch or --accum-steps")
     torch.manual_seed(config.seed)  # same seed, same initial weights, whatever b and k are
     model = build_model(config.model, data.input_shape, data.num_classes, config.norm)
@@ -166,25 +170,44 @@ def around_forward(probes: list[Probe], step: int):
 
 
 def train(config: TrainConfig, on_epoch: EpochCallback | None = None, probes: list[Probe] = (),
-          diagnostics: bool = True, checkpoint: Checkpointing | None = None) -> TrainResult:
+          diagnostics: bool = True, checkpoint: Checkpointing | None = None, no_sync: bool = True) -> TrainResult:
     """Train `config`. `on_epoch(row)` is called after every epoch; an exception it raises stops the run.
     `probes` are measured beside the built-in diagnostics (trainers/probes.py); `diagnostics=False` leaves
     those out (the loss terms are always accounted). With `checkpoint`, the run is saved at the end of its
     epochs and goes on from the last checkpoint in that folder; `on_epoch` then first sees the restored
-    epochs' rows again, so that whoever records them has the whole history."""
-    checkpointer = Checkpointer(checkpoint, config) if checkpoint else None
+    epochs' rows again, so that whoever records them has the whole history.
+
+    Under torchrun (world_size > 1) every process trains its shard of each window, and the gradients are
+    all-reduced once per window (trainers/distributed.py); `no_sync=False` all-reduces them after every
+    micro-batch instead, a control that shows what that saves. Every rank returns the same result."""
+    checkpointer = Checkpointer(checkpoint, config, writes=launched_rank() == 0) if checkpoint else None
     saved = checkpointer.load() if checkpointer else None
     prepared = prepare(config)
+    parallel = setup(config, prepared.device)
+    try:
+        return _train(config, prepared, parallel, on_epoch, list(probes), diagnostics, checkpointer, saved, no_sync)
+    finally:
+        if parallel:
+            parallel.close()
+
+
+def _train(config: TrainConfig, prepared: Prepared, parallel: Parallel | None, on_epoch: EpochCallback | None,
+           probes: list[Probe], diagnostics: bool, checkpointer: Checkpointer | None, saved: dict | None,
+           no_sync: bool) -> TrainResult:
     device, data, model, notes = prepared.device, prepared.data, prepared.model, prepared.notes
     model.train()
+    net = model
+    if parallel:
+        net = parallel.wrap(model, device, no_sync)
+        model = net.module  # (with --sync-bn, its BatchNorm layers are now SyncBatchNorm)
     optimizer = make_optimizer(config, optimizer_groups(model))
     params = [p for group in optimizer.param_groups for p in group["params"]]
     notes += coverage_warnings(model, optimizer)
     loss = load_loss(config.loss, model)
-    feed = Feed(data, config, device, loss)
+    feed = Feed(data, config, device, loss, parallel)
     terms = LossTerms()
     probes = [terms, *(builtin_diagnostics() if diagnostics else []), *probes]
-    run = Run(config, model, optimizer, params, device, data.n_train)
+    run = Run(config, model, optimizer, params, device, data.n_train, parallel)
     for probe in probes:
         probe.start(run)
     progress = restore(saved, model, optimizer, probes) if saved else Progress()
@@ -192,32 +215,59 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None, probes: li
     for row in progress.history if on_epoch is not None else ():
         on_epoch(row)
     forwarding = [p for p in probes if type(p).forward is not Probe.forward]
-    bf16 = config.precision == "bf16"
+    # (a disabled torch.autocast still costs about 4 µs a micro-batch: none in fp32)
+    amp = (lambda: torch.autocast(device.type, torch.bfloat16)) if config.precision == "bf16" else nullcontext
     steps_per_epoch = feed.steps_per_epoch()
     total_steps = steps_per_epoch * config.epochs
     tokens = data.classification and data.y_test.dim() == 2
     step, lr = progress.step, config.lr
+    b = progress.physical_batch or config.physical_batch
+    retry = Retry(model) if config.shrink_on_oom else None
+    if b != config.physical_batch:  # resumed after shrinking: on at the b it reached
+        set_bn_momentum(model, at(config, b).bn_momentum)
 
     for epoch in range(progress.epoch + 1, config.epochs + 1):
         if progress.finished:
             break
         start = time.perf_counter()
         epoch_samples = 0
+        synced = (parallel.all_reduces.calls, parallel.all_reduces.bytes) if parallel else None
         for window in feed.epoch(epoch):
             lr = lr_at(config, step, total_steps, steps_per_epoch)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            for x, y in window.batches:
-                with around_forward(forwarding, step):
-                    with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
-                        micro_terms = loss.terms(model(x), y)
-                # Each term divided by its count over the whole window, never by k: exact for any split of
-                # the window (padding, a short last window), and one backward for all terms.
-                parts = [total / window_count(window.counts, name) for name, (total, _) in micro_terms.items()]
-                sum(parts[1:], parts[0]).backward()  # (sum's default start, 0, would cost one more kernel)
-                micro = Micro(step, window.size, x, y, micro_terms)
+            while True:  # once, unless a micro-batch runs out of memory and b shrinks
+                if retry:
+                    retry.mark()
+                try:
+                    last = window.parts(b) - 1
+                    for i, (x, y) in enumerate(window.cut(b)):
+                        with parallel.micro(i == last) if parallel else nullcontext():
+                            with around_forward(forwarding, step):
+                                with amp():
+                                    micro_terms = loss.terms(net(x), y)
+                            # Each term divided by its count over the whole window, never by k: exact for any
+                            # split of the window (padding, a short last window, ranks), and one backward.
+                            objective = window_share(micro_terms, window.counts)
+                            if parallel:  # DDP averages over the ranks: their mean of N x this is the sum
+                                objective = objective * parallel.world
+                            objective.backward()
+                        micro = Micro(step, window.size, x, y, micro_terms)
+                        for probe in probes:
+                            probe.after_micro(micro)
+                    break
+                except torch.OutOfMemoryError:
+                    if retry is None:
+                        raise
+                    progress.oom_batch, b = b, smaller(b, config.effective_batch)
+                # Out of the handler, the failed micro-batch's frames are let go: now its memory can be freed.
+                x = y = micro_terms = objective = micro = None
+                retry.rollback(optimizer)
+                set_bn_momentum(model, at(config, b).bn_momentum)
+                progress.oom_retries += 1
+                progress.physical_batch = b
                 for probe in probes:
-                    probe.after_micro(micro)
+                    probe.retry(step, b)
             for probe in probes:
                 probe.before_step(step, window.size)
             if config.grad_clip:
@@ -228,6 +278,7 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None, probes: li
             optimizer.zero_grad(set_to_none=True)
             step += 1
             epoch_samples += window.size
+            check_interrupt()
             if step == config.max_steps:
                 break
         row = {"epoch": epoch, **terms.epoch_end(epoch)}  # the epoch's synchronization
@@ -241,6 +292,11 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None, probes: li
                    samples_per_s=epoch_samples / elapsed)
         if tokens:
             row["val_perplexity"] = math.exp(min(val_loss, 700.0)) if math.isfinite(val_loss) else math.nan
+        if retry:  # how often a micro-batch ran out of memory, and the smallest b that did
+            row.update(oom_retries=progress.oom_retries, oom_physical_batch=progress.oom_batch or math.nan)
+        if parallel:  # the epoch's gradient all-reduces
+            row.update(allreduce_calls=parallel.all_reduces.calls - synced[0],
+                       allreduce_bytes=parallel.all_reduces.bytes - synced[1])
         for probe in probes[1:]:
             row.update(probe.epoch_end(epoch))
         progress.history.append(row)
@@ -259,6 +315,8 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None, probes: li
     history = progress.history
     metrics = {**history[-1], "samples_per_s": progress.samples / progress.train_time,
                "wall_time_s": progress.wall_time}
+    if retry:
+        metrics["physical_batch_used"] = b
     if "peak_memory_bytes" in metrics:
         metrics["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in history)
     if progress.status == "ok":

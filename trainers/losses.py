@@ -27,9 +27,9 @@ def builtin(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, C
     squared error for float targets (per sample)."""
     if target.is_floating_point():
         return (output - target.view_as(output)).pow(2).sum(), len(target)
-    loss = F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
-    return loss, builtin_counts(target)
+    if target.dim() > 1:  # tokens: flattened (the reshapes cost a micro-batch of samples a few µs for nothing)
+        output, target = output.reshape(-1, output.shape[-1]), target.reshape(-1)
+    return F.cross_entropy(output, target, ignore_index=IGNORE_INDEX, reduction="sum"), builtin_counts(target)
 
 
 def builtin_counts(target: torch.Tensor) -> Count:
@@ -54,8 +54,11 @@ class Loss:
 
     def terms(self, output, target: torch.Tensor) -> Terms:
         value = self.fn(output, target)
-        terms = value if isinstance(value, dict) else {"loss": value}
-        if not terms or not all(isinstance(t, tuple) and len(t) == 2 for t in terms.values()):
+        if isinstance(value, tuple) and len(value) == 2:  # one term (checked first: this runs every micro-batch)
+            terms = {"loss": value}
+        elif isinstance(value, dict) and value and all(isinstance(t, tuple) and len(t) == 2 for t in value.values()):
+            terms = value
+        else:
             raise ConfigError(f"loss {self.name} must return (loss_sum, count) or a dict of such named terms, got "
                               f"{type(value).__name__}")
         if not self.checked:
@@ -71,6 +74,16 @@ class Loss:
 
 def window_count(counts: Count | dict[str, Count], term: str) -> Count:
     return counts[term] if isinstance(counts, dict) else counts
+
+
+def window_share(terms: Terms, counts: Count | dict[str, Count]) -> torch.Tensor:
+    """A micro-batch's part of its window's objective: each term's sum divided by the term's count over the
+    whole window (never by k), the terms added, for one backward."""
+    if len(terms) == 1 and not isinstance(counts, dict):  # the usual case, without the general one's lists
+        (total, _), = terms.values()
+        return total / counts
+    parts = [total / window_count(counts, name) for name, (total, _) in terms.items()]
+    return sum(parts[1:], parts[0])  # (sum's start, 0, would cost one more kernel)
 
 
 def add_counts(a, b):

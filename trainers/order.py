@@ -24,6 +24,12 @@ def windows(order: torch.Tensor, config: TrainConfig) -> list[torch.Tensor]:
     return parts
 
 
+def shard(window: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """A data-parallel rank's contiguous part of a window: the ranks' parts, in rank order, are the window.
+    Sizes differ by at most one; a part is empty when the window is shorter than the world."""
+    return window if world == 1 else window.tensor_split(world)[rank]
+
+
 def sample_seed(seed: int, epoch: int, index: int) -> int:
     """The seed of one sample's augmentation in one epoch: whatever b, k and the loader's processes are, a
     sample is augmented the same way in the same epoch of the same seed."""
@@ -32,18 +38,20 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 
 class MicroBatches(torch.utils.data.Sampler):
     """A DataLoader's batch sampler: the micro-batches of every window of an epoch, in order, as lists of
-    (epoch, sample index) keys for `Seeded`. Call `set_epoch` before each epoch, as with DistributedSampler."""
+    (epoch, sample index) keys for `Seeded`, of this rank's shard of each window (an empty shard yields
+    nothing). Call `set_epoch` before each epoch, as with DistributedSampler."""
 
-    def __init__(self, config: TrainConfig, n: int):
-        self.config, self.n, self.epoch = config, n, 1
+    def __init__(self, config: TrainConfig, n: int, rank: int = 0):
+        self.config, self.n, self.epoch, self.rank = config, n, 1, rank
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self):
         for window in windows(permutation(self.config, self.epoch, self.n), self.config):
-            for idx in window.split(self.config.physical_batch):
+            for idx in shard(window, self.rank, self.config.world_size).split(self.config.physical_batch):
                 yield [(self.epoch, i) for i in idx.tolist()]
 
     def __len__(self) -> int:
-        return sum(-(-len(w) // self.config.physical_batch) for w in windows(torch.arange(self.n), self.config))
+        return sum(-(-len(shard(w, self.rank, self.config.world_size)) // self.config.physical_batch)
+                   for w in windows(torch.arange(self.n), self.config))

@@ -29,6 +29,7 @@ class Run:
     params: list[nn.Parameter]  # the optimizer's, in order
     device: torch.device
     n_train: int
+    parallel: Any = None  # a trainers.distributed.Parallel under torchrun
 
 
 @dataclass
@@ -59,6 +60,10 @@ class Probe:
     def before_step(self, step: int, window: int) -> None:
         """With the window's gradient in place, before clipping."""
 
+    def retry(self, step: int, b: int) -> None:
+        """The window of `step` runs again from its start, in micro-batches of b (one ran out of memory): forget
+        what after_micro took from it."""
+
     def after_step(self, step: int) -> None:
         pass
 
@@ -79,21 +84,37 @@ class Probe:
 
 class LossTerms(Probe):
     """The epoch's mean of each loss term over its counted items: `train_loss` is their sum (the objective),
-    and a loss with named terms adds `loss/<name>` each. Sums stay on the device until the epoch's end."""
+    and a loss with named terms adds `loss/<name>` each. Sums stay on the device until the epoch's end; a
+    window's are added at its step (a window that runs again after an out-of-memory is counted once). Under
+    torchrun they are summed over the ranks at the epoch's end."""
 
     def start(self, run: Run) -> None:
         super().start(run)
         self.sums: dict[str, list] = {}
+        self.pending: list = []
 
     def after_micro(self, micro: Micro) -> None:
-        for name, (total, count) in micro.terms.items():
-            entry = self.sums.get(name)
-            if entry is None:
-                entry = self.sums[name] = [torch.zeros((), device=total.device, dtype=torch.float64), 0]
-            entry[0] += total.detach()
-            entry[1] = entry[1] + count
+        self.pending.append([(name, total.detach(), count) for name, (total, count) in micro.terms.items()])
+
+    def before_step(self, step: int, window: int) -> None:
+        for terms in self.pending:
+            for name, total, count in terms:
+                entry = self.sums.get(name)
+                if entry is None:
+                    entry = self.sums[name] = [torch.zeros((), device=total.device, dtype=torch.float64), 0]
+                entry[0] += total
+                entry[1] = entry[1] + count
+        self.pending = []
+
+    def retry(self, step: int, b: int) -> None:
+        self.pending = []
 
     def epoch_end(self, epoch: int) -> dict[str, float]:
+        if self.run.parallel:  # the sums and counts of every rank's shard (names in the same order on all)
+            flat = torch.tensor([float(v) for entry in self.sums.values() for v in entry], dtype=torch.float64,
+                                device=self.run.device)
+            flat = self.run.parallel.all_sum(flat).tolist()
+            self.sums = {name: flat[2 * i:2 * i + 2] for i, name in enumerate(self.sums)}
         means = {name: (float(total) / float(count) if float(count) else math.nan)
                  for name, (total, count) in self.sums.items()}
         self.sums = {}
@@ -124,8 +145,12 @@ class SavedTensorBytes:
             self.current += entry[0]
             self.peak = max(self.peak, self.current)
         entry[1] += 1
-        weakref.finalize(t, self._release, ptr)  # runs when autograd lets go of this saved tensor
-        return t
+        # Autograd keeps what this returns. The tensor itself, when it is the operation's output, would make a
+        # cycle through its grad_fn that only a backward breaks: a graph dropped without one (a micro-batch
+        # that ran out of memory) would then never be freed. An alias of the same storage breaks no cycle.
+        saved = t.detach()
+        weakref.finalize(saved, self._release, ptr)  # runs when autograd lets go of this saved tensor
+        return saved
 
     def _release(self, ptr: int) -> None:
         entry = self.live[ptr]
@@ -163,6 +188,12 @@ class PeakMemory(Probe):
     def forward(self, step: int):
         return self.saved.hooks() if step == 0 and not self.on_cuda else nullcontext()
 
+    def retry(self, step: int, b: int) -> None:
+        """The peak is that of the micro-batches that ran, not of the one that did not fit."""
+        if self.on_cuda:
+            torch.cuda.reset_peak_memory_stats(self.run.device)
+        self.saved.peak = self.saved.current
+
     def epoch_end(self, epoch: int) -> dict[str, float]:
         if self.on_cuda:
             return {"peak_memory_bytes": float(torch.cuda.max_memory_allocated(self.run.device))}
@@ -186,6 +217,9 @@ class Health(Probe):
         super().start(run)
         self.stats = StepStats(run.params)
         self.every = math.ceil(16 / run.config.accum_steps)
+
+    def retry(self, step: int, b: int) -> None:
+        self.every = -(-16 * b // self.run.config.effective_batch)
 
     def before_step(self, step: int, window: int) -> None:
         self.sampled = step % self.every == 0
@@ -213,14 +247,29 @@ class Health(Probe):
 class Noise(Probe):
     """The gradient noise scale (trainers/noise.py), for k >= 2 (it needs micro-batches and a window that
     differ), on every other health step and full windows only: it costs a flat copy of the gradient and a
-    norm per micro-batch."""
+    norm per micro-batch. Not under torchrun: a rank's micro-batch gradients are its own until the window's
+    all-reduce, so the two batch sizes the estimator compares are not what it assumes."""
 
     def start(self, run: Run) -> None:
         super().start(run)
-        config = run.config
-        self.noise = NoiseScale(run.params, config.physical_batch, config.effective_batch, run.n_train) \
-            if config.accum_steps > 1 else None
-        self.every = 2 * math.ceil(16 / config.accum_steps)
+        self.noise = None
+        if run.config.world_size == 1:
+            self._measure(run.config.physical_batch)
+
+    def _measure(self, b: int) -> None:
+        B, previous = self.run.config.effective_batch, self.noise
+        self.noise = NoiseScale(self.run.params, b, B, self.run.n_train) if b < B else None
+        self.every = 2 * -(-16 * b // B)
+        if previous is not None and self.noise is not None:  # the estimates do not depend on b: keep them
+            self.noise.ema, self.noise.weight = previous.ema, previous.weight
+
+    def retry(self, step: int, b: int) -> None:
+        if self.run.config.world_size == 1:
+            self._measure(b)
+
+    def notes(self) -> list[str]:
+        return ["the noise scale is not measured under torchrun (a rank's micro-batch gradients are its own)"] \
+            if self.run.config.world_size > 1 else []
 
     def _measures(self, step: int, window: int) -> bool:
         return self.noise is not None and step % self.every == 0 and window == self.run.config.effective_batch

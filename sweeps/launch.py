@@ -1,0 +1,104 @@
+"""A trial as a torchrun job (`--launcher torchrun`): `torchrun --standalone --nproc-per-node N
+trainers/train.py ...` with the trial's configuration as flags (N is its world_size). Rank 0 appends each
+epoch's row to a file that this process follows, so the trial's MLflow run and its pruner see every epoch as
+it ends; its checkpoint folder is the trainer's `--checkpoint-dir`, so a killed trial resumes as one trained
+in the worker's own process does."""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from trainers import TrainConfig
+from trainers.checkpoint import Checkpointing
+from trainers.config import ConfigError
+
+TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "trainers" / "train.py"
+OUT_OF_MEMORY = "out of memory:"  # how trainers/cli.py's line for an out-of-memory not shrunk away begins
+
+
+def flags(config: TrainConfig) -> list[str]:
+    """The configuration as trainers/train.py's flags."""
+    args = []
+    for name, value in dataclasses.asdict(config).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(flag if value else "--no-" + flag[2:])
+        else:
+            args += [flag, str(value)]
+    return args
+
+
+def _die_with_parent():
+    """What the child runs before torchrun starts (resolved here: the child of a process with threads should do
+    as little as it can): ask for SIGTERM when the worker that launched it dies, even by SIGKILL, so that no
+    orphaned job trains on beside the trial that resumes its point. None where there is no prctl (not Linux:
+    an orphan is possible after a kill)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def run(config: TrainConfig, on_epoch: Callable[[dict[str, float]], None],
+        checkpoint: Checkpointing | None) -> dict[str, Any]:
+    """Train `config` under torchrun and return the trainer's result (TrainResult.to_dict()). An exception
+    raised by `on_epoch` (a pruned trial) stops the job. The trainer's bad-input line becomes a ConfigError,
+    its out-of-memory a torch.OutOfMemoryError."""
+    with tempfile.TemporaryDirectory(prefix="batchsweep-torchrun-") as tmp:
+        rows_path, result_path, log_path = Path(tmp, "rows.jsonl"), Path(tmp, "result.json"), Path(tmp, "log")
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(config.world_size), str(TRAIN_SCRIPT), *flags(config),
+                   "--json", str(result_path), "--epochs-jsonl", str(rows_path)]
+        if checkpoint:
+            command += ["--checkpoint-dir", checkpoint.dir, "--checkpoint-every", str(checkpoint.every),
+                        "--checkpoint-minutes", str(checkpoint.minutes)]
+        rows_path.touch()
+        with open(log_path, "w") as log, open(rows_path) as rows:
+            job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, preexec_fn=_die_with_parent())
+            try:
+                while True:
+                    done = job.poll() is not None
+                    for line in rows.readlines():  # (rank 0 writes whole lines and flushes each)
+                        on_epoch(json.loads(line))
+                    if done:
+                        break
+                    time.sleep(0.1)
+            except BaseException:  # pruned, interrupted: the job stops with the trial
+                stop(job)
+                raise
+        if job.returncode == 0 or (job.returncode == 1 and result_path.exists()):  # 1: the run diverged
+            return json.loads(result_path.read_text())
+        raise _failure(job.returncode, log_path.read_text(errors="replace"))
+
+
+def stop(job: subprocess.Popen) -> None:
+    """SIGTERM (torchrun passes it to its ranks), then SIGKILL after 10 s."""
+    job.terminate()
+    try:
+        job.wait(10)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        job.wait()
+
+
+def _failure(code: int, log: str) -> Exception:
+    """What the job's failure means. torchrun exits 1 whatever its ranks' statuses were, so the trainer's own
+    line says it: its out-of-memory line (exit 3), or its bad-input line (exit 2)."""
+    errors = [line[len("error: "):] for line in log.splitlines() if line.startswith("error: ")]
+    if errors and errors[-1].startswith(OUT_OF_MEMORY):
+        return torch.OutOfMemoryError(errors[-1])
+    if errors:
+        return ConfigError(errors[-1])
+    tail = [line for line in log.splitlines() if line.strip()][-3:]
+    return RuntimeError(f"the torchrun job exited with status {code}: {' / '.join(tail)[-1000:]}")
