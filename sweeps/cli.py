@@ -7,7 +7,6 @@ import os
 import sys
 from pathlib import Path
 
-from trainers import interrupt
 from trainers.cli import format_bytes
 from trainers.config import BatchsweepError, ConfigError, TrainConfig, parse_overrides, parse_value
 
@@ -113,7 +112,6 @@ def build_invocation(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    interrupt.trap()
     logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines would break the progress bars
     logging.getLogger("alembic").setLevel(logging.WARNING)
     try:

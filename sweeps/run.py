@@ -2,6 +2,8 @@
 import sys
 
 from sweeps.cli import main
+from trainers import interrupt
 
 if __name__ == "__main__":
+    interrupt.trap()  # a process's own: Ctrl-C is never lost (trainers/interrupt.py)
     sys.exit(main())

@@ -215,6 +215,11 @@ def jittered(seed=0, **_):
     return Jittered(), Jittered(12, offset=1000)
 
 
+def jittered41(seed=0, **_):
+    """An odd number of samples: under 2 ranks the last window splits unequally."""
+    return Jittered(41), Jittered(12, offset=1000)
+
+
 def jittered_python(seed=0, **_):
     return Jittered(rng="python"), Jittered(12, offset=1000)
 

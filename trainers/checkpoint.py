@@ -108,16 +108,22 @@ class Checkpointer:
             stale.unlink(missing_ok=True)
 
     def due(self, progress: Progress) -> bool:
+        """Whether this epoch is written (by rank 0's clock, under torchrun: the loop asks every rank to agree)."""
         every, minutes = self.spec.every, self.spec.minutes
-        return self.writes and (progress.finished or bool(every and progress.epoch % every == 0) or bool(
-            minutes and time.monotonic() - self.last_write >= 60 * minutes))
+        return progress.finished or bool(every and progress.epoch % every == 0) or bool(
+            minutes and time.monotonic() - self.last_write >= 60 * minutes)
 
-    def save(self, progress: Progress, model, optimizer, probes) -> None:
+    def save(self, progress: Progress, model, optimizer, probes, rng: list[dict[str, Any]]) -> None:
         """Serialize now (the weights move on in the next epoch), write in the background: the file's write and
-        fsync, most of the cost, overlap the next epoch's training. Writes land in order."""
+        fsync, most of the cost, overlap the next epoch's training. Writes land in order. `rng` holds every
+        rank's RNG states, in rank order (ranks whose shards differ in size have drawn differently)."""
+        if not self.writes:
+            return
         state = {"format": FORMAT, "config": self.config.to_dict(), "progress": vars(progress),
                  "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "probes": [(type(p).__name__, p.state()) for p in probes], "rng": rng_states()}
+                 "probes": [(type(p).__name__, p.state()) for p in probes], "rng": rng[0]}
+        if len(rng) > 1:
+            state["rng_ranks"] = rng
         buffer = io.BytesIO()
         torch.save(state, buffer)
         self.wait()
@@ -140,11 +146,15 @@ class Checkpointer:
             self.failure = f"cannot write checkpoint {target} ({exc.strerror or exc})"
             temporary.unlink(missing_ok=True)
 
-    def wait(self) -> None:
-        """Until the last checkpoint is on the disk; a write that failed is raised here."""
+    def join(self) -> None:
+        """Until the last checkpoint is on the disk (or its write failed)."""
         if self.writer is not None:
             self.writer.join()
             self.writer = None
+
+    def wait(self) -> None:
+        """Until the last checkpoint is on the disk; a write that failed is raised here."""
+        self.join()
         if self.failure:
             raise CheckpointError(f"{self.failure}: free space or make the folder writable, then run the same "
                                   f"command again")
@@ -172,8 +182,8 @@ class Checkpointer:
         return state
 
 
-def restore(state: dict[str, Any], model, optimizer, probes) -> Progress:
-    """Put a checkpoint back into a freshly prepared run; returns where it stood."""
+def restore(state: dict[str, Any], model, optimizer, probes, rank: int = 0) -> Progress:
+    """Put a checkpoint back into a freshly prepared run (this rank's RNG states); returns where it stood."""
     saved = state["probes"]
     names = [type(p).__name__ for p in probes]
     if [name for name, _ in saved] != names:
@@ -183,5 +193,5 @@ def restore(state: dict[str, Any], model, optimizer, probes) -> Progress:
     optimizer.load_state_dict(state["optimizer"])
     for probe, (_, probe_state) in zip(probes, saved):
         probe.load_state(probe_state)
-    set_rng_states(state["rng"])
+    set_rng_states(state["rng_ranks"][rank] if "rng_ranks" in state else state["rng"])
     return Progress(**state["progress"])

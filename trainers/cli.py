@@ -150,12 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from . import interrupt
     from .checkpoint import Checkpointing
     from .loop import train
 
     checkpoint, lead = None, launched_rank() == 0  # under torchrun, rank 0 alone reports
-    interrupt.trap()
     try:
         config = config_from_args(args)
         check_launch(config)

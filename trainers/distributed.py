@@ -69,6 +69,9 @@ class Parallel:
         if self.owns_group:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         self.rank = dist.get_rank()
+        # Every rank has arrived (and so finished whatever it ran before in this process, a checkpoint's write
+        # included) before any reads a checkpoint.
+        dist.barrier()
         self.sync_bn = config.sync_bn
         self.all_reduces = AllReduces()
         self.ddp: nn.parallel.DistributedDataParallel | None = None
@@ -96,6 +99,18 @@ class Parallel:
         if isinstance(counts, dict):
             return {name: self.sum_counts(c, device) for name, c in counts.items()}
         return self.all_sum(torch.as_tensor(counts, device=device, dtype=torch.int64).clone())
+
+    def every_rank(self, value: Any) -> list:
+        """`value` from every rank, in rank order (a checkpoint keeps each rank's RNG states)."""
+        values = [None] * self.world
+        dist.all_gather_object(values, value)
+        return values
+
+    def rank0(self, value: Any) -> Any:
+        """Rank 0's `value`, on every rank (a decision that must be the same everywhere)."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .checkpoint import Checkpointer, Checkpointing, Progress, restore
+from .checkpoint import Checkpointer, Checkpointing, Progress, restore, rng_states
 from .config import TrainConfig
 from .data import Data, load_data
 from .distributed import Parallel, launched_rank, local_device, setup
@@ -181,12 +181,18 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None, probes: li
     all-reduced once per window (trainers/distributed.py); `no_sync=False` all-reduces them after every
     micro-batch instead, a control that shows what that saves. Every rank returns the same result."""
     checkpointer = Checkpointer(checkpoint, config, writes=launched_rank() == 0) if checkpoint else None
-    saved = checkpointer.load() if checkpointer else None
+    # Read before preparing the data (a checkpoint of another configuration is refused at once); under torchrun,
+    # once every rank has arrived (rank 0's last write, of a run before in this process, has landed).
+    saved = checkpointer.load() if checkpointer and config.world_size == 1 else None
     prepared = prepare(config)
     parallel = setup(config, prepared.device)
+    if checkpointer and parallel:
+        saved = checkpointer.load()
     try:
         return _train(config, prepared, parallel, on_epoch, list(probes), diagnostics, checkpointer, saved, no_sync)
     finally:
+        if checkpointer:  # stopped by on_epoch (pruned, say): the last write lands before anyone reads or removes it
+            checkpointer.join()
         if parallel:
             parallel.close()
 
@@ -210,7 +216,8 @@ def _train(config: TrainConfig, prepared: Prepared, parallel: Parallel | None, o
     run = Run(config, model, optimizer, params, device, data.n_train, parallel)
     for probe in probes:
         probe.start(run)
-    progress = restore(saved, model, optimizer, probes) if saved else Progress()
+    rank = parallel.rank if parallel else 0
+    progress = restore(saved, model, optimizer, probes, rank) if saved else Progress()
     resumed_after = progress.epoch
     for row in progress.history if on_epoch is not None else ():
         on_epoch(row)
@@ -305,8 +312,13 @@ def _train(config: TrainConfig, prepared: Prepared, parallel: Parallel | None, o
         progress.wall_time += epoch_time
         progress.samples += epoch_samples
         progress.finished = progress.status == "diverged" or step == config.max_steps or epoch == config.epochs
-        if checkpointer and checkpointer.due(progress):
-            checkpointer.save(progress, model, optimizer, probes)
+        if checkpointer:
+            due = checkpointer.due(progress)
+            if parallel:  # on rank 0's clock; every rank's RNG states go into rank 0's file
+                due = parallel.rank0(due)
+            if due:
+                rng = parallel.every_rank(rng_states()) if parallel else [rng_states()]
+                checkpointer.save(progress, model, optimizer, probes, rng)
         if on_epoch is not None:
             on_epoch(row)
 
