@@ -8,6 +8,8 @@ import gc
 import math
 import os
 import random
+import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -52,6 +54,16 @@ def is_storage_failure(exc: BaseException) -> bool:
 
 def default_storage(root: str = "mlruns") -> str:
     return f"sqlite:///{Path(root).resolve()}/optuna.db"
+
+
+def _heartbeat_failed(args: threading.ExceptHookArgs) -> None:
+    """Optuna's heartbeat thread dies with a traceback when the storage refuses a write; one line instead (the
+    worker's own loop stops the study in one line if the storage stays that way)."""
+    if args.thread is not None and args.thread.name.endswith("(_record_heartbeat)"):
+        print(f"warning: the Optuna storage refused the running trial's heartbeat ({args.exc_type.__name__}); "
+              f"the trial goes on", file=sys.stderr)
+        return
+    threading.__excepthook__(args)
 
 
 def open_storage(url: str) -> optuna.storages.BaseStorage:
@@ -211,6 +223,7 @@ class Worker:
         self.hooks = hooks or Hooks()
         self.objective = make_objective(inv.study, inv.launcher)
         self.storage = open_storage(inv.storage)
+        threading.excepthook = _heartbeat_failed
         self.tracker = Tracker(inv.tracking_uri, inv.study_name)
         self.device = device_name(resolve_device(inv.base.device))
         self.commit = git_commit()

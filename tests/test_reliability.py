@@ -178,8 +178,41 @@ def test_a_storage_folder_that_turns_read_only_stops_the_study_in_one_line(tmp_p
     assert proc.returncode == 2, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"error: the Optuna storage {storage} stopped accepting writes"), err[-3000:]
-    assert "Traceback" not in err
+    assert "Traceback" not in err, err[-6000:]
     _, parents = child_runs(stores(tmp_path)[1])
     assert [p.info.status for p in parents] == ["FAILED"]
     kept = [t for t in optuna.load_study(study_name="accum_lr", storage=storage).trials if t.state == State.COMPLETE]
     assert len(kept) >= 2  # what finished before stays finished
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
+def test_a_heartbeat_the_storage_refuses_is_one_line(tmp_path, capsys):
+    """Optuna writes a running trial's heartbeat from a thread of its own: when the storage refuses it (its
+    folder turned read-only, as above), the worker's hook says so in one line instead of the thread's
+    traceback."""
+    import threading
+
+    from optuna.storages._heartbeat import HeartbeatThread
+
+    from sweeps.runner import _heartbeat_failed, open_storage
+
+    store = tmp_path / "optuna"
+    store.mkdir()
+    if subprocess.run(["chattr", "+i", str(store)], capture_output=True).returncode:
+        pytest.skip("this file system or sandbox refuses chattr +i")
+    subprocess.run(["chattr", "-i", str(store)], check=True)
+    storage = open_storage(f"sqlite:///{store}/optuna.db")
+    trial_id = optuna.create_study(storage=storage).ask()._trial_id
+    previous = threading.excepthook
+    threading.excepthook = _heartbeat_failed
+    try:
+        subprocess.run(["chattr", "+i", str(store)], check=True)
+        beat = HeartbeatThread(trial_id, storage)
+        beat.start()
+        beat.join()
+    finally:
+        subprocess.run(["chattr", "-i", str(store)], capture_output=True)
+        threading.excepthook = previous
+    err = capsys.readouterr().err
+    assert err.startswith("warning: the Optuna storage refused the running trial's heartbeat (") and \
+        err.endswith("); the trial goes on\n") and err.count("\n") == 1, err
