@@ -76,7 +76,9 @@ def load_study(name: str, tracking_uri: str, shown_uri: str | None = None) -> St
         if not token:
             break
     children = [r for r in runs if MLFLOW_PARENT_RUN_ID in r.data.tags]
-    parents = sorted((r for r in runs if MLFLOW_PARENT_RUN_ID not in r.data.tags), key=lambda r: r.info.start_time)
+    # (the latest by start, and of two started in the same millisecond, as on two machines, always the same one)
+    parents = sorted((r for r in runs if MLFLOW_PARENT_RUN_ID not in r.data.tags),
+                     key=lambda r: (r.info.start_time, r.info.run_id))
     if not children:
         raise AnalysisError(f"study {name!r} has no trial runs yet in {shown_uri}")
     rows = []

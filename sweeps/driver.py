@@ -86,8 +86,9 @@ def run_workers(inv, parent_run_id: str, workers: int, total: int) -> None:
                 proc.join()
             drain(bar)
     except KeyboardInterrupt:  # from a terminal the workers got the signal too: let them mark their trials
+        deadline = time.monotonic() + 5
         for proc in procs:
-            proc.join(timeout=5)
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
         for proc in procs:  # a signal to this process alone (kill -INT): pass it on, or they would run on
             if proc.is_alive():
                 os.kill(proc.pid, signal.SIGINT)

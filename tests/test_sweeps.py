@@ -227,12 +227,13 @@ def test_distributed_study_on_postgresql_and_a_tracking_server(tmp_path):
                                      **env, "MLFLOW_TRACKING_URI": tracking}, timeout=300)
         assert report.returncode == 0, report.stderr[-2000:]
         experiment = client.get_experiment_by_name("accum_lr").experiment_id
-        latest = max(parents, key=lambda r: r.info.start_time).info.run_id
+        latest = max(parents, key=lambda r: (r.info.start_time, r.info.run_id)).info.run_id  # as the report picks
         table = ui_text(f"{tracking}/#/experiments/{experiment}/runs", tmp_path / "ui-table")
         assert "true-batch twins" in table  # the experiment's description: the study's summary
         assert "Source" in table and "run.py" in table and "tests.factories:blobs1k" in table, table[:3000]
         page = ui_text(f"{tracking}/#/experiments/{experiment}/runs/{latest}", tmp_path / "ui-run")
-        assert "Findings of study accum_lr:" in page and "report.html" in page, page[:3000]
+        assert "Findings of study accum_lr:" in page and "report.html" in page, \
+            ([(p.info.run_id, p.info.start_time) for p in parents], page[:3000])
         assert f"Created by {getpass.getuser()}" in page and "run.py" in page
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
         assert commit[:7] in page  # the Version: mlflow.source.git.commit
