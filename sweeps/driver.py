@@ -18,7 +18,7 @@ from trainers.config import BatchsweepError
 from .outcomes import OUTCOMES, outcome_of
 from .studies import describe
 from .tables import results_table
-from .tracking import HOST, Tracker, first_line, git_commit, standard_tags
+from .tracking import HOST, Tracker, TrackingError, first_line, git_commit, standard_tags
 from .urls import redact
 
 # A worker's message that moves the bar: counting this invocation's trials, not the study's, keeps the bar
@@ -167,20 +167,26 @@ def run(inv, workers: int) -> int:
         print(f"not run: {len(inv.dropped)} points that break a constraint, e.g. {describe(inv.dropped[0][0])} "
               f"({inv.dropped[0][1]}); --dry-run lists them", file=sys.stderr)
     params = {**inv.base.to_dict(), "seeds": len(inv.seeds), "n_trials": inv.n_trials, "workers": workers}
-    parent = tracker.start_parent(f"{inv.study_name} {time.strftime('%Y-%m-%d %H:%M:%S')}", params,
-                                  {"study": inv.study.name, "storage": redact(inv.storage), "host": HOST,
-                                   "summary": inv.study.summary, "study_file": inv.study.source,
-                                   # What the report's importance, parallel coordinates and fronts read.
-                                   "batchsweep.varied": ",".join(inv.study.varied),
-                                   "batchsweep.objective": ",".join(f"{m}:{d}" for m, d in zip(
-                                       inv.study.metrics, inv.study.directions)),
-                                   **standard_tags(git_commit())})
-    # The UI's descriptions; the report replaces the parent run's with its findings.
-    tracker.describe(None, f"{inv.study.summary}\n\nStudy file: {inv.study.source}. One parent run per "
-                           f"invocation of `sweeps/run.py --study`, one nested run per trial.")
-    tracker.describe(parent, f"Study {inv.study_name}: {inv.study.summary}. The report is written when the "
-                             f"study finishes: reports/{inv.study_name}/report.html, and in this run's artifacts "
-                             f"under report/.")
+    try:
+        parent = tracker.start_parent(f"{inv.study_name} {time.strftime('%Y-%m-%d %H:%M:%S')}", params,
+                                      {"study": inv.study.name, "storage": redact(inv.storage), "host": HOST,
+                                       "summary": inv.study.summary, "study_file": inv.study.source,
+                                       # What the report's importance, parallel coordinates and fronts read.
+                                       "batchsweep.varied": ",".join(inv.study.varied),
+                                       "batchsweep.objective": ",".join(f"{m}:{d}" for m, d in zip(
+                                           inv.study.metrics, inv.study.directions)),
+                                       **standard_tags(git_commit())})
+        # The UI's descriptions; the report replaces the parent run's with its findings.
+        tracker.describe(None, f"{inv.study.summary}\n\nStudy file: {inv.study.source}. One parent run per "
+                               f"invocation of `sweeps/run.py --study`, one nested run per trial.")
+        tracker.describe(parent, f"Study {inv.study_name}: {inv.study.summary}. The report is written when the "
+                                 f"study finishes: reports/{inv.study_name}/report.html, and in this run's artifacts "
+                                 f"under report/.")
+    except Exception as exc:  # the store failed after Tracker() reached it: one line, no half-started parent
+        tracker.end_open_runs("FAILED")
+        reason = first_line(exc, inv.tracking_uri)
+        raise TrackingError(f"cannot write the MLflow store {redact(inv.tracking_uri)} ({reason}): check it, then "
+                            f"run the same command again") from None
     status, left = "FINISHED", None
     try:
         if workers == 1:

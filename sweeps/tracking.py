@@ -43,13 +43,18 @@ def default_tracking_uri(root: str = "mlruns") -> str:
     return f"sqlite:///{Path(root).resolve()}/mlflow.db"
 
 
+# Errors that another writer causes and that pass: SQLite's lock, and a tag two machines insert at once (MLflow
+# sets a tag by SELECT then INSERT, so the slower one hits the unique key; tried again, it finds the row).
+TRANSIENT = ("locked", "UNIQUE constraint failed", "duplicate key value violates unique constraint")
+
+
 def retry(call: Callable[[], T], attempts: int = 8) -> T:
-    """SQLite answers 'database is locked' while another worker writes: back off and try again."""
+    """Back off and try again while another worker's write is in the way."""
     for attempt in range(attempts):
         try:
             return call()
-        except Exception as exc:  # MlflowException or SQLAlchemy's OperationalError
-            if "locked" not in str(exc) or attempt == attempts - 1:
+        except Exception as exc:  # MlflowException, RestException or SQLAlchemy's OperationalError
+            if not any(marker in str(exc) for marker in TRANSIENT) or attempt == attempts - 1:
                 raise
             time.sleep(0.05 * 2 ** attempt * (1 + random.random()))
     raise AssertionError("unreachable")
@@ -157,12 +162,17 @@ class Tracker:
         try:
             self.client = MlflowClient(tracking_uri=uri)  # a damaged SQLite store already fails here
             self.experiment_id = retry(lambda: self._experiment(experiment))
+        except TrackingError:
+            raise
         except Exception as exc:
             raise TrackingError(f"cannot use the MLflow tracking store {redact(uri)} ({first_line(exc, uri)}): "
                                 f"start the server, check --tracking-uri, or move a damaged store aside") from None
 
     def _experiment(self, name: str) -> str:
         found = self.client.get_experiment_by_name(name)
+        if found is not None and found.lifecycle_stage == "deleted":  # in the UI's trash: no run can start there
+            raise TrackingError(f"the MLflow experiment {name} is deleted: restore it (mlflow experiments restore "
+                                f"--experiment-id {found.experiment_id}) or pass another --study-name")
         if found is not None:
             return found.experiment_id
         location = None

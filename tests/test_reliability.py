@@ -11,7 +11,7 @@ from mlflow import MlflowClient
 
 from sweeps.tracking import Tracker
 from tests.conftest import ROOT
-from tests.test_sweeps import TINY, child_runs, stores, sweep, wait_for_complete
+from tests.test_sweeps import TINY, child_runs, grid_trials, stores, sweep, wait_for_complete
 from trainers import TrainConfig, train
 
 State = optuna.trial.TrialState
@@ -118,6 +118,23 @@ def test_a_corrupt_mlflow_store_is_one_line_and_left_alone(tmp_path, script):
     assert (tmp_path / "mlruns/mlflow.db").read_bytes() == garbage
 
 
+def test_a_deleted_experiment_is_one_line_that_says_how_to_restore_it(tmp_path):
+    """Deleting the experiment in the MLflow UI moves it to the trash, where no run can start: the next
+    invocation says so, and after the restore it names, the study goes on."""
+    assert sweep(tmp_path, *TINY, "--n-trials", "1").returncode == 0
+    storage, client = stores(tmp_path)
+    experiment = client.get_experiment_by_name("accum_lr").experiment_id
+    client.delete_experiment(experiment)
+    proc = sweep(tmp_path, *TINY, "--n-trials", "1")
+    assert proc.returncode == 2 and proc.stderr == (
+        f"error: the MLflow experiment accum_lr is deleted: restore it (mlflow experiments restore --experiment-id "
+        f"{experiment}) or pass another --study-name\n"), proc.stderr
+    assert len(grid_trials(storage)) == 1  # nothing started
+    client.restore_experiment(experiment)
+    assert sweep(tmp_path, *TINY, "--n-trials", "1").returncode == 0
+    assert len(child_runs(client)[0]) == 2
+
+
 @pytest.mark.parametrize("args,expected", [
     (["--storage", "sqlite://optuna.db"], "--storage 'sqlite://optuna.db' is not a SQLite URL"),
     (["--tracking-uri", "sqlite://mlflow.db"], "--tracking-uri 'sqlite://mlflow.db' is not a SQLite URL"),
@@ -216,3 +233,33 @@ def test_a_heartbeat_the_storage_refuses_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("warning: the Optuna storage refused the running trial's heartbeat (") and \
         err.endswith("); the trial goes on\n") and err.count("\n") == 1, err
+
+
+def test_two_machines_that_describe_the_experiment_at_once_both_go_on(tmp_path):
+    """Every invocation sets the experiment's description. MLflow sets a tag by SELECT then INSERT, so two
+    machines starting together on a fresh experiment both INSERT and the slower one hits the unique key (about
+    one round in three here); tried again, it finds the row and updates it."""
+    import threading
+
+    from tests.servers import mlflow_server
+
+    with mlflow_server(tmp_path) as url:
+        errors = []
+        for i in range(20):
+            machines = [Tracker(url, f"race-{i}") for _ in range(2)]
+            start = threading.Barrier(2)
+
+            def describe(tracker: Tracker) -> None:
+                start.wait()
+                try:
+                    tracker.describe(None, f"description {i}")
+                except Exception as exc:
+                    errors.append(str(exc)[:200])
+
+            threads = [threading.Thread(target=describe, args=(m,)) for m in machines]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        assert errors == []
+        assert MlflowClient(url).get_experiment_by_name("race-19").tags["mlflow.note.content"] == "description 19"
