@@ -235,31 +235,36 @@ def test_a_heartbeat_the_storage_refuses_is_one_line(tmp_path, capsys):
         err.endswith("); the trial goes on\n") and err.count("\n") == 1, err
 
 
-def test_two_machines_that_describe_the_experiment_at_once_both_go_on(tmp_path):
-    """Every invocation sets the experiment's description. MLflow sets a tag by SELECT then INSERT, so two
-    machines starting together on a fresh experiment both INSERT and the slower one hits the unique key (about
-    one round in three here); tried again, it finds the row and updates it."""
+def test_two_machines_that_write_the_experiment_at_once_both_go_on(tmp_path):
+    """Two machines that start together on a fresh experiment both set its description and both log the same
+    dataset with their first trial. MLflow writes either by SELECT then INSERT, so both INSERT and the slower
+    one hits the unique key (in about half the rounds here); tried again, it finds the row."""
     import threading
 
     from tests.servers import mlflow_server
 
+    dataset = {"name": "tests.factories:blobs1k", "digest": "0123abcd", "train_size": 800, "test_size": 200}
     with mlflow_server(tmp_path) as url:
         errors = []
         for i in range(20):
             machines = [Tracker(url, f"race-{i}") for _ in range(2)]
+            runs = [m.start_parent(f"machine {n}", {}, {}) for n, m in enumerate(machines)]
             start = threading.Barrier(2)
 
-            def describe(tracker: Tracker) -> None:
+            def first_writes(tracker: Tracker, run_id: str) -> None:
                 start.wait()
                 try:
                     tracker.describe(None, f"description {i}")
+                    tracker.log_dataset(run_id, dataset)
                 except Exception as exc:
                     errors.append(str(exc)[:200])
 
-            threads = [threading.Thread(target=describe, args=(m,)) for m in machines]
+            threads = [threading.Thread(target=first_writes, args=pair) for pair in zip(machines, runs)]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
         assert errors == []
-        assert MlflowClient(url).get_experiment_by_name("race-19").tags["mlflow.note.content"] == "description 19"
+        client = MlflowClient(url)
+        assert client.get_experiment_by_name("race-19").tags["mlflow.note.content"] == "description 19"
+        assert [[d.dataset.digest for d in client.get_run(r).inputs.dataset_inputs] for r in runs] == [["0123abcd"]] * 2
