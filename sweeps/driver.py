@@ -99,6 +99,10 @@ def run_workers(inv, parent_run_id: str, workers: int, total: int) -> None:
         raise
     if fatal:
         raise BatchsweepError(fatal[0])
+    for i, proc in enumerate(procs):
+        if proc.exitcode is not None and proc.exitcode < 0:  # e.g. the kernel's out-of-memory killer
+            print(f"warning: worker {i} was killed by {signal.Signals(-proc.exitcode).name}; its trial is marked "
+                  f"failed and runs again with the same command", file=sys.stderr)
 
 
 def run_in_process(inv, parent_run_id: str, total: int) -> None:
@@ -141,7 +145,7 @@ def write_report(inv) -> int:
 def run(inv, workers: int) -> int:
     import optuna
 
-    from .runner import create_studies, free_dead_trials, open_storage, remaining
+    from .runner import create_studies, open_storage, remaining
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # trial failures are reported in one line each
     storage = open_storage(inv.storage)
@@ -153,11 +157,7 @@ def run(inv, workers: int) -> int:
     except Exception as exc:
         raise BatchsweepError(f"cannot use the Optuna storage {redact(inv.storage)} ({first_line(exc, inv.storage)}):"
                               f" check it, or pass another --storage") from None
-    complete = {t.user_attrs["mlflow_run_id"] for name in inv.study_names()
-                for t in optuna.load_study(study_name=name, storage=storage).get_trials(
-                    deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)) if "mlflow_run_id" in t.user_attrs}
-    closed = tracker.close_orphans(complete)
-    free_dead_trials(inv, storage)  # before counting: their points run again in this invocation
+    closed = end_dead(inv, storage, tracker)  # before counting: their points run again in this invocation
     left = remaining(inv, storage)
     total = left if inv.n_trials is None else min(left, inv.n_trials)
     print(f"study {inv.study_name}: {left} trials left, running {total} "
@@ -193,6 +193,7 @@ def run(inv, workers: int) -> int:
             run_in_process(inv, parent, total)
         else:
             run_workers(inv, parent, workers, total)
+            end_dead(inv, storage, tracker)  # a killed worker's trial would stay RUNNING, not counted as left
     except KeyboardInterrupt:
         status = "KILLED"
         print(f"\ninterrupted: finished trials are kept; run the same command again to resume "
@@ -218,6 +219,21 @@ def run(inv, workers: int) -> int:
     if left:
         print(f"{left} trials left: run the same command again to continue", file=sys.stderr)
     return 1 if all_failed(inv, storage) else 0
+
+
+def end_dead(inv, storage, tracker: Tracker) -> int:
+    """End the MLflow runs and fail the Optuna trials of processes that are gone (killed, crashed): a run whose
+    trial was recorded complete ends FINISHED, the others KILLED. Returns how many runs it ended."""
+    import optuna
+
+    from .runner import free_dead_trials
+
+    complete = {t.user_attrs["mlflow_run_id"] for name in inv.study_names()
+                for t in optuna.load_study(study_name=name, storage=storage).get_trials(
+                    deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)) if "mlflow_run_id" in t.user_attrs}
+    closed = tracker.close_orphans(complete)
+    free_dead_trials(inv, storage)
+    return closed
 
 
 def all_failed(inv, storage) -> bool:

@@ -20,7 +20,7 @@ import optuna
 import torch
 from optuna.trial import TrialState
 
-from trainers import ConfigError, TrainConfig
+from trainers import ConfigError, TrainConfig, interrupt
 from trainers.config import BatchsweepError
 from trainers.checkpoint import Checkpointing
 from trainers.loop import device_name, resolve_device
@@ -227,6 +227,7 @@ class Worker:
         self.tracker = Tracker(inv.tracking_uri, inv.study_name)
         self.device = device_name(resolve_device(inv.base.device))
         self.commit = git_commit()
+        self._study: optuna.Study | None = None  # the study of the last objective call
         self._last_number = -1  # the trial number of the last objective call
         self._trial_raised = False  # whether the last trial's own code (training) raised, not the storage
         self.failed_here: set[str] = set()  # keys of the trials that failed in this process: not retried now
@@ -238,6 +239,9 @@ class Worker:
         it started is ended, whatever raised."""
         try:
             return self._run(budget)
+        except KeyboardInterrupt:
+            self._record_interrupted()
+            raise
         finally:
             if self.tracker.open_runs:
                 try:
@@ -247,6 +251,24 @@ class Worker:
                 except Exception:  # the storage went away: what is still open ends KILLED
                     pass
             self.tracker.end_open_runs("KILLED")
+
+    def _record_interrupted(self) -> None:
+        """A Ctrl-C that lands in Optuna's own bookkeeping after the objective (its tell turns it into an
+        UnboundLocalError) leaves the trial RUNNING: record it as if it had landed in training."""
+        if self._study is None or self._last_number < 0:
+            return
+        try:
+            trial = self._study.get_trials(deepcopy=False)[self._last_number]
+            if trial.state != TrialState.RUNNING:
+                return
+            self.storage.set_trial_user_attr(trial._trial_id, "reason", "interrupted")
+            self._study.tell(trial.number, state=TrialState.FAIL)
+        except Exception:  # the storage went away: the next invocation fails the trial as its owner's is gone
+            return
+        run_id = trial.user_attrs.get("mlflow_run_id")
+        if run_id in self.tracker.open_runs:
+            self.tracker.finish(run_id, OUTCOMES["interrupted"].status,
+                                tags={"reason": "interrupted", "state": TrialState.FAIL.name})
 
     def _end_recorded(self, trials: list[optuna.trial.FrozenTrial]) -> None:
         """End the open runs of trials that Optuna has recorded finished: their end is skipped where reading the
@@ -265,7 +287,9 @@ class Worker:
             study.sampler = search.sampler(i, self.index, len(study.get_trials(deepcopy=False)))
             mine = [u for u in units if u.study_name == name]
             self.failed_here = set()
+            self._study = study
             while budget is None or ran < budget:
+                interrupt.check()  # one that something caught and turned into another error: no next trial
                 try:
                     trials = study.get_trials(deepcopy=False)
                     if fail_orphans(study, trials):  # their points are free now
@@ -284,6 +308,8 @@ class Worker:
                 except StudyChanged:
                     raise  # every next trial would fail the same way: the study stops with one line
                 except Exception as exc:
+                    if interrupt.pending():  # Ctrl-C landed where Optuna turned it into another error
+                        raise KeyboardInterrupt from None
                     if is_storage_failure(exc) and not self._trial_raised:
                         self._storage_failed(exc)
                         continue
@@ -342,15 +368,6 @@ class Worker:
                 "batchsweep.resumes_run": previous, **standard_tags(self.commit)}
         run_id = self.tracker.start_trial(self.parent_run_id, f"{trial.number}: {describe(point)}",
                                           config.to_dict(), tags)
-        try:
-            trial.set_user_attr("mlflow_run_id", run_id)
-            trial.set_user_attr("invocation", self.parent_run_id)
-            if folder:
-                claim(folder, run_id)
-        except Exception:
-            self.tracker.end(run_id, "FAILED")
-            raise
-        self.hooks.trial_start(describe(point), config.epochs)
         history: list[dict[str, float]] = []
         prunes = self.inv.study.pruner != "none"
 
@@ -371,7 +388,9 @@ class Worker:
             reason = None if name == "complete" else name
             try:
                 # Optuna's constraint: TPE and NSGA-II leave the neighbourhood of a point that could not run.
-                trial.set_constraint("infeasible", 1.0 if outcome.infeasible else 0.0)
+                with warnings.catch_warnings():  # set already where a Ctrl-C lands while a result is recorded
+                    warnings.filterwarnings("ignore", "The constraint value is ignored")
+                    trial.set_constraint("infeasible", 1.0 if outcome.infeasible else 0.0)
                 if reason:
                     trial.set_user_attr("reason", reason)
                 if metrics:
@@ -389,51 +408,62 @@ class Worker:
                                f"failed ({error}); its result is kept in Optuna and its run is marked FAILED "
                                f"with reason record_error")
 
-        broken = self.inv.broken(config)
-        if broken:
-            end("invalid", error=f"breaks the study's constraint {broken}")
-            raise optuna.TrialPruned(f"breaks the constraint {broken}")
-        monitor = system_metrics(run_id, self.inv.tracking_uri) if self.inv.system_metrics else None
         try:
+            trial.set_user_attr("mlflow_run_id", run_id)
+            trial.set_user_attr("invocation", self.parent_run_id)
+            if folder:
+                claim(folder, run_id)
+            self.hooks.trial_start(describe(point), config.epochs)
+            broken = self.inv.broken(config)
+            if broken:
+                end("invalid", error=f"breaks the study's constraint {broken}")
+                raise optuna.TrialPruned(f"breaks the constraint {broken}")
+            monitor = system_metrics(run_id, self.inv.tracking_uri) if self.inv.system_metrics else None
             try:
-                trained = self.objective.train(config, on_epoch, Checkpointing(str(folder)) if folder else None)
-            finally:
-                if monitor is not None:
-                    monitor.finish()
-            values = self.objective.values(trained.metrics) if trained.status == "ok" else None
-        except optuna.TrialPruned:
-            end("pruned", _final(history))
+                try:
+                    trained = self.objective.train(config, on_epoch, Checkpointing(str(folder)) if folder else None)
+                finally:
+                    if monitor is not None:
+                        monitor.finish()
+                values = self.objective.values(trained.metrics) if trained.status == "ok" else None
+            except optuna.TrialPruned:
+                end("pruned", _final(history))
+                raise
+            except torch.OutOfMemoryError:
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                end("oom", _final(history))
+                raise optuna.TrialPruned("out of memory") from None
+            except ConfigError as exc:  # e.g. b*k larger than the training set: the point cannot run
+                end("invalid", error=str(exc))
+                self.hooks.say(f"trial {trial.number} ({describe(point)}): {exc}")
+                raise optuna.TrialPruned(str(exc)) from None
+            except Exception as exc:
+                self._trial_raised = True
+                end("error", error=f"{type(exc).__name__}: {exc}"[:5000])
+                raise
+            if trained.status == "diverged":
+                end("diverged", trained.metrics, trained.dataset, **trained.health)
+                raise optuna.TrialPruned("diverged: non-finite training loss")
+            end("complete", trained.metrics, trained.dataset, memory_source=trained.memory_source,
+                resumed_after_epoch=trained.resumed_after or None, **trained.health)
+            if trained.dataset and trained.dataset["digest"] not in self.datasets_logged:
+                # The parent run (the row the UI shows first) names the data its trials trained on, too.
+                self.datasets_logged.add(trained.dataset["digest"])
+                try:
+                    self.tracker.log_dataset(self.parent_run_id, trained.dataset)
+                except Exception:  # the trial is recorded; the parent's Dataset column is a convenience
+                    pass
+            return values[0] if len(values) == 1 else values
+        except KeyboardInterrupt:  # wherever it lands, training or recording a result that Optuna now fails
+            if run_id in self.tracker.open_runs:
+                end("interrupted")
             raise
-        except torch.OutOfMemoryError:
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            end("oom", _final(history))
-            raise optuna.TrialPruned("out of memory") from None
-        except ConfigError as exc:  # e.g. b*k larger than the training set: the point cannot run
-            end("invalid", error=str(exc))
-            self.hooks.say(f"trial {trial.number} ({describe(point)}): {exc}")
-            raise optuna.TrialPruned(str(exc)) from None
-        except KeyboardInterrupt:
-            end("interrupted")
+        except Exception:  # pruned and the like are ended already; a storage that refused a write is not
+            if run_id in self.tracker.open_runs:
+                self.tracker.end(run_id, "FAILED")
             raise
-        except Exception as exc:
-            self._trial_raised = True
-            end("error", error=f"{type(exc).__name__}: {exc}"[:5000])
-            raise
-        if trained.status == "diverged":
-            end("diverged", trained.metrics, trained.dataset, **trained.health)
-            raise optuna.TrialPruned("diverged: non-finite training loss")
-        end("complete", trained.metrics, trained.dataset, memory_source=trained.memory_source, **trained.health,
-            resumed_after_epoch=trained.resumed_after or None)
-        if trained.dataset and trained.dataset["digest"] not in self.datasets_logged:
-            # The parent run (the row the UI shows first) names the data its trials trained on, too.
-            self.datasets_logged.add(trained.dataset["digest"])
-            try:
-                self.tracker.log_dataset(self.parent_run_id, trained.dataset)
-            except Exception:  # the trial is recorded; the parent's Dataset column is a convenience
-                pass
-        return values[0] if len(values) == 1 else values
 
 
 def _final(history: list[dict[str, float]]) -> dict[str, float] | None:

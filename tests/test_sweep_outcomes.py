@@ -66,7 +66,7 @@ def test_ctrl_c_marks_the_running_trial_and_says_how_to_resume(tmp_path, workers
     # inherits that. The signal goes to the main process alone (kill -INT): with 2 workers it passes it on
     # after 5 s (from a terminal they got it too), so their trials are long enough to be still running then.
     proc = subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), *TINY, "--epochs",
-                             "40" if workers == 1 else "400", "--workers", str(workers)], cwd=tmp_path,
+                             "100" if workers == 1 else "400", "--workers", str(workers)], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     wait_for_complete(tmp_path / "mlruns/optuna.db", 1, proc)
@@ -74,7 +74,7 @@ def test_ctrl_c_marks_the_running_trial_and_says_how_to_resume(tmp_path, workers
     while not [t for t in optuna.load_study(study_name="accum_lr", storage=storage).trials
                if t.state == State.RUNNING and "mlflow_run_id" in t.user_attrs]:
         time.sleep(0.1)
-    time.sleep(0.3)  # inside the next trial's 40 epochs
+    time.sleep(0.3)  # inside the next trial's 100 epochs (the next test covers a Ctrl-C while recording one)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-3000:]
@@ -83,12 +83,70 @@ def test_ctrl_c_marks_the_running_trial_and_says_how_to_resume(tmp_path, workers
     trials = optuna.load_study(study_name="accum_lr", storage=storage).trials
     assert all(t.state.is_finished() for t in trials)
     interrupted = [t for t in trials if t.state == State.FAIL]
-    assert 1 <= len(interrupted) <= workers  # a worker may have been between two trials
+    assert 1 <= len(interrupted) <= workers, (  # a worker may have been between two trials
+        [(t.number, t.user_attrs.get("reason")) for t in interrupted], err[-3000:])
     for run in runs_by_trial(client, interrupted):
         assert run.info.status == "KILLED" and run.data.tags["reason"] == "interrupted"
     children, parents = child_runs(client)
     assert [p.info.status for p in parents] == ["KILLED"]
     assert not [r for r in children if r.info.status == "RUNNING"]
+
+
+def test_a_ctrl_c_while_a_complete_trial_is_recorded_ends_its_run_as_interrupted(tmp_path, monkeypatch, capsys):
+    """Training is over and the result is being written when Ctrl-C lands. The objective then raised, so Optuna
+    fails the trial: its run must end KILLED as interrupted too, not stay open for the worker to close FAILED."""
+    from sweeps.cli import main
+    from sweeps.tracking import Tracker
+
+    record = Tracker.finish
+
+    def finish(self, run_id, status, **kwargs):
+        error = record(self, run_id, status, **kwargs)
+        if status == "FINISHED":  # the complete trial's metrics are written; its run is left open for Optuna
+            raise KeyboardInterrupt  # as a Ctrl-C that lands right there
+        return error
+
+    monkeypatch.setattr(Tracker, "finish", finish)
+    monkeypatch.chdir(tmp_path)
+    assert main([*TINY, "--n-trials", "2"]) == 130
+    assert "run the same command again to resume" in capsys.readouterr().err
+    storage, client = stores(tmp_path)
+    (trial,) = optuna.load_study(study_name="accum_lr", storage=storage).trials
+    assert trial.state == State.FAIL and trial.user_attrs["reason"] == "interrupted"
+    (run,) = runs_by_trial(client, [trial])
+    assert (run.info.status, run.data.tags["reason"]) == ("KILLED", "interrupted")
+    assert run.data.metrics["train_loss"] > 0  # what it trained is kept
+
+
+def test_a_ctrl_c_inside_optunas_tell_stops_the_study_and_records_the_trial(tmp_path, monkeypatch, capsys):
+    """Optuna records a trial after its objective returned; a Ctrl-C that lands there comes out of optimize() as
+    an UnboundLocalError (its `finally` reads a variable the interrupted tell never set) and leaves the trial
+    RUNNING. The study must stop there, as for any Ctrl-C, and record that trial as interrupted."""
+    import os
+
+    from sweeps.cli import main
+    from trainers import interrupt
+
+    tell = optuna.storages.RDBStorage.set_trial_state_values
+
+    def set_trial_state_values(self, trial_id, state, values=None):
+        if state == State.COMPLETE:
+            os.kill(os.getpid(), signal.SIGINT)  # the handler of sweeps/run.py raises KeyboardInterrupt here
+        return tell(self, trial_id, state, values)
+
+    monkeypatch.setattr(optuna.storages.RDBStorage, "set_trial_state_values", set_trial_state_values)
+    monkeypatch.chdir(tmp_path)
+    interrupt.trap()
+    try:
+        assert main([*TINY, "--n-trials", "3"]) == 130
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert "run the same command again to resume" in capsys.readouterr().err
+    storage, client = stores(tmp_path)
+    (trial,) = optuna.load_study(study_name="accum_lr", storage=storage).trials  # no next trial
+    assert trial.state == State.FAIL and trial.user_attrs["reason"] == "interrupted"
+    (run,) = runs_by_trial(client, [trial])
+    assert (run.info.status, run.data.tags["reason"]) == ("KILLED", "interrupted")
 
 
 def test_equivalence_study_separates_bn_from_no_bn(tmp_path, data_dir):

@@ -134,6 +134,40 @@ def test_resume_after_sigkill_runs_every_point_once(tmp_path):
     assert len([r for r in children if r.info.status == "FINISHED"]) == 27
 
 
+def test_a_worker_killed_mid_study_is_reported_and_its_trial_ended(tmp_path):
+    """A worker that the kernel kills (its out-of-memory killer, say) leaves its trial RUNNING and its run open.
+    The invocation says so in one line and ends both, so that no run stays RUNNING and the count of trials left
+    is honest; the grid ends with every point complete once."""
+    import psutil
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    args = [*TINY, "--epochs", "20", "--workers", "2"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    storage = f"sqlite:///{tmp_path}/mlruns/optuna.db"
+    wait_for_complete(tmp_path / "mlruns/optuna.db", 2, proc)
+    workers = {child.pid for child in psutil.Process(proc.pid).children()}
+    while not (running := [t for t in grid_trials(storage) if t.state == optuna.trial.TrialState.RUNNING and
+                           int(t.user_attrs.get("owner", ":0").rpartition(":")[2]) in workers]):
+        time.sleep(0.05)
+    os.kill(int(running[0].user_attrs["owner"].rpartition(":")[2]), signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert re.search(r"warning: worker \d was killed by SIGKILL; its trial is marked failed", err), err
+    trials = grid_trials(storage)
+    assert all(t.state.is_finished() for t in trials)
+    assert [t.state for t in trials if t.number == running[0].number] == [optuna.trial.TrialState.FAIL]
+    left = 27 - len({config_key(t.user_attrs["config"]) for t in trials if t.state.name == "COMPLETE"})
+    assert (f"{left} trials left: run the same command again" in err) == (left > 0), err
+    client = stores(tmp_path)[1]
+    children, parents = child_runs(client)
+    assert not [r for r in children + parents if r.info.status == "RUNNING"]
+    assert client.get_run(running[0].user_attrs["mlflow_run_id"]).info.status == "KILLED"
+    assert sweep(tmp_path, *args).returncode == 0
+    complete = [config_key(t.user_attrs["config"]) for t in grid_trials(storage) if t.state.name == "COMPLETE"]
+    assert sorted(complete) == sorted(point_key(p, 0) for p in load("accum_lr").points)
+
+
 def test_ownerless_trial_fails_after_grace(tmp_path):
     from sweeps.runner import HEARTBEAT_GRACE_S, fail_orphans
 
@@ -158,7 +192,9 @@ def test_workers_cover_the_grid_once(tmp_path, workers, storage):
         optuna.storages.journal.JournalFileBackend(f"{tmp_path}/optuna.log")))
     points = [config_key(t.user_attrs["config"]) for t in trials]
     assert len(points) == len(set(points)) == 27  # none lost, none twice
-    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials), (
+        [(t.number, t.state.name, t.user_attrs.get("reason"), t.user_attrs.get("owner")) for t in trials
+         if t.state != optuna.trial.TrialState.COMPLETE], proc.stderr)
     assert len({t.user_attrs["owner"] for t in trials}) >= 2  # the work was shared
     children, _ = child_runs(client)
     assert sorted(r.info.run_id for r in children if r.info.status == "FINISHED") == \

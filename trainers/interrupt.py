@@ -25,6 +25,12 @@ def trap() -> None:
         signal.signal(signal.SIGINT, _handler)
 
 
+def pending() -> bool:
+    """Whether a Ctrl-C came since trap() and check() has not raised it again: where code that caught the
+    KeyboardInterrupt raised something else instead, this tells the two apart."""
+    return _interrupted
+
+
 def check() -> None:
     """Raise the KeyboardInterrupt again if one was dropped since trap(); once."""
     global _interrupted
