@@ -102,7 +102,7 @@ def run_workers(inv, parent_run_id: str, workers: int, total: int) -> None:
     for i, proc in enumerate(procs):
         if proc.exitcode is not None and proc.exitcode < 0:  # e.g. the kernel's out-of-memory killer
             print(f"warning: worker {i} was killed by {signal.Signals(-proc.exitcode).name}; its trial is marked "
-                  f"failed and runs again with the same command", file=sys.stderr)
+                  f"failed, and its point runs again (in this invocation, or the next)", file=sys.stderr)
 
 
 def run_in_process(inv, parent_run_id: str, total: int) -> None:
@@ -193,8 +193,12 @@ def run(inv, workers: int) -> int:
             run_in_process(inv, parent, total)
         else:
             run_workers(inv, parent, workers, total)
-            end_dead(inv, storage, tracker)  # a killed worker's trial would stay RUNNING, not counted as left
+            try:
+                end_dead(inv, storage, tracker)  # a killed worker's trial would stay RUNNING, not counted as left
+            except Exception:  # the storage went away: the next invocation ends them before it counts
+                pass
     except KeyboardInterrupt:
+        interrupt.handled()
         status = "KILLED"
         print(f"\ninterrupted: finished trials are kept; run the same command again to resume "
               f"study {inv.study_name}", file=sys.stderr)

@@ -43,8 +43,9 @@ def default_tracking_uri(root: str = "mlruns") -> str:
     return f"sqlite:///{Path(root).resolve()}/mlflow.db"
 
 
-# Errors that another writer causes and that pass: SQLite's lock, and a tag two machines insert at once (MLflow
-# sets a tag by SELECT then INSERT, so the slower one hits the unique key; tried again, it finds the row).
+# Errors that another writer causes and that pass: SQLite's lock, and a row that two machines insert at once (MLflow
+# writes an experiment's tag or a dataset by SELECT then INSERT, so the slower one hits the unique key; tried
+# again, it finds the row).
 TRANSIENT = ("locked", "UNIQUE constraint failed", "duplicate key value violates unique constraint")
 
 

@@ -139,6 +139,7 @@ def test_a_ctrl_c_inside_optunas_tell_stops_the_study_and_records_the_trial(tmp_
     interrupt.trap()
     try:
         assert main([*TINY, "--n-trials", "3"]) == 130
+        assert not interrupt.pending()  # handled: a later run in this process is not stopped by it
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     assert "run the same command again to resume" in capsys.readouterr().err

@@ -7,6 +7,7 @@ import json
 import math
 import sys
 
+from . import interrupt
 from .config import FIELDS, BatchsweepError, ConfigError, TrainConfig, parse_value
 from .distributed import check_launch, launched_rank, launched_ranks
 
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
               "shrink it on out-of-memory", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
+        interrupt.handled()
         if lead:
             print("interrupted: " + (f"{checkpoint.path} holds the last finished epoch; run the same command again "
                                      f"to resume" if checkpoint and checkpoint.path.exists() else

@@ -31,6 +31,13 @@ def pending() -> bool:
     return _interrupted
 
 
+def handled() -> None:
+    """The KeyboardInterrupt reached the code that ends the run (exit 130): a later run in this process starts
+    with none pending."""
+    global _interrupted
+    _interrupted = False
+
+
 def check() -> None:
     """Raise the KeyboardInterrupt again if one was dropped since trap(); once."""
     global _interrupted
