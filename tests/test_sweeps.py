@@ -147,8 +147,10 @@ def test_a_worker_killed_mid_study_is_reported_and_its_trial_ended(tmp_path):
     storage = f"sqlite:///{tmp_path}/mlruns/optuna.db"
     wait_for_complete(tmp_path / "mlruns/optuna.db", 2, proc)
     workers = {child.pid for child in psutil.Process(proc.pid).children()}
+    deadline = time.time() + 120
     while not (running := [t for t in grid_trials(storage) if t.state == optuna.trial.TrialState.RUNNING and
                            int(t.user_attrs.get("owner", ":0").rpartition(":")[2]) in workers]):
+        assert proc.poll() is None and time.time() < deadline, "no worker's trial was seen running"
         time.sleep(0.05)
     os.kill(int(running[0].user_attrs["owner"].rpartition(":")[2]), signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
