@@ -440,6 +440,8 @@ class Worker:
                 self.hooks.say(f"trial {trial.number} ({describe(point)}): {exc}")
                 raise optuna.TrialPruned(str(exc)) from None
             except Exception as exc:
+                if interrupt.pending():  # a Ctrl-C that a library caught and replaced: the run was interrupted
+                    raise KeyboardInterrupt from exc
                 self._trial_raised = True
                 end("error", error=f"{type(exc).__name__}: {exc}"[:5000])
                 raise

@@ -323,3 +323,28 @@ class FitsSixteen(nn.Module):
 
 def fits_16(input_shape, num_classes, **_):
     return FitsSixteen(input_shape, num_classes)
+
+
+class SwallowsCtrlC(nn.Linear):
+    """A model whose third training forward receives Ctrl-C inside code that catches the KeyboardInterrupt and
+    raises another error in its place, as some libraries do."""
+
+    def __init__(self, input_shape, num_classes):
+        super().__init__(input_shape[0], num_classes)
+        self.calls = 0
+
+    def forward(self, x):
+        import os
+        import signal
+
+        self.calls += self.training
+        if self.training and self.calls == 3:
+            try:
+                os.kill(os.getpid(), signal.SIGINT)  # the entry point's handler raises KeyboardInterrupt here
+            except KeyboardInterrupt:
+                raise RuntimeError("interrupted system call") from None
+        return super().forward(x)
+
+
+def swallows_ctrl_c(input_shape, num_classes, **_):
+    return SwallowsCtrlC(input_shape, num_classes)

@@ -86,7 +86,9 @@ def test_ctrl_c_marks_the_running_trial_and_says_how_to_resume(tmp_path, workers
     assert 1 <= len(interrupted) <= workers, (  # a worker may have been between two trials
         [(t.number, t.user_attrs.get("reason")) for t in interrupted], err[-3000:])
     for run in runs_by_trial(client, interrupted):
-        assert run.info.status == "KILLED" and run.data.tags["reason"] == "interrupted"
+        assert run.info.status == "KILLED" and run.data.tags["reason"] == "interrupted", (
+            run.info.status, {k: v for k, v in run.data.tags.items() if k in ("reason", "state", "error")},
+            err[-3000:])
     children, parents = child_runs(client)
     assert [p.info.status for p in parents] == ["KILLED"]
     assert not [r for r in children if r.info.status == "RUNNING"]
@@ -145,6 +147,26 @@ def test_a_ctrl_c_inside_optunas_tell_stops_the_study_and_records_the_trial(tmp_
     assert "run the same command again to resume" in capsys.readouterr().err
     storage, client = stores(tmp_path)
     (trial,) = optuna.load_study(study_name="accum_lr", storage=storage).trials  # no next trial
+    assert trial.state == State.FAIL and trial.user_attrs["reason"] == "interrupted"
+    (run,) = runs_by_trial(client, [trial])
+    assert (run.info.status, run.data.tags["reason"]) == ("KILLED", "interrupted")
+
+
+def test_a_ctrl_c_that_a_library_replaces_with_another_error_is_an_interruption(tmp_path, monkeypatch, capsys):
+    """Code that catches the KeyboardInterrupt and raises something else would make the trial an `error` and the
+    study go on; while a Ctrl-C is pending, any error out of training is that Ctrl-C."""
+    from sweeps.cli import main
+    from trainers import interrupt
+
+    monkeypatch.chdir(tmp_path)
+    interrupt.trap()
+    try:
+        assert main([*TINY, "--model", "tests.factories:swallows_ctrl_c", "--n-trials", "3"]) == 130
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert "run the same command again to resume" in capsys.readouterr().err
+    storage, client = stores(tmp_path)
+    (trial,) = optuna.load_study(study_name="accum_lr", storage=storage).trials
     assert trial.state == State.FAIL and trial.user_attrs["reason"] == "interrupted"
     (run,) = runs_by_trial(client, [trial])
     assert (run.info.status, run.data.tags["reason"]) == ("KILLED", "interrupted")
