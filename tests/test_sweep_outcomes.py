@@ -94,6 +94,29 @@ def test_ctrl_c_marks_the_running_trial_and_says_how_to_resume(tmp_path, workers
     assert not [r for r in children if r.info.status == "RUNNING"]
 
 
+def main_with_its_sigint_handler(args: list[str]) -> int:
+    """sweeps/run.py's main, in this process, with the SIGINT handler that the script installs."""
+    from sweeps.cli import main
+    from trainers import interrupt
+
+    interrupt.trap()
+    try:
+        return main(args)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def the_one_trial_interrupted(tmp_path, capsys):
+    """Check that the study stopped at one trial, recorded as interrupted in Optuna and MLflow; its run."""
+    assert "run the same command again to resume" in capsys.readouterr().err
+    storage, client = stores(tmp_path)
+    (trial,) = optuna.load_study(study_name="accum_lr", storage=storage).trials
+    assert trial.state == State.FAIL and trial.user_attrs["reason"] == "interrupted"
+    (run,) = runs_by_trial(client, [trial])
+    assert (run.info.status, run.data.tags["reason"]) == ("KILLED", "interrupted")
+    return run
+
+
 def test_a_ctrl_c_while_a_complete_trial_is_recorded_ends_its_run_as_interrupted(tmp_path, monkeypatch, capsys):
     """Training is over and the result is being written when Ctrl-C lands. The objective then raised, so Optuna
     fails the trial: its run must end KILLED as interrupted too, not stay open for the worker to close FAILED."""
@@ -111,12 +134,7 @@ def test_a_ctrl_c_while_a_complete_trial_is_recorded_ends_its_run_as_interrupted
     monkeypatch.setattr(Tracker, "finish", finish)
     monkeypatch.chdir(tmp_path)
     assert main([*TINY, "--n-trials", "2"]) == 130
-    assert "run the same command again to resume" in capsys.readouterr().err
-    storage, client = stores(tmp_path)
-    (trial,) = optuna.load_study(study_name="accum_lr", storage=storage).trials
-    assert trial.state == State.FAIL and trial.user_attrs["reason"] == "interrupted"
-    (run,) = runs_by_trial(client, [trial])
-    assert (run.info.status, run.data.tags["reason"]) == ("KILLED", "interrupted")
+    run = the_one_trial_interrupted(tmp_path, capsys)
     assert run.data.metrics["train_loss"] > 0  # what it trained is kept
 
 
@@ -126,7 +144,6 @@ def test_a_ctrl_c_inside_optunas_tell_stops_the_study_and_records_the_trial(tmp_
     RUNNING. The study must stop there, as for any Ctrl-C, and record that trial as interrupted."""
     import os
 
-    from sweeps.cli import main
     from trainers import interrupt
 
     tell = optuna.storages.RDBStorage.set_trial_state_values
@@ -138,38 +155,17 @@ def test_a_ctrl_c_inside_optunas_tell_stops_the_study_and_records_the_trial(tmp_
 
     monkeypatch.setattr(optuna.storages.RDBStorage, "set_trial_state_values", set_trial_state_values)
     monkeypatch.chdir(tmp_path)
-    interrupt.trap()
-    try:
-        assert main([*TINY, "--n-trials", "3"]) == 130
-        assert not interrupt.pending()  # handled: a later run in this process is not stopped by it
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    assert "run the same command again to resume" in capsys.readouterr().err
-    storage, client = stores(tmp_path)
-    (trial,) = optuna.load_study(study_name="accum_lr", storage=storage).trials  # no next trial
-    assert trial.state == State.FAIL and trial.user_attrs["reason"] == "interrupted"
-    (run,) = runs_by_trial(client, [trial])
-    assert (run.info.status, run.data.tags["reason"]) == ("KILLED", "interrupted")
+    assert main_with_its_sigint_handler([*TINY, "--n-trials", "3"]) == 130
+    assert not interrupt.pending()  # handled: a later run in this process is not stopped by it
+    the_one_trial_interrupted(tmp_path, capsys)  # no next trial
 
 
 def test_a_ctrl_c_that_a_library_replaces_with_another_error_is_an_interruption(tmp_path, monkeypatch, capsys):
     """Code that catches the KeyboardInterrupt and raises something else would make the trial an `error` and the
     study go on; while a Ctrl-C is pending, any error out of training is that Ctrl-C."""
-    from sweeps.cli import main
-    from trainers import interrupt
-
     monkeypatch.chdir(tmp_path)
-    interrupt.trap()
-    try:
-        assert main([*TINY, "--model", "tests.factories:swallows_ctrl_c", "--n-trials", "3"]) == 130
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    assert "run the same command again to resume" in capsys.readouterr().err
-    storage, client = stores(tmp_path)
-    (trial,) = optuna.load_study(study_name="accum_lr", storage=storage).trials
-    assert trial.state == State.FAIL and trial.user_attrs["reason"] == "interrupted"
-    (run,) = runs_by_trial(client, [trial])
-    assert (run.info.status, run.data.tags["reason"]) == ("KILLED", "interrupted")
+    assert main_with_its_sigint_handler([*TINY, "--model", "tests.factories:swallows_ctrl_c", "--n-trials", "3"]) == 130
+    the_one_trial_interrupted(tmp_path, capsys)
 
 
 def test_equivalence_study_separates_bn_from_no_bn(tmp_path, data_dir):
