@@ -5,8 +5,9 @@ import argparse
 import logging
 import os
 import sys
-import urllib.parse
 from pathlib import Path
+
+from sweeps import urls
 
 from .runs import AnalysisError, load_study
 
@@ -17,25 +18,20 @@ def default_tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path('mlruns').resolve()}/mlflow.db"
 
 
-def shown(uri: str) -> str:
-    """The URI as it may be printed or written into a report: its password as ***."""
-    from sqlalchemy.engine import make_url
-
+def check_out(out: Path, folder: Path) -> None:
+    """The report's folder can be made inside --out, and is not a link that leads out of it."""
+    if out.exists() and not out.is_dir():
+        raise AnalysisError(f"--out {out} is a file: name a folder (default: reports/)")
+    if folder.is_symlink():
+        raise AnalysisError(f"{folder} is a symbolic link: the report is written only into a real folder inside "
+                            f"--out; remove the link or pass another --out")
     try:
-        return make_url(uri).render_as_string(hide_password=True) if "://" in uri else uri
-    except Exception:  # not a URL SQLAlchemy parses: show no netloc at all
-        parts = urllib.parse.urlsplit(uri)
-        return urllib.parse.urlunsplit(parts._replace(netloc=parts.hostname or "")) if parts.password else uri
-
-
-def without_credentials(uri: str) -> str:
-    """An http(s) URI's user and password go to MLflow's own variables; what remains holds no secret."""
-    parts = urllib.parse.urlsplit(uri)
-    if parts.scheme not in ("http", "https") or (parts.username is None and parts.password is None):
-        return uri
-    os.environ["MLFLOW_TRACKING_USERNAME"] = urllib.parse.unquote(parts.username or "")
-    os.environ["MLFLOW_TRACKING_PASSWORD"] = urllib.parse.unquote(parts.password or "")
-    return urllib.parse.urlunsplit(parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else "")))
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise AnalysisError(f"cannot create the report folder {folder} ({exc.strerror or exc}): pass an --out "
+                            f"that can be written") from None
+    if not os.access(folder, os.W_OK):
+        raise AnalysisError(f"cannot write into the report folder {folder}: make it writable or pass another --out")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,21 +46,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-log", action="store_true", help="do not log the report to the study's MLflow parent run")
     args = p.parse_args(argv)
     logging.getLogger("mlflow").setLevel(logging.WARNING)
-    uri = without_credentials(args.tracking_uri or default_tracking_uri())
+    uri = args.tracking_uri or default_tracking_uri()
     names = args.compare or [args.study]
-    try:
-        if uri.startswith("sqlite:") and not uri.startswith("sqlite:///"):
-            raise AnalysisError(f"{uri!r} is not a SQLite URL: write sqlite:///relative/path.db or "
-                                f"sqlite:////absolute/path.db")
-        if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
-            raise AnalysisError(f"no MLflow store at {shown(uri)}: run a study first, or pass --tracking-uri")
-        studies = [load_study(name, uri, shown(uri)) for name in names]
-    except AnalysisError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     from .render import folder_name, write_report
 
     folder = Path(args.out) / folder_name(names)
+    try:
+        wrong = urls.problem(uri, "--tracking-uri", urls.TRACKING_SCHEMES)
+        if wrong:
+            raise AnalysisError(wrong)
+        uri = urls.hand_over_credentials(uri)
+        if uri.startswith("sqlite:///") and not urls.sqlite_path(uri).exists():
+            raise AnalysisError(f"no MLflow store at {uri}: run a study first, or pass --tracking-uri")
+        check_out(Path(args.out), folder)  # before the store is read: a report is never made only to be lost
+        why = urls.unreachable(uri)
+        if why:
+            raise AnalysisError(f"{why}: start it, or pass another --tracking-uri")
+        studies = [load_study(name, uri, urls.redact(uri)) for name in names]
+    except AnalysisError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     written, findings = write_report(studies, folder)
     if not args.no_log:
         from mlflow import MlflowClient

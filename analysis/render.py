@@ -117,12 +117,14 @@ def _unhealthy(trials: pd.DataFrame) -> pd.DataFrame | None:
 # The characters that make Markdown markup here: emphasis, code, links (no '[', so no '(' after one),
 # HTML and entities, table cells, strikethrough. Lines never start with data, so '#' and list marks stay;
 # '_' makes emphasis only at a word's edge (CommonMark), so lr_rule stays as it is.
-MD_SPECIAL = re.compile(r"([\\`*\[\]<>|~&])|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
+# GitHub's Markdown also links bare URLs (scheme://... and www....): the ':' and the '.' get a backslash too.
+MD_SPECIAL = re.compile(r"([\\`*\[\]<>|~&])|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])|(?<=[A-Za-z])(:)(?=//)"
+                        r"|(?<=(?<![A-Za-z0-9])www)(\.)", re.IGNORECASE)
 
 
 def md(text) -> str:
-    """Text that Markdown shows as it is: no markup, no link, no HTML."""
-    return MD_SPECIAL.sub(lambda m: "\\" + m.group(0), str(text)).replace("\n", " ")
+    """Text that Markdown shows as it is: no markup, no link, no HTML, one line."""
+    return re.sub(r"[\r\n]+", " ", MD_SPECIAL.sub(lambda m: "\\" + m.group(0), str(text)))
 
 
 def _md_table(frame: pd.DataFrame) -> str:

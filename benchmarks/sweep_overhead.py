@@ -29,15 +29,25 @@ def timed_trainer() -> list[float]:
     durations: list[float] = []
     train = objective.train
 
-    def timed_train(config, on_epoch=None):
+    def timed_train(*args, **kwargs):  # whatever the objective passes (a checkpoint, probes) passes through
         start = time.perf_counter()
         try:
-            return train(config, on_epoch=on_epoch)
+            return train(*args, **kwargs)
         finally:
             durations.append(time.perf_counter() - start)
 
     objective.train = timed_train
     return durations
+
+
+def check_complete(inv, storage, ran: int) -> None:
+    """A benchmark that measured failing trials, or none, measured nothing: exit non-zero, never a figure."""
+    trials = [t for name in inv.study_names() for t in optuna.load_study(study_name=name, storage=storage).trials
+              if t.user_attrs.get("reason") != "duplicate"]
+    bad = [t for t in trials if t.state != optuna.trial.TrialState.COMPLETE]
+    if not ran or bad:
+        reason = bad[0].user_attrs.get("reason", bad[0].state.name) if bad else "no trial ran"
+        raise SystemExit(f"error: {len(bad)} of {len(trials)} trials did not complete ({reason}): nothing measured")
 
 
 def main() -> None:
@@ -63,6 +73,7 @@ def main() -> None:
         start = time.perf_counter()
         ran = worker.run(inv.n_trials)
         total = time.perf_counter() - start
+        check_complete(inv, worker.storage, ran)
     outside = total - sum(in_train)
     print(f"study={args.study} trials={ran} epochs={inv.base.epochs} store=SQLite "
           f"system_metrics={args.system_metrics}")

@@ -18,7 +18,7 @@ import time
 
 import optuna
 
-from sweep_overhead import timed_trainer
+from sweep_overhead import check_complete, timed_trainer
 from sweeps.cli import build_invocation, parse_args
 from sweeps.runner import Hooks, Worker, create_studies, open_storage
 from sweeps.tracking import Tracker
@@ -45,7 +45,8 @@ def main() -> None:
             last[0] = now
 
 
-        Worker(inv, parent, 0, Hooks(trial_done=trial_done)).run(None)
+        worker = Worker(inv, parent, 0, Hooks(trial_done=trial_done))
+        check_complete(inv, worker.storage, worker.run(None))
     if len(times) < 100:
         raise SystemExit(f"only {len(times)} trials ran: use --seeds 4 or more")
     outside = [t - s for t, s in zip(times, in_train)]

@@ -11,10 +11,10 @@ from trainers.cli import format_bytes
 from trainers.config import BatchsweepError, ConfigError, TrainConfig, parse_overrides, parse_value
 
 from .driver import run, write_report
-from .studies import LAUNCHERS, check_name
+from .studies import LAUNCHERS, check_name, check_size
 from .tables import dry_run_table, list_studies
-from .tracking import default_tracking_uri
-from .urls import check_storage, check_tracking_uri, sqlite_path
+from .tracking import TrackingError, default_tracking_uri, first_line
+from .urls import check_storage, check_tracking_uri, redact, sqlite_path, unreachable
 
 # Flags that set one trainer field for every trial of the study.
 CONFIG_FLAGS = ("epochs", "model", "dataset", "device", "seed")
@@ -25,12 +25,15 @@ LIMITS = {
     "--n-trials": (1_000_000, "a budget beyond a million trials is a typo"),
 }
 LOG_MODELS = ("none", "best", "all")
-MAX_UNITS = 100_000  # points x seeds: a study this size takes days; beyond it, a typo
+RUNS_CODE = ("An import path runs code: --study package.module:STUDY, --model and --dataset package.module:factory, "
+             "--set loss=package.module:fn, and the same paths inside a study file import that module, which runs "
+             "with your permissions. Name only code you trust (docs/security.md).")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="sweeps/run.py", description="Run an Optuna study of gradient accumulation, "
-                                "every trial tracked in MLflow. Running the same command again resumes it.")
+                                "every trial tracked in MLflow. Running the same command again resumes it.",
+                                epilog=RUNS_CODE)
     p.add_argument("--study", default="accum_lr", help="a built-in study (see --list), a study file "
                    "(path/to/study.toml) or package.module:STUDY; default accum_lr")
     p.add_argument("--list", action="store_true", help="list the studies and exit")
@@ -67,10 +70,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def build_invocation(args: argparse.Namespace):
+    from .objective import make_objective
     from .runner import Invocation, default_storage
     from .studyfile import load
 
     study = load(args.study)
+    make_objective(study)  # its metrics are checked before anything runs
     if args.seeds is None:
         args.seeds = study.seeds
     if args.workers is None:
@@ -79,13 +84,11 @@ def build_invocation(args: argparse.Namespace):
         high, why = LIMITS[flag]
         if value is not None and not 1 <= value <= high:
             raise ConfigError(f"{flag} must be between 1 and {high:,} ({why}), got {value}")
-    if len(study.points) * study.trials_per_unit * args.seeds > MAX_UNITS:
-        raise ConfigError(f"{len(study.points)} points x {study.trials_per_unit} trials x {args.seeds} seeds is more "
-                          f"than {MAX_UNITS:,} trials: lower --seeds or the study's trials")
+    check_size(study, args.seeds, "--seeds")  # from the axes' lengths: before any point is enumerated
     flags = {name: parse_value(name, getattr(args, name)) for name in CONFIG_FLAGS if getattr(args, name)}
     base = TrainConfig(**{**study.fixed, **flags, **parse_overrides(args.set)})
     inv = Invocation(study=study, base=base, seeds=tuple(range(base.seed, base.seed + args.seeds)),
-                     study_name=check_name(args.study_name or study.name),
+                     study_name=check_name(study.name if args.study_name is None else args.study_name),
                      storage=check_storage(args.storage or default_storage()),
                      tracking_uri=check_tracking_uri(args.tracking_uri or default_tracking_uri()),
                      n_trials=args.n_trials, fail_fast=args.fail_fast, system_metrics=args.system_metrics,
@@ -147,7 +150,14 @@ def memory_plan(args: argparse.Namespace) -> int:
     memory_source = "cuda_allocator" if resolve_device(config.device).type == "cuda" else "saved_tensors"
     uri = check_tracking_uri(args.tracking_uri or default_tracking_uri())
     no_local_store = sqlite_path(uri) is not None and not sqlite_path(uri).exists()
-    fitted = (None if no_local_store else from_study(config, uri, memory_source)) or probe(config)
+    if not no_local_store and (why := unreachable(uri)):
+        raise TrackingError(f"{why}: start it, check --tracking-uri, or drop it to use the local store")
+    try:
+        fitted = None if no_local_store else from_study(config, uri, memory_source)
+    except Exception as exc:  # a store that answers but cannot be read: one line, as for any store
+        raise TrackingError(f"cannot read the MLflow store {redact(uri)} ({first_line(exc, uri)}): move a damaged "
+                            f"store aside, or pass another --tracking-uri") from None
+    fitted = fitted or probe(config)
     answer = plan(fitted, args.target_batch, budget)
     print(f"{config.model} on {config.dataset}: peak memory ({fitted.memory_source}) = "
           f"{format_bytes(fitted.fixed)} + {format_bytes(fitted.per_sample)} x b, from the {fitted.source}")

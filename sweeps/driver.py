@@ -215,7 +215,7 @@ def run(inv, workers: int) -> int:
     from .models import keep_models
 
     try:
-        keep_models(inv, tracker, parent, lambda line: print(line, file=sys.stderr))
+        keep_models(inv, tracker, parent, storage, lambda line: print(line, file=sys.stderr))
     except Exception as exc:  # the trials are recorded; the models and the clean-up are a convenience
         print(f"warning: the models were not logged ({first_line(exc, inv.storage)}); the trials are kept",
               file=sys.stderr)

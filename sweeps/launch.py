@@ -20,7 +20,7 @@ import torch
 
 from trainers import TrainConfig
 from trainers.checkpoint import Checkpointing
-from trainers.config import ConfigError
+from trainers.config import BatchsweepError, ConfigError
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "trainers" / "train.py"
 OUT_OF_MEMORY = "out of memory:"  # how trainers/cli.py's line for an out-of-memory not shrunk away begins
@@ -64,13 +64,18 @@ def run(config: TrainConfig, on_epoch: Callable[[dict[str, float]], None],
             command += ["--checkpoint-dir", checkpoint.dir, "--checkpoint-every", str(checkpoint.every),
                         "--checkpoint-minutes", str(checkpoint.minutes)]
         rows_path.touch()
+        errors = []  # the trainer's own errors, with their kind
         with open(log_path, "w") as log, open(rows_path) as rows:
             job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, preexec_fn=_die_with_parent())
             try:
                 while True:
                     done = job.poll() is not None
-                    for line in rows.readlines():  # (rank 0 writes whole lines and flushes each)
-                        on_epoch(json.loads(line))
+                    for line in rows.readlines():  # (whole lines, each flushed)
+                        row = json.loads(line)
+                        if "error" in row:
+                            errors.append(row)
+                        else:
+                            on_epoch(row)
                     if done:
                         break
                     time.sleep(0.1)
@@ -79,7 +84,7 @@ def run(config: TrainConfig, on_epoch: Callable[[dict[str, float]], None],
                 raise
         if job.returncode == 0 or (job.returncode == 1 and result_path.exists()):  # 1: the run diverged
             return json.loads(result_path.read_text())
-        raise _failure(job.returncode, log_path.read_text(errors="replace"))
+        raise _failure(job.returncode, log_path.read_text(errors="replace"), errors)
 
 
 def stop(job: subprocess.Popen) -> None:
@@ -92,13 +97,15 @@ def stop(job: subprocess.Popen) -> None:
         job.wait()
 
 
-def _failure(code: int, log: str) -> Exception:
-    """What the job's failure means. torchrun exits 1 whatever its ranks' statuses were, so the trainer's own
-    line says it: its out-of-memory line (exit 3), or its bad-input line (exit 2)."""
-    errors = [line[len("error: "):] for line in log.splitlines() if line.startswith("error: ")]
-    if errors and errors[-1].startswith(OUT_OF_MEMORY):
-        return torch.OutOfMemoryError(errors[-1])
+def _failure(code: int, log: str, errors: list[dict[str, str]]) -> Exception:
+    """What the job's failure means. torchrun exits 1 whatever its ranks' statuses were, so the trainer says it:
+    its out-of-memory line (exit 3), or its error and the error's kind. Only a configuration error makes the
+    point invalid for good; a damaged checkpoint or a full disk is an error, and the point runs again."""
+    lines = [line[len("error: "):] for line in log.splitlines() if line.startswith("error: ")]
+    if lines and lines[-1].startswith(OUT_OF_MEMORY):
+        return torch.OutOfMemoryError(lines[-1])
     if errors:
-        return ConfigError(errors[-1])
+        kind = ConfigError if errors[-1]["error"] == "ConfigError" else BatchsweepError
+        return kind(errors[-1]["message"])
     tail = [line for line in log.splitlines() if line.strip()][-3:]
     return RuntimeError(f"the torchrun job exited with status {code}: {' / '.join(tail)[-1000:]}")

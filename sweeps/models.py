@@ -12,9 +12,12 @@ from pathlib import Path
 
 import optuna
 import torch
+from optuna.trial import TrialState
 
 from trainers import TrainConfig
 from trainers.checkpoint import FILE, HOW_NOT_WHAT
+
+from .outcomes import OUTCOMES, outcome_of
 
 RUN_ID_FILE = "mlflow_run_id"  # the run of the trial that last trained in the folder
 
@@ -99,52 +102,86 @@ def _config_of(inv, trial) -> TrainConfig:
     return inv.config(values, values.pop("seed"))
 
 
-def _ended(inv) -> list[optuna.trial.FrozenTrial]:
+def _folder(inv, trial) -> Path:
+    return folder_of(inv, _config_of(inv, trial), trial.number)
+
+
+def _trials(inv, storage) -> list[optuna.trial.FrozenTrial]:
+    """Every trial of the study that chose a point (a trial that yielded its point to another one chose none)."""
+    return [t for name in inv.study_names() for t in optuna.load_study(study_name=name, storage=storage)
+            .get_trials(deepcopy=False) if "config" in t.user_attrs and outcome_of(t) != OUTCOMES["duplicate"]]
+
+
+def _ended(inv, trials: list) -> list[optuna.trial.FrozenTrial]:
     """The trials whose point will not run again: complete or pruned, and failed ones of a sampler's search
     (it draws new values rather than repeat them); a failed or killed grid point resumes from its checkpoint."""
-    states = [optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED]
-    if inv.study.sampler != "grid":
-        states.append(optuna.trial.TrialState.FAIL)
-    return [t for name in inv.study_names() for t in optuna.load_study(study_name=name, storage=inv.storage)
-            .get_trials(deepcopy=False, states=tuple(states)) if "config" in t.user_attrs]
+    states = [TrialState.COMPLETE, TrialState.PRUNED] + ([TrialState.FAIL] if inv.study.sampler != "grid" else [])
+    return [t for t in trials if t.state in states]
 
 
 def _candidates(inv, ended: list, invocation: str) -> list:
-    """This invocation's complete trials whose models may still be logged at its end."""
-    mine = [t for t in ended if t.state == optuna.trial.TrialState.COMPLETE
-            and t.user_attrs.get("invocation") == invocation]
+    """An invocation's complete trials whose models may still be logged at its end."""
+    mine = [t for t in ended if t.state == TrialState.COMPLETE and t.user_attrs.get("invocation") == invocation]
     return chosen(mine, inv.study.directions, inv.log_models)
 
 
-def spare(inv, invocation: str) -> None:
+def _needed(inv, trials: list, invocations: set[str]) -> set[Path]:
+    """The folders that must stay: those of running trials (a point claimed twice shares one), and of the models
+    that `invocations` may still log."""
+    ended = _ended(inv, trials)
+    keep = [t for t in trials if t.state == TrialState.RUNNING]
+    keep += [t for i in invocations for t in _candidates(inv, ended, i)]
+    return {_folder(inv, t) for t in keep}
+
+
+def _live_invocations(tracker, trials: list) -> set[str]:
+    """The invocations (parent runs) still running: on other machines that share the checkpoint folder too."""
+    ids = {t.user_attrs["invocation"] for t in trials
+           if t.state == TrialState.COMPLETE and "invocation" in t.user_attrs}
+    live = set()
+    for run_id in ids:
+        try:
+            if tracker.client.get_run(run_id).info.status == "RUNNING":
+                live.add(run_id)
+        except Exception:  # a run deleted from the store: nothing to log for it
+            pass
+    return live
+
+
+def _remove(inv, trials: list, needed: set[Path]) -> None:
+    for trial in _ended(inv, trials):
+        folder = _folder(inv, trial)
+        if folder not in needed:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def spare(inv, invocation: str, storage, tracker) -> None:
     """After a trial: remove the checkpoints that no longer serve, so that a study holds about as many as it
-    runs trials at once, plus its best so far (for --log-models best; all of them for all)."""
+    runs trials at once, plus each running invocation's best so far (for --log-models best; all for all)."""
     if inv.checkpoint_dir is None:
         return
-    ended = _ended(inv)
-    keep = {t.number for t in _candidates(inv, ended, invocation)}
-    for trial in ended:
-        if trial.number not in keep:
-            shutil.rmtree(folder_of(inv, _config_of(inv, trial), trial.number), ignore_errors=True)
+    trials = _trials(inv, storage)
+    _remove(inv, trials, _needed(inv, trials, _live_invocations(tracker, trials) | {invocation}))
 
 
-def keep_models(inv, tracker, invocation: str, say) -> None:
+def keep_models(inv, tracker, invocation: str, storage, say) -> None:
     """At the end of an invocation: log the models of its best (or all) complete trials from their last
-    checkpoints, then remove the checkpoints of every trial whose point will not run again."""
+    checkpoints, then remove the checkpoints of every trial whose point will not run again, but those that
+    running trials and other running invocations still need."""
     if inv.checkpoint_dir is None:
         return
-    ended = _ended(inv)
-    kept = _candidates(inv, ended, invocation)
+    trials = _trials(inv, storage)
+    kept = _candidates(inv, _ended(inv, trials), invocation)
     if kept:
         say(f"logging the models of {len(kept)} trial{'s' * (len(kept) > 1)} to MLflow ({inv.log_models})")
     for trial in kept:
-        folder = folder_of(inv, _config_of(inv, trial), trial.number)
+        folder = _folder(inv, trial)
         if not (folder / FILE).exists():
+            say(f"warning: the model of trial {trial.number} was not logged: its checkpoint {folder / FILE} is gone")
             continue
         try:
             kind = log_model(tracker, trial.user_attrs["mlflow_run_id"], _config_of(inv, trial), folder)
             tracker.log(trial.user_attrs["mlflow_run_id"], tags={"batchsweep.model": kind})
         except Exception as exc:
             say(f"warning: the model of trial {trial.number} was not logged ({type(exc).__name__}: {exc})")
-    for trial in ended:
-        shutil.rmtree(folder_of(inv, _config_of(inv, trial), trial.number), ignore_errors=True)
+    _remove(inv, trials, _needed(inv, trials, _live_invocations(tracker, trials) - {invocation}))

@@ -8,7 +8,9 @@ from typing import Any, Callable
 
 import torch
 
-from trainers import TrainConfig, train
+import difflib
+
+from trainers import METRICS, ConfigError, TrainConfig, train
 from trainers.checkpoint import Checkpointing
 from trainers.config import BatchsweepError
 
@@ -31,8 +33,16 @@ class Trained:
 
 
 class Objective:
+    logs = METRICS  # the metrics its trials can log, known before anything runs
+
     def __init__(self, study: Study, launcher: str = "process"):
         self.metrics, self.directions, self.launcher = study.metrics, study.directions, launcher
+        unknown = [m for m in self.metrics if m not in self.logs and not m.startswith("loss/")]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], self.logs, n=1)
+            raise ConfigError(f"{study.source or study.name}: objective.metrics: {unknown[0]!r} is not a metric its "
+                              f"trials log" + (f" (did you mean {close[0]!r}?)" if close else "") +
+                              f"; they log {', '.join(self.logs)}, and loss/<term> for a loss with named terms")
 
     def train(self, config: TrainConfig, on_epoch: Callable[[dict[str, float]], None],
               checkpoint: Checkpointing | None = None) -> Trained:
@@ -68,6 +78,8 @@ class Equivalence(Objective):
     """(b, k) against its true-batch twin (b*k, 1) from the same initial weights; with BatchNorm also the ghost
     twin (b*k, 1, ghost_batch=b), which normalizes the same chunks of b, and that pair once more in float64:
     only if it agrees there is what remains float32 rounding."""
+
+    logs = METRICS + ("param_rel_diff", "twin_val_acc", "acc_gap", "ghost_rel_diff", "ghost_rel_diff_fp64")
 
     def train(self, config: TrainConfig, on_epoch: Callable[[dict[str, float]], None],
               checkpoint: Checkpointing | None = None) -> Trained:

@@ -16,7 +16,7 @@ from trainers import ConfigError, TrainConfig, train
 from trainers.config import MAX_COUNT
 
 from .tracking import quote
-from .urls import sqlite_path
+from .urls import redact, sqlite_path
 
 UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}
 PROBE_BATCHES = (8, 32, 128)
@@ -69,7 +69,7 @@ def from_study(config: TrainConfig, tracking_uri: str, memory_source: str) -> Fi
                      r.data.metrics["peak_memory_bytes"]) for r in runs if "peak_memory_bytes" in r.data.metrics)
     if len({b for b, _ in points}) < 2:
         return None
-    fitted = fit(points, f"batch_memory study in {tracking_uri} ({len(points)} runs)", memory_source)
+    fitted = fit(points, f"batch_memory study in {redact(tracking_uri)} ({len(points)} runs)", memory_source)
     # What ran out of memory in any study of this model and data on this kind of device.
     experiments = [e.experiment_id for e in client.search_experiments()]
     failed = client.search_runs(experiments, max_results=1000, filter_string=(

@@ -31,7 +31,8 @@ from .outcomes import OUTCOMES, outcome_of
 from .planner import start_batch
 from .search import Duplicate, Search, StudyChanged, Unit, make_search
 from .studies import Point, Study, config_key, describe
-from .tracking import HOST, Tracker, first_line, git_commit, pid_alive, standard_tags, system_metrics
+from .tracking import (HOST, PROCESSES, Tracker, first_line, git_commit, pid_alive, standard_tags,
+                       system_metrics)
 from .urls import check_storage, redact, sqlite_path
 
 # Consecutive failures to read, create or record a trial in the Optuna storage before a worker gives up: a
@@ -170,14 +171,16 @@ def owner() -> str:
 
 def fail_orphans(study: optuna.Study, trials: list[optuna.trial.FrozenTrial]) -> int:
     """Mark RUNNING trials whose process is gone as FAIL, so their points run again: those of a dead process on
-    this host, and those that never got an owner (a process killed between Optuna creating the trial and its
-    first heartbeat, which Optuna's own check never fails) once they are older than the heartbeat's grace."""
+    this host (in this container), and those that never got an owner (a process killed between Optuna creating
+    the trial and its first heartbeat, which Optuna's own check never fails) once older than the heartbeat's
+    grace."""
     failed, now = 0, datetime.datetime.now()
     for t in trials:
         if t.state != TrialState.RUNNING:
             continue
         host, _, pid = t.user_attrs.get("owner", "").rpartition(":")
-        if host == HOST and not pid_alive(int(pid)) or (
+        here = host == HOST and t.user_attrs.get("owner_processes", PROCESSES) == PROCESSES
+        if here and not pid_alive(int(pid)) or (
                 not pid and (now - t.datetime_start).total_seconds() > HEARTBEAT_GRACE_S):
             try:
                 study.tell(t.number, state=TrialState.FAIL)
@@ -332,7 +335,7 @@ class Worker:
                     ran += 1
                     self.hooks.trial_done(last)
                     try:
-                        spare(self.inv, self.parent_run_id)
+                        spare(self.inv, self.parent_run_id, self.storage, self.tracker)
                     except Exception as exc:  # checkpoints are removed at the end of the invocation anyway
                         self._storage_failed(exc)
         return ran
@@ -352,6 +355,7 @@ class Worker:
         """Optuna's objective: take a point, train it, return the objective's values."""
         self._last_number = trial.number
         trial.set_user_attr("owner", owner())
+        trial.set_user_attr("owner_processes", PROCESSES)  # a container that shares the host name sees others
         try:
             point, seed = self.inv.search.next_point(trial, mine, self.failed_here, self.index)
         except Duplicate as exc:

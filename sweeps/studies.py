@@ -3,6 +3,7 @@ Study files (sweeps/studyfile.py) are read into it; the built-in studies are suc
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 import re
 from dataclasses import dataclass, field
@@ -93,6 +94,11 @@ class Study:
         return tuple(_unique(twins(points) if self.twins else points))
 
     @property
+    def size(self) -> int:
+        """How many points the grid has at most (twins included), from its axes' lengths alone."""
+        return math.prod(len(values) for values in self.grid.values()) * (2 if self.twins else 1)
+
+    @property
     def varied(self) -> tuple[str, ...]:
         """The fields the study varies: its grid's axes, then the searched fields."""
         return tuple(f for key in self.grid for f in key.split("+")) + tuple(self.tune)
@@ -110,11 +116,11 @@ def _canonical(point: Point) -> Point:
 
 
 def _unique(points: list[Point]) -> list[Point]:
-    out: list[Point] = []
+    """The points in order, each once (in time linear in their number)."""
+    first: dict[frozenset, Point] = {}
     for p in points:
-        if p not in out:
-            out.append(p)
-    return out
+        first.setdefault(frozenset(p.items()), p)
+    return list(first.values())
 
 
 def twins(points: list[Point]) -> list[Point]:
@@ -124,6 +130,19 @@ def twins(points: list[Point]) -> list[Point]:
         if p.get("accum_steps", 1) > 1:
             out.append(_canonical({**p, "physical_batch": p["physical_batch"] * p["accum_steps"], "accum_steps": 1}))
     return out
+
+
+MAX_UNITS = 100_000  # points x trials x seeds: a study this size takes days; beyond it, a typo
+
+
+def check_size(study: Study, seeds: int, seeds_from: str) -> None:
+    """Refuse a study with more than MAX_UNITS trials, counted from its axes before anything is enumerated."""
+    units = study.size * study.trials_per_unit * seeds
+    if units > MAX_UNITS:
+        axes = " x ".join(str(len(v)) for v in study.grid.values()) or "1"
+        raise ConfigError(f"{study.source or study.name}: {axes} grid values{' (and twins)' * study.twins} x "
+                          f"{study.trials_per_unit} trials x {seeds} seeds ({seeds_from}) = up to {units:,} trials, "
+                          f"more than the limit of {MAX_UNITS:,}: shorten the [grid] axes or lower the seeds")
 
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")

@@ -15,7 +15,8 @@ from typing import Any
 from trainers.config import FIELDS, MAX_COUNT, ConfigError
 from trainers.imports import import_object
 
-from .studies import (CONSTRAINT, DIRECTIONS, KINDS, LAUNCHERS, PRUNERS, SAMPLERS, Constraint, Param, Study, check_name)
+from .studies import (CONSTRAINT, DIRECTIONS, KINDS, LAUNCHERS, PRUNERS, SAMPLERS, Constraint, Param, Study, check_name,
+                      check_size)
 
 try:
     import tomllib
@@ -185,13 +186,15 @@ def parse(data: dict[str, Any], source: str) -> Study:
     launcher = _choice(data, "launcher", "launcher", LAUNCHERS, "process", fail)
     constraints = tuple(_constraint(text, fail) for text in _strings(search, "search.constraints", "constraints",
                                                                       [], fail))
-    return Study(name=name, summary=_typed(data, "summary", str, fail, default=""), fixed=dict(fixed), grid=grid,
+    study = Study(name=name, summary=_typed(data, "summary", str, fail, default=""), fixed=dict(fixed), grid=grid,
                  tune=tune, sampler=sampler, trials=_count(search, "search.trials", "trials", 10, 100_000, fail),
                  pruner=pruner, twins=twins, constraints=constraints, kind=kind, metrics=metrics,
                  directions=directions, seeds=_count(data, "seeds", "seeds", 1, 1000, fail),
                  workers=_count(data, "workers", "workers", 1, 256, fail),
                  sampler_seed=_count(search, "search.seed", "seed", 0, 2 ** 31 - 1, fail, low=0), launcher=launcher,
                  auto_batch=auto, source=source)
+    check_size(study, study.seeds, "seeds in the file")
+    return study
 
 
 def _kind(value: Any) -> str:
@@ -288,7 +291,10 @@ def _constraint(text: str, fail) -> Constraint:
     if name not in FIELDS and name not in DERIVED:
         raise fail("search.constraints", f"{text!r}: {name!r} is neither a trainer field nor one of {', '.join(DERIVED)}")
     try:
-        float(match.group(3))
+        number = float(match.group(3))
     except ValueError:
         raise fail("search.constraints", f"{text!r}: {match.group(3)!r} is not a number") from None
+    if not math.isfinite(number):
+        raise fail("search.constraints", f"{text!r}: {match.group(3)!r} is beyond a float's range: give a finite "
+                                         f"number")
     return Constraint(text.strip())

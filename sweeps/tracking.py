@@ -10,9 +10,6 @@ import socket
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -22,11 +19,27 @@ from mlflow.store.artifact.artifact_repository_registry import get_artifact_repo
 from mlflow.utils.mlflow_tags import (MLFLOW_DATASET_CONTEXT, MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NOTE,
                                      MLFLOW_SOURCE_NAME, MLFLOW_SOURCE_TYPE, MLFLOW_USER)
 
+from trainers.checkpoint import pid_alive
 from trainers.config import BatchsweepError
 
-from .urls import redact, sqlite_path
+from .urls import redact, sqlite_path, unreachable
 
 HOST = socket.gethostname()
+
+
+def _processes() -> str:
+    """Which processes this one can see: the kernel's boot (machines that share a host name differ) and the
+    PID namespace (containers on one kernel differ). A process id is judged only where this matches."""
+    def read(how) -> str:
+        try:
+            return how()
+        except OSError:
+            return "?"
+    return (read(lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip()) + "/" +
+            read(lambda: os.readlink("/proc/self/ns/pid")))
+
+
+PROCESSES = _processes()
 # History keys logged with their epoch as step; throughput and memory are logged once, for the whole run.
 RUN_LEVEL = ("samples_per_s", "peak_memory_bytes", "wall_time_s")
 # With --system-metrics, MLflow samples CPU, memory, disk, network (and GPU) this often during a trial; its
@@ -91,33 +104,6 @@ def system_metrics(run_id: str, uri: str):
     return monitor
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _probe(uri: str, timeout: float = 4.0) -> None:
-    """One quick request, so that a server that is down or hung is an error in seconds, not after MLflow's
-    retries (minutes); MLflow's own retries still cover passing failures during the study. Any user and
-    password are left out: they would otherwise go into a host-name lookup."""
-    parts = urllib.parse.urlsplit(uri)
-    netloc = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
-    bare = urllib.parse.urlunsplit(parts._replace(netloc=netloc)).rstrip("/")
-    try:
-        urllib.request.urlopen(f"{bare}/api/2.0/mlflow/experiments/search?max_results=1", timeout=timeout)
-    except urllib.error.HTTPError:
-        return  # it answered
-    except (OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise TrackingError(f"cannot reach the MLflow tracking server {redact(uri)} ({reason}): start it, or drop "
-                            f"--tracking-uri to use the local store") from None
-
-
 def first_line(exc: BaseException, *urls: str) -> str:
     """An exception as 'Type: first line of its message', with any password in `urls` scrubbed."""
     from .urls import scrub
@@ -146,9 +132,10 @@ class Tracker:
 
     def __init__(self, uri: str, experiment: str):
         self.uri = uri
-        if uri.startswith(("http://", "https://")):
-            _probe(uri)
-        elif sqlite_path(uri) is not None:
+        why = unreachable(uri)
+        if why:
+            raise TrackingError(f"{why}: start it, check --tracking-uri, or drop it to use the local store")
+        if sqlite_path(uri) is not None:
             db = sqlite_path(uri)
             try:
                 db.parent.mkdir(parents=True, exist_ok=True)
@@ -188,7 +175,7 @@ class Tracker:
             return found.experiment_id
 
     def _owner_tags(self) -> dict[str, str]:
-        return {"batchsweep.host": HOST, "batchsweep.pid": str(os.getpid())}
+        return {"batchsweep.host": HOST, "batchsweep.pid": str(os.getpid()), "batchsweep.processes": PROCESSES}
 
     def start_parent(self, run_name: str, params: dict[str, Any], tags: dict[str, Any]) -> str:
         run = retry(lambda: self.client.create_run(self.experiment_id, run_name=run_name,
@@ -303,8 +290,9 @@ class Tracker:
             retry(lambda: self._artifacts(run_id).log_artifact(str(path)))
 
     def close_orphans(self, complete: set[str] = frozenset()) -> int:
-        """End the RUNNING runs whose process on this host is gone (killed, crashed): FINISHED for the runs in
-        `complete` (their Optuna trial was recorded complete before the process died), else KILLED."""
+        """End the RUNNING runs whose process on this host (and in this container) is gone (killed, crashed):
+        FINISHED for the runs in `complete` (their Optuna trial was recorded complete before the process died),
+        else KILLED."""
         runs = retry(lambda: self.client.search_runs(
             [self.experiment_id], filter_string=f"attributes.status = 'RUNNING' and tags.`batchsweep.host` = "
                                                 f"{quote(HOST)}",
@@ -312,7 +300,8 @@ class Tracker:
         closed = 0
         for run in runs:
             pid = int(run.data.tags.get("batchsweep.pid", "0"))
-            if pid and not pid_alive(pid):
+            seen_here = run.data.tags.get("batchsweep.processes", PROCESSES) == PROCESSES
+            if pid and seen_here and not pid_alive(pid):
                 if run.info.run_id in complete:
                     retry(lambda: self.client.set_terminated(run.info.run_id, "FINISHED"))
                 else:

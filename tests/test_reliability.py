@@ -150,6 +150,11 @@ def test_a_deleted_experiment_is_one_line_that_says_how_to_restore_it(tmp_path):
     (["--n-trials", "0"], "--n-trials must be between 1 and 1,000,000"),
     (["--study-name", "../escape"], "study name '../escape' is not a plain name"),
     (["--study-name", "/tmp/abs"], "study name '/tmp/abs' is not a plain name"),
+    (["--study-name", ""], "study name '' is not a plain name"),
+    (["--storage", "postgresql://u:pw@h:abc/db"], "'postgresql://u:***@h:abc/db' has a port that is not a number"),
+    (["--tracking-uri", "http://a:pw@:5000"], "'http://a:***@:5000' names no host"),
+    (["--tracking-uri", "http://127.0.0.1:99999"], "'http://127.0.0.1:99999' has a port that is not a number"),
+    (["--tracking-uri", "sqlite:////tmp"], "--tracking-uri 'sqlite:////tmp' names a folder"),
 ])
 def test_bad_values_are_one_line_and_write_nothing(tmp_path, monkeypatch, capsys, args, expected):
     # In-process (the subprocess cases are in test_sweeps.py): these fail before anything is opened.
@@ -268,3 +273,24 @@ def test_two_machines_that_write_the_experiment_at_once_both_go_on(tmp_path):
         client = MlflowClient(url)
         assert client.get_experiment_by_name("race-19").tags["mlflow.note.content"] == "description 19"
         assert [[d.dataset.digest for d in client.get_run(r).inputs.dataset_inputs] for r in runs] == [["0123abcd"]] * 2
+
+
+def test_a_trial_of_another_container_with_the_same_host_name_is_left_running(tmp_path):
+    """Containers that share a host name see each other's process ids as dead: a trial is failed as an orphan only
+    where its process could be seen (same boot, same PID namespace)."""
+    import warnings
+
+    from sweeps.runner import fail_orphans
+    from sweeps.tracking import HOST, PROCESSES
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path}/o.db")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs, ours = study.ask(), study.ask()
+    for trial, processes in ((theirs, "another-boot/pid:[4026532000]"), (ours, PROCESSES)):
+        trial.set_user_attr("owner", f"{HOST}:{gone.stdout.strip()}")
+        trial.set_user_attr("owner_processes", processes)
+    assert fail_orphans(study, study.get_trials(deepcopy=False)) == 1
+    states = [t.state for t in study.get_trials(deepcopy=False)]
+    assert states == [optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.FAIL]

@@ -1,6 +1,7 @@
 """Secrets never shown or stored, names never paths, text from the data escaped in the report."""
 import os
 import re
+import subprocess
 import threading
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import pytest
 from mlflow import MlflowClient
 
 from analysis.render import folder_name
-from sweeps.urls import check_tracking_uri, redact, scrub
+from sweeps.urls import redact, scrub
 from tests.conftest import run_script
 from tests.test_analysis import PROBE, probe_in_chromium
 from tests.test_sweeps import TINY, sweep
@@ -23,14 +24,6 @@ def test_redact_and_scrub():
     encoded = "p%40ss%2Fw"  # p@ss/w
     url = f"postgresql://bob:{encoded}@h/db"
     assert scrub(f"failed for {url}; password p@ss/w", url) == "failed for postgresql://bob:***@h/db; password ***"
-
-
-def test_http_credentials_move_to_mlflows_variables(monkeypatch):
-    monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
-    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
-    assert check_tracking_uri(f"http://alice:{PASSWORD}@127.0.0.1:5000") == "http://127.0.0.1:5000"
-    assert os.environ["MLFLOW_TRACKING_USERNAME"] == "alice"
-    assert os.environ["MLFLOW_TRACKING_PASSWORD"] == PASSWORD
 
 
 class CommandLines:
@@ -64,13 +57,18 @@ def files_text(folder: Path) -> str:
     return "".join(p.read_bytes().decode(errors="replace") for p in folder.rglob("*") if p.is_file())
 
 
+# With every character URL syntax treats specially: '/', '#' and '?' as they are, '@' and '%' encoded.
+SPECIAL = "Zq7/pl#nt?d@S%cret"
+SPECIAL_IN_URL = "Zq7/pl#nt?d%40S%25cret"
+
+
 def test_a_planted_password_appears_nowhere(tmp_path):
     from tests.servers import mlflow_server, pg_dump, postgres_server
 
     (tmp_path / "server").mkdir()
     with postgres_server() as server, mlflow_server(tmp_path / "server") as tracking:
-        storage = server.url.replace("postgres@", f"postgres:{PASSWORD}@")  # trust auth: any password works
-        tracking = tracking.replace("http://", f"http://alice:{PASSWORD}@")
+        storage = server.url.replace("postgres@", f"postgres:{SPECIAL_IN_URL}@")  # trust auth: any password works
+        tracking = tracking.replace("http://", f"http://alice:{SPECIAL_IN_URL}@")
         (tmp_path / "work").mkdir()
         with CommandLines() as commands:
             proc = sweep(tmp_path / "work", *TINY[:-1], "--n-trials", "4", "--workers", "2", "--storage", storage,
@@ -90,8 +88,9 @@ def test_a_planted_password_appears_nowhere(tmp_path):
                  "reports": reports, "child command lines": "\n".join(children)}
         assert any("analysis/report.py" in c for c in children)  # the watcher saw the report's child process
         for name, text in where.items():
-            assert PASSWORD not in text, f"the password is in the {name}"
-        client = MlflowClient(tracking.replace(f"alice:{PASSWORD}@", ""))
+            for form in (SPECIAL, SPECIAL_IN_URL, "pl#nt?d"):
+                assert form not in text, f"the password is in the {name}"
+        client = MlflowClient(tracking.replace(f"alice:{SPECIAL_IN_URL}@", ""))
         runs = client.search_runs([client.get_experiment_by_name("accum_lr").experiment_id])
         parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags][0]
         assert parent.data.tags["storage"] == server.url.replace("postgres@", "postgres:***@")
@@ -160,3 +159,64 @@ def test_markup_from_the_data_is_escaped_in_html_and_markdown(named_study, tmp_p
     assert result["errors"] == [] and result["injected"] == 0 and result["title"] != "pwned"
     assert all(i["ok"] for i in result["images"])
     assert "python analysis/report.py --study &#39;../&lt;img src=x" in page  # the reproduce line: quoted, escaped
+
+
+def test_plan_shows_its_store_without_the_password(tmp_path):
+    """A batch_memory study in a PostgreSQL-backed MLflow store: the plan names the store it learned from."""
+    from tests.servers import postgres_server
+
+    with postgres_server() as server:
+        subprocess.run([*server.as_postgres, "psql", "-h", "127.0.0.1", "-p", str(server.port), "-U", "postgres",
+                        "-c", "CREATE DATABASE tracking"], check=True, capture_output=True)
+        uri = server.url.replace("postgres@", f"postgres:{SPECIAL_IN_URL}@").removesuffix("/postgres") + "/tracking"
+        client = MlflowClient(uri)
+        experiment = client.create_experiment("batch_memory")
+        for b, peak in ((8, 1000.0), (32, 3000.0)):
+            run = client.create_run(experiment, tags={"memory_source": "saved_tensors"}).info.run_id
+            for key, value in (("model", "mlp"), ("dataset", "mnist1d"), ("physical_batch", b)):
+                client.log_param(run, key, value)
+            client.log_metric(run, "peak_memory_bytes", peak)
+            client.set_terminated(run, "FINISHED")
+        proc = sweep(tmp_path, "--plan", "--model", "mlp", "--target-batch", "64", "--memory-budget", "1MiB",
+                     "--tracking-uri", uri, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "from the batch_memory study in postgresql://postgres:***@127.0.0.1" in proc.stdout, proc.stdout
+    for form in (SPECIAL, SPECIAL_IN_URL, "pl#nt?d"):
+        assert form not in proc.stdout + proc.stderr
+
+
+def test_the_report_never_follows_a_link_out_of_its_folder(named_study, tmp_path):
+    folder, name = named_study
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep")
+    (outside / ".batchsweep-report").write_text("precious.txt\n")  # a manifest that names it
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / folder_name([name])).symlink_to(outside)
+    proc = run_script("analysis/report.py", "--study", name, "--out", str(out), "--no-log", cwd=folder)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "symbolic link" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and (outside / "precious.txt").read_text() == "keep"
+
+
+@pytest.mark.parametrize("out,expected", [("a-file", "is a file: name a folder"),
+                                          ("a-file/below", "cannot create the report folder")])
+def test_a_report_folder_that_cannot_exist_is_one_line(named_study, tmp_path, out, expected):
+    folder, name = named_study
+    (tmp_path / "a-file").write_text("")
+    proc = run_script("analysis/report.py", "--study", name, "--out", str(tmp_path / out), "--no-log", cwd=folder)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and expected in proc.stderr, proc.stderr
+
+
+def test_markdown_escapes_line_breaks_and_bare_links():
+    from analysis.render import md
+
+    text = md("see https://evil.example/x and www.evil.example\r\n# heading\rnext")
+    assert "\r" not in text and "\n" not in text
+    assert not re.search(r"https?://", text) and not re.search(r"(?<![\\])www\.", text)
+    assert "https\\://evil.example/x" in text and "www\\.evil.example" in text
+
+
+def test_the_help_names_every_flag_that_runs_code():
+    text = run_script("sweeps/run.py", "--help").stdout
+    assert "runs code" in text and "--study" in text and "docs/security.md" in text

@@ -110,6 +110,10 @@ trials = 2
      '"auto" sets physical_batch and accum_steps itself'),
     (("[grid]\nphysical_batch = [16]", '[fixed]\nphysical_batch = "auto"\n[grid]\neffective_batch = [0]'),
      "grid.effective_batch: must be a positive integer, got an integer 0"),
+    (("trials = 2", 'trials = 2\nconstraints = ["effective_batch <= 1e999"]'), "'1e999' is beyond a float's range"),
+    (("trials = 2", 'trials = 2\n[objective]\nmetrics = ["val_accuracy"]'), "objective.metrics: 'val_accuracy' is "
+                                                                          "not a metric its trials log (did you mean "
+                                                                          "'val_acc'?)"),
 ])
 def test_a_bad_study_file_is_one_line_naming_file_and_key(tmp_path, capsys, edit, expected):
     path = tmp_path / "study.toml"

@@ -84,3 +84,36 @@ def test_benchmark_scripts_refuse_bad_input_in_one_line(script):
         assert result.returncode == 2
         assert result.stderr.strip().splitlines() == [
             "error: device 'cuda' is not available on this machine: use --device cpu or auto"], result.stderr
+
+
+@pytest.mark.parametrize("flag", ["--json", "--epochs-jsonl"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_training(capsys, tmp_path, flag):
+    (tmp_path / "a-file").write_text("")
+    args = ["--model", "mlp", "--dataset", "tests.factories:blobs", "--epochs", "1", "--device", "cpu"]
+    line = one_line_error(capsys, [*args, flag, str(tmp_path / "a-file/result.json")])
+    assert line.startswith(f"error: {flag} {tmp_path}/a-file/result.json: its folder cannot be made (")
+    line = one_line_error(capsys, [*args, flag, str(tmp_path)])
+    assert line == f"error: {flag} {tmp_path} is a folder: name a file in a folder you can write"
+    assert capsys.readouterr().out == ""  # refused before training: no summary
+
+
+def test_every_metric_a_run_logs_is_known_before_it_runs():
+    """METRICS lets a study's objective be checked before anything runs: it must name all that a run logs."""
+    from trainers import METRICS, TrainConfig, train
+
+    logged = set()
+    for config in (TrainConfig(model="mlp", dataset="tests.factories:blobs", epochs=2, accum_steps=2, device="cpu"),
+                   TrainConfig(model="tests.factories:fits_16", dataset="tests.factories:blobs", epochs=1,
+                               physical_batch=64, shrink_on_oom=True, device="cpu")):
+        result = train(config)
+        logged |= set(result.metrics) | {k for row in result.history for k in row}
+    assert {"noise_scale", "oom_retries"} <= logged  # both kinds of run were covered
+    assert logged <= set(METRICS), logged - set(METRICS)
+
+
+def test_checkpoint_dir_none_turns_checkpoints_off(tmp_path, monkeypatch):
+    """As for sweeps/run.py: 'none' is no folder named none."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["--model", "mlp", "--dataset", "tests.factories:blobs", "--epochs", "1", "--device", "cpu",
+                 "--checkpoint-dir", "none"]) == 0
+    assert not (tmp_path / "none").exists()

@@ -3,9 +3,11 @@ running the same command again goes on after the last finished epoch and ends bi
 run ends (on the CPU; timings aside)."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import random
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,8 +22,22 @@ from .errors import CheckpointError, ConfigError
 
 FILE = "checkpoint.pt"
 FORMAT = 1
+ENTRIES = {"format", "config", "progress", "model", "optimizer", "probes", "rng"}  # and rng_ranks under torchrun
 # How the data is read, not what is computed: a run may resume with other values of these.
 HOW_NOT_WHAT = ("num_workers", "pin_memory", "prefetch_factor", "data_dir")
+
+
+HOST = socket.gethostname()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @dataclass(frozen=True)
@@ -104,8 +120,10 @@ class Checkpointer:
             return
         folder = Path(spec.dir)
         make_writable_folder(folder)  # before the first epoch, not after it
-        for stale in folder.glob(f"{FILE}.tmp-*"):  # a write that was killed: the checkpoint before it stands
-            stale.unlink(missing_ok=True)
+        for stale in folder.glob(f"{FILE}.tmp-{HOST}-*"):  # a write that was killed: the checkpoint before it stands
+            pid = stale.name.rpartition("-")[2]  # (another live writer's is left alone: its rename is to come)
+            if pid.isdigit() and not pid_alive(int(pid)):
+                stale.unlink(missing_ok=True)
 
     def due(self, progress: Progress) -> bool:
         """Whether this epoch is written (by rank 0's clock, under torchrun: the loop asks every rank to agree)."""
@@ -133,7 +151,7 @@ class Checkpointer:
 
     def _write(self, data: memoryview) -> None:
         target = self.spec.path
-        temporary = target.with_name(f"{FILE}.tmp-{os.getpid()}")
+        temporary = target.with_name(f"{FILE}.tmp-{HOST}-{os.getpid()}")
         try:
             with open(temporary, "wb") as f:
                 f.write(data)
@@ -166,12 +184,15 @@ class Checkpointer:
             return None
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-            if state.get("format") != FORMAT:
-                raise ValueError(f"format {state.get('format')!r}, not {FORMAT}")
+            if not isinstance(state, dict) or state.get("format") != FORMAT:
+                raise ValueError(f"format {state.get('format') if isinstance(state, dict) else None!r}, not {FORMAT}")
         except Exception as exc:
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise CheckpointError(f"checkpoint {path} cannot be read ({reason[:200]}): it is damaged; remove it to "
+            raise CheckpointError(f"checkpoint {path} cannot be read ({_reason(exc)}): it is damaged; remove it to "
                                   f"start the run over, or pass another --checkpoint-dir") from None
+        wrong = _malformed(state, self.config)
+        if wrong:
+            raise CheckpointError(f"checkpoint {path} is not one of this run's ({wrong}): remove it to start over, "
+                                  f"or pass another --checkpoint-dir")
         theirs = state["config"]
         differing = [f"{name} {theirs.get(name)!r} there, {getattr(self.config, name)!r} here" for name in FIELDS
                      if name not in HOW_NOT_WHAT and theirs.get(name) != getattr(self.config, name)]
@@ -182,16 +203,40 @@ class Checkpointer:
         return state
 
 
-def restore(state: dict[str, Any], model, optimizer, probes, rank: int = 0) -> Progress:
+def _reason(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)[:200]
+
+
+def _malformed(state: dict[str, Any], config: TrainConfig) -> str | None:
+    """What makes a readable checkpoint unfit to resume `config` from, before anything is put back."""
+    missing, unknown = ENTRIES - state.keys(), state.keys() - ENTRIES - {"rng_ranks"}
+    if missing or unknown:
+        return f"{'no ' + ', '.join(sorted(missing)) if missing else 'unknown ' + ', '.join(sorted(unknown))}"
+    progress, fields = state["progress"], {f.name for f in dataclasses.fields(Progress)}
+    if not isinstance(state["config"], dict) or not isinstance(progress, dict) or progress.keys() != fields:
+        return "its config or progress is not of this version's shape"
+    if not isinstance(progress["epoch"], int) or not 0 <= progress["epoch"] <= config.epochs:
+        return f"it stands at epoch {progress['epoch']!r} of a {config.epochs}-epoch run"
+    if progress["finished"] and progress["epoch"] < config.epochs and progress["status"] == "ok" \
+            and not config.max_steps:
+        return f"it is marked finished at epoch {progress['epoch']} of {config.epochs}"
+    return None
+
+
+def restore(state: dict[str, Any], model, optimizer, probes, rank: int = 0, where: Path | str = FILE) -> Progress:
     """Put a checkpoint back into a freshly prepared run (this rank's RNG states); returns where it stood."""
     saved = state["probes"]
     names = [type(p).__name__ for p in probes]
     if [name for name, _ in saved] != names:
         raise CheckpointError(f"the checkpoint was written with the probes {[n for n, _ in saved]}, this run has "
                               f"{names}: resume with the same probes, or pass another --checkpoint-dir")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    for probe, (_, probe_state) in zip(probes, saved):
-        probe.load_state(probe_state)
-    set_rng_states(state["rng_ranks"][rank] if "rng_ranks" in state else state["rng"])
+    try:  # weights of another shape, a missing optimizer entry, RNG states of another kind
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        for probe, (_, probe_state) in zip(probes, saved):
+            probe.load_state(probe_state)
+        set_rng_states(state["rng_ranks"][rank] if "rng_ranks" in state else state["rng"])
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {where} does not fit this run's model ({_reason(exc)}): remove it to "
+                              f"start over, or pass another --checkpoint-dir") from None
     return Progress(**state["progress"])

@@ -5,7 +5,9 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
+from pathlib import Path
 
 from . import interrupt
 from .config import FIELDS, BatchsweepError, ConfigError, TrainConfig, parse_value
@@ -102,6 +104,21 @@ def summary_table(result) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def check_output(flag: str, path: str | None) -> None:
+    """An output file can be written where it is named: its folder is made now, and the path is no folder."""
+    if path is None:
+        return
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: its folder cannot be made ({exc.strerror or exc}): name a file in a "
+                          f"folder you can write") from None
+    if target.is_dir() or not os.access(target.parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ConfigError(f"{flag} {path} {'is a folder' if target.is_dir() else 'cannot be written'}: name a file "
+                          f"in a folder you can write")
+
+
 def run_script(main) -> None:
     """Run a benchmark script's `main()`: bad input (a BatchsweepError) is one line and exit status 2."""
     try:
@@ -135,7 +152,10 @@ def epoch_progress(total: int, jsonl: str | None = None):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trainers/train.py", description=
-                                     "Train one configuration with exact gradient accumulation.")
+                                     "Train one configuration with exact gradient accumulation.", epilog=
+                                     "An import path runs code: --model, --dataset and --loss package.module:name "
+                                     "import that module, which runs with your permissions. Name only code you "
+                                     "trust (docs/security.md).")
     add_config_flags(parser)
     parser.add_argument("--effective-batch", metavar="B", help="samples per optimizer step: sets accum_steps, or with "
                         "--physical-batch auto the target that b shrinks under on out-of-memory")
@@ -143,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs-jsonl", metavar="PATH", help="append each epoch's row to PATH as a JSON line, as "
                         "it ends (for whoever follows the run: a study's torchrun launcher)")
     parser.add_argument("--checkpoint-dir", metavar="DIR", help="save the run at the end of its epochs into DIR; "
-                        "the same command again resumes after the last finished epoch")
+                        "the same command again resumes after the last finished epoch ('none': no checkpoints)")
     parser.add_argument("--checkpoint-every", type=int, default=1, metavar="N",
                         help="checkpoint every N epochs (0: by time only); the last epoch is always saved")
     parser.add_argument("--checkpoint-minutes", type=float, default=0.0, metavar="M",
@@ -158,8 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(args)
         check_launch(config)
+        for flag, path in (("--json", args.json), ("--epochs-jsonl", args.epochs_jsonl)):
+            check_output(flag, path)  # before training: a result that cannot be written would be lost
         checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every, args.checkpoint_minutes) \
-            if args.checkpoint_dir else None
+            if args.checkpoint_dir not in (None, "none") else None  # 'none': off, as for sweeps/run.py
         if checkpoint and checkpoint.path.exists() and lead:
             print(f"resuming from {checkpoint.path}", file=sys.stderr)
         on_epoch, close = epoch_progress(config.epochs, args.epochs_jsonl) if lead else (None, lambda: None)
@@ -170,6 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     except BatchsweepError as exc:
         # Every rank says it: torchrun stops the others as soon as one exits, perhaps before rank 0 has spoken.
         print(f"error: {exc}", file=sys.stderr)
+        if args.epochs_jsonl:  # what kind of error, for a launcher that cannot see this process's exit status
+            try:
+                with open(args.epochs_jsonl, "a") as rows:
+                    rows.write(json.dumps({"error": type(exc).__name__, "message": str(exc)}) + "\n")
+            except OSError:  # the path itself was the bad input: the line above says so
+                pass
         return 2
     except torch.OutOfMemoryError:
         print("error: out of memory: lower --physical-batch, or give --physical-batch auto --effective-batch B to "

@@ -26,6 +26,12 @@ from .probes import diagnostics as builtin_diagnostics
 from .shrink import Retry, at, smaller
 
 EpochCallback = Callable[[dict[str, float]], None]
+# Every metric a run of `train` can log (each epoch's row and the final metrics), so that a study that names
+# another is refused before anything runs; a loss with named terms adds `loss/<name>` for each.
+METRICS = ("epoch", "steps", "train_loss", "val_loss", "val_acc", "current_lr", "epoch_time_s", "grad_norm",
+           "update_ratio", "dead_fraction", "noise_scale", "noise_scale_reliable", "peak_memory_bytes",
+           "bn_mean_error", "bn_var_error", "samples_per_s", "wall_time_s", "physical_batch_used", "oom_retries",
+           "oom_physical_batch", "allreduce_calls", "allreduce_bytes")
 
 
 @dataclass
@@ -217,7 +223,7 @@ def _train(config: TrainConfig, prepared: Prepared, parallel: Parallel | None, o
     for probe in probes:
         probe.start(run)
     rank = parallel.rank if parallel else 0
-    progress = restore(saved, model, optimizer, probes, rank) if saved else Progress()
+    progress = restore(saved, model, optimizer, probes, rank, checkpointer.spec.path) if saved else Progress()
     resumed_after = progress.epoch
     for row in progress.history if on_epoch is not None else ():
         on_epoch(row)
