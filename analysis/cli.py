@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         check_out(Path(args.out), folder)  # before the store is read: a report is never made only to be lost
         why = urls.unreachable(uri)
         if why:
-            raise AnalysisError(f"{why}: start it, or pass another --tracking-uri")
+            raise AnalysisError(f"{why}: {urls.REACH_ADVICE}")
         studies = [load_study(name, uri, urls.redact(uri)) for name in names]
     except AnalysisError as exc:
         print(f"error: {exc}", file=sys.stderr)

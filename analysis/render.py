@@ -197,6 +197,30 @@ def _clear(folder: Path) -> None:
     manifest.unlink()
 
 
+def _markdown(studies, title: str, stamp: str, source: str, reproduce: str, summaries: list, sections: dict,
+              health: list, models: list) -> str:
+    """report.md: the same sections as the page, every string from the data escaped by md()."""
+    md_lines = [f"# batchsweep report: {md(title)}", "", f"Made {stamp} from {md(source)}. Reproduce with: "
+                f"{md(reproduce)}", ""]
+    for name, sentences, how in summaries:
+        md_lines += [f"## Findings: {md(name)}", "", f"Protocol: {md(how)}.", "", *(f"- {md(s)}" for s in sentences),
+                     ""]
+    for section_title, items in sections.items():
+        md_lines += [f"## {md(section_title)}", ""]
+        for label, fig, path in items:
+            md_lines += [f"![{md(label + fig.title)}]({path.name})", "", f"*{md(label + fig.context)}*", ""]
+    for name, table in health:
+        md_lines += [f"## Training health: {md(name)}", "", "Every trial was healthy." if table is None
+                     else _md_table(table), ""]
+    for name, table in models:
+        md_lines += [f"## Trained models: {md(name)}", "", _md_table(table), ""]
+    for study in studies:
+        prefix = f"{folder_name([study.name])}-" if len(studies) > 1 else ""
+        md_lines += [f"## Trials: {md(study.name)}", "", f"All trials are in [{prefix}trials.csv]({prefix}trials.csv).",
+                     ""]
+    return "\n".join(md_lines)
+
+
 def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], dict[str, list[str]]]:
     """Write the report of one study, or of several side by side, into `folder`. Returns the files written,
     report.html first, and each study's findings."""
@@ -229,26 +253,9 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
         if unhealthy is not None:
             health.append((study.name, None if unhealthy.empty else unhealthy))
 
-    md_lines = [f"# batchsweep report: {md(title)}", "", f"Made {stamp} from {md(source)}. Reproduce with: "
-                f"{md(reproduce)}", ""]
-    for name, sentences, how in summaries:
-        md_lines += [f"## Findings: {md(name)}", "", f"Protocol: {md(how)}.", "", *(f"- {md(s)}" for s in sentences),
-                     ""]
-    for section_title, items in sections.items():
-        md_lines += [f"## {md(section_title)}", ""]
-        for label, fig, path in items:
-            md_lines += [f"![{md(label + fig.title)}]({path.name})", "", f"*{md(label + fig.context)}*", ""]
-    for name, table in health:
-        md_lines += [f"## Training health: {md(name)}", "", "Every trial was healthy." if table is None
-                     else _md_table(table), ""]
     models = [(s.name, table) for s in studies if (table := _models(s.trials, s.objectives[0])) is not None]
-    for name, table in models:
-        md_lines += [f"## Trained models: {md(name)}", "", _md_table(table), ""]
-    for study in studies:
-        prefix = f"{folder_name([study.name])}-" if len(studies) > 1 else ""
-        md_lines += [f"## Trials: {md(study.name)}", "", f"All trials are in [{prefix}trials.csv]({prefix}trials.csv).",
-                     ""]
-    (folder / "report.md").write_text("\n".join(md_lines))
+    (folder / "report.md").write_text(_markdown(studies, title, stamp, source, reproduce, summaries, sections,
+                                                health, models))
 
     page = TEMPLATE.render(
         title=title, css=Markup(CSS), stamp=stamp, source=source, reproduce=reproduce,

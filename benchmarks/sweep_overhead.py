@@ -19,7 +19,8 @@ import optuna
 
 import sweeps.objective as objective
 from sweeps.cli import build_invocation, parse_args
-from sweeps.runner import Worker, create_studies, open_storage
+from sweeps.storage import create_studies, open_storage
+from sweeps.worker import Worker
 from sweeps.tracking import Tracker
 from trainers.cli import run_script
 
@@ -63,7 +64,8 @@ def main() -> None:
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # as sweeps/run.py does
     with tempfile.TemporaryDirectory() as folder:
         argv = ["--study", args.study, "--n-trials", str(args.trials), "--set", f"data_dir={args.data_dir}",
-                "--storage", f"sqlite:///{folder}/optuna.db", "--tracking-uri", f"sqlite:///{folder}/mlflow.db"]
+                "--storage", f"sqlite:///{folder}/optuna.db", "--tracking-uri", f"sqlite:///{folder}/mlflow.db",
+                "--checkpoint-dir", f"{folder}/checkpoints"]
         argv += (["--epochs", args.epochs] if args.epochs else []) + (["--system-metrics"] * args.system_metrics)
         inv = build_invocation(parse_args(argv))
         create_studies(inv, open_storage(inv.storage))

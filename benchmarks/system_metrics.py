@@ -20,10 +20,11 @@ from trainers.cli import run_script
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--data-dir", default="data")
     args = parser.parse_args()
     logging.getLogger("mlflow").setLevel(logging.ERROR)
-    config = TrainConfig(epochs=12, data_dir=args.data_dir)
+    config = TrainConfig(epochs=args.epochs, data_dir=args.data_dir)
     train(config)  # warm-up: data cache, allocator
     times: dict[str, list[float]] = {"without": [], "with": []}
     with tempfile.TemporaryDirectory() as folder:

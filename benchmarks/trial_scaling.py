@@ -20,7 +20,8 @@ import optuna
 
 from sweep_overhead import check_complete, timed_trainer
 from sweeps.cli import build_invocation, parse_args
-from sweeps.runner import Hooks, Worker, create_studies, open_storage
+from sweeps.storage import create_studies, open_storage
+from sweeps.worker import Hooks, Worker
 from sweeps.tracking import Tracker
 from trainers.cli import run_script
 
@@ -28,13 +29,14 @@ from trainers.cli import run_script
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=8)
+    parser.add_argument("--window", type=int, default=50, help="trials compared at each end")
     args = parser.parse_args()
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # as sweeps/run.py does
     with tempfile.TemporaryDirectory() as folder:
         inv = build_invocation(parse_args([
             "--study", "accum_lr", "--seeds", str(args.seeds), "--workers", "1", "--epochs", "1", "--model", "mlp",
             "--dataset", "synthetic:blobs", "--set", "warmup_epochs=0", "--storage", f"sqlite:///{folder}/optuna.db",
-            "--tracking-uri", f"sqlite:///{folder}/mlflow.db"]))
+            "--tracking-uri", f"sqlite:///{folder}/mlflow.db", "--checkpoint-dir", f"{folder}/checkpoints"]))
         create_studies(inv, open_storage(inv.storage))
         parent = Tracker(inv.tracking_uri, inv.study_name).start_parent("scaling", {}, {})
         times, in_train, last = [], timed_trainer(), [time.perf_counter()]
@@ -47,14 +49,15 @@ def main() -> None:
 
         worker = Worker(inv, parent, 0, Hooks(trial_done=trial_done))
         check_complete(inv, worker.storage, worker.run(None))
-    if len(times) < 100:
-        raise SystemExit(f"only {len(times)} trials ran: use --seeds 4 or more")
+    w = args.window
+    if len(times) < 2 * w:
+        raise SystemExit(f"error: only {len(times)} trials ran, fewer than 2 x --window {w}: raise --seeds")
     outside = [t - s for t, s in zip(times, in_train)]
     median = lambda values: statistics.median(values) * 1000
     print(f"study=accum_lr seeds={args.seeds} trials={len(times)} store=SQLite")
-    print(f"median wall time a trial: first 50 {median(times[:50]):.0f} ms, last 50 {median(times[-50:]):.0f} ms")
-    print(f"median overhead a trial:  first 50 {median(outside[:50]):.0f} ms, last 50 {median(outside[-50:]):.0f} ms")
-    print(f"ratio={median(outside[-50:]) / median(outside[:50]):.3f}")
+    print(f"median wall time a trial: first {w} {median(times[:w]):.0f} ms, last {w} {median(times[-w:]):.0f} ms")
+    print(f"median overhead a trial:  first {w} {median(outside[:w]):.0f} ms, last {w} {median(outside[-w:]):.0f} ms")
+    print(f"ratio={median(outside[-w:]) / median(outside[:w]):.3f}")
 
 
 if __name__ == "__main__":

@@ -7,14 +7,13 @@ import os
 import sys
 from pathlib import Path
 
-from trainers.cli import format_bytes
-from trainers.config import BatchsweepError, ConfigError, TrainConfig, parse_overrides, parse_value
+from trainers import BatchsweepError, ConfigError, TrainConfig, format_bytes, parse_overrides, parse_value
 
-from .driver import run, write_report
+from .driver import run_invocation, write_report
 from .studies import LAUNCHERS, check_name, check_size
 from .tables import dry_run_table, list_studies
 from .tracking import TrackingError, default_tracking_uri, first_line
-from .urls import check_storage, check_tracking_uri, redact, sqlite_path, unreachable
+from .urls import REACH_ADVICE, check_storage, check_tracking_uri, redact, sqlite_path, unreachable
 
 # Flags that set one trainer field for every trial of the study.
 CONFIG_FLAGS = ("epochs", "model", "dataset", "device", "seed")
@@ -71,7 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def build_invocation(args: argparse.Namespace):
     from .objective import make_objective
-    from .runner import Invocation, default_storage
+    from .invocation import Invocation
+    from .storage import default_storage
     from .studyfile import load
 
     study = load(args.study)
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print(dry_run_table(inv))
             return 0
-        code = run(inv, args.workers)
+        code = run_invocation(inv, args.workers)
     except BatchsweepError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def memory_plan(args: argparse.Namespace) -> int:
     """Answer --plan: the largest physical batch within the budget and the steps to the target batch."""
-    from trainers.loop import resolve_device
+    from trainers import memory_source, resolve_device
 
     from .planner import from_study, parse_bytes, plan, probe
 
@@ -147,13 +147,13 @@ def memory_plan(args: argparse.Namespace) -> int:
     budget = parse_bytes(args.memory_budget)
     flags = {name: parse_value(name, getattr(args, name)) for name in CONFIG_FLAGS if getattr(args, name)}
     config = TrainConfig(**{**flags, **parse_overrides(args.set)})
-    memory_source = "cuda_allocator" if resolve_device(config.device).type == "cuda" else "saved_tensors"
+    source = memory_source(resolve_device(config.device))
     uri = check_tracking_uri(args.tracking_uri or default_tracking_uri())
     no_local_store = sqlite_path(uri) is not None and not sqlite_path(uri).exists()
     if not no_local_store and (why := unreachable(uri)):
-        raise TrackingError(f"{why}: start it, check --tracking-uri, or drop it to use the local store")
+        raise TrackingError(f"{why}: {REACH_ADVICE}")
     try:
-        fitted = None if no_local_store else from_study(config, uri, memory_source)
+        fitted = None if no_local_store else from_study(config, uri, source)
     except Exception as exc:  # a store that answers but cannot be read: one line, as for any store
         raise TrackingError(f"cannot read the MLflow store {redact(uri)} ({first_line(exc, uri)}): move a damaged "
                             f"store aside, or pass another --tracking-uri") from None

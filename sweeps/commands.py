@@ -19,6 +19,40 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def help_text(name: str) -> str:
+    """A command's --help, as a terminal 100 columns wide prints it."""
+    import contextlib
+    import io
+    import os
+
+    module, first, _ = COMMANDS[name]
+    out, columns = io.StringIO(), os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "100"
+    try:
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            importlib.import_module(module).main([*first, "--help"])
+    finally:
+        del os.environ["COLUMNS"]
+        if columns is not None:
+            os.environ["COLUMNS"] = columns
+    return out.getvalue()
+
+
+def markdown() -> str:
+    """docs/cli.md: every command's flags, from their --help (tests/test_docs.py keeps the file equal to this)."""
+    parts = ["# Commands", "", "Every command's `--help`, as it prints it. Made with", "",
+             "    python -c 'from sweeps.commands import markdown; print(markdown(), end=\"\")' > docs/cli.md", "",
+             "```", usage(), "```"]
+    for name, (module, first, _) in COMMANDS.items():
+        if first:  # the same parser as another command, with a flag put first
+            twin = next(n for n, (m, f, _) in COMMANDS.items() if m == module and not f)
+            parts += ["", f"## batchsweep {name}", "", f"`batchsweep {name}` is `batchsweep {twin} {' '.join(first)}`: "
+                      f"its flags are those of `batchsweep {twin}`."]
+            continue
+        parts += ["", f"## batchsweep {name}", "", "```", help_text(name).rstrip(), "```"]
+    return "\n".join(parts) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):

@@ -11,9 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainers import interrupt
-from trainers.checkpoint import make_writable_folder
-from trainers.config import BatchsweepError
+from trainers import BatchsweepError, interrupt, make_writable_folder
 
 from .outcomes import OUTCOMES, outcome_of
 from .studies import describe
@@ -32,7 +30,7 @@ def _worker_process(inv, parent_run_id: str, index: int, budget: int | None, mes
     import optuna
     import torch
 
-    from .runner import Hooks, Worker
+    from .worker import Hooks, Worker
 
     torch.set_num_threads(1)
     interrupt.trap()
@@ -108,7 +106,7 @@ def run_workers(inv, parent_run_id: str, workers: int, total: int) -> None:
 def run_in_process(inv, parent_run_id: str, total: int) -> None:
     from tqdm import tqdm
 
-    from .runner import Hooks, Worker
+    from .worker import Hooks, Worker
 
     trials = tqdm(total=total, unit="trial", file=sys.stderr, dynamic_ncols=True, position=0)
     epochs = tqdm(total=0, unit="epoch", file=sys.stderr, dynamic_ncols=True, position=1, leave=False)
@@ -142,10 +140,12 @@ def write_report(inv) -> int:
     return done.returncode
 
 
-def run(inv, workers: int) -> int:
+def run_invocation(inv, workers: int) -> int:
+    """Run what is left of the study (at most --n-trials of it) in `workers` processes; 0, or 1 when every trial
+    failed, or 130 on Ctrl-C."""
     import optuna
 
-    from .runner import create_studies, open_storage, remaining
+    from .storage import create_studies, open_storage, remaining
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # trial failures are reported in one line each
     storage = open_storage(inv.storage)
@@ -166,27 +166,7 @@ def run(inv, workers: int) -> int:
     if inv.dropped:
         print(f"not run: {len(inv.dropped)} points that break a constraint, e.g. {describe(inv.dropped[0][0])} "
               f"({inv.dropped[0][1]}); --dry-run lists them", file=sys.stderr)
-    params = {**inv.base.to_dict(), "seeds": len(inv.seeds), "n_trials": inv.n_trials, "workers": workers}
-    try:
-        parent = tracker.start_parent(f"{inv.study_name} {time.strftime('%Y-%m-%d %H:%M:%S')}", params,
-                                      {"study": inv.study.name, "storage": redact(inv.storage), "host": HOST,
-                                       "summary": inv.study.summary, "study_file": inv.study.source,
-                                       # What the report's importance, parallel coordinates and fronts read.
-                                       "batchsweep.varied": ",".join(inv.study.varied),
-                                       "batchsweep.objective": ",".join(f"{m}:{d}" for m, d in zip(
-                                           inv.study.metrics, inv.study.directions)),
-                                       **standard_tags(git_commit())})
-        # The UI's descriptions; the report replaces the parent run's with its findings.
-        tracker.describe(None, f"{inv.study.summary}\n\nStudy file: {inv.study.source}. One parent run per "
-                               f"invocation of `sweeps/run.py --study`, one nested run per trial.")
-        tracker.describe(parent, f"Study {inv.study_name}: {inv.study.summary}. The report is written when the "
-                                 f"study finishes: reports/{inv.study_name}/report.html, and in this run's artifacts "
-                                 f"under report/.")
-    except Exception as exc:  # the store failed after Tracker() reached it: one line, no half-started parent
-        tracker.end_open_runs("FAILED")
-        reason = first_line(exc, inv.tracking_uri)
-        raise TrackingError(f"cannot write the MLflow store {redact(inv.tracking_uri)} ({reason}): check it, then "
-                            f"run the same command again") from None
+    parent = start_parent(inv, tracker, workers)
     status, left = "FINISHED", None
     try:
         if workers == 1:
@@ -212,7 +192,38 @@ def run(inv, workers: int) -> int:
         except Exception:  # the storage went away: the parent run still ends
             pass
         tracker.finish(parent, status, tags={"trials_left": left})
-    from .models import keep_models
+    return finish(inv, tracker, parent, storage, left)
+
+
+def start_parent(inv, tracker: Tracker, workers: int) -> str:
+    """The invocation's parent run, with the study's configuration and the UI's descriptions."""
+    params = {**inv.base.to_dict(), "seeds": len(inv.seeds), "n_trials": inv.n_trials, "workers": workers}
+    try:
+        parent = tracker.start_parent(f"{inv.study_name} {time.strftime('%Y-%m-%d %H:%M:%S')}", params,
+                                      {"study": inv.study.name, "storage": redact(inv.storage), "host": HOST,
+                                       "summary": inv.study.summary, "study_file": inv.study.source,
+                                       # What the report's importance, parallel coordinates and fronts read.
+                                       "batchsweep.varied": ",".join(inv.study.varied),
+                                       "batchsweep.objective": ",".join(f"{m}:{d}" for m, d in zip(
+                                           inv.study.metrics, inv.study.directions)),
+                                       **standard_tags(git_commit())})
+        # The UI's descriptions; the report replaces the parent run's with its findings.
+        tracker.describe(None, f"{inv.study.summary}\n\nStudy file: {inv.study.source}. One parent run per "
+                               f"invocation of `sweeps/run.py --study`, one nested run per trial.")
+        tracker.describe(parent, f"Study {inv.study_name}: {inv.study.summary}. The report is written when the "
+                                 f"study finishes: reports/{inv.study_name}/report.html, and in this run's artifacts "
+                                 f"under report/.")
+    except Exception as exc:  # the store failed after Tracker() reached it: one line, no half-started parent
+        tracker.end_open_runs("FAILED")
+        reason = first_line(exc, inv.tracking_uri)
+        raise TrackingError(f"cannot write the MLflow store {redact(inv.tracking_uri)} ({reason}): check it, then "
+                            f"run the same command again") from None
+    return parent
+
+
+def finish(inv, tracker: Tracker, parent: str, storage, left: int | None) -> int:
+    """After the workers: the models kept, the checkpoints cleaned up, the table of trials."""
+    from .checkpoints import keep_models
 
     try:
         keep_models(inv, tracker, parent, storage, lambda line: print(line, file=sys.stderr))
@@ -230,7 +241,7 @@ def end_dead(inv, storage, tracker: Tracker) -> int:
     trial was recorded complete ends FINISHED, the others KILLED. Returns how many runs it ended."""
     import optuna
 
-    from .runner import free_dead_trials
+    from .storage import free_dead_trials
 
     complete = {t.user_attrs["mlflow_run_id"] for name in inv.study_names()
                 for t in optuna.load_study(study_name=name, storage=storage).get_trials(

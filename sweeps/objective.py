@@ -10,11 +10,9 @@ import torch
 
 import difflib
 
-from trainers import METRICS, ConfigError, TrainConfig, train
-from trainers.checkpoint import Checkpointing
-from trainers.config import BatchsweepError
+from trainers import METRICS, BatchsweepError, Checkpointing, ConfigError, TrainConfig, train
 
-from . import launch
+from . import torchrun
 from .studies import Study
 
 
@@ -47,7 +45,7 @@ class Objective:
     def train(self, config: TrainConfig, on_epoch: Callable[[dict[str, float]], None],
               checkpoint: Checkpointing | None = None) -> Trained:
         if self.launcher == "torchrun":
-            result = launch.run(config, on_epoch, checkpoint)
+            result = torchrun.train_job(config, on_epoch, checkpoint)
         else:
             result = train(config, on_epoch=on_epoch, checkpoint=checkpoint).to_dict()
         health = {"health": result["health"], "health_epoch": result["health_epoch"],
@@ -99,6 +97,7 @@ class Equivalence(Objective):
         return Trained(metrics, status, accum.memory_source, dataset=accum.dataset, resumed_after=accum.resumed_after)
 
 
+# The [objective] kinds by name. train: one configuration; equivalence: (b, k) against (b*k, 1).
 OBJECTIVES = {"train": Objective, "equivalence": Equivalence}
 
 

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainers import ConfigError, TrainConfig, train
-from trainers.config import MAX_COUNT
+from trainers import MAX_COUNT, ConfigError, TrainConfig, resolve_device, train
 
 from .tracking import quote
 from .urls import redact, sqlite_path
@@ -94,8 +93,6 @@ def probe(config: TrainConfig) -> Fit:
 def start_batch(config: TrainConfig, target: int, tracking_uri: str) -> int:
     """Where `physical_batch = "auto"` starts: on a GPU, the plan for its whole memory from a batch_memory study of
     this model and data (below any b that ran out of memory), as a divisor of the target; b = B otherwise."""
-    from trainers.loop import resolve_device
-
     device = resolve_device(config.device)
     store = sqlite_path(tracking_uri)  # (no store yet: nothing to learn from, and none is created here)
     if device.type != "cuda" or (store is not None and not store.exists()):

@@ -12,13 +12,13 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution
 
 from .outcomes import holds
-from trainers.config import BatchsweepError
+from trainers import BatchsweepError
 
 from .studies import Param, Point, Study, config_key, point_key
 
@@ -41,7 +41,12 @@ class StudyChanged(BatchsweepError):
 
 
 class Pinned(optuna.samplers.BaseSampler):
-    """A sampler that returns given values for the grid's fields and asks its base sampler for the rest."""
+    """A sampler that returns given values for the grid's fields and asks its base sampler for the rest.
+
+    Optuna's PartialFixedSampler does the same with values fixed when it is built; here a grid worker learns
+    its point only inside the objective, once the trial has started under the study's sampler, so the values
+    are set on the sampler in place (`values`) for each trial. (PartialFixedSampler is also still marked
+    experimental in Optuna 5: a warning each time one is built.)"""
 
     def __init__(self, base: optuna.samplers.BaseSampler):
         self.base, self.values = base, {}
@@ -86,11 +91,7 @@ class Search:
         raise NotImplementedError
 
     def pruner(self, epochs: int) -> optuna.pruners.BasePruner:
-        if self.study.pruner == "median":
-            return optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=2)
-        if self.study.pruner == "hyperband":
-            return optuna.pruners.HyperbandPruner(min_resource=1, max_resource=max(epochs, 1))
-        return optuna.pruners.NopPruner()
+        return PRUNERS[self.study.pruner](epochs)
 
     def next_point(self, trial: optuna.Trial, mine: list[Unit], failed_here: set[str],
                    worker: int = 0) -> tuple[Point, int]:
@@ -158,16 +159,7 @@ class SamplerSearch(Search):
         return [Unit(f"{self.study_name}/{point_key(p, s)}", p, s) for p in self.points for s in self.seeds]
 
     def sampler(self, unit: int, worker: int, done: int = 0) -> Pinned:
-        seed, name = self._seed(unit, worker, done), self.study.sampler
-        # Optuna 5 changed TPE's defaults: pin every setting that shapes the search.
-        base = {
-            "random": lambda: optuna.samplers.RandomSampler(seed=seed),
-            "tpe": lambda: optuna.samplers.TPESampler(seed=seed, n_startup_trials=4, n_ei_candidates=24,
-                                                      multivariate=False, group=False, constant_liar=False),
-            "cmaes": lambda: optuna.samplers.CmaEsSampler(seed=seed),
-            "nsga2": lambda: optuna.samplers.NSGAIISampler(seed=seed),
-        }[name]()
-        pinned = Pinned(base)
+        pinned = Pinned(SAMPLERS[self.study.sampler](self._seed(unit, worker, done)))
         pinned.values = dict(self.units()[unit].point)
         return pinned
 
@@ -188,12 +180,26 @@ class SamplerSearch(Search):
         return max(self.study.trials - sum(1 for t in trials if holds(t)) - len(failed_here), 0)
 
 
-SEARCHES = {"grid": GridSearch, "random": SamplerSearch, "tpe": SamplerSearch, "cmaes": SamplerSearch,
-            "nsga2": SamplerSearch}
+# The samplers by name, each from its seed ("grid" is the GridSearch's own claiming, in order). Optuna 5 changed
+# TPE's defaults: every setting that shapes its search is pinned.
+SAMPLERS: dict[str, Callable[[int], optuna.samplers.BaseSampler] | None] = {
+    "grid": None,
+    "random": lambda seed: optuna.samplers.RandomSampler(seed=seed),
+    "tpe": lambda seed: optuna.samplers.TPESampler(seed=seed, n_startup_trials=4, n_ei_candidates=24,
+                                                   multivariate=False, group=False, constant_liar=False),
+    "cmaes": lambda seed: optuna.samplers.CmaEsSampler(seed=seed),
+    "nsga2": lambda seed: optuna.samplers.NSGAIISampler(seed=seed),
+}
+# The pruners by name, each from the trials' epochs.
+PRUNERS: dict[str, Callable[[int], optuna.pruners.BasePruner]] = {
+    "none": lambda epochs: optuna.pruners.NopPruner(),
+    "median": lambda epochs: optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=2),
+    "hyperband": lambda epochs: optuna.pruners.HyperbandPruner(min_resource=1, max_resource=max(epochs, 1)),
+}
 
 
 def make_search(study: Study, study_name: str, points: list[Point], seeds: tuple[int, ...]) -> Search:
-    return SEARCHES[study.sampler](study, study_name, points, seeds)
+    return (GridSearch if study.sampler == "grid" else SamplerSearch)(study, study_name, points, seeds)
 
 
 def suggest(trial: optuna.Trial, name: str, param: Param) -> Any:

@@ -9,13 +9,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainers.config import ConfigError, TrainConfig
+from trainers import ConfigError, TrainConfig
 
 Point = dict[str, Any]  # TrainConfig fields that vary between trials
 
-SAMPLERS = ("grid", "random", "tpe", "cmaes", "nsga2")
-PRUNERS = ("none", "median", "hyperband")
-KINDS = ("train", "equivalence")  # train: one configuration; equivalence: (b, k) against (b*k, 1)
 LAUNCHERS = ("process", "torchrun")  # where a trial trains: in the worker, or as a torchrun job
 DIRECTIONS = ("maximize", "minimize")
 OPERATORS = {"<=": operator.le, ">=": operator.ge, "==": operator.eq, "!=": operator.ne, "<": operator.lt,

@@ -12,11 +12,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-from trainers.config import FIELDS, MAX_COUNT, ConfigError
-from trainers.imports import import_object
+from trainers import FIELDS, MAX_COUNT, ConfigError, TrainConfig, import_object
 
-from .studies import (CONSTRAINT, DIRECTIONS, KINDS, LAUNCHERS, PRUNERS, SAMPLERS, Constraint, Param, Study, check_name,
-                      check_size)
+from .objective import OBJECTIVES
+from .search import PRUNERS, SAMPLERS
+from .studies import CONSTRAINT, DIRECTIONS, LAUNCHERS, Constraint, Param, Study, check_name, check_size
 
 try:
     import tomllib
@@ -24,7 +24,7 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 BUILTIN = Path(__file__).resolve().parent / "builtin"
-DERIVED = ("effective_batch", "lr", "bn_momentum")  # what a constraint may name besides the fields
+DERIVED = tuple(TrainConfig().derived())  # what a constraint may name besides the fields
 KEYS = {
     "": ("name", "summary", "seeds", "workers", "launcher", "fixed", "grid", "tune", "search", "objective"),
     "search": ("sampler", "trials", "pruner", "twins", "constraints", "seed"),
@@ -78,30 +78,55 @@ def parse(data: dict[str, Any], source: str) -> Study:
     def fail(key: str, problem: str) -> ConfigError:
         return ConfigError(f"{source}: {key}: {problem}")
 
-    def table(key: str) -> dict[str, Any]:
-        value = data.get(key, {})
-        if not isinstance(value, dict):
-            raise fail(key, f"must be a table ([{key}]), got {_kind(value)}")
-        return value
-
-    def unknown(where: str, keys, allowed) -> None:
-        for key in keys:
-            if key not in allowed:
-                raise fail(f"{where}.{key}" if where else key, f"unknown key: the keys here are {', '.join(allowed)}")
-
-    unknown("", data, KEYS[""])
+    _unknown("", data, KEYS[""], fail)
     name = _typed(data, "name", str, fail, required=True)
     try:
         check_name(name)
     except ConfigError as exc:
         raise fail("name", str(exc)) from None
-    fixed, grid_table, tune_table = table("fixed"), table("grid"), table("tune")
-    search, objective = table("search"), table("objective")
-    unknown("search", search, KEYS["search"])
-    unknown("objective", objective, KEYS["objective"])
+    search, objective = _table(data, "search", fail), _table(data, "objective", fail)
+    _unknown("search", search, KEYS["search"], fail)
+    _unknown("objective", objective, KEYS["objective"], fail)
+    fixed, grid, tune, auto = _fields(data, fail)
+    sampler = _choice(search, "search.sampler", "sampler", tuple(SAMPLERS), "grid", fail)
+    pruner = _choice(search, "search.pruner", "pruner", tuple(PRUNERS), "none", fail)
+    kind, metrics, directions = _objective(objective, fail)
+    grid_fields = [f for key in grid for f in key.split("+")]
+    _check_search(search, sampler, pruner, kind, metrics, tune, grid_fields, fail)
+    twins = _typed(search, "twins", bool, fail, default=False, key="search.twins")
+    if twins and not {"physical_batch", "accum_steps"} <= set(grid_fields):
+        raise fail("search.twins", "a twin (b*k, 1) changes physical_batch and accum_steps: put both in [grid]")
+    constraints = tuple(_constraint(text, fail) for text in _strings(search, "search.constraints", "constraints",
+                                                                      [], fail))
+    study = Study(name=name, summary=_typed(data, "summary", str, fail, default=""), fixed=fixed, grid=grid,
+                  tune=tune, sampler=sampler, trials=_count(search, "search.trials", "trials", 10, 100_000, fail),
+                  pruner=pruner, twins=twins, constraints=constraints, kind=kind, metrics=metrics,
+                  directions=directions, seeds=_count(data, "seeds", "seeds", 1, 1000, fail),
+                  workers=_count(data, "workers", "workers", 1, 256, fail),
+                  sampler_seed=_count(search, "search.seed", "seed", 0, 2 ** 31 - 1, fail, low=0),
+                  launcher=_choice(data, "launcher", "launcher", LAUNCHERS, "process", fail), auto_batch=auto,
+                  source=source)
+    check_size(study, study.seeds, "seeds in the file")
+    return study
 
-    # physical_batch = "auto": each trial starts at b = its effective_batch (a [fixed] value or a [grid] axis)
-    # and shrinks on out-of-memory.
+
+def _table(data: dict, key: str, fail) -> dict[str, Any]:
+    value = data.get(key, {})
+    if not isinstance(value, dict):
+        raise fail(key, f"must be a table ([{key}]), got {_kind(value)}")
+    return value
+
+
+def _unknown(where: str, keys, allowed, fail) -> None:
+    for key in keys:
+        if key not in allowed:
+            raise fail(f"{where}.{key}" if where else key, f"unknown key: the keys here are {', '.join(allowed)}")
+
+
+def _fields(data: dict, fail) -> tuple[dict[str, Any], dict[str, tuple], dict[str, Param], bool]:
+    """[fixed], [grid] and [tune], each value of its field's type, each field in one table; and whether
+    physical_batch is "auto" (each trial starts at b = its effective_batch and shrinks on out-of-memory)."""
+    fixed, grid_table = _table(data, "fixed", fail), _table(data, "grid", fail)
     auto = fixed.get("physical_batch") == "auto"
     fixed = {k: v for k, v in fixed.items() if not (auto and k == "physical_batch")}
     if auto and "effective_batch" in fixed:  # one target: a grid axis of one value
@@ -119,21 +144,8 @@ def parse(data: dict[str, Any], source: str) -> Study:
 
     for key, value in fixed.items():
         value_of(f"fixed.{key}", key, value)
-    grid: dict[str, tuple] = {}
-    for key, values in grid_table.items():
-        if not isinstance(values, list) or not values:
-            raise fail(f"grid.{key}", f"must be a non-empty list of values, got {_kind(values)}")
-        fields = key.split("+")
-        if len(fields) == 1:
-            grid[key] = tuple(value_of(f"grid.{key}", key, v) for v in values)
-        else:  # fields that vary together, e.g. "model+dataset" = [["mlp", "mnist1d"], ["gpt", "pytext"]]
-            if not all(isinstance(v, list) and len(v) == len(fields) for v in values):
-                raise fail(f"grid.{key}", f"each value must be a list of {len(fields)} values, one for each of "
-                                          f"{', '.join(fields)}")
-            grid[key] = tuple(tuple(value_of(f"grid.{key}", f, x) for f, x in zip(fields, v)) for v in values)
-        if len(set(grid[key])) < len(grid[key]):
-            raise fail(f"grid.{key}", "lists a value twice: list each once")
-    tune = {key: _param(f"tune.{key}", key, spec, fail) for key, spec in tune_table.items()}
+    grid = {key: _axis(key, values, value_of, fail) for key, values in grid_table.items()}
+    tune = {key: _param(f"tune.{key}", key, spec, fail) for key, spec in _table(data, "tune", fail).items()}
     grid_fields = [f for key in grid for f in key.split("+")]
     if auto and "effective_batch" not in grid_fields:
         raise fail("fixed.physical_batch", "\"auto\" needs the target: effective_batch = B in [fixed] or [grid]")
@@ -147,10 +159,30 @@ def parse(data: dict[str, Any], source: str) -> Study:
         both = tables[first] & tables[second]
         if both:
             raise fail(f"{second}.{sorted(both)[0]}", f"is also in [{first}]: give each field in one table only")
+    return dict(fixed), grid, tune, auto
 
-    sampler = _choice(search, "search.sampler", "sampler", SAMPLERS, "grid", fail)
-    pruner = _choice(search, "search.pruner", "pruner", PRUNERS, "none", fail)
-    kind = _choice(objective, "objective.kind", "kind", KINDS, "train", fail)
+
+def _axis(key: str, values: Any, value_of, fail) -> tuple:
+    """A [grid] axis: a list of values of one field, or of lists of values of fields that vary together
+    (`"model+dataset" = [["mlp", "mnist1d"], ["gpt", "pytext"]]`)."""
+    if not isinstance(values, list) or not values:
+        raise fail(f"grid.{key}", f"must be a non-empty list of values, got {_kind(values)}")
+    fields = key.split("+")
+    if len(fields) == 1:
+        axis = tuple(value_of(f"grid.{key}", key, v) for v in values)
+    else:
+        if not all(isinstance(v, list) and len(v) == len(fields) for v in values):
+            raise fail(f"grid.{key}", f"each value must be a list of {len(fields)} values, one for each of "
+                                      f"{', '.join(fields)}")
+        axis = tuple(tuple(value_of(f"grid.{key}", f, x) for f, x in zip(fields, v)) for v in values)
+    if len(set(axis)) < len(axis):
+        raise fail(f"grid.{key}", "lists a value twice: list each once")
+    return axis
+
+
+def _objective(objective: dict, fail) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """[objective]: the kind, and one direction per metric."""
+    kind = _choice(objective, "objective.kind", "kind", tuple(OBJECTIVES), "train", fail)
     default_metric = "param_rel_diff" if kind == "equivalence" else "val_acc"
     metrics = tuple(_strings(objective, "objective.metrics", "metrics", [default_metric], fail))
     directions = tuple(_strings(objective, "objective.directions", "directions",
@@ -161,9 +193,16 @@ def parse(data: dict[str, Any], source: str) -> Study:
     for d in directions:
         if d not in DIRECTIONS:
             raise fail("objective.directions", f"{d!r} is not a direction: use maximize or minimize")
+    return kind, metrics, directions
+
+
+def _check_search(search: dict, sampler: str, pruner: str, kind: str, metrics: tuple, tune: dict,
+                  grid_fields: list[str], fail) -> None:
+    """What each sampler and pruner needs of the rest of the study."""
     if sampler == "grid":
         if tune:
-            raise fail("tune", "needs a sampler that searches: set [search] sampler to random, tpe, cmaes or nsga2")
+            raise fail("tune", f"needs a sampler that searches: set [search] sampler to one of "
+                               f"{', '.join(s for s in SAMPLERS if s != 'grid')}")
         if "trials" in search:
             raise fail("search.trials", "applies to samplers other than grid (a grid runs each point once per seed)")
     elif not tune:
@@ -178,23 +217,8 @@ def parse(data: dict[str, Any], source: str) -> Study:
             raise fail("search.sampler", "cmaes optimizes one metric: use nsga2 or tpe for several")
     if pruner != "none" and len(metrics) > 1:
         raise fail("search.pruner", "Optuna prunes single-objective studies only: use pruner = \"none\"")
-    twins = _typed(search, "twins", bool, fail, default=False, key="search.twins")
-    if twins and not {"physical_batch", "accum_steps"} <= set(grid_fields):
-        raise fail("search.twins", "a twin (b*k, 1) changes physical_batch and accum_steps: put both in [grid]")
     if kind == "equivalence" and sampler != "grid":
         raise fail("objective.kind", "an equivalence study compares grid points: use sampler = \"grid\"")
-    launcher = _choice(data, "launcher", "launcher", LAUNCHERS, "process", fail)
-    constraints = tuple(_constraint(text, fail) for text in _strings(search, "search.constraints", "constraints",
-                                                                      [], fail))
-    study = Study(name=name, summary=_typed(data, "summary", str, fail, default=""), fixed=dict(fixed), grid=grid,
-                 tune=tune, sampler=sampler, trials=_count(search, "search.trials", "trials", 10, 100_000, fail),
-                 pruner=pruner, twins=twins, constraints=constraints, kind=kind, metrics=metrics,
-                 directions=directions, seeds=_count(data, "seeds", "seeds", 1, 1000, fail),
-                 workers=_count(data, "workers", "workers", 1, 256, fail),
-                 sampler_seed=_count(search, "search.seed", "seed", 0, 2 ** 31 - 1, fail, low=0), launcher=launcher,
-                 auto_batch=auto, source=source)
-    check_size(study, study.seeds, "seeds in the file")
-    return study
 
 
 def _kind(value: Any) -> str:

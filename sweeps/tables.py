@@ -1,7 +1,7 @@
 """What the sweep command prints as tables: the studies, a dry run's trials, a study's results."""
 from __future__ import annotations
 
-from trainers.cli import format_bytes
+from trainers import format_bytes
 
 from .outcomes import OUTCOMES, outcome_of
 from .studies import describe

@@ -19,10 +19,9 @@ from mlflow.store.artifact.artifact_repository_registry import get_artifact_repo
 from mlflow.utils.mlflow_tags import (MLFLOW_DATASET_CONTEXT, MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NOTE,
                                      MLFLOW_SOURCE_NAME, MLFLOW_SOURCE_TYPE, MLFLOW_USER)
 
-from trainers.checkpoint import pid_alive
-from trainers.config import BatchsweepError
+from trainers import BatchsweepError, pid_alive
 
-from .urls import redact, sqlite_path, unreachable
+from .urls import REACH_ADVICE, redact, sqlite_path, unreachable
 
 HOST = socket.gethostname()
 
@@ -134,7 +133,7 @@ class Tracker:
         self.uri = uri
         why = unreachable(uri)
         if why:
-            raise TrackingError(f"{why}: start it, check --tracking-uri, or drop it to use the local store")
+            raise TrackingError(f"{why}: {REACH_ADVICE}")
         if sqlite_path(uri) is not None:
             db = sqlite_path(uri)
             try:

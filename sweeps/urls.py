@@ -27,6 +27,8 @@ STORAGE_SCHEMES = ("sqlite", "postgresql", "mysql")
 TRACKING_SCHEMES = ("sqlite", "postgresql", "mysql", "http", "https")
 DATABASES = ("postgresql", "mysql")
 REACH_TIMEOUT_S = 4.0  # a store that has not answered by then is refused, rather than waited for minutes
+# What to do about a store that `unreachable` refuses.
+REACH_ADVICE = "start its server, move a damaged file aside, or pass another --tracking-uri"
 
 # scheme://user:password@ — SQLAlchemy's own pattern for the user information (sqlalchemy/engine/url.py).
 USERINFO = re.compile(r"(?P<scheme>[\w+.-]+)://(?P<user>[^:/@]*)(?::(?P<password>[^@]*))?@")
@@ -96,7 +98,7 @@ def problem(url: str, flag: str, schemes: tuple[str, ...]) -> str | None:
 
 
 def _config_error(message: str) -> Exception:
-    from trainers.config import ConfigError  # here, not above: analysis/ imports this module without torch
+    from trainers import ConfigError  # here, not above: analysis/ imports this module without torch
 
     return ConfigError(message)
 
@@ -155,7 +157,7 @@ def unreachable(url: str, timeout: float = REACH_TIMEOUT_S) -> str | None:
             with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=timeout)) as db:
                 db.execute("PRAGMA schema_version").fetchone()
         except sqlite3.Error as exc:
-            return f"cannot read the SQLite database {path} ({exc}): move a damaged file aside, or name another"
+            return f"cannot read the SQLite database {path} ({exc})"
         return None
     if scheme in DATABASES:
         return _database_unreachable(url, timeout)

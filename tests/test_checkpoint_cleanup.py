@@ -3,7 +3,6 @@ removes the folder of a trial that is still training, nor the best model of anot
 still runs; it works on every kind of storage."""
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -49,7 +48,7 @@ def test_a_checkpoint_that_is_not_this_runs_is_one_line_that_names_it(capsys, tm
 def test_a_trainer_error_under_a_launcher_says_its_kind(tmp_path):
     """Under torchrun the launcher cannot see a rank's exit status: the trainer writes its error's kind beside the
     epochs' rows, and only a configuration error makes a point invalid for good."""
-    from sweeps.launch import _failure
+    from sweeps.torchrun import _failure
     from trainers import ConfigError
 
     folder, rows = tmp_path / "run", tmp_path / "rows.jsonl"
@@ -83,8 +82,9 @@ physical_batch = [8, 16, 32]
 def test_the_clean_up_keeps_what_running_trials_and_invocations_need(tmp_path, storage_kind):
     """Planted trials, as a race and a second machine leave them: a duplicate of a point that another trial
     trains, and the best trial of another invocation that still runs."""
-    from sweeps.models import folder_of, keep_models, spare
-    from sweeps.runner import Invocation, create_studies, open_storage
+    from sweeps.checkpoints import folder_of, keep_models, spare
+    from sweeps.invocation import Invocation
+    from sweeps.storage import create_studies, open_storage
     from sweeps.studyfile import parse
     from sweeps.tracking import Tracker
 

@@ -182,7 +182,7 @@ def test_models_chosen_and_logged(tmp_path):
     import optuna
     from mlflow import MlflowClient
 
-    from sweeps.models import chosen, log_model
+    from sweeps.checkpoints import chosen, log_model
     from sweeps.tracking import Tracker
     from trainers import TrainConfig, train
     from trainers.checkpoint import Checkpointing

@@ -216,7 +216,7 @@ def test_a_heartbeat_the_storage_refuses_is_one_line(tmp_path, capsys):
 
     from optuna.storages._heartbeat import HeartbeatThread
 
-    from sweeps.runner import _heartbeat_failed, open_storage
+    from sweeps.storage import heartbeat_failed, open_storage
 
     store = tmp_path / "optuna"
     store.mkdir()
@@ -226,7 +226,7 @@ def test_a_heartbeat_the_storage_refuses_is_one_line(tmp_path, capsys):
     storage = open_storage(f"sqlite:///{store}/optuna.db")
     trial_id = optuna.create_study(storage=storage).ask()._trial_id
     previous = threading.excepthook
-    threading.excepthook = _heartbeat_failed
+    threading.excepthook = heartbeat_failed
     try:
         subprocess.run(["chattr", "+i", str(store)], check=True)
         beat = HeartbeatThread(trial_id, storage)
@@ -280,7 +280,7 @@ def test_a_trial_of_another_container_with_the_same_host_name_is_left_running(tm
     where its process could be seen (same boot, same PID namespace)."""
     import warnings
 
-    from sweeps.runner import fail_orphans
+    from sweeps.storage import fail_orphans
     from sweeps.tracking import HOST, PROCESSES
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)

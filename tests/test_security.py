@@ -1,5 +1,4 @@
 """Secrets never shown or stored, names never paths, text from the data escaped in the report."""
-import os
 import re
 import subprocess
 import threading

@@ -71,10 +71,21 @@ def test_ctrl_c_marks_the_running_trial_and_says_how_to_resume(tmp_path, workers
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     wait_for_complete(tmp_path / "mlruns/optuna.db", 1, proc)
     storage = f"sqlite:///{tmp_path}/mlruns/optuna.db"
-    while not [t for t in optuna.load_study(study_name="accum_lr", storage=storage).trials
-               if t.state == State.RUNNING and "mlflow_run_id" in t.user_attrs]:
+    # Inside the next trial's training: once a running trial has checkpointed its first epoch of 100 (the next
+    # tests cover a Ctrl-C while a trial is recorded).
+    def training() -> bool:
+        running = {t.user_attrs["mlflow_run_id"] for t in optuna.load_study(study_name="accum_lr", storage=storage)
+                   .trials if t.state == State.RUNNING and "mlflow_run_id" in t.user_attrs}
+        def run_of(folder):
+            try:
+                return (folder / "mlflow_run_id").read_text() if (folder / "checkpoint.pt").exists() else None
+            except OSError:  # removed meanwhile, with its ended trial
+                return None
+
+        return any(run_of(folder) in running for folder in (tmp_path / "mlruns/checkpoints/accum_lr").glob("*"))
+
+    while not training() and proc.poll() is None:
         time.sleep(0.1)
-    time.sleep(0.3)  # inside the next trial's 100 epochs (the next test covers a Ctrl-C while recording one)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-3000:]
@@ -142,15 +153,15 @@ def test_a_ctrl_c_inside_optunas_tell_stops_the_study_and_records_the_trial(tmp_
     """Optuna records a trial after its objective returned; a Ctrl-C that lands there comes out of optimize() as
     an UnboundLocalError (its `finally` reads a variable the interrupted tell never set) and leaves the trial
     RUNNING. The study must stop there, as for any Ctrl-C, and record that trial as interrupted."""
-    import os
-
     from trainers import interrupt
 
     tell = optuna.storages.RDBStorage.set_trial_state_values
 
     def set_trial_state_values(self, trial_id, state, values=None):
         if state == State.COMPLETE:
-            os.kill(os.getpid(), signal.SIGINT)  # the handler of sweeps/run.py raises KeyboardInterrupt here
+            # raise_signal, not os.kill: the signal goes to this thread, and its handler (sweeps/run.py's) runs
+            # before the call returns, so the KeyboardInterrupt comes out of this write, on any machine's load.
+            signal.raise_signal(signal.SIGINT)
         return tell(self, trial_id, state, values)
 
     monkeypatch.setattr(optuna.storages.RDBStorage, "set_trial_state_values", set_trial_state_values)

@@ -171,7 +171,7 @@ def test_a_worker_killed_mid_study_is_reported_and_its_trial_ended(tmp_path):
 
 
 def test_ownerless_trial_fails_after_grace(tmp_path):
-    from sweeps.runner import HEARTBEAT_GRACE_S, fail_orphans
+    from sweeps.storage import HEARTBEAT_GRACE_S, fail_orphans
 
     study = optuna.create_study(storage=f"sqlite:///{tmp_path}/optuna.db")
     now = datetime.datetime.now()

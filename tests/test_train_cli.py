@@ -104,10 +104,12 @@ def test_every_metric_a_run_logs_is_known_before_it_runs():
     logged = set()
     for config in (TrainConfig(model="mlp", dataset="tests.factories:blobs", epochs=2, accum_steps=2, device="cpu"),
                    TrainConfig(model="tests.factories:fits_16", dataset="tests.factories:blobs", epochs=1,
-                               physical_batch=64, shrink_on_oom=True, device="cpu")):
+                               physical_batch=64, shrink_on_oom=True, device="cpu"),
+                   TrainConfig(model="gpt", dataset="tests.factories:tokens", epochs=1, physical_batch=5,
+                               device="cpu")):
         result = train(config)
         logged |= set(result.metrics) | {k for row in result.history for k in row}
-    assert {"noise_scale", "oom_retries"} <= logged  # both kinds of run were covered
+    assert {"noise_scale", "oom_retries", "val_perplexity"} <= logged  # each kind of run was covered
     assert logged <= set(METRICS), logged - set(METRICS)
 
 

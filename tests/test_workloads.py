@@ -9,10 +9,8 @@ import torch.nn.functional as F
 
 from trainers import ConfigError, TrainConfig, train
 from trainers.data import load_data
-from trainers.models import MODELS, build_model
+from trainers.models import build_model
 from trainers.probes import Probe
-from trainers.config import DATASET_NAMES, MODEL_NAMES
-from trainers.data import DATASETS
 
 from .conftest import ROOT
 
@@ -157,19 +155,17 @@ def test_a_users_probe_adds_its_metric_to_every_epoch():
 
 
 def test_the_trainers_modules_import_each_other_without_a_circle():
-    # Validating a config imports neither the models nor the data: the registries' names live in config.py.
     graph = {}
     for path in (ROOT / "trainers").glob("*.py"):
         tree = ast.parse(path.read_text())
         graph[path.stem] = {node.module for node in ast.walk(tree)
                             if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module}
-    assert graph["config"] == {"errors"}
+    assert {"models", "data"} <= graph["config"]  # the registries' names come from the registries
 
     def reaches(start, target, seen=()):
         return any(m == target or (m not in seen and reaches(m, target, (*seen, m))) for m in graph.get(start, ()))
 
     assert [m for m in graph if reaches(m, m)] == []
-    assert set(MODEL_NAMES) == set(MODELS) and set(DATASET_NAMES) == set(DATASETS)
 
 
 def test_gpt_learns_pytext():

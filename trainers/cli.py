@@ -150,7 +150,7 @@ def epoch_progress(total: int, jsonl: str | None = None):
     return on_epoch, close
 
 
-def main(argv: list[str] | None = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainers/train.py", description=
                                      "Train one configuration with exact gradient accumulation.", epilog=
                                      "An import path runs code: --model, --dataset and --loss package.module:name "
@@ -168,7 +168,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="checkpoint every N epochs (0: by time only); the last epoch is always saved")
     parser.add_argument("--checkpoint-minutes", type=float, default=0.0, metavar="M",
                         help="also checkpoint at the end of an epoch once M minutes passed since the last one")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
     import torch
 
     from .checkpoint import Checkpointing

@@ -6,7 +6,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .data import DATASETS
 from .errors import BatchsweepError, ConfigError  # noqa: F401  (re-exported: callers import them from here)
+from .models import MODELS
 
 LR_RULES = ("none", "linear", "sqrt")
 BN_RULES = ("default", "scaled", "matched")
@@ -18,9 +20,6 @@ DTYPES = ("float32", "float64")
 DEVICES = ("auto", "cpu", "cuda")
 MAX_COUNT = 2 ** 31 - 1  # batch sizes, steps, epochs: beyond this no run gets there, and torch's indices overflow
 MAX_SEED = 2 ** 32 - 1  # the range every RNG in the stack accepts (numpy's is the narrowest)
-# The registries' names (models.MODELS, data.DATASETS), here so that validating a config imports neither.
-MODEL_NAMES = ("cnn1d", "mlp", "resnet18", "gpt")
-DATASET_NAMES = ("mnist1d", "mnist", "fashion_mnist", "cifar10", "cifar_shaped", "pytext")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...], extra: str = "") -> None:
@@ -76,9 +75,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if ":" not in self.model:
-            _choice("model", self.model, MODEL_NAMES, ", or give package.module:factory")
+            _choice("model", self.model, tuple(MODELS), ", or give package.module:factory")
         if ":" not in self.dataset:
-            _choice("dataset", self.dataset, DATASET_NAMES, ", or give package.module:factory")
+            _choice("dataset", self.dataset, tuple(DATASETS), ", or give package.module:factory")
         if self.loss != "auto" and ":" not in self.loss:
             raise ConfigError(f"unknown loss {self.loss!r}: use auto, or give package.module:fn")
         _choice("norm", self.norm, NORMS)

@@ -23,13 +23,13 @@ from .losses import IGNORE_INDEX, Loss, builtin, load_loss, window_share
 from .models import bn_population_error, build_model, has_conv2d, set_bn_momentum, use_ghost_batch
 from .probes import LossTerms, Micro, Probe, Run
 from .probes import diagnostics as builtin_diagnostics
-from .shrink import Retry, at, smaller
+from .shrink import Retry, at
 
 EpochCallback = Callable[[dict[str, float]], None]
 # Every metric a run of `train` can log (each epoch's row and the final metrics), so that a study that names
 # another is refused before anything runs; a loss with named terms adds `loss/<name>` for each.
-METRICS = ("epoch", "steps", "train_loss", "val_loss", "val_acc", "current_lr", "epoch_time_s", "grad_norm",
-           "update_ratio", "dead_fraction", "noise_scale", "noise_scale_reliable", "peak_memory_bytes",
+METRICS = ("epoch", "steps", "train_loss", "val_loss", "val_acc", "val_perplexity", "current_lr", "epoch_time_s",
+           "grad_norm", "update_ratio", "dead_fraction", "noise_scale", "noise_scale_reliable", "peak_memory_bytes",
            "bn_mean_error", "bn_var_error", "samples_per_s", "wall_time_s", "physical_batch_used", "oom_retries",
            "oom_physical_batch", "allreduce_calls", "allreduce_bytes")
 
@@ -62,6 +62,11 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' is not available on this machine: use --device cpu or auto")
     return torch.device(name)
+
+
+def memory_source(device: torch.device) -> str:
+    """What peak_memory_bytes measures on this device: the CUDA allocator's peak, or the bytes saved for backward."""
+    return "cuda_allocator" if device.type == "cuda" else "saved_tensors"
 
 
 def device_name(device: torch.device) -> str:
@@ -203,149 +208,193 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None, probes: li
             parallel.close()
 
 
-def _train(config: TrainConfig, prepared: Prepared, parallel: Parallel | None, on_epoch: EpochCallback | None,
-           probes: list[Probe], diagnostics: bool, checkpointer: Checkpointer | None, saved: dict | None,
-           no_sync: bool) -> TrainResult:
-    device, data, model, notes = prepared.device, prepared.data, prepared.model, prepared.notes
+@dataclass
+class Loop:
+    """What the loop carries from window to window, built once by `_start`."""
+
+    config: TrainConfig
+    data: Data
+    net: nn.Module  # the model, or its DistributedDataParallel wrapper
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    params: list  # every parameter the optimizer steps
+    loss: Loss
+    feed: Feed
+    terms: LossTerms  # the loss terms' sums: the training loss of the epoch
+    probes: list[Probe]  # terms first, then the diagnostics and the caller's
+    forwarding: list[Probe]  # the probes that wrap a micro-batch's forward
+    amp: Callable[[], Any]  # the autocast context of the precision, or none
+    parallel: Parallel | None
+    retry: Retry | None  # with shrink_on_oom: what a window changed, to run it again at a smaller b
+    progress: Progress
+    notes: list[str]
+    b: int  # the micro-batch size in use
+
+
+def _start(config: TrainConfig, prepared: Prepared, parallel: Parallel | None, probes: list[Probe],
+           diagnostics: bool, no_sync: bool) -> Loop:
+    model = net = prepared.model
     model.train()
-    net = model
     if parallel:
-        net = parallel.wrap(model, device, no_sync)
+        net = parallel.wrap(model, prepared.device, no_sync)
         model = net.module  # (with --sync-bn, its BatchNorm layers are now SyncBatchNorm)
     optimizer = make_optimizer(config, optimizer_groups(model))
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    notes += coverage_warnings(model, optimizer)
     loss = load_loss(config.loss, model)
-    feed = Feed(data, config, device, loss, parallel)
     terms = LossTerms()
     probes = [terms, *(builtin_diagnostics() if diagnostics else []), *probes]
-    run = Run(config, model, optimizer, params, device, data.n_train, parallel)
+    run = Run(config, model, optimizer, params, prepared.device, prepared.data.n_train, parallel)
     for probe in probes:
         probe.start(run)
-    rank = parallel.rank if parallel else 0
-    progress = restore(saved, model, optimizer, probes, rank, checkpointer.spec.path) if saved else Progress()
-    resumed_after = progress.epoch
+    device_type = prepared.device.type
+    # (a disabled torch.autocast still costs about 4 µs a micro-batch: none in fp32)
+    amp = (lambda: torch.autocast(device_type, torch.bfloat16)) if config.precision == "bf16" else nullcontext
+    return Loop(config, prepared.data, net, model, optimizer, params, loss,
+                Feed(prepared.data, config, prepared.device, loss, parallel), terms, probes,
+                [p for p in probes if type(p).forward is not Probe.forward], amp, parallel,
+                Retry(model, config, optimizer, probes) if config.shrink_on_oom else None, Progress(),
+                prepared.notes + coverage_warnings(model, optimizer), config.physical_batch)
+
+
+def _resume(loop: Loop, saved: dict | None, checkpointer: Checkpointer | None) -> None:
+    """Put a checkpoint back: the run goes on after its last finished epoch, at the b it had reached."""
+    if not saved:
+        return
+    rank = loop.parallel.rank if loop.parallel else 0
+    loop.progress = restore(saved, loop.model, loop.optimizer, loop.probes, rank, checkpointer.spec.path)
+    loop.b = loop.progress.physical_batch or loop.config.physical_batch
+    if loop.b != loop.config.physical_batch:  # resumed after shrinking
+        set_bn_momentum(loop.model, at(loop.config, loop.b).bn_momentum)
+
+
+def _train(config: TrainConfig, prepared: Prepared, parallel: Parallel | None, on_epoch: EpochCallback | None,
+           probes: list[Probe], diagnostics: bool, checkpointer: Checkpointer | None, saved: dict | None,
+           no_sync: bool) -> TrainResult:
+    loop = _start(config, prepared, parallel, probes, diagnostics, no_sync)
+    _resume(loop, saved, checkpointer)
+    progress, resumed_after = loop.progress, loop.progress.epoch
     for row in progress.history if on_epoch is not None else ():
         on_epoch(row)
-    forwarding = [p for p in probes if type(p).forward is not Probe.forward]
-    # (a disabled torch.autocast still costs about 4 µs a micro-batch: none in fp32)
-    amp = (lambda: torch.autocast(device.type, torch.bfloat16)) if config.precision == "bf16" else nullcontext
-    steps_per_epoch = feed.steps_per_epoch()
-    total_steps = steps_per_epoch * config.epochs
-    tokens = data.classification and data.y_test.dim() == 2
-    step, lr = progress.step, config.lr
-    b = progress.physical_batch or config.physical_batch
-    retry = Retry(model) if config.shrink_on_oom else None
-    if b != config.physical_batch:  # resumed after shrinking: on at the b it reached
-        set_bn_momentum(model, at(config, b).bn_momentum)
-
+    steps_per_epoch = loop.feed.steps_per_epoch()
+    total_steps, step, lr = steps_per_epoch * config.epochs, progress.step, config.lr
     for epoch in range(progress.epoch + 1, config.epochs + 1):
         if progress.finished:
             break
-        start = time.perf_counter()
-        epoch_samples = 0
+        start, samples = time.perf_counter(), 0
         synced = (parallel.all_reduces.calls, parallel.all_reduces.bytes) if parallel else None
-        for window in feed.epoch(epoch):
+        for window in loop.feed.epoch(epoch):
             lr = lr_at(config, step, total_steps, steps_per_epoch)
-            for group in optimizer.param_groups:
+            for group in loop.optimizer.param_groups:
                 group["lr"] = lr
-            while True:  # once, unless a micro-batch runs out of memory and b shrinks
-                if retry:
-                    retry.mark()
-                try:
-                    last = window.parts(b) - 1
-                    for i, (x, y) in enumerate(window.cut(b)):
-                        with parallel.micro(i == last) if parallel else nullcontext():
-                            with around_forward(forwarding, step):
-                                with amp():
-                                    micro_terms = loss.terms(net(x), y)
-                            # Each term divided by its count over the whole window, never by k: exact for any
-                            # split of the window (padding, a short last window, ranks), and one backward.
-                            objective = window_share(micro_terms, window.counts)
-                            if parallel:  # DDP averages over the ranks: their mean of N x this is the sum
-                                objective = objective * parallel.world
-                            objective.backward()
-                        micro = Micro(step, window.size, x, y, micro_terms)
-                        for probe in probes:
-                            probe.after_micro(micro)
-                    break
-                except torch.OutOfMemoryError:
-                    if retry is None:
-                        raise
-                    progress.oom_batch, b = b, smaller(b, config.effective_batch)
-                # Out of the handler, the failed micro-batch's frames are let go: now its memory can be freed.
-                x = y = micro_terms = objective = micro = None
-                retry.rollback(optimizer)
-                set_bn_momentum(model, at(config, b).bn_momentum)
-                progress.oom_retries += 1
-                progress.physical_batch = b
-                for probe in probes:
-                    probe.retry(step, b)
-            for probe in probes:
-                probe.before_step(step, window.size)
-            if config.grad_clip:
-                nn.utils.clip_grad_norm_(params, config.grad_clip)
-            optimizer.step()
-            for probe in probes:
-                probe.after_step(step)
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            epoch_samples += window.size
+            if loop.retry:  # a micro-batch that runs out of memory: b shrinks, and the window runs again
+                loop.b = loop.retry.run(lambda b: _accumulate(loop, window, step, b), loop.b, step, progress)
+            else:
+                _accumulate(loop, window, step, loop.b)
+            _step(loop, step, window.size)
+            step, samples = step + 1, samples + window.size
             check_interrupt()
             if step == config.max_steps:
                 break
-        row = {"epoch": epoch, **terms.epoch_end(epoch)}  # the epoch's synchronization
-        elapsed = time.perf_counter() - start
-        if math.isfinite(row["train_loss"]):
-            val_loss, val_acc = evaluate(model, data.x_test, data.y_test, config.eval_batch, loss, config.precision)
-        else:
-            progress.status, val_loss, val_acc = "diverged", math.nan, math.nan
-        epoch_time = time.perf_counter() - start
-        row.update(val_loss=val_loss, val_acc=val_acc, current_lr=lr, steps=step, epoch_time_s=epoch_time,
-                   samples_per_s=epoch_samples / elapsed)
-        if tokens:
-            row["val_perplexity"] = math.exp(min(val_loss, 700.0)) if math.isfinite(val_loss) else math.nan
-        if retry:  # how often a micro-batch ran out of memory, and the smallest b that did
-            row.update(oom_retries=progress.oom_retries, oom_physical_batch=progress.oom_batch or math.nan)
-        if parallel:  # the epoch's gradient all-reduces
-            row.update(allreduce_calls=parallel.all_reduces.calls - synced[0],
-                       allreduce_bytes=parallel.all_reduces.bytes - synced[1])
-        for probe in probes[1:]:
-            row.update(probe.epoch_end(epoch))
-        progress.history.append(row)
-        progress.epoch, progress.step = epoch, step
-        progress.train_time += elapsed
-        progress.wall_time += epoch_time
-        progress.samples += epoch_samples
-        progress.finished = progress.status == "diverged" or step == config.max_steps or epoch == config.epochs
-        if checkpointer:
-            due = checkpointer.due(progress)
-            if parallel:  # on rank 0's clock; every rank's RNG states go into rank 0's file
-                due = parallel.rank0(due)
-            if due:
-                rng = parallel.every_rank(rng_states()) if parallel else [rng_states()]
-                checkpointer.save(progress, model, optimizer, probes, rng)
+        row = _end_epoch(loop, epoch, step, lr, samples, start, synced)
+        _save(loop, checkpointer)
         if on_epoch is not None:
             on_epoch(row)
-
     if checkpointer:
         checkpointer.wait()
+    return _result(loop, prepared.device, resumed_after)
+
+
+def _accumulate(loop: Loop, window, step: int, b: int) -> None:
+    """The window's micro-batches of b: forward, each loss term divided by its count over the whole window
+    (never by k: exact for any split of the window, with padding, a short last window or ranks), backward.
+    The gradients add up; under DDP they are all-reduced once, at the last micro-batch."""
+    last = window.parts(b) - 1
+    for i, (x, y) in enumerate(window.cut(b)):
+        with loop.parallel.micro(i == last) if loop.parallel else nullcontext():
+            with around_forward(loop.forwarding, step), loop.amp():
+                micro_terms = loop.loss.terms(loop.net(x), y)
+            objective = window_share(micro_terms, window.counts)
+            if loop.parallel:  # DDP averages over the ranks: their mean of N x this is the sum
+                objective = objective * loop.parallel.world
+            objective.backward()
+        micro = Micro(step, window.size, x, y, micro_terms)
+        for probe in loop.probes:
+            probe.after_micro(micro)
+
+
+def _step(loop: Loop, step: int, size: int) -> None:
+    """One optimizer step for the window, then its gradients are let go."""
+    for probe in loop.probes:
+        probe.before_step(step, size)
+    if loop.config.grad_clip:
+        nn.utils.clip_grad_norm_(loop.params, loop.config.grad_clip)
+    loop.optimizer.step()
+    for probe in loop.probes:
+        probe.after_step(step)
+    loop.optimizer.zero_grad(set_to_none=True)
+
+
+def _end_epoch(loop: Loop, epoch: int, step: int, lr: float, samples: int, start: float,
+               synced: tuple[int, int] | None) -> dict[str, float]:
+    """The epoch's row (its one synchronization with the device), evaluated; the progress moves on."""
+    config, progress, parallel = loop.config, loop.progress, loop.parallel
+    row = {"epoch": epoch, **loop.terms.epoch_end(epoch)}
+    elapsed = time.perf_counter() - start
+    if math.isfinite(row["train_loss"]):
+        val_loss, val_acc = evaluate(loop.model, loop.data.x_test, loop.data.y_test, config.eval_batch, loop.loss,
+                                     config.precision)
+    else:
+        progress.status, val_loss, val_acc = "diverged", math.nan, math.nan
+    epoch_time = time.perf_counter() - start
+    row.update(val_loss=val_loss, val_acc=val_acc, current_lr=lr, steps=step, epoch_time_s=epoch_time,
+               samples_per_s=samples / elapsed)
+    if loop.data.classification and loop.data.y_test.dim() == 2:  # tokens
+        row["val_perplexity"] = math.exp(min(val_loss, 700.0)) if math.isfinite(val_loss) else math.nan
+    if loop.retry:  # how often a micro-batch ran out of memory, and the smallest b that did
+        row.update(oom_retries=progress.oom_retries, oom_physical_batch=progress.oom_batch or math.nan)
+    if parallel:  # the epoch's gradient all-reduces
+        row.update(allreduce_calls=parallel.all_reduces.calls - synced[0],
+                   allreduce_bytes=parallel.all_reduces.bytes - synced[1])
+    for probe in loop.probes[1:]:
+        row.update(probe.epoch_end(epoch))
+    progress.history.append(row)
+    progress.epoch, progress.step = epoch, step
+    progress.train_time += elapsed
+    progress.wall_time += epoch_time
+    progress.samples += samples
+    progress.finished = progress.status == "diverged" or step == config.max_steps or epoch == config.epochs
+    return row
+
+
+def _save(loop: Loop, checkpointer: Checkpointer | None) -> None:
+    """The epoch's checkpoint, when one is due (by rank 0's clock under torchrun, with every rank's RNG states)."""
+    if not checkpointer:
+        return
+    due = checkpointer.due(loop.progress)
+    if loop.parallel:
+        due = loop.parallel.rank0(due)
+    if due:
+        rng = loop.parallel.every_rank(rng_states()) if loop.parallel else [rng_states()]
+        checkpointer.save(loop.progress, loop.model, loop.optimizer, loop.probes, rng)
+
+
+def _result(loop: Loop, device: torch.device, resumed_after: int) -> TrainResult:
+    config, progress, data = loop.config, loop.progress, loop.data
     history = progress.history
     metrics = {**history[-1], "samples_per_s": progress.samples / progress.train_time,
                "wall_time_s": progress.wall_time}
-    if retry:
-        metrics["physical_batch_used"] = b
+    if loop.retry:
+        metrics["physical_batch_used"] = loop.b
     if "peak_memory_bytes" in metrics:
         metrics["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in history)
     if progress.status == "ok":
-        metrics.update(bn_population_error(model, feed.inputs(config.eval_batch)))
-    for probe in probes:
-        notes += probe.notes()
+        metrics.update(bn_population_error(loop.model, loop.feed.inputs(config.eval_batch)))
+    notes = loop.notes + [note for probe in loop.probes for note in probe.notes()]
     health, health_epoch = verdict(progress.status, history, data.chance,
                                    data.num_classes if data.classification else None)
     dataset = {"name": config.dataset, "digest": data.digest, "train_size": data.n_train,
                "test_size": len(data.x_test)}
-    return TrainResult(config=config, status=progress.status, metrics=metrics, history=history, model=model,
+    return TrainResult(config=config, status=progress.status, metrics=metrics, history=history, model=loop.model,
                        device_name=device_name(device), dataset=dataset,
-                       memory_source="cuda_allocator" if device.type == "cuda" else "saved_tensors",
+                       memory_source=memory_source(device),
                        warnings=notes, health=health, health_epoch=health_epoch, resumed_after=resumed_after)

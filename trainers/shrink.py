@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import gc
 from dataclasses import replace
+from typing import Callable
 
 import torch
 from torch import nn
 
 from .config import TrainConfig
+from .models import set_bn_momentum
 
 
 def smaller(b: int, B: int) -> int:
@@ -26,25 +28,43 @@ def at(config: TrainConfig, b: int) -> TrainConfig:
 
 
 class Retry:
-    """What a window changes before its step, kept at its start so that it can run again as if for the first
-    time: the buffers (BatchNorm's running statistics) and the RNG states (dropout); the gradients are zeroed."""
+    """Runs a window's micro-batches until they fit: what a window changes before its step is kept at its start
+    (the buffers, such as BatchNorm's running statistics, and the RNG states, for dropout), so that after an
+    out-of-memory it runs again as if for the first time, its gradients zeroed, at a smaller b."""
 
-    def __init__(self, model: nn.Module):
-        self.model = model
+    def __init__(self, model: nn.Module, config: TrainConfig, optimizer: torch.optim.Optimizer, probes: list):
+        self.model, self.config, self.optimizer, self.probes = model, config, optimizer, probes
+
+    def run(self, accumulate: Callable[[int], None], b: int, step: int, progress) -> int:
+        """`accumulate(b)` the window; returns the b it fitted at. `progress` counts the retries."""
+        while True:
+            self.mark()
+            try:
+                accumulate(b)
+                return b
+            except torch.OutOfMemoryError:
+                progress.oom_batch, b = b, smaller(b, self.config.effective_batch)
+            # Out of the handler, the failed micro-batch's frames are let go: now its memory can be freed.
+            self.rollback()
+            set_bn_momentum(self.model, at(self.config, b).bn_momentum)
+            progress.oom_retries += 1
+            progress.physical_batch = b
+            for probe in self.probes:
+                probe.retry(step, b)
 
     def mark(self) -> None:
         self.buffers = [b.detach().clone() for b in self.model.buffers()]
         self.rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 
-    def rollback(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.zero_grad(set_to_none=True)
+    def rollback(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             for live, kept in zip(self.model.buffers(), self.buffers):
                 live.copy_(kept)
         torch.set_rng_state(self.rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
-        gc.collect()  # the failed micro-batch's activations, held by the exception's frames until now
+        gc.collect()  # the failed micro-batch's activations
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -18,9 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from trainers import TrainConfig
-from trainers.checkpoint import Checkpointing
-from trainers.config import BatchsweepError, ConfigError
+from trainers import BatchsweepError, Checkpointing, ConfigError, TrainConfig
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "trainers" / "train.py"
 OUT_OF_MEMORY = "out of memory:"  # how trainers/cli.py's line for an out-of-memory not shrunk away begins
@@ -50,7 +48,7 @@ def _die_with_parent():
     return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def run(config: TrainConfig, on_epoch: Callable[[dict[str, float]], None],
+def train_job(config: TrainConfig, on_epoch: Callable[[dict[str, float]], None],
         checkpoint: Checkpointing | None) -> dict[str, Any]:
     """Train `config` under torchrun and return the trainer's result (TrainResult.to_dict()). An exception
     raised by `on_epoch` (a pruned trial) stops the job. The trainer's bad-input line becomes a ConfigError,

@@ -14,8 +14,8 @@ import optuna
 import torch
 from optuna.trial import TrialState
 
-from trainers import TrainConfig
-from trainers.checkpoint import FILE, HOW_NOT_WHAT
+from trainers import CHECKPOINT_FILE as FILE
+from trainers import HOW_NOT_WHAT, TrainConfig, prepare
 
 from .outcomes import OUTCOMES, outcome_of
 
@@ -67,8 +67,6 @@ def log_model(tracker, run_id: str, config: TrainConfig, folder: Path) -> str:
     flavour (torch.export's format, with a signature and an input example), or where the model does not export,
     its state dict and the factory that builds it. Returns which of the two."""
     from mlflow.models import infer_signature
-
-    from trainers.loop import prepare
 
     prepared = prepare(dataclasses.replace(config, device="cpu"))
     model = prepared.model.eval()

@@ -1,0 +1,65 @@
+"""An invocation of a study: what one `sweeps/run.py` command runs, and each trial's configuration."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+from trainers import TrainConfig
+
+from .planner import start_batch
+from .search import Search, Unit, make_search
+from .studies import Point, Study
+
+
+@dataclass
+class Invocation:
+    """What one invocation of a study runs: the study, its base configuration, seeds, stores and budget."""
+
+    study: Study
+    base: TrainConfig  # the study's fixed fields and the command line's overrides
+    seeds: tuple[int, ...]
+    study_name: str
+    storage: str
+    tracking_uri: str
+    n_trials: int | None = None  # None: everything left
+    fail_fast: bool = False
+    system_metrics: bool = False  # MLflow's system metrics for every trial
+    checkpoint_dir: str | None = None  # a folder per configuration beneath it (None: no checkpoints)
+    log_models: str = "best"  # none | best | all: the models of this invocation's trials kept in MLflow
+    launcher: str = "process"  # process: trials train in the worker; torchrun: each trial is a torchrun job
+
+    def config(self, point: Point, seed: int) -> TrainConfig:
+        if not self.study.auto_batch:
+            return dataclasses.replace(self.base, **point, seed=seed)
+        values = dict(point)
+        target = values.pop("effective_batch")
+        b = self.start_batch(target)
+        return dataclasses.replace(self.base, **values, physical_batch=b, accum_steps=target // b, seed=seed,
+                                   shrink_on_oom=True)
+
+    def start_batch(self, target: int) -> int:
+        """Where physical_batch = "auto" starts: the memory planner's b for the GPU's memory when a batch_memory
+        study of this model and data is in the store, else b = B."""
+        return start_batch(self.base, target, self.tracking_uri)
+
+    def broken(self, config: TrainConfig) -> str | None:
+        """The first of the study's constraints that a configuration breaks."""
+        return next((c.text for c in self.study.constraints if not c.holds(config)), None)
+
+    @functools.cached_property
+    def dropped(self) -> list[tuple[Point, str]]:
+        """Grid points that break a constraint: not run."""
+        return [(p, why) for p in self.study.points if (why := self.broken(self.config(p, self.base.seed)))]
+
+    @functools.cached_property
+    def search(self) -> Search:
+        dropped = [p for p, _ in self.dropped]
+        return make_search(self.study, self.study_name, [p for p in self.study.points if p not in dropped],
+                           self.seeds)
+
+    def units(self) -> list[Unit]:
+        return self.search.units()
+
+    def study_names(self) -> list[str]:
+        return self.search.study_names()

@@ -1,0 +1,142 @@
+"""One trial from its point to its outcome: its MLflow run and checkpoint folder, its training, and how it ended,
+recorded in Optuna first (Optuna decides whether the point runs again), then in MLflow, by the row of
+sweeps/outcomes.py that the ending maps to."""
+from __future__ import annotations
+
+import gc
+import math
+import warnings
+from typing import Any
+
+import optuna
+import torch
+
+from trainers import Checkpointing, ConfigError, interrupt
+
+from .checkpoints import claim, folder_of, resumes
+from .objective import Trained
+from .outcomes import OUTCOMES
+from .studies import Point, describe
+from .tracking import standard_tags, system_metrics
+
+
+class TrialFailed(Exception):
+    """The trial's own code raised (not the storage): its error, recorded, is the cause."""
+
+
+class TrialRun:
+    """A worker's trial at its point: `run()` trains it and records the outcome; returns Optuna's values."""
+
+    def __init__(self, worker, trial: optuna.Trial, point: Point, seed: int):
+        self.worker, self.trial, self.point = worker, trial, point
+        inv = worker.inv
+        self.config = inv.config(point, seed)
+        self.folder = folder_of(inv, self.config, trial.number) if inv.checkpoint_dir else None
+        tags = {"optuna.trial_number": trial.number, "optuna.study_name": trial.study.study_name,
+                "device_name": worker.device, "torch_version": torch.__version__, "study": inv.study.name,
+                "batchsweep.resumes_run": resumes(self.folder) if self.folder else None,
+                **standard_tags(worker.commit)}
+        self.run_id = worker.tracker.start_trial(worker.parent_run_id, f"{trial.number}: {describe(point)}",
+                                                 self.config.to_dict(), tags)
+        self.history: list[dict[str, float]] = []
+
+    def run(self) -> float | list[float]:
+        worker = self.worker
+        try:
+            self.trial.set_user_attr("mlflow_run_id", self.run_id)
+            self.trial.set_user_attr("invocation", worker.parent_run_id)
+            if self.folder:
+                claim(self.folder, self.run_id)
+            worker.hooks.trial_start(describe(self.point), self.config.epochs)
+            broken = worker.inv.broken(self.config)
+            if broken:
+                self.end("invalid", error=f"breaks the study's constraint {broken}")
+                raise optuna.TrialPruned(f"breaks the constraint {broken}")
+            trained, values = self._train()
+            if trained.status == "diverged":
+                self.end("diverged", trained.metrics, trained.dataset, **trained.health)
+                raise optuna.TrialPruned("diverged: non-finite training loss")
+            self.end("complete", trained.metrics, trained.dataset, memory_source=trained.memory_source,
+                     resumed_after_epoch=trained.resumed_after or None, **trained.health)
+            worker.log_dataset(trained.dataset)
+            return values[0] if len(values) == 1 else values
+        except KeyboardInterrupt:  # wherever it lands, training or recording a result that Optuna now fails
+            if self.run_id in worker.tracker.open_runs:
+                self.end("interrupted")
+            raise
+        except Exception:  # pruned and the like are ended already; a storage that refused a write is not
+            if self.run_id in worker.tracker.open_runs:
+                worker.tracker.end(self.run_id, "FAILED")
+            raise
+
+    def _train(self) -> tuple[Trained, list[float] | None]:
+        """Train, and map what stopped the training to its outcome."""
+        worker, inv = self.worker, self.worker.inv
+        monitor = system_metrics(self.run_id, inv.tracking_uri) if inv.system_metrics else None
+        try:
+            try:
+                trained = worker.objective.train(self.config, self.on_epoch,
+                                                 Checkpointing(str(self.folder)) if self.folder else None)
+            finally:
+                if monitor is not None:
+                    monitor.finish()
+            return trained, worker.objective.values(trained.metrics) if trained.status == "ok" else None
+        except optuna.TrialPruned:
+            self.end("pruned", self._final())
+            raise
+        except torch.OutOfMemoryError:
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self.end("oom", self._final())
+            raise optuna.TrialPruned("out of memory") from None
+        except ConfigError as exc:  # e.g. b*k larger than the training set: the point cannot run
+            self.end("invalid", error=str(exc))
+            worker.hooks.say(f"trial {self.trial.number} ({describe(self.point)}): {exc}")
+            raise optuna.TrialPruned(str(exc)) from None
+        except Exception as exc:
+            if interrupt.pending():  # a Ctrl-C that a library caught and replaced: the run was interrupted
+                raise KeyboardInterrupt from exc
+            self.end("error", error=f"{type(exc).__name__}: {exc}"[:5000])
+            raise TrialFailed() from exc
+
+    def on_epoch(self, row: dict[str, float]) -> None:
+        """Each epoch's row as it ends: kept for the run's history, and reported to Optuna's pruner."""
+        self.history.append(row)
+        self.worker.hooks.epoch_done(row)
+        value = self.worker.objective.epoch_value(row) if self.worker.inv.study.pruner != "none" else None
+        if value is not None:
+            self.trial.report(value, int(row["epoch"]))
+            # A trial that trained its last epoch is complete: pruning it would throw its result away.
+            if row["epoch"] < self.config.epochs and self.trial.should_prune():
+                raise optuna.TrialPruned(f"pruned at epoch {int(row['epoch'])}")
+
+    def end(self, name: str, metrics: dict[str, float] | None = None, dataset: dict[str, Any] | None = None,
+            **extra: Any) -> None:
+        """Record the outcome: Optuna first (it decides whether the point runs again), then MLflow."""
+        outcome, trial = OUTCOMES[name], self.trial
+        reason = None if name == "complete" else name
+        try:
+            # Optuna's constraint: TPE and NSGA-II leave the neighbourhood of a point that could not run.
+            with warnings.catch_warnings():  # set already where a Ctrl-C lands while a result is recorded
+                warnings.filterwarnings("ignore", "The constraint value is ignored")
+                trial.set_constraint("infeasible", 1.0 if outcome.infeasible else 0.0)
+            if reason:
+                trial.set_user_attr("reason", reason)
+            if metrics:
+                trial.set_user_attr("metrics", {k: v for k, v in metrics.items() if math.isfinite(v)})
+            if extra.get("health"):
+                trial.set_user_attr("health", extra["health"])
+        finally:
+            # A finished trial's run ends once Optuna has recorded it complete (see Worker): a kill between the
+            # two then leaves a run that the next invocation closes by the trial's state.
+            error = self.worker.tracker.finish(self.run_id, outcome.status, history=self.history, metrics=metrics,
+                                               tags={"reason": reason, "state": outcome.state.name, **extra},
+                                               end=name != "complete", dataset=dataset)
+        if error:
+            self.worker.hooks.say(f"trial {trial.number} ({describe(self.point)}): trained, but recording it in "
+                                  f"MLflow failed ({error}); its result is kept in Optuna and its run is marked "
+                                  f"FAILED with reason record_error")
+
+    def _final(self) -> dict[str, float] | None:
+        return dict(self.history[-1]) if self.history else None

@@ -1,0 +1,135 @@
+"""The Optuna storage: opened once per process, its studies created once, and the trials of dead processes
+failed so that their points run again."""
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from trainers import BatchsweepError
+
+from .tracking import HOST, PROCESSES, first_line, pid_alive
+from .urls import check_storage, redact, sqlite_path
+
+HEARTBEAT_GRACE_S = 120  # a trial whose process sent no heartbeat for this long is dead
+
+
+class StorageError(BatchsweepError):
+    """The Optuna storage cannot be opened, or stopped accepting writes."""
+
+
+def is_storage_failure(exc: BaseException) -> bool:
+    """Whether an exception came from the storage (Optuna's or SQLAlchemy's errors, a journal file's OSError)."""
+    import sqlalchemy.exc
+
+    return isinstance(exc, (optuna.exceptions.StorageInternalError, sqlalchemy.exc.SQLAlchemyError, OSError))
+
+
+def default_storage(root: str = "mlruns") -> str:
+    return f"sqlite:///{Path(root).resolve()}/optuna.db"
+
+
+def heartbeat_failed(args: threading.ExceptHookArgs) -> None:
+    """Optuna's heartbeat thread dies with a traceback when the storage refuses a write; one line instead (the
+    worker's own loop stops the study in one line if the storage stays that way)."""
+    if args.thread is not None and args.thread.name.endswith("(_record_heartbeat)"):
+        print(f"warning: the Optuna storage refused the running trial's heartbeat ({args.exc_type.__name__}); "
+              f"the trial goes on", file=sys.stderr)
+        return
+    threading.__excepthook__(args)
+
+
+def open_storage(url: str) -> optuna.storages.BaseStorage:
+    """SQLite, PostgreSQL or MySQL through Optuna's RDB storage, or `journal:PATH` for a journal file."""
+    check_storage(url)
+    if url.startswith("journal:"):
+        from optuna.storages.journal import JournalFileBackend
+
+        path = url.removeprefix("journal:")
+        try:
+            return optuna.storages.JournalStorage(JournalFileBackend(path))
+        except OSError as exc:
+            raise StorageError(f"cannot open the Optuna journal {path} ({exc.strerror}): make its folder "
+                               f"writable or pass another --storage") from None
+    scheme = url.split("://", 1)[0].split("+", 1)[0]
+    connect = {"timeout": 60} if scheme == "sqlite" else {"connect_timeout": 3}  # a server that is down: an error in seconds
+    if scheme == "sqlite":
+        folder = sqlite_path(url).parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot create the Optuna storage folder {folder} ({exc.strerror}): "
+                               f"make it writable or pass --storage") from None
+    for attempt in range(3):
+        try:
+            with warnings.catch_warnings():  # heartbeats are marked experimental; they have worked since Optuna 2.9
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                # Heartbeats let any worker fail a trial whose process died on another machine.
+                return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": connect},
+                                                  heartbeat_interval=30, grace_period=HEARTBEAT_GRACE_S)
+        except Exception as exc:
+            # Two machines starting at once both create the schema; the slower one finds it there next time.
+            if "already exists" in str(exc) and attempt < 2:
+                time.sleep(0.5 + random.random())
+                continue
+            raise StorageError(f"cannot open the Optuna storage {redact(url)} ({first_line(exc, url)}): check the "
+                               f"URL and that the server runs") from None
+    raise AssertionError("unreachable")
+
+
+def create_studies(inv, storage: optuna.storages.BaseStorage) -> None:
+    """Create (or find) every Optuna study once, before any worker starts."""
+    for name in inv.study_names():
+        optuna.create_study(storage=storage, study_name=name, directions=list(inv.study.directions),
+                            load_if_exists=True)
+
+
+def owner() -> str:
+    return f"{HOST}:{os.getpid()}"
+
+
+def fail_orphans(study: optuna.Study, trials: list[optuna.trial.FrozenTrial]) -> int:
+    """Mark RUNNING trials whose process is gone as FAIL, so their points run again: those of a dead process on
+    this host (in this container), and those that never got an owner (a process killed between Optuna creating
+    the trial and its first heartbeat, which Optuna's own check never fails) once older than the heartbeat's
+    grace."""
+    failed, now = 0, datetime.datetime.now()
+    for t in trials:
+        if t.state != TrialState.RUNNING:
+            continue
+        host, _, pid = t.user_attrs.get("owner", "").rpartition(":")
+        here = host == HOST and t.user_attrs.get("owner_processes", PROCESSES) == PROCESSES
+        if here and not pid_alive(int(pid)) or (
+                not pid and (now - t.datetime_start).total_seconds() > HEARTBEAT_GRACE_S):
+            try:
+                study.tell(t.number, state=TrialState.FAIL)
+                failed += 1
+            except (RuntimeError, ValueError):  # another worker got there first
+                pass
+    return failed
+
+
+def free_dead_trials(inv, storage) -> None:
+    """Fail the RUNNING trials of processes that are gone: on this host, or silent past the heartbeat's grace."""
+    for name in inv.study_names():
+        study = optuna.load_study(study_name=name, storage=storage)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
+        fail_orphans(study, study.get_trials(deepcopy=False))
+
+
+def remaining(inv, storage) -> int:
+    """Trials still to run in the whole study."""
+    units = inv.units()
+    return sum(inv.search.left(optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False),
+                               [u for u in units if u.study_name == name], set())
+               for name in inv.study_names())

@@ -1,0 +1,194 @@
+"""A worker: Optuna picks and records the trials, the objective trains them, MLflow tracks them."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import optuna
+from optuna.trial import TrialState
+
+from trainers import BatchsweepError, device_name, interrupt, resolve_device
+
+from .checkpoints import spare
+from .invocation import Invocation
+from .objective import make_objective
+from .outcomes import OUTCOMES, outcome_of
+from .recorder import TrialFailed, TrialRun
+from .search import Duplicate, StudyChanged, Unit
+from .storage import StorageError, fail_orphans, heartbeat_failed, is_storage_failure, open_storage, owner
+from .studies import config_key
+from .tracking import PROCESSES, Tracker, first_line, git_commit
+from .urls import redact
+
+# Consecutive failures to read, create or record a trial in the Optuna storage before a worker gives up: a
+# storage that stopped accepting writes (a folder turned read-only, a database server that went down) would
+# otherwise fail every next trial forever.
+STORAGE_FAILURES = 3
+
+
+@dataclass
+class Hooks:
+    """How a worker reports progress; the defaults stay silent."""
+
+    trial_done: Callable[[optuna.trial.FrozenTrial], None] = lambda t: None
+    trial_start: Callable[[str, int], None] = lambda name, epochs: None
+    epoch_done: Callable[[dict[str, float]], None] = lambda row: None
+    say: Callable[[str], None] = lambda line: None
+
+
+class Worker:
+    """One process's loop: claim a trial, train it, record it, until the budget or the study is done."""
+
+    def __init__(self, inv: Invocation, parent_run_id: str, index: int = 0, hooks: Hooks | None = None):
+        self.inv, self.parent_run_id, self.index = inv, parent_run_id, index
+        self.hooks = hooks or Hooks()
+        self.objective = make_objective(inv.study, inv.launcher)
+        self.storage = open_storage(inv.storage)
+        threading.excepthook = heartbeat_failed
+        self.tracker = Tracker(inv.tracking_uri, inv.study_name)
+        self.device = device_name(resolve_device(inv.base.device))
+        self.commit = git_commit()
+        self._study: optuna.Study | None = None  # the study of the last objective call
+        self._last_number = -1  # the trial number of the last objective call
+        self.failed_here: set[str] = set()  # keys of the trials that failed in this process: not retried now
+        self.storage_failures: list[str] = []  # consecutive failures of the storage, latest last
+        self.datasets_logged: set[str] = set()  # digests logged as inputs of the parent run
+
+    def run(self, budget: int | None) -> int:
+        """Run at most `budget` trials (None: until nothing is left); returns how many ran. Every MLflow run
+        it started is ended, whatever raised."""
+        try:
+            return self._run(budget)
+        except KeyboardInterrupt:
+            self._record_interrupted()
+            raise
+        finally:
+            if self.tracker.open_runs:
+                try:
+                    for name in self.inv.search.study_names():
+                        self._end_recorded(optuna.load_study(study_name=name, storage=self.storage)
+                                           .get_trials(deepcopy=False))
+                except Exception:  # the storage went away: what is still open ends KILLED
+                    pass
+            self.tracker.end_open_runs("KILLED")
+
+    def _record_interrupted(self) -> None:
+        """A Ctrl-C that lands in Optuna's own bookkeeping after the objective (its tell turns it into an
+        UnboundLocalError) leaves the trial RUNNING: record it as if it had landed in training."""
+        if self._study is None or self._last_number < 0:
+            return
+        try:
+            trial = self._study.get_trials(deepcopy=False)[self._last_number]
+            if trial.state != TrialState.RUNNING:
+                return
+            self.storage.set_trial_user_attr(trial._trial_id, "reason", "interrupted")
+            self._study.tell(trial.number, state=TrialState.FAIL)
+        except Exception:  # the storage went away: the next invocation fails the trial as its owner's is gone
+            return
+        run_id = trial.user_attrs.get("mlflow_run_id")
+        if run_id in self.tracker.open_runs:
+            self.tracker.finish(run_id, OUTCOMES["interrupted"].status,
+                                tags={"reason": "interrupted", "state": TrialState.FAIL.name})
+
+    def _end_recorded(self, trials: list[optuna.trial.FrozenTrial]) -> None:
+        """End the open runs of trials that Optuna has recorded finished: their end is skipped where reading the
+        trial back failed, or failed itself, and a complete trial's run must not end KILLED."""
+        for t in trials:
+            run_id = t.user_attrs.get("mlflow_run_id")
+            if run_id in self.tracker.open_runs and t.state.is_finished():
+                self.tracker.end(run_id, "FINISHED" if t.state == TrialState.COMPLETE else "FAILED")
+
+    def _run(self, budget: int | None) -> int:
+        ran, search, units = 0, self.inv.search, self.inv.units()
+        for i, name in enumerate(search.study_names()):
+            study = optuna.load_study(study_name=name, storage=self.storage,
+                                      pruner=search.pruner(self.inv.base.epochs))
+            # Seeded by the trials already there too: a resumed search does not repeat its first draws.
+            study.sampler = search.sampler(i, self.index, len(study.get_trials(deepcopy=False)))
+            mine = [u for u in units if u.study_name == name]
+            self.failed_here = set()
+            self._study = study
+            while budget is None or ran < budget:
+                interrupt.check()  # one that something caught and turned into another error: no next trial
+                try:
+                    trials = study.get_trials(deepcopy=False)
+                    if fail_orphans(study, trials):  # their points are free now
+                        trials = study.get_trials(deepcopy=False)
+                except Exception as exc:
+                    self._storage_failed(exc)
+                    continue
+                self._end_recorded(trials)
+                if not search.left(trials, mine, self.failed_here):
+                    break
+                self._last_number = -1
+                try:
+                    # optimize() (not ask/tell) so that the RDB storage's heartbeat covers the trial;
+                    # it marks a trial that raises as FAIL before passing the exception on.
+                    study.optimize(lambda trial: self.trial(trial, mine), n_trials=1)
+                except StudyChanged:
+                    raise  # every next trial would fail the same way: the study stops with one line
+                except Exception as exc:
+                    if interrupt.pending():  # Ctrl-C landed where Optuna turned it into another error
+                        raise KeyboardInterrupt from None
+                    if is_storage_failure(exc) and not isinstance(exc, TrialFailed):
+                        self._storage_failed(exc)
+                        continue
+                    cause = exc.__cause__ if isinstance(exc, TrialFailed) else exc
+                    line = f"trial {self._last_number} failed: {first_line(cause, self.inv.storage)}"
+                    if self.inv.fail_fast:
+                        raise BatchsweepError(f"{line} (stopped by --fail-fast)") from None
+                    self.hooks.say(line)
+                try:
+                    last = study.get_trials(deepcopy=False)[self._last_number] if self._last_number >= 0 else None
+                except Exception as exc:
+                    self._storage_failed(exc)
+                    continue
+                self.storage_failures = []
+                if last is None:
+                    continue
+                self._end_recorded([last])  # a trained trial, now recorded: its run ends
+                if last.state == TrialState.FAIL:
+                    self.failed_here.add(config_key(last.user_attrs.get("config", {})))
+                if outcome_of(last) != OUTCOMES["duplicate"]:
+                    ran += 1
+                    self.hooks.trial_done(last)
+                    try:
+                        spare(self.inv, self.parent_run_id, self.storage, self.tracker)
+                    except Exception as exc:  # checkpoints are removed at the end of the invocation anyway
+                        self._storage_failed(exc)
+        return ran
+
+    def _storage_failed(self, exc: Exception) -> None:
+        """Count a failure to read, create or record a trial; give up after a few in a row."""
+        self.storage_failures.append(first_line(exc, self.inv.storage))
+        if len(self.storage_failures) >= STORAGE_FAILURES:
+            raise StorageError(
+                f"the Optuna storage {redact(self.inv.storage)} stopped accepting writes "
+                f"({self.storage_failures[-1]}), {STORAGE_FAILURES} times in a row: check that its server runs, or "
+                f"that its folder and disk are writable, then run the same command again to resume (finished "
+                f"trials are kept)")
+        time.sleep(0.5 * len(self.storage_failures))
+
+    def trial(self, trial: optuna.Trial, mine: list[Unit]) -> float | list[float]:
+        """Optuna's objective: take a point, train it, return the objective's values."""
+        self._last_number = trial.number
+        trial.set_user_attr("owner", owner())
+        trial.set_user_attr("owner_processes", PROCESSES)  # a container that shares the host name sees others
+        try:
+            point, seed = self.inv.search.next_point(trial, mine, self.failed_here, self.index)
+        except Duplicate as exc:
+            trial.set_user_attr("reason", "duplicate")
+            raise optuna.TrialPruned(str(exc)) from None
+        return TrialRun(self, trial, point, seed).run()
+
+    def log_dataset(self, dataset: dict[str, Any]) -> None:
+        """The parent run (the row the UI shows first) names the data its trials trained on, too: once each."""
+        if not dataset or dataset["digest"] in self.datasets_logged:
+            return
+        self.datasets_logged.add(dataset["digest"])
+        try:
+            self.tracker.log_dataset(self.parent_run_id, dataset)
+        except Exception:  # the trial is recorded; the parent's Dataset column is a convenience
+            pass

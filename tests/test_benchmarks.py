@@ -1,0 +1,44 @@
+"""Every benchmark runs in a tiny mode and prints its figure: a benchmark that breaks (a changed interface, a
+trial that fails) fails here, rather than printing a figure of nothing."""
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+TINY = ["--model", "mlp", "--dataset", "synthetic:blobs", "--epochs", "3"]
+# benchmark: (how it is launched, its tiny arguments, the figure on its last line)
+RUNS = {
+    "throughput.py": ([], [*TINY, "--physical-batch", "32", "--accum-steps", "4"], "ratio"),
+    "memory.py": ([], ["--model", "mlp", "--dataset", "synthetic:blobs", "--physical-batch", "8"], "flat_ratio"),
+    "diagnostics_overhead.py": ([], [*TINY, "--repeats", "1"], "overhead"),
+    "checkpoint_cost.py": ([], [*TINY, "--pairs", "1"], "checkpoint_share"),
+    "system_metrics.py": ([], ["--repeats", "1", "--epochs", "1"], "ratio"),
+    "sweep_overhead.py": ([], ["--trials", "2", "--epochs", "3"], "overhead"),
+    "trial_scaling.py": ([], ["--seeds", "1", "--window", "5"], "ratio"),
+    "ddp_sync.py": (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
+                    [*TINY, "--pairs", "1", "--accum-steps", "2", "--physical-batch", "32"], "epoch_time_ratio"),
+}
+
+
+def test_every_benchmark_has_a_tiny_run():
+    scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py") if "def main" in p.read_text()}
+    assert scripts == set(RUNS)
+
+
+@pytest.mark.parametrize("script", sorted(RUNS))
+def test_a_benchmark_prints_its_figure(tmp_path, data_dir, script):
+    launcher, args, figure = RUNS[script]
+    if script in ("system_metrics.py", "sweep_overhead.py"):
+        args = [*args, "--data-dir", data_dir]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, *launcher, str(ROOT / "benchmarks" / script), *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    match = re.fullmatch(rf"{figure}=([0-9.]+)", last)
+    assert match and math.isfinite(float(match.group(1))) and float(match.group(1)) > 0, proc.stdout[-2000:]
