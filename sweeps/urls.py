@@ -153,10 +153,14 @@ def unreachable(url: str, timeout: float = REACH_TIMEOUT_S) -> str | None:
         path = sqlite_path(url)
         if not path.exists():
             return None  # created on first use
+        # Read-write (never created here): a process killed mid-write leaves a journal that the next reader must
+        # roll back, which a read-only connection cannot ("attempt to write a readonly database").
         try:
-            with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=timeout)) as db:
+            with contextlib.closing(sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=timeout)) as db:
                 db.execute("PRAGMA schema_version").fetchone()
         except sqlite3.Error as exc:
+            if "locked" in str(exc):  # another writer holds it: it is there, and the stores' clients wait
+                return None
             return f"cannot read the SQLite database {path} ({exc})"
         return None
     if scheme in DATABASES:

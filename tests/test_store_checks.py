@@ -116,3 +116,32 @@ def test_more_seeds_on_the_command_line_are_counted_before_enumerating(tmp_path,
     monkeypatch.chdir(tmp_path)
     assert main(["--study", str(study), "--seeds", "1000", "--dry-run"]) == 2
     assert "200 grid values x 1 trials x 1000 seeds (--seeds) = up to 200,000 trials" in capsys.readouterr().err
+
+
+def test_a_store_left_by_a_killed_writer_is_reachable(tmp_path):
+    """A process killed in the middle of a write leaves a hot journal: the next client rolls it back, so the
+    quick look at the store must not take it for a damaged one (a read-only look cannot roll it back)."""
+    import sqlite3
+
+    from sweeps.urls import unreachable
+
+    db = tmp_path / "mlflow.db"
+    with sqlite3.connect(db) as setup:
+        setup.execute("CREATE TABLE t (x BLOB)")
+    writer = subprocess.Popen([sys.executable, "-c", f"""
+import sqlite3, sys, time
+db = sqlite3.connect({str(db)!r}, isolation_level=None)
+db.execute("PRAGMA cache_size = 1")  # the changes spill into the database file before any commit
+db.execute("BEGIN")
+for _ in range(200):
+    db.execute("INSERT INTO t VALUES (randomblob(4096))")
+print("writing", flush=True)
+time.sleep(600)
+"""], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline().strip() == "writing"
+    writer.kill()
+    writer.wait()
+    assert (tmp_path / "mlflow.db-journal").exists()  # hot: the killed transaction is still to be rolled back
+    assert unreachable(f"sqlite:///{db}") is None
+    with sqlite3.connect(db) as after:
+        assert after.execute("SELECT count(*) FROM t").fetchone() == (0,)  # rolled back, whole
