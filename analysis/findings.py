@@ -29,7 +29,7 @@ def _points(diff: float) -> str:
     return f"{abs(100 * diff):.1f} points"
 
 
-def verdict(d: Difference, ahead: str = "higher", behind: str = "lower") -> str:
+def stated(d: Difference, ahead: str = "higher", behind: str = "lower") -> str:
     """How a paired difference (in accuracy) reads: a stated difference only when its interval excludes 0."""
     if d.n < 2:
         return f"{_points(d.mean)} {ahead if d.mean > 0 else behind} in one seed, which cannot be told from seed noise"
@@ -71,10 +71,10 @@ def lr_rules(trials: pd.DataFrame) -> list[str]:
         last = diffs[sizes[-1]]
         if fell is None:
             out.append(f"The {rule} LR rule did not fall measurably below B = {sizes[0]} up to B = {sizes[-1]}: "
-                       f"at B = {sizes[-1]} it was {verdict(last)}.")
+                       f"at B = {sizes[-1]} it was {stated(last)}.")
         else:
-            at_last = "" if fell == sizes[-1] else f"; at B = {sizes[-1]} it was {verdict(last)}"
-            out.append(f"The {rule} LR rule fell below B = {sizes[0]} from B = {fell} ({verdict(diffs[fell])})"
+            at_last = "" if fell == sizes[-1] else f"; at B = {sizes[-1]} it was {stated(last)}"
+            out.append(f"The {rule} LR rule fell below B = {sizes[0]} from B = {fell} ({stated(diffs[fell])})"
                        f"{at_last}.")
     largest = t[t["effective_batch"] == t["effective_batch"].max()]
     means = largest.groupby("lr_rule")["val_acc"].mean().sort_values(ascending=False)
@@ -85,7 +85,7 @@ def lr_rules(trials: pd.DataFrame) -> list[str]:
         others = []
         for rule in means.index[1:]:
             d = paired(largest[largest["lr_rule"] == rule], largest[largest["lr_rule"] == best], "val_acc")
-            others.append(f"{rule} {verdict(d)}" if d else f"{rule} {_pct(means[rule])}")
+            others.append(f"{rule} {stated(d)}" if d else f"{rule} {_pct(means[rule])}")
         out.append(f"At the largest batch, B = {int(largest['effective_batch'].iloc[0])}, the {best} rule had the "
                    f"highest mean ({_pct(means[best])}{spread}); against it, " + "; ".join(others) + ".")
     return out
@@ -117,7 +117,7 @@ def twins(trials: pd.DataFrame) -> list[str]:
                 f"|difference| {_points(median)})")
     if apart:
         named = "; ".join(f"{', '.join(f'{k} = {v}' for k, v in where.items())}: "
-                          f"{verdict(d, 'accumulated ahead', 'true batch ahead')}" for where, d in apart)
+                          f"{stated(d, 'accumulated ahead', 'true batch ahead')}" for where, d in apart)
         sentence += f"; they differed at {named}"
     return [sentence + "."]
 
@@ -178,7 +178,7 @@ def bn(trials: pd.DataFrame) -> list[str]:
             out.append(f"At k = {k} (B = {k * b}), the BN running means ended {listing} population standard "
                        f"deviations from the population means of the final weights (true batch: "
                        f"{float(true['bn_mean_error'].mean()):.3f}); {verdict_text}.")
-        accuracy = "; ".join(f"{r} {verdict(d, 'above', 'below')}" for r in rules
+        accuracy = "; ".join(f"{r} {stated(d, 'above', 'below')}" for r in rules
                              if (d := paired(at_k[at_k["bn_momentum_rule"] == r], true, "val_acc")) is not None)
         if accuracy:
             out.append(f"Final accuracy at k = {k} against the true batch: {accuracy}.")

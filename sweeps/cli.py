@@ -140,7 +140,7 @@ def memory_plan(args: argparse.Namespace) -> int:
     """Answer --plan: the largest physical batch within the budget and the steps to the target batch."""
     from trainers import memory_source, resolve_device
 
-    from .planner import from_study, parse_bytes, plan, probe
+    from .planner import from_study, measure, parse_bytes, plan
 
     if args.target_batch is None or args.memory_budget is None:
         raise ConfigError("--plan needs --target-batch N and --memory-budget SIZE (e.g. 6GiB)")
@@ -157,7 +157,7 @@ def memory_plan(args: argparse.Namespace) -> int:
     except Exception as exc:  # a store that answers but cannot be read: one line, as for any store
         raise TrackingError(f"cannot read the MLflow store {redact(uri)} ({first_line(exc, uri)}): move a damaged "
                             f"store aside, or pass another --tracking-uri") from None
-    fitted = fitted or probe(config)
+    fitted = fitted or measure(config)
     answer = plan(fitted, args.target_batch, budget)
     print(f"{config.model} on {config.dataset}: peak memory ({fitted.memory_source}) = "
           f"{format_bytes(fitted.fixed)} + {format_bytes(fitted.per_sample)} x b, from the {fitted.source}")

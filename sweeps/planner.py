@@ -79,7 +79,7 @@ def from_study(config: TrainConfig, tracking_uri: str, memory_source: str) -> Fi
     return fitted
 
 
-def probe(config: TrainConfig) -> Fit:
+def measure(config: TrainConfig) -> Fit:
     """Measure a few physical batches for a few steps each."""
     points, memory_source = [], "?"
     for b in PROBE_BATCHES:

@@ -1,6 +1,6 @@
 import pytest
 
-from sweeps.planner import parse_bytes, plan, probe, Fit
+from sweeps.planner import Fit, measure, parse_bytes, plan
 from tests.test_sweeps import TINY, sweep
 from trainers import ConfigError, TrainConfig, train
 
@@ -8,7 +8,7 @@ from trainers import ConfigError, TrainConfig, train
 def test_planned_batch_runs_within_the_budget(data_dir):
     config = TrainConfig(data_dir=data_dir)
     budget = parse_bytes("2MiB")
-    answer = plan(probe(config), target=1024, budget=budget)
+    answer = plan(measure(config), target=1024, budget=budget)
     assert answer.effective_batch == 1024 and answer.note is None
     peak = lambda b: train(TrainConfig(physical_batch=b, epochs=1, max_steps=3, data_dir=data_dir)).metrics[
         "peak_memory_bytes"]
