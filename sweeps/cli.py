@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines would break the progress bars
     logging.getLogger("alembic").setLevel(logging.WARNING)
+    # MLflow prints a "View run … at http://…" line for every run a tracking server ends, into the results table.
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     try:
         if args.list:
             print(list_studies())
