@@ -49,8 +49,9 @@ def protocol(trials: pd.DataFrame) -> str:
 
 
 def context(trials: pd.DataFrame) -> str:
-    return (f"{_values(trials, 'model')} on {_values(trials, 'dataset')}; device {_values(trials, 'device_name')}; "
-            f"{protocol(trials)}; {len(trials)} trials")
+    what = (f"{_values(trials, 'model')} on {_values(trials, 'dataset')}" if "model" in trials
+            else f"program {_values(trials, 'batchsweep.program')}")
+    return f"{what}; device {_values(trials, 'device_name')}; {protocol(trials)}; {len(trials)} trials"
 
 
 def _varies(trials: pd.DataFrame, column: str) -> bool:

@@ -11,7 +11,7 @@ from scipy import stats
 
 # Run-level tags worth a column; the rest stay in MLflow.
 TAGS = ("state", "reason", "device_name", "memory_source", "torch_version", "optuna.trial_number", "health",
-        "health_epoch", "warnings", "batchsweep.model")
+        "health_epoch", "warnings", "batchsweep.model", "batchsweep.program")
 
 
 class AnalysisError(Exception):

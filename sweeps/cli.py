@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from trainers import BatchsweepError, ConfigError, TrainConfig, format_bytes, parse_overrides, parse_value
+from trainers import FIELDS, BatchsweepError, ConfigError, TrainConfig, format_bytes, parse_overrides, parse_value
 
 from .driver import run_invocation, write_report
 from .studies import LAUNCHERS, check_name, check_size
@@ -86,15 +86,20 @@ def build_invocation(args: argparse.Namespace):
             raise ConfigError(f"{flag} must be between 1 and {high:,} ({why}), got {value}")
     check_size(study, args.seeds, "--seeds")  # from the axes' lengths: before any point is enumerated
     flags = {name: parse_value(name, getattr(args, name)) for name in CONFIG_FLAGS if getattr(args, name)}
-    base = TrainConfig(**{**study.fixed, **flags, **parse_overrides(args.set)})
+    fixed = {k: v for k, v in study.fixed.items() if k in FIELDS}  # not a [program] study's own fields
+    base = TrainConfig(**{**fixed, **flags, **parse_overrides(args.set)})
     inv = Invocation(study=study, base=base, seeds=tuple(range(base.seed, base.seed + args.seeds)),
                      study_name=check_name(study.name if args.study_name is None else args.study_name),
                      storage=check_storage(args.storage or default_storage()),
                      tracking_uri=check_tracking_uri(args.tracking_uri or default_tracking_uri()),
                      n_trials=args.n_trials, fail_fast=args.fail_fast, system_metrics=args.system_metrics,
-                     checkpoint_dir=None if args.checkpoint_dir == "none" else str(
+                     # A [program] keeps its own checkpoints: its killed trial's point runs again from the start.
+                     checkpoint_dir=None if args.checkpoint_dir == "none" or study.program else str(
                          Path(args.checkpoint_dir or "mlruns/checkpoints").resolve()),
                      log_models=args.log_models, launcher=args.launcher or study.launcher)
+    if inv.launcher == "torchrun" and study.program:
+        raise ConfigError("a [program] runs your command as it is: put torchrun into its command instead of "
+                          "--launcher torchrun")
     if inv.launcher == "torchrun" and study.kind == "equivalence":
         raise ConfigError("an equivalence study compares two models in one process: run it without --launcher "
                           "torchrun")

@@ -116,7 +116,7 @@ def run_in_process(inv, parent_run_id: str, total: int) -> None:
         epochs.set_description(name)
 
     def epoch_done(row: dict) -> None:
-        epochs.set_postfix(val_acc=f"{row['val_acc']:.3f}")
+        epochs.set_postfix({m: f"{row[m]:.3f}" for m in inv.study.metrics if m in row})
         epochs.update(1)
 
     hooks = Hooks(trial_done=lambda t: trials.update(1), trial_start=trial_start, epoch_done=epoch_done,
@@ -197,7 +197,10 @@ def run_invocation(inv, workers: int) -> int:
 
 def start_parent(inv, tracker: Tracker, workers: int) -> str:
     """The invocation's parent run, with the study's configuration and the UI's descriptions."""
-    params = {**inv.base.to_dict(), "seeds": len(inv.seeds), "n_trials": inv.n_trials, "workers": workers}
+    from .objective import make_objective
+
+    config = make_objective(inv.study).params(inv.base, inv.own({}))
+    params = {**config, "seeds": len(inv.seeds), "n_trials": inv.n_trials, "workers": workers}
     try:
         parent = tracker.start_parent(f"{inv.study_name} {time.strftime('%Y-%m-%d %H:%M:%S')}", params,
                                       {"study": inv.study.name, "storage": redact(inv.storage), "host": HOST,

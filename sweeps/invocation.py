@@ -5,7 +5,9 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from trainers import TrainConfig
+from typing import Any
+
+from trainers import FIELDS, TrainConfig
 
 from .planner import start_batch
 from .search import Search, Unit, make_search
@@ -30,6 +32,7 @@ class Invocation:
     launcher: str = "process"  # process: trials train in the worker; torchrun: each trial is a torchrun job
 
     def config(self, point: Point, seed: int) -> TrainConfig:
+        point = {k: v for k, v in point.items() if k in FIELDS}  # without a [program] study's own fields
         if not self.study.auto_batch:
             return dataclasses.replace(self.base, **point, seed=seed)
         values = dict(point)
@@ -38,19 +41,24 @@ class Invocation:
         return dataclasses.replace(self.base, **values, physical_batch=b, accum_steps=target // b, seed=seed,
                                    shrink_on_oom=True)
 
+    def own(self, point: Point) -> dict[str, Any]:
+        """A [program] study's own fields at a point: those of [fixed], then the point's."""
+        return {k: v for k, v in {**self.study.fixed, **point}.items() if k not in FIELDS}
+
     def start_batch(self, target: int) -> int:
         """Where physical_batch = "auto" starts: the memory planner's b for the GPU's memory when a batch_memory
         study of this model and data is in the store, else b = B."""
         return start_batch(self.base, target, self.tracking_uri)
 
-    def broken(self, config: TrainConfig) -> str | None:
+    def broken(self, config: TrainConfig, own: dict[str, Any] | None = None) -> str | None:
         """The first of the study's constraints that a configuration breaks."""
-        return next((c.text for c in self.study.constraints if not c.holds(config)), None)
+        return next((c.text for c in self.study.constraints if not c.holds(config, own)), None)
 
     @functools.cached_property
     def dropped(self) -> list[tuple[Point, str]]:
         """Grid points that break a constraint: not run."""
-        return [(p, why) for p in self.study.points if (why := self.broken(self.config(p, self.base.seed)))]
+        return [(p, why) for p in self.study.points
+                if (why := self.broken(self.config(p, self.base.seed), self.own(p)))]
 
     @functools.cached_property
     def search(self) -> Search:

@@ -3,17 +3,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
-
 import difflib
+
+import torch
+from mlflow import MlflowClient
 
 from trainers import METRICS, BatchsweepError, Checkpointing, ConfigError, TrainConfig, train
 
-from . import torchrun
+from . import program, torchrun
 from .studies import Study
+from .urls import scrub
 
 
 class MetricMissing(BatchsweepError):
@@ -28,6 +31,20 @@ class Trained:
     health: dict[str, Any] = field(default_factory=dict)  # verdict and warnings, as MLflow tags
     dataset: dict[str, Any] = field(default_factory=dict)  # name, digest and sizes of what it trained on
     resumed_after: int = 0  # the epoch of the checkpoint it went on from
+    in_run: tuple[str, ...] = ()  # metrics the trial's MLflow run holds already (a script logged them itself)
+
+
+@dataclass
+class TrialLink:
+    """What an objective may need of its trial besides the configuration: the trial's MLflow run, the study's
+    own fields, and the pruner for values that are in the run already."""
+
+    run_id: str
+    experiment_id: str
+    tracking_uri: str
+    own: dict[str, Any]  # fields of the user's own ([program] studies): not trainer fields
+    report: Callable[[dict[str, float]], None]  # a row for the pruner alone
+    secrets: tuple[str, ...] = ()  # URLs whose passwords never reach a log
 
 
 class Objective:
@@ -42,8 +59,12 @@ class Objective:
                               f"trials log" + (f" (did you mean {close[0]!r}?)" if close else "") +
                               f"; they log {', '.join(self.logs)}, and loss/<term> for a loss with named terms")
 
+    def params(self, config: TrainConfig, own: dict[str, Any]) -> dict[str, Any]:
+        """A trial's MLflow params."""
+        return config.to_dict()
+
     def train(self, config: TrainConfig, on_epoch: Callable[[dict[str, float]], None],
-              checkpoint: Checkpointing | None = None) -> Trained:
+              checkpoint: Checkpointing | None = None, link: TrialLink | None = None) -> Trained:
         if self.launcher == "torchrun":
             result = torchrun.train_job(config, on_epoch, checkpoint)
         else:
@@ -80,7 +101,7 @@ class Equivalence(Objective):
     logs = METRICS + ("param_rel_diff", "twin_val_acc", "acc_gap", "ghost_rel_diff", "ghost_rel_diff_fp64")
 
     def train(self, config: TrainConfig, on_epoch: Callable[[dict[str, float]], None],
-              checkpoint: Checkpointing | None = None) -> Trained:
+              checkpoint: Checkpointing | None = None, link: TrialLink | None = None) -> Trained:
         accum = train(config, on_epoch=on_epoch, checkpoint=checkpoint)  # the twins are trained again
         true_config = dataclasses.replace(config, physical_batch=config.effective_batch, accum_steps=1)
         true = train(true_config)
@@ -97,8 +118,77 @@ class Equivalence(Objective):
         return Trained(metrics, status, accum.memory_source, dataset=accum.dataset, resumed_after=accum.resumed_after)
 
 
-# The [objective] kinds by name. train: one configuration; equivalence: (b, k) against (b*k, 1).
-OBJECTIVES = {"train": Objective, "equivalence": Equivalence}
+class ScriptFailed(BatchsweepError):
+    """A [program] trial's script failed: its exit and the last lines of its stderr."""
+
+
+class Script(Objective):
+    """The user's own script ([program]): launched with the trial's values, its metrics read from its JSON lines
+    and from its MLflow run (which batchsweep opens and hands to it), its process tree's memory measured."""
+
+    POLL_S = 2.0  # how often a script's MLflow run is read for the pruner
+
+    def __init__(self, study: Study, launcher: str = "process"):
+        self.metrics, self.directions, self.launcher = study.metrics, study.directions, launcher
+        self.program, self.named, self.prunes = study.program, study.named, study.pruner != "none"
+
+    def params(self, config: TrainConfig, own: dict[str, Any]) -> dict[str, Any]:
+        return self.program.params({**config.to_dict(), **own}, self.named)
+
+    def train(self, config: TrainConfig, on_epoch: Callable[[dict[str, float]], None],
+              checkpoint: Checkpointing | None = None, link: TrialLink | None = None) -> Trained:
+        values = {**config.to_dict(), **link.own}
+        env = {"MLFLOW_TRACKING_URI": link.tracking_uri, "MLFLOW_RUN_ID": link.run_id,
+               "MLFLOW_EXPERIMENT_ID": link.experiment_id, **self.program.environment(values)}
+        timeout = self.program.timeout_minutes * 60 if self.program.timeout_minutes else None
+        output, client = program.Output(), MlflowClient(link.tracking_uri)
+        watch = RunWatch(client, link, self.metrics[0]) if self.prunes else None
+        try:
+            ended = program.run(self.program.argv(values), env, self.program.cwd, timeout, output, on_epoch,
+                                every=watch.poll if watch else lambda: None)
+        finally:
+            try:
+                client.log_text(link.run_id, scrub(output.text(), *link.secrets), "log.txt")
+            except Exception:  # the store failed: recording the trial's outcome fails next and says why
+                pass
+        if ended.stopped == "timeout":
+            raise ScriptFailed(f"timeout: ran past timeout_minutes = {self.program.timeout_minutes:g} and was "
+                               f"stopped")
+        if ended.code != 0:
+            why = program.out_of_memory(ended, output)
+            if why:
+                raise torch.OutOfMemoryError(scrub(why, *link.secrets))
+            raise ScriptFailed(scrub(program.failure(ended, output), *link.secrets))
+        in_run = {k: v for k, v in client.get_run(link.run_id).data.metrics.items() if not k.startswith("system/")}
+        metrics = {**in_run, **output.final, "wall_time_s": ended.wall_time_s}
+        if ended.peak_memory_bytes:
+            metrics["peak_memory_bytes"] = float(ended.peak_memory_bytes)
+        finite = all(math.isfinite(metrics[m]) for m in self.metrics if m in metrics)
+        return Trained(metrics, "ok" if finite else "diverged", ended.memory_source, {"exit_status": ended.code},
+                       in_run=tuple(k for k in in_run if k not in output.final))
+
+
+class RunWatch:
+    """The objective's metric as a script logs it into its MLflow run, passed to the pruner as it comes."""
+
+    def __init__(self, client: MlflowClient, link: TrialLink, metric: str):
+        self.client, self.link, self.metric = client, link, metric
+        self.seen: set[tuple[int, int]] = set()
+        self.next = time.monotonic() + Script.POLL_S
+
+    def poll(self) -> None:
+        if time.monotonic() < self.next:
+            return
+        self.next = time.monotonic() + Script.POLL_S
+        for m in self.client.get_metric_history(self.link.run_id, self.metric):
+            if (m.step, m.timestamp) not in self.seen:
+                self.seen.add((m.step, m.timestamp))
+                self.link.report({"step": m.step, self.metric: m.value})
+
+
+# The [objective] kinds by name. train: one configuration; equivalence: (b, k) against (b*k, 1); program: the
+# user's own script (a study file's [program]).
+OBJECTIVES = {"train": Objective, "equivalence": Equivalence, "program": Script}
 
 
 def make_objective(study: Study, launcher: str = "process") -> Objective:

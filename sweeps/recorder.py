@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import math
+import shlex
 import warnings
 from typing import Any
 
@@ -14,10 +15,10 @@ import torch
 from trainers import Checkpointing, ConfigError, interrupt
 
 from .checkpoints import claim, folder_of, resumes
-from .objective import Trained
+from .objective import TrialLink, Trained
 from .outcomes import OUTCOMES
 from .studies import Point, describe
-from .tracking import standard_tags, system_metrics
+from .tracking import first_line, standard_tags, system_metrics
 
 
 class TrialFailed(Exception):
@@ -30,15 +31,17 @@ class TrialRun:
     def __init__(self, worker, trial: optuna.Trial, point: Point, seed: int):
         self.worker, self.trial, self.point = worker, trial, point
         inv = worker.inv
-        self.config = inv.config(point, seed)
+        self.config, self.own = inv.config(point, seed), inv.own(point)
         self.folder = folder_of(inv, self.config, trial.number) if inv.checkpoint_dir else None
+        program = inv.study.program
         tags = {"optuna.trial_number": trial.number, "optuna.study_name": trial.study.study_name,
-                "device_name": worker.device, "torch_version": torch.__version__, "study": inv.study.name,
+                "device_name": worker.device, "batchsweep.program": shlex.join(program.command) if program else None, "torch_version": torch.__version__, "study": inv.study.name,
                 "batchsweep.resumes_run": resumes(self.folder) if self.folder else None,
                 **standard_tags(worker.commit)}
         self.run_id = worker.tracker.start_trial(worker.parent_run_id, f"{trial.number}: {describe(point)}",
-                                                 self.config.to_dict(), tags)
+                                                 worker.objective.params(self.config, self.own), tags)
         self.history: list[dict[str, float]] = []
+        self.in_run: tuple[str, ...] = ()  # metrics the run holds already (a script logged them itself)
 
     def run(self) -> float | list[float]:
         worker = self.worker
@@ -48,7 +51,7 @@ class TrialRun:
             if self.folder:
                 claim(self.folder, self.run_id)
             worker.hooks.trial_start(describe(self.point), self.config.epochs)
-            broken = worker.inv.broken(self.config)
+            broken = worker.inv.broken(self.config, self.own)
             if broken:
                 self.end("invalid", error=f"breaks the study's constraint {broken}")
                 raise optuna.TrialPruned(f"breaks the constraint {broken}")
@@ -73,22 +76,26 @@ class TrialRun:
         """Train, and map what stopped the training to its outcome."""
         worker, inv = self.worker, self.worker.inv
         monitor = system_metrics(self.run_id, inv.tracking_uri) if inv.system_metrics else None
+        urls = [v for v in self.own.values() if isinstance(v, str) and "://" in v]  # the study's own, too
+        link = TrialLink(self.run_id, worker.tracker.experiment_id, inv.tracking_uri, self.own, self.report,
+                         (inv.storage, inv.tracking_uri, *urls))
         try:
             try:
                 trained = worker.objective.train(self.config, self.on_epoch,
-                                                 Checkpointing(str(self.folder)) if self.folder else None)
+                                                 Checkpointing(str(self.folder)) if self.folder else None, link)
             finally:
                 if monitor is not None:
                     monitor.finish()
+            self.in_run = trained.in_run
             return trained, worker.objective.values(trained.metrics) if trained.status == "ok" else None
         except optuna.TrialPruned:
             self.end("pruned", self._final())
             raise
-        except torch.OutOfMemoryError:
+        except torch.OutOfMemoryError as exc:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            self.end("oom", self._final())
+            self.end("oom", self._final(), error=first_line(exc, inv.storage, inv.tracking_uri))
             raise optuna.TrialPruned("out of memory") from None
         except ConfigError as exc:  # e.g. b*k larger than the training set: the point cannot run
             self.end("invalid", error=str(exc))
@@ -101,15 +108,23 @@ class TrialRun:
             raise TrialFailed() from exc
 
     def on_epoch(self, row: dict[str, float]) -> None:
-        """Each epoch's row as it ends: kept for the run's history, and reported to Optuna's pruner."""
+        """Each epoch's row as it ends (or a script's row at a step): kept for the run's history, and reported
+        to Optuna's pruner."""
         self.history.append(row)
-        self.worker.hooks.epoch_done(row)
+        if "epoch" in row:
+            self.worker.hooks.epoch_done(row)
+        self.report(row)
+
+    def report(self, row: dict[str, float]) -> None:
+        """A row's value to Optuna's pruner, at its epoch (or step); raises TrialPruned where it prunes."""
         value = self.worker.objective.epoch_value(row) if self.worker.inv.study.pruner != "none" else None
-        if value is not None:
-            self.trial.report(value, int(row["epoch"]))
-            # A trial that trained its last epoch is complete: pruning it would throw its result away.
-            if row["epoch"] < self.config.epochs and self.trial.should_prune():
-                raise optuna.TrialPruned(f"pruned at epoch {int(row['epoch'])}")
+        if value is None:
+            return
+        where = ("epoch", int(row["epoch"])) if "epoch" in row else ("step", int(row["step"]))
+        self.trial.report(value, where[1])
+        # A trial that trained its last epoch is complete: pruning it would throw its result away.
+        if row.get("epoch", 0) < self.config.epochs and self.trial.should_prune():
+            raise optuna.TrialPruned(f"pruned at {where[0]} {where[1]}")
 
     def end(self, name: str, metrics: dict[str, float] | None = None, dataset: dict[str, Any] | None = None,
             **extra: Any) -> None:
@@ -130,7 +145,8 @@ class TrialRun:
         finally:
             # A finished trial's run ends once Optuna has recorded it complete (see Worker): a kill between the
             # two then leaves a run that the next invocation closes by the trial's state.
-            error = self.worker.tracker.finish(self.run_id, outcome.status, history=self.history, metrics=metrics,
+            logged = {k: v for k, v in metrics.items() if k not in self.in_run} if metrics else metrics
+            error = self.worker.tracker.finish(self.run_id, outcome.status, history=self.history, metrics=logged,
                                                tags={"reason": reason, "state": outcome.state.name, **extra},
                                                end=name != "complete", dataset=dataset)
         if error:

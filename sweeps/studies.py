@@ -11,7 +11,9 @@ from typing import Any
 
 from trainers import ConfigError, TrainConfig
 
-Point = dict[str, Any]  # TrainConfig fields that vary between trials
+from .program import Program
+
+Point = dict[str, Any]  # the fields that vary between trials: TrainConfig's, and a [program] study's own
 
 LAUNCHERS = ("process", "torchrun")  # where a trial trains: in the worker, or as a torchrun job
 DIRECTIONS = ("maximize", "minimize")
@@ -49,9 +51,10 @@ class Constraint:
         name, op, number = CONSTRAINT.fullmatch(self.text).groups()
         return name, op, float(number)
 
-    def holds(self, config: TrainConfig) -> bool:
+    def holds(self, config: TrainConfig, own: dict[str, Any] | None = None) -> bool:
         name, op, number = self.parts()
-        return OPERATORS[op](getattr(config, name), number)
+        value = own[name] if own and name in own else getattr(config, name)
+        return OPERATORS[op](value, number)
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class Study:
     launcher: str = "process"  # the default of --launcher
     auto_batch: bool = False  # physical_batch = "auto": points give effective_batch; b starts there, shrinks on OOM
     source: str = ""  # the file or import path it was read from
+    program: Program | None = None  # the user's script that each trial runs (kind "program")
 
     @property
     def points(self) -> tuple[Point, ...]:
@@ -99,6 +103,11 @@ class Study:
     def varied(self) -> tuple[str, ...]:
         """The fields the study varies: its grid's axes, then the searched fields."""
         return tuple(f for key in self.grid for f in key.split("+")) + tuple(self.tune)
+
+    @property
+    def named(self) -> tuple[str, ...]:
+        """Every field the study names: [fixed], [grid] and [tune]."""
+        return (*self.fixed, *self.varied)
 
     @property
     def trials_per_unit(self) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 from trainers import FIELDS, MAX_COUNT, ConfigError, TrainConfig, import_object
 
 from .objective import OBJECTIVES
+from .program import PLACEHOLDER, Program
 from .search import PRUNERS, SAMPLERS
 from .studies import CONSTRAINT, DIRECTIONS, LAUNCHERS, Constraint, Param, Study, check_name, check_size
 
@@ -26,10 +27,12 @@ except ModuleNotFoundError:  # Python < 3.11
 BUILTIN = Path(__file__).resolve().parent / "builtin"
 DERIVED = tuple(TrainConfig().derived())  # what a constraint may name besides the fields
 KEYS = {
-    "": ("name", "summary", "seeds", "workers", "launcher", "fixed", "grid", "tune", "search", "objective"),
+    "": ("name", "summary", "seeds", "workers", "launcher", "fixed", "grid", "tune", "search", "objective",
+         "program"),
     "search": ("sampler", "trials", "pruner", "twins", "constraints", "seed"),
     "objective": ("kind", "metrics", "directions"),
     "tune": ("type", "low", "high", "log", "choices"),
+    "program": ("command", "env", "cwd", "timeout_minutes"),
 }
 
 
@@ -87,17 +90,19 @@ def parse(data: dict[str, Any], source: str) -> Study:
     search, objective = _table(data, "search", fail), _table(data, "objective", fail)
     _unknown("search", search, KEYS["search"], fail)
     _unknown("objective", objective, KEYS["objective"], fail)
-    fixed, grid, tune, auto = _fields(data, fail)
+    program = _program(data, source, fail) if "program" in data else None
+    fixed, grid, tune, auto = _fields(data, fail, own=program is not None)
     sampler = _choice(search, "search.sampler", "sampler", tuple(SAMPLERS), "grid", fail)
     pruner = _choice(search, "search.pruner", "pruner", tuple(PRUNERS), "none", fail)
-    kind, metrics, directions = _objective(objective, fail)
+    kind, metrics, directions = _objective(objective, fail, program is not None)
     grid_fields = [f for key in grid for f in key.split("+")]
     _check_search(search, sampler, pruner, kind, metrics, tune, grid_fields, fail)
     twins = _typed(search, "twins", bool, fail, default=False, key="search.twins")
     if twins and not {"physical_batch", "accum_steps"} <= set(grid_fields):
         raise fail("search.twins", "a twin (b*k, 1) changes physical_batch and accum_steps: put both in [grid]")
-    constraints = tuple(_constraint(text, fail) for text in _strings(search, "search.constraints", "constraints",
-                                                                      [], fail))
+    own = {f for f in [*fixed, *grid_fields, *tune] if f not in FIELDS}  # a [program] study's own fields
+    constraints = tuple(_constraint(text, fail, own) for text in _strings(search, "search.constraints",
+                                                                           "constraints", [], fail))
     study = Study(name=name, summary=_typed(data, "summary", str, fail, default=""), fixed=fixed, grid=grid,
                   tune=tune, sampler=sampler, trials=_count(search, "search.trials", "trials", 10, 100_000, fail),
                   pruner=pruner, twins=twins, constraints=constraints, kind=kind, metrics=metrics,
@@ -105,8 +110,10 @@ def parse(data: dict[str, Any], source: str) -> Study:
                   workers=_count(data, "workers", "workers", 1, 256, fail),
                   sampler_seed=_count(search, "search.seed", "seed", 0, 2 ** 31 - 1, fail, low=0),
                   launcher=_choice(data, "launcher", "launcher", LAUNCHERS, "process", fail), auto_batch=auto,
-                  source=source)
+                  source=source, program=program)
     check_size(study, study.seeds, "seeds in the file")
+    if program:
+        _check_program(study, fail)
     return study
 
 
@@ -123,9 +130,10 @@ def _unknown(where: str, keys, allowed, fail) -> None:
             raise fail(f"{where}.{key}" if where else key, f"unknown key: the keys here are {', '.join(allowed)}")
 
 
-def _fields(data: dict, fail) -> tuple[dict[str, Any], dict[str, tuple], dict[str, Param], bool]:
+def _fields(data: dict, fail, own: bool = False) -> tuple[dict[str, Any], dict[str, tuple], dict[str, Param], bool]:
     """[fixed], [grid] and [tune], each value of its field's type, each field in one table; and whether
-    physical_batch is "auto" (each trial starts at b = its effective_batch and shrinks on out-of-memory)."""
+    physical_batch is "auto" (each trial starts at b = its effective_batch and shrinks on out-of-memory).
+    With `own` (a [program] study), a name that is no trainer field is the user's own, passed to the script."""
     fixed, grid_table = _table(data, "fixed", fail), _table(data, "grid", fail)
     auto = fixed.get("physical_batch") == "auto"
     fixed = {k: v for k, v in fixed.items() if not (auto and k == "physical_batch")}
@@ -133,6 +141,8 @@ def _fields(data: dict, fail) -> tuple[dict[str, Any], dict[str, tuple], dict[st
         grid_table = {"effective_batch": [fixed.pop("effective_batch")], **grid_table}
 
     def value_of(key: str, field: str, value: Any) -> Any:
+        if own and field not in FIELDS and field not in DERIVED:
+            return _own_value(key, value, fail)
         if field != "effective_batch":
             return _field_value(key, field, value, fail)
         if not auto:
@@ -145,7 +155,7 @@ def _fields(data: dict, fail) -> tuple[dict[str, Any], dict[str, tuple], dict[st
     for key, value in fixed.items():
         value_of(f"fixed.{key}", key, value)
     grid = {key: _axis(key, values, value_of, fail) for key, values in grid_table.items()}
-    tune = {key: _param(f"tune.{key}", key, spec, fail) for key, spec in _table(data, "tune", fail).items()}
+    tune = {key: _param(f"tune.{key}", key, spec, fail, own) for key, spec in _table(data, "tune", fail).items()}
     grid_fields = [f for key in grid for f in key.split("+")]
     if auto and "effective_batch" not in grid_fields:
         raise fail("fixed.physical_batch", "\"auto\" needs the target: effective_batch = B in [fixed] or [grid]")
@@ -180,9 +190,12 @@ def _axis(key: str, values: Any, value_of, fail) -> tuple:
     return axis
 
 
-def _objective(objective: dict, fail) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+def _objective(objective: dict, fail, program: bool) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
     """[objective]: the kind, and one direction per metric."""
-    kind = _choice(objective, "objective.kind", "kind", tuple(OBJECTIVES), "train", fail)
+    kind = _choice(objective, "objective.kind", "kind", tuple(OBJECTIVES), "program" if program else "train", fail)
+    if (kind == "program") != program:
+        raise fail("objective.kind", "a study with a [program] runs your script: leave kind out (it is \"program\")"
+                   if program else "\"program\" runs your script: add a [program] table with its command")
     default_metric = "param_rel_diff" if kind == "equivalence" else "val_acc"
     metrics = tuple(_strings(objective, "objective.metrics", "metrics", [default_metric], fail))
     directions = tuple(_strings(objective, "objective.directions", "directions",
@@ -276,9 +289,13 @@ def _field_value(key: str, field: str, value: Any, fail) -> Any:
     return value
 
 
-def _param(key: str, field: str, spec: Any, fail) -> Param:
-    if field not in FIELDS:
+def _param(key: str, field: str, spec: Any, fail, own: bool = False) -> Param:
+    if field not in FIELDS and not own:
         _field_value(key, field, None, fail)  # names the unknown field
+
+    def value_of(where: str, value: Any) -> Any:
+        return _field_value(where, field, value, fail) if field in FIELDS else _own_value(where, value, fail)
+
     if not isinstance(spec, dict):
         raise fail(key, f"must be a table ([{key}]) with type and low/high or choices, got {_kind(spec)}")
     for name in spec:
@@ -291,14 +308,14 @@ def _param(key: str, field: str, spec: Any, fail) -> Param:
         choices = spec.get("choices")
         if not isinstance(choices, list) or not choices:
             raise fail(f"{key}.choices", "must be a non-empty list of values")
-        return Param("categorical", choices=tuple(_field_value(f"{key}.choices", field, c, fail) for c in choices))
+        return Param("categorical", choices=tuple(value_of(f"{key}.choices", c) for c in choices))
     if "choices" in spec:
         raise fail(f"{key}.choices", f"belongs to type = \"categorical\"; a {kind} takes low and high")
-    field_kind = type(FIELDS[field].default)
+    field_kind = type(FIELDS[field].default) if field in FIELDS else {"float": float, "int": int}[kind]
     if kind == "float" and field_kind is not float or kind == "int" and field_kind is not int:
         raise fail(f"{key}.type", f"{field} is {_kind(field_kind())}: use type = "
                                   f"\"{'int' if field_kind is int else 'float' if field_kind is float else 'categorical'}\"")
-    low, high = (_field_value(f"{key}.{b}", field, spec[b], fail) if b in spec else None for b in ("low", "high"))
+    low, high = (_number(f"{key}.{b}", field_kind, spec[b], fail) if b in spec else None for b in ("low", "high"))
     if low is None or high is None:
         raise fail(f"{key}.{'low' if low is None else 'high'}", "is missing: give low and high")
     log = _typed(spec, "log", bool, fail, default=False, key=f"{key}.log")
@@ -307,12 +324,68 @@ def _param(key: str, field: str, spec: Any, fail) -> Param:
     return Param(kind, low=low, high=high, log=log)
 
 
-def _constraint(text: str, fail) -> Constraint:
+def _number(key: str, kind: type, value: Any, fail) -> float | int:
+    """A bound of a searched range: a finite number of the range's type (an integer is a float where due)."""
+    if kind is float and type(value) is int:
+        value = float(value)
+    if type(value) is not kind or kind is float and not math.isfinite(value):
+        raise fail(key, f"must be {'a finite number' if kind is float else 'an integer'}, got {_kind(value)} {value!r}")
+    return value
+
+
+def _own_value(key: str, value: Any, fail) -> Any:
+    """A value of a [program] study's own field: text, a number or true/false, passed to the script as text."""
+    if type(value) not in (str, int, float, bool) or type(value) is float and not math.isfinite(value):
+        raise fail(key, f"must be text, a finite number or true/false (a field of your own, passed to the "
+                        f"[program]), got {_kind(value)} {value!r}")
+    return value
+
+
+def _program(data: dict, source: str, fail) -> Program:
+    """[program]: the command as a list of arguments (no shell), extra variables, a folder and a time limit.
+    A relative cwd, and the default, is the study file's folder."""
+    table = _table(data, "program", fail)
+    _unknown("program", table, KEYS["program"], fail)
+    command = table.get("command")
+    if not isinstance(command, list) or not command or not all(isinstance(a, str) and a for a in command):
+        raise fail("program.command", f"must be a non-empty list of arguments (no shell), e.g. [\"python\", "
+                                      f"\"train.py\", \"--lr\", \"{{lr}}\"], got {command!r}")
+    env = _table(table, "env", fail)
+    for name, value in env.items():
+        if not isinstance(value, str):
+            raise fail(f"program.env.{name}", f"must be text, got {_kind(value)} {value!r}")
+    here = Path(source).resolve().parent if source.endswith(".toml") else Path.cwd()
+    cwd = here / _typed(table, "cwd", str, fail, default=".", key="program.cwd")
+    if not cwd.is_dir():
+        raise fail("program.cwd", f"{cwd} is not a folder: a relative cwd is relative to the study file's folder")
+    timeout = table.get("timeout_minutes")
+    if timeout is not None and (type(timeout) not in (int, float) or not 0 < timeout < math.inf):
+        raise fail("program.timeout_minutes", f"must be a positive number of minutes, got {timeout!r}")
+    return Program(tuple(command), dict(env), str(cwd), None if timeout is None else float(timeout))
+
+
+def _check_program(study: Study, fail) -> None:
+    """What a [program] study cannot have: a placeholder with no value, and what only the trainer does."""
+    known = {*FIELDS, *DERIVED, *study.named, "python"}
+    for key, texts in (("program.command", study.program.command), ("program.env", study.program.env.values())):
+        for name in (n for text in texts for n in PLACEHOLDER.findall(text)):
+            if name not in known:
+                raise fail(key, f"{{{name}}} is not a placeholder: use a trainer field (physical_batch, "
+                                f"accum_steps, lr, seed, epochs, max_steps, ...), {', '.join(DERIVED)}, a field of "
+                                f"[fixed], [grid] or [tune], or {{python}}")
+    if study.launcher != "process":
+        raise fail("launcher", "a [program] runs your command as it is: put torchrun into the command instead")
+    if study.auto_batch:
+        raise fail("fixed.physical_batch", "\"auto\" shrinks b inside batchsweep's trainer; a [program] sets "
+                                           "physical_batch itself: give it values")
+
+
+def _constraint(text: str, fail, own: set[str] = frozenset()) -> Constraint:
     match = CONSTRAINT.fullmatch(text)
     if not match:
         raise fail("search.constraints", f"{text!r} is not `field op number`, e.g. \"effective_batch <= 4096\"")
     name = match.group(1)
-    if name not in FIELDS and name not in DERIVED:
+    if name not in FIELDS and name not in DERIVED and name not in own:
         raise fail("search.constraints", f"{text!r}: {name!r} is neither a trainer field nor one of {', '.join(DERIVED)}")
     try:
         number = float(match.group(3))

@@ -1,11 +1,15 @@
 """What the sweep command prints as tables: the studies, a dry run's trials, a study's results."""
 from __future__ import annotations
 
+import shlex
+
 from trainers import format_bytes
 
 from .outcomes import OUTCOMES, outcome_of
 from .studies import describe
 from .studyfile import BUILTIN, builtin_names, load
+from .program import redacted
+from .urls import scrub
 
 
 def format_table(headers: list[str], rows: list[list[str]]) -> str:
@@ -44,7 +48,18 @@ def dry_run_table(inv) -> str:
     lines = [format_table(headers, rows)]
     for point, why in inv.dropped:
         lines.append(f"not run: {describe(point)} breaks the constraint {why}")
+    if study.program:
+        lines += ["", "commands (in " + study.program.cwd + "):"]
+        lines += [command_line(inv, unit.point, unit.seed) for unit in inv.units()]
     return "\n".join(lines)
+
+
+def command_line(inv, point, seed: int) -> str:
+    """A [program] trial's command as a shell would take it, passwords redacted; a searched field shows as
+    <searched>."""
+    values = {**inv.config(point, seed).to_dict(), **inv.own(point), **{k: "<searched>" for k in inv.study.tune}}
+    args = [redacted(a) for a in inv.study.program.argv(values)]
+    return scrub(shlex.join(args), inv.storage, inv.tracking_uri)
 
 
 def results_table(inv, storage) -> str:

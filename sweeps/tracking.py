@@ -126,6 +126,15 @@ def quote(value: str) -> str:
     raise BatchsweepError(f"{value!r} holds both kinds of quote, which an MLflow filter cannot express: rename it")
 
 
+def step_of(row: dict[str, float]) -> int:
+    """A history row's MLflow step: its epoch (the report reads curves by epoch), or a script's step for a row
+    that has no whole epoch."""
+    epoch = row.get("epoch")
+    if epoch is not None and (float(epoch).is_integer() or "step" not in row):
+        return int(epoch)
+    return int(row["step"])
+
+
 class Tracker:
     """The study's MLflow experiment (named like the study) on one tracking URI."""
 
@@ -197,11 +206,11 @@ class Tracker:
             history: list[dict[str, float]] | None = None, tags: dict[str, Any] | None = None) -> None:
         """Everything in one batched call: params, final metrics, per-epoch metrics with their step, tags."""
         now = int(time.time() * 1000)
-        last_step = int(history[-1]["epoch"]) if history else 0
+        last_step = step_of(history[-1]) if history else 0
         rows = [Metric(k, float(v), now, last_step) for k, v in (metrics or {}).items()]
         for row in history or []:
-            rows += [Metric(k, float(v), now, int(row["epoch"])) for k, v in row.items()
-                     if k != "epoch" and k not in RUN_LEVEL]
+            rows += [Metric(k, float(v), now, step_of(row)) for k, v in row.items()
+                     if k not in ("epoch", "step") and k not in RUN_LEVEL]
         params_list = [Param(k, v) for k, v in _strings(params or {}).items()]
         tags_list = [RunTag(k, v) for k, v in _strings(tags or {}).items()]
         for start in range(0, max(len(rows), 1), 1000):  # MLflow takes at most 1000 metrics a call

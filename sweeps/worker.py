@@ -15,6 +15,7 @@ from .checkpoints import spare
 from .invocation import Invocation
 from .objective import make_objective
 from .outcomes import OUTCOMES, outcome_of
+from .program import machine
 from .recorder import TrialFailed, TrialRun
 from .search import Duplicate, StudyChanged, Unit
 from .storage import StorageError, fail_orphans, heartbeat_failed, is_storage_failure, open_storage, owner
@@ -48,7 +49,8 @@ class Worker:
         self.storage = open_storage(inv.storage)
         threading.excepthook = heartbeat_failed
         self.tracker = Tracker(inv.tracking_uri, inv.study_name)
-        self.device = device_name(resolve_device(inv.base.device))
+        # A [program] trains where its script puts it: the machine's GPUs, or its CPU.
+        self.device = machine() if inv.study.program else device_name(resolve_device(inv.base.device))
         self.commit = git_commit()
         self._study: optuna.Study | None = None  # the study of the last objective call
         self._last_number = -1  # the trial number of the last objective call

@@ -1,0 +1,278 @@
+"""A trial that runs the user's own training script (a study file's [program]): its command line from the
+trial's values, the metrics it prints as JSON lines, the memory of its process tree, and how it ended.
+
+The script runs in a process group of its own, so that stopping it (pruned, past its time, Ctrl-C) stops
+whatever it started too: SIGTERM to the group, SIGKILL after a grace period.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import psutil
+
+from .urls import USERINFO, redact
+
+PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+# What a [program] trial records as params besides the fields its study names and its command uses: the
+# questions' own values. Trainer fields that a script does not read (model, dataset, ...) would only mislead.
+PARAMS = ("physical_batch", "accum_steps", "effective_batch", "lr_rule", "base_lr", "base_batch", "lr", "seed",
+          "epochs", "max_steps")
+GRACE_S = 10.0  # between SIGTERM and SIGKILL when a script is stopped
+SAMPLE_S = 0.2  # how often the process tree's memory is read (and the output, at the latest)
+GPU_SAMPLE_S = 1.0  # nvidia-smi costs tens of milliseconds a call
+TAIL_LINES = 20  # of stderr, kept for the error tag
+
+
+@dataclass(frozen=True)
+class Program:
+    """[program]: the command (a list of arguments, no shell) and where and how long it runs."""
+
+    command: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)  # extra variables; values may hold placeholders
+    cwd: str | None = None  # None: the current directory
+    timeout_minutes: float | None = None
+
+    def placeholders(self) -> list[str]:
+        texts = [*self.command, *self.env.values()]
+        return list(dict.fromkeys(name for text in texts for name in PLACEHOLDER.findall(text)))
+
+    def argv(self, values: dict[str, Any]) -> list[str]:
+        return [fill(arg, values) for arg in self.command]
+
+    def environment(self, values: dict[str, Any]) -> dict[str, str]:
+        return {name: fill(text, values) for name, text in self.env.items()}
+
+    def params(self, values: dict[str, Any], named: tuple[str, ...]) -> dict[str, Any]:
+        """The run's params: the questions' values, the study's own fields (`named`) and what the command uses."""
+        keep = [*PARAMS, *named, *self.placeholders()]
+        return {k: redacted(values[k]) for k in dict.fromkeys(keep) if k in values and k != "python"}
+
+
+def redacted(value: Any) -> Any:
+    """A value with the password of any URL in it as ***."""
+    if isinstance(value, str) and (m := USERINFO.search(value)):
+        return value[:m.start()] + redact(value[m.start():])
+    return value
+
+
+def machine() -> str:
+    """Where a script trains, as far as batchsweep can tell without running it: the GPUs nvidia-smi lists, else
+    the CPU."""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
+                                 timeout=5).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            out = ""
+        names = [line.strip() for line in out.splitlines() if line.strip()]
+        if names:
+            return " + ".join(f"{names.count(n)}x {n}" if names.count(n) > 1 else n for n in dict.fromkeys(names))
+    return f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
+
+
+def fill(text: str, values: dict[str, Any]) -> str:
+    """`text` with each {name} replaced by its value ({python}: the interpreter batchsweep runs on)."""
+    values = {"python": sys.executable, **values}
+    return PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), text)
+
+
+@dataclass
+class Ended:
+    """How a script run ended, and what batchsweep measured of it."""
+
+    code: int  # exit status; negative: killed by that signal
+    stopped: str | None  # why batchsweep stopped it: "timeout", or None
+    wall_time_s: float
+    peak_memory_bytes: int
+    memory_source: str  # "rss" (the process tree's resident memory) or "cuda" (device memory its processes held)
+
+
+@dataclass
+class Output:
+    """What a script printed, kept as it comes (so that a script stopped half-way still has its log)."""
+
+    lines: list[str] = field(default_factory=list)  # stdout and stderr, in the order they came
+    tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))  # of stderr
+    final: dict[str, float] = field(default_factory=dict)  # the last value of every metric it printed
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+def numbers(row: dict[str, Any]) -> dict[str, float]:
+    """A JSON row's numeric values (true/false are not numbers here)."""
+    return {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def parse_row(line: str) -> dict[str, float] | None:
+    """A line of stdout that is a JSON object with numbers in it; None for any other line."""
+    line = line.strip()
+    if not line.startswith("{"):
+        return None
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return (numbers(row) or None) if isinstance(row, dict) else None
+
+
+class Memory:
+    """The peak memory of a process tree: resident memory summed over its processes, sampled; on a machine
+    with nvidia-smi, also the device memory those processes hold."""
+
+    def __init__(self, pid: int):
+        self.root = psutil.Process(pid)
+        self.rss = self.cuda = 0
+        self.smi = shutil.which("nvidia-smi")
+        self._next_gpu = 0.0
+
+    def pids(self) -> list[psutil.Process]:
+        try:
+            return [self.root, *self.root.children(recursive=True)]
+        except psutil.Error:
+            return []
+
+    def sample(self) -> None:
+        procs, total = self.pids(), 0
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:  # ended between the listing and the reading
+                pass
+        self.rss = max(self.rss, total)
+        if self.smi and time.monotonic() >= self._next_gpu:
+            self._next_gpu = time.monotonic() + GPU_SAMPLE_S
+            self.cuda = max(self.cuda, self._gpu({p.pid for p in procs}))
+
+    def _gpu(self, pids: set[int]) -> int:
+        try:
+            out = subprocess.run([self.smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=5).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return 0
+        used = 0
+        for line in out.splitlines():
+            pid, _, mib = line.partition(",")
+            if pid.strip().isdigit() and int(pid) in pids and mib.strip().isdigit():
+                used += int(mib) * 2 ** 20
+        return used
+
+    def peak(self) -> tuple[int, str]:
+        return (self.cuda, "cuda") if self.cuda else (self.rss, "rss")
+
+
+def die_with_parent():
+    """What the child runs before the program starts: ask for SIGTERM when the worker that launched it dies,
+    even by SIGKILL, so that no orphan trains on beside the trial that runs its point again. None where there
+    is no prctl (not Linux: an orphan is possible after a kill)."""
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def stop_group(pgid: int, proc: subprocess.Popen, grace: float = GRACE_S) -> None:
+    """SIGTERM to the process group, SIGKILL to what is left of it after `grace` seconds."""
+    _signal_group(pgid, signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        pass
+    _signal_group(pgid, signal.SIGKILL)
+    proc.wait()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):  # the group is gone already
+        pass
+
+
+def run(argv: list[str], env: dict[str, str], cwd: str | None, timeout_s: float | None, output: Output,
+        on_row: Callable[[dict[str, float]], None], every: Callable[[], None] = lambda: None) -> Ended:
+    """Run a script to its end, keeping what it prints in `output`. Each JSON row with `step` or `epoch` goes
+    to `on_row` as it is printed; `every` is called between reads (at least every SAMPLE_S). An exception from
+    either (a pruned trial, Ctrl-C) stops the script's process group and is raised again."""
+    start = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=cwd, env={**os.environ, **env}, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=die_with_parent())
+    memory, stopped = Memory(proc.pid), None
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ, "out")
+            sel.register(proc.stderr, selectors.EVENT_READ, "err")
+            pending = {"out": b"", "err": b""}
+            while sel.get_map():
+                memory.sample()
+                every()
+                if timeout_s is not None and time.monotonic() - start > timeout_s:
+                    stopped = "timeout"
+                    break
+                for key, _ in sel.select(SAMPLE_S):
+                    chunk = os.read(key.fileobj.fileno(), 65536)
+                    if not chunk:
+                        sel.unregister(key.fileobj)
+                        chunk = b"\n" if pending[key.data] else b""
+                    *lines, pending[key.data] = (pending[key.data] + chunk).split(b"\n")
+                    for raw in lines:
+                        line = raw.decode(errors="replace")
+                        output.lines.append(line)
+                        if key.data == "err":
+                            output.tail.append(line)
+                        elif (row := parse_row(line)) is not None:
+                            output.final.update({k: v for k, v in row.items() if k not in ("step", "epoch")})
+                            if "step" in row or "epoch" in row:
+                                on_row(row)
+        if stopped:
+            stop_group(proc.pid, proc)
+        code = proc.wait()
+    except BaseException:
+        stop_group(proc.pid, proc)
+        raise
+    finally:
+        proc.stdout.close()
+        proc.stderr.close()
+    _signal_group(proc.pid, signal.SIGKILL)  # what the script left running in its group
+    peak, source = memory.peak()
+    return Ended(code, stopped, time.monotonic() - start, peak, source)
+
+
+# How a script's out-of-memory reads on stderr: PyTorch's error on a GPU and on the CPU, and Python's own.
+OUT_OF_MEMORY = ("OutOfMemoryError", "CUDA out of memory", "DefaultCPUAllocator: not enough memory",
+                 "DefaultCPUAllocator: can't allocate memory", "MemoryError")
+
+
+def out_of_memory(ended: Ended, output: Output) -> str | None:
+    """Why an ended script ran out of memory, or None: PyTorch's (or Python's) error, or a SIGKILL that batchsweep
+    did not send (the kernel's out-of-memory killer sends SIGKILL)."""
+    for line in reversed(output.tail):
+        if any(marker in line for marker in OUT_OF_MEMORY):
+            return line.strip()
+    if ended.code == -signal.SIGKILL and ended.stopped is None:
+        return "killed by SIGKILL, as the kernel's out-of-memory killer does"
+    return None
+
+
+def failure(ended: Ended, output: Output) -> str:
+    """A failed script's exit in one line, with the last lines of its stderr."""
+    how = f"killed by {signal.Signals(-ended.code).name}" if ended.code < 0 else f"exit status {ended.code}"
+    lines = [line.strip() for line in output.tail if line.strip()][-3:]
+    return f"the script ended with {how}" + (f": {' / '.join(lines)}" if lines else " (nothing on stderr)")

@@ -1,0 +1,238 @@
+"""[program] trials: the user's own script, swept with its own metrics, memory measured, every ending recorded."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import psutil
+import pytest
+
+from tests.conftest import ROOT
+from tests.test_sweeps import child_runs, stores, sweep
+
+State = optuna.trial.TrialState
+LOOP = ROOT / "tests" / "programs" / "loop.py"
+HANG = ROOT / "tests" / "programs" / "hang.py"
+COMMAND = (f'command = ["{{python}}", "{LOOP}", "--batch-size", "{{physical_batch}}", "--accum", "{{accum_steps}}", '
+           f'"--lr", "{{lr}}", "--seed", "{{seed}}", "--epochs", "{{epochs}}"')
+
+
+def study_file(folder: Path, name: str, body: str, command: str = COMMAND + "]") -> Path:
+    path = folder / f"{name}.toml"
+    path.write_text(f'name = "{name}"\n{body}\n[program]\n{command}\n')
+    return path
+
+
+def trials_of(storage: str, name: str) -> list:
+    return [t for t in optuna.load_study(study_name=name, storage=storage).trials
+            if t.user_attrs.get("reason") != "duplicate"]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def held(path: Path, proc: subprocess.Popen, timeout: float = 180) -> list[int]:
+    """Wait until a script writes its pids to `path` (it is then running, and holds): [pid, child pid]."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the script never held"
+        time.sleep(0.1)
+    return [int(x) for x in path.read_text().split()]
+
+
+def test_a_script_swept_by_two_workers_killed_and_rerun_completes_every_point_once(tmp_path):
+    hold = tmp_path / "hold"
+    path = study_file(tmp_path, "script_grid", """seeds = 2
+workers = 2
+[fixed]
+epochs = 3
+base_lr = 0.1
+lr_rule = "linear"
+base_batch = 16
+[grid]
+physical_batch = [8, 16]
+accum_steps = [1, 2]
+""", COMMAND + f', "--hold", "{hold}"]')
+    # The first invocation: a script holds after its first epoch (a file says so), then the sweep is killed.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), "--study", str(path)], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    script, child = held(Path(f"{hold}.held"), proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # the command and its workers, as a kill of the job would
+    proc.wait()
+    deadline = time.monotonic() + 30  # the workers' death sends the script SIGTERM; its group goes with it
+    while not gone(script) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(script)
+    os.kill(child, signal.SIGKILL)  # (a child the script started outlives a SIGTERM to the script alone)
+    hold.write_text("")  # the rerun does not hold
+    rerun = sweep(tmp_path, "--study", str(path))
+    assert rerun.returncode == 0, rerun.stderr
+    assert "report: " in rerun.stdout
+    storage, client = stores(tmp_path)
+    trials = trials_of(storage, "script_grid")
+    complete = [t for t in trials if t.state == State.COMPLETE]
+    keys = sorted(tuple(sorted(t.user_attrs["config"].items())) for t in complete)
+    assert len(keys) == 8 and len(set(keys)) == 8  # 2 x 2 points x 2 seeds, each complete exactly once
+    assert all(t.state == State.FAIL for t in trials if t.state != State.COMPLETE)  # the killed trial(s)
+    children, parents = child_runs(client, "script_grid")
+    assert not [r for r in children + parents if r.info.status == "RUNNING"]
+    by_id = {r.info.run_id: r for r in children}
+    for t in complete:
+        run = by_id[t.user_attrs["mlflow_run_id"]]
+        assert run.data.tags["mlflow.parentRunId"] in {p.info.run_id for p in parents}
+        b, k = int(run.data.params["physical_batch"]), int(run.data.params["accum_steps"])
+        assert run.data.params["effective_batch"] == str(b * k) and "model" not in run.data.params
+        steps = client.get_metric_history(run.info.run_id, "loss")
+        assert [m.step for m in steps] == list(range(1, 3 * 480 // (b * k) + 1))  # one row per optimizer step
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "val_acc")] == [1, 2, 3]
+        assert run.data.metrics["val_acc"] == pytest.approx(t.value)
+        assert run.data.metrics["peak_memory_bytes"] > 50 * 2 ** 20  # a Python with torch, sampled
+        assert run.data.tags["memory_source"] == "rss" and run.data.tags["exit_status"] == "0"
+        assert run.data.metrics["wall_time_s"] > 0
+        log = Path(client.download_artifacts(run.info.run_id, "log.txt", str(tmp_path))).read_text()
+        assert '"val_acc"' in log and "done" in log
+    # The correct loop is exact: (8, 2) and (16, 1) from the same seed end with the same accuracy.
+    by_point = {(c["physical_batch"], c["accum_steps"], c["seed"]): t.value
+                for t in complete for c in [t.user_attrs["config"]]}
+    for seed in (0, 1):
+        assert by_point[(8, 2, seed)] == pytest.approx(by_point[(16, 1, seed)], abs=1e-6)
+    assert (tmp_path / "reports/script_grid/accuracy_vs_batch.png").exists()
+
+
+def test_a_script_that_logs_through_mlflow_itself(tmp_path):
+    path = study_file(tmp_path, "script_mlflow", """[fixed]
+epochs = 3
+physical_batch = 16
+accum_steps = 2
+""", COMMAND + ', "--mode", "mlflow"]')
+    proc = sweep(tmp_path, "--study", str(path))
+    assert proc.returncode == 0, proc.stderr
+    storage, client = stores(tmp_path)
+    [trial] = trials_of(storage, "script_mlflow")
+    assert trial.state == State.COMPLETE
+    [run], _ = child_runs(client, "script_mlflow")
+    assert run.info.status == "FINISHED" and run.data.tags["state"] == "COMPLETE"
+    history = client.get_metric_history(run.info.run_id, "val_acc")
+    assert [m.step for m in history] == [1, 2, 3]  # once each: not logged again by batchsweep
+    assert trial.value == pytest.approx(history[-1].value)
+    assert len(client.get_metric_history(run.info.run_id, "loss")) == 3 * 480 // 32
+    assert run.data.metrics["peak_memory_bytes"] > 0
+
+
+def test_crash_out_of_memory_and_a_clean_script_end_in_their_outcomes(tmp_path):
+    path = study_file(tmp_path, "script_outcomes", """[fixed]
+epochs = 2
+physical_batch = 16
+[grid]
+mode = ["ok", "fail", "oom"]
+""", COMMAND + ', "--mode", "{mode}"]')
+    proc = sweep(tmp_path, "--study", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    storage, client = stores(tmp_path)
+    trials = {t.user_attrs["config"]["mode"]: t for t in trials_of(storage, "script_outcomes")}
+    children, _ = child_runs(client, "script_outcomes")
+    runs = {r.data.params["mode"]: r for r in children}  # the study's own field is a param
+    assert trials["ok"].state == State.COMPLETE and runs["ok"].info.status == "FINISHED"
+    assert trials["fail"].state == State.FAIL and runs["fail"].data.tags["reason"] == "error"
+    assert runs["fail"].data.tags["error"] == ("ScriptFailed: the script ended with exit status 1: loading the "
+                                               "data failed: no such file train.bin")
+    assert trials["oom"].state == State.PRUNED and trials["oom"].user_attrs["reason"] == "oom"
+    assert "CUDA out of memory" in runs["oom"].data.tags["error"]
+    log = Path(client.download_artifacts(runs["oom"].info.run_id, "log.txt", str(tmp_path))).read_text()
+    assert "Traceback" in log  # the script's own output is its log
+
+
+def test_a_median_pruner_stops_a_script_mid_run(tmp_path):
+    path = study_file(tmp_path, "script_pruned", """[fixed]
+epochs = 6
+physical_batch = 16
+[grid]
+handicap = [0.0, 0.01, 0.02, 0.6]
+[search]
+pruner = "median"
+""", COMMAND + ', "--handicap", "{handicap}"]')
+    proc = sweep(tmp_path, "--study", str(path), "--workers", "1")
+    assert proc.returncode == 0, proc.stderr
+    storage, client = stores(tmp_path)
+    trials = {t.user_attrs["config"]["handicap"]: t for t in trials_of(storage, "script_pruned")}
+    assert [trials[h].state for h in (0.0, 0.01, 0.02)] == [State.COMPLETE] * 3  # the pruner's 3 to start from
+    pruned = trials[0.6]
+    assert pruned.state == State.PRUNED and pruned.user_attrs["reason"] == "pruned"
+    assert max(pruned.intermediate_values) < 6  # stopped before its last epoch
+    run = client.get_run(pruned.user_attrs["mlflow_run_id"])
+    assert run.info.status == "KILLED"
+    log = Path(client.download_artifacts(run.info.run_id, "log.txt", str(tmp_path))).read_text()
+    assert "done" not in log  # it never reached its end
+
+
+def test_a_script_past_its_time_is_stopped_with_its_process_group(tmp_path):
+    pids = tmp_path / "pids"
+    path = study_file(tmp_path, "script_timeout", "", f'command = ["{{python}}", "{HANG}", "{pids}"]\n'
+                                                     f'timeout_minutes = 0.1')
+    proc = sweep(tmp_path, "--study", str(path))
+    storage, client = stores(tmp_path)
+    [trial] = trials_of(storage, "script_timeout")
+    assert trial.state == State.FAIL and trial.user_attrs["reason"] == "error"
+    [run], _ = child_runs(client, "script_timeout")
+    assert run.data.tags["error"] == "ScriptFailed: timeout: ran past timeout_minutes = 0.1 and was stopped"
+    assert all(gone(int(pid)) for pid in pids.read_text().split())  # the script and the child it started
+    assert proc.returncode == 1  # its only trial failed
+
+
+def test_ctrl_c_stops_the_scripts_process_group_and_records_the_trial_interrupted(tmp_path):
+    pids = tmp_path / "pids"
+    path = study_file(tmp_path, "script_ctrl_c", "", f'command = ["{{python}}", "{HANG}", "{pids}"]')
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), "--study", str(path)], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    script, child = held(pids, proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert gone(script) and gone(child)
+    storage, client = stores(tmp_path)
+    [trial] = trials_of(storage, "script_ctrl_c")
+    assert trial.state == State.FAIL and trial.user_attrs["reason"] == "interrupted"
+    [run], _ = child_runs(client, "script_ctrl_c")
+    assert run.info.status == "KILLED"
+
+
+@pytest.mark.parametrize("body, command, expected", [
+    ("", 'command = ["python", "train.py", "--lr", "{learning_rate}"]',
+     "program.command: {learning_rate} is not a placeholder"),
+    ("", 'command = "python train.py"', "program.command: must be a non-empty list of arguments (no shell)"),
+    ("", 'command = ["python", "t.py"]\ncwd = "no/such/folder"', "program.cwd: "),
+    ("", 'command = ["python", "t.py"]\ntimeout_minutes = -1', "program.timeout_minutes: must be a positive"),
+    ("[objective]\nkind = \"equivalence\"", 'command = ["python", "t.py"]', "objective.kind: a study with a "
+                                                                            "[program] runs your script"),
+    ("[fixed]\nwidth = [1, 2]", 'command = ["python", "t.py", "{width}"]', "fixed.width: must be text, a finite"),
+])
+def test_a_bad_program_table_is_one_line_before_anything_runs(tmp_path, body, command, expected):
+    path = study_file(tmp_path, "bad_program", body, command)
+    proc = sweep(tmp_path, "--study", str(path))
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"error: {path}: {expected}"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "mlruns").exists()
+
+
+def test_dry_run_prints_each_command_with_passwords_redacted(tmp_path):
+    path = study_file(tmp_path, "script_dry", """[fixed]
+db = "postgresql://me:s3cr3t@db.example/runs"
+[grid]
+physical_batch = [8, 16]
+""", COMMAND + ', "--db", "{db}"]')
+    proc = sweep(tmp_path, "--study", str(path), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if str(LOOP) in line]
+    assert len(lines) == 2 and "--batch-size 8 --accum 1 --lr 0.05 --seed 0 --epochs 10" in lines[0]
+    assert "s3cr3t" not in proc.stdout and "postgresql://me:***@db.example/runs" in lines[0]
