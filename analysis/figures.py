@@ -173,7 +173,9 @@ def learning_curves(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | Non
     grid = sns.relplot(data=h, x="epoch", y="val_acc", hue="effective_batch", style="batch" if "batch" in h else None,
                        col=facet, kind="line", palette="flare", hue_norm=matplotlib.colors.LogNorm(), errorbar=None,
                        height=3.2, aspect=1.1, facet_kws={"sharey": True})
-    grid.set_axis_labels("epoch", "validation accuracy")
+    # A script's MLflow step is its own: the epoch of a JSON row, the global step of a Lightning logger.
+    grid.set_axis_labels("epoch" if "model" in trials else "epoch, or the step the script logged at",
+                         "validation accuracy")
     return Figure("learning_curves", f"Learning curves{f' by {facet}' if facet else ''}", grid.figure,
                   context(trials))
 

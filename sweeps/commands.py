@@ -10,6 +10,7 @@ COMMANDS = {
     "plan": ("sweeps.cli", ["--plan"], "plan b and k for a target batch within a memory budget"),
     "report": ("analysis.cli", [], "write a study's report from MLflow (python analysis/report.py)"),
     "train": ("trainers.cli", [], "train one configuration (python trainers/train.py)"),
+    "audit": ("sweeps.audit", [], "name the accumulation mistake of your own training script"),
 }
 
 

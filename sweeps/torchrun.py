@@ -5,10 +5,8 @@ it ends; its checkpoint folder is the trainer's `--checkpoint-dir`, so a killed 
 in the worker's own process does."""
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
-import signal
 import subprocess
 import sys
 import tempfile
@@ -19,6 +17,8 @@ from typing import Any, Callable
 import torch
 
 from trainers import BatchsweepError, Checkpointing, ConfigError, TrainConfig
+
+from .program import die_with_parent
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "trainers" / "train.py"
 OUT_OF_MEMORY = "out of memory:"  # how trainers/cli.py's line for an out-of-memory not shrunk away begins
@@ -34,18 +34,6 @@ def flags(config: TrainConfig) -> list[str]:
         else:
             args += [flag, str(value)]
     return args
-
-
-def _die_with_parent():
-    """What the child runs before torchrun starts (resolved here: the child of a process with threads should do
-    as little as it can): ask for SIGTERM when the worker that launched it dies, even by SIGKILL, so that no
-    orphaned job trains on beside the trial that resumes its point. None where there is no prctl (not Linux:
-    an orphan is possible after a kill)."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def train_job(config: TrainConfig, on_epoch: Callable[[dict[str, float]], None],
@@ -64,7 +52,7 @@ def train_job(config: TrainConfig, on_epoch: Callable[[dict[str, float]], None],
         rows_path.touch()
         errors = []  # the trainer's own errors, with their kind
         with open(log_path, "w") as log, open(rows_path) as rows:
-            job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, preexec_fn=_die_with_parent())
+            job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, preexec_fn=die_with_parent())
             try:
                 while True:
                     done = job.poll() is not None

@@ -20,6 +20,7 @@ RUNS = {
     "system_metrics.py": ([], ["--repeats", "1", "--epochs", "1"], "ratio"),
     "sweep_overhead.py": ([], ["--trials", "2", "--epochs", "3"], "overhead"),
     "trial_scaling.py": ([], ["--seeds", "1", "--window", "5"], "ratio"),
+    "program_overhead.py": ([], ["--trials", "2", "--seconds", "0.3"], "overhead_s"),
     "ddp_sync.py": (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
                     [*TINY, "--pairs", "1", "--accum-steps", "2", "--physical-batch", "32"], "epoch_time_ratio"),
 }

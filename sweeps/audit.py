@@ -1,0 +1,298 @@
+"""`batchsweep audit`: a user's training script run at (b, k) and at (b*k, 1) from the same start, and the
+mistake that separates them, named from measurements: the relative difference of the weights, the ratio and
+angle of single updates, where in an epoch the runs part, the step counts and the state dict's keys.
+
+    batchsweep audit --study study.toml --physical-batch 8 --accum-steps 4 [--steps N] [--json PATH]
+
+The study file's [program] is the script; it must pass {max_steps} (and {epochs}) on, print a {"step": s,
+"loss": l} row per optimizer step, and save its weights at the end:
+torch.save(model.state_dict(), os.environ["BATCHSWEEP_STATE"]).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainers import FIELDS, BatchsweepError, ConfigError, TrainConfig
+
+from . import program
+from .tables import format_table
+from .tracking import Tracker, default_tracking_uri, first_line
+from .urls import check_tracking_uri, scrub
+
+# Relative weight difference that counts as equal: what summing in another order costs in each dtype.
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+BUFFERS = ("running_mean", "running_var", "num_batches_tracked")  # BatchNorm's, not weights
+# name: (whether the script is right, what it means and what to do)
+VERDICTS = {
+    "exact": (True, "(b, k) equals (b*k, 1) within the tolerance of {dtype}: the accumulation is exact."),
+    "zero_grad_per_micro_batch": (False, "zero_grad() runs inside the micro-batch loop, so only the last micro-batch "
+                                         "of each window reaches the step: zero the gradients once per window, "
+                                         "after step()."),
+    "loss_not_divided": (False, "each window's update is k times the true batch's: the micro-batch losses are added "
+                                "up undivided. Divide each micro-batch's summed loss by the window's number of items "
+                                "(or its mean loss by k). With Adam this mistake is nearly invisible, since Adam "
+                                "divides the scale away (all but its eps and weight decay): audit with SGD to see it."),
+    "short_window_divided_by_k": (False, "full windows agree, but the short last window of an epoch is scaled by (its "
+                                         "micro-batches)/k: it is divided by k instead of by its own count. Divide "
+                                         "by the number of items in each window (Lightning #19987)."),
+    "mean_of_micro_batch_means": (False, "windows whose micro-batches hold different numbers of counted items (tokens "
+                                         "with padding) differ: the loss is a mean of micro-batch means. Sum the "
+                                         "per-item losses and divide by the window's total count of items."),
+    "step_per_micro_batch": (False, "the optimizer steps once per micro-batch ({steps_a} steps an epoch against "
+                                    "{steps_t}): step() and zero_grad() belong after the last micro-batch of a "
+                                    "window."),
+    "batchnorm": (True, "the model has BatchNorm, and the first step differs: (b, k) normalizes each micro-batch of b, which (b*k, 1) cannot "
+                        "equal, and updates its running statistics k times a step. Compare against a ghost-batch "
+                        "twin (BatchNorm over chunks of b), or use GroupNorm or LayerNorm where the two must agree."),
+    "unexplained": (False, "the runs differ, and the difference matches none of the known mistakes: see the figures."),
+}
+
+
+class AuditError(BatchsweepError):
+    """A script run of the audit that failed, or a study the audit cannot use."""
+
+
+@dataclass
+class Run:
+    """One run of the script: where it stopped and what it left."""
+
+    name: str
+    b: int
+    k: int
+    max_steps: int
+    lr: float
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    losses: list[float] = field(default_factory=list)  # its {"step", "loss"} rows, in order
+
+
+class Auditor:
+    """Runs the script with the study's values, one MLflow run each under the audit's parent run."""
+
+    def __init__(self, study, config: TrainConfig, own: dict[str, Any], tracker: Tracker, parent: str,
+                 folder: Path):
+        self.study, self.config, self.own, self.tracker, self.parent, self.folder = (
+            study, config, own, tracker, parent, folder)
+        self.runs: list[Run] = []
+
+    def run(self, name: str, b: int, k: int, max_steps: int, lr: float | None = None) -> Run:
+        """The script at (b, k) for `max_steps` steps (0: an epoch); a run made already is not made again."""
+        done = next((r for r in self.runs if (r.b, r.k) == (b, k) and lr is None and r.name != "start" and
+                     (r.max_steps == max_steps or r.max_steps == 0 and len(r.losses) == max_steps)), None)
+        if done:
+            return done
+        config = dataclasses.replace(self.config, physical_batch=b, accum_steps=k, max_steps=max_steps)
+        values = {**config.to_dict(), **self.own}
+        if lr is not None:
+            values["lr"] = lr  # 0: the weights the script starts from
+        record = Run(name, b, k, max_steps, values["lr"])
+        state = self.folder / f"{len(self.runs)}.pt"
+        run_id = self.tracker.start_trial(self.parent, f"{name}: b{b} k{k} steps {max_steps}",
+                                          {"physical_batch": b, "accum_steps": k, "max_steps": max_steps,
+                                           "lr": values["lr"], "seed": config.seed}, {"audit.role": name})
+        env = {"BATCHSWEEP_STATE": str(state), "MLFLOW_TRACKING_URI": self.tracker.uri, "MLFLOW_RUN_ID": run_id,
+               "MLFLOW_EXPERIMENT_ID": self.tracker.experiment_id, **self.study.program.environment(values)}
+        output = program.Output()
+        try:
+            ended = program.run(self.study.program.argv(values), env, self.study.program.cwd, None, output,
+                                lambda row: record.losses.append(row["loss"]) if "loss" in row else None)
+        finally:
+            self.tracker.client.log_text(run_id, scrub(output.text(), self.tracker.uri), "log.txt")
+        if ended.code != 0:
+            self.tracker.end(run_id, "FAILED")
+            raise AuditError(f"the {name} run failed: {scrub(program.failure(ended, output), self.tracker.uri)}")
+        if not state.exists():
+            self.tracker.end(run_id, "FAILED")
+            raise AuditError("the script saved no weights: end it with torch.save(model.state_dict(), "
+                             "os.environ[\"BATCHSWEEP_STATE\"])")
+        record.state = torch.load(state, map_location="cpu", weights_only=True)
+        self.tracker.finish(run_id, "FINISHED", metrics={"steps": float(len(record.losses))})
+        self.runs.append(record)
+        return record
+
+
+def weights(state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The floating-point tensors of a state dict that are weights (not BatchNorm's statistics), as one vector."""
+    parts = [t.detach().double().flatten() for key, t in sorted(state.items())
+             if t.is_floating_point() and not key.endswith(BUFFERS)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def rel(a: Run, t: Run) -> float:
+    """‖a − t‖ / ‖t‖ over the weights."""
+    wa, wt = weights(a.state), weights(t.state)
+    return float((wa - wt).norm() / wt.norm().clamp_min(1e-300))
+
+
+def update(base: Run, a: Run, t: Run) -> tuple[float, float]:
+    """The accumulated update against the true batch's, both from `base`: (ratio along it, cosine)."""
+    da, dt = weights(a.state) - weights(base.state), weights(t.state) - weights(base.state)
+    ratio = float(da @ dt / (dt @ dt).clamp_min(1e-300))
+    cos = float(da @ dt / (da.norm() * dt.norm()).clamp_min(1e-300))
+    return ratio, cos
+
+
+def classify(ratio: float, cos: float, k: int, last: bool) -> str:
+    """The mistake whose signature one differing update has."""
+    if cos > 0.999 and abs(ratio / k - 1) < 0.02:
+        return "loss_not_divided"
+    if last and cos > 0.99 and ratio < 0.98 and 1 <= round(ratio * k) < k and abs(ratio * k - round(ratio * k)) < 0.1:
+        return "short_window_divided_by_k"
+    if cos > 0.98 and 0.5 < ratio < 2:
+        return "mean_of_micro_batch_means"
+    if ratio < 0.75 and cos < 0.999:
+        return "zero_grad_per_micro_batch"
+    return "unexplained"
+
+
+@dataclass
+class Finding:
+    verdict: str
+    figures: dict[str, Any]
+    compared: list[tuple[str, float]]  # (what, relative weight difference)
+
+
+def tolerance(state: dict[str, torch.Tensor]) -> tuple[str, float]:
+    """The weights' dtype and the relative difference that counts as equal in it."""
+    dtype = next((t.dtype for key, t in state.items() if t.is_floating_point() and not key.endswith(BUFFERS)),
+                 torch.float32)
+    return str(dtype).removeprefix("torch."), TOLERANCE.get(dtype, 1e-2)
+
+
+def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
+    """The runs and the diagnosis; see the module's docstring."""
+    B = b * k
+    a1, t1 = auditor.run("accumulated", b, k, 1), auditor.run("true batch", B, 1, 1)
+    dtype, tol = tolerance(t1.state)
+    compared = [("after step 1", rel(a1, t1))]
+    figures = {"dtype": dtype, "tolerance": tol}
+    if compared[0][1] > tol and any(key.endswith(BUFFERS) for key in t1.state):  # BatchNorm's statistics
+        return Finding("batchnorm", figures, compared)
+    ea, et = auditor.run("accumulated", b, k, steps), auditor.run("true batch", B, 1, steps)
+    compared.append((f"after {len(et.losses)} steps", rel(ea, et)))
+    figures.update(steps_accumulated=len(ea.losses), steps_true_batch=len(et.losses))
+    if max(d for _, d in compared) <= tol:
+        return Finding("exact", figures, compared)
+    if len(ea.losses) >= 1.5 * len(et.losses):
+        return Finding("step_per_micro_batch", figures, compared)
+    u, a, t = 1, a1, t1
+    base = auditor.run("start", B, 1, 1, lr=0.0) if compared[0][1] > tol else None  # the weights it starts from
+    if base is None:  # the first update agrees: find the first that does not
+        u = first_parting(auditor, b, k, len(et.losses), tol)
+        base = auditor.run("true batch", B, 1, u - 1)
+        a, t = auditor.run("accumulated", b, k, u), auditor.run("true batch", B, 1, u)
+        compared.append((f"after step {u}", rel(a, t)))
+    ratio, cos = update(base, a, t)
+    figures.update(first_differing_update=u, update_ratio=ratio, update_cosine=cos)
+    return Finding(classify(ratio, cos, k, last=u == len(et.losses)), figures, compared)
+
+
+def first_parting(auditor: Auditor, b: int, k: int, n: int, tol: float) -> int:
+    """The first update where the runs part, by bisection over max_steps: they agree after 1 and differ after
+    n. (Loss rows cannot say it: a script with a mistake often reports its loss in the mistake's scale.)"""
+    low, high = 1, n
+    while high - low > 1:
+        mid = (low + high) // 2
+        if rel(auditor.run("accumulated", b, k, mid), auditor.run("true batch", b * k, 1, mid)) <= tol:
+            low = mid
+        else:
+            high = mid
+    return high
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="batchsweep audit", description="Run your training script (the [program] of "
+                                "a study file) at (b, k) and at (b*k, 1) from the same start, and name the "
+                                "accumulation mistake that separates them. Exit status: 0 exact or batchnorm, 1 a "
+                                "mistake, 2 bad input.", epilog="The script passes {max_steps} and {epochs} on, "
+                                "prints a {\"step\": s, \"loss\": l} row per optimizer step and ends with "
+                                "torch.save(model.state_dict(), os.environ[\"BATCHSWEEP_STATE\"]) "
+                                "(docs/audit.md).")
+    p.add_argument("--study", required=True, help="a study file with a [program]")
+    p.add_argument("--physical-batch", type=int, required=True, help="b: the micro-batch")
+    p.add_argument("--accum-steps", type=int, required=True, help="k: micro-batches per step (at least 2)")
+    p.add_argument("--steps", type=int, default=0, help="compare the first N optimizer steps (default: one epoch)")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: SQLite in mlruns/mlflow.db)")
+    p.add_argument("--json", metavar="PATH", help="also write the verdict and its figures as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    try:
+        return _main(args)
+    except BatchsweepError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _auditor(args: argparse.Namespace, folder: Path) -> Auditor:
+    """The study's script at the audit's point: [fixed], the first value of every other [grid] axis, LR rule none."""
+    from .studyfile import load
+
+    study = load(args.study)
+    if study.program is None:
+        raise ConfigError(f"{args.study}: the audit runs a script: add a [program] (docs/programs.md)")
+    missing = [p for p in ("max_steps", "epochs") if p not in study.program.placeholders()]
+    if missing:
+        raise ConfigError(f"{args.study}: program.command: pass {{{missing[0]}}} on to the script: the audit stops "
+                          f"runs after a given number of steps, within one epoch")
+    if args.physical_batch < 1 or args.accum_steps < 2 or args.steps < 0:
+        raise ConfigError("--physical-batch must be at least 1, --accum-steps at least 2 and --steps at least 0")
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise ConfigError(f"--json {args.json}: its folder does not exist")
+    point = {**study.fixed, **{f: v[0] for key, v in study.grid.items() for f, v in [(key, v)] if "+" not in key}}
+    fields = {k: v for k, v in point.items() if k in FIELDS and k not in ("physical_batch", "accum_steps")}
+    config = TrainConfig(**{**fields, "lr_rule": "none", "epochs": 1})
+    own = {k: v for k, v in point.items() if k not in FIELDS}
+    tracker = Tracker(check_tracking_uri(args.tracking_uri or default_tracking_uri()), f"{study.name}-audit")
+    parent = tracker.start_parent(f"audit b{args.physical_batch} k{args.accum_steps}",
+                                  {"physical_batch": args.physical_batch, "accum_steps": args.accum_steps,
+                                   "steps": args.steps, **own}, {"study_file": study.source})
+    return Auditor(study, config, own, tracker, parent, folder)
+
+
+def _main(args: argparse.Namespace) -> int:
+    b, k = args.physical_batch, args.accum_steps
+    with tempfile.TemporaryDirectory(prefix="batchsweep-audit-") as folder:
+        auditor = _auditor(args, Path(folder))
+        try:
+            finding = audit(auditor, b, k, args.steps)
+        except BaseException as exc:
+            auditor.tracker.finish(auditor.parent, "FAILED", tags={"error": first_line(exc, auditor.tracker.uri)})
+            auditor.tracker.end_open_runs("FAILED")
+            raise
+    f = finding.figures
+    right, text = VERDICTS[finding.verdict]
+    sentence = text.format(dtype=f["dtype"], steps_a=f.get("steps_accumulated"), steps_t=f.get("steps_true_batch"))
+    print(format_table(["run", "b", "k", "max steps", "steps run"],
+                       [[r.name, str(r.b), str(r.k), str(r.max_steps) if r.max_steps else "epoch",
+                         str(len(r.losses))] for r in auditor.runs]))
+    print()
+    for what, diff in finding.compared:
+        print(f"relative weight difference {what}: {diff:.3g} (equal within {f['tolerance']:g}, {f['dtype']})")
+    if "first_differing_update" in f:
+        print(f"first update where they part: {f['first_differing_update']} of {f['steps_true_batch']}; the "
+              f"accumulated update is {f['update_ratio']:.4g} x the true batch's along it, at cosine "
+              f"{f['update_cosine']:.4f}")
+    print(f"verdict: {finding.verdict}")
+    print(sentence[0].upper() + sentence[1:])
+    auditor.tracker.describe(auditor.parent, f"verdict: {finding.verdict}. {sentence}")
+    auditor.tracker.finish(auditor.parent, "FINISHED", metrics={k: v for k, v in f.items()
+                                                                 if isinstance(v, (int, float))},
+                           tags={"verdict": finding.verdict})
+    if args.json:
+        Path(args.json).write_text(json.dumps({"verdict": finding.verdict, "sentence": sentence, **f,
+                                               "compared": dict(finding.compared)}, indent=2) + "\n")
+    return 0 if right else 1

@@ -1,0 +1,131 @@
+"""The catalog of accumulation mistakes, one switch each, on a per-sample loss or a per-token loss with padding:
+what `batchsweep audit` must name. A plain PyTorch loop, as people write them.
+
+    python catalog.py --batch-size 8 --accum 4 --lr 0.1 --seed 0 --epochs 1 --max-steps 0 \\
+        [--mistake none|zero_grad|not_divided|short_window|mean_of_means|step_per_micro|batchnorm] \\
+        [--loss sample|token] [--dtype float64|float32] [--optimizer sgd|adam]
+
+It prints {"step": s, "loss": l} per optimizer step and saves model.state_dict() to $BATCHSWEEP_STATE at the
+end. The training set (240 samples) is 7 windows of 32 and a short one of 16: at b = 8, k = 4 the last window
+holds 2 micro-batches.
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+from torch import nn
+
+N, VOCAB, WIDTH = 240, 12, 10
+
+
+def data(seed: int, tokens: bool):
+    g = torch.Generator().manual_seed(seed)
+    if not tokens:
+        y = torch.arange(N) % 3
+        return torch.randn(N, 6, generator=g) + y[:, None], y
+    # Sequences of 2..WIDTH tokens, padded with -100 labels: micro-batches hold different numbers of tokens.
+    x = torch.randint(0, VOCAB, (N, WIDTH), generator=g)
+    lengths = torch.randint(2, WIDTH + 1, (N,), generator=g)
+    y = torch.where(torch.arange(WIDTH) < lengths[:, None], (x + 1) % VOCAB, -100)
+    return x, y
+
+
+def model_for(tokens: bool, batchnorm: bool) -> nn.Module:
+    if tokens:
+        return nn.Sequential(nn.Embedding(VOCAB, 16), nn.Tanh(), nn.Linear(16, VOCAB))
+    norm = [nn.BatchNorm1d(16)] if batchnorm else []
+    return nn.Sequential(nn.Linear(6, 16), *norm, nn.Tanh(), nn.Linear(16, 3))
+
+
+def loss_sum(model, x, y, tokens: bool):
+    """(sum of the per-item losses, number of items that count)."""
+    out = model(x)
+    if tokens:
+        out, y = out.reshape(-1, VOCAB), y.reshape(-1)
+    return nn.functional.cross_entropy(out, y, reduction="sum", ignore_index=-100), int((y != -100).sum())
+
+
+class SGD:
+    """Plain SGD, as torch.optim.SGD steps (whose first step imports torch._dynamo: 1.5 s of each short run)."""
+
+    def __init__(self, params, lr: float):
+        self.params, self.lr = list(params), lr
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p in self.params:
+            p -= self.lr * p.grad
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch-size", type=int, required=True)
+    p.add_argument("--accum", type=int, required=True)
+    p.add_argument("--lr", type=float, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--max-steps", type=int, default=0)
+    p.add_argument("--mistake", default="none")
+    p.add_argument("--loss", default="sample", choices=["sample", "token"])
+    p.add_argument("--dtype", default="float64")
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
+    args = p.parse_args()
+    args.tokens = args.loss == "token"
+    torch.set_default_dtype(getattr(torch, args.dtype))
+    torch.set_num_threads(1)
+    x, y = data(1234, args.tokens)
+    torch.manual_seed(args.seed)
+    model = model_for(args.tokens, args.mistake == "batchnorm")
+    opt = SGD(model.parameters(), args.lr) if args.optimizer == "sgd" else torch.optim.Adam(model.parameters(), args.lr)
+    b, k, step = args.batch_size, args.accum, 0
+    for epoch in range(args.epochs):
+        order = torch.randperm(N, generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
+        for start in range(0, N, b * k):
+            window = order[start:start + b * k]
+            micro = window.split(b)
+            total = sum(int((y[m] != -100).sum()) for m in micro)  # the window's items that count
+            opt.zero_grad()
+            shown = 0.0
+            for m in micro:
+                s, count = loss_sum(model, x[m], y[m], args.tokens)
+                if args.mistake == "zero_grad":
+                    opt.zero_grad()  # the mistake: only the last micro-batch's gradient reaches the step
+                if args.mistake == "not_divided":
+                    loss = s / count  # each micro-batch's mean, never divided by k
+                elif args.mistake == "short_window":
+                    loss = s / count / k  # each micro-batch's mean over k, also in a window of fewer
+                elif args.mistake == "mean_of_means":
+                    loss = s / count / len(micro)  # the mean of the micro-batches' means
+                else:
+                    loss = s / total  # the window's sum over the window's count: the true batch's mean
+                loss.backward()
+                shown += loss.item()
+                if args.mistake == "step_per_micro":
+                    opt.step()
+                    opt.zero_grad()
+                    step += 1
+                    print(json.dumps({"step": step, "loss": shown}), flush=True)
+                    shown = 0.0
+                    if step == args.max_steps:
+                        break
+            if args.mistake != "step_per_micro":
+                opt.step()
+                step += 1
+                print(json.dumps({"step": step, "loss": shown}), flush=True)
+            if step == args.max_steps:
+                break
+        if step == args.max_steps:
+            break
+    if os.environ.get("BATCHSWEEP_STATE"):
+        torch.save(model.state_dict(), os.environ["BATCHSWEEP_STATE"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""`batchsweep audit` against the catalog of accumulation mistakes (tests/programs/catalog.py): it names each
+one and passes the correct loop, on per-sample and per-token losses, in float64 and float32."""
+import json
+
+import pytest
+from mlflow import MlflowClient
+
+from sweeps.audit import main
+from tests.conftest import ROOT
+
+CATALOG = ROOT / "tests" / "programs" / "catalog.py"
+# (mistake, loss) -> the verdict. On a per-token loss, dividing each micro-batch's mean by k is first of all a
+# mean of micro-batch means (every window differs), and the audit names the first difference; on a per-sample
+# loss with micro-batches of equal size a mean of means is exact, as it should be.
+EXPECTED = {
+    ("none", "sample"): "exact", ("none", "token"): "exact",
+    ("zero_grad", "sample"): "zero_grad_per_micro_batch", ("zero_grad", "token"): "zero_grad_per_micro_batch",
+    ("not_divided", "sample"): "loss_not_divided", ("not_divided", "token"): "loss_not_divided",
+    ("short_window", "sample"): "short_window_divided_by_k", ("short_window", "token"): "mean_of_micro_batch_means",
+    ("mean_of_means", "sample"): "exact", ("mean_of_means", "token"): "mean_of_micro_batch_means",
+    ("step_per_micro", "sample"): "step_per_micro_batch", ("step_per_micro", "token"): "step_per_micro_batch",
+    ("batchnorm", "sample"): "batchnorm",
+}
+RIGHT = ("exact", "batchnorm")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return f"sqlite:///{tmp_path_factory.mktemp('audit')}/mlflow.db"
+
+
+def study(folder, mistake: str, loss: str, floats: str):
+    path = folder / "catalog.toml"
+    path.write_text(f'''name = "catalog"
+[program]
+command = ["{{python}}", "{CATALOG}", "--batch-size", "{{physical_batch}}", "--accum", "{{accum_steps}}",
+           "--lr", "{{lr}}", "--seed", "{{seed}}", "--epochs", "{{epochs}}", "--max-steps", "{{max_steps}}",
+           "--mistake", "{{mistake}}", "--loss", "{{per}}", "--dtype", "{{floats}}"]
+[fixed]
+base_lr = 0.1
+mistake = "{mistake}"
+per = "{loss}"
+floats = "{floats}"
+''')
+    return path
+
+
+@pytest.mark.parametrize("floats", ["float64", "float32"])
+@pytest.mark.parametrize("mistake, loss", sorted(EXPECTED))
+def test_the_audit_names_each_mistake_of_the_catalog(tmp_path, store, capsys, mistake, loss, floats):
+    verdict = EXPECTED[(mistake, loss)]
+    code = main(["--study", str(study(tmp_path, mistake, loss, floats)), "--physical-batch", "8", "--accum-steps",
+                 "4", "--tracking-uri", store, "--json", str(tmp_path / "audit.json")])
+    out = capsys.readouterr().out
+    assert f"verdict: {verdict}\n" in out, out
+    assert code == (0 if verdict in RIGHT else 1)
+    found = json.loads((tmp_path / "audit.json").read_text())
+    assert found["verdict"] == verdict and found["dtype"] == floats
+    assert found["tolerance"] == {"float64": 1e-10, "float32": 1e-5}[floats]
+    if verdict == "loss_not_divided":
+        assert found["update_ratio"] == pytest.approx(4, rel=0.01)  # k
+    if verdict == "short_window_divided_by_k":
+        assert found["first_differing_update"] == 8 and found["update_ratio"] == pytest.approx(2 / 4)
+
+
+def test_every_run_of_an_audit_is_a_nested_mlflow_run_and_the_verdict_a_tag(tmp_path, store, capsys):
+    assert main(["--study", str(study(tmp_path, "not_divided", "sample", "float64")), "--physical-batch", "8",
+                 "--accum-steps", "4", "--tracking-uri", store]) == 1
+    client = MlflowClient(store)
+    runs = client.search_runs([client.get_experiment_by_name("catalog-audit").experiment_id],
+                              order_by=["attributes.start_time DESC"])
+    parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert parent.data.tags["verdict"] == "loss_not_divided" and parent.info.status == "FINISHED"
+    assert parent.data.tags["mlflow.note.content"].startswith("verdict: loss_not_divided. ")
+    assert len(children) == 5 and all(r.info.status == "FINISHED" for r in children)
+    assert {r.data.tags["audit.role"] for r in children} == {"start", "accumulated", "true batch"}
+
+
+@pytest.mark.parametrize("body, expected", [
+    ('[fixed]\nbase_lr = 0.1', "program.command: pass {max_steps} on to the script"),
+])
+def test_a_study_the_audit_cannot_use_is_one_line(tmp_path, capsys, body, expected):
+    path = tmp_path / "s.toml"
+    path.write_text(f'name = "s"\n{body}\n[program]\ncommand = ["{{python}}", "x.py", "{{epochs}}"]\n')
+    assert main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {path}: {expected}: the audit stops runs after a given number of steps, within one " \
+                  f"epoch\n"
