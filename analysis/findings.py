@@ -307,6 +307,16 @@ def noise_scale(trials: pd.DataFrame) -> list[str]:
             f"with k ≥ 2, range {values.min():.0f}–{values.max():.0f}){rule}."]
 
 
+def script_note(trials: pd.DataFrame) -> list[str]:
+    """What a [program] study's report cannot show, and why."""
+    if "batchsweep.program" not in trials or trials["batchsweep.program"].isna().all():
+        return []
+    missing = [what for what, metric in (("noise scale", "noise_scale"), ("training health", "grad_norm"))
+               if metric not in trials]
+    return [f"The trials ran a script of their own; its {' and '.join(missing)} figures are left out, as only "
+            f"batchsweep's trainer measures them."] if missing else []
+
+
 def failures(trials: pd.DataFrame) -> list[str]:
     bad = trials[trials["status"] != "FINISHED"]
     if bad.empty:
@@ -343,4 +353,5 @@ def summarize(trials: pd.DataFrame, history: pd.DataFrame | None = None) -> list
             comparisons += [f"{label}: {s}" for s in _comparisons(rows, part)]
     else:
         comparisons = _comparisons(trials, history)
-    return [*exactness(trials), *comparisons, *_seed_note(finished(trials)), *failures(trials), *health(trials)]
+    return [*exactness(trials), *comparisons, *_seed_note(finished(trials)), *failures(trials), *health(trials),
+            *script_note(trials)]

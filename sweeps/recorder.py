@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import math
-import shlex
 import warnings
 from typing import Any
 

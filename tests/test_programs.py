@@ -132,9 +132,10 @@ def test_crash_out_of_memory_and_a_clean_script_end_in_their_outcomes(tmp_path):
     path = study_file(tmp_path, "script_outcomes", """[fixed]
 epochs = 2
 physical_batch = 16
+note = "postgresql://me:s3cr3t@db.example/runs"
 [grid]
 mode = ["ok", "fail", "oom"]
-""", COMMAND + ', "--mode", "{mode}"]')
+""", COMMAND + ', "--mode", "{mode}", "--note", "{note}"]')
     proc = sweep(tmp_path, "--study", str(path))
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -144,12 +145,19 @@ mode = ["ok", "fail", "oom"]
     runs = {r.data.params["mode"]: r for r in children}  # the study's own field is a param
     assert trials["ok"].state == State.COMPLETE and runs["ok"].info.status == "FINISHED"
     assert trials["fail"].state == State.FAIL and runs["fail"].data.tags["reason"] == "error"
-    assert runs["fail"].data.tags["error"] == ("ScriptFailed: the script ended with exit status 1: loading the "
-                                               "data failed: no such file train.bin")
+    assert runs["fail"].data.tags["error"] == ("ScriptFailed: the script ended with exit status 1: note: "
+                                               "postgresql://me:***@db.example/runs / loading the data failed: no "
+                                               "such file train.bin")
     assert trials["oom"].state == State.PRUNED and trials["oom"].user_attrs["reason"] == "oom"
     assert "CUDA out of memory" in runs["oom"].data.tags["error"]
     log = Path(client.download_artifacts(runs["oom"].info.run_id, "log.txt", str(tmp_path))).read_text()
     assert "Traceback" in log  # the script's own output is its log
+    # A password in a URL of the study's own fields is in no log, param or tag, nor in the report.
+    assert "note: postgresql://me:***@db.example/runs" in log and "s3cr3t" not in log
+    assert runs["ok"].data.params["note"] == "postgresql://me:***@db.example/runs"
+    assert "s3cr3t" not in proc.stdout + proc.stderr + str([r.data for r in children])
+    report = (tmp_path / "reports/script_outcomes/report.md").read_text()
+    assert "s3cr3t" not in report and "only batchsweep's trainer measures them" in report
 
 
 def test_a_median_pruner_stops_a_script_mid_run(tmp_path):
@@ -236,3 +244,27 @@ physical_batch = [8, 16]
     lines = [line for line in proc.stdout.splitlines() if str(LOOP) in line]
     assert len(lines) == 2 and "--batch-size 8 --accum 1 --lr 0.05 --seed 0 --epochs 10" in lines[0]
     assert "s3cr3t" not in proc.stdout and "postgresql://me:***@db.example/runs" in lines[0]
+
+
+def test_scripts_on_postgresql_and_a_tracking_server_log_into_their_trials_runs(tmp_path):
+    from mlflow import MlflowClient
+
+    from tests.servers import mlflow_server, postgres_server
+
+    path = study_file(tmp_path, "script_served", """workers = 2
+[fixed]
+epochs = 2
+physical_batch = 16
+[grid]
+mode = ["ok", "mlflow"]
+""", COMMAND + ', "--mode", "{mode}"]')
+    with postgres_server() as server, mlflow_server(tmp_path) as tracking:
+        proc = sweep(tmp_path, "--study", str(path), "--storage", server.url, "--tracking-uri", tracking)
+        assert proc.returncode == 0, proc.stderr
+        trials = trials_of(server.url, "script_served")
+        assert [t.state for t in trials] == [State.COMPLETE] * 2
+        children, _ = child_runs(MlflowClient(tracking), "script_served")
+        for run in children:  # JSON lines or the script's own MLflow calls over HTTP: the same run, once each
+            assert run.info.status == "FINISHED"
+            history = MlflowClient(tracking).get_metric_history(run.info.run_id, "val_acc")
+            assert [m.step for m in history] == [1, 2]

@@ -37,9 +37,12 @@ def main() -> int:
     p.add_argument("--handicap", type=float, default=0.0)
     p.add_argument("--mode", default="ok", choices=["ok", "fail", "oom", "mlflow"])
     p.add_argument("--hold", default="")
+    p.add_argument("--note", default="", help="printed to stderr as it is")
     args = p.parse_args()
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
+    if args.note:
+        print(f"note: {args.note}", file=sys.stderr, flush=True)
     if args.mode == "fail":
         print("loading the data failed: no such file train.bin", file=sys.stderr)
         return 1
