@@ -11,7 +11,7 @@ from trainers import FIELDS, TrainConfig
 
 from .planner import start_batch
 from .search import Search, Unit, make_search
-from .studies import Point, Study
+from .studies import DERIVED, Point, Study
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Invocation:
     launcher: str = "process"  # process: trials train in the worker; torchrun: each trial is a torchrun job
 
     def config(self, point: Point, seed: int) -> TrainConfig:
-        point = {k: v for k, v in point.items() if k in FIELDS}  # without a [program] study's own fields
+        point = {k: v for k, v in point.items() if k in FIELDS or k in DERIVED}  # not a [program]'s own fields
         if not self.study.auto_batch:
             return dataclasses.replace(self.base, **point, seed=seed)
         values = dict(point)
@@ -43,7 +43,7 @@ class Invocation:
 
     def own(self, point: Point) -> dict[str, Any]:
         """A [program] study's own fields at a point: those of [fixed], then the point's."""
-        return {k: v for k, v in {**self.study.fixed, **point}.items() if k not in FIELDS}
+        return {k: v for k, v in {**self.study.fixed, **point}.items() if k not in FIELDS and k not in DERIVED}
 
     def start_batch(self, target: int) -> int:
         """Where physical_batch = "auto" starts: the memory planner's b for the GPU's memory when a batch_memory

@@ -33,6 +33,7 @@ GRACE_S = 10.0  # between SIGTERM and SIGKILL when a script is stopped
 SAMPLE_S = 0.2  # how often the process tree's memory is read (and the output, at the latest)
 GPU_SAMPLE_S = 1.0  # nvidia-smi costs tens of milliseconds a call
 TAIL_LINES = 20  # of stderr, kept for the error tag
+PIPE_GRACE_S = 2.0  # how long output is still read after the script exited
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,7 @@ def run(argv: list[str], env: dict[str, str], cwd: str | None, timeout_s: float 
     proc = subprocess.Popen(argv, cwd=cwd, env={**os.environ, **env}, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                             preexec_fn=die_with_parent())
-    memory, stopped = Memory(proc.pid), None
+    memory, stopped, exited = Memory(proc.pid), None, None
     try:
         with selectors.DefaultSelector() as sel:
             sel.register(proc.stdout, selectors.EVENT_READ, "out")
@@ -223,8 +224,12 @@ def run(argv: list[str], env: dict[str, str], cwd: str | None, timeout_s: float 
             while sel.get_map():
                 memory.sample()
                 every()
-                if timeout_s is not None and time.monotonic() - start > timeout_s:
+                now = time.monotonic()
+                if timeout_s is not None and now - start > timeout_s:
                     stopped = "timeout"
+                    break
+                exited = exited or (now if proc.poll() is not None else None)
+                if exited and now - exited > PIPE_GRACE_S:  # a process it left behind holds its output open
                     break
                 for key, _ in sel.select(SAMPLE_S):
                     chunk = os.read(key.fileobj.fileno(), 65536)

@@ -15,6 +15,7 @@ from .program import Program
 
 Point = dict[str, Any]  # the fields that vary between trials: TrainConfig's, and a [program] study's own
 
+DERIVED = tuple(TrainConfig().derived())  # values computed from the fields, which a constraint may name too
 LAUNCHERS = ("process", "torchrun")  # where a trial trains: in the worker, or as a torchrun job
 DIRECTIONS = ("maximize", "minimize")
 OPERATORS = {"<=": operator.le, ">=": operator.ge, "==": operator.eq, "!=": operator.ne, "<": operator.lt,

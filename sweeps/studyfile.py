@@ -9,15 +9,17 @@ Every problem is one ConfigError naming the file, the key and what to change.
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
-from trainers import FIELDS, MAX_COUNT, ConfigError, TrainConfig, import_object
+from trainers import FIELDS, MAX_COUNT, ConfigError, import_object
 
 from .objective import OBJECTIVES
-from .program import PLACEHOLDER, Program
+from .program import PLACEHOLDER, Program, fill
 from .search import PRUNERS, SAMPLERS
-from .studies import CONSTRAINT, DIRECTIONS, LAUNCHERS, Constraint, Param, Study, check_name, check_size
+from .studies import (CONSTRAINT, DERIVED, DIRECTIONS, LAUNCHERS, Constraint, Param, Study, check_name,
+                      check_size)
 
 try:
     import tomllib
@@ -25,7 +27,6 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 BUILTIN = Path(__file__).resolve().parent / "builtin"
-DERIVED = tuple(TrainConfig().derived())  # what a constraint may name besides the fields
 KEYS = {
     "": ("name", "summary", "seeds", "workers", "launcher", "fixed", "grid", "tune", "search", "objective",
          "program"),
@@ -373,6 +374,10 @@ def _check_program(study: Study, fail) -> None:
                 raise fail(key, f"{{{name}}} is not a placeholder: use a trainer field (physical_batch, "
                                 f"accum_steps, lr, seed, epochs, max_steps, ...), {', '.join(DERIVED)}, a field of "
                                 f"[fixed], [grid] or [tune], or {{python}}")
+    first = fill(study.program.command[0], {})
+    if not (Path(study.program.cwd, first).is_file() if "/" in first else shutil.which(first)):
+        raise fail("program.command", f"{first!r} is not a program it can start: give a program on PATH, a path "
+                                      f"(relative to {study.program.cwd}), or {{python}}")
     if study.launcher != "process":
         raise fail("launcher", "a [program] runs your command as it is: put torchrun into the command instead")
     if study.auto_batch:

@@ -216,14 +216,15 @@ def test_ctrl_c_stops_the_scripts_process_group_and_records_the_trial_interrupte
 
 
 @pytest.mark.parametrize("body, command, expected", [
-    ("", 'command = ["python", "train.py", "--lr", "{learning_rate}"]',
+    ("", 'command = ["{python}", "train.py", "--lr", "{learning_rate}"]',
      "program.command: {learning_rate} is not a placeholder"),
     ("", 'command = "python train.py"', "program.command: must be a non-empty list of arguments (no shell)"),
-    ("", 'command = ["python", "t.py"]\ncwd = "no/such/folder"', "program.cwd: "),
-    ("", 'command = ["python", "t.py"]\ntimeout_minutes = -1', "program.timeout_minutes: must be a positive"),
-    ("[objective]\nkind = \"equivalence\"", 'command = ["python", "t.py"]', "objective.kind: a study with a "
+    ("", 'command = ["{python}", "t.py"]\ncwd = "no/such/folder"', "program.cwd: "),
+    ("", 'command = ["{python}", "t.py"]\ntimeout_minutes = -1', "program.timeout_minutes: must be a positive"),
+    ("[objective]\nkind = \"equivalence\"", 'command = ["{python}", "t.py"]', "objective.kind: a study with a "
                                                                             "[program] runs your script"),
-    ("[fixed]\nwidth = [1, 2]", 'command = ["python", "t.py", "{width}"]', "fixed.width: must be text, a finite"),
+    ("[fixed]\nwidth = [1, 2]", 'command = ["{python}", "t.py", "{width}"]', "fixed.width: must be text, a finite"),
+    ("", 'command = ["pythn", "t.py"]', "program.command: 'pythn' is not a program it can start"),
 ])
 def test_a_bad_program_table_is_one_line_before_anything_runs(tmp_path, body, command, expected):
     path = study_file(tmp_path, "bad_program", body, command)

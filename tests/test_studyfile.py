@@ -358,7 +358,7 @@ def test_the_installed_command_runs_from_any_folder(tmp_path):
     assert dry.returncode == 0 and dry.stdout.count("cnn1d mnist1d b32") == 3, dry.stderr
     wrong = subprocess.run(command + ["sweep"], capture_output=True, text=True, cwd=tmp_path)
     assert wrong.returncode == 2 and wrong.stderr.strip() == "error: unknown command 'sweep': use one of run, plan, " \
-                                                             "report, train"
+                                                             "report, train, audit"
     assert list(tmp_path.iterdir()) == []  # a dry run writes nothing
 
 
