@@ -51,9 +51,10 @@ VERDICTS = {
     "step_per_micro_batch": (False, "the optimizer steps once per micro-batch ({steps_a} steps an epoch against "
                                     "{steps_t}): step() and zero_grad() belong after the last micro-batch of a "
                                     "window."),
-    "batchnorm": (True, "the model has BatchNorm, and the first step differs: (b, k) normalizes each micro-batch of b, which (b*k, 1) cannot "
-                        "equal, and updates its running statistics k times a step. Compare against a ghost-batch "
-                        "twin (BatchNorm over chunks of b), or use GroupNorm or LayerNorm where the two must agree."),
+    "batchnorm": (True, "the model has BatchNorm, and the first step differs: (b, k) normalizes each micro-batch "
+                        "of b, which (b*k, 1) cannot equal, and updates its running statistics k times a step. "
+                        "Compare against a ghost-batch twin (BatchNorm over chunks of b), or use GroupNorm or "
+                        "LayerNorm where the two must agree."),
     "unexplained": (False, "the runs differ, and the difference matches none of the known mistakes: see the figures."),
 }
 

@@ -34,7 +34,8 @@ class TrialRun:
         self.folder = folder_of(inv, self.config, trial.number) if inv.checkpoint_dir else None
         program = inv.study.program
         tags = {"optuna.trial_number": trial.number, "optuna.study_name": trial.study.study_name,
-                "device_name": worker.device, "batchsweep.program": " ".join(program.command) if program else None, "torch_version": torch.__version__, "study": inv.study.name,
+                "device_name": worker.device, "torch_version": torch.__version__, "study": inv.study.name,
+                "batchsweep.program": " ".join(program.command) if program else None,
                 "batchsweep.resumes_run": resumes(self.folder) if self.folder else None,
                 **standard_tags(worker.commit)}
         self.run_id = worker.tracker.start_trial(worker.parent_run_id, f"{trial.number}: {describe(point)}",

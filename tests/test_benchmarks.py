@@ -41,5 +41,8 @@ def test_a_benchmark_prints_its_figure(tmp_path, data_dir, script):
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
-    match = re.fullmatch(rf"{figure}=([0-9.]+)", last)
-    assert match and math.isfinite(float(match.group(1))) and float(match.group(1)) > 0, proc.stdout[-2000:]
+    match = re.fullmatch(rf"{figure}=(-?[0-9.]+)", last)
+    assert match and math.isfinite(float(match.group(1))), proc.stdout[-2000:]
+    # A ratio of two timings is positive; an overhead or a share is a difference of two noisy timings, which a
+    # tiny run on a busy machine can make negative (checkpoint_share=-0.37 was seen): a figure, not a failure.
+    assert float(match.group(1)) > 0 or not figure.endswith("ratio"), proc.stdout[-2000:]

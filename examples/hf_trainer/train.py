@@ -67,10 +67,10 @@ def main() -> None:
                         intermediate_size=64, max_position_embeddings=32, num_labels=2)
     model = BertForSequenceClassification(config)
     training = TrainingArguments(
-        output_dir=os.path.join(tempfile.gettempdir(), "hf-trainer-example"), per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.accum,
-        learning_rate=args.lr, num_train_epochs=args.epochs, seed=args.seed, eval_strategy="epoch",
-        logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
-        per_device_eval_batch_size=256)
+        output_dir=os.path.join(tempfile.gettempdir(), "hf-trainer-example"),
+        per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.accum, learning_rate=args.lr,
+        num_train_epochs=args.epochs, seed=args.seed, eval_strategy="epoch", logging_steps=1, save_strategy="no",
+        report_to="none", use_cpu=True, disable_tqdm=True, per_device_eval_batch_size=256)
     trainer = Trainer(model=model, args=training, train_dataset=make_data(args.train_size, args.seed),
                       eval_dataset=make_data(512, 10_000), data_collator=collate, compute_metrics=accuracy,
                       callbacks=[JsonLines()])
