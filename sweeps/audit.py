@@ -100,8 +100,8 @@ class Auditor:
         run_id = self.tracker.start_trial(self.parent, f"{name}: b{b} k{k} steps {max_steps}",
                                           {"physical_batch": b, "accum_steps": k, "max_steps": max_steps,
                                            "lr": values["lr"], "seed": config.seed}, {"audit.role": name})
-        env = {"BATCHSWEEP_STATE": str(state), "MLFLOW_TRACKING_URI": self.tracker.uri, "MLFLOW_RUN_ID": run_id,
-               "MLFLOW_EXPERIMENT_ID": self.tracker.experiment_id, **self.study.program.environment(values)}
+        env = {"BATCHSWEEP_STATE": str(state), **program.handoff(self.tracker.uri, run_id, self.tracker.experiment_id),
+               **self.study.program.environment(values)}
         output = program.Output()
         try:
             ended = program.run(self.study.program.argv(values), env, self.study.program.cwd, None, output,

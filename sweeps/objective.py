@@ -138,8 +138,8 @@ class Script(Objective):
     def train(self, config: TrainConfig, on_epoch: Callable[[dict[str, float]], None],
               checkpoint: Checkpointing | None = None, link: TrialLink | None = None) -> Trained:
         values = {**config.to_dict(), **link.own}
-        env = {"MLFLOW_TRACKING_URI": link.tracking_uri, "MLFLOW_RUN_ID": link.run_id,
-               "MLFLOW_EXPERIMENT_ID": link.experiment_id, **self.program.environment(values)}
+        env = {**program.handoff(link.tracking_uri, link.run_id, link.experiment_id),
+               **self.program.environment(values)}
         timeout = self.program.timeout_minutes * 60 if self.program.timeout_minutes else None
         output, client = program.Output(), MlflowClient(link.tracking_uri)
         watch = RunWatch(client, link, self.metrics[0]) if self.prunes else None

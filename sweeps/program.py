@@ -68,6 +68,11 @@ def redacted(value: Any) -> Any:
     return value
 
 
+def handoff(tracking_uri: str, run_id: str, experiment_id: str) -> dict[str, str]:
+    """The variables that hand a script its MLflow run: mlflow.start_run() inside it resumes that run."""
+    return {"MLFLOW_TRACKING_URI": tracking_uri, "MLFLOW_RUN_ID": run_id, "MLFLOW_EXPERIMENT_ID": experiment_id}
+
+
 def machine() -> str:
     """Where a script trains, as far as batchsweep can tell without running it: the GPUs nvidia-smi lists, else
     the CPU."""
