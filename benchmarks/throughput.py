@@ -13,6 +13,12 @@ trainer's DataLoader path; the hand-written loop then reads it through the DataL
 (shuffle=True, batch_size=b, the same --num-workers, persistent), without batchsweep's per-sample seeding.
 
     python benchmarks/throughput.py --model tests.factories:small_conv2d --dataset cifar_shaped --num-workers 1
+
+Samples that are mappings, batched by the dataset's collate function, with a model called with keyword
+arguments whose output has `.logits` (a transformers GPT-2 from a config): the hand-written loop is the
+one written for transformers, model(**batch) on the same DataLoader and the mean over the shifted labels / k.
+
+    python benchmarks/throughput.py --model hf:gpt2-tiny --dataset pytext_hf --epochs 8
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from trainers import TrainConfig, train
+from trainers.batches import aligned, apply, forward, label_shift, split
 from trainers.cli import add_config_flags, config_from_args, run_script
 from trainers.loop import make_optimizer, prepare
 from trainers.order import permutation
@@ -46,12 +53,15 @@ class HandWritten:
             workers = config.num_workers
             self.loader = DataLoader(train_set, batch_size=config.physical_batch, shuffle=True, num_workers=workers,
                                      persistent_workers=workers > 0, pin_memory=config.pin_memory,
-                                     prefetch_factor=config.prefetch_factor if workers else None)
+                                     prefetch_factor=config.prefetch_factor if workers else None,
+                                     collate_fn=self.data.collate)
+        self.shift = label_shift(self.model)
 
     def batches(self):
         if self.data.train_set is not None:
-            for x, y in self.loader:
-                yield (x.to(self.device, non_blocking=self.config.pin_memory),
+            for batch in self.loader:
+                x, y = split(batch, self.config.label_key)
+                yield (apply(x, lambda t: t.to(self.device, non_blocking=self.config.pin_memory)),
                        y.to(self.device, non_blocking=self.config.pin_memory))
             return
         data = self.data
@@ -67,7 +77,8 @@ class HandWritten:
         start = time.perf_counter()
         for i, (x, y) in enumerate(self.batches()):
             with torch.autocast(self.device.type, torch.bfloat16, enabled=bf16):
-                loss = F.cross_entropy(model(x), y) / k
+                logits, target = aligned(forward(model, x), y, self.shift)
+                loss = F.cross_entropy(logits.flatten(0, -2), target.flatten()) / k
             loss.backward()
             if (i + 1) % k == 0:
                 optimizer.step()

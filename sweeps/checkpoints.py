@@ -71,11 +71,14 @@ def log_model(tracker, run_id: str, config: TrainConfig, folder: Path) -> str:
     prepared = prepare(dataclasses.replace(config, device="cpu"))
     model = prepared.model.eval()
     model.load_state_dict(torch.load(folder / FILE, map_location="cpu", weights_only=True)["model"])
-    example = prepared.data.x_test[:2]
+    example = prepared.data.example(2)
     with tempfile.TemporaryDirectory() as scratch:
         target = Path(scratch) / "model"
         try:
             import mlflow.pytorch
+
+            if not isinstance(example, torch.Tensor):  # keyword inputs: the flavour's signature takes one array
+                raise TypeError("keyword inputs")
 
             with torch.no_grad():
                 output = model(example)

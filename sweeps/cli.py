@@ -16,7 +16,7 @@ from .tracking import TrackingError, default_tracking_uri, first_line
 from .urls import REACH_ADVICE, check_storage, check_tracking_uri, redact, sqlite_path, unreachable
 
 # Flags that set one trainer field for every trial of the study.
-CONFIG_FLAGS = ("epochs", "model", "dataset", "device", "seed")
+CONFIG_FLAGS = ("epochs", "model", "dataset", "device", "seed", "metrics")
 # Upper bounds of the counts, each with its reason.
 LIMITS = {
     "--seeds": (1000, "error bars need 3 to 10 seeds; more than 1,000 is a typo"),

@@ -52,12 +52,15 @@ class Objective:
 
     def __init__(self, study: Study, launcher: str = "process"):
         self.metrics, self.directions, self.launcher = study.metrics, study.directions, launcher
-        unknown = [m for m in self.metrics if m not in self.logs and not m.startswith("loss/")]
+        own = bool(study.fixed.get("metrics"))  # the study's own metric functions log val_<name>
+        unknown = [m for m in self.metrics if m not in self.logs and not m.startswith("loss/") and
+                   not (own and m.startswith("val_"))]
         if unknown:
             close = difflib.get_close_matches(unknown[0], self.logs, n=1)
             raise ConfigError(f"{study.source or study.name}: objective.metrics: {unknown[0]!r} is not a metric its "
                               f"trials log" + (f" (did you mean {close[0]!r}?)" if close else "") +
-                              f"; they log {', '.join(self.logs)}, and loss/<term> for a loss with named terms")
+                              f"; they log {', '.join(self.logs)}, loss/<term> for a loss with named terms, and "
+                              f"val_<name> for the functions of [fixed] metrics")
 
     def params(self, config: TrainConfig, own: dict[str, Any]) -> dict[str, Any]:
         """A trial's MLflow params."""

@@ -1,5 +1,6 @@
 """Model and dataset factories that tests pass to the trainer as `tests.factories:NAME`."""
 import random
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -172,8 +173,13 @@ def two_terms(output, target):
 two_terms.counts = lambda target: {"tokens": (target != -100).sum(), "logit_mean": len(target)}
 
 
+def two_terms_without_counts(output, target):
+    """two_terms without its counts(): its terms count different items, which one division cannot normalize."""
+    return two_terms(output, target)
+
+
 def tokens_without_counts(output, target):
-    """Counts tokens but does not say so in advance: the trainer must refuse it."""
+    """Counts tokens but does not say so in advance: normalized by its own count after the window."""
     counted = target != -100
     return nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1),
                                        reduction="sum"), counted.sum()
@@ -349,3 +355,140 @@ class SwallowsCtrlC(nn.Linear):
 
 def swallows_ctrl_c(input_shape, num_classes, **_):
     return SwallowsCtrlC(input_shape, num_classes)
+
+
+# A transformers-shaped workload without transformers: samples are mappings of varying length, batched by a
+# padding collate function; the model takes keyword arguments and returns an object with `.logits`; the loss
+# shifts the labels itself, as transformers' causal models do, and returns (sum, count) with nothing more.
+class Sequences(torch.utils.data.Dataset):
+    def __init__(self, ids: list):
+        self.ids = ids
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+
+
+def pad(samples):
+    longest = max(len(s["input_ids"]) for s in samples)
+    ids = torch.zeros(len(samples), longest, dtype=torch.long)
+    labels = torch.full((len(samples), longest), -100, dtype=torch.long)
+    mask = torch.zeros(len(samples), longest, dtype=torch.long)
+    for row, s in enumerate(samples):
+        n = len(s["input_ids"])
+        ids[row, :n], labels[row, :n], mask[row, :n] = s["input_ids"], s["labels"], 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def hf_shaped(seed=0, train=50, test=20, **_):
+    """50 train and 20 test sequences of 3 to 16 tokens (vocabulary 20), with a repeating pattern to learn."""
+    g = torch.Generator().manual_seed(7)
+    lengths = torch.randint(3, 17, (train + test,), generator=g).tolist()
+    ids = [(torch.arange(n) * int(torch.randint(1, 4, (), generator=g)) + int(torch.randint(0, 20, (), generator=g)))
+           % 20 for n in lengths]
+    return Sequences(ids[:train]), Sequences(ids[train:]), pad
+
+
+@dataclass
+class LMOutput:
+    logits: torch.Tensor
+
+
+class KeywordLM(nn.Module):
+    """Called as model(input_ids=..., attention_mask=...); positions past the mask see nothing of it (causal)."""
+
+    label_shift = 1  # position t predicts label t+1: how the built-in accuracy reads its logits
+
+    def __init__(self, vocab=20, context=16):
+        super().__init__()
+        from trainers.lm import GPT
+
+        self.gpt = GPT(vocab, context, width=32, layers=1, heads=2)
+
+    def forward(self, input_ids, attention_mask=None):
+        return LMOutput(logits=self.gpt(input_ids))
+
+
+def keyword_lm(**_):
+    return KeywordLM()
+
+
+def shifted_ce(output, labels):
+    """transformers' causal loss as (sum, count): logits at t against label t+1, padding not counted."""
+    logits, targets = output.logits[:, :-1], labels[:, 1:]
+    total = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                        ignore_index=-100, reduction="sum")
+    return total, (targets != -100).sum()
+
+
+def margin(output, target):
+    """A metric of the user's own: the mean logit margin of the true class over the best other one."""
+    logits = output if torch.is_tensor(output) else output.logits
+    true = logits.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    other = logits.scatter(-1, target.unsqueeze(-1), float("-inf")).max(-1).values
+    return {"margin": ((true - other).sum(), len(target))}
+
+
+class Held(torch.utils.data.Dataset):
+    """Tensors behind a plain Dataset: read through a loader, never held by the trainer."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def _mnist1d_split(data_dir, loader: bool):
+    from trainers.data import mnist1d
+
+    data = mnist1d(data_dir)
+    # 500 training samples and a test set twice as large (the 1,000 test series)
+    train = TensorDataset(data.x_train[:500], data.y_train[:500])
+    test = Held(data.x_test, data.y_test) if loader else TensorDataset(data.x_test, data.y_test)
+    return train, test
+
+
+def big_test_in_memory(data_dir="data", **_):
+    return _mnist1d_split(data_dir, loader=False)
+
+
+def big_test_loader(data_dir="data", **_):
+    return _mnist1d_split(data_dir, loader=True)
+
+
+class KeywordLMFitsFour(KeywordLM):
+    """Runs out of memory, as a GPU would, when a training micro-batch holds more than 4 sequences."""
+
+    def forward(self, input_ids, attention_mask=None):
+        if torch.is_grad_enabled() and len(input_ids) > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().forward(input_ids, attention_mask)
+
+
+def keyword_lm_fits_4(**_):
+    return KeywordLMFitsFour()
+
+
+def token_margin(output, labels):
+    """The margin metric over the tokens a causal model predicts (logits at t against label t+1)."""
+    logits, targets = output.logits[:, :-1], labels[:, 1:]
+    counted = targets != -100
+    safe = targets.clamp_min(0)
+    true = logits.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    other = logits.scatter(-1, safe.unsqueeze(-1), float("-inf")).max(-1).values
+    return {"token_margin": (((true - other) * counted).sum(), counted.sum())}
+
+
+def clashing(output, target):
+    return {"acc": (torch.zeros(()), 1)}
+
+
+def four_parts(**_):
+    train, test, collate = hf_shaped()
+    return train, test, collate, None

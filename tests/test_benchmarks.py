@@ -11,9 +11,12 @@ import pytest
 from tests.conftest import ROOT
 
 TINY = ["--model", "mlp", "--dataset", "synthetic:blobs", "--epochs", "3"]
-# benchmark: (how it is launched, its tiny arguments, the figure on its last line)
+# benchmark (its script, and what the run shows): (how it is launched, its tiny arguments, the figure on its
+# last line)
 RUNS = {
     "throughput.py": ([], [*TINY, "--physical-batch", "32", "--accum-steps", "4"], "ratio"),
+    "throughput.py mappings": ([], ["--model", "tests.factories:keyword_lm", "--dataset", "tests.factories:hf_shaped",
+                                    "--epochs", "3", "--physical-batch", "4", "--accum-steps", "2"], "ratio"),
     "memory.py": ([], ["--model", "mlp", "--dataset", "synthetic:blobs", "--physical-batch", "8"], "flat_ratio"),
     "diagnostics_overhead.py": ([], [*TINY, "--repeats", "1"], "overhead"),
     "checkpoint_cost.py": ([], [*TINY, "--pairs", "1"], "checkpoint_share"),
@@ -28,12 +31,13 @@ RUNS = {
 
 def test_every_benchmark_has_a_tiny_run():
     scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py") if "def main" in p.read_text()}
-    assert scripts == set(RUNS)
+    assert scripts == {run.split()[0] for run in RUNS}
 
 
 @pytest.mark.parametrize("script", sorted(RUNS))
 def test_a_benchmark_prints_its_figure(tmp_path, data_dir, script):
     launcher, args, figure = RUNS[script]
+    script = script.split()[0]
     if script in ("system_metrics.py", "sweep_overhead.py"):
         args = [*args, "--data-dir", data_dir]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

@@ -13,6 +13,7 @@ import torch
 from trainers import ConfigError, TrainConfig, train
 
 from .conftest import ROOT, run_script
+from .test_shapes import SHAPED
 from .test_workloads import TOKENS, rel_diff
 
 
@@ -56,6 +57,13 @@ def test_data_parallel_equals_one_process_and_syncs_once_per_window(tmp_path, da
         # summed over the ranks; the last window of 49 holds one sequence, and rank 1's shard is empty.
         {"config": {**gpt, "dataset": "tests.factories:tokens49_read"}, "no_sync": True},
         {"config": {**gpt, "dataset": "tests.factories:tokens49"}, "no_sync": True},  # the same, in memory
+        # A loss without counts(): each rank backwards its sums, and the gradients are divided by the window's
+        # count summed over the ranks.
+        {"config": {**gpt, "dataset": "tests.factories:tokens53", "loss": "tests.factories:tokens_without_counts"},
+         "no_sync": True},
+        # Mapping samples padded per micro-batch, a keyword model with `.logits`, the same kind of loss.
+        {"config": {**SHAPED, "device": "cpu", "physical_batch": 2, "accum_steps": 3, "world_size": 2},
+         "no_sync": True},
     ]
     results = torchrun(tmp_path, jobs)
     singles = [replace(TrainConfig(**job["config"]), world_size=1, physical_batch=12 if i > 1 else 128,

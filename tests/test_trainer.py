@@ -12,7 +12,8 @@ from torch import nn
 
 from trainers import ConfigError, TrainConfig, interrupt, train
 from trainers.data import load_data, mnist1d
-from trainers.loop import evaluate, lr_at
+from trainers.evaluation import evaluate
+from trainers.loop import lr_at
 from trainers.order import permutation, windows
 from trainers.models import build_model
 from trainers.probes import Probe
@@ -150,7 +151,7 @@ def test_evaluation_keeps_bn_statistics_and_train_mode(data_dir):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     data = load_data("mnist1d", data_dir, 0)
     model.train()
-    evaluate(model, data.x_test, data.y_test, 256)
+    evaluate(model, zip(data.x_test.split(256), data.y_test.split(256)))
     assert model.training
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k

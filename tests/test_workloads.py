@@ -70,10 +70,18 @@ def test_named_terms_are_each_normalized_by_their_window_count():
     assert row["loss/logit_mean"] > 0
 
 
-def test_a_loss_that_counts_tokens_without_saying_so_is_refused():
-    with pytest.raises(ConfigError, match="counted .* items of term 'loss' in a micro-batch of 4 samples: give the "
-                                          "function a counts"):
-        train(TrainConfig(**TOKENS, loss="tests.factories:tokens_without_counts"))
+def test_a_loss_that_counts_tokens_without_saying_so_is_normalized_by_its_own_count():
+    accum = TrainConfig(**TOKENS, loss="tests.factories:tokens_without_counts")
+    a, t = train(accum), train(replace(accum, physical_batch=16, accum_steps=1))
+    assert rel_diff(a.model, t.model) <= 1e-12
+    counted = train(replace(accum, loss="auto"))  # the built-in loss: counted before backward, the same sums
+    assert rel_diff(a.model, counted.model) <= 1e-12
+
+
+def test_terms_that_count_different_items_without_saying_so_are_refused():
+    with pytest.raises(ConfigError, match=r"terms count different items in one micro-batch \(tokens: \d+, "
+                                          r"logit_mean: 4\): give the function a counts\(target\)"):
+        train(TrainConfig(**TOKENS, loss="tests.factories:two_terms_without_counts"))
 
 
 class Seen(Probe):

@@ -8,6 +8,7 @@ from typing import Any
 
 from .data import DATASETS
 from .errors import BatchsweepError, ConfigError  # noqa: F401  (re-exported: callers import them from here)
+from .hf import check as check_hf
 from .models import MODELS
 
 LR_RULES = ("none", "linear", "sqrt")
@@ -36,9 +37,11 @@ def _at_least(name: str, value: float, low: float) -> None:
 class TrainConfig:
     """One configuration. Field names are the CLI flags (with dashes), MLflow params and report columns."""
 
-    model: str = "cnn1d"  # registry name or package.module:factory
+    model: str = "cnn1d"  # registry name, package.module:factory, or hf:NAME|PATH (a transformers config)
     dataset: str = "mnist1d"  # registry name or package.module:factory
     loss: str = "auto"  # auto: the model's own `loss`, else cross-entropy or squared error; or package.module:fn
+    metrics: str = ""  # package.module:fn, comma-separated: fn(output, target) -> {name: (sum, count)}, as val_<name>
+    label_key: str = "labels"  # the target's entry in a sample that is a mapping (the rest are model arguments)
     norm: str = "batch"  # cnn1d only: batch | group | none
     physical_batch: int = 32  # b: samples per forward/backward
     accum_steps: int = 1  # k: micro-batches per optimizer step
@@ -74,12 +77,17 @@ class TrainConfig:
     data_dir: str = "data"  # datasets and the MNIST-1D cache
 
     def __post_init__(self) -> None:
-        if ":" not in self.model:
-            _choice("model", self.model, tuple(MODELS), ", or give package.module:factory")
+        if self.model.startswith("hf:"):
+            check_hf(self.model)
+        elif ":" not in self.model:
+            _choice("model", self.model, tuple(MODELS), ", or give package.module:factory or hf:NAME")
         if ":" not in self.dataset:
             _choice("dataset", self.dataset, tuple(DATASETS), ", or give package.module:factory")
         if self.loss != "auto" and ":" not in self.loss:
             raise ConfigError(f"unknown loss {self.loss!r}: use auto, or give package.module:fn")
+        for spec in filter(None, (m.strip() for m in self.metrics.split(","))):
+            if ":" not in spec:
+                raise ConfigError(f"metrics {spec!r} is not an import path: give package.module:fn (comma-separated)")
         _choice("norm", self.norm, NORMS)
         _choice("lr_rule", self.lr_rule, LR_RULES)
         _choice("bn_momentum_rule", self.bn_momentum_rule, BN_RULES)

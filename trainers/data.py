@@ -1,7 +1,9 @@
 """Dataset registry. A dataset is held in memory as tensors and batched by indexing, or, when its training
 set is any other map-style Dataset (with its own per-sample transforms: augmentation), read through a
-DataLoader in the same order (trainers/feed.py). The test set is always held as tensors: it is read once,
-through the dataset's own test-time transforms, and evaluated every epoch without a loader."""
+DataLoader in the same order (trainers/feed.py). A test set of tensors is evaluated by indexing too; any other
+is read through a DataLoader in eval batches at every evaluation, and only its labels are kept (for the class
+count and chance). Samples may be (input, label) pairs or mappings (trainers/batches.py), batched by the
+dataset's own collate function when it gives one."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,12 +15,14 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from . import batches
 from .errors import ConfigError, DataError
 from .imports import load_factory
 from .losses import IGNORE_INDEX
@@ -31,20 +35,38 @@ class Data:
 
     x_train: torch.Tensor | None
     y_train: torch.Tensor | None
-    x_test: torch.Tensor
-    y_test: torch.Tensor
+    x_test: torch.Tensor | None  # None when the test set is read through a loader
+    y_test: torch.Tensor  # the test labels (padded with IGNORE_INDEX to one length when they are sequences)
     notes: tuple[str, ...] = ()  # what loading had to mend (e.g. a rebuilt cache), for the run's warnings
     digest: str = ""  # of the data as loaded (see with_digest): the dataset's identity in a run's record
     train_set: Dataset | None = None  # read through a DataLoader (trainers/feed.py)
     classes: int = 0  # the output width when the labels alone do not tell it (a vocabulary)
+    test_set: Dataset | None = None  # read through a DataLoader (trainers/feed.py) when x_test is None
+    collate: Callable | None = None  # the dataset's own batching of samples (None: torch's default)
+    label_key: str = "labels"  # the target's entry in samples that are mappings
 
     @property
     def n_train(self) -> int:
         return len(self.train_set) if self.train_set is not None else len(self.x_train)
 
     @property
-    def input_shape(self) -> tuple[int, ...]:
-        return tuple(self.x_test.shape[1:])
+    def n_test(self) -> int:
+        return len(self.test_set) if self.x_test is None else len(self.x_test)
+
+    @property
+    def input_shape(self) -> Any:
+        """A sample's input shape (for a mapping, its tensors' shapes by key), given to model factories."""
+        if self.x_test is not None:
+            return tuple(self.x_test.shape[1:])
+        return batches.shape(batches.split(self.test_set[0], self.label_key)[0])
+
+    def example(self, n: int = 2) -> Any:
+        """The inputs of the first n test samples (a tensor, or a mapping of them)."""
+        if self.x_test is not None:
+            return self.x_test[:n]
+        samples = [self.test_set[i] for i in range(min(n, len(self.test_set)))]
+        collate = self.collate or torch.utils.data.default_collate
+        return batches.split(collate(samples), self.label_key)[0]
 
     @property
     def classification(self) -> bool:
@@ -81,7 +103,9 @@ class Data:
         Two runs with the same digest trained and tested on the same numbers. A training Dataset counts by
         its class, size and `targets` (its augmented samples differ every epoch by design)."""
         h = hashlib.sha256()
-        tensors = [self.x_test, self.y_test]
+        tensors = [self.y_test] if self.x_test is None else [self.x_test, self.y_test]
+        if self.x_test is None:
+            h.update(f"{type(self.test_set).__qualname__}:{len(self.test_set)}".encode())
         if self.train_set is None:
             tensors = [self.x_train, self.y_train] + tensors
         else:
@@ -230,11 +254,9 @@ def cifar_shaped(data_dir: str = "", augment: bool = True, train: int = 2000, te
 PYTEXT_CONTEXT = 64  # tokens per sequence at most
 
 
-def pytext(data_dir: str = "", train: int = 4000, test: int = 1000, **_) -> Data:
-    """Byte-level text from the installed Python standard library's source files (no download): the files in
-    sorted order, every 8th one, cut into sequences of 9 to 65 bytes. Inputs are the first L-1 bytes, targets
-    the next ones; both are padded on the right to 64 (targets with IGNORE_INDEX), so micro-batches hold
-    different numbers of tokens. Deterministic for a Python version."""
+def _pytext_chunks(count: int) -> list[torch.Tensor]:
+    """`count` byte sequences of 9 to 65 bytes, in order, from the installed standard library's source files
+    (sorted, every 8th one): deterministic for a Python version."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = []
     for folder, subfolders, names in os.walk(root):
@@ -242,7 +264,7 @@ def pytext(data_dir: str = "", train: int = 4000, test: int = 1000, **_) -> Data
         files += [Path(folder) / n for n in names if n.endswith(".py")]
     files.sort()
     g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(9, PYTEXT_CONTEXT + 2, (train + test,), generator=g).tolist()
+    lengths = torch.randint(9, PYTEXT_CONTEXT + 2, (count,), generator=g).tolist()
     text = bytearray()
     for path in files[::8]:
         if len(text) >= sum(lengths):
@@ -250,14 +272,56 @@ def pytext(data_dir: str = "", train: int = 4000, test: int = 1000, **_) -> Data
         text += path.read_bytes()
     if len(text) < sum(lengths):
         raise DataError(f"the standard library in {root} holds too little text for pytext: use another dataset")
-    x = torch.zeros(len(lengths), PYTEXT_CONTEXT, dtype=torch.long)
-    y = torch.full((len(lengths), PYTEXT_CONTEXT), IGNORE_INDEX, dtype=torch.long)
-    start = 0
-    for row, length in enumerate(lengths):
-        chunk = torch.tensor(list(text[start:start + length]), dtype=torch.long)
-        x[row, :length - 1], y[row, :length - 1] = chunk[:-1], chunk[1:]
-        start += length
+    ends = np.cumsum(lengths).tolist()
+    return [torch.tensor(list(text[end - length:end]), dtype=torch.long) for end, length in zip(ends, lengths)]
+
+
+def pytext(data_dir: str = "", train: int = 4000, test: int = 1000, **_) -> Data:
+    """Byte-level text from the installed Python standard library (no download), in sequences of 9 to 65
+    bytes. Inputs are the first L-1 bytes, targets the next ones; both are padded on the right to 64 (targets
+    with IGNORE_INDEX), so micro-batches hold different numbers of tokens."""
+    chunks = _pytext_chunks(train + test)
+    x = torch.zeros(len(chunks), PYTEXT_CONTEXT, dtype=torch.long)
+    y = torch.full((len(chunks), PYTEXT_CONTEXT), IGNORE_INDEX, dtype=torch.long)
+    for row, chunk in enumerate(chunks):
+        x[row, :len(chunk) - 1], y[row, :len(chunk) - 1] = chunk[:-1], chunk[1:]
     return Data(x[:train], y[:train], x[train:], y[train:], classes=256)
+
+
+class Texts(Dataset):
+    """Token sequences as transformers shapes them: {"input_ids": ids, "labels": ids}, of their own lengths."""
+
+    def __init__(self, chunks: list[torch.Tensor]):
+        self.chunks = chunks
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.chunks[i], "labels": self.chunks[i]}
+
+
+def pad_collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A batch padded on the right to its longest sequence: input ids with 0, an attention mask, labels with
+    IGNORE_INDEX (as transformers' DataCollatorForLanguageModeling does)."""
+    longest = max(len(s["input_ids"]) for s in samples)
+    ids = torch.zeros(len(samples), longest, dtype=torch.long)
+    mask = torch.zeros(len(samples), longest, dtype=torch.long)
+    labels = torch.full((len(samples), longest), IGNORE_INDEX, dtype=torch.long)
+    for row, s in enumerate(samples):
+        n = len(s["input_ids"])
+        ids[row, :n], mask[row, :n], labels[row, :n] = s["input_ids"], 1, s["labels"]
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def pytext_hf(data_dir: str = "", train: int = 4000, test: int = 1000, seed: int = 0, **_) -> Data:
+    """pytext's sequences as transformers' causal language models take them: mappings of input ids with
+    labels that are the same ids (the model's loss shifts them), batched by `pad_collate` to each batch's
+    longest; train and test sets read through a DataLoader."""
+    chunks = _pytext_chunks(train + test)
+    train_set, test_set = Texts(chunks[:train]), Texts(chunks[train:])
+    return Data(None, None, None, test_labels(test_set, pad_collate, seed, "labels"), train_set=train_set,
+                test_set=test_set, collate=pad_collate, classes=256)
 
 
 def _present(data_dir: str, cls_name: str) -> bool:
@@ -273,34 +337,56 @@ DATASETS = {
     "cifar10": _torchvision("CIFAR10", (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), augment=True),
     "cifar_shaped": cifar_shaped,
     "pytext": pytext,
+    "pytext_hf": pytext_hf,
 }
 
 
-def _from_datasets(path: str, pair, seed: int) -> Data:
-    """TensorDatasets stay tensors; any other training Dataset is read through a DataLoader, and its test
-    set is read once into tensors."""
+def _from_datasets(path: str, made, seed: int, label_key: str) -> Data:
+    """(train, test) Datasets, or (train, test, collate_fn). TensorDatasets stay tensors; any other Dataset is
+    read through a DataLoader, and of a test set only the labels are kept in memory."""
     try:
-        train, test = pair
-        if not isinstance(train, Dataset) or not isinstance(test, Dataset):
+        train, test, *rest = made
+        collate = rest[0] if rest else None
+        if not isinstance(train, Dataset) or not isinstance(test, Dataset) or len(rest) > 1 or \
+                (collate is not None and not callable(collate)):
             raise TypeError
+    except (TypeError, ValueError):
+        raise ConfigError(f"dataset factory {path!r} must return (train, test) Datasets, or (train, test, "
+                          f"collate_fn)") from None
+    try:
         if isinstance(test, TensorDataset):
             x_test, y_test = test.tensors
-        else:  # in a state of its own: a test set that draws (augments) reads the same in every run
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                samples = [test[i] for i in range(len(test))]
-            x_test, y_test = (torch.stack([torch.as_tensor(s[part]) for s in samples]) for part in (0, 1))
+            data = Data(None, None, x_test, y_test, collate=collate, label_key=label_key)
+        else:
+            data = Data(None, None, None, test_labels(test, collate, seed, label_key), test_set=test,
+                        collate=collate, label_key=label_key)
         if isinstance(train, TensorDataset):
-            x, y = train.tensors
-            return Data(x, y, x_test, y_test)
+            return dataclasses.replace(data, x_train=train.tensors[0], y_train=train.tensors[1])
+    except ConfigError:  # (a ValueError too) it names the problem already
+        raise
     except (TypeError, ValueError, IndexError):
-        raise ConfigError(f"dataset factory {path!r} must return (train, test) Datasets of (input, label) "
-                          f"samples") from None
-    return Data(None, None, x_test, y_test, train_set=train)
+        raise ConfigError(f"dataset factory {path!r}: its samples are neither (input, label) pairs nor mappings "
+                          f"with a {label_key!r} entry that batch into tensors") from None
+    return dataclasses.replace(data, train_set=train)
 
 
-def load_data(name: str, data_dir: str, seed: int) -> Data:
+def test_labels(test: Dataset, collate: Callable | None, seed: int, label_key: str) -> torch.Tensor:
+    """The labels of a test set, read once through a loader: sequences are padded with IGNORE_INDEX to the
+    longest (a drawing test set reads in a state of its own, the same in every run)."""
+    if hasattr(test, "targets"):  # torchvision's datasets know their labels without reading the images
+        return torch.as_tensor(test.targets)
+    found = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for batch in DataLoader(test, batch_size=256, collate_fn=collate):
+            found.append(torch.as_tensor(batches.split(batch, label_key)[1]))
+    if found[0].dim() == 2 and not found[0].is_floating_point():
+        longest = max(t.shape[1] for t in found)
+        found = [torch.nn.functional.pad(t, (0, longest - t.shape[1]), value=IGNORE_INDEX) for t in found]
+    return torch.cat(found)
+
+
+def load_data(name: str, data_dir: str, seed: int, label_key: str = "labels") -> Data:
     if ":" in name:
-        return _from_datasets(name, load_factory(name, "dataset")(data_dir=data_dir, seed=seed), seed)
+        return _from_datasets(name, load_factory(name, "dataset")(data_dir=data_dir, seed=seed), seed, label_key)
     return DATASETS[name](data_dir=data_dir, seed=seed)
-

@@ -1,6 +1,7 @@
 """The windows of an epoch as micro-batches on the device, in the order of trainers/order.py. Tensors are
 batched by indexing; any other Dataset is read through a DataLoader whose batch sampler yields the same
-micro-batches, with each sample's augmentation seeded from (seed, epoch, sample)."""
+micro-batches, with each sample's augmentation seeded from (seed, epoch, sample). The test set comes in eval
+batches, by indexing or through a loader alike."""
 from __future__ import annotations
 
 import os
@@ -12,6 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
+from . import batches
 from .config import TrainConfig
 from .data import Data
 from .losses import Loss, add_counts, counts_samples
@@ -92,7 +94,7 @@ class Feed:
         self.rank = parallel.rank if parallel else 0
         self.dtype = getattr(torch, config.dtype)
         self.n = data.n_train
-        self.loader, self.per_sample, self.empty = None, None, None
+        self.loader, self.test_loader, self.per_sample, self.empty = None, None, None, None
         if data.train_set is not None:
             self.sampler = MicroBatches(config, self.n, self.rank)
             workers = config.num_workers
@@ -100,7 +102,7 @@ class Feed:
             # starts, and drawing it from torch's global RNG would move the training's (dropout) by one draw
             # per epoch with 0 processes and once per run with persistent ones, and differently on resume.
             self.loader = DataLoader(Seeded(data.train_set, config.seed), batch_sampler=self.sampler,
-                                     num_workers=workers, pin_memory=config.pin_memory and device.type == "cuda",
+                                     collate_fn=data.collate, num_workers=workers, pin_memory=config.pin_memory and device.type == "cuda",
                                      persistent_workers=workers > 0, prefetch_factor=config.prefetch_factor
                                      if workers else None, generator=torch.Generator().manual_seed(config.seed))
 
@@ -126,20 +128,20 @@ class Feed:
 
     def _loader_windows(self, epoch: int) -> Iterator[Window]:
         self.sampler.set_epoch(epoch)
-        batches, b, world = iter(self.loader), self.config.physical_batch, self.config.world_size
+        loaded, b, world = iter(self.loader), self.config.physical_batch, self.config.world_size
         for window in windows(torch.arange(self.n), self.config):
             rows = len(shard(window, self.rank, world))
             parts = -(-rows // b)
             if self.per_sample and not self.config.shrink_on_oom:
                 # The counts are the window's size: train on each micro-batch as it comes.
-                stream = (self.to_device(next(batches)) for _ in range(parts))
+                stream = (self.to_device(next(loaded)) for _ in range(parts))
                 yield Window(len(window), len(window), rows, lambda _, s=stream: s if rows else [self.empty])
                 continue
             # The whole window's micro-batches first: their targets give the counts before any backward (and a
             # window that ran out of memory is cut again from them).
-            micro = [self.to_device(next(batches)) for _ in range(parts)]
+            micro = [self.to_device(next(loaded)) for _ in range(parts)]
             if self.empty is None and micro:
-                self.empty = (micro[0][0][:0], micro[0][1][:0])
+                self.empty = (batches.apply(micro[0][0], lambda t: t[:0]), micro[0][1][:0])
             counts = [self.loss.counts(target) for _, target in micro or [self.empty]]
             if self.per_sample is None:  # decided on the first window: a dataset and loss count alike in all
                 self.per_sample = all(counts_samples(c, len(t)) for c, (_, t) in zip(counts, micro))
@@ -157,18 +159,37 @@ class Feed:
             return [self.empty]
         if b_now == b:
             return micro
-        x, y = torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])
-        return list(zip(x.split(b_now), y.split(b_now)))
+        if isinstance(micro[0][0], torch.Tensor):
+            x, y = torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])
+            return list(zip(x.split(b_now), y.split(b_now)))
+        # Mappings are padded per micro-batch, to lengths of their own: each is cut on its own.
+        return [part for x, y in micro for part in batches.cut(x, y, b_now)]
 
     def to_device(self, batch) -> tuple[Any, torch.Tensor]:
-        x, y = batch
+        x, y = batches.split(batch, self.data.label_key)
         blocking = not self.config.pin_memory
 
         def move(t: torch.Tensor) -> torch.Tensor:
             t = t.to(self.device, self.dtype if t.is_floating_point() else None, non_blocking=not blocking)
             return t.contiguous(memory_format=torch.channels_last) if self.config.channels_last and t.dim() == 4 else t
 
-        return move(x), move(torch.as_tensor(y))
+        return batches.apply(x, move), move(torch.as_tensor(y))
+
+    def test(self) -> Iterator[tuple[Any, torch.Tensor]]:
+        """The test set in eval batches, in order: by indexing, or through a loader (each sample seeded as in
+        an epoch 0 of its own, so that a test set that draws reads the same at every evaluation)."""
+        size = self.config.eval_batch
+        if self.data.x_test is not None:
+            yield from zip(self.data.x_test.split(size), self.data.y_test.split(size))
+            return
+        if self.test_loader is None:  # built once: its processes, if any, stay for the next evaluation
+            workers = self.config.num_workers
+            self.test_loader = DataLoader(
+                Seeded(self.data.test_set, self.config.seed), batch_size=size, sampler=[(0, i) for i in range(
+                    self.data.n_test)], collate_fn=self.data.collate, num_workers=workers,
+                persistent_workers=workers > 0, generator=torch.Generator().manual_seed(self.config.seed))
+        for batch in self.test_loader:
+            yield self.to_device(batch)
 
     def inputs(self, batch: int) -> Iterator[torch.Tensor]:
         """The training inputs in order, in batches (augmented as in epoch 0): for BatchNorm's population
@@ -178,6 +199,7 @@ class Feed:
             return
         keys = [(0, i) for i in range(self.n)]
         loader = DataLoader(Seeded(self.data.train_set, self.config.seed), batch_size=batch, sampler=keys,
-                            num_workers=self.config.num_workers, generator=torch.Generator())
-        for x, _ in loader:
-            yield self.to_device((x, torch.zeros(0)))[0]
+                            collate_fn=self.data.collate, num_workers=self.config.num_workers,
+                            generator=torch.Generator())
+        for inputs in loader:
+            yield self.to_device(inputs)[0]

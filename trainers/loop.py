@@ -11,15 +11,17 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .batches import forward
 from .checkpoint import Checkpointer, Checkpointing, Progress, restore, rng_states
 from .config import TrainConfig
 from .data import Data, load_data
 from .distributed import Parallel, launched_rank, local_device, setup
 from .errors import ConfigError
+from .evaluation import Metric, evaluate, load_metrics
 from .feed import Feed
 from .health import coverage_warnings, verdict
 from .interrupt import check as check_interrupt
-from .losses import IGNORE_INDEX, Loss, builtin, load_loss, window_share
+from .losses import Loss, load_loss
 from .models import bn_population_error, build_model, has_conv2d, set_bn_momentum, use_ghost_batch
 from .probes import LossTerms, Micro, Probe, Run
 from .probes import diagnostics as builtin_diagnostics
@@ -27,9 +29,10 @@ from .shrink import Retry, at
 
 EpochCallback = Callable[[dict[str, float]], None]
 # Every metric a run of `train` can log (each epoch's row and the final metrics), so that a study that names
-# another is refused before anything runs; a loss with named terms adds `loss/<name>` for each.
-METRICS = ("epoch", "steps", "train_loss", "val_loss", "val_acc", "val_perplexity", "current_lr", "epoch_time_s",
-           "grad_norm", "update_ratio", "dead_fraction", "noise_scale", "noise_scale_reliable", "peak_memory_bytes",
+# another is refused before anything runs; a loss with named terms adds `loss/<name>` for each, and the
+# config's own metric functions `val_<name>` for each of their terms.
+METRICS = ("epoch", "steps", "train_loss", "val_loss", "val_acc", "val_top5", "val_perplexity", "current_lr",
+           "epoch_time_s", "grad_norm", "update_ratio", "dead_fraction", "noise_scale", "noise_scale_reliable", "peak_memory_bytes",
            "bn_mean_error", "bn_var_error", "samples_per_s", "wall_time_s", "physical_batch_used", "oom_retries",
            "oom_physical_batch", "allreduce_calls", "allreduce_bytes")
 
@@ -85,34 +88,6 @@ def lr_at(config: TrainConfig, step: int, total_steps: int, steps_per_epoch: int
     return config.lr
 
 
-@torch.inference_mode()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int, loss: Loss | None = None,
-             precision: str = "fp32") -> tuple[float, float]:
-    """Mean loss over the counted items (the sum of the terms' means) and accuracy over them (samples or
-    tokens; NaN for float targets), in eval mode; restores the previous mode."""
-    loss = loss or Loss(builtin, "built-in")
-    was_training = model.training
-    model.eval()
-    sums: dict[str, list] = {}
-    correct = torch.zeros((), device=x.device, dtype=torch.long)
-    items = torch.zeros((), device=x.device, dtype=torch.long)
-    for xs, ys in zip(x.split(batch), y.split(batch)):
-        with torch.autocast(x.device.type, torch.bfloat16, enabled=precision == "bf16"):
-            out = model(xs)
-            terms = loss.terms(out, ys)
-        for name, (total, count) in terms.items():
-            entry = sums.setdefault(name, [torch.zeros((), device=x.device, dtype=torch.float64), 0])
-            entry[0] += total
-            entry[1] = entry[1] + count
-        if not ys.is_floating_point() and torch.is_tensor(out) and out.dim() == ys.dim() + 1:
-            counted = ys != IGNORE_INDEX
-            correct += ((out.argmax(-1) == ys) & counted).sum()
-            items += counted.sum()
-    model.train(was_training)
-    val_loss = sum(float(total) / float(count) for total, count in sums.values())
-    return val_loss, (correct.item() / items.item() if items.item() else math.nan)
-
-
 def optimizer_groups(model: nn.Module) -> list:
     """The model's own `param_groups()` when it defines one (e.g. no weight decay on biases), else every
     parameter that requires a gradient."""
@@ -141,7 +116,7 @@ class Prepared:
 def prepare(config: TrainConfig) -> Prepared:
     device = local_device(resolve_device(config.device))
     dtype = getattr(torch, config.dtype)
-    data = load_data(config.dataset, config.data_dir, config.seed).with_digest()
+    data = load_data(config.dataset, config.data_dir, config.seed, config.label_key).with_digest()
     n = data.n_train
     if config.effective_batch > n:
         ranks = f" x world_size {config.world_size}" if config.world_size > 1 else ""
@@ -164,7 +139,8 @@ def prepare(config: TrainConfig) -> Prepared:
             model = model.to(memory_format=torch.channels_last)
             if data.x_train is not None:
                 data.x_train = data.x_train.contiguous(memory_format=torch.channels_last)
-            data.x_test = data.x_test.contiguous(memory_format=torch.channels_last)
+            if data.x_test is not None:
+                data.x_test = data.x_test.contiguous(memory_format=torch.channels_last)
         else:
             notes.append("channels_last has no effect: the model has no 2-D convolution")
     return Prepared(device, data, model, notes)
@@ -219,6 +195,7 @@ class Loop:
     optimizer: torch.optim.Optimizer
     params: list  # every parameter the optimizer steps
     loss: Loss
+    metrics: list[Metric]  # the config's own, beside the built-in accuracy
     feed: Feed
     terms: LossTerms  # the loss terms' sums: the training loss of the epoch
     probes: list[Probe]  # terms first, then the diagnostics and the caller's
@@ -229,6 +206,7 @@ class Loop:
     progress: Progress
     notes: list[str]
     b: int  # the micro-batch size in use
+    counted: Any = 0  # with a loss without counts(): the items the window's micro-batches counted so far
 
 
 def _start(config: TrainConfig, prepared: Prepared, parallel: Parallel | None, probes: list[Probe],
@@ -243,13 +221,13 @@ def _start(config: TrainConfig, prepared: Prepared, parallel: Parallel | None, p
     loss = load_loss(config.loss, model)
     terms = LossTerms()
     probes = [terms, *(builtin_diagnostics() if diagnostics else []), *probes]
-    run = Run(config, model, optimizer, params, prepared.device, prepared.data.n_train, parallel)
+    run = Run(config, model, optimizer, params, prepared.device, prepared.data.n_train, parallel, loss.divide_after)
     for probe in probes:
         probe.start(run)
     device_type = prepared.device.type
     # (a disabled torch.autocast still costs about 4 µs a micro-batch: none in fp32)
     amp = (lambda: torch.autocast(device_type, torch.bfloat16)) if config.precision == "bf16" else nullcontext
-    return Loop(config, prepared.data, net, model, optimizer, params, loss,
+    return Loop(config, prepared.data, net, model, optimizer, params, loss, load_metrics(config.metrics),
                 Feed(prepared.data, config, prepared.device, loss, parallel), terms, probes,
                 [p for p in probes if type(p).forward is not Probe.forward], amp, parallel,
                 Retry(model, config, optimizer, probes) if config.shrink_on_oom else None, Progress(),
@@ -307,16 +285,19 @@ def _train(config: TrainConfig, prepared: Prepared, parallel: Parallel | None, o
 def _accumulate(loop: Loop, window, step: int, b: int) -> None:
     """The window's micro-batches of b: forward, each loss term divided by its count over the whole window
     (never by k: exact for any split of the window, with padding, a short last window or ranks), backward.
-    The gradients add up; under DDP they are all-reduced once, at the last micro-batch."""
-    last = window.parts(b) - 1
+    The gradients add up; under DDP they are all-reduced once, at the last micro-batch. A loss without
+    counts() backwards its sums, and `_step` divides by the window's count."""
+    last, loop.counted = window.parts(b) - 1, 0
     for i, (x, y) in enumerate(window.cut(b)):
         with loop.parallel.micro(i == last) if loop.parallel else nullcontext():
             with around_forward(loop.forwarding, step), loop.amp():
-                micro_terms = loop.loss.terms(loop.net(x), y)
-            objective = window_share(micro_terms, window.counts)
+                micro_terms = loop.loss.terms(forward(loop.net, x), y)
+            objective = loop.loss.share(micro_terms, window.counts)
             if loop.parallel:  # DDP averages over the ranks: their mean of N x this is the sum
                 objective = objective * loop.parallel.world
             objective.backward()
+        if loop.loss.divide_after:  # (the terms count alike: the first term's count is the window's)
+            loop.counted = loop.counted + next(iter(micro_terms.values()))[1]
         micro = Micro(step, window.size, x, y, micro_terms)
         for probe in loop.probes:
             probe.after_micro(micro)
@@ -324,6 +305,8 @@ def _accumulate(loop: Loop, window, step: int, b: int) -> None:
 
 def _step(loop: Loop, step: int, size: int) -> None:
     """One optimizer step for the window, then its gradients are let go."""
+    if loop.loss.divide_after:
+        _divide_by_count(loop)
     for probe in loop.probes:
         probe.before_step(step, size)
     if loop.config.grad_clip:
@@ -334,6 +317,17 @@ def _step(loop: Loop, step: int, size: int) -> None:
     loop.optimizer.zero_grad(set_to_none=True)
 
 
+def _divide_by_count(loop: Loop) -> None:
+    """The window's summed gradients divided by the items its micro-batches counted (over every rank)."""
+    grads = [p.grad for p in loop.params if p.grad is not None]
+    if not grads:
+        return
+    count = loop.counted
+    if loop.parallel:
+        count = loop.parallel.sum_counts(count, grads[0].device)
+    torch._foreach_div_(grads, torch.as_tensor(count, dtype=grads[0].dtype, device=grads[0].device))
+
+
 def _end_epoch(loop: Loop, epoch: int, step: int, lr: float, samples: int, start: float,
                synced: tuple[int, int] | None) -> dict[str, float]:
     """The epoch's row (its one synchronization with the device), evaluated; the progress moves on."""
@@ -341,14 +335,14 @@ def _end_epoch(loop: Loop, epoch: int, step: int, lr: float, samples: int, start
     row = {"epoch": epoch, **loop.terms.epoch_end(epoch)}
     elapsed = time.perf_counter() - start
     if math.isfinite(row["train_loss"]):
-        val_loss, val_acc = evaluate(loop.model, loop.data.x_test, loop.data.y_test, config.eval_batch, loop.loss,
-                                     config.precision)
+        row.update(evaluate(loop.model, loop.feed.test(), loop.loss, config.precision, loop.metrics))
     else:
-        progress.status, val_loss, val_acc = "diverged", math.nan, math.nan
+        progress.status = "diverged"
+        row.update(val_loss=math.nan, val_acc=math.nan)
     epoch_time = time.perf_counter() - start
-    row.update(val_loss=val_loss, val_acc=val_acc, current_lr=lr, steps=step, epoch_time_s=epoch_time,
-               samples_per_s=samples / elapsed)
+    row.update(current_lr=lr, steps=step, epoch_time_s=epoch_time, samples_per_s=samples / elapsed)
     if loop.data.classification and loop.data.y_test.dim() == 2:  # tokens
+        val_loss = row["val_loss"]
         row["val_perplexity"] = math.exp(min(val_loss, 700.0)) if math.isfinite(val_loss) else math.nan
     if loop.retry:  # how often a micro-batch ran out of memory, and the smallest b that did
         row.update(oom_retries=progress.oom_retries, oom_physical_batch=progress.oom_batch or math.nan)
@@ -393,7 +387,7 @@ def _result(loop: Loop, device: torch.device, resumed_after: int) -> TrainResult
     health, health_epoch = verdict(progress.status, history, data.chance,
                                    data.num_classes if data.classification else None)
     dataset = {"name": config.dataset, "digest": data.digest, "train_size": data.n_train,
-               "test_size": len(data.x_test)}
+               "test_size": data.n_test}
     return TrainResult(config=config, status=progress.status, metrics=metrics, history=history, model=loop.model,
                        device_name=device_name(device), dataset=dataset,
                        memory_source=memory_source(device),

@@ -3,9 +3,16 @@ are not IGNORE_INDEX) and their number, or a dict of such named terms. The loop 
 count over the whole window, never by k, so a window's gradient is exactly the gradient of the mean over
 all its counted items, whatever each micro-batch holds.
 
-The counts must be known before the window's first backward. They come from the targets, as the
-transformers library counts a window's tokens first: a loss may carry `counts(target)` (a number, or a dict
-by term); without one, every term is assumed to count samples, which the first micro-batch checks.
+With `counts(target)` (a number, or a dict by term) the window's counts are known before its first backward,
+from the targets, as the transformers library counts a window's tokens first, and each micro-batch's sums are
+divided as they come. Without it the loss's own counts are enough: the window's micro-batches backward their
+plain sums, the counts are added up (over the ranks under torchrun), and the gradients are divided by the total
+before the step (`divide_after`). That is exact to rounding, not bitwise the same as dividing first. Its terms
+must then count the same items, which the first micro-batch checks.
+
+The built-in loss scores the model's logits (trainers/batches.py: a tensor, `.logits`, a tuple's first
+element) against the labels the causal shift keeps; a loss of the user's or the model's own is given the
+output and the target as they are.
 """
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ from typing import Callable, Union
 import torch
 import torch.nn.functional as F
 
+from .batches import aligned, label_shift
 from .errors import ConfigError
 from .imports import load_factory
 
@@ -27,9 +35,10 @@ def builtin(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, C
     squared error for float targets (per sample)."""
     if target.is_floating_point():
         return (output - target.view_as(output)).pow(2).sum(), len(target)
+    count = builtin_counts(target)  # (of the tokens before flattening: a flat target would count padding)
     if target.dim() > 1:  # tokens: flattened (the reshapes cost a micro-batch of samples a few µs for nothing)
         output, target = output.reshape(-1, output.shape[-1]), target.reshape(-1)
-    return F.cross_entropy(output, target, ignore_index=IGNORE_INDEX, reduction="sum"), builtin_counts(target)
+    return F.cross_entropy(output, target, ignore_index=IGNORE_INDEX, reduction="sum"), count
 
 
 def builtin_counts(target: torch.Tensor) -> Count:
@@ -44,15 +53,30 @@ builtin.counts = builtin_counts
 class Loss:
     """A loss function under the (sum, count) contract, with the counts of a window's targets."""
 
-    def __init__(self, fn: Callable, name: str):
+    def __init__(self, fn: Callable, name: str, shift: int = 0):
         self.fn, self.name = fn, name
+        self.shift = shift  # the model's causal shift: the built-in loss and accuracy score the labels it keeps
         self.counter = getattr(fn, "counts", None)
-        self.checked = self.counter is not None  # assumed per-sample counts are checked once
+        self.divide_after = self.counter is None  # the window's count is the sum of the loss's own counts
+        self.checked = not self.divide_after  # that its terms count alike is checked once
 
     def counts(self, target: torch.Tensor) -> Count | dict[str, Count]:
-        return self.counter(target) if self.counter is not None else len(target)
+        if self.counter is None:
+            return len(target)
+        shifted = self.fn is builtin and self.shift and target.dim() > 1
+        return self.counter(target[:, self.shift:] if shifted else target)
+
+    def share(self, terms: Terms, counts: Count | dict[str, Count]) -> torch.Tensor:
+        """A micro-batch's part of its window's objective, for one backward: with the counts known first, each
+        term divided by its window count; otherwise the terms' plain sums."""
+        if not self.divide_after:
+            return window_share(terms, counts)
+        totals = [total for total, _ in terms.values()]
+        return sum(totals[1:], totals[0])
 
     def terms(self, output, target: torch.Tensor) -> Terms:
+        if self.fn is builtin:
+            output, target = aligned(output, target, self.shift)
         value = self.fn(output, target)
         if isinstance(value, tuple) and len(value) == 2:  # one term (checked first: this runs every micro-batch)
             terms = {"loss": value}
@@ -63,12 +87,12 @@ class Loss:
                               f"{type(value).__name__}")
         if not self.checked:
             self.checked = True
-            for term, (_, count) in terms.items():
-                if int(count) != len(target):
-                    raise ConfigError(
-                        f"loss {self.name} counted {int(count)} items of term {term!r} in a micro-batch of "
-                        f"{len(target)} samples: give the function a counts(target) attribute that returns the "
-                        f"items that count, so that each window is normalized by its own total before backward")
+            counted = {term: int(count) for term, (_, count) in terms.items()}
+            if len(set(counted.values())) > 1:
+                raise ConfigError(
+                    f"loss {self.name}'s terms count different items in one micro-batch ("
+                    f"{', '.join(f'{t}: {c}' for t, c in counted.items())}): give the function a counts(target) "
+                    f"attribute that returns each term's count, so that each is normalized by its own window total")
         return terms
 
 
@@ -103,9 +127,10 @@ def counts_samples(counts, n: int) -> bool:
 
 def load_loss(spec: str, model) -> Loss:
     """`auto`: the model's own `loss` method when it has one, else the built-in; or a package.module:fn."""
+    shift = label_shift(model)
     if spec != "auto":
-        return Loss(load_factory(spec, "loss"), spec)
+        return Loss(load_factory(spec, "loss"), spec, shift)
     own = getattr(model, "loss", None)
-    if callable(own):
-        return Loss(own, f"{type(model).__name__}.loss")
-    return Loss(builtin, "cross-entropy/squared error")
+    if callable(own) and not isinstance(own, torch.nn.Module):  # (a model may hold its loss as a module)
+        return Loss(own, f"{type(model).__name__}.loss", shift)
+    return Loss(builtin, "cross-entropy/squared error", shift)

@@ -4,7 +4,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .batches import forward
 from .errors import ConfigError
+from . import hf
 from .imports import load_factory
 from .lm import gpt
 
@@ -53,6 +55,8 @@ MODELS = {"cnn1d": cnn1d, "mlp": mlp, "resnet18": resnet18, "gpt": gpt}
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, norm: str) -> nn.Module:
+    if name.startswith("hf:"):
+        return hf.build(name, num_classes)
     if ":" in name:
         model = load_factory(name, "model")(input_shape=input_shape, num_classes=num_classes)
         if not isinstance(model, nn.Module):
@@ -114,7 +118,7 @@ def bn_population_error(model: nn.Module, inputs) -> dict[str, float]:
         layer.momentum = None  # a cumulative average over the pass
     model.train()
     for xs in inputs:
-        model(xs)
+        forward(model, xs)
     mean_errors, var_errors = [], []
     for layer, (mean, var, count, momentum) in zip(layers, saved):
         pop_mean, pop_var = layer.running_mean.double(), layer.running_var.double().clamp_min(layer.eps)

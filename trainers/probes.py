@@ -30,6 +30,7 @@ class Run:
     device: torch.device
     n_train: int
     parallel: Any = None  # a trainers.distributed.Parallel under torchrun
+    divide_after: bool = False  # a loss without counts(): micro-batch gradients are sums until the step
 
 
 @dataclass
@@ -253,8 +254,12 @@ class Noise(Probe):
     def start(self, run: Run) -> None:
         super().start(run)
         self.noise = None
-        if run.config.world_size == 1:
+        if self._can(run):
             self._measure(run.config.physical_batch)
+
+    @staticmethod
+    def _can(run: Run) -> bool:
+        return run.config.world_size == 1 and not run.divide_after
 
     def _measure(self, b: int) -> None:
         B, previous = self.run.config.effective_batch, self.noise
@@ -264,12 +269,16 @@ class Noise(Probe):
             self.noise.ema, self.noise.weight = previous.ema, previous.weight
 
     def retry(self, step: int, b: int) -> None:
-        if self.run.config.world_size == 1:
+        if self._can(self.run):
             self._measure(b)
 
     def notes(self) -> list[str]:
-        return ["the noise scale is not measured under torchrun (a rank's micro-batch gradients are its own)"] \
-            if self.run.config.world_size > 1 else []
+        if self.run.config.world_size > 1:
+            return ["the noise scale is not measured under torchrun (a rank's micro-batch gradients are its own)"]
+        if self.run.divide_after and self.run.config.accum_steps > 1:
+            return ["the noise scale is not measured with a loss without counts(target): its micro-batch gradients "
+                    "are not normalized until the window's count is known"]
+        return []
 
     def _measures(self, step: int, window: int) -> bool:
         return self.noise is not None and step % self.every == 0 and window == self.run.config.effective_batch
