@@ -18,7 +18,8 @@ from .errors import ConfigError
 # default), so that (b, k) and (b*k, 1) from the same start can be compared step for step.
 TINY = {
     "gpt2-tiny": {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": 128,
-                  "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+                  "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": None,
+                  "eos_token_id": None},  # (GPT-2's are token 50256: outside a small vocabulary)
     "llama-tiny": {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128},
 }
