@@ -78,7 +78,8 @@ def lr_rules(trials: pd.DataFrame) -> list[str]:
                        f"{at_last}.")
     largest = t[t["effective_batch"] == t["effective_batch"].max()]
     means = largest.groupby("lr_rule")["val_acc"].mean().sort_values(ascending=False)
-    if len(means) > 1:
+    same = "base_batch" in largest and (largest["effective_batch"] == largest["base_batch"]).all()
+    if len(means) > 1 and not same:  # (at B = base_batch the rules are one configuration: none is best there)
         best = means.index[0]
         stats = aggregate(largest, ["lr_rule"], "val_acc").set_index("lr_rule")
         spread = "" if math.isnan(stats.loc[best, "ci95"]) else f" ± {100 * stats.loc[best, 'ci95']:.1f}"

@@ -191,8 +191,27 @@ def front(points: pd.DataFrame, cost: str, value: str, maximize: bool = True) ->
     return pd.Series(on, index=points.index)
 
 
+EVERY_RULE = "every LR rule (B = base_batch)"
+
+
+def one_at_base(t: pd.DataFrame, fields: list[str]) -> pd.DataFrame:
+    """At B = base_batch every LR rule gives the same learning rate: one configuration run once per rule. Its
+    runs are kept once (the first rule's), under a label that names no rule, so that none is called best
+    there and its seeds are not counted thrice."""
+    if "lr_rule" not in fields or not {"base_batch", "effective_batch"} <= set(t):
+        return t
+    at_base = pd.to_numeric(t["effective_batch"]) == pd.to_numeric(t["base_batch"])
+    if not at_base.any():
+        return t
+    first = sorted(t.loc[at_base, "lr_rule"].astype(str))[0]
+    t = t[~at_base | (t["lr_rule"].astype(str) == first)].copy()
+    t.loc[pd.to_numeric(t["effective_batch"]) == pd.to_numeric(t["base_batch"]), "lr_rule"] = EVERY_RULE
+    return t
+
+
 def _per_configuration(t: pd.DataFrame, fields: list[str], value: str, cost: str) -> pd.DataFrame:
     """Mean and 95% interval of `value` over each configuration's seeds, and its mean `cost`."""
+    t = one_at_base(t, fields)
     rows = []
     for key, g in t.groupby(fields, dropna=False):
         key = key if isinstance(key, tuple) else (key,)

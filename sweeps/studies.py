@@ -15,7 +15,8 @@ from .program import Program
 
 Point = dict[str, Any]  # the fields that vary between trials: TrainConfig's, and a [program] study's own
 
-DERIVED = tuple(TrainConfig().derived())  # values computed from the fields, which a constraint may name too
+# Values computed from the fields, which a constraint or a placeholder may name too (with AdamW: all of them).
+DERIVED = tuple(TrainConfig(optimizer="adamw").derived())
 LAUNCHERS = ("process", "torchrun")  # where a trial trains: in the worker, or as a torchrun job
 DIRECTIONS = ("maximize", "minimize")
 OPERATORS = {"<=": operator.le, ">=": operator.ge, "==": operator.eq, "!=": operator.ne, "<": operator.lt,

@@ -311,6 +311,17 @@ def test_pareto_fronts_answer_a_budget():
     assert list(front(points, "cost", "value", maximize=False)) == [True, False, False, False]
 
 
+def test_no_lr_rule_is_named_best_at_the_base_batch():
+    # At B = base_batch = 32 the three rules are one configuration (the same lr): the best there is named
+    # without a rule, from its seeds once, not thrice.
+    trials = synthetic(lambda rule, B, kind, seed: 0.97 - B / 10_000 + 0.001 * seed).assign(base_batch=32)
+    study = StudyRuns("s", trials, pd.DataFrame(), None, "", varied=("accum_steps", "lr_rule"),
+                      objectives=(("val_acc", "maximize"),))
+    finding = memory_front(study).finding
+    assert "best overall was k = 1, every LR rule (B = base_batch) (96.8 ± 0.2%)" in finding, finding  # 3 seeds
+    assert "k = 1, linear" not in finding and "k = 1, none" not in finding and "k = 1, sqrt" not in finding
+
+
 def test_table_columns_keep_one_format_and_mark_the_best():
     trials = pd.DataFrame({"effective_batch": [32, 64], "lr": [0.05, 0.1], "status": ["FINISHED", "FINISHED"],
                            "val_acc": [0.91, 0.935], "samples_per_s": [9934.2, 12760.0],

@@ -62,11 +62,21 @@ def test_ctrl_c_marks_the_running_trial_and_says_how_to_resume(tmp_path, workers
     import os
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    # As from a terminal: a shell that started the tests in the background left SIGINT ignored, and a child
-    # inherits that. The signal goes to the main process alone (kill -INT): with 2 workers it passes it on
-    # after 5 s (from a terminal they got it too), so their trials are long enough to be still running then.
-    proc = subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), *TINY, "--epochs",
-                             "100" if workers == 1 else "400", "--workers", str(workers)], cwd=tmp_path,
+    # The first two points train 1 epoch and complete (whichever of them a worker starts at); the others are
+    # long. As from a terminal: a shell that
+    # started the tests in the background left SIGINT ignored, and a child inherits that. The signal goes to
+    # the main process alone (kill -INT): with 2 workers it passes it on after 5 s (from a terminal they got
+    # it too), so their trials are long enough to be still running then.
+    long = 100 if workers == 1 else 400
+    (tmp_path / "study.toml").write_text(f"""name = "accum_lr"
+[fixed]
+model = "mlp"
+dataset = "tests.factories:blobs1k"
+[grid]
+"accum_steps+epochs" = [[1, 1], [2, 1], [4, {long}], [8, {long}]]
+""")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), "--study", "study.toml", "--seeds", "1",
+                             "--workers", str(workers), "--log-models", "none", "--no-report"], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     wait_for_complete(tmp_path / "mlruns/optuna.db", 1, proc)

@@ -165,6 +165,45 @@ def test_lr_rules():
     assert replace(base, lr_rule="linear", accum_steps=1).lr == pytest.approx(0.1)
 
 
+def test_adam_full_square_root_rule_scales_betas_and_eps_as_the_formula_says():
+    # Malladi et al. 2022: with kappa = B / B0, lr * sqrt(kappa), 1 - beta * kappa, eps / sqrt(kappa).
+    from trainers.loop import make_optimizer
+
+    base = TrainConfig(optimizer="adamw", lr_rule="adam_sqrt", base_lr=1e-3, base_batch=32, adam_beta1=0.9,
+                       adam_beta2=0.999, adam_eps=1e-8, physical_batch=32, accum_steps=4)  # kappa = 4
+    assert (base.lr, base.beta1, base.beta2, base.eps) == pytest.approx((2e-3, 0.6, 0.996, 5e-9))
+    group = make_optimizer(base, [torch.nn.Parameter(torch.zeros(1))]).param_groups[0]
+    assert (group["lr"], *group["betas"], group["eps"]) == pytest.approx((2e-3, 0.6, 0.996, 5e-9))
+    same = replace(base, accum_steps=1)  # kappa = 1: nothing moves
+    assert (same.lr, same.beta1, same.beta2, same.eps) == (1e-3, 0.9, 0.999, 1e-8)
+    lr_only = replace(base, lr_rule="sqrt")  # the learning rate alone
+    assert (lr_only.lr, lr_only.beta1, lr_only.beta2, lr_only.eps) == pytest.approx((2e-3, 0.9, 0.999, 1e-8))
+    assert {"beta1": 0.6, "beta2": 0.996} == pytest.approx({k: base.to_dict()[k] for k in ("beta1", "beta2")})
+    assert "beta1" not in TrainConfig().to_dict()  # SGD runs record no Adam values
+    with pytest.raises(ConfigError, match=r"adam_sqrt at B = 512 \(kappa = B / base_batch = 16\) scales 1 - "
+                                          r"adam_beta1 = 0.1 to 1.6: beyond 1 the rule does not hold"):
+        replace(base, accum_steps=16)
+    with pytest.raises(ConfigError, match="lr_rule=adam_sqrt is a rule for AdamW: set optimizer=adamw"):
+        replace(base, optimizer="sgd")
+
+
+def test_the_weight_decay_timescale_rule_keeps_adamw_decay_fixed_in_epochs():
+    # Wang & Aitchison 2025: 1 / (lr * decay) steps, at N / B steps an epoch, is B / (lr * decay * N) epochs.
+    base = TrainConfig(optimizer="adamw", base_lr=1e-3, base_batch=32, weight_decay=0.05, wd_rule="timescale",
+                       physical_batch=32)
+
+    def epochs(config):
+        return config.effective_batch / (config.lr * config.decay * 4000)
+
+    for rule in ("none", "linear", "sqrt", "adam_sqrt"):
+        for k in (1, 2, 4, 8):
+            config = replace(base, lr_rule=rule, accum_steps=k)
+            assert epochs(config) == pytest.approx(epochs(base)), (rule, k)
+    assert replace(base, lr_rule="linear", accum_steps=8).decay == pytest.approx(0.05)  # lr follows B already
+    assert replace(base, accum_steps=8).decay == pytest.approx(0.4)  # lr fixed: decay follows B
+    assert replace(base, wd_rule="none", accum_steps=8).decay == 0.05
+
+
 def test_warmup_and_cosine_schedule():
     config = TrainConfig(base_lr=0.1, lr_rule="linear", accum_steps=4, warmup_epochs=2, epochs=4,
                          schedule="cosine")

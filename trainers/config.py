@@ -11,7 +11,8 @@ from .errors import BatchsweepError, ConfigError  # noqa: F401  (re-exported: ca
 from .hf import check as check_hf
 from .models import MODELS
 
-LR_RULES = ("none", "linear", "sqrt")
+LR_RULES = ("none", "linear", "sqrt", "adam_sqrt")
+WD_RULES = ("none", "timescale")
 BN_RULES = ("default", "scaled", "matched")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "cosine")
@@ -61,7 +62,11 @@ class TrainConfig:
     optimizer: str = "sgd"  # sgd | adamw
     momentum: float = 0.9  # SGD momentum
     nesterov: bool = False
-    weight_decay: float = 0.0
+    adam_beta1: float = 0.9  # AdamW's betas and eps at base_batch (adam_sqrt scales them with B)
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0  # at base_batch and base_lr (wd_rule scales it with B)
+    wd_rule: str = "none"  # none | timescale: AdamW's decay timescale 1/(lr * decay) kept fixed in epochs
     grad_clip: float = 0.0  # max global grad norm per step; 0 = off
     epochs: int = 10
     max_steps: int = 0  # stop after this many optimizer steps (0: run every epoch); for quick probes
@@ -90,6 +95,7 @@ class TrainConfig:
                 raise ConfigError(f"metrics {spec!r} is not an import path: give package.module:fn (comma-separated)")
         _choice("norm", self.norm, NORMS)
         _choice("lr_rule", self.lr_rule, LR_RULES)
+        _choice("wd_rule", self.wd_rule, WD_RULES)
         _choice("bn_momentum_rule", self.bn_momentum_rule, BN_RULES)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("schedule", self.schedule, SCHEDULES)
@@ -115,8 +121,9 @@ class TrainConfig:
                               f"at B = {self.effective_batch}: lower --base-lr")
         if not self.momentum < 1:
             raise ConfigError(f"momentum must be below 1 (at 1 and above every step grows), got {self.momentum}")
-        if self.lr * self.weight_decay >= 1:
-            raise ConfigError(f"weight_decay {self.weight_decay:g} times the learning rate {self.lr:.4g} is >= 1: each "
+        self._check_adam()
+        if self.lr * self.decay >= 1:
+            raise ConfigError(f"weight decay {self.decay:g} times the learning rate {self.lr:.4g} is >= 1: each "
                               f"step would shrink the weights through zero; lower --weight-decay")
         if not 0 < self.bn_base_momentum <= 1:
             raise ConfigError(f"bn_base_momentum must be in (0, 1], got {self.bn_base_momentum}")
@@ -129,6 +136,52 @@ class TrainConfig:
         if self.nesterov and (self.optimizer != "sgd" or self.momentum == 0):
             raise ConfigError("nesterov needs optimizer=sgd with momentum > 0")
 
+    def _check_adam(self) -> None:
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not self.adam_eps > 0:
+            raise ConfigError(f"adam_eps must be a positive number, got {self.adam_eps}")
+        for rule, value in (("lr_rule=adam_sqrt", self.lr_rule == "adam_sqrt"), ("wd_rule=timescale",
+                                                                                 self.wd_rule == "timescale")):
+            if value and self.optimizer != "adamw":
+                raise ConfigError(f"{rule} is a rule for AdamW: set optimizer=adamw, or use "
+                                  f"{'lr_rule=sqrt' if rule.startswith('lr') else 'wd_rule=none'} with SGD")
+        for name, base, scaled in (("adam_beta1", self.adam_beta1, self.beta1), ("adam_beta2", self.adam_beta2,
+                                                                                 self.beta2)):
+            if scaled < 0:
+                raise ConfigError(
+                    f"adam_sqrt at B = {self.effective_batch} (kappa = B / base_batch = {self.kappa:g}) scales 1 - "
+                    f"{name} = {1 - base:g} to {self.kappa * (1 - base):g}: beyond 1 the rule does not hold "
+                    f"(Malladi et al. 2022); raise {name} to at least 1 - 1/kappa = {1 - 1 / self.kappa:g}, or base_batch")
+
+    @property
+    def kappa(self) -> float:
+        """B / base_batch: how far the scaling rules move the base values."""
+        return self.effective_batch / self.base_batch
+
+    @property
+    def beta1(self) -> float:
+        """AdamW's beta1 used: with adam_sqrt, 1 - beta1 scales by kappa (Malladi et al. 2022)."""
+        return 1 - self.kappa * (1 - self.adam_beta1) if self.lr_rule == "adam_sqrt" else self.adam_beta1
+
+    @property
+    def beta2(self) -> float:
+        return 1 - self.kappa * (1 - self.adam_beta2) if self.lr_rule == "adam_sqrt" else self.adam_beta2
+
+    @property
+    def eps(self) -> float:
+        """AdamW's eps used: with adam_sqrt, eps / sqrt(kappa)."""
+        return self.adam_eps / math.sqrt(self.kappa) if self.lr_rule == "adam_sqrt" else self.adam_eps
+
+    @property
+    def decay(self) -> float:
+        """The weight decay used. timescale keeps AdamW's 1 / (lr * decay) steps fixed in epochs (Wang &
+        Aitchison 2025): steps per epoch fall as 1 / B, so decay = weight_decay * (base_lr / lr) * kappa."""
+        if self.wd_rule == "timescale":
+            return self.weight_decay * self.base_lr / self.lr * self.kappa
+        return self.weight_decay
+
     @property
     def effective_batch(self) -> int:
         """B = b * k * N: samples per optimizer step, over every process."""
@@ -137,8 +190,8 @@ class TrainConfig:
     @property
     def lr(self) -> float:
         """The peak learning rate after the scaling rule."""
-        ratio = self.effective_batch / self.base_batch
-        scale = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.lr_rule]
+        ratio = self.kappa
+        scale = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio), "adam_sqrt": math.sqrt(ratio)}[self.lr_rule]
         return self.base_lr * scale
 
     @property
@@ -152,7 +205,10 @@ class TrainConfig:
         return m
 
     def derived(self) -> dict[str, Any]:
-        return {"effective_batch": self.effective_batch, "lr": self.lr, "bn_momentum": self.bn_momentum}
+        found = {"effective_batch": self.effective_batch, "lr": self.lr, "bn_momentum": self.bn_momentum}
+        if self.optimizer == "adamw":  # what AdamW ran with, after the rules
+            found.update(beta1=self.beta1, beta2=self.beta2, eps=self.eps, decay=self.decay)
+        return found
 
     def to_dict(self) -> dict[str, Any]:
         """Every field plus the derived values: the params a run is logged with."""

@@ -98,7 +98,8 @@ def optimizer_groups(model: nn.Module) -> list:
 
 def make_optimizer(config: TrainConfig, params: list) -> torch.optim.Optimizer:
     if config.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+        return torch.optim.AdamW(params, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
+                                 weight_decay=config.decay)
     return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov,
                            weight_decay=config.weight_decay)
 
