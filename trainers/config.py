@@ -123,7 +123,7 @@ class TrainConfig:
             raise ConfigError(f"momentum must be below 1 (at 1 and above every step grows), got {self.momentum}")
         self._check_adam()
         if self.lr * self.decay >= 1:
-            raise ConfigError(f"weight decay {self.decay:g} times the learning rate {self.lr:.4g} is >= 1: each "
+            raise ConfigError(f"weight_decay {self.decay:g} times the learning rate {self.lr:.4g} is >= 1: each "
                               f"step would shrink the weights through zero; lower --weight-decay")
         if not 0 < self.bn_base_momentum <= 1:
             raise ConfigError(f"bn_base_momentum must be in (0, 1], got {self.bn_base_momentum}")
