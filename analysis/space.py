@@ -299,7 +299,7 @@ def time_front(study: StudyRuns) -> Figure | None:
     seconds = time_to_target(t, study.history, value, target)
     if seconds is None:
         return None
-    t = t.assign(seconds=seconds.values)
+    t = one_at_base(t.assign(seconds=seconds.values), fields)
     # A configuration counts when most of its seeds reached the target; its time is their median.
     rows = []
     for key, g in t.groupby(fields, dropna=False):

@@ -315,11 +315,14 @@ def test_no_lr_rule_is_named_best_at_the_base_batch():
     # At B = base_batch = 32 the three rules are one configuration (the same lr): the best there is named
     # without a rule, from its seeds once, not thrice.
     trials = synthetic(lambda rule, B, kind, seed: 0.97 - B / 10_000 + 0.001 * seed).assign(base_batch=32)
-    study = StudyRuns("s", trials, pd.DataFrame(), None, "", varied=("accum_steps", "lr_rule"),
+    history = pd.DataFrame([dict(run_id=r.run_id, epoch=e, epoch_time_s=1.0, val_acc=r.val_acc)
+                            for r in trials.itertuples() for e in (1, 2)])
+    study = StudyRuns("s", trials, history, None, "", varied=("accum_steps", "lr_rule"),
                       objectives=(("val_acc", "maximize"),))
-    finding = memory_front(study).finding
-    assert "best overall was k = 1, every LR rule (B = base_batch) (96.8 ± 0.2%)" in finding, finding  # 3 seeds
-    assert "k = 1, linear" not in finding and "k = 1, none" not in finding and "k = 1, sqrt" not in finding
+    for figure in (memory_front(study), time_front(study)):
+        finding = figure.finding
+        assert "best overall was k = 1, every LR rule (B = base_batch) (96.8 ± 0.2%)" in finding, finding  # 3 seeds
+        assert "k = 1, linear" not in finding and "k = 1, none" not in finding and "k = 1, sqrt" not in finding
 
 
 def test_table_columns_keep_one_format_and_mark_the_best():
