@@ -265,7 +265,7 @@ def health(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | None:
     return Figure("health", "Training health: gradient norm and update ratio of every trial", fig, context(trials))
 
 
-def steps_vs_batch(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | None:
+def steps_vs_batch(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None) -> Figure | None:
     """Steps and samples to the target accuracy against B on log-log axes, with perfect scaling (Shallue et al.)."""
     t = finished(trials)
     if tuned(t) or "effective_batch" not in t or t["effective_batch"].nunique() < 3:
@@ -273,7 +273,7 @@ def steps_vs_batch(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | None
     if "accum_steps" in t and (t["accum_steps"] > 1).any():
         t = t[t["physical_batch"] == t.loc[t["accum_steps"] > 1, "physical_batch"].mode().iloc[0]]
     keys = [c for c in ("lr_rule", "bn_momentum_rule") if c in t and t[c].nunique() > 1]
-    found = steps_to_target(t, history, keys)
+    found = steps_to_target(t, history, keys, evals)
     if found is None or found[0]["steps"].notna().sum() < 2:
         return None
     table, target = found
@@ -300,15 +300,39 @@ def steps_vs_batch(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | None
         ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.set(xlabel="effective batch B", ylabel=label)
     left.legend(title=" / ".join(keys) or None, fontsize=8)
-    fig.suptitle(f"target: {100 * target:.1f}% validation accuracy (95% of the best mean), evaluated once an epoch; "
+    every = "once an epoch" if evals is None else "every eval_every_steps"
+    fig.suptitle(f"target: {100 * target:.1f}% validation accuracy (95% of the best mean), evaluated {every}; "
                  f"dotted: where steps stopped halving; no point: most seeds never reached the target", fontsize=9)
     fig.tight_layout()
     return Figure("steps_to_target", "Steps and samples to the target accuracy against effective batch (log–log)",
                   fig, context(t))
 
 
-def all_figures(trials: pd.DataFrame, history: pd.DataFrame) -> list[Figure]:
-    made = [accuracy_vs_batch(trials), steps_vs_batch(trials, history), memory_vs_batch(trials), throughput(trials),
-            learning_curves(trials, history), lr_scaling(trials), bn_rules(trials), equivalence(trials),
-            health(trials, history)]
+def warmup_curves(trials: pd.DataFrame, evals: pd.DataFrame | None) -> Figure | None:
+    """Validation accuracy against training samples, each batch-size warmup beside the fixed B (one line per
+    seed), at the evaluations within epochs."""
+    t = finished(trials)
+    if evals is None or "batch_warmup" not in t or not {"step_samples", "step_val_acc"} <= set(evals):
+        return None
+    arms = t.assign(batch_warmup=t["batch_warmup"].fillna("").astype(str))
+    if arms["batch_warmup"].nunique() < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for color, ((arm, b), rows) in zip(sns.color_palette(), arms.groupby(["batch_warmup", "effective_batch"])):
+        label = f"warmup B = {arm}, then {b}" if arm else f"fixed B = {b}"
+        for i, run_id in enumerate(rows["run_id"]):
+            curve = evals[evals["run_id"] == run_id].sort_values("step_samples")
+            ax.plot(curve["step_samples"], curve["step_val_acc"], color=color, linewidth=1, alpha=0.8,
+                    label=label if i == 0 else None)
+    ax.set(xlabel="training samples", ylabel="validation accuracy", ylim=(max(0.0, evals["step_val_acc"].min()), 1))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return Figure("batch_warmup", "Batch-size warmup against a fixed batch: accuracy against samples (one line a seed)",
+                  fig, context(t))
+
+
+def all_figures(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None) -> list[Figure]:
+    made = [accuracy_vs_batch(trials), steps_vs_batch(trials, history, evals), warmup_curves(trials, evals),
+            memory_vs_batch(trials), throughput(trials), learning_curves(trials, history), lr_scaling(trials),
+            bn_rules(trials), equivalence(trials), health(trials, history)]
     return [f for f in made if f is not None]

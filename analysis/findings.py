@@ -14,7 +14,8 @@ import numpy as np
 import pandas as pd
 
 from .figures import best_lr, critical_batch, finished, reliable_noise, tuned
-from .runs import TARGET_SHARE, Difference, aggregate, knee, paired, steps_to_target
+from .runs import (TARGET_SHARE, Difference, aggregate, discoveries, knee, paired, reached, resolution,
+                   steps_to_target)
 
 EXACT = 1e-4  # relative parameter difference below which accumulation is float rounding, not a change
 ROUNDING = 1e-10  # in float64, a ghost twin this close shows that what is left in float32 is rounding
@@ -39,6 +40,16 @@ def stated(d: Difference, ahead: str = "higher", behind: str = "lower") -> str:
     return f"indistinguishable ({100 * d.mean:+.1f} ± {100 * d.half:.1f} points over {d.n} seeds)"
 
 
+def controlled(diffs: list[Difference], what: str) -> list[str]:
+    """With many comparisons, how many differences survive false-discovery control beside their own intervals."""
+    diffs = [d for d in diffs if d is not None and d.n >= 2]
+    if len(diffs) < 4:
+        return []
+    apart = sum(d.separated for d in diffs)
+    return [f"Of the {len(diffs)} {what}, {apart} differ by their own 95% interval and {discoveries(diffs)} "
+            f"survive false-discovery control (Benjamini-Hochberg at 5%, paired t-tests over the seeds)."]
+
+
 def _seed_note(t: pd.DataFrame) -> list[str]:
     if "seed" in t and t["seed"].nunique() == 1 and len(t) > 1:
         return ["With one seed no difference between configurations can be told from seed noise; run the study "
@@ -60,7 +71,7 @@ def lr_rules(trials: pd.DataFrame) -> list[str]:
     if "lr_rule" not in t or t["lr_rule"].nunique() < 2 or t["effective_batch"].nunique() < 2 or tuned(t):
         return []
     t = _series(t)
-    out = []
+    out, family = [], []
     for rule, rows in t.groupby("lr_rule"):
         sizes = sorted(rows["effective_batch"].unique())
         if len(sizes) < 2:
@@ -68,6 +79,7 @@ def lr_rules(trials: pd.DataFrame) -> list[str]:
         base = rows[rows["effective_batch"] == sizes[0]]
         diffs = {b: paired(rows[rows["effective_batch"] == b], base, "val_acc") for b in sizes[1:]}
         fell = next((b for b, d in diffs.items() if d and d.separated and d.mean < 0), None)
+        family += diffs.values()
         last = diffs[sizes[-1]]
         if fell is None:
             out.append(f"The {rule} LR rule did not fall measurably below B = {sizes[0]} up to B = {sizes[-1]}: "
@@ -89,7 +101,7 @@ def lr_rules(trials: pd.DataFrame) -> list[str]:
             others.append(f"{rule} {stated(d)}" if d else f"{rule} {_pct(means[rule])}")
         out.append(f"At the largest batch, B = {int(largest['effective_batch'].iloc[0])}, the {best} rule had the "
                    f"highest mean ({_pct(means[best])}{spread}); against it, " + "; ".join(others) + ".")
-    return out
+    return out + controlled(family, "comparisons of a rule's B against its smallest B")
 
 
 def twins(trials: pd.DataFrame) -> list[str]:
@@ -120,7 +132,7 @@ def twins(trials: pd.DataFrame) -> list[str]:
         named = "; ".join(f"{', '.join(f'{k} = {v}' for k, v in where.items())}: "
                           f"{stated(d, 'accumulated ahead', 'true batch ahead')}" for where, d in apart)
         sentence += f"; they differed at {named}"
-    return [sentence + "."]
+    return [sentence + ".", *controlled([d for _, d in pairs], "twin pairs")]
 
 
 def memory(trials: pd.DataFrame) -> list[str]:
@@ -256,13 +268,13 @@ def lr_exponent(trials: pd.DataFrame) -> list[str]:
             f"B = {best['effective_batch'].iloc[-1]}."]
 
 
-def steps(trials: pd.DataFrame, history: pd.DataFrame) -> list[str]:
+def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None) -> list[str]:
     """Steps to the target accuracy against B (Shallue et al. 2018), the knee, and the noise scale's prediction."""
     t = finished(trials)
     if tuned(t) or "effective_batch" not in t or t["effective_batch"].nunique() < 3:
         return []
     keys = [c for c in ("lr_rule", "bn_momentum_rule") if c in t and t[c].nunique() > 1]
-    found = steps_to_target(_series(t), history, keys)
+    found = steps_to_target(_series(t), history, keys, evals)
     if found is None:
         return []
     table, target = found
@@ -280,8 +292,7 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame) -> list[str]:
         per = ", ".join(f"{f'for {g} ' if g else ''}{where(b)}" for g, b in knees.items())
     out.append(f"Steps to reach {_pct(target)} validation accuracy ({100 * TARGET_SHARE:.0f}% of the best "
                f"configuration's mean) stopped halving with each doubling of B (a doubling saved less than a "
-               f"quarter of them) {per}. Accuracy is evaluated once an epoch, so steps are known to within one "
-               f"epoch's steps.")
+               f"quarter of them) {per}. Accuracy is {resolution(t, evals)}.")
     b_crit = critical_batch(t)
     measured = [b for b in knees.values() if b]
     if b_crit is not None and measured:
@@ -290,6 +301,41 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame) -> list[str]:
             "below" if b_crit < knee_b else "above"
         out.append(f"The measured gradient noise scale predicts a critical batch of about {b_crit:.0f} "
                    f"(McCandlish et al. 2018): {where} where steps-to-target stopped halving (B = {knee_b}).")
+    return out
+
+
+def _counted(d: Difference | None, unit: str) -> str:
+    """A paired difference of counts (steps, samples), stated only beyond the noise."""
+    if d is None:
+        return f"no seed reached the target in both, so no {unit} to compare"
+    if not d.separated:
+        return f"indistinguishable ({d.mean:+,.0f} ± {d.half:,.0f} {unit} over {d.n} seed{'s' * (d.n > 1)})"
+    return f"{d.mean:+,.0f} {unit}, 95% CI {d.mean - d.half:+,.0f} to {d.mean + d.half:+,.0f} over {d.n} seeds"
+
+
+def warmup(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None) -> list[str]:
+    """Each batch-size warmup against a fixed B, paired by seed: the B it grows to and, when the study has it,
+    the B it starts from; steps and samples to the target accuracy, and the final accuracy."""
+    t = finished(trials)
+    if "batch_warmup" not in t or history.empty:
+        return []
+    t = t.assign(batch_warmup=t["batch_warmup"].fillna("").astype(str))
+    if not (t["batch_warmup"] == "").any() or t["batch_warmup"].nunique() < 2:
+        return []
+    target = TARGET_SHARE * float(aggregate(t, ["batch_warmup", "effective_batch"], "val_acc")["mean"].max())
+    t = t.drop(columns=["steps", "samples"], errors="ignore").merge(reached(t, history, target, evals), on="run_id")
+    fixed = {int(b): rows for b, rows in t[t["batch_warmup"] == ""].groupby("effective_batch")}
+    out = []
+    for arm, rows in t[t["batch_warmup"] != ""].groupby("batch_warmup"):
+        start, end = int(arm.split(",")[0]), int(rows["effective_batch"].iloc[0])
+        against = [f"against a fixed B = {b}: {_counted(paired(rows, fixed[b], 'steps'), 'steps')}; "
+                   f"{_counted(paired(rows, fixed[b], 'samples'), 'samples')}; final accuracy "
+                   f"{stated(paired(rows, fixed[b], 'val_acc'), 'higher with warmup', 'lower with warmup')}"
+                   for b in dict.fromkeys((end, start)) if b in fixed]
+        if against:
+            out.append(f"Batch-size warmup (B = {arm} in the first epochs, then {end}), to {_pct(target)} validation "
+                       f"accuracy ({100 * TARGET_SHARE:.0f}% of the best mean; {resolution(t, evals)}), "
+                       + "; and ".join(against) + ".")
     return out
 
 
@@ -337,12 +383,13 @@ def health(trials: pd.DataFrame) -> list[str]:
     return [f"{len(broken)} trials were not healthy ({counts}): see the training health table."]
 
 
-def _comparisons(trials: pd.DataFrame, history: pd.DataFrame) -> list[str]:
+def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None) -> list[str]:
     return [*lr_rules(trials), *twins(trials), *bn(trials), *lr_exponent(trials), *noise_scale(trials),
-            *steps(trials, history), *memory(trials)]
+            *steps(trials, history, evals), *warmup(trials, history, evals), *memory(trials)]
 
 
-def summarize(trials: pd.DataFrame, history: pd.DataFrame | None = None) -> list[str]:
+def summarize(trials: pd.DataFrame, history: pd.DataFrame | None = None,
+              evals: pd.DataFrame | None = None) -> list[str]:
     """The findings. Sentences that compare configurations hold one model and one dataset at a time."""
     history = pd.DataFrame() if history is None else history
     keys = [c for c in ("model", "dataset") if c in trials and trials[c].nunique() > 1]
@@ -351,8 +398,8 @@ def summarize(trials: pd.DataFrame, history: pd.DataFrame | None = None) -> list
         for group, rows in trials.groupby(keys):
             label = " on ".join(map(str, group if isinstance(group, tuple) else (group,)))
             part = history[history["run_id"].isin(rows["run_id"])] if not history.empty else history
-            comparisons += [f"{label}: {s}" for s in _comparisons(rows, part)]
+            comparisons += [f"{label}: {s}" for s in _comparisons(rows, part, evals)]
     else:
-        comparisons = _comparisons(trials, history)
+        comparisons = _comparisons(trials, history, evals)
     return [*exactness(trials), *comparisons, *_seed_note(finished(trials)), *failures(trials), *health(trials),
             *script_note(trials)]

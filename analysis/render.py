@@ -234,12 +234,12 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
     summaries = []
     for study in studies:
         prefix = f"{folder_name([study.name])}-" if len(studies) > 1 else ""
-        figures = [*all_figures(study.trials, study.history), *space_figures(study)]
+        figures = [*all_figures(study.trials, study.history, study.evals), *space_figures(study)]
         for fig in figures:
             path = _save(fig, folder, prefix)
             written.append(path)
             sections.setdefault(fig.title, []).append((f"{study.name}: " if len(studies) > 1 else "", fig, path))
-        findings = summarize(study.trials, study.history) + [f.finding for f in figures if f.finding]
+        findings = summarize(study.trials, study.history, study.evals) + [f.finding for f in figures if f.finding]
         summaries.append((study.name, findings or ["No finished trials yet."], protocol(study.trials)))
         csv = folder / f"{prefix}trials.csv"
         _table(study.trials).to_csv(csv, index=False)

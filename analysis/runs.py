@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 from mlflow import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
@@ -27,6 +28,7 @@ class StudyRuns:
     tracking_uri: str  # as it may be shown: any password as ***
     varied: tuple[str, ...] = ()  # the fields the study varies (its grid axes and searched fields)
     objectives: tuple[tuple[str, str], ...] = (("val_acc", "maximize"),)  # (metric, direction) as Optuna saw them
+    evals: pd.DataFrame | None = None  # evaluations within epochs (eval_every_steps): one row per (run_id, step)
 
 
 DERIVED = ("effective_batch", "lr")  # params computed from others: never counted as varied on their own
@@ -95,12 +97,14 @@ def load_study(name: str, tracking_uri: str, shown_uri: str | None = None) -> St
         trials["batch"] = trials["accum_steps"].map(lambda k: "accumulated" if k > 1 else "true batch")
     tags = parents[-1].data.tags if parents else {}
     names = [c.removeprefix("param:") for c in params]
-    return StudyRuns(name, trials, _history(client, children), parents[-1].info.run_id if parents else None,
+    history, evals = _history(client, children)
+    return StudyRuns(name, trials, history, parents[-1].info.run_id if parents else None,
                      shown_uri, _varied(tags.get("batchsweep.varied"), trials, names),
-                     _objectives(tags.get("batchsweep.objective")))
+                     _objectives(tags.get("batchsweep.objective")), evals)
 
 
-def _history(client: MlflowClient, runs) -> pd.DataFrame:
+def _history(client: MlflowClient, runs) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """The per-epoch rows, and the evaluations within epochs (step_* metrics, by optimizer step) if any."""
     rows = []
     for run in runs:
         for key in run.data.metrics:
@@ -108,7 +112,12 @@ def _history(client: MlflowClient, runs) -> pd.DataFrame:
                 if m.step >= 1:  # per-epoch values; run-level ones sit on the last epoch's step only
                     rows.append((run.info.run_id, m.step, key, m.value))
     frame = pd.DataFrame(rows, columns=["run_id", "epoch", "key", "value"])
-    return frame.pivot_table(index=["run_id", "epoch"], columns="key", values="value").reset_index()
+    within = frame["key"].str.startswith("step_")
+    evals = frame[within].rename(columns={"epoch": "step"})
+    frame = frame[~within]
+    return (frame.pivot_table(index=["run_id", "epoch"], columns="key", values="value").reset_index(),
+            evals.pivot_table(index=["run_id", "step"], columns="key", values="value").reset_index()
+            if within.any() else None)
 
 
 def ci95(values: pd.Series) -> float:
@@ -136,6 +145,7 @@ class Difference:
     mean: float
     half: float  # half-width of the 95% t-interval of the paired differences; NaN for one seed
     n: int
+    p: float = math.nan  # the paired t-test's two-sided p-value (NaN for one seed)
 
     @property
     def separated(self) -> bool:
@@ -152,34 +162,78 @@ def paired(a: pd.DataFrame, b: pd.DataFrame, value: str) -> Difference | None:
     if merged.empty:
         return None
     d = merged["a"] - merged["b"]
-    return Difference(float(d.mean()), ci95(d), len(d))
+    return Difference(float(d.mean()), ci95(d), len(d), _p_value(d))
+
+
+def _p_value(d: pd.Series) -> float:
+    """The paired t-test's two-sided p; differences alike in every seed (to rounding) give 0, or 1 at zero."""
+    n, mean, sd = len(d), float(d.mean()), float(d.std(ddof=1)) if len(d) > 1 else math.nan
+    if n < 2:
+        return math.nan
+    if sd <= 1e-9 * abs(mean) or sd == 0:
+        return 0.0 if mean != 0 else 1.0
+    return float(2 * stats.t.sf(abs(mean) / (sd / math.sqrt(n)), n - 1))
+
+
+def discoveries(diffs: list[Difference], rate: float = 0.05) -> int:
+    """How many of a family of paired comparisons stay different under Benjamini-Hochberg false-discovery
+    control at `rate` (comparisons of one seed cannot: their p is NaN, counted as 1)."""
+    if not diffs:
+        return 0
+    p = np.nan_to_num(np.array([d.p for d in diffs], dtype=float), nan=1.0)
+    return int((stats.false_discovery_control(p, method="bh") <= rate).sum())
 
 
 TARGET_SHARE = 0.95  # the target accuracy is this share of the best configuration's mean final accuracy
 
 
-def steps_to_target(trials: pd.DataFrame, history: pd.DataFrame, keys: list[str]) -> tuple[pd.DataFrame, float] | None:
-    """Optimizer steps (and samples) to first reach the target validation accuracy, per configuration
-    (`keys` + effective_batch), median over the seeds that reached it, and the target. Evaluation runs once
-    an epoch, so a trial's count is the steps at the end of the first epoch at or above the target."""
+def reached(trials: pd.DataFrame, history: pd.DataFrame, target: float,
+            evals: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per trial (run_id): the optimizer steps and training samples at its first evaluation at or above the
+    target validation accuracy, at an epoch's end or within one (`evals`, with eval_every_steps); NaN where it
+    never got there. Runs logged before `samples` was counted take steps x B."""
+    columns = ["run_id", "steps", "samples", "val_acc"]
+    points = history.reindex(columns=columns)
+    if evals is not None and "step_val_acc" in evals:
+        within = evals.rename(columns={"step": "steps", "step_samples": "samples", "step_val_acc": "val_acc"})
+        points = pd.concat([points, within.reindex(columns=columns)], ignore_index=True)
+    hits = points[points["val_acc"] >= target].sort_values("steps").groupby("run_id")[["steps", "samples"]].first()
+    out = trials[["run_id", "effective_batch"]].merge(hits, on="run_id", how="left")
+    out["samples"] = out["samples"].fillna(out["steps"] * out["effective_batch"])
+    return out.drop(columns="effective_batch")
+
+
+def steps_to_target(trials: pd.DataFrame, history: pd.DataFrame, keys: list[str],
+                    evals: pd.DataFrame | None = None) -> tuple[pd.DataFrame, float] | None:
+    """Optimizer steps and samples to first reach the target validation accuracy (`reached`), per
+    configuration (`keys` + effective_batch), median over the seeds that reached it, and the target: 95% of
+    the best configuration's mean final accuracy."""
     if history.empty or not {"steps", "val_acc"} <= set(history) or "effective_batch" not in trials:
         return None
     finals = aggregate(trials, [*keys, "effective_batch"], "val_acc")
     if finals.empty:
         return None
     target = TARGET_SHARE * float(finals["mean"].max())
-    h = history.merge(trials[["run_id", *keys, "effective_batch"]], on="run_id")
-    reached = h[h["val_acc"] >= target].groupby("run_id")[["steps", "epoch"]].min()
-    per_trial = trials[["run_id", *keys, "effective_batch"]].merge(reached, on="run_id", how="left")
+    per_trial = trials[["run_id", *keys, "effective_batch"]].merge(reached(trials, history, target, evals),
+                                                                   on="run_id")
     rows = []
     for group, g in per_trial.groupby([*keys, "effective_batch"], dropna=False):
         group = group if isinstance(group, tuple) else (group,)
-        ok = g["steps"].dropna()
+        ok = g.dropna(subset=["steps"])
+        most = len(ok) * 2 > len(g)
         rows.append({**dict(zip([*keys, "effective_batch"], group)), "seeds": len(g), "reached": len(ok),
-                     "steps": float(ok.median()) if len(ok) * 2 > len(g) else math.nan})
-    out = pd.DataFrame(rows)
-    out["samples"] = out["steps"] * out["effective_batch"]
-    return out, target
+                     "steps": float(ok["steps"].median()) if most else math.nan,
+                     "samples": float(ok["samples"].median()) if most else math.nan})
+    return pd.DataFrame(rows), target
+
+
+def resolution(trials: pd.DataFrame, evals: pd.DataFrame | None) -> str:
+    """How finely steps to a target are known: every N steps with eval_every_steps, else once an epoch."""
+    every = trials["eval_every_steps"].dropna() if "eval_every_steps" in trials else pd.Series(dtype=float)
+    if evals is not None and (every > 0).any():
+        n = int(every[every > 0].max())
+        return f"evaluated every {n} optimizer steps (eval_every_steps), so steps are known to within {n}"
+    return "evaluated once an epoch, so steps are known to within one epoch's steps"
 
 
 def knee(series: pd.DataFrame) -> int | None:

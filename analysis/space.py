@@ -64,7 +64,9 @@ def label(row: pd.Series | dict, fields: list[str]) -> str:
     parts = []
     for f in fields:
         v = row[f]
-        if f in SHORT:
+        if f == "batch_warmup":
+            parts.append(f"warmup B = {v}" if isinstance(v, str) and v else "fixed B")
+        elif f in SHORT:
             parts.append(f"{SHORT[f]} = {_value(v)}")
         elif f in ORDER:
             parts.append(str(v) if f == "lr_rule" else f"BN {v}")

@@ -175,7 +175,7 @@ def point_key(point: Point, seed: int) -> str:
 
 
 def describe(point: Point) -> str:
-    """A short run name: 'b32 k4 linear', 'b32 k8 base_lr=0.0316'."""
-    names = {"physical_batch": "b", "accum_steps": "k"}
-    return " ".join(f"{names[k]}{v}" if k in names else f"{k}={v:.3g}" if isinstance(v, float) else str(v)
-                    for k, v in point.items())
+    """A short run name: 'b32 k4 linear', 'b32 k8 base_lr=0.0316', 'warmup 32,64', 'fixed B'."""
+    names = {"physical_batch": "b", "accum_steps": "k", "batch_warmup": "warmup "}
+    return " ".join("fixed B" if k == "batch_warmup" and not v else f"{names[k]}{v}" if k in names
+                    else f"{k}={v:.3g}" if isinstance(v, float) else str(v) for k, v in point.items())

@@ -1,4 +1,5 @@
 """Model and dataset factories that tests pass to the trainer as `tests.factories:NAME`."""
+import os
 import random
 from dataclasses import dataclass
 
@@ -273,7 +274,6 @@ class Killable(nn.Module):
         self.calls = {"train": 0, "eval": 0}
 
     def forward(self, x):
-        import os
         import signal
         import threading
 
@@ -294,6 +294,37 @@ class Killable(nn.Module):
 
 def killable(input_shape, num_classes, **_):
     return Killable(input_shape, num_classes)
+
+
+class Holds(nn.Module):
+    """A linear model that, at its n-th forward in eval mode, when BATCHSWEEP_TEST_HOLD is `marker:n` and the
+    marker file exists, removes it, lets the last checkpoint land, writes `marker.held` and waits there
+    until killed: a test kills the sweep at a point it knows, not in a window of time."""
+
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.linear = nn.Linear(int(np.prod(input_shape)), num_classes)
+        self.evals = 0
+
+    def forward(self, x):
+        import threading
+        import time
+
+        marker, _, n = os.environ.get("BATCHSWEEP_TEST_HOLD", "").partition(":")
+        self.evals += not self.training
+        if marker and not self.training and self.evals == int(n) and os.path.exists(marker):
+            os.unlink(marker)
+            for thread in threading.enumerate():
+                if thread.name == "checkpoint":
+                    thread.join()
+            open(f"{marker}.held", "w").close()
+            while True:
+                time.sleep(1)
+        return self.linear(x.flatten(1))
+
+
+def holds(input_shape, num_classes, **_):
+    return Holds(input_shape, num_classes)
 
 
 class Branchy(nn.Module):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from analysis.figures import all_figures, best_lr
+from analysis.figures import all_figures, best_lr, warmup_curves
 from analysis.findings import summarize
 from analysis.render import MIB, _display, _table, write_report
 from analysis.runs import StudyRuns, aggregate, knee, load_study, steps_to_target
@@ -82,6 +82,59 @@ def test_planted_accumulation_gap_is_named():
     sentences = " ".join(summarize(synthetic(planted)))
     assert "indistinguishable in 11 of 12 pairs (paired 95% t-intervals over 3 seeds" in sentences
     assert "they differed at lr_rule = sqrt, effective_batch = 128: 4.0 points true batch ahead" in sentences
+
+
+def test_many_pairs_are_put_under_false_discovery_control():
+    # Two gaps far outside the noise, one whose own interval just excludes zero (p = 0.02 of 12 pairs: not a
+    # discovery under Benjamini-Hochberg at 5%, whose threshold at rank 3 is 0.0125).
+    def planted(rule, B, kind, seed):
+        gap = {("sqrt", 128): 0.040 + 0.001 * seed, ("none", 64): 0.040 + 0.001 * seed,
+               ("linear", 256): 0.015 + 0.005 * seed}.get((rule, B), 0.0)
+        return flat(rule, B, kind, seed) - (gap if kind == "accumulated" else 0.0)
+
+    sentences = " ".join(summarize(synthetic(planted)))
+    assert "indistinguishable in 9 of 12 pairs" in sentences
+    assert ("Of the 12 twin pairs, 3 differ by their own 95% interval and 2 survive false-discovery control "
+            "(Benjamini-Hochberg at 5%, paired t-tests over the seeds).") in sentences
+
+
+def test_steps_to_target_within_epochs():
+    # Evaluated at epoch ends (every 10 steps) the target is first seen at step 20; every 2 steps, at 14.
+    trials = synthetic(flat)
+    trials = trials[(trials.physical_batch == 32) & (trials.lr_rule == "none")].assign(eval_every_steps=2)
+    history = pd.DataFrame([dict(run_id=r, epoch=e, steps=10 * e, val_acc=0.5 if e < 2 else 0.95)
+                            for r in trials.run_id for e in (1, 2, 3)])
+    evals = pd.DataFrame([dict(run_id=r, step=s, step_val_acc=0.5 if s < 14 else 0.95)
+                          for r in trials.run_id for s in range(2, 31, 2)])
+    assert set(steps_to_target(trials, history, [])[0]["steps"]) == {20}
+    assert set(steps_to_target(trials, history, [], evals)[0]["steps"]) == {14}
+    sentences = " ".join(summarize(trials, history, evals))
+    assert "evaluated every 2 optimizer steps (eval_every_steps), so steps are known to within 2." in sentences
+
+
+def test_a_batch_warmup_is_paired_with_the_fixed_batches_it_grows_from_and_to():
+    # Seed 0 reaches the target at step 40 of the warmup (2,000 samples), 20 at B = 256 (5,120) and 100 at
+    # B = 32 (3,200); seed s 4s steps later in each. Samples to target, warmup minus B = 256: -3,120, -3,944
+    # and -4,768 (mean -3,944, 95% CI +- 4.303 * 824 / sqrt 3); minus B = 32: -1,200, -1,128, -1,056.
+    reach = {("32,64", 256): (40, 2000), ("", 256): (20, 5120), ("", 32): (100, 3200)}
+    trials, history, evals = [], [], []
+    for (arm, b), (step, samples) in reach.items():
+        for seed in (0, 1, 2):
+            run = f"{arm}-{b}-{seed}"
+            trials.append(dict(run_id=run, status="FINISHED", batch_warmup=arm or None, effective_batch=b,
+                               physical_batch=32, accum_steps=b // 32, seed=seed, eval_every_steps=4,
+                               val_acc=0.95 + 0.001 * seed, model="cnn1d", dataset="mnist1d", reason=None))
+            history.append(dict(run_id=run, epoch=1, steps=200, samples=10_000, val_acc=0.95 + 0.001 * seed))
+            evals += [dict(run_id=run, step=s, step_samples=s * samples // step,
+                           step_val_acc=0.95 if s >= step + seed * 4 else 0.5) for s in range(4, 201, 4)]
+    trials, history, evals = pd.DataFrame(trials), pd.DataFrame(history), pd.DataFrame(evals)
+    sentences = " ".join(summarize(trials, history, evals))
+    assert "Batch-size warmup (B = 32,64 in the first epochs, then 256), to 90.3% validation accuracy" in sentences
+    assert ("against a fixed B = 256: +20 steps, 95% CI +20 to +20 over 3 seeds; -3,944 samples, 95% CI -5,991 to "
+            "-1,897 over 3 seeds; final accuracy indistinguishable (+0.0 ± 0.0 points over 3 seeds); and against a "
+            "fixed B = 32: -60 steps, 95% CI -60 to -60 over 3 seeds; -1,128 samples, 95% CI -1,307 to -949 over 3 "
+            "seeds; final accuracy indistinguishable") in sentences
+    assert warmup_curves(trials, evals).name == "batch_warmup" and warmup_curves(trials, None) is None
 
 
 def test_steps_to_target_and_its_knee():

@@ -138,32 +138,33 @@ def test_physical_batch_auto_on_the_command_line(data_dir, tmp_path):
 DDP_STUDY = """name = "ddp"
 launcher = "torchrun"
 [fixed]
-model = "mlp"
-epochs = 4
+model = "tests.factories:holds"
+dataset = "tests.factories:blobs1k"
+epochs = 3
 world_size = 2
 device = "cpu"
 schedule = "cosine"
-data_dir = "{data_dir}"
 [grid]
 "physical_batch+accum_steps" = [[16, 2], [8, 4], [1024, 4]]
 """
 
 
-def test_a_torchrun_study_killed_mid_trial_resumes_without_losing_or_repeating_a_point(tmp_path, data_dir):
+def test_a_torchrun_study_killed_mid_trial_resumes_without_losing_or_repeating_a_point(tmp_path):
     import time
 
     from mlflow import MlflowClient
 
-    (tmp_path / "study.toml").write_text(DDP_STUDY.format(data_dir=data_dir))
+    (tmp_path / "study.toml").write_text(DDP_STUDY)
     command = [sys.executable, str(ROOT / "sweeps/run.py"), "--study", "study.toml", "--no-report"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    hold = tmp_path / "hold"
+    hold.touch()
+    # The first trial's job holds at its second evaluation, its first epoch checkpointed; the sweep is then
+    # killed (SIGKILL, no chance to clean up).
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "BATCHSWEEP_TEST_HOLD": f"{hold}:2"}
     sweep = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    # Killed (SIGKILL, no chance to clean up) once the first trial's job has checkpointed its second epoch.
     deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and sweep.poll() is None:
-        found = list((tmp_path / "mlruns/checkpoints/ddp").glob("*/checkpoint.pt"))
-        if found and torch.load(found[0], weights_only=True)["progress"]["epoch"] >= 2:
-            break
+    while not (tmp_path / "hold.held").exists():
+        assert sweep.poll() is None and time.monotonic() < deadline, sweep.communicate()
         time.sleep(0.05)
     sweep.kill()
     sweep.communicate()
@@ -178,9 +179,9 @@ def test_a_torchrun_study_killed_mid_trial_resumes_without_losing_or_repeating_a
     resumed = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "study ddp: 3 trials left" in resumed.stderr
-    # The trainer's bad-input line, from inside the job, is the trial's (B = 1024 x 4 x 2 > 4,000 samples).
+    # The trainer's bad-input line, from inside the job, is the trial's (B = 1024 x 4 x 2 > 1,024 samples).
     assert "effective batch 8192 (physical_batch 1024 x accum_steps 4 x world_size 2) is larger than the " \
-           "training set (4000 samples)" in resumed.stderr
+           "training set (1024 samples)" in resumed.stderr
     client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     experiment = client.get_experiment_by_name("ddp").experiment_id
     runs = [r for r in client.search_runs([experiment]) if "mlflow.parentRunId" in r.data.tags]
@@ -191,11 +192,11 @@ def test_a_torchrun_study_killed_mid_trial_resumes_without_losing_or_repeating_a
     points = sorted((r.data.params["physical_batch"], r.data.params["accum_steps"]) for r in finished)
     assert points == [("16", "2"), ("8", "4")] and len(killed) == 1  # each point once, none lost
     resumed_run = next(r for r in finished if r.data.tags.get("batchsweep.resumes_run") == killed[0].info.run_id)
-    assert int(resumed_run.data.tags["resumed_after_epoch"]) >= 2
+    assert int(resumed_run.data.tags["resumed_after_epoch"]) == 1
     for run in finished:  # every epoch once
-        assert [m.step for m in client.get_metric_history(run.info.run_id, "val_loss")] == [1, 2, 3, 4]
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "val_loss")] == [1, 2, 3]
         assert run.data.params["world_size"] == "2" and run.data.params["effective_batch"] == "64"
-        assert run.data.metrics["allreduce_calls"] == 63  # an epoch of 4,000: 62 windows of 64 and one of 32
+        assert run.data.metrics["allreduce_calls"] == 16  # an epoch of 1,024: 16 windows of 64
 
 
 def test_a_study_that_needs_torchrun_or_cannot_use_it_says_so(tmp_path, capsys):

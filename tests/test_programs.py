@@ -50,10 +50,10 @@ def held(path: Path, proc: subprocess.Popen, timeout: float = 180) -> list[int]:
 
 def test_a_script_swept_by_two_workers_killed_and_rerun_completes_every_point_once(tmp_path):
     hold = tmp_path / "hold"
-    path = study_file(tmp_path, "script_grid", """seeds = 2
+    path = study_file(tmp_path, "script_grid", """seeds = 1
 workers = 2
 [fixed]
-epochs = 3
+epochs = 2
 base_lr = 0.1
 lr_rule = "linear"
 base_batch = 16
@@ -81,7 +81,7 @@ accum_steps = [1, 2]
     trials = trials_of(storage, "script_grid")
     complete = [t for t in trials if t.state == State.COMPLETE]
     keys = sorted(tuple(sorted(t.user_attrs["config"].items())) for t in complete)
-    assert len(keys) == 8 and len(set(keys)) == 8  # 2 x 2 points x 2 seeds, each complete exactly once
+    assert len(keys) == 4 and len(set(keys)) == 4  # 2 x 2 points, each complete exactly once
     assert all(t.state == State.FAIL for t in trials if t.state != State.COMPLETE)  # the killed trial(s)
     children, parents = child_runs(client, "script_grid")
     assert not [r for r in children + parents if r.info.status == "RUNNING"]
@@ -92,8 +92,8 @@ accum_steps = [1, 2]
         b, k = int(run.data.params["physical_batch"]), int(run.data.params["accum_steps"])
         assert run.data.params["effective_batch"] == str(b * k) and "model" not in run.data.params
         steps = client.get_metric_history(run.info.run_id, "loss")
-        assert [m.step for m in steps] == list(range(1, 3 * 480 // (b * k) + 1))  # one row per optimizer step
-        assert [m.step for m in client.get_metric_history(run.info.run_id, "val_acc")] == [1, 2, 3]
+        assert [m.step for m in steps] == list(range(1, 2 * 480 // (b * k) + 1))  # one row per optimizer step
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "val_acc")] == [1, 2]
         assert run.data.metrics["val_acc"] == pytest.approx(t.value)
         assert run.data.metrics["peak_memory_bytes"] > 50 * 2 ** 20  # a Python with torch, sampled
         assert run.data.tags["memory_source"] == "rss" and run.data.tags["exit_status"] == "0"
@@ -103,8 +103,7 @@ accum_steps = [1, 2]
     # The correct loop is exact: (8, 2) and (16, 1) from the same seed end with the same accuracy.
     by_point = {(c["physical_batch"], c["accum_steps"], c["seed"]): t.value
                 for t in complete for c in [t.user_attrs["config"]]}
-    for seed in (0, 1):
-        assert by_point[(8, 2, seed)] == pytest.approx(by_point[(16, 1, seed)], abs=1e-6)
+    assert by_point[(8, 2, 0)] == pytest.approx(by_point[(16, 1, 0)], abs=1e-6)
     assert (tmp_path / "reports/script_grid/accuracy_vs_batch.png").exists()
 
 

@@ -41,8 +41,9 @@ BEFORE = {
     "bn_momentum": old_twins([dict(physical_batch=32, accum_steps=1, bn_momentum_rule="default")]
                              + [dict(physical_batch=32, accum_steps=k, bn_momentum_rule=r)
                                 for k in (4, 16) for r in ("default", "scaled", "matched")]),
-    "adam_lr": old_twins([dict(physical_batch=32, accum_steps=k, lr_rule=r) for k in (1, 2, 4, 8)
+    "adam_lr": old_twins([dict(physical_batch=32, accum_steps=k, lr_rule=r) for k in (1, 4, 8)
                           for r in ("none", "linear", "sqrt", "adam_sqrt")]),
+    "batch_warmup": [dict(accum_steps=k, batch_warmup=w) for k, w in ((8, ""), (8, "32,64,128"), (1, ""))],
     "batch_memory": [dict(physical_batch=2 ** i, accum_steps=k) for k in (1, 4) for i in range(3, 11)],
     "lr_search": [dict(physical_batch=32, accum_steps=2 ** i) for i in range(6)],
     "equivalence": [dict(model=m, dataset=d, physical_batch=32, accum_steps=k)

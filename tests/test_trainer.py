@@ -13,7 +13,7 @@ from torch import nn
 from trainers import ConfigError, TrainConfig, interrupt, train
 from trainers.data import load_data, mnist1d
 from trainers.evaluation import evaluate
-from trainers.loop import lr_at
+from trainers.loop import lr_at, warmup_steps
 from trainers.order import permutation, windows
 from trainers.models import build_model
 from trainers.probes import Probe
@@ -208,13 +208,15 @@ def test_warmup_and_cosine_schedule():
     config = TrainConfig(base_lr=0.1, lr_rule="linear", accum_steps=4, warmup_epochs=2, epochs=4,
                          schedule="cosine")
     per_epoch, total = 5, 20
-    values = [lr_at(config, s, total, per_epoch) for s in range(total)]
+    warmup = warmup_steps(config, [per_epoch] * 4)
+    assert warmup == 10 and warmup_steps(replace(config, warmup_epochs=1.5), [8, 4, 2, 2]) == 10
+    values = [lr_at(config, s, total, warmup) for s in range(total)]
     assert values[:10] == pytest.approx([0.4 * (s + 1) / 10 for s in range(10)])
     assert values[10] == pytest.approx(0.4)  # the peak, where cosine starts
     assert values[15] == pytest.approx(0.2)  # half-way through the cosine
     assert all(a > b for a, b in zip(values[10:], values[11:]))
     constant = replace(config, schedule="constant")
-    assert [lr_at(constant, s, total, per_epoch) for s in range(10, 20)] == pytest.approx([0.4] * 10)
+    assert [lr_at(constant, s, total, warmup) for s in range(10, 20)] == pytest.approx([0.4] * 10)
 
 
 def test_trainer_follows_the_schedule(data_dir):

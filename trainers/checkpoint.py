@@ -21,7 +21,7 @@ from .config import FIELDS, TrainConfig
 from .errors import CheckpointError, ConfigError
 
 FILE = "checkpoint.pt"
-FORMAT = 1
+FORMAT = 2
 ENTRIES = {"format", "config", "progress", "model", "optimizer", "probes", "rng"}  # and rng_ranks under torchrun
 # How the data is read, not what is computed: a run may resume with other values of these.
 HOW_NOT_WHAT = ("num_workers", "pin_memory", "prefetch_factor", "data_dir")
@@ -75,6 +75,7 @@ class Progress:
     physical_batch: int = 0  # the b in use, when out-of-memory shrank it (0: the configuration's)
     oom_retries: int = 0
     oom_batch: int = 0  # the smallest b that ran out of memory (0: none did)
+    evals: list[dict[str, float]] = field(default_factory=list)  # the evaluations within epochs, by step
 
 
 def rng_states() -> dict[str, Any]:

@@ -139,6 +139,8 @@ def epoch_progress(total: int, jsonl: str | None = None):
         if rows:
             rows.write(json.dumps(row) + "\n")
             rows.flush()
+        if "epoch" not in row:  # an evaluation within the epoch (eval_every_steps)
+            return
         bar.set_postfix(loss=f"{row['train_loss']:.3f}", val_acc=f"{row['val_acc']:.3f}")
         bar.update(1)
 

@@ -69,6 +69,8 @@ class TrainConfig:
     wd_rule: str = "none"  # none | timescale: AdamW's decay timescale 1/(lr * decay) kept fixed in epochs
     grad_clip: float = 0.0  # max global grad norm per step; 0 = off
     epochs: int = 10
+    batch_warmup: str = ""  # B of the first epochs, comma-separated (e.g. "64,128"); the rest at b * k * N
+    eval_every_steps: int = 0  # also evaluate every this many optimizer steps (step_val_* metrics)
     max_steps: int = 0  # stop after this many optimizer steps (0: run every epoch); for quick probes
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
@@ -104,7 +106,7 @@ class TrainConfig:
         _choice("device", self.device, DEVICES)
         for name in ("physical_batch", "accum_steps", "world_size", "base_batch", "epochs", "eval_batch", "prefetch_factor"):
             _at_least(name, getattr(self, name), 1)
-        for name in ("ghost_batch", "seed", "max_steps", "num_workers"):
+        for name in ("ghost_batch", "seed", "max_steps", "num_workers", "eval_every_steps"):
             _at_least(name, getattr(self, name), 0)
         for name in FIELDS:
             value = getattr(self, name)
@@ -135,6 +137,7 @@ class TrainConfig:
                               "--physical-batch and --accum-steps")
         if self.nesterov and (self.optimizer != "sgd" or self.momentum == 0):
             raise ConfigError("nesterov needs optimizer=sgd with momentum > 0")
+        self._check_warmup()
 
     def _check_adam(self) -> None:
         for name in ("adam_beta1", "adam_beta2"):
@@ -154,6 +157,42 @@ class TrainConfig:
                     f"adam_sqrt at B = {self.effective_batch} (kappa = B / base_batch = {self.kappa:g}) scales 1 - "
                     f"{name} = {1 - base:g} to {self.kappa * (1 - base):g}: beyond 1 the rule does not hold "
                     f"(Malladi et al. 2022); raise {name} to at least 1 - 1/kappa = {1 - 1 / self.kappa:g}, or base_batch")
+
+    def _check_warmup(self) -> None:
+        sizes = self.warmup_batches
+        unit, world = self.physical_batch * self.world_size, self.world_size
+        for before, size in zip((1, *sizes), sizes):
+            if not before <= size <= self.effective_batch or (size % unit if size >= unit else size % world):
+                raise ConfigError(
+                    f"batch_warmup {self.batch_warmup!r}: each B must grow, up to B = {self.effective_batch}, and be "
+                    f"a multiple of b * N = {unit} (or below it, a multiple of N = {world}); e.g. "
+                    f"batch_warmup = \"{unit},{2 * unit}\" with b * k * N >= {2 * unit}")
+        if len(sizes) >= self.epochs:
+            raise ConfigError(f"batch_warmup lists {len(sizes)} epochs of a {self.epochs}-epoch run: list fewer, "
+                              f"or raise --epochs")
+        if sizes and self.shrink_on_oom:
+            raise ConfigError("batch_warmup changes b or k by epoch; --physical-batch auto changes them on "
+                              "out-of-memory: give --physical-batch")
+
+    @property
+    def warmup_batches(self) -> tuple[int, ...]:
+        """batch_warmup's B for the first epochs."""
+        try:
+            return tuple(int(part) for part in self.batch_warmup.split(",") if part.strip())
+        except ValueError:
+            raise ConfigError(f"batch_warmup {self.batch_warmup!r} is not a list of batch sizes: write e.g. "
+                              f"\"64,128\" (B of epochs 1 and 2)") from None
+
+    def at_epoch(self, epoch: int) -> TrainConfig:
+        """The configuration an epoch trains with: under batch_warmup, its B, reached by accumulation at b
+        (k = B / (b * N)), or at a smaller b with k = 1 where B < b * N; the rules then follow that B."""
+        sizes = self.warmup_batches
+        if epoch > len(sizes):
+            return self
+        size, unit = sizes[epoch - 1], self.physical_batch * self.world_size
+        k = max(size // unit, 1)
+        return dataclasses.replace(self, physical_batch=size // (k * self.world_size), accum_steps=k,
+                                   batch_warmup="")
 
     @property
     def kappa(self) -> float:

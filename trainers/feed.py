@@ -106,33 +106,34 @@ class Feed:
                                      persistent_workers=workers > 0, prefetch_factor=config.prefetch_factor
                                      if workers else None, generator=torch.Generator().manual_seed(config.seed))
 
-    def steps_per_epoch(self) -> int:
-        return len(windows(torch.arange(self.n), self.config))
+    def steps_per_epoch(self, config: TrainConfig) -> int:
+        return len(windows(torch.arange(self.n), config))
 
-    def epoch(self, epoch: int) -> Iterator[Window]:
+    def epoch(self, epoch: int, config: TrainConfig) -> Iterator[Window]:
+        """The epoch's windows, of `config`'s B (the run's, or under batch_warmup the epoch's)."""
         if self.loader is None:
-            return self._tensor_windows(epoch)
-        return self._loader_windows(epoch)
+            return self._tensor_windows(epoch, config)
+        return self._loader_windows(epoch, config)
 
-    def _tensor_windows(self, epoch: int) -> Iterator[Window]:
-        x, y, world = self.data.x_train, self.data.y_train, self.config.world_size
+    def _tensor_windows(self, epoch: int, config: TrainConfig) -> Iterator[Window]:
+        x, y, world = self.data.x_train, self.data.y_train, config.world_size
 
         def cut(mine: torch.Tensor, b: int) -> Iterator[tuple[Any, torch.Tensor]]:
             for idx in mine.split(b) if len(mine) else (mine,):
                 yield x[idx], y[idx]
 
-        for window in windows(permutation(self.config, epoch, self.n, self.device), self.config):
+        for window in windows(permutation(config, epoch, self.n, self.device), config):
             # Every process holds the data: the counts of the whole window need no communication.
             mine = shard(window, self.rank, world)
             yield Window(len(window), self.loss.counts(y[window]), len(mine), lambda b, mine=mine: cut(mine, b))
 
-    def _loader_windows(self, epoch: int) -> Iterator[Window]:
-        self.sampler.set_epoch(epoch)
-        loaded, b, world = iter(self.loader), self.config.physical_batch, self.config.world_size
-        for window in windows(torch.arange(self.n), self.config):
+    def _loader_windows(self, epoch: int, config: TrainConfig) -> Iterator[Window]:
+        self.sampler.set_epoch(epoch, config)
+        loaded, b, world = iter(self.loader), config.physical_batch, config.world_size
+        for window in windows(torch.arange(self.n), config):
             rows = len(shard(window, self.rank, world))
             parts = -(-rows // b)
-            if self.per_sample and not self.config.shrink_on_oom:
+            if self.per_sample and not config.shrink_on_oom:
                 # The counts are the window's size: train on each micro-batch as it comes.
                 stream = (self.to_device(next(loaded)) for _ in range(parts))
                 yield Window(len(window), len(window), rows, lambda _, s=stream: s if rows else [self.empty])

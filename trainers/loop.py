@@ -31,7 +31,7 @@ EpochCallback = Callable[[dict[str, float]], None]
 # Every metric a run of `train` can log (each epoch's row and the final metrics), so that a study that names
 # another is refused before anything runs; a loss with named terms adds `loss/<name>` for each, and the
 # config's own metric functions `val_<name>` for each of their terms.
-METRICS = ("epoch", "steps", "train_loss", "val_loss", "val_acc", "val_top5", "val_perplexity", "current_lr",
+METRICS = ("epoch", "steps", "samples", "train_loss", "val_loss", "val_acc", "val_top5", "val_perplexity", "current_lr",
            "epoch_time_s", "grad_norm", "update_ratio", "dead_fraction", "noise_scale", "noise_scale_reliable", "peak_memory_bytes",
            "bn_mean_error", "bn_var_error", "samples_per_s", "wall_time_s", "physical_batch_used", "oom_retries",
            "oom_physical_batch", "allreduce_calls", "allreduce_bytes")
@@ -78,14 +78,18 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def lr_at(config: TrainConfig, step: int, total_steps: int, steps_per_epoch: int) -> float:
+def lr_at(config: TrainConfig, step: int, total_steps: int, warmup_steps: int) -> float:
     """Learning rate of optimizer step `step` (0-based): linear warmup to config.lr, then constant or cosine."""
-    warmup = round(config.warmup_epochs * steps_per_epoch)
-    if step < warmup:
-        return config.lr * (step + 1) / warmup
+    if step < warmup_steps:
+        return config.lr * (step + 1) / warmup_steps
     if config.schedule == "cosine":
-        return config.lr * 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(total_steps - warmup, 1)))
+        return config.lr * 0.5 * (1.0 + math.cos(math.pi * (step - warmup_steps) / max(total_steps - warmup_steps, 1)))
     return config.lr
+
+
+def warmup_steps(config: TrainConfig, steps: list[int]) -> int:
+    """The optimizer steps of the first warmup_epochs epochs (`steps`: each epoch's), a fraction of the last."""
+    return round(sum(min(max(config.warmup_epochs - i, 0.0), 1.0) * n for i, n in enumerate(steps)))
 
 
 def optimizer_groups(model: nn.Module) -> list:
@@ -208,6 +212,7 @@ class Loop:
     notes: list[str]
     b: int  # the micro-batch size in use
     counted: Any = 0  # with a loss without counts(): the items the window's micro-batches counted so far
+    evaluating: float = 0.0  # seconds of the epoch spent in evaluations within it (eval_every_steps)
 
 
 def _start(config: TrainConfig, prepared: Prepared, parallel: Parallel | None, probes: list[Probe],
@@ -252,17 +257,19 @@ def _train(config: TrainConfig, prepared: Prepared, parallel: Parallel | None, o
     loop = _start(config, prepared, parallel, probes, diagnostics, no_sync)
     _resume(loop, saved, checkpointer)
     progress, resumed_after = loop.progress, loop.progress.epoch
-    for row in progress.history if on_epoch is not None else ():
+    for row in _replayed(progress) if on_epoch is not None else ():
         on_epoch(row)
-    steps_per_epoch = loop.feed.steps_per_epoch()
-    total_steps, step, lr = steps_per_epoch * config.epochs, progress.step, config.lr
+    plan = [config.at_epoch(epoch) for epoch in range(1, config.epochs + 1)]  # one config unless batch_warmup
+    steps = [loop.feed.steps_per_epoch(now) for now in plan]
+    total_steps, warmup, step, lr = sum(steps), warmup_steps(config, steps), progress.step, config.lr
     for epoch in range(progress.epoch + 1, config.epochs + 1):
         if progress.finished:
             break
-        start, samples = time.perf_counter(), 0
+        now = _settle(loop, plan[epoch - 1])
+        start, samples, loop.evaluating = time.perf_counter(), 0, 0.0
         synced = (parallel.all_reduces.calls, parallel.all_reduces.bytes) if parallel else None
-        for window in loop.feed.epoch(epoch):
-            lr = lr_at(config, step, total_steps, steps_per_epoch)
+        for window in loop.feed.epoch(epoch, now):
+            lr = lr_at(now, step, total_steps, warmup)
             for group in loop.optimizer.param_groups:
                 group["lr"] = lr
             if loop.retry:  # a micro-batch that runs out of memory: b shrinks, and the window runs again
@@ -271,6 +278,8 @@ def _train(config: TrainConfig, prepared: Prepared, parallel: Parallel | None, o
                 _accumulate(loop, window, step, loop.b)
             _step(loop, step, window.size)
             step, samples = step + 1, samples + window.size
+            if config.eval_every_steps and step % config.eval_every_steps == 0:
+                _evaluate_at(loop, step, progress.samples + samples, on_epoch)
             check_interrupt()
             if step == config.max_steps:
                 break
@@ -281,6 +290,40 @@ def _train(config: TrainConfig, prepared: Prepared, parallel: Parallel | None, o
     if checkpointer:
         checkpointer.wait()
     return _result(loop, prepared.device, resumed_after)
+
+
+def _replayed(progress: Progress) -> list[dict[str, float]]:
+    """A resumed run's rows so far, in the order they came: each epoch's after the evaluations within it."""
+    return sorted(progress.history + progress.evals, key=lambda row: (row.get("steps", row.get("step")),
+                                                                      "epoch" in row))
+
+
+def _settle(loop: Loop, now: TrainConfig) -> TrainConfig:
+    """An epoch's configuration in place: under batch_warmup its b, BatchNorm's momentum and AdamW's rules
+    follow the epoch's B (the learning rate follows it through lr_at)."""
+    if now is loop.config and not loop.config.batch_warmup:
+        return now
+    if not loop.retry:
+        loop.b = now.physical_batch
+    set_bn_momentum(loop.model, now.bn_momentum)
+    for group in loop.optimizer.param_groups:
+        if now.lr_rule == "adam_sqrt":
+            group.update(betas=(now.beta1, now.beta2), eps=now.eps)
+        if now.wd_rule == "timescale" and group["weight_decay"]:  # (a group of no decay keeps none)
+            group["weight_decay"] = now.decay
+    return now
+
+
+def _evaluate_at(loop: Loop, step: int, samples: int, on_epoch: EpochCallback | None) -> None:
+    """An evaluation within the epoch (eval_every_steps), kept by step as step_val_* (and the samples trained
+    so far as step_samples); its time is not training time."""
+    start = time.perf_counter()
+    measured = evaluate(loop.model, loop.feed.test(), loop.loss, loop.config.precision, loop.metrics)
+    row = {"step": step, "step_samples": samples, **{f"step_{name}": value for name, value in measured.items()}}
+    loop.progress.evals.append(row)
+    if on_epoch is not None:
+        on_epoch(row)
+    loop.evaluating += time.perf_counter() - start
 
 
 def _accumulate(loop: Loop, window, step: int, b: int) -> None:
@@ -334,14 +377,15 @@ def _end_epoch(loop: Loop, epoch: int, step: int, lr: float, samples: int, start
     """The epoch's row (its one synchronization with the device), evaluated; the progress moves on."""
     config, progress, parallel = loop.config, loop.progress, loop.parallel
     row = {"epoch": epoch, **loop.terms.epoch_end(epoch)}
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - start - loop.evaluating
     if math.isfinite(row["train_loss"]):
         row.update(evaluate(loop.model, loop.feed.test(), loop.loss, config.precision, loop.metrics))
     else:
         progress.status = "diverged"
         row.update(val_loss=math.nan, val_acc=math.nan)
     epoch_time = time.perf_counter() - start
-    row.update(current_lr=lr, steps=step, epoch_time_s=epoch_time, samples_per_s=samples / elapsed)
+    row.update(current_lr=lr, steps=step, samples=progress.samples + samples, epoch_time_s=epoch_time,
+               samples_per_s=samples / elapsed)
     if loop.data.classification and loop.data.y_test.dim() == 2:  # tokens
         val_loss = row["val_loss"]
         row["val_perplexity"] = math.exp(min(val_loss, 700.0)) if math.isfinite(val_loss) else math.nan

@@ -39,13 +39,14 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 class MicroBatches(torch.utils.data.Sampler):
     """A DataLoader's batch sampler: the micro-batches of every window of an epoch, in order, as lists of
     (epoch, sample index) keys for `Seeded`, of this rank's shard of each window (an empty shard yields
-    nothing). Call `set_epoch` before each epoch, as with DistributedSampler."""
+    nothing). Call `set_epoch` before each epoch, as with DistributedSampler (with the epoch's configuration
+    under batch_warmup)."""
 
     def __init__(self, config: TrainConfig, n: int, rank: int = 0):
         self.config, self.n, self.epoch, self.rank = config, n, 1, rank
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, config: TrainConfig | None = None) -> None:
+        self.epoch, self.config = epoch, config or self.config
 
     def __iter__(self):
         for window in windows(permutation(self.config, self.epoch, self.n), self.config):
