@@ -69,6 +69,13 @@ def finished(trials: pd.DataFrame) -> pd.DataFrame:
     return trials[trials["status"] == "FINISHED"]
 
 
+def one_batch(trials: pd.DataFrame) -> pd.DataFrame:
+    """The trials that trained at one B throughout (no batch_warmup, no branch): what a curve against B holds."""
+    if "batch_warmup" not in trials:
+        return trials
+    return trials[trials["batch_warmup"].fillna("").astype(str) == ""]
+
+
 def tuned(trials: pd.DataFrame) -> bool:
     """Whether base_lr was searched (several values at one B): then a mean over trials means little."""
     return "base_lr" in trials and "effective_batch" in trials and \
@@ -92,7 +99,7 @@ def critical_batch(trials: pd.DataFrame) -> float | None:
 
 
 def accuracy_vs_batch(trials: pd.DataFrame) -> Figure | None:
-    t = finished(trials)
+    t = one_batch(finished(trials))
     if not _varies(t, "effective_batch") or "val_acc" not in t or tuned(t):
         return None
     hue = next((c for c in ("lr_rule", "bn_momentum_rule", "model") if _varies(t, c)), None)
@@ -267,7 +274,7 @@ def health(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | None:
 
 def steps_vs_batch(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None) -> Figure | None:
     """Steps and samples to the target accuracy against B on log-log axes, with perfect scaling (Shallue et al.)."""
-    t = finished(trials)
+    t = one_batch(finished(trials))
     if tuned(t) or "effective_batch" not in t or t["effective_batch"].nunique() < 3:
         return None
     if "accum_steps" in t and (t["accum_steps"] > 1).any():

@@ -13,7 +13,8 @@ import math
 import numpy as np
 import pandas as pd
 
-from .figures import best_lr, critical_batch, finished, reliable_noise, tuned
+from . import branching
+from .figures import best_lr, critical_batch, finished, one_batch, reliable_noise, tuned
 from .runs import (TARGET_SHARE, Difference, aggregate, discoveries, knee, paired, reached, resolution,
                    steps_to_target)
 
@@ -67,7 +68,7 @@ def _series(t: pd.DataFrame) -> pd.DataFrame:
 
 def lr_rules(trials: pd.DataFrame) -> list[str]:
     """Per LR rule: from which B accuracy fell below the smallest B, and the rules' ranking at the largest."""
-    t = finished(trials)
+    t = one_batch(finished(trials))
     if "lr_rule" not in t or t["lr_rule"].nunique() < 2 or t["effective_batch"].nunique() < 2 or tuned(t):
         return []
     t = _series(t)
@@ -270,7 +271,7 @@ def lr_exponent(trials: pd.DataFrame) -> list[str]:
 
 def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None) -> list[str]:
     """Steps to the target accuracy against B (Shallue et al. 2018), the knee, and the noise scale's prediction."""
-    t = finished(trials)
+    t = one_batch(finished(trials))
     if tuned(t) or "effective_batch" not in t or t["effective_batch"].nunique() < 3:
         return []
     keys = [c for c in ("lr_rule", "bn_momentum_rule") if c in t and t[c].nunique() > 1]
@@ -326,7 +327,8 @@ def warmup(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | No
     t = t.drop(columns=["steps", "samples"], errors="ignore").merge(reached(t, history, target, evals), on="run_id")
     fixed = {int(b): rows for b, rows in t[t["batch_warmup"] == ""].groupby("effective_batch")}
     out = []
-    for arm, rows in t[t["batch_warmup"] != ""].groupby("batch_warmup"):
+    growing = t["batch_warmup"].map(lambda w: len(set(w.split(","))) > 1)  # (a repeated B is a branch)
+    for arm, rows in t[growing].groupby("batch_warmup"):
         start, end = int(arm.split(",")[0]), int(rows["effective_batch"].iloc[0])
         against = [f"against a fixed B = {b}: {_counted(paired(rows, fixed[b], 'steps'), 'steps')}; "
                    f"{_counted(paired(rows, fixed[b], 'samples'), 'samples')}; final accuracy "
@@ -385,7 +387,8 @@ def health(trials: pd.DataFrame) -> list[str]:
 
 def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None) -> list[str]:
     return [*lr_rules(trials), *twins(trials), *bn(trials), *lr_exponent(trials), *noise_scale(trials),
-            *steps(trials, history, evals), *warmup(trials, history, evals), *memory(trials)]
+            *steps(trials, history, evals), *warmup(trials, history, evals), *branching.finding(trials, history),
+            *memory(trials)]
 
 
 def summarize(trials: pd.DataFrame, history: pd.DataFrame | None = None,

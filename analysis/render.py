@@ -19,6 +19,7 @@ from markupsafe import Markup
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from . import branching
 from .figures import Figure, all_figures, protocol
 from .findings import summarize
 from .runs import StudyRuns
@@ -235,6 +236,7 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
     for study in studies:
         prefix = f"{folder_name([study.name])}-" if len(studies) > 1 else ""
         figures = [*all_figures(study.trials, study.history, study.evals), *space_figures(study)]
+        figures += [f for f in [branching.figure(study.trials, study.history)] if f]
         for fig in figures:
             path = _save(fig, folder, prefix)
             written.append(path)

@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from analysis.figures import all_figures, best_lr, warmup_curves
+from analysis import branching
 from analysis.findings import summarize
 from analysis.render import MIB, _display, _table, write_report
 from analysis.runs import StudyRuns, aggregate, knee, load_study, steps_to_target
@@ -135,6 +136,33 @@ def test_a_batch_warmup_is_paired_with_the_fixed_batches_it_grows_from_and_to():
             "fixed B = 32: -60 steps, 95% CI -60 to -60 over 3 seeds; -1,128 samples, 95% CI -1,307 to -949 over 3 "
             "seeds; final accuracy indistinguishable") in sentences
     assert warmup_curves(trials, evals).name == "batch_warmup" and warmup_curves(trials, None) is None
+
+
+def test_the_critical_batch_by_branching_beside_the_noise_scale():
+    # Reference runs at B = 32 for 10 epochs (val_loss 1/epoch, noise scale 20 x epoch); branches at epochs 1,
+    # 2 and 4 into B = 64, 128, 256 for 2 epochs keep up (loss equal to the reference's) up to 64, 128 and 256.
+    critical = {1: 64, 2: 128, 4: 256}
+    trials, history = [], []
+    for seed in (0, 1, 2):
+        trials.append(dict(run_id=f"ref{seed}", status="FINISHED", batch_warmup=None, effective_batch=32,
+                           epochs=10, seed=seed, val_acc=0.9, model="cnn1d", dataset="mnist1d", reason=None))
+        history += [dict(run_id=f"ref{seed}", epoch=e, val_loss=1 / e, val_acc=0.9, noise_scale=20.0 * e,
+                         noise_scale_reliable=1.0, steps=125 * e) for e in range(1, 11)]
+        for t, top in critical.items():
+            for b in (64, 128, 256):
+                run = f"{t}-{b}-{seed}"
+                trials.append(dict(run_id=run, status="FINISHED", batch_warmup=",".join(["32"] * t),
+                                   effective_batch=b, epochs=t + 2, seed=seed, val_acc=0.9, model="cnn1d",
+                                   dataset="mnist1d", reason=None))
+                history.append(dict(run_id=run, epoch=t + 2, val_loss=(1.0 if b <= top else 1.1) / (t + 2),
+                                    val_acc=0.9, steps=1))
+    trials, history = pd.DataFrame(trials), pd.DataFrame(history)
+    sentences = " ".join(summarize(trials, history))
+    assert ("the critical batch measured was 64 after epoch 1, 128 after epoch 2, at least 256 after epoch 4 "
+            "(Merrill et al. 2025). The reference's noise scale at those epochs was 20, 40, 80 (McCandlish et al. "
+            "2018): a median 0.31 times the critical batch where branching measured it.") in sentences
+    assert "Batch-size warmup" not in sentences  # a repeated B is a branch, not a warmup
+    assert branching.figure(trials, history).name == "critical_batch"
 
 
 def test_steps_to_target_and_its_knee():

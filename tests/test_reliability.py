@@ -145,6 +145,8 @@ def test_a_deleted_experiment_is_one_line_that_says_how_to_restore_it(tmp_path):
     (["--set", "base_lr=1e308", "--set", "lr_rule=linear", "--set", "weight_decay=0"],
      "scales base_lr 1e+308 to an infinite learning rate"),
     (["--set", "base_lr=1e400"], "base_lr must be a finite number"),
+    (["--set", "batch_warmup=64,32"], "batch_warmup '64,32': each B must grow"),
+    (["--set", "batch_warmup=a,b"], "batch_warmup 'a,b' is not a list of batch sizes"),
     (["--seeds", "100000", "--dry-run"], "--seeds must be between 1 and 1,000"),
     (["--workers", "100000"], "--workers must be between 1 and"),
     (["--n-trials", "0"], "--n-trials must be between 1 and 1,000,000"),

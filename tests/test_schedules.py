@@ -108,3 +108,16 @@ def test_a_resumed_run_gives_its_evaluations_within_epochs_again(tmp_path):
     timing = ("epoch_time_s", "samples_per_s")
     assert [{k: v for k, v in r.items() if k not in timing} for r in resumed] == \
         [{k: v for k, v in r.items() if k not in timing} for r in whole]
+
+
+def test_a_branch_repeats_the_reference_run_bitwise_until_it_branches():
+    # The critical_batch study's premise: a batch_warmup that repeats the reference's B for t epochs, under a
+    # constant schedule after the warmup, is the reference run until epoch t, and then trains at its own B.
+    reference = replace(BASE, physical_batch=4, accum_steps=2, schedule="constant", epochs=4)
+    branch = replace(reference, accum_steps=8, batch_warmup="8,8", epochs=3)
+    ref, got = train(reference).history, train(branch).history
+    same = ("train_loss", "val_loss", "val_acc", "steps", "current_lr")
+    assert [{k: r[k] for k in same} for r in got[:2]] == [{k: r[k] for k in same} for r in ref[:2]]
+    assert got[2]["steps"] == ref[1]["steps"] + 3  # 90 samples in windows of 32
+    assert got[2]["current_lr"] == pytest.approx(4 * ref[2]["current_lr"])  # the linear rule, B 8 -> 32
+    assert got[2]["val_loss"] != ref[2]["val_loss"]

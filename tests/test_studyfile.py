@@ -44,6 +44,8 @@ BEFORE = {
     "adam_lr": old_twins([dict(physical_batch=32, accum_steps=k, lr_rule=r) for k in (1, 4, 8)
                           for r in ("none", "linear", "sqrt", "adam_sqrt")]),
     "batch_warmup": [dict(accum_steps=k, batch_warmup=w) for k, w in ((8, ""), (8, "32,64,128"), (1, ""))],
+    "critical_batch": [dict(accum_steps=2, batch_warmup="", epochs=10)]
+    + [dict(accum_steps=k, batch_warmup=",".join(["32"] * t), epochs=t + 2) for t in (1, 2, 4, 8) for k in (4, 8, 16, 32)],
     "batch_memory": [dict(physical_batch=2 ** i, accum_steps=k) for k in (1, 4) for i in range(3, 11)],
     "lr_search": [dict(physical_batch=32, accum_steps=2 ** i) for i in range(6)],
     "equivalence": [dict(model=m, dataset=d, physical_batch=32, accum_steps=k)

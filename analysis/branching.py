@@ -1,0 +1,121 @@
+"""The critical batch measured by branching (Merrill et al. 2025), beside the noise scale over training.
+
+A branch is a trial whose batch_warmup repeats the reference's B₀ for its first t epochs and then trains on
+at a larger B (a larger k at the same b): with the same seed and a constant schedule after the warmup, its
+first t epochs are the reference run's, bitwise, so it continues the reference from epoch t. It keeps up when,
+after the same further epochs (the same samples), its validation loss is within TOLERANCE of the reference's
+at that epoch. The critical batch at t is the largest B that kept up: below it a larger batch trains as well
+per sample, in fewer steps."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from .figures import Figure, context, finished
+
+TOLERANCE = 0.02  # a branch keeps up when its validation loss is at most 2% above the reference's
+
+
+@dataclass
+class Branches:
+    b0: int  # the reference's B
+    table: pd.DataFrame  # per (t, B): the mean over seeds of branch loss / reference loss, and the seeds
+    critical: pd.DataFrame  # per t: the largest B that kept up (b0 where none did)
+    noise: pd.DataFrame  # per epoch of the reference: the median reliable noise scale over its seeds
+
+
+def _prefix(warmup) -> list[int]:
+    text = "" if warmup is None or (isinstance(warmup, float) and np.isnan(warmup)) else str(warmup)
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def branches(trials: pd.DataFrame, history: pd.DataFrame) -> Branches | None:
+    """The study's branches against its reference runs, or None when it has none."""
+    t = finished(trials)
+    if "batch_warmup" not in t or history.empty or "val_loss" not in history:
+        return None
+    prefix = t["batch_warmup"].map(_prefix)
+    branch = prefix.map(lambda p: len(set(p)) == 1) & (t["effective_batch"] > prefix.map(lambda p: p[0] if p else 0))
+    if not branch.any():
+        return None
+    b0 = int(prefix[branch].map(lambda p: p[0]).mode().iloc[0])
+    refs = t[(prefix.map(len) == 0) & (t["effective_batch"] == b0)]
+    if refs.empty:
+        return None
+    loss = history.set_index(["run_id", "epoch"])["val_loss"]
+    ref_of = dict(zip(refs["seed"], refs["run_id"]))
+    rows = []
+    for row, p in zip(t[branch].itertuples(), prefix[branch]):
+        ref, end = ref_of.get(row.seed), int(row.epochs)
+        if p[0] == b0 and ref is not None and (row.run_id, end) in loss and (ref, end) in loss:
+            rows.append({"t": len(p), "B": int(row.effective_batch), "ratio": loss[(row.run_id, end)] / loss[(ref, end)]})
+    if not rows:
+        return None
+    table = pd.DataFrame(rows).groupby(["t", "B"])["ratio"].agg(ratio="mean", seeds="count").reset_index()
+    kept = table[table["ratio"] <= 1 + TOLERANCE]
+    critical = pd.DataFrame({"t": sorted(table["t"].unique())})
+    critical["B"] = critical["t"].map(lambda at: int(kept.loc[kept["t"] == at, "B"].max()) if (kept["t"] == at).any()
+                                      else b0)
+    return Branches(b0, table, critical, _noise(refs, history))
+
+
+def _noise(refs: pd.DataFrame, history: pd.DataFrame) -> pd.DataFrame:
+    h = history[history["run_id"].isin(refs["run_id"])]
+    if "noise_scale" not in h:
+        return pd.DataFrame(columns=["epoch", "noise_scale"])
+    if "noise_scale_reliable" in h:
+        h = h[h["noise_scale_reliable"].fillna(1.0) > 0]
+    return h.dropna(subset=["noise_scale"]).groupby("epoch")["noise_scale"].median().reset_index()
+
+
+def finding(trials: pd.DataFrame, history: pd.DataFrame) -> list[str]:
+    found = branches(trials, history)
+    if found is None:
+        return []
+    c, noise = found.critical, found.noise.set_index("epoch")["noise_scale"]
+    tops, least = int(found.table["B"].max()), int(found.table["B"].min())
+
+    def bound(b: int) -> str:  # the batches branched to bound what can be measured
+        return f"at least {b}" if b == tops else f"below {least}" if b == found.b0 else str(b)
+
+    said = ", ".join(f"{bound(b)} after epoch {t}" for t, b in zip(c["t"], c["B"]))
+    out = (f"Branched from the reference at B = {found.b0} into larger batches (the same samples after the branch; "
+           f"a branch kept up when its validation loss came within {100 * TOLERANCE:.0f}% of the reference's), the "
+           f"critical batch measured was {said} (Merrill et al. 2025).")
+    at = [(b, noise[t]) for t, b in zip(c["t"], c["B"]) if t in noise.index]
+    if at:
+        measured = [n / b for b, n in at if least <= b < tops]  # both sides bounded by the branches
+        out += (f" The reference's noise scale at those epochs was {', '.join(f'{n:.0f}' for _, n in at)} "
+                f"(McCandlish et al. 2018)" + (f": a median {np.median(measured):.2g} times the critical batch where "
+                                               f"branching measured it." if measured else "."))
+    return [out]
+
+
+def figure(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | None:
+    """The critical batch by branching, and the reference's noise scale, against the epoch of training."""
+    found = branches(trials, history)
+    if found is None:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    c, tops = found.critical, found.table["B"].max()
+    ax.plot(c["t"], c["B"], "o-", label=f"critical batch by branching (loss within {100 * TOLERANCE:.0f}% of the "
+            f"reference's)")
+    for bound, marker, what in ((c["B"] == tops, "^", "at least (the largest B branched to kept up)"),
+                                (c["B"] == found.b0, "v", "below the smallest B branched to")):
+        if bound.any():
+            ax.plot(c.loc[bound, "t"], c.loc[bound, "B"], marker, markersize=11, color="C0", label=what)
+    if not found.noise.empty:
+        ax.plot(found.noise["epoch"], found.noise["noise_scale"], "s--", label="noise scale of the reference "
+                "(median over seeds)")
+    ax.axhline(found.b0, color="gray", linewidth=1, linestyle=":", label=f"reference B = {found.b0}")
+    ax.set_yscale("log", base=2)
+    sizes = sorted({found.b0, *found.table["B"]})
+    ax.set_yticks(sizes, [str(s) for s in sizes])
+    ax.set(xlabel="epoch of training (the branch point)", ylabel="batch size")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return Figure("critical_batch", "The critical batch over training, measured by branching, beside the noise scale",
+                  fig, context(trials))
