@@ -1,4 +1,5 @@
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 torch.set_num_threads(1)  # tests are many small runs; one thread each is fastest on 2 cores
+# A suite started in the background (`cmd &` without job control, nohup) inherits SIGINT ignored, and so would
+# every sweep it starts: the Ctrl-C tests need Python's own handler, here and in the processes started from here.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
