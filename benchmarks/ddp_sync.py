@@ -55,6 +55,7 @@ def main() -> None:
             print(f"{name:<26}  {m['calls']:>10.2f}  {format_bytes(m['bytes']):>10}  {m['epoch_s']:>16.3f}")
         print(f"allreduce_ratio={median[False]['bytes'] / median[True]['bytes']:.2f}")
         print(f"epoch_time_ratio={median[False]['epoch_s'] / median[True]['epoch_s']:.3f}")
+    dist.barrier()  # a rank that tears gloo down while its peer still prints can abort the job at exit
     dist.destroy_process_group()
 
 

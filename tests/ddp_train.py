@@ -39,4 +39,5 @@ for job in jobs:
     results.append({"state": result.model.state_dict(), "metrics": result.metrics, "history": result.history})
 if os.environ["RANK"] == "0":
     torch.save(results, out)
+dist.barrier()  # torn down together (gloo can abort a rank whose peer has gone first)
 dist.destroy_process_group()

@@ -298,8 +298,9 @@ def killable(input_shape, num_classes, **_):
 
 class Holds(nn.Module):
     """A linear model that, at its n-th forward in eval mode, when BATCHSWEEP_TEST_HOLD is `marker:n` and the
-    marker file exists, removes it, lets the last checkpoint land, writes `marker.held` and waits there
-    until killed: a test kills the sweep at a point it knows, not in a window of time."""
+    marker file exists, removes it, lets the last checkpoint land, writes its pid to `marker.held` and waits
+    there until killed: a test kills the sweep, or this process, at a point it knows, not in a window of time.
+    Removing the marker is the claim: of several processes that reach the point together, one holds."""
 
     def __init__(self, input_shape, num_classes):
         super().__init__()
@@ -312,15 +313,24 @@ class Holds(nn.Module):
 
         marker, _, n = os.environ.get("BATCHSWEEP_TEST_HOLD", "").partition(":")
         self.evals += not self.training
-        if marker and not self.training and self.evals == int(n) and os.path.exists(marker):
-            os.unlink(marker)
+        if marker and not self.training and self.evals == int(n) and self._claim(marker):
             for thread in threading.enumerate():
                 if thread.name == "checkpoint":
                     thread.join()
-            open(f"{marker}.held", "w").close()
+            with open(f"{marker}.pid", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(f"{marker}.pid", f"{marker}.held")  # whole when it appears
             while True:
                 time.sleep(1)
         return self.linear(x.flatten(1))
+
+    @staticmethod
+    def _claim(marker):
+        try:
+            os.unlink(marker)
+            return True
+        except FileNotFoundError:
+            return False
 
 
 def holds(input_shape, num_classes, **_):

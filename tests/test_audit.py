@@ -22,6 +22,10 @@ EXPECTED = {
     ("batchnorm", "sample"): "batchnorm",
 }
 RIGHT = ("exact", "batchnorm")
+# float32's looser tolerance matters where the verdict rests on a small difference, or on none; the gross
+# mistakes (an update k times too large, or k updates) are checked in float64 only.
+CASES = [(*case, floats) for case in sorted(EXPECTED) for floats in ("float64", "float32")
+         if floats == "float64" or case[0] not in ("zero_grad", "not_divided", "step_per_micro")]
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +49,7 @@ floats = "{floats}"
     return path
 
 
-@pytest.mark.parametrize("floats", ["float64", "float32"])
-@pytest.mark.parametrize("mistake, loss", sorted(EXPECTED))
+@pytest.mark.parametrize("mistake, loss, floats", CASES)
 def test_the_audit_names_each_mistake_of_the_catalog(tmp_path, store, capsys, mistake, loss, floats):
     verdict = EXPECTED[(mistake, loss)]
     code = main(["--study", str(study(tmp_path, mistake, loss, floats)), "--physical-batch", "8", "--accum-steps",

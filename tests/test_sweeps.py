@@ -21,6 +21,20 @@ TINY = ["--model", "mlp", "--dataset", "tests.factories:blobs1k", "--epochs", "1
         "--set", "warmup_epochs=0", "--log-models", "none", "--no-report"]
 
 
+# accum_lr's grid cut to 12 points, for tests that kill and rerun a sweep several times.
+SMALL = """name = "accum_lr"
+[grid]
+physical_batch = [32]
+accum_steps = [1, 2, 4, 8]
+lr_rule = ["none", "linear", "sqrt"]
+"""
+
+
+def small(folder):
+    (folder / "small.toml").write_text(SMALL)
+    return ["--study", str(folder / "small.toml")]
+
+
 def sweep(cwd, *args, timeout=300):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, str(ROOT / "sweeps/run.py"), *args], capture_output=True, text=True,
@@ -107,67 +121,81 @@ def wait_for_complete(storage, at_least, proc, timeout=120, study="accum_lr"):
 def test_resume_after_sigkill_runs_every_point_once(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     # 3 epochs make a trial last a few hundred ms: the delays land in training, in tracking, between trials.
-    args = [sys.executable, str(ROOT / "sweeps/run.py"), *TINY, "--epochs", "3"]
+    args = [*TINY, *small(tmp_path), "--model", "tests.factories:holds", "--epochs", "3"]
     storage_path = tmp_path / "mlruns/optuna.db"
-    for kill_after, delay in ((1, 0.0), (4, 0.05), (8, 0.12), (13, 0.2), (19, 0.33)):
-        proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for kill_after, delay in ((1, 0.0), (2, 0.05), (3, 0.12), (4, 0.2), (5, 0.33)):
+        proc = subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), *args], cwd=tmp_path, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for_complete(storage_path, kill_after, proc)
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+    # and once where it is known to land inside a trial: the next one holds at its second evaluation (5 kills
+    # after 5 points or more leave several of the 12 to run).
+    (tmp_path / "hold").touch()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), *args], cwd=tmp_path,
+                            env={**env, "BATCHSWEEP_TEST_HOLD": f"{tmp_path / 'hold'}:2"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "hold.held").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "no trial held"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
     done = {config_key(t.user_attrs["config"]) for t in grid_trials(f"sqlite:///{storage_path}")
             if t.state == optuna.trial.TrialState.COMPLETE}
-    final = sweep(tmp_path, *TINY, "--epochs", "3")
+    final = sweep(tmp_path, *args)
     assert final.returncode == 0, final.stderr
     # The killed process's trial is failed before counting: its point is counted as left, not as held.
-    assert f"study accum_lr: {27 - len(done)} trials left" in final.stderr
+    assert f"study accum_lr: {12 - len(done)} trials left" in final.stderr
     trials = grid_trials(f"sqlite:///{storage_path}")
     complete = [config_key(t.user_attrs["config"]) for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
-    expected = {point_key(p, 0) for p in load("accum_lr").points}
+    expected = {point_key(p, 0) for p in load(str(tmp_path / "small.toml")).points}
     assert sorted(complete) == sorted(expected)  # each point exactly once
     # A kill between Optuna creating a trial and the trial naming its owner leaves one that holds nothing;
     # the next invocation fails it once the heartbeat's grace has passed (test_ownerless_trial_fails_after_grace).
     assert all(t.state.is_finished() or not t.user_attrs for t in trials)
-    assert any(t.state == optuna.trial.TrialState.FAIL for t in trials)  # a kill landed inside a trial
+    assert any(t.state == optuna.trial.TrialState.FAIL for t in trials)  # the held trial's, at least
     children, parents = child_runs(stores(tmp_path)[1])
     assert not [r for r in children + parents if r.info.status == "RUNNING"]
-    assert len([r for r in children if r.info.status == "FINISHED"]) == 27
+    assert len([r for r in children if r.info.status == "FINISHED"]) == 12
 
 
 def test_a_worker_killed_mid_study_is_reported_and_its_trial_ended(tmp_path):
     """A worker that the kernel kills (its out-of-memory killer, say) leaves its trial RUNNING and its run open.
     The invocation says so in one line and ends both, so that no run stays RUNNING and the count of trials left
     is honest; the grid ends with every point complete once."""
-    import psutil
-
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    args = [*TINY, "--epochs", "20", "--workers", "2"]
+    hold = tmp_path / "hold"
+    hold.touch()
+    # The first trial to evaluate holds there, in its worker, until that worker is killed: its trial is RUNNING.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "BATCHSWEEP_TEST_HOLD": f"{hold}:1"}
+    args = [*TINY, *small(tmp_path), "--model", "tests.factories:holds", "--workers", "2"]
     proc = subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     storage = f"sqlite:///{tmp_path}/mlruns/optuna.db"
-    wait_for_complete(tmp_path / "mlruns/optuna.db", 2, proc)
-    workers = {child.pid for child in psutil.Process(proc.pid).children()}
-    deadline = time.time() + 120
-    while not (running := [t for t in grid_trials(storage) if t.state == optuna.trial.TrialState.RUNNING and
-                           int(t.user_attrs.get("owner", ":0").rpartition(":")[2]) in workers]):
-        assert proc.poll() is None and time.time() < deadline, "no worker's trial was seen running"
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "hold.held").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
-    os.kill(int(running[0].user_attrs["owner"].rpartition(":")[2]), signal.SIGKILL)
+    worker = int((tmp_path / "hold.held").read_text())
+    (held,) = [t for t in grid_trials(storage) if t.state == optuna.trial.TrialState.RUNNING and
+               t.user_attrs["owner"].rpartition(":")[2] == str(worker)]
+    os.kill(worker, signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert re.search(r"warning: worker \d was killed by SIGKILL; its trial is marked failed", err), err
     trials = grid_trials(storage)
     assert all(t.state.is_finished() for t in trials)
-    assert [t.state for t in trials if t.number == running[0].number] == [optuna.trial.TrialState.FAIL]
-    left = 27 - len({config_key(t.user_attrs["config"]) for t in trials if t.state.name == "COMPLETE"})
+    assert [t.state for t in trials if t.number == held.number] == [optuna.trial.TrialState.FAIL]
+    left = 12 - len({config_key(t.user_attrs["config"]) for t in trials if t.state.name == "COMPLETE"})
     assert (f"{left} trials left: run the same command again" in err) == (left > 0), err
     client = stores(tmp_path)[1]
     children, parents = child_runs(client)
     assert not [r for r in children + parents if r.info.status == "RUNNING"]
-    assert client.get_run(running[0].user_attrs["mlflow_run_id"]).info.status == "KILLED"
+    assert client.get_run(held.user_attrs["mlflow_run_id"]).info.status == "KILLED"
     assert sweep(tmp_path, *args).returncode == 0
     complete = [config_key(t.user_attrs["config"]) for t in grid_trials(storage) if t.state.name == "COMPLETE"]
-    assert sorted(complete) == sorted(point_key(p, 0) for p in load("accum_lr").points)
+    assert sorted(complete) == sorted(point_key(p, 0) for p in load(str(tmp_path / "small.toml")).points)
 
 
 def test_ownerless_trial_fails_after_grace(tmp_path):

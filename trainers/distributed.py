@@ -112,8 +112,10 @@ class Parallel:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def close(self) -> None:
+    def close(self, finished: bool) -> None:
         if self.owns_group and dist.is_initialized():
+            if finished:  # torn down together: a rank whose peer has gone first can abort in gloo's threads
+                dist.barrier()  # (after an error the peers may never arrive: torchrun ends them instead)
             dist.destroy_process_group()
 
 

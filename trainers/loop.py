@@ -180,13 +180,16 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None, probes: li
     parallel = setup(config, prepared.device)
     if checkpointer and parallel:
         saved = checkpointer.load()
+    finished = False
     try:
-        return _train(config, prepared, parallel, on_epoch, list(probes), diagnostics, checkpointer, saved, no_sync)
+        result = _train(config, prepared, parallel, on_epoch, list(probes), diagnostics, checkpointer, saved, no_sync)
+        finished = True
+        return result
     finally:
         if checkpointer:  # stopped by on_epoch (pruned, say): the last write lands before anyone reads or removes it
             checkpointer.join()
         if parallel:
-            parallel.close()
+            parallel.close(finished)
 
 
 @dataclass
