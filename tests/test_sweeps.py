@@ -35,6 +35,16 @@ def small(folder):
     return ["--study", str(folder / "small.toml")]
 
 
+def held(marker, proc) -> int:
+    """Wait until a tests.factories:holds model holds (it writes `marker.held`); its process id."""
+    done = marker.with_name(f"{marker.name}.held")
+    deadline = time.monotonic() + 240
+    while not done.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "no trial held"
+        time.sleep(0.05)
+    return int(done.read_text())
+
+
 def sweep(cwd, *args, timeout=300):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, str(ROOT / "sweeps/run.py"), *args], capture_output=True, text=True,
@@ -136,10 +146,7 @@ def test_resume_after_sigkill_runs_every_point_once(tmp_path):
     proc = subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), *args], cwd=tmp_path,
                             env={**env, "BATCHSWEEP_TEST_HOLD": f"{tmp_path / 'hold'}:2"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not (tmp_path / "hold.held").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "no trial held"
-        time.sleep(0.05)
+    held(tmp_path / "hold", proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done = {config_key(t.user_attrs["config"]) for t in grid_trials(f"sqlite:///{storage_path}")
@@ -173,12 +180,8 @@ def test_a_worker_killed_mid_study_is_reported_and_its_trial_ended(tmp_path):
     proc = subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     storage = f"sqlite:///{tmp_path}/mlruns/optuna.db"
-    deadline = time.monotonic() + 240
-    while not (tmp_path / "hold.held").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.05)
-    worker = int((tmp_path / "hold.held").read_text())
-    (held,) = [t for t in grid_trials(storage) if t.state == optuna.trial.TrialState.RUNNING and
+    worker = held(hold, proc)
+    (trial,) = [t for t in grid_trials(storage) if t.state == optuna.trial.TrialState.RUNNING and
                t.user_attrs["owner"].rpartition(":")[2] == str(worker)]
     os.kill(worker, signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
@@ -186,13 +189,13 @@ def test_a_worker_killed_mid_study_is_reported_and_its_trial_ended(tmp_path):
     assert re.search(r"warning: worker \d was killed by SIGKILL; its trial is marked failed", err), err
     trials = grid_trials(storage)
     assert all(t.state.is_finished() for t in trials)
-    assert [t.state for t in trials if t.number == held.number] == [optuna.trial.TrialState.FAIL]
+    assert [t.state for t in trials if t.number == trial.number] == [optuna.trial.TrialState.FAIL]
     left = 12 - len({config_key(t.user_attrs["config"]) for t in trials if t.state.name == "COMPLETE"})
     assert (f"{left} trials left: run the same command again" in err) == (left > 0), err
     client = stores(tmp_path)[1]
     children, parents = child_runs(client)
     assert not [r for r in children + parents if r.info.status == "RUNNING"]
-    assert client.get_run(held.user_attrs["mlflow_run_id"]).info.status == "KILLED"
+    assert client.get_run(trial.user_attrs["mlflow_run_id"]).info.status == "KILLED"
     assert sweep(tmp_path, *args).returncode == 0
     complete = [config_key(t.user_attrs["config"]) for t in grid_trials(storage) if t.state.name == "COMPLETE"]
     assert sorted(complete) == sorted(point_key(p, 0) for p in load(str(tmp_path / "small.toml")).points)
