@@ -1,3 +1,5 @@
+import contextlib
+import io
 import os
 import signal
 import subprocess
@@ -30,3 +32,20 @@ def run_script(script: str, *args: str, cwd=None, timeout=300, env=None) -> subp
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True,
                           cwd=cwd or ROOT, timeout=timeout, env=full_env)
+
+
+def in_process(main, cwd, *args: str) -> subprocess.CompletedProcess:
+    """A command's `main(argv)` run in this test process from `cwd`, as its script runs it: its exit status
+    and what it prints, without paying the imports of torch and MLflow (seconds) again for every call. What
+    the processes it starts write themselves (a report's lines, a worker's traceback) is not captured, and
+    the environment it changes is restored: a test of those runs the script as a process."""
+    out, err, environ, here = io.StringIO(), io.StringIO(), dict(os.environ), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(environ)
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())

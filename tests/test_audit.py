@@ -23,10 +23,10 @@ EXPECTED = {
 }
 RIGHT = ("exact", "batchnorm")
 # float32's looser tolerance matters where the verdict rests on a small difference, or on none; the gross
-# mistakes (the last micro-batch's gradient alone, an update k times too large, k updates) are checked in
-# float64 only.
+# mistakes (the last micro-batch's gradient alone, an update k times too large, k updates, BatchNorm's
+# first step) are checked in float64 only.
 CASES = [(*case, floats) for case in sorted(EXPECTED) for floats in ("float64", "float32")
-         if floats == "float64" or case[0] not in ("zero_grad", "not_divided", "step_per_micro")]
+         if floats == "float64" or case[0] not in ("zero_grad", "not_divided", "step_per_micro", "batchnorm")]
 
 
 @pytest.fixture(scope="module")

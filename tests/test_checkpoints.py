@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_script
+from tests.conftest import ROOT, in_process, run_script
 from tests.test_train_cli import one_line_error
 
 # BatchNorm, dropout, a seeded augmentation read through the DataLoader, AdamW, warmup and a cosine schedule,
@@ -136,12 +136,18 @@ def test_a_study_killed_mid_trial_resumes_it_bitwise(tmp_path):
     import mlflow.pytorch
     from mlflow import MlflowClient
 
+    import analysis.cli
+    import sweeps.cli
+
     def study(cwd, env=None):
+        """The study from `cwd`: killed as `env` says in a process of its own, or to its end in this one."""
         cwd.mkdir(exist_ok=True)
         (cwd / "study.toml").write_text(STUDY)
-        return subprocess.run([sys.executable, str(ROOT / "sweeps/run.py"), "--study", "study.toml", "--seeds", "1",
-                               "--no-report", "--log-models", "all"], capture_output=True, text=True, cwd=cwd,
-                              env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})})
+        args = ["--study", "study.toml", "--seeds", "1", "--no-report", "--log-models", "all"]
+        if env is None:
+            return in_process(sweeps.cli.main, cwd, *args)
+        return subprocess.run([sys.executable, str(ROOT / "sweeps/run.py"), *args], capture_output=True, text=True,
+                              cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env})
 
     def trial_runs(cwd):
         client = MlflowClient(f"sqlite:///{cwd}/mlruns/mlflow.db")
@@ -172,7 +178,7 @@ def test_a_study_killed_mid_trial_resumes_it_bitwise(tmp_path):
         assert ours == theirs and len({step for step, _ in ours}) == len(ours), key
     assert all(torch.equal(a, b) for a, b in zip(weights(done), weights(whole)))  # the final weights, bitwise
     assert not list((tmp_path / "killed/mlruns/checkpoints").rglob("checkpoint.pt"))  # done: removed
-    report = run_script("analysis/report.py", "--study", "resume", cwd=tmp_path / "killed")
+    report = in_process(analysis.cli.main, tmp_path / "killed", "--study", "resume")
     assert report.returncode == 0, report.stderr
     text = (tmp_path / "killed/reports/resume/report.md").read_text()
     assert f"mlflow.pytorch.load_model('runs:/{done.info.run_id}/model')" in text.split("## Trained models")[1]

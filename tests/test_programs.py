@@ -74,7 +74,7 @@ accum_steps = [1, 2]
     assert gone(script)
     os.kill(child, signal.SIGKILL)  # (a child the script started outlives a SIGTERM to the script alone)
     hold.write_text("")  # the rerun does not hold
-    rerun = sweep(tmp_path, "--study", str(path))
+    rerun = sweep(tmp_path, "--study", str(path), process=True)  # and its report's line
     assert rerun.returncode == 0, rerun.stderr
     assert "report: " in rerun.stdout
     storage, client = stores(tmp_path)
@@ -135,7 +135,7 @@ note = "postgresql://me:s3cr3t@db.example/runs"
 [grid]
 mode = ["ok", "fail", "oom"]
 """, COMMAND + ', "--mode", "{mode}", "--note", "{note}"]')
-    proc = sweep(tmp_path, "--study", str(path))
+    proc = sweep(tmp_path, "--study", str(path), process=True)  # all that its workers print
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     storage, client = stores(tmp_path)

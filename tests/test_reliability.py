@@ -54,7 +54,8 @@ def test_a_refused_write_ends_the_run_and_says_why(tmp_path):
 
 
 def test_failures_in_worker_processes_reach_the_terminal(tmp_path):
-    proc = sweep(tmp_path, *TINY, "--model", "tests.factories:broken_model", "--workers", "2", "--n-trials", "4")
+    proc = sweep(tmp_path, *TINY, "--model", "tests.factories:broken_model", "--workers", "2", "--n-trials", "4",
+                 process=True)  # what the workers print
     lines = proc.stderr.splitlines()
     failed = [line for line in lines if "failed: RuntimeError: factory exploded" in line]
     assert len(failed) == 4, proc.stderr
@@ -125,7 +126,7 @@ def test_a_deleted_experiment_is_one_line_that_says_how_to_restore_it(tmp_path):
     storage, client = stores(tmp_path)
     experiment = client.get_experiment_by_name("accum_lr").experiment_id
     client.delete_experiment(experiment)
-    proc = sweep(tmp_path, *TINY, "--n-trials", "1")
+    proc = sweep(tmp_path, *TINY, "--n-trials", "1", process=True)  # all that the script prints
     assert proc.returncode == 2 and proc.stderr == (
         f"error: the MLflow experiment accum_lr is deleted: restore it (mlflow experiments restore --experiment-id "
         f"{experiment}) or pass another --study-name\n"), proc.stderr

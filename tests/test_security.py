@@ -71,7 +71,7 @@ def test_a_planted_password_appears_nowhere(tmp_path):
         (tmp_path / "work").mkdir()
         with CommandLines() as commands:
             proc = sweep(tmp_path / "work", *TINY[:-1], "--n-trials", "4", "--workers", "2", "--storage", storage,
-                         "--tracking-uri", tracking)  # with the report at the end, a child process
+                         "--tracking-uri", tracking, process=True)  # with the report at the end, a child process
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "postgres:***@127.0.0.1" not in proc.stdout  # nothing prints the storage on success ...
         assert "report: " in proc.stdout
@@ -100,7 +100,7 @@ def test_a_planted_password_appears_nowhere(tmp_path):
     ("--tracking-uri", f"http://alice:{PASSWORD}@127.0.0.1:9", "http://127.0.0.1:9"),
 ])
 def test_error_lines_hide_the_password(tmp_path, flag, url, shown):
-    proc = sweep(tmp_path, *TINY, flag, url, timeout=60)
+    proc = sweep(tmp_path, *TINY, flag, url, timeout=60, process=True)  # all that the script prints
     assert proc.returncode == 2 and shown in proc.stderr, proc.stderr
     assert PASSWORD not in proc.stdout + proc.stderr
 
@@ -177,7 +177,7 @@ def test_plan_shows_its_store_without_the_password(tmp_path):
             client.log_metric(run, "peak_memory_bytes", peak)
             client.set_terminated(run, "FINISHED")
         proc = sweep(tmp_path, "--plan", "--model", "mlp", "--target-batch", "64", "--memory-budget", "1MiB",
-                     "--tracking-uri", uri, timeout=120)
+                     "--tracking-uri", uri, timeout=120, process=True)
     assert proc.returncode == 0, proc.stderr
     assert "from the batch_memory study in postgresql://postgres:***@127.0.0.1" in proc.stdout, proc.stdout
     for form in (SPECIAL, SPECIAL_IN_URL, "pl#nt?d"):
