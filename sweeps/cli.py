@@ -10,6 +10,7 @@ from pathlib import Path
 from trainers import FIELDS, BatchsweepError, ConfigError, TrainConfig, format_bytes, parse_overrides, parse_value
 
 from .driver import run_invocation, write_report
+from .placement import visible_gpus
 from .studies import LAUNCHERS, check_name, check_size
 from .tables import dry_run_table, list_studies
 from .tracking import TrackingError, default_tracking_uri, first_line
@@ -21,6 +22,7 @@ CONFIG_FLAGS = ("epochs", "model", "dataset", "device", "seed", "metrics")
 LIMITS = {
     "--seeds": (1000, "error bars need 3 to 10 seeds; more than 1,000 is a typo"),
     "--workers": (4 * (os.cpu_count() or 1), "more than 4 worker processes per CPU core only thrash"),
+    "--workers-per-gpu": (64, "trials that small train faster one after another"),
     "--n-trials": (1_000_000, "a budget beyond a million trials is a typo"),
 }
 LOG_MODELS = ("none", "best", "all")
@@ -47,7 +49,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: SQLite in mlruns/mlflow.db)")
     p.add_argument("--study-name", help="Optuna study and MLflow experiment name (default: the study's id)")
     p.add_argument("--workers", type=int, help="worker processes on the same storage; default: the study's own "
-                   "(2 for accum_lr and bn_momentum), at most the CPU cores")
+                   "(2 for accum_lr and bn_momentum), at least one per visible GPU, at most the CPU cores. On GPUs "
+                   "they are placed round-robin, and each trial waits until its GPU has room for its predicted "
+                   "memory (docs/gpus.md)")
+    p.add_argument("--workers-per-gpu", type=int, metavar="M", help="M workers on each visible GPU, instead of "
+                   "--workers")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first trial that raises an error")
     p.add_argument("--system-metrics", action="store_true", help="log MLflow's system metrics (CPU, memory, disk, "
                    "network, GPU when present) for every trial, sampled every second")
@@ -78,9 +84,17 @@ def build_invocation(args: argparse.Namespace):
     make_objective(study)  # its metrics are checked before anything runs
     if args.seeds is None:
         args.seeds = study.seeds
+    gpus = visible_gpus() if (args.launcher or study.launcher) == "process" else []
+    if args.workers_per_gpu is not None:
+        if args.workers is not None or not gpus:
+            raise ConfigError("--workers-per-gpu places workers on GPUs: give it without --workers, on a machine "
+                              "where torch sees a GPU" + ("" if gpus else " (none is visible here: use --workers)"))
+        args.workers = args.workers_per_gpu * len(gpus)
     if args.workers is None:
-        args.workers = min(study.workers, os.cpu_count() or 1)
-    for flag, value in (("--seeds", args.seeds), ("--workers", args.workers), ("--n-trials", args.n_trials)):
+        args.workers = min(max(study.workers, len(gpus)), os.cpu_count() or 1)
+    args.gpus = gpus
+    for flag, value in (("--seeds", args.seeds), ("--workers-per-gpu", args.workers_per_gpu),
+                        ("--workers", args.workers), ("--n-trials", args.n_trials)):
         high, why = LIMITS[flag]
         if value is not None and not 1 <= value <= high:
             raise ConfigError(f"{flag} must be between 1 and {high:,} ({why}), got {value}")
@@ -134,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print(dry_run_table(inv))
             return 0
-        code = run_invocation(inv, args.workers)
+        code = run_invocation(inv, args.workers, args.gpus)
     except BatchsweepError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

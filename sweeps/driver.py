@@ -24,9 +24,10 @@ from .urls import redact
 TRIAL_DONE = "\0trial done"
 
 
-def _worker_process(inv, parent_run_id: str, index: int, budget: int | None, messages) -> None:
+def _worker_process(inv, parent_run_id: str, index: int, budget: int | None, messages, placement=None) -> None:
     """One of --workers N: one torch thread (several multi-threaded workers thrash a small CPU); its lines go
-    to the main process, which prints them above the bar. A fatal error is its last line, and exit status 2."""
+    to the main process, which prints them above the bar. A fatal error is its last line, and exit status 2.
+    With a placement it sees one GPU (its CUDA_VISIBLE_DEVICES was set when it started)."""
     import optuna
     import torch
 
@@ -37,8 +38,8 @@ def _worker_process(inv, parent_run_id: str, index: int, budget: int | None, mes
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     try:
-        Worker(inv, parent_run_id, index,
-               Hooks(say=messages.put, trial_done=lambda t: messages.put(TRIAL_DONE))).run(budget)
+        Worker(inv, parent_run_id, index, Hooks(say=messages.put, trial_done=lambda t: messages.put(TRIAL_DONE)),
+               placement).run(budget)
     except KeyboardInterrupt:
         pass
     except BatchsweepError as exc:
@@ -46,18 +47,20 @@ def _worker_process(inv, parent_run_id: str, index: int, budget: int | None, mes
         sys.exit(2)
 
 
-def run_workers(inv, parent_run_id: str, workers: int, total: int) -> None:
-    """Start the worker processes and draw one bar over the study's trials while they work."""
+def run_workers(inv, parent_run_id: str, workers: int, total: int, placements: list) -> None:
+    """Start the worker processes (each on its GPU, where there are placements) and draw one bar over the
+    study's trials while they work."""
     from tqdm import tqdm
 
     budgets = [None] * workers if inv.n_trials is None else \
         [inv.n_trials // workers + (i < inv.n_trials % workers) for i in range(workers)]
     ctx = multiprocessing.get_context("spawn")
     messages = ctx.Queue()
-    procs = [ctx.Process(target=_worker_process, args=(inv, parent_run_id, i, b, messages))
+    placements = placements or [None] * workers
+    procs = [ctx.Process(target=_worker_process, args=(inv, parent_run_id, i, b, messages, placements[i]))
              for i, b in enumerate(budgets)]
-    for proc in procs:
-        proc.start()
+    for proc, placement in zip(procs, placements):
+        start_on(proc, placement)
     fatal = []
 
     def drain(bar) -> None:
@@ -103,7 +106,22 @@ def run_workers(inv, parent_run_id: str, workers: int, total: int) -> None:
                   f"failed, and its point runs again (in this invocation, or the next)", file=sys.stderr)
 
 
-def run_in_process(inv, parent_run_id: str, total: int) -> None:
+def start_on(proc, placement) -> None:
+    """Start a worker process that sees only its placement's GPU, from its first instruction on."""
+    if placement is None:
+        return proc.start()
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = placement.name
+    try:
+        proc.start()
+    finally:
+        if before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
+def run_in_process(inv, parent_run_id: str, total: int, placement=None) -> None:
     from tqdm import tqdm
 
     from .worker import Hooks, Worker
@@ -122,7 +140,7 @@ def run_in_process(inv, parent_run_id: str, total: int) -> None:
     hooks = Hooks(trial_done=lambda t: trials.update(1), trial_start=trial_start, epoch_done=epoch_done,
                   say=lambda line: tqdm.write(line, file=sys.stderr))
     try:
-        return Worker(inv, parent_run_id, 0, hooks).run(inv.n_trials)
+        return Worker(inv, parent_run_id, 0, hooks, placement).run(inv.n_trials)
     finally:
         epochs.close()
         trials.close()
@@ -140,11 +158,12 @@ def write_report(inv) -> int:
     return done.returncode
 
 
-def run_invocation(inv, workers: int) -> int:
-    """Run what is left of the study (at most --n-trials of it) in `workers` processes; 0, or 1 when every trial
-    failed, or 130 on Ctrl-C."""
+def run_invocation(inv, workers: int, gpus: list | tuple = ()) -> int:
+    """Run what is left of the study (at most --n-trials of it) in `workers` processes, placed round-robin on
+    `gpus` where there are any (sweeps/placement.py); 0, or 1 when every trial failed, or 130 on Ctrl-C."""
     import optuna
 
+    from .placement import place
     from .storage import create_studies, open_storage, remaining
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # trial failures are reported in one line each
@@ -160,8 +179,10 @@ def run_invocation(inv, workers: int) -> int:
     closed = end_dead(inv, storage, tracker)  # before counting: their points run again in this invocation
     left = remaining(inv, storage)
     total = left if inv.n_trials is None else min(left, inv.n_trials)
+    placements = place(workers, list(gpus), inv.tracking_uri, bool(inv.study.program)) if gpus else []
+    on = f" on {len(gpus)} GPU{'s' * (len(gpus) > 1)}" if gpus else ""
     print(f"study {inv.study_name}: {left} trials left, running {total} "
-          f"({workers} worker{'s' * (workers > 1)}); MLflow {redact(inv.tracking_uri)}"
+          f"({workers} worker{'s' * (workers > 1)}{on}); MLflow {redact(inv.tracking_uri)}"
           + (f"; closed {closed} interrupted runs" if closed else ""), file=sys.stderr)
     if inv.dropped:
         print(f"not run: {len(inv.dropped)} points that break a constraint, e.g. {describe(inv.dropped[0][0])} "
@@ -170,9 +191,9 @@ def run_invocation(inv, workers: int) -> int:
     status, left = "FINISHED", None
     try:
         if workers == 1:
-            run_in_process(inv, parent, total)
+            run_in_process(inv, parent, total, placements[0] if placements else None)
         else:
-            run_workers(inv, parent, workers, total)
+            run_workers(inv, parent, workers, total, placements)
             try:
                 end_dead(inv, storage, tracker)  # a killed worker's trial would stay RUNNING, not counted as left
             except Exception:  # the storage went away: the next invocation ends them before it counts

@@ -78,6 +78,10 @@ class Objective:
         return Trained(result["metrics"], result["status"], result["memory_source"], health, result["dataset"],
                        result["resumed_after"])
 
+    def widest(self, config: TrainConfig) -> int:
+        """The largest physical batch a trial trains at: what its memory is predicted for on a GPU."""
+        return config.physical_batch
+
     def values(self, metrics: dict[str, float]) -> list[float]:
         """The objective's values, one per metric; a metric that was not logged is an error of the study."""
         missing = [m for m in self.metrics if m not in metrics]
@@ -102,6 +106,9 @@ class Equivalence(Objective):
     only if it agrees there is what remains float32 rounding."""
 
     logs = METRICS + ("param_rel_diff", "twin_val_acc", "acc_gap", "ghost_rel_diff", "ghost_rel_diff_fp64")
+
+    def widest(self, config: TrainConfig) -> int:
+        return config.effective_batch  # the true-batch twin
 
     def train(self, config: TrainConfig, on_epoch: Callable[[dict[str, float]], None],
               checkpoint: Checkpointing | None = None, link: TrialLink | None = None) -> Trained:

@@ -42,6 +42,7 @@ class TrialRun:
                                                  worker.objective.params(self.config, self.own), tags)
         self.history: list[dict[str, float]] = []
         self.in_run: tuple[str, ...] = ()  # metrics the run holds already (a script logged them itself)
+        self.placed: dict[str, Any] = {}  # on a GPU: its placement (sweeps/placement.py), as tags
 
     def run(self) -> float | list[float]:
         worker = self.worker
@@ -79,10 +80,18 @@ class TrialRun:
         urls = [v for v in self.own.values() if isinstance(v, str) and "://" in v]  # the study's own, too
         link = TrialLink(self.run_id, worker.tracker.experiment_id, inv.tracking_uri, self.own, self.report,
                          (inv.storage, inv.tracking_uri, *urls))
+
+        def train() -> Trained:
+            return worker.objective.train(self.config, self.on_epoch,
+                                          Checkpointing(str(self.folder)) if self.folder else None, link)
+
         try:
             try:
-                trained = worker.objective.train(self.config, self.on_epoch,
-                                                 Checkpointing(str(self.folder)) if self.folder else None, link)
+                if worker.placement is None:
+                    trained = train()
+                else:  # run again alone after an out-of-memory beside other trials: its rows come again too
+                    trained = worker.placement.run(self.config, worker.objective.widest(self.config), train,
+                                                   self.history.clear, self.placed)
             finally:
                 if monitor is not None:
                     monitor.finish()
@@ -147,7 +156,8 @@ class TrialRun:
             # two then leaves a run that the next invocation closes by the trial's state.
             logged = {k: v for k, v in metrics.items() if k not in self.in_run} if metrics else metrics
             error = self.worker.tracker.finish(self.run_id, outcome.status, history=self.history, metrics=logged,
-                                               tags={"reason": reason, "state": outcome.state.name, **extra},
+                                               tags={"reason": reason, "state": outcome.state.name, **self.placed,
+                                                     **extra},
                                                end=name != "complete", dataset=dataset)
         if error:
             self.worker.hooks.say(f"trial {trial.number} ({describe(self.point)}): trained, but recording it in "

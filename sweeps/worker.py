@@ -15,6 +15,7 @@ from .checkpoints import spare
 from .invocation import Invocation
 from .objective import make_objective
 from .outcomes import OUTCOMES, outcome_of
+from .placement import Placement
 from .program import machine
 from .recorder import TrialFailed, TrialRun
 from .search import Duplicate, StudyChanged, Unit
@@ -42,9 +43,11 @@ class Hooks:
 class Worker:
     """One process's loop: claim a trial, train it, record it, until the budget or the study is done."""
 
-    def __init__(self, inv: Invocation, parent_run_id: str, index: int = 0, hooks: Hooks | None = None):
+    def __init__(self, inv: Invocation, parent_run_id: str, index: int = 0, hooks: Hooks | None = None,
+                 placement: Placement | None = None):
         self.inv, self.parent_run_id, self.index = inv, parent_run_id, index
         self.hooks = hooks or Hooks()
+        self.placement = placement  # its GPU and the ledger of the machine's GPUs; None: trains where it is
         self.objective = make_objective(inv.study, inv.launcher)
         self.storage = open_storage(inv.storage)
         threading.excepthook = heartbeat_failed

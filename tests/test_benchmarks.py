@@ -24,6 +24,8 @@ RUNS = {
     "sweep_overhead.py": ([], ["--trials", "2", "--epochs", "3"], "overhead"),
     "trial_scaling.py": ([], ["--seeds", "1", "--window", "5"], "ratio"),
     "program_overhead.py": ([], ["--trials", "2", "--seconds", "0.3"], "overhead_s"),
+    "gpu_workers.py": ([], ["--simulate-gpu", "8GiB", "--trials", "2", "--workers", "2", *TINY[:4], "--epochs", "1",
+                            "--seeds", "1", "--set", "warmup_epochs=0"], "speedup"),
     "ddp_sync.py": (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
                     [*TINY, "--pairs", "1", "--accum-steps", "2", "--physical-batch", "32"], "epoch_time_ratio"),
 }

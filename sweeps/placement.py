@@ -1,0 +1,225 @@
+"""Trials on GPUs: which GPU each worker trains on, and the memory promised on each GPU, so that the trials that
+share one never promise more than it has.
+
+Each worker process sees one GPU (CUDA_VISIBLE_DEVICES, set before it starts), round-robin over the visible ones.
+Before a trial trains, its peak memory is predicted (sweeps/planner.py: the fit of a batch_memory study in the
+tracking store, else a quick probe) and the trial waits, in the order the trials of that GPU asked, until the
+GPU has room for it. A trial that runs out of memory while it shared the GPU runs again alone; only then is it
+an out-of-memory trial.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import multiprocessing
+import os
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+import torch
+
+from trainers import TrainConfig, interrupt, pid_alive
+
+T = TypeVar("T")
+
+# What a worker process holds on its GPU besides its tensors: the CUDA context, cuBLAS's workspace and the
+# caching allocator's slack (typically 0.3 to 0.6 GiB a process).
+CONTEXT_BYTES = 768 * 2 ** 20
+# A prediction is a linear fit of the allocator's peak: kept a quarter above it for the allocator's fragments.
+MARGIN = 1.25
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """A GPU as this machine numbers it (its entry of CUDA_VISIBLE_DEVICES, if that is set)."""
+
+    index: str
+    name: str
+    total_bytes: int
+
+
+def visible_gpus() -> list[Gpu]:
+    """The GPUs this process may use; none without CUDA."""
+    if not torch.cuda.is_available():
+        return []
+    ids = [i.strip() for i in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if i.strip()]
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        gpus.append(Gpu(ids[i] if i < len(ids) else str(i), props.name, props.total_memory))
+    return gpus
+
+
+@dataclass
+class Lease:
+    """Memory held on one GPU for one trial."""
+
+    slot: int
+    ran_beside: bool  # another trial was running on the GPU when this one started
+    started: int  # the GPU's count of trials started, this one included
+    shared: bool = False  # set on release: another trial ran on the GPU at some time during this one
+
+
+IDLE, WAITING, RUNNING = 0, 1, 2
+
+
+class Ledger:
+    """What the workers of one machine hold on its GPUs, in shared arrays under one lock: a slot per worker (its
+    GPU, its state, the bytes it holds or waits for, its turn, its process). Trials start on a GPU in the order
+    they asked for it, so a large trial is not passed over forever by small ones; one that needs more than the GPU
+    has starts when the GPU is empty, and so does one that must run alone. A worker that died (killed, out of
+    host memory) loses its slot, so the others do not wait for it forever."""
+
+    def __init__(self, capacities: list[int], gpu_of: list[int], context=None):
+        context = context or multiprocessing.get_context("spawn")
+        self.capacities, self.gpu_of = list(capacities), list(gpu_of)
+        self._lock = context.Condition()
+        slots, gpus = len(gpu_of), len(capacities)
+        self._state, self._need, self._turn, self._pid = (context.Array("q", slots, lock=False) for _ in range(4))
+        # Per GPU: trials started (to tell whether a trial shared the GPU), and the most bytes ever held at once
+        # (what the tests check against the capacity); the next turn, for all GPUs.
+        self._started, self._peak = (context.Array("q", gpus, lock=False) for _ in range(2))
+        self._next_turn = context.Value("q", 0, lock=False)
+
+    def hold(self, slot: int, need: int, alone: bool = False) -> Lease:
+        """Wait for this trial's turn and for room on the slot's GPU, then hold `need` bytes there. Ctrl-C still
+        reaches a waiting worker, and gives its turn up."""
+        gpu = self.gpu_of[slot]
+        with self._lock:
+            self._state[slot], self._need[slot], self._pid[slot] = WAITING, need, os.getpid()
+            self._turn[slot] = self._next_turn.value
+            self._next_turn.value += 1
+            try:
+                while not self._may_start(slot, alone):
+                    self._lock.wait(timeout=1.0)  # also: a worker that died is noticed within a second
+                    interrupt.check()
+            except BaseException:
+                self._state[slot] = IDLE
+                self._lock.notify_all()
+                raise
+            lease = Lease(slot, ran_beside=bool(self._slots(gpu, RUNNING)), started=self._started[gpu] + 1)
+            self._state[slot] = RUNNING
+            self._started[gpu] += 1
+            self._peak[gpu] = max(self._peak[gpu], self.held(gpu))
+            self._lock.notify_all()  # the next in turn may fit beside this one
+            return lease
+
+    def _may_start(self, slot: int, alone: bool) -> bool:
+        gpu = self.gpu_of[slot]
+        if any(self._turn[s] < self._turn[slot] for s in self._slots(gpu, WAITING)):
+            return False
+        running = self._slots(gpu, RUNNING)
+        return not running or (not alone and self.held(gpu) + self._need[slot] <= self.capacities[gpu])
+
+    def _slots(self, gpu: int, state: int) -> list[int]:
+        """The slots of live workers on the GPU in that state (a dead worker's slot is freed on the way)."""
+        found = []
+        for s, g in enumerate(self.gpu_of):
+            if g == gpu and self._state[s] == state:
+                if pid_alive(self._pid[s]):
+                    found.append(s)
+                else:
+                    self._state[s] = IDLE
+        return found
+
+    def held(self, gpu: int) -> int:
+        """The bytes held on the GPU by the trials running there (call it under the lock, or for a look)."""
+        return sum(self._need[s] for s in self._slots(gpu, RUNNING))
+
+    def release(self, lease: Lease) -> Lease:
+        """Give the lease's memory back; the lease learns whether it shared the GPU."""
+        gpu = self.gpu_of[lease.slot]
+        with self._lock:
+            self._state[lease.slot] = IDLE
+            lease.shared = lease.ran_beside or self._started[gpu] > lease.started
+            self._lock.notify_all()
+        return lease
+
+    def waiting(self, gpu: int) -> int:
+        """Trials that asked for the GPU and have not started."""
+        with self._lock:
+            return len(self._slots(gpu, WAITING))
+
+    def peak(self, gpu: int) -> int:
+        with self._lock:
+            return self._peak[gpu]
+
+
+# The fields that shape a trial's memory besides b: trials that differ only in others (k, the learning rate and
+# its rules, BatchNorm's momentum, the seed, the epochs) share one prediction.
+SHAPE = ("model", "dataset", "loss", "metrics", "label_key", "norm", "ghost_batch", "optimizer", "precision",
+         "channels_last", "dtype", "device", "eval_batch", "data_dir")
+
+
+@dataclass
+class Placement:
+    """A worker's GPU, the ledger it shares with the machine's other workers, and its predictions of a trial's
+    peak memory. A [program]'s memory cannot be predicted before its script runs: its trials run alone."""
+
+    slot: int  # the worker's slot in the ledger
+    name: str  # its GPU as the machine numbers it
+    ledger: Ledger
+    tracking_uri: str
+    program: bool = False
+    fits: dict = dataclasses.field(default_factory=dict)  # memory shape -> planner.Fit
+
+    @property
+    def capacity(self) -> int:
+        return self.ledger.capacities[self.ledger.gpu_of[self.slot]]
+
+    def need(self, config: TrainConfig, batch: int) -> tuple[int, bool]:
+        """The bytes to hold for a trial whose largest physical batch is `batch`, and whether it must run alone."""
+        capacity = self.capacity
+        if self.program:
+            return capacity, True
+        shape = TrainConfig(**{name: getattr(config, name) for name in SHAPE})
+        if shape not in self.fits:
+            self.fits[shape] = self._fit(shape)
+        return min(capacity, math.ceil(self.fits[shape].peak(batch) * MARGIN)), False
+
+    def _fit(self, shape: TrainConfig):
+        """The fit of a batch_memory study of this model and data in the store, else a probe of a few batches,
+        which holds the GPU alone."""
+        from .planner import from_study, measure
+
+        try:
+            found = from_study(shape, self.tracking_uri, "cuda_allocator")
+        except Exception:  # a store that cannot be read now: the probe answers
+            found = None
+        return found or self._held(self.capacity, True, lambda: measure(shape))
+
+    def run(self, config: TrainConfig, batch: int, train: Callable[[], T], again: Callable[[], None],
+            tags: dict) -> T:
+        """Train where the GPU has room for a trial whose largest physical batch is `batch`. A trial that runs out
+        of memory while it shared the GPU trains again alone (after `again()`); only an out-of-memory alone
+        passes on. `tags` receives the trial's placement: its GPU, the bytes held for it, whether it shared the
+        GPU, and whether it ran again alone."""
+        need, alone = self.need(config, batch)
+        tags.update(gpu=self.name, gpu_memory_held_bytes=need)
+        try:
+            return self._held(need, alone, train, tags)
+        except torch.OutOfMemoryError:
+            if alone or not tags["shared_gpu"]:
+                raise
+        tags["retried_alone"] = True
+        again()
+        return self._held(need, True, train, tags)
+
+    def _held(self, need: int, alone: bool, work: Callable[[], T], tags: dict | None = None) -> T:
+        lease = self.ledger.hold(self.slot, need, alone)
+        try:
+            return work()
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # what the allocator cached is room for the next trial on this GPU
+            shared = self.ledger.release(lease).shared
+            if tags is not None:
+                tags["shared_gpu"] = shared
+
+
+def place(workers: int, gpus: list[Gpu], tracking_uri: str, program: bool) -> list[Placement]:
+    """Each worker's placement, round-robin over the GPUs (worker i on gpus[i % len(gpus)]), with one ledger
+    between them: a GPU's capacity is its memory less what its workers' processes hold besides tensors."""
+    on = [i % len(gpus) for i in range(workers)]
+    ledger = Ledger([gpu.total_bytes - on.count(i) * CONTEXT_BYTES for i, gpu in enumerate(gpus)], on)
+    return [Placement(slot, gpus[i].index, ledger, tracking_uri, program) for slot, i in enumerate(on)]
