@@ -38,12 +38,15 @@ def in_process(main, cwd, *args: str) -> subprocess.CompletedProcess:
     """A command's `main(argv)` run in this test process from `cwd`, as its script runs it: its exit status
     and what it prints, without paying the imports of torch and MLflow (seconds) again for every call. What
     the processes it starts write themselves (a report's lines, a worker's traceback) is not captured, and
-    the environment it changes is restored: a test of those runs the script as a process."""
+    the environment it changes is restored; nor is there a timeout. A test of those runs the script as a
+    process."""
     out, err, environ, here = io.StringIO(), io.StringIO(), dict(os.environ), os.getcwd()
     os.chdir(cwd)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main(list(args))
+    except SystemExit as exc:  # argparse's usage errors and --help
+        code = exc.code if isinstance(exc.code, int) else 1
     finally:
         os.chdir(here)
         os.environ.clear()

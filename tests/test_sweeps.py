@@ -357,7 +357,7 @@ def test_a_hung_server_is_an_error_not_a_hang(tmp_path, flag, url, expected):
 
     with hung_server() as port:
         # No timing goal here (machines are noisy): docs/reliability.md has the measured seconds.
-        proc = sweep(tmp_path, *TINY, flag, url.format(port=port), timeout=60)
+        proc = sweep(tmp_path, *TINY, flag, url.format(port=port), timeout=60, process=True)  # a hang fails
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and expected in proc.stderr
 
