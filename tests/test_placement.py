@@ -201,8 +201,7 @@ def test_a_study_on_simulated_gpus_places_each_trial_and_tags_its_placement(tmp_
     from sweeps.cli import build_invocation, parse_args
     from sweeps.driver import run_invocation
 
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PYTHONPATH", str(__import__("tests.conftest").conftest.ROOT))
+    monkeypatch.chdir(tmp_path)  # the workers import tests.factories from the path they inherit
     args = parse_args(["--model", "mlp", "--dataset", "tests.factories:blobs1k", "--epochs", "1", "--seeds", "1",
                        "--set", "warmup_epochs=0", "--log-models", "none", "--n-trials", "4"])
     inv = build_invocation(args)

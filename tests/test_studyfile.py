@@ -285,8 +285,14 @@ def test_own_study_file_with_tpe_resumes_after_a_kill(tmp_path):
     holding = []
     for name in names:
         trials = optuna.load_study(study_name=name, storage=storage).trials
-        kept = [t for t in trials if holds(t)]
-        assert len(kept) == 3 and all(t.state.is_finished() for t in kept), name
+        # A kill that lands between Optuna creating a trial and the trial naming its owner (a window the timed
+        # kill above can hit) leaves a trial that holds its place and nothing else; the next invocation after
+        # the heartbeat's grace fails it (test_sweeps.py::test_ownerless_trial_fails_after_grace). Either way
+        # every trial that was trained is finished.
+        ownerless = [t for t in trials if t.state == State.RUNNING and not t.user_attrs]
+        kept = [t for t in trials if holds(t) and t.user_attrs]
+        assert len(kept) + len(ownerless) == 3 and len(ownerless) <= 1, name
+        assert all(t.state.is_finished() for t in kept), name
         assert all("base_lr" in t.params and "accum_steps" in t.params for t in kept)
         holding += kept
     children, parents = child_runs(client, "own_tpe")
