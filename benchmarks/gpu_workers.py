@@ -63,12 +63,11 @@ def main() -> None:
     parser.add_argument("--simulate-gpu", metavar="SIZE", help="without a GPU: place on a simulated one this size")
     args, args.extra = parser.parse_known_args()  # the rest goes to sweeps/run.py (e.g. --epochs 1)
     counts = [int(n) for n in args.workers.split(",")]
-    if args.simulate_gpu:
-        gpu = Gpu("0", f"simulated {args.simulate_gpu}", parse_bytes(args.simulate_gpu))
-    elif visible_gpus():
-        gpu = visible_gpus()[0]
-    else:
+    gpus = [Gpu("0", f"simulated {args.simulate_gpu}", parse_bytes(args.simulate_gpu))] if args.simulate_gpu \
+        else visible_gpus()
+    if not gpus:
         raise BatchsweepError("no GPU is visible: run it on a GPU machine, or give --simulate-gpu 8GiB")
+    gpu = gpus[0]
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     rows = []
     for workers in counts:

@@ -74,6 +74,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def workers_and_gpus(args: argparse.Namespace, study) -> tuple[int, list]:
+    """How many worker processes, and the GPUs they are placed on (none under torchrun, which places its own)."""
+    gpus = visible_gpus() if (args.launcher or study.launcher) == "process" else []
+    if args.workers_per_gpu is not None:
+        if args.workers is not None or not gpus:
+            raise ConfigError("--workers-per-gpu places workers on GPUs: give it without --workers, on a machine "
+                              "where torch sees a GPU" + ("" if gpus else " (none is visible here: use --workers)"))
+        return args.workers_per_gpu * len(gpus), gpus
+    if args.workers is not None:
+        return args.workers, gpus
+    return min(max(study.workers, len(gpus)), os.cpu_count() or 1), gpus
+
+
 def build_invocation(args: argparse.Namespace):
     from .objective import make_objective
     from .invocation import Invocation
@@ -84,15 +97,7 @@ def build_invocation(args: argparse.Namespace):
     make_objective(study)  # its metrics are checked before anything runs
     if args.seeds is None:
         args.seeds = study.seeds
-    gpus = visible_gpus() if (args.launcher or study.launcher) == "process" else []
-    if args.workers_per_gpu is not None:
-        if args.workers is not None or not gpus:
-            raise ConfigError("--workers-per-gpu places workers on GPUs: give it without --workers, on a machine "
-                              "where torch sees a GPU" + ("" if gpus else " (none is visible here: use --workers)"))
-        args.workers = args.workers_per_gpu * len(gpus)
-    if args.workers is None:
-        args.workers = min(max(study.workers, len(gpus)), os.cpu_count() or 1)
-    args.gpus = gpus
+    args.workers, args.gpus = workers_and_gpus(args, study)
     for flag, value in (("--seeds", args.seeds), ("--workers-per-gpu", args.workers_per_gpu),
                         ("--workers", args.workers), ("--n-trials", args.n_trials)):
         high, why = LIMITS[flag]
