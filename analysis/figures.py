@@ -31,6 +31,10 @@ def _values(trials: pd.DataFrame, column: str) -> str:
     return ", ".join(sorted(map(str, trials[column].dropna().unique()))) if column in trials else "?"
 
 
+def _epochs(values: str) -> str:
+    return f"{values} epoch{'' if values in ('1', '1.0') else 's'}"
+
+
 def protocol(trials: pd.DataFrame) -> str:
     """The training protocol behind the trials: optimizer, schedule, warmup, weight decay, epochs, seeds."""
     seeds = trials["seed"].nunique() if "seed" in trials else 1
@@ -40,11 +44,11 @@ def protocol(trials: pd.DataFrame) -> str:
                                                       if "momentum" in trials and "sgd" in set(trials["optimizer"]) else ""))
     if "schedule" in trials:
         warmup = _values(trials, "warmup_epochs") if "warmup_epochs" in trials else "0"
-        parts.append(f"{'no warmup' if warmup in ('0', '0.0') else f'linear warmup {warmup} epochs'}, then "
+        parts.append(f"{'no warmup' if warmup in ('0', '0.0') else f'linear warmup {_epochs(warmup)}'}, then "
                      f"{_values(trials, 'schedule')}")
     if "weight_decay" in trials:
         parts.append(f"weight decay {_values(trials, 'weight_decay')}")
-    parts += [f"{_values(trials, 'epochs')} epochs", f"{seeds} seed{'s' * (seeds != 1)}"]
+    parts += [_epochs(_values(trials, "epochs")), f"{seeds} seed{'s' * (seeds != 1)}"]
     return "; ".join(parts)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from analysis.figures import all_figures, best_lr, warmup_curves
+from analysis.figures import all_figures, best_lr, protocol, warmup_curves
 from analysis import branching
 from analysis.findings import summarize
 from analysis.render import MIB, _display, _table, write_report
@@ -258,6 +258,14 @@ def test_loads_typed_frames_from_a_real_study(tiny_study):
     assert (t["effective_batch"] == t["physical_batch"] * t["accum_steps"]).all()
     assert list(runs.history.groupby("run_id")["epoch"].apply(list).iloc[0]) == [1, 2]
     assert runs.parent_run_id is not None
+
+
+def test_the_protocol_line_counts_one_epoch_as_one():
+    trials = pd.DataFrame({"optimizer": ["adamw"] * 2, "schedule": ["cosine"] * 2, "warmup_epochs": ["1"] * 2,
+                           "weight_decay": ["0.0"] * 2, "epochs": ["1"] * 2, "seed": [0, 1]})
+    assert protocol(trials) == "adamw; linear warmup 1 epoch, then cosine; weight decay 0.0; 1 epoch; 2 seeds"
+    trials["warmup_epochs"], trials["epochs"] = "2.5", "8"
+    assert "linear warmup 2.5 epochs, then cosine; weight decay 0.0; 8 epochs; 2 seeds" in protocol(trials)
 
 
 def test_report_command_and_compare(tiny_study):
