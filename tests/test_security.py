@@ -1,4 +1,5 @@
 """Secrets never shown or stored, names never paths, text from the data escaped in the report."""
+import os
 import re
 import subprocess
 import threading
@@ -26,7 +27,8 @@ def test_redact_and_scrub():
 
 
 class CommandLines:
-    """Reads every process's command line on this machine, about every 10 ms, while a test runs."""
+    """Reads the command line of every process this test started (its descendants), about every 10 ms, while
+    the test runs. Only its own: another test running at the same time may type a password on purpose."""
 
     def __init__(self):
         self.seen: set[str] = set()
@@ -34,13 +36,23 @@ class CommandLines:
         self.thread = threading.Thread(target=self._watch, daemon=True)
 
     def _watch(self) -> None:
+        me = os.getpid()
         while not self.stop.is_set():
+            parent, line = {}, {}
             for entry in Path("/proc").iterdir():
                 if entry.name.isdigit():
-                    try:
-                        self.seen.add((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
-                    except OSError:
+                    try:  # stat is "pid (name) state ppid ...", and the name may hold ")"
+                        parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                        line[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(
+                            errors="replace")
+                    except (OSError, IndexError, ValueError):
                         pass
+            for pid, text in line.items():
+                ancestor = parent.get(pid)
+                while ancestor not in (None, 0, 1, me):
+                    ancestor = parent.get(ancestor)
+                if ancestor == me:
+                    self.seen.add(text)
             self.stop.wait(0.01)
 
     def __enter__(self):
