@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines would break the progress bars
     logging.getLogger("alembic").setLevel(logging.WARNING)
+    # A Ctrl-C inside a fetch from SQLite leaves a cursor that SQLAlchemy cannot close: it logs that with a
+    # traceback and goes on; the interrupt itself is handled (exit 130, how to resume).
+    logging.getLogger("sqlalchemy.pool").setLevel(logging.CRITICAL)
     # MLflow prints a "View run … at http://…" line for every run a tracking server ends, into the results table.
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     try:

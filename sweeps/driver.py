@@ -37,6 +37,7 @@ def _worker_process(inv, parent_run_id: str, index: int, budget: int | None, mes
     interrupt.trap()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     logging.getLogger("mlflow").setLevel(logging.WARNING)
+    logging.getLogger("sqlalchemy.pool").setLevel(logging.CRITICAL)  # as in sweeps/cli.py: a cursor left by Ctrl-C
     try:
         Worker(inv, parent_run_id, index, Hooks(say=messages.put, trial_done=lambda t: messages.put(TRIAL_DONE)),
                placement).run(budget)
