@@ -246,8 +246,9 @@ def _front_figure(points: pd.DataFrame, fields: list[str], cost: str, value: str
 
 
 def _budget_sentence(points: pd.DataFrame, fields: list[str], cost: str, value: str, percent: bool,
-                     maximize: bool, unit) -> str:
-    """The best configuration within half the cost of the overall best, and the overall best."""
+                     maximize: bool, unit, against: str) -> str:
+    """The best configuration within half the cost of the overall best, and the overall best. `against` names
+    the cost, so that the memory and time sentences, often about the same best, read apart in the findings."""
     def best_of(frame: pd.DataFrame) -> pd.Series:  # the best value; of equal values, the cheapest
         return frame.sort_values([value, cost], ascending=[not maximize, True]).iloc[0]
 
@@ -255,9 +256,9 @@ def _budget_sentence(points: pd.DataFrame, fields: list[str], cost: str, value: 
     within = points[points[cost] <= top[cost] / 2]
     best = f"the best overall was {label(top, fields)} ({shown(top[value], top['half'], percent)}) at {unit(top[cost])}"
     if within.empty:
-        return f"{best[0].upper()}{best[1:]}; no configuration needed half of that or less."
+        return f"Against {against}, {best}; no configuration needed half of that or less."
     cheap = best_of(within)
-    return (f"Within {unit(top[cost] / 2)}, the best was {label(cheap, fields)} "
+    return (f"Against {against}, within {unit(top[cost] / 2)}, the best was {label(cheap, fields)} "
             f"({shown(cheap[value], cheap['half'], percent)}); {best}.")
 
 
@@ -274,7 +275,7 @@ def memory_front(study: StudyRuns) -> Figure | None:
         return None
     percent, maximize = _percent(value, t[value]), direction == "maximize"
     finding = _budget_sentence(points, fields, "memory_mib", value, percent, maximize,
-                               lambda mib: f"{mib:,.1f} MiB of peak memory")
+                               lambda mib: f"{mib:,.1f} MiB of peak memory", "peak memory")
     return _front_figure(points, fields, "memory_mib", value, "peak memory, MiB", percent, maximize, "memory_front",
                          f"Pareto front: {value} against peak memory", t, finding)
 
@@ -315,7 +316,7 @@ def time_front(study: StudyRuns) -> Figure | None:
     percent = _percent(value, t[value])
     target_text = shown(target, percent=percent)
     finding = _budget_sentence(points, fields, "seconds", value, percent, True,
-                               lambda s: f"{s:,.1f} s to reach {value} {target_text}")
+                               lambda s: f"{s:,.1f} s to reach {value} {target_text}", "time to the target")
     return _front_figure(points, fields, "seconds", value, f"seconds to reach {value} {target_text} (median over seeds)",
                          percent, True, "time_front", f"Pareto front: {value} against time to the target", t, finding)
 

@@ -388,12 +388,12 @@ def budget_study() -> StudyRuns:
 def test_pareto_fronts_answer_a_budget():
     study = budget_study()
     memory = memory_front(study)
-    assert memory.finding == ("Within 32.0 MiB of peak memory, the best was b = 32 (83.2 ± 0.6%); the best overall "
-                              "was b = 64 (86.5 ± 0.6%) at 64.0 MiB of peak memory.")
+    assert memory.finding == ("Against peak memory, within 32.0 MiB of peak memory, the best was b = 32 "
+                              "(83.2 ± 0.6%); the best overall was b = 64 (86.5 ± 0.6%) at 64.0 MiB of peak memory.")
     # The target is 95% of 86.45%: b = 64 reaches it in epoch 1, b = 32 in epoch 3, b = 8 and 16 never.
     time = time_front(study)
-    assert time.finding == ("The best overall was b = 64 (86.5 ± 0.6%) at 10.0 s to reach val_acc 82.1%; no "
-                            "configuration needed half of that or less.")
+    assert time.finding == ("Against time to the target, the best overall was b = 64 (86.5 ± 0.6%) at 10.0 s to "
+                            "reach val_acc 82.1%; no configuration needed half of that or less.")
     assert [len(c.get_offsets()) for c in time.figure.axes[0].collections] == [1, 1]  # b = 32 dominated, 64 on it
     points = pd.DataFrame({"cost": [1, 2, 2, 3], "value": [0.5, 0.7, 0.6, 0.7]})
     assert list(front(points, "cost", "value")) == [True, True, False, False]
