@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from trainers import FIELDS, BatchsweepError, ConfigError, TrainConfig
 
 from . import program
 from .tables import format_table
-from .tracking import Tracker, default_tracking_uri, first_line
+from .tracking import Tracker, default_tracking_uri, first_line, quiet_library_logs
 from .urls import check_tracking_uri, scrub
 
 # Relative weight difference that counts as equal: what summing in another order costs in each dtype.
@@ -229,8 +228,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.getLogger("mlflow").setLevel(logging.WARNING)
-    logging.getLogger("alembic").setLevel(logging.WARNING)
+    quiet_library_logs()
     try:
         return _main(args)
     except BatchsweepError as exc:

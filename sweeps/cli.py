@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from .driver import run_invocation, write_report
 from .placement import visible_gpus
 from .studies import LAUNCHERS, check_name, check_size
 from .tables import dry_run_table, list_studies
-from .tracking import TrackingError, default_tracking_uri, first_line
+from .tracking import TrackingError, default_tracking_uri, first_line, quiet_library_logs
 from .urls import REACH_ADVICE, check_storage, check_tracking_uri, redact, sqlite_path, unreachable
 
 # Flags that set one trainer field for every trial of the study.
@@ -139,11 +138,7 @@ def build_invocation(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines would break the progress bars
-    logging.getLogger("alembic").setLevel(logging.WARNING)
-    # A Ctrl-C inside a fetch from SQLite leaves a cursor that SQLAlchemy cannot close: it logs that with a
-    # traceback and goes on; the interrupt itself is handled (exit 130, how to resume).
-    logging.getLogger("sqlalchemy.pool").setLevel(logging.CRITICAL)
+    quiet_library_logs()
     # MLflow prints a "View run … at http://…" line for every run a tracking server ends, into the results table.
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     try:

@@ -1,7 +1,6 @@
 """Running a study: its worker processes, one progress bar, the parent MLflow run, the report at the end."""
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import os
 import queue
@@ -16,7 +15,7 @@ from trainers import BatchsweepError, interrupt, make_writable_folder
 from .outcomes import OUTCOMES, outcome_of
 from .studies import describe
 from .tables import results_table
-from .tracking import HOST, Tracker, TrackingError, first_line, git_commit, standard_tags
+from .tracking import HOST, Tracker, TrackingError, first_line, git_commit, quiet_library_logs, standard_tags
 from .urls import redact
 
 # A worker's message that moves the bar: counting this invocation's trials, not the study's, keeps the bar
@@ -36,8 +35,7 @@ def _worker_process(inv, parent_run_id: str, index: int, budget: int | None, mes
     torch.set_num_threads(1)
     interrupt.trap()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
-    logging.getLogger("mlflow").setLevel(logging.WARNING)
-    logging.getLogger("sqlalchemy.pool").setLevel(logging.CRITICAL)  # as in sweeps/cli.py: a cursor left by Ctrl-C
+    quiet_library_logs()
     try:
         Worker(inv, parent_run_id, index, Hooks(say=messages.put, trial_done=lambda t: messages.put(TRIAL_DONE)),
                placement).run(budget)

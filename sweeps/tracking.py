@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import getpass
 import json
+import logging
 import os
 import random
 import socket
@@ -24,6 +25,16 @@ from trainers import BatchsweepError, pid_alive
 from .urls import REACH_ADVICE, redact, sqlite_path, unreachable
 
 HOST = socket.gethostname()
+
+
+def quiet_library_logs() -> None:
+    """Keep the stores' libraries to what matters, in the commands and in every worker process (spawned, so
+    they start with Python's defaults): MLflow's and alembic's INFO lines would break the progress bars, and a
+    Ctrl-C inside a fetch from SQLite leaves a cursor that SQLAlchemy's pool cannot close: it logs that with a
+    traceback and goes on, while the interrupt itself is handled (exit 130, how to resume)."""
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    logging.getLogger("sqlalchemy.pool").setLevel(logging.CRITICAL)
 
 
 def _processes() -> str:
