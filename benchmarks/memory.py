@@ -3,7 +3,9 @@
 Accumulation must keep no micro-batch's graph alive: peak(b, 16) / peak(b, 1) <= 1.05, printed last as
 `flat_ratio=<x>`, while the true batch grows with b*k. On the CPU the trainer counts the bytes autograd
 holds for backward (until released) plus parameters, gradients and optimizer state; on CUDA it is
-torch.cuda.max_memory_allocated, which also holds the dataset (kept on the device).
+torch.cuda.max_memory_allocated, which also holds the dataset (kept on the device). Beside each peak, the
+trainer's samples/s of the last epoch: what accumulation costs in speed against the true batch (give --epochs 2
+or more to leave the first epoch's warm-up out of it).
 
     python benchmarks/memory.py [--device cuda] [--physical-batch 32] [--model ... --dataset ...]
 """
@@ -26,14 +28,20 @@ def main() -> None:
     for k in (1, 4, 16):
         accumulated = train(replace(base, accum_steps=k))
         true = train(replace(base, physical_batch=b * k, accum_steps=1))
-        rows.append((k, accumulated.metrics["peak_memory_bytes"], true.metrics["peak_memory_bytes"]))
-    print(f"model={base.model} dataset={base.dataset} b={b} device={accumulated.device_name} "
-          f"memory={accumulated.memory_source}")
-    print(f"{'k':>3}  {'B':>5}  {'accumulated (b, k)':>20}  {'true batch (B, 1)':>20}")
-    for k, acc, true in rows:
-        print(f"{k:>3}  {b * k:>5}  {format_bytes(acc):>20}  {format_bytes(true):>20}")
-    print(f"true_growth={rows[-1][2] / rows[0][2]:.2f}")
-    print(f"flat_ratio={rows[-1][1] / rows[0][1]:.3f}")
+        rows.append((k, *(_figures(run) for run in (accumulated, true))))
+    print(f"model={base.model} dataset={base.dataset} b={b} precision={base.precision} epochs={base.epochs} "
+          f"device={accumulated.device_name} memory={accumulated.memory_source}")
+    print(f"{'k':>3}  {'B':>5}  {'accumulated (b, k)':>20}  {'samples/s':>9}  {'true batch (B, 1)':>20}  "
+          f"{'samples/s':>9}")
+    for k, *runs in rows:
+        print(f"{k:>3}  {b * k:>5}" + "".join(f"  {format_bytes(peak):>20}  {sps:>9,.0f}" for peak, sps in runs))
+    print(f"true_growth={rows[-1][2][0] / rows[0][2][0]:.2f}")
+    print(f"flat_ratio={rows[-1][1][0] / rows[0][1][0]:.3f}")
+
+
+def _figures(run) -> tuple[int, float]:
+    """Its peak memory, and the samples/s of its last epoch."""
+    return run.metrics["peak_memory_bytes"], run.history[-1]["samples_per_s"]
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ RUNS = {
     "program_overhead.py": ([], ["--trials", "2", "--seconds", "0.3"], "overhead_s"),
     "gpu_workers.py": ([], ["--simulate-gpu", "8GiB", "--trials", "2", "--workers", "2", *TINY[:4], "--epochs", "1",
                             "--seeds", "1", "--set", "warmup_epochs=0"], "speedup"),
+    # a step of each kind but the context (CUDA only) and those run above as they are (memory.py, gpu_workers.py)
+    "gpu_figures.py": ([], ["--tiny", "--only", "throughput,study", "--out", "figures"], "measured"),
     "ddp_sync.py": (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
                     [*TINY, "--pairs", "1", "--accum-steps", "2", "--physical-batch", "32"], "epoch_time_ratio"),
 }
@@ -40,7 +42,7 @@ def test_every_benchmark_has_a_tiny_run():
 def test_a_benchmark_prints_its_figure(tmp_path, data_dir, script):
     launcher, args, figure = RUNS[script]
     script = script.split()[0]
-    if script in ("system_metrics.py", "sweep_overhead.py"):
+    if script in ("system_metrics.py", "sweep_overhead.py", "gpu_figures.py"):
         args = [*args, "--data-dir", data_dir]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, *launcher, str(ROOT / "benchmarks" / script), *args], cwd=tmp_path,
@@ -52,3 +54,14 @@ def test_a_benchmark_prints_its_figure(tmp_path, data_dir, script):
     # A ratio of two timings is positive; an overhead or a share is a difference of two noisy timings, which a
     # tiny run on a busy machine can make negative (checkpoint_share=-0.37 was seen): a figure, not a failure.
     assert float(match.group(1)) > 0 or not figure.endswith("ratio"), proc.stdout[-2000:]
+
+
+def test_the_gpu_figures_say_what_they_did_not_measure(tmp_path):
+    """A step the budget leaves out is a line of the table, and the run exits non-zero: no silent gap."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_figures.py"), "--tiny", "--only", "memory",
+                           "--budget", "0", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stdout.count("not run: the budget was spent") == 2 * 2  # each step's line, and its row of the table
+    assert proc.stdout.strip().splitlines()[-1] == "measured=0"
+    assert "measured=0" in (tmp_path / "gpu_figures.log").read_text()

@@ -1,0 +1,191 @@
+"""Every GPU figure of docs/benchmarks.md in one run, most wanted first, under one time budget.
+
+Runs each benchmark in its own process group with a time limit taken from what is left of --budget, writes
+its whole output to OUT/gpu_figures.log as it comes, and ends with a table of what each step measured (the
+figure on its last line, or why there is none). The default study's report and stores are copied to OUT.
+The steps, in order (--only picks groups):
+
+    context     the GPU memory a worker holds outside PyTorch's allocator, against CONTEXT_BYTES
+    memory      memory.py: peak memory and samples/s at k = 1, 4, 16 against the true batch, for cnn1d, gpt
+                and resnet18 (synthetic:cifar_shaped), in fp32 and bf16
+    throughput  throughput.py: the trainer against the hand-written loop, for the same three models
+    workers     gpu_workers.py: trials per hour of accum_lr with 1, 2 and 4 workers on GPU 0
+    study       sweeps/run.py --study accum_lr on the GPU, with its report
+
+    python benchmarks/gpu_figures.py --out gpu-figures [--budget 540] [--only memory,throughput]
+
+The last line is `measured=<steps that printed their figure>`; the exit status is 1 unless every step
+chosen did. --tiny runs each step at a size for the CPU (a small MLP, a simulated GPU, no context step): a
+check of the steps and their flags, not a figure.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainers import BatchsweepError
+from trainers.cli import run_script
+
+ROOT = Path(__file__).resolve().parent.parent
+GROUPS = ("context", "memory", "throughput", "workers", "study")
+LEAST_S = 20  # a step is not started with less time left than this
+
+# Measured after a real training step, so that every library the trainer loads (cuBLAS, cuDNN, their
+# workspaces, the kernels used) is in the figure. Nothing else may hold the GPU meanwhile.
+CONTEXT = """
+import torch
+from sweeps.placement import CONTEXT_BYTES
+from trainers import TrainConfig, train
+for model, dataset in (("cnn1d", "mnist1d"), ("resnet18", "synthetic:cifar_shaped")):
+    train(TrainConfig(model=model, dataset=dataset, device="cuda", precision="bf16", epochs=1, max_steps=3,
+                      data_dir=DATA))
+free, total = torch.cuda.mem_get_info()
+outside = total - free - torch.cuda.memory_reserved()
+print(f"{torch.cuda.get_device_name()}: {outside / 2**20:.0f} MiB held outside the allocator, against an "
+      f"allowance of {CONTEXT_BYTES / 2**20:.0f} MiB per worker")
+print(f"context_share={outside / CONTEXT_BYTES:.3f}")
+"""
+
+
+@dataclass
+class Step:
+    group: str
+    name: str
+    argv: list[str]  # after the Python interpreter
+    figure: str  # the name its last line prints as name=value; "" when its result is the study's report
+    cap_s: float  # the longest it may take
+
+
+def steps(device: str, tiny: bool, data: str) -> list[Step]:
+    bench = lambda script: str(ROOT / "benchmarks" / script)  # noqa: E731
+    # model, dataset, b, epochs of memory.py and of throughput.py, flags (one epoch of cifar_shaped is 50,000)
+    models = [("mlp", "synthetic:blobs", 8, 2, 3, [])] if tiny else [
+        ("cnn1d", "mnist1d", 32, 2, 10, []), ("gpt", "pytext", 32, 2, 10, []),
+        ("resnet18", "synthetic:cifar_shaped", 128, 1, 4, ["--channels-last"])]
+    on = ["--device", device, "--data-dir", data]
+    out = [] if tiny else [Step("context", "context", ["-c", CONTEXT.replace("DATA", repr(data))], "context_share",
+                                120)]
+    for model, dataset, b, epochs, _, flags in models:
+        for precision in ("fp32", "bf16"):
+            out.append(Step("memory", f"memory {model} {precision}", [
+                bench("memory.py"), *on, "--model", model, "--dataset", dataset, "--physical-batch", str(b),
+                "--precision", precision, "--epochs", str(epochs), *flags], "flat_ratio", 180))
+    for model, dataset, b, _, epochs, flags in models:
+        out.append(Step("throughput", f"throughput {model} bf16 k=4", [
+            bench("throughput.py"), *on, "--model", model, "--dataset", dataset, "--physical-batch", str(b),
+            "--accum-steps", "4", "--precision", "bf16", "--epochs", str(epochs), *flags], "ratio", 180))
+    small = ["--simulate-gpu", "8GiB", "--trials", "2", "--workers", "1,2", "--epochs", "1", "--seeds", "1",
+             "--set", "warmup_epochs=0"] if tiny else ["--trials", "12"]
+    out.append(Step("workers", "workers 1, 2, 4 on GPU 0", [
+        bench("gpu_workers.py"), *small, "--set", f"data_dir={data}"], "speedup", 300))
+    small = ["--n-trials", "1", "--epochs", "1", "--seeds", "1", "--workers", "1", "--set", "warmup_epochs=0"] if tiny \
+        else ["--workers", "4"]  # the GPU machine's cores make room for more workers than the study's own 2
+    out.append(Step("study", "study accum_lr", [
+        str(ROOT / "sweeps" / "run.py"), "--study", "accum_lr", "--device", device, *small,
+        "--set", f"data_dir={data}"], "", 300))
+    return out
+
+
+def run(step: Step, limit: float, log_path: Path, cwd: Path, env: dict) -> tuple[str, bool]:
+    """Runs one step into the log; returns what it measured, or why not, and whether it measured."""
+    with open(log_path, "ab") as log:
+        log.write(f"\n=== {step.name} (at most {limit:.0f} s)\n$ python {' '.join(step.argv)}\n".encode())
+        log.flush()
+        start = log.tell()
+        # A session of its own, so that the workers and loader processes it starts go with it.
+        proc = subprocess.Popen([sys.executable, *step.argv], stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # what it left running would hold the GPU for the next step
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    lines = log_path.read_bytes()[start:].decode(errors="replace").strip().splitlines() or [""]
+    if code is None:
+        return f"stopped at its limit of {limit:.0f} s", False
+    if code != 0:
+        return f"exit {code}: {lines[-1][:90]}", False
+    if not step.figure:
+        return "done", True
+    found = re.fullmatch(rf"{step.figure}=(\S+)", lines[-1])
+    return (found.group(0), True) if found else (f"no {step.figure}= on its last line", False)
+
+
+def keep_study(work: Path, out: Path) -> str:
+    """Copies the study's report and stores to OUT; returns what was kept."""
+    kept = []
+    for source, name in ((work / "reports" / "accum_lr" / "report.md", "accum_lr_report.md"),
+                         (work / "reports" / "accum_lr" / "report.html", "accum_lr_report.html"),
+                         (work / "mlruns" / "mlflow.db", "accum_lr_mlflow.db"),
+                         (work / "mlruns" / "optuna.db", "accum_lr_optuna.db")):
+        if source.exists():
+            shutil.copyfile(source, out / name)
+            kept.append(name)
+    return ", ".join(kept) or "nothing"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="a folder for the log, the study's report and its stores")
+    parser.add_argument("--budget", type=float, help="seconds for all the steps together (default: no limit)")
+    parser.add_argument("--only", default=",".join(GROUPS), help=f"groups, comma-separated: {', '.join(GROUPS)}")
+    parser.add_argument("--data-dir", default=str(ROOT / "data"), help="where the MNIST-1D cache is")
+    parser.add_argument("--tiny", action="store_true", help="every step at a size for the CPU: a check, not a figure")
+    args = parser.parse_args()
+    only = args.only.split(",")
+    if unknown := set(only) - set(GROUPS):
+        raise BatchsweepError(f"unknown group {sorted(unknown)[0]!r} in --only: choose from {', '.join(GROUPS)}")
+    chosen = [s for s in steps("cpu" if args.tiny else "cuda", args.tiny, args.data_dir) if s.group in only]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "gpu_figures.log"
+    paths = [str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(filter(None, paths))}
+    # nvidia-smi rather than torch.cuda: this process must hold no GPU memory while the steps measure it
+    gpus = shutil.which("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+    log_path.write_text(f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}  python {sys.version.split()[0]}  "
+                        f"torch {torch.__version__}\n{gpus or 'no nvidia-smi'}\n")
+    end = time.monotonic() + (float("inf") if args.budget is None else args.budget)
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        for i, step in enumerate(chosen, 1):
+            left = end - time.monotonic()
+            began = time.monotonic()
+            if left < LEAST_S:
+                result, measured = "not run: the budget was spent", False
+            else:
+                result, measured = run(step, min(step.cap_s, left), log_path, Path(work), env)
+                if step.group == "study" and measured:
+                    kept = keep_study(Path(work), out)
+                    result, measured = f"kept {kept}", "accum_lr_report.md" in kept
+            rows.append((step.name, time.monotonic() - began, result, measured))
+            print(f"[{i}/{len(chosen)}] {step.name}: {result} ({rows[-1][1]:.0f} s)", flush=True)
+    table = [f"{'step':<28}  {'seconds':>7}  result"] + [f"{name:<28}  {s:>7.0f}  {result}"
+                                                         for name, s, result, _ in rows]
+    measured = sum(row[3] for row in rows)
+    with open(log_path, "a") as log:
+        log.write("\n" + "\n".join(table) + f"\nmeasured={measured}\n")
+    print("\n".join(table))
+    print(f"measured={measured}")
+    if measured < len(chosen):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    run_script(main)
