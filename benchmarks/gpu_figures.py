@@ -151,14 +151,17 @@ def main() -> None:
     only = args.only.split(",")
     if unknown := set(only) - set(GROUPS):
         raise BatchsweepError(f"unknown group {sorted(unknown)[0]!r} in --only: choose from {', '.join(GROUPS)}")
+    # nvidia-smi rather than torch.cuda: this process must hold no GPU memory while the steps measure it
+    gpus = shutil.which("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+    if not gpus and not args.tiny:
+        raise BatchsweepError("nvidia-smi lists no GPU: run it on a GPU machine, or give --tiny for a check of the "
+                              "steps on the CPU")
     chosen = [s for s in steps("cpu" if args.tiny else "cuda", args.tiny, args.data_dir) if s.group in only]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "gpu_figures.log"
     paths = [str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(filter(None, paths))}
-    # nvidia-smi rather than torch.cuda: this process must hold no GPU memory while the steps measure it
-    gpus = shutil.which("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
     log_path.write_text(f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}  python {sys.version.split()[0]}  "
                         f"torch {torch.__version__}\n{gpus or 'no nvidia-smi'}\n")
     end = time.monotonic() + (float("inf") if args.budget is None else args.budget)
