@@ -5,7 +5,8 @@ its whole output to OUT/gpu_figures.log as it comes, and ends with a table of wh
 figure on its last line, or why there is none). The default study's report and stores are copied to OUT.
 The steps, in order (--only picks groups):
 
-    context     the GPU memory a worker holds outside PyTorch's allocator, against CONTEXT_BYTES
+    context     the GPU memory a worker holds outside PyTorch's allocator, against CONTEXT_BYTES, and what
+                the allocator reserves against its peak, against the placement's MARGIN
     memory      memory.py: peak memory and samples/s at k = 1, 4, 16 against the true batch, for cnn1d, gpt
                 and resnet18 (synthetic:cifar_shaped), in fp32 and bf16
     throughput  throughput.py: the trainer against the hand-written loop, for the same three models
@@ -45,15 +46,18 @@ LEAST_S = 20  # a step is not started with less time left than this
 # workspaces, the kernels used) is in the figure. Nothing else may hold the GPU meanwhile.
 CONTEXT = """
 import torch
-from sweeps.placement import CONTEXT_BYTES
+from sweeps.placement import CONTEXT_BYTES, MARGIN
 from trainers import TrainConfig, train
 for model, dataset in (("cnn1d", "mnist1d"), ("resnet18", "synthetic:cifar_shaped")):
     train(TrainConfig(model=model, dataset=dataset, device="cuda", precision="bf16", epochs=1, max_steps=3,
                       data_dir=DATA))
 free, total = torch.cuda.mem_get_info()
-outside = total - free - torch.cuda.memory_reserved()
-print(f"{torch.cuda.get_device_name()}: {outside / 2**20:.0f} MiB held outside the allocator, against an "
-      f"allowance of {CONTEXT_BYTES / 2**20:.0f} MiB per worker")
+reserved, peak = torch.cuda.memory_reserved(), torch.cuda.max_memory_allocated()
+outside = total - free - reserved
+print(f"{torch.cuda.get_device_name()}: the allocator reserved {reserved / 2**20:.0f} MiB for a peak of "
+      f"{peak / 2**20:.0f} MiB allocated ({reserved / peak:.2f}x; a placed trial holds {MARGIN}x its predicted peak)")
+print(f"{outside / 2**20:.0f} MiB held outside the allocator, against an allowance of "
+      f"{CONTEXT_BYTES / 2**20:.0f} MiB per worker")
 print(f"context_share={outside / CONTEXT_BYTES:.3f}")
 """
 
