@@ -140,15 +140,16 @@ def test_resume_after_sigkill_runs_every_point_once(tmp_path):
     # 3 epochs make a trial last a few hundred ms: the delays land in training, in tracking, between trials.
     args = [*TINY, *small(tmp_path), "--model", "tests.factories:holds", "--epochs", "3"]
     storage_path = tmp_path / "mlruns/optuna.db"
+    # Each of these runs stops after 2 trials, so that however late a kill lands (on a busy machine the polling
+    # lags), the five leave at least 2 of the 12 points for the last kill below.
     for kill_after, delay in ((1, 0.0), (2, 0.05), (3, 0.12), (4, 0.2), (5, 0.33)):
-        proc = subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), *args], cwd=tmp_path, env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), *args, "--n-trials", "2"], cwd=tmp_path,
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for_complete(storage_path, kill_after, proc)
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    # and once where it is known to land inside a trial: the next one holds at its second evaluation (5 kills
-    # after 5 points or more leave several of the 12 to run).
+    # and once where it is known to land inside a trial: the next one holds at its second evaluation.
     (tmp_path / "hold").touch()
     proc = subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), *args], cwd=tmp_path,
                             env={**env, "BATCHSWEEP_TEST_HOLD": f"{tmp_path / 'hold'}:2"},
