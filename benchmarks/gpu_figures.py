@@ -25,7 +25,6 @@ import argparse
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -35,10 +34,12 @@ from pathlib import Path
 
 import torch
 
+from sweeps.program import stop_group
 from trainers import BatchsweepError
 from trainers.cli import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
 GROUPS = ("context", "memory", "throughput", "workers", "study")
 LEAST_S = 20  # a step is not started with less time left than this
 
@@ -72,7 +73,6 @@ class Step:
 
 
 def steps(device: str, tiny: bool, data: str) -> list[Step]:
-    bench = lambda script: str(ROOT / "benchmarks" / script)  # noqa: E731
     # model, dataset, b, epochs of memory.py and of throughput.py, flags (one epoch of cifar_shaped is 50,000)
     models = [("mlp", "synthetic:blobs", 8, 2, 3, [])] if tiny else [
         ("cnn1d", "mnist1d", 32, 2, 10, []), ("gpt", "pytext", 32, 2, 10, []),
@@ -83,16 +83,16 @@ def steps(device: str, tiny: bool, data: str) -> list[Step]:
     for model, dataset, b, epochs, _, flags in models:
         for precision in ("fp32", "bf16"):
             out.append(Step("memory", f"memory {model} {precision}", [
-                bench("memory.py"), *on, "--model", model, "--dataset", dataset, "--physical-batch", str(b),
+                str(BENCH / "memory.py"), *on, "--model", model, "--dataset", dataset, "--physical-batch", str(b),
                 "--precision", precision, "--epochs", str(epochs), *flags], "flat_ratio", 180))
     for model, dataset, b, _, epochs, flags in models:
         out.append(Step("throughput", f"throughput {model} bf16 k=4", [
-            bench("throughput.py"), *on, "--model", model, "--dataset", dataset, "--physical-batch", str(b),
+            str(BENCH / "throughput.py"), *on, "--model", model, "--dataset", dataset, "--physical-batch", str(b),
             "--accum-steps", "4", "--precision", "bf16", "--epochs", str(epochs), *flags], "ratio", 180))
     small = ["--simulate-gpu", "8GiB", "--trials", "2", "--workers", "1,2", "--epochs", "1", "--seeds", "1",
              "--set", "warmup_epochs=0"] if tiny else ["--trials", "12"]
     out.append(Step("workers", "workers 1, 2, 4 on GPU 0", [
-        bench("gpu_workers.py"), *small, "--set", f"data_dir={data}"], "speedup", 300))
+        str(BENCH / "gpu_workers.py"), *small, "--set", f"data_dir={data}"], "speedup", 300))
     small = ["--n-trials", "1", "--epochs", "1", "--seeds", "1", "--workers", "1", "--set", "warmup_epochs=0"] if tiny \
         else ["--workers", "4"]  # the GPU machine's cores make room for more workers than the study's own 2
     out.append(Step("study", "study accum_lr", [
@@ -115,11 +115,7 @@ def run(step: Step, limit: float, log_path: Path, cwd: Path, env: dict) -> tuple
         except subprocess.TimeoutExpired:
             code = None
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # what it left running would hold the GPU for the next step
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            stop_group(proc.pid, proc)  # what it left running would hold the GPU for the next step
     lines = log_path.read_bytes()[start:].decode(errors="replace").strip().splitlines() or [""]
     if code is None:
         return f"stopped at its limit of {limit:.0f} s", False
@@ -164,7 +160,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "gpu_figures.log"
-    paths = [str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]
+    paths = [str(ROOT), str(BENCH), os.environ.get("PYTHONPATH")]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(filter(None, paths))}
     log_path.write_text(f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}  python {sys.version.split()[0]}  "
                         f"torch {torch.__version__}\n{gpus or 'no nvidia-smi'}\n")
