@@ -3,13 +3,15 @@ share one never promise more than it has.
 
 Each worker process sees one GPU (CUDA_VISIBLE_DEVICES, set before it starts), round-robin over the visible ones.
 Before a trial trains, its peak memory is predicted (sweeps/planner.py: the fit of a batch_memory study in the
-tracking store, else a quick probe) and the trial waits, in the order the trials of that GPU asked, until the
-GPU has room for it. A trial that runs out of memory while it shared the GPU runs again alone; only then is it
-an out-of-memory trial.
+tracking store, else a quick probe, one for all the workers of a GPU) and the trial waits, in the order the
+trials of that GPU asked, until the GPU has room for it. A trial that runs out of memory while it shared the
+GPU runs again alone; only then is it an out-of-memory trial.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import multiprocessing
 import os
@@ -22,11 +24,15 @@ from trainers import TrainConfig, interrupt, pid_alive
 
 T = TypeVar("T")
 
-# What a worker process holds on its GPU besides its tensors: the CUDA context, cuBLAS's workspace and the
-# caching allocator's slack (typically 0.3 to 0.6 GiB a process).
-CONTEXT_BYTES = 768 * 2 ** 20
+# What a worker process holds on its GPU outside the caching allocator: the CUDA context and the kernels it
+# loaded (lazily, so more models load more). Measured 769 MiB on an H200 (torch 2.11, CUDA 13) after cnn1d and
+# resnet18 in bf16 (benchmarks/gpu_figures.py, docs/benchmarks.md): a third kept above that.
+CONTEXT_BYTES = 2 ** 30
 # A prediction is a linear fit of the allocator's peak: kept a quarter above it for the allocator's fragments.
 MARGIN = 1.25
+# Room for the fits the workers' probes measured, shared as JSON (a few hundred shapes); when it is full, each
+# worker probes the shapes that do not fit for itself.
+PROBED_BYTES = 2 ** 16
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,7 @@ class Ledger:
         # (what the tests check against the capacity); the next turn, for all GPUs.
         self._started, self._peak = (context.Array("q", gpus, lock=False) for _ in range(2))
         self._next_turn = context.Value("q", 0, lock=False)
+        self._probed = context.Array("c", PROBED_BYTES, lock=False)
 
     def hold(self, slot: int, need: int, alone: bool = False) -> Lease:
         """Wait for this trial's turn and for room on the slot's GPU, then hold `need` bytes there. Ctrl-C still
@@ -144,6 +151,22 @@ class Ledger:
         with self._lock:
             return self._peak[gpu]
 
+    def probed(self, key: str) -> dict | None:
+        """The fit (planner.Fit's fields) a worker's probe measured for `key`, if one did."""
+        with self._lock:
+            return self._fits().get(key)
+
+    def publish(self, key: str, fit: dict) -> None:
+        """A probe's fit, for the other workers of its GPU."""
+        with self._lock:
+            text = json.dumps({**self._fits(), key: fit}).encode()
+            if len(text) < PROBED_BYTES:
+                self._probed.value = text
+
+    def _fits(self) -> dict:
+        text = self._probed.value
+        return json.loads(text) if text else {}
+
 
 # The fields that shape a trial's memory besides b: trials that differ only in others (k, the learning rate and
 # its rules, BatchNorm's momentum, the seed, the epochs) share one prediction.
@@ -179,14 +202,30 @@ class Placement:
 
     def _fit(self, shape: TrainConfig):
         """The fit of a batch_memory study of this model and data in the store, else a probe of a few batches,
-        which holds the GPU alone."""
-        from .planner import from_study, measure
+        which holds the GPU alone. One probe serves every worker of the GPU: the others, waiting for the GPU in
+        turn, would each have paid for another, and its CUDA start-up, while no trial ran there."""
+        from .planner import Fit, from_study, measure
 
         try:
             found = from_study(shape, self.tracking_uri, "cuda_allocator")
         except Exception:  # a store that cannot be read now: the probe answers
             found = None
-        return found or self._held(self.capacity, True, lambda: measure(shape))
+        if found:
+            return found
+        key = f"{self.ledger.gpu_of[self.slot]}:{hashlib.sha256(repr(shape).encode()).hexdigest()}"
+
+        def shared():
+            found = self.ledger.probed(key)
+            return Fit(**found) if found else None
+
+        def probe():  # (holding the GPU alone: a probe that ran while this worker waited is taken as it is)
+            fit = shared()
+            if fit is None:
+                fit = measure(shape)
+                self.ledger.publish(key, dataclasses.asdict(fit))
+            return fit
+
+        return shared() or self._held(self.capacity, True, probe)
 
     def run(self, config: TrainConfig, batch: int, train: Callable[[], T], again: Callable[[], None],
             tags: dict) -> T:

@@ -1,5 +1,6 @@
 """Trials placed on GPUs by memory (sweeps/placement.py), on simulated GPUs: a list of devices and their memory
 sizes, shared by threads and by worker processes as the GPUs of one machine would be. No GPU is needed."""
+import dataclasses
 import math
 import multiprocessing
 import os
@@ -218,3 +219,28 @@ def test_a_study_on_simulated_gpus_places_each_trial_and_tags_its_placement(tmp_
         tags = run.data.tags
         assert tags["gpu"] == "0" and tags["shared_gpu"] in ("True", "False"), tags
         assert 0 < int(tags["gpu_memory_held_bytes"]) <= GIB
+
+
+def test_the_workers_of_a_gpu_share_one_probe(monkeypatch, data_dir, tmp_path):
+    """A probe holds its GPU alone, so the GPU's other workers take its fit instead of each probing in turn;
+    another GPU, or another shape of memory, is probed for itself."""
+    import sweeps.planner as planner
+
+    probed = []
+
+    def counted(shape):
+        probed.append((shape.model, shape.device))
+        return real(shape)
+
+    real = planner.measure
+    monkeypatch.setattr(planner, "measure", counted)
+    ledger = Ledger([10 * GIB, 10 * GIB], [0, 0, 1])
+    first, second, third = (Placement(slot, str(gpu), ledger, f"sqlite:///{tmp_path}/mlflow.db")
+                            for slot, gpu in ((0, 0), (1, 0), (2, 1)))
+    config = TrainConfig(model="mlp", dataset="mnist1d", data_dir=data_dir, physical_batch=32, device="cpu")
+    held = first.need(config, 32)
+    assert probed == [("mlp", "cpu")] and 0 < held[0] < GIB
+    assert second.need(config, 32) == held and second.need(config, 512) == first.need(config, 512)
+    assert len(probed) == 1 and ledger.waiting(0) == 0
+    assert third.need(config, 32) == held and len(probed) == 2  # GPU 1's own probe (the same numbers on a CPU)
+    assert second.need(dataclasses.replace(config, model="cnn1d"), 32) != held and len(probed) == 3
