@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from trainers import ConfigError, TrainConfig, train
 from trainers.data import load_data
 from trainers.models import build_model
-from trainers.probes import Probe
+from trainers.probes import LossTerms, Probe
 
 from .conftest import ROOT
 
@@ -203,3 +203,32 @@ def test_a_models_own_loss_is_used_by_default():
     a, t = train(accum), train(replace(accum, physical_batch=40, accum_steps=1))
     assert {"loss/ce", "loss/l2"} <= set(a.history[-1])
     assert rel_diff(a.model, t.model) <= 1e-12
+
+
+class RecordedLoss(Probe):
+    """Each epoch's mean loss over its counted items, from every micro-batch's (sum, count), read one by one."""
+
+    def start(self, run):
+        super().start(run)
+        self.means, self.total, self.count = [], 0.0, 0
+
+    def after_micro(self, micro):
+        total, count = micro.terms["loss"]
+        self.total, self.count = self.total + float(total.detach()), self.count + int(count)
+
+    def epoch_end(self, epoch):
+        self.means.append(self.total / self.count)
+        self.total, self.count = 0.0, 0
+        return {}
+
+
+@pytest.mark.parametrize("config", [dict(model="mlp", dataset="mnist1d", physical_batch=32, accum_steps=4, epochs=2),
+                                    TOKENS], ids=["samples", "tokens"])
+def test_the_training_loss_is_the_mean_over_every_counted_item(config, data_dir, monkeypatch):
+    """The loop holds the micro-batches' sums (and token counts) on the device and adds them HELD at a time:
+    with 7, several times an epoch and a remainder at its end, the epoch's loss is still their exact mean."""
+    monkeypatch.setattr(LossTerms, "HELD", 7)
+    recorded = RecordedLoss()
+    result = train(TrainConfig(**config, data_dir=data_dir), probes=[recorded])
+    assert len(recorded.means) == 2
+    assert [row["train_loss"] for row in result.history] == pytest.approx(recorded.means, rel=1e-12)

@@ -122,10 +122,12 @@ class Feed:
             for idx in mine.split(b) if len(mine) else (mine,):
                 yield x[idx], y[idx]
 
+        rows = self.loss.counts_rows(y)
         for window in windows(permutation(config, epoch, self.n, self.device), config):
             # Every process holds the data: the counts of the whole window need no communication.
             mine = shard(window, self.rank, world)
-            yield Window(len(window), self.loss.counts(y[window]), len(mine), lambda b, mine=mine: cut(mine, b))
+            counts = len(window) if rows else self.loss.counts(y[window])
+            yield Window(len(window), counts, len(mine), lambda b, mine=mine: cut(mine, b))
 
     def _loader_windows(self, epoch: int, config: TrainConfig) -> Iterator[Window]:
         self.sampler.set_epoch(epoch, config)

@@ -151,8 +151,13 @@ def prepare(config: TrainConfig) -> Prepared:
     return Prepared(device, data, model, notes)
 
 
+NO_CONTEXT = nullcontext()  # (reusable: none is built per micro-batch)
+
+
 def around_forward(probes: list[Probe], step: int):
     """The probes' contexts around a micro-batch's forward (usually one or none: no ExitStack then)."""
+    if not probes:
+        return NO_CONTEXT
     if len(probes) == 1:
         return probes[0].forward(step)
     stack = ExitStack()
@@ -235,7 +240,7 @@ def _start(config: TrainConfig, prepared: Prepared, parallel: Parallel | None, p
         probe.start(run)
     device_type = prepared.device.type
     # (a disabled torch.autocast still costs about 4 µs a micro-batch: none in fp32)
-    amp = (lambda: torch.autocast(device_type, torch.bfloat16)) if config.precision == "bf16" else nullcontext
+    amp = (lambda: torch.autocast(device_type, torch.bfloat16)) if config.precision == "bf16" else lambda: NO_CONTEXT
     return Loop(config, prepared.data, net, model, optimizer, params, loss, load_metrics(config.metrics),
                 Feed(prepared.data, config, prepared.device, loss, parallel), terms, probes,
                 [p for p in probes if type(p).forward is not Probe.forward], amp, parallel,
@@ -336,7 +341,7 @@ def _accumulate(loop: Loop, window, step: int, b: int) -> None:
     counts() backwards its sums, and `_step` divides by the window's count."""
     last, loop.counted = window.parts(b) - 1, 0
     for i, (x, y) in enumerate(window.cut(b)):
-        with loop.parallel.micro(i == last) if loop.parallel else nullcontext():
+        with loop.parallel.micro(i == last) if loop.parallel else NO_CONTEXT:
             with around_forward(loop.forwarding, step), loop.amp():
                 micro_terms = loop.loss.terms(forward(loop.net, x), y)
             objective = loop.loss.share(micro_terms, window.counts)

@@ -66,6 +66,12 @@ class Loss:
         shifted = self.fn is builtin and self.shift and target.dim() > 1
         return self.counter(target[:, self.shift:] if shifted else target)
 
+    def counts_rows(self, target: torch.Tensor) -> bool:
+        """Whether the counts of any targets like these are their number of rows, known without reading them:
+        the built-in loss on one target a sample, or a loss that counts for itself."""
+        return self.counter is None or (self.counter is builtin_counts and (target.is_floating_point()
+                                                                           or target.dim() == 1))
+
     def share(self, terms: Terms, counts: Count | dict[str, Count]) -> torch.Tensor:
         """A micro-batch's part of its window's objective, for one backward: with the counts known first, each
         term divided by its window count; otherwise the terms' plain sums."""
