@@ -6,7 +6,9 @@ accumulation that prints its metrics as JSON lines (or logs them through MLflow 
 For the outcome tests: --mode fail | oom | mlflow (logs through MLflow instead of printing), --handicap X
 (subtracted from the accuracy it reports, so that a pruner has a trial to stop), and --hold FILE (after
 epoch 1, unless FILE exists: start a child, write "PID CHILD_PID" to FILE + ".held" and sleep, so that a test
-can kill the sweep while this trial runs and check that the script's process group is gone).
+can kill the sweep while this trial runs and check that the script's process group is gone). Only the first
+script to get there holds: under several workers a second one's child would outlive the test that kills the
+first's.
 """
 import argparse
 import json
@@ -17,6 +19,15 @@ import time
 
 import torch
 from torch import nn
+
+
+def first_to_hold(hold: str) -> bool:
+    """Whether this script is the first to claim the hold (an exclusive create: one winner, whatever the timing)."""
+    try:
+        os.close(os.open(hold + ".claimed", os.O_CREAT | os.O_EXCL))
+        return True
+    except FileExistsError:
+        return False
 
 
 def data(seed: int, n: int):
@@ -77,7 +88,7 @@ def main() -> int:
             acc = (out.argmax(1) == vy).float().mean().item() - args.handicap
             val_loss = nn.functional.cross_entropy(out, vy).item()
         log(run, {"epoch": epoch, "val_acc": acc, "val_loss": val_loss})
-        if args.hold and epoch == 1 and not os.path.exists(args.hold):
+        if args.hold and epoch == 1 and not os.path.exists(args.hold) and first_to_hold(args.hold):
             child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
             with open(args.hold + ".tmp", "w") as f:
                 f.write(f"{os.getpid()} {child.pid}")
