@@ -74,7 +74,8 @@ class Ledger:
     GPU, its state, the bytes it holds or waits for, its turn, its process). Trials start on a GPU in the order
     they asked for it, so a large trial is not passed over forever by small ones; one that needs more than the GPU
     has starts when the GPU is empty, and so does one that must run alone. A worker that died (killed, out of
-    host memory) loses its slot, so the others do not wait for it forever."""
+    host memory) loses its slot, so the others do not wait for it forever. It also keeps the memory fits the
+    workers' probes measured, so that one probe serves every worker of a GPU."""
 
     def __init__(self, capacities: list[int], gpu_of: list[int], context=None):
         context = context or multiprocessing.get_context("spawn")
