@@ -81,11 +81,15 @@ dataset = "tests.factories:blobs1k"
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     wait_for_complete(tmp_path / "mlruns/optuna.db", 1, proc)
     storage = f"sqlite:///{tmp_path}/mlruns/optuna.db"
-    # Inside the next trial's training: once a running trial has checkpointed its first epoch of 100 (the next
-    # tests cover a Ctrl-C while a trial is recorded).
+    # Inside a long trial's training: once it has checkpointed its first epoch of `long` (a short trial has a
+    # checkpoint too while it is being recorded; the next tests cover a Ctrl-C then).
     def training() -> bool:
-        running = {t.user_attrs["mlflow_run_id"] for t in optuna.load_study(study_name="accum_lr", storage=storage)
-                   .trials if t.state == State.RUNNING and "mlflow_run_id" in t.user_attrs}
+        try:
+            trials = optuna.load_study(study_name="accum_lr", storage=storage).trials
+        except KeyError:  # a record read while the sweep writes it (as wait_for_complete, poll again)
+            return False
+        running = {t.user_attrs["mlflow_run_id"] for t in trials if t.state == State.RUNNING
+                   and "mlflow_run_id" in t.user_attrs and t.user_attrs["config"]["epochs"] == long}
         def run_of(folder):
             try:
                 return (folder / "mlflow_run_id").read_text() if (folder / "checkpoint.pt").exists() else None
