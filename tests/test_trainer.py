@@ -447,6 +447,48 @@ def test_noise_scale_is_not_a_number_for_k_1(data_dir):
     assert "noise_scale" in train(TrainConfig(epochs=1, accum_steps=4, data_dir=data_dir)).metrics
 
 
+def test_the_noise_scale_takes_each_increment_from_one_flat_copy_of_the_gradient():
+    # A measured micro-batch's |increment| is the norm of that micro-batch's own gradient, computed apart, and
+    # the window's is the norm of their sum; measuring allocates nothing of the gradient's size (operations
+    # seen by a dispatch mode: a new storage of that size would be a second copy, as a cat or a difference is).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trainers.noise import NoiseScale
+
+    class NewFlat(TorchDispatchMode):
+        def __init__(self, size: int):
+            super().__init__()
+            self.size, self.made = size, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ins = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                   if isinstance(a, torch.Tensor)}
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.numel() >= self.size and t.untyped_storage().data_ptr() not in ins:
+                    self.made.append(func.__name__)
+            return out
+
+    torch.manual_seed(0)
+    model, idle = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)), nn.Linear(3, 3)
+    params = [*model.parameters(), *idle.parameters()]  # idle's get no gradient: zero in every increment
+    noise = NoiseScale(params, b=8, B=32, n_train=1000)
+    micro = torch.randn(4, 8, 64)
+    own = [torch.autograd.grad(model(x).square().sum(), list(model.parameters())) for x in micro]
+    watch = NewFlat(sum(p.numel() for p in params))
+    for x in micro:
+        model(x).square().sum().backward()
+        with watch:
+            noise.after_micro()
+    with watch:
+        noise.step()
+    assert watch.made == []
+    expected = [torch.cat([g.reshape(-1) for g in grads]).norm() for grads in own]
+    torch.testing.assert_close(torch.stack(noise.small), torch.stack(expected), rtol=1e-5, atol=0)
+    total = torch.cat([sum(g[i] for g in own).reshape(-1) for i in range(len(own[0]))]).norm()
+    torch.testing.assert_close(noise.big[0], total, rtol=1e-6, atol=0)
+
+
 class SignalInFinalizer(Probe):
     """Ctrl-C at the worst moment: while a finalizer runs (the CPU memory counter runs many per micro-batch),
     where Python prints the KeyboardInterrupt as ignored and drops it."""

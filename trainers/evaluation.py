@@ -51,7 +51,9 @@ class Sums(dict):
     def add(self, pairs: dict[str, tuple]) -> None:
         for name, (total, count) in pairs.items():
             old = self.get(name, (0, 0))
-            self[name] = (old[0] + (total.double() if torch.is_tensor(total) else total), old[1] + count)
+            # (in float64: a count may come as float32, exact only to 2**24, as the built-in loss's tokens do)
+            self[name] = tuple(before + (now.double() if torch.is_tensor(now) else now)
+                               for before, now in zip(old, (total, count)))
 
     def means(self) -> dict[str, float]:
         return {name: float(total) / float(count) if float(count) else math.nan

@@ -23,7 +23,7 @@ from .health import coverage_warnings, verdict
 from .interrupt import check as check_interrupt
 from .losses import Loss, load_loss
 from .models import bn_population_error, build_model, has_conv2d, set_bn_momentum, use_ghost_batch
-from .probes import LossTerms, Micro, Probe, Run
+from .probes import Hooks, LossTerms, Micro, Probe, Run
 from .probes import diagnostics as builtin_diagnostics
 from .shrink import Retry, at
 
@@ -212,7 +212,7 @@ class Loop:
     feed: Feed
     terms: LossTerms  # the loss terms' sums: the training loss of the epoch
     probes: list[Probe]  # terms first, then the diagnostics and the caller's
-    forwarding: list[Probe]  # the probes that wrap a micro-batch's forward
+    hooks: Hooks  # of those, the ones each per-micro-batch and per-step call reaches
     amp: Callable[[], Any]  # the autocast context of the precision, or none
     parallel: Parallel | None
     retry: Retry | None  # with shrink_on_oom: what a window changed, to run it again at a smaller b
@@ -243,7 +243,7 @@ def _start(config: TrainConfig, prepared: Prepared, parallel: Parallel | None, p
     amp = (lambda: torch.autocast(device_type, torch.bfloat16)) if config.precision == "bf16" else lambda: NO_CONTEXT
     return Loop(config, prepared.data, net, model, optimizer, params, loss, load_metrics(config.metrics),
                 Feed(prepared.data, config, prepared.device, loss, parallel), terms, probes,
-                [p for p in probes if type(p).forward is not Probe.forward], amp, parallel,
+                Hooks.of(probes), amp, parallel,
                 Retry(model, config, optimizer, probes) if config.shrink_on_oom else None, Progress(),
                 prepared.notes + coverage_warnings(model, optimizer), config.physical_batch)
 
@@ -342,7 +342,7 @@ def _accumulate(loop: Loop, window, step: int, b: int) -> None:
     last, loop.counted = window.parts(b) - 1, 0
     for i, (x, y) in enumerate(window.cut(b)):
         with loop.parallel.micro(i == last) if loop.parallel else NO_CONTEXT:
-            with around_forward(loop.forwarding, step), loop.amp():
+            with around_forward(loop.hooks.forward, step), loop.amp():
                 micro_terms = loop.loss.terms(forward(loop.net, x), y)
             objective = loop.loss.share(micro_terms, window.counts)
             if loop.parallel:  # DDP averages over the ranks: their mean of N x this is the sum
@@ -351,7 +351,7 @@ def _accumulate(loop: Loop, window, step: int, b: int) -> None:
         if loop.loss.divide_after:  # (the terms count alike: the first term's count is the window's)
             loop.counted = loop.counted + next(iter(micro_terms.values()))[1]
         micro = Micro(step, window.size, x, y, micro_terms)
-        for probe in loop.probes:
+        for probe in loop.hooks.after_micro:
             probe.after_micro(micro)
 
 
@@ -359,12 +359,12 @@ def _step(loop: Loop, step: int, size: int) -> None:
     """One optimizer step for the window, then its gradients are let go."""
     if loop.loss.divide_after:
         _divide_by_count(loop)
-    for probe in loop.probes:
+    for probe in loop.hooks.before_step:
         probe.before_step(step, size)
     if loop.config.grad_clip:
         nn.utils.clip_grad_norm_(loop.params, loop.config.grad_clip)
     loop.optimizer.step()
-    for probe in loop.probes:
+    for probe in loop.hooks.after_step:
         probe.after_step(step)
     loop.optimizer.zero_grad(set_to_none=True)
 

@@ -15,15 +15,21 @@ EMA_DECAY = 0.9  # per measured window: about the last 10 count
 
 
 class NoiseScale:
-    """Measures full windows only: after each micro-batch's backward, a flat copy of the accumulated gradient;
-    the increment is its difference from the copy before, and the last copy is the window's gradient. One
-    kernel for the copy where a foreach op runs one per tensor: for a sweep's small models on a CPU, a
-    measurement costs what it launches more than what it reads (this costs under half of a copy, a subtraction
-    and a norm per tensor). The arithmetic waits for `value()`, once per epoch."""
+    """Measures full windows only. One flat buffer holds the accumulated gradient as of the micro-batch
+    before; after each backward it becomes that micro-batch's increment, negated (one foreach subtraction of
+    the gradients), its norm is taken, and the gradients are copied back in (one foreach copy). The last copy
+    is the window's gradient. So one flat copy of the gradient is held (not a copy per micro-batch beside the
+    one before), and a measured micro-batch dispatches three operations whatever the number of tensors. The
+    arithmetic waits for `value()`, once per epoch."""
 
     def __init__(self, params: list[nn.Parameter], b: int, B: int, n_train: int):
         self.params, self.b, self.B, self.N = params, b, B, n_train
-        self.previous: torch.Tensor | None = None  # the accumulated gradient after the last micro-batch
+        dtype = params[0].dtype
+        for p in params[1:]:
+            dtype = torch.promote_types(dtype, p.dtype)
+        self.flat = torch.zeros(sum(p.numel() for p in params), device=params[0].device, dtype=dtype)
+        self.views = [v.view_as(p) for v, p in zip(self.flat.split([p.numel() for p in params]), params)]
+        self.started = False  # whether `flat` holds this window's accumulated gradient
         self.small: list[torch.Tensor] = []  # per measured micro-batch, |increment|
         self.big: list[torch.Tensor] = []  # per measured window, |window gradient|
         self.ema = torch.zeros(2, device=params[0].device, dtype=torch.float64)  # |G|^2, tr(S)
@@ -31,15 +37,26 @@ class NoiseScale:
 
     def after_micro(self) -> None:
         """After every micro-batch's backward in a measured window."""
-        current = torch.cat([(p.grad if p.grad is not None else p.new_zeros(p.shape)).reshape(-1)
-                             for p in self.params])
-        self.small.append(torch.linalg.vector_norm(current if self.previous is None else current - self.previous))
-        self.previous = current
+        present = [(v, p.grad) for v, p in zip(self.views, self.params) if p.grad is not None]
+        views, grads = [v for v, _ in present], [g for _, g in present]
+        if not self.started:  # the first increment is the gradient itself (a tensor without one is zero)
+            if len(views) < len(self.views):
+                self.flat.zero_()
+            if views:
+                torch._foreach_copy_(views, grads)
+            self.small.append(torch.linalg.vector_norm(self.flat))
+            self.started = True
+            return
+        if views:  # (none: no gradient yet in this window, and `flat` is zero)
+            torch._foreach_sub_(views, grads)  # the accumulation before minus this one
+        self.small.append(torch.linalg.vector_norm(self.flat))
+        if views:
+            torch._foreach_copy_(views, grads)
 
     def step(self) -> None:
         """After the window's last micro-batch."""
-        self.big.append(torch.linalg.vector_norm(self.previous))
-        self.previous = None
+        self.big.append(torch.linalg.vector_norm(self.flat))
+        self.started = False
 
     def _fold(self) -> None:
         """Fold the measured windows into the EMAs, in order."""

@@ -84,6 +84,22 @@ class Probe:
 
 
 @dataclass
+class Hooks:
+    """The probes that override each method the loop calls every micro-batch or step: it calls only those (a
+    call that does nothing still costs its Python, every micro-batch)."""
+
+    forward: list[Probe]
+    after_micro: list[Probe]
+    before_step: list[Probe]
+    after_step: list[Probe]
+
+    @classmethod
+    def of(cls, probes: list[Probe]) -> Hooks:
+        return cls(*([p for p in probes if getattr(type(p), name) is not getattr(Probe, name)]
+                     for name in ("forward", "after_micro", "before_step", "after_step")))
+
+
+@dataclass
 class TermSum:
     """One loss term over an epoch so far: its sum (float64, on the device) and count, and the micro-batches'
     sums and counts (a count of tokens is a tensor) not yet added into them."""
@@ -99,13 +115,16 @@ class TermSum:
             self.held_counts.append(count)
         else:
             self.count += count
+        if len(self.held) == LossTerms.HELD:
+            self.add_held()
 
     def add_held(self) -> None:
         if self.held:
             self.total += torch.stack(self.held).sum(dtype=torch.float64)
             self.held = []
         if self.held_counts:
-            self.count = self.count + torch.stack(self.held_counts).sum()
+            # (in float64: a count may come as float32, exact only to 2**24, as the built-in loss's tokens do)
+            self.count = self.count + torch.stack(self.held_counts).sum(dtype=torch.float64)
             self.held_counts = []
 
 
@@ -121,20 +140,18 @@ class LossTerms(Probe):
     def start(self, run: Run) -> None:
         super().start(run)
         self.sums: dict[str, TermSum] = {}
-        self.pending: list = []
+        self.pending: list = []  # the window's micro-batches' terms, until its step
 
     def after_micro(self, micro: Micro) -> None:
-        self.pending.append([(name, total.detach(), count) for name, (total, count) in micro.terms.items()])
+        self.pending.append(micro.terms)
 
     def before_step(self, step: int, window: int) -> None:
         for terms in self.pending:
-            for name, total, count in terms:
+            for name, (total, count) in terms.items():
                 entry = self.sums.get(name)
                 if entry is None:
                     entry = self.sums[name] = TermSum(torch.zeros((), device=total.device, dtype=torch.float64))
-                entry.hold(total, count)
-                if len(entry.held) == self.HELD:
-                    entry.add_held()
+                entry.hold(total.detach(), count)
         self.pending = []
 
     def retry(self, step: int, b: int) -> None:
