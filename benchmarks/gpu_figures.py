@@ -9,7 +9,8 @@ The steps, in order (--only picks groups):
                 the allocator reserves against its peak, against the placement's MARGIN
     memory      memory.py: peak memory and samples/s at k = 1, 4, 16 against the true batch, for cnn1d, gpt
                 and resnet18 (synthetic:cifar_shaped), in fp32 and bf16
-    throughput  throughput.py: the trainer against the hand-written loop, for the same three models
+    throughput  throughput.py: the trainer against the hand-written loop, for the same three models, then
+                for cnn1d and gpt once more without the trainer's diagnostics
     workers     gpu_workers.py: trials per hour of accum_lr with 1, 2 and 4 workers on GPU 0
     study       sweeps/run.py --study accum_lr on the GPU, with its report
 
@@ -89,6 +90,11 @@ def steps(device: str, tiny: bool, data: str) -> list[Step]:
         out.append(Step("throughput", f"throughput {model} bf16 k=4", [
             str(BENCH / "throughput.py"), *on, "--model", model, "--dataset", dataset, "--physical-batch", str(b),
             "--accum-steps", "4", "--precision", "bf16", "--epochs", str(epochs), *flags], "ratio", 180))
+    for model, dataset, b, _, epochs, flags in models[:2]:  # launch-bound: what share the diagnostics take
+        out.append(Step("throughput", f"throughput {model} bf16 k=4, no diagnostics", [
+            str(BENCH / "throughput.py"), *on, "--model", model, "--dataset", dataset, "--physical-batch", str(b),
+            "--accum-steps", "4", "--precision", "bf16", "--epochs", str(epochs), "--no-diagnostics", *flags],
+            "ratio", 180))
     small = ["--simulate-gpu", "8GiB", "--trials", "2", "--workers", "1,2", "--epochs", "1", "--seeds", "1",
              "--set", "warmup_epochs=0"] if tiny else ["--trials", "12"]
     out.append(Step("workers", "workers 1, 2, 4 on GPU 0", [

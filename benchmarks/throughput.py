@@ -19,20 +19,30 @@ arguments whose output has `.logits` (a transformers GPT-2 from a config): the h
 one written for transformers, model(**batch) on the same DataLoader and the mean over the shifted labels / k.
 
     python benchmarks/throughput.py --model hf:gpt2-tiny --dataset pytext_hf --epochs 8
+
+Where a micro-batch costs its kernels' launches (small models on a GPU), what counts is how many operations
+each side dispatches: `--count-ops` counts them instead of timing (the same on any device), and prints the
+trainer's extra operations a micro-batch as `extra_ops=<x>`. `--no-diagnostics` times the trainer without
+its diagnostics.
+
+    python benchmarks/throughput.py --count-ops --precision bf16 [--model gpt --dataset pytext]
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
+from collections import Counter
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
-from trainers import TrainConfig, train
+from trainers import ConfigError, TrainConfig, train
 from trainers.batches import aligned, apply, forward, label_shift, split
 from trainers.cli import add_config_flags, config_from_args, run_script
 from trainers.loop import make_optimizer, prepare
@@ -68,14 +78,14 @@ class HandWritten:
         for idx in permutation(self.config, self.epoch, len(data.x_train), self.device).split(self.config.physical_batch):
             yield data.x_train[idx], data.y_train[idx]
 
-    def run_epoch(self) -> float:
-        """Trains one epoch; returns its samples/s."""
+    def run_epoch(self, micro_batches: int | None = None) -> float:
+        """Trains one epoch, or its first `micro_batches`; returns its samples/s."""
         config, data, model, optimizer = self.config, self.data, self.model, self.optimizer
         k, n = config.accum_steps, data.n_train
         bf16 = config.precision == "bf16"
         self.epoch += 1
         start = time.perf_counter()
-        for i, (x, y) in enumerate(self.batches()):
+        for i, (x, y) in enumerate(itertools.islice(self.batches(), micro_batches)):
             with torch.autocast(self.device.type, torch.bfloat16, enabled=bf16):
                 logits, target = aligned(forward(model, x), y, self.shift)
                 loss = F.cross_entropy(logits.flatten(0, -2), target.flatten()) / k
@@ -88,19 +98,73 @@ class HandWritten:
         return n / (time.perf_counter() - start)
 
 
+class OpCount(TorchDispatchMode):
+    """The operations dispatched, by name: on a GPU each is a launch, or at least a dispatch on the CPU side."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(config: TrainConfig) -> None:
+    """Operations a micro-batch: the trainer with and without its diagnostics, and the hand-written loop, each
+    the difference between a run of `long` windows and one of `long / 3`, so that what runs once a run
+    (building, evaluating) cancels out. The same on any device: what a launch-bound GPU pays for."""
+    long = min(30, HandWritten(config).data.n_train // config.effective_batch)
+    if long < 3:
+        raise ConfigError(f"--count-ops needs 3 windows of B = {config.effective_batch} in an epoch: lower "
+                          f"--physical-batch or --accum-steps")
+    short = long // 3
+    micro = (long - short) * config.accum_steps
+
+    def trainer(steps: int, diagnostics: bool) -> Counter:
+        with OpCount() as count:
+            train(replace(config, epochs=1, max_steps=steps), diagnostics=diagnostics)
+        return count.ops
+
+    def handwritten(steps: int) -> Counter:
+        hand = HandWritten(config)  # (a fresh one, as the trainer is: its first step makes the optimizer's state)
+        with OpCount() as count:
+            hand.run_epoch(steps * config.accum_steps)
+        return count.ops
+
+    per = {"trainer": trainer(long, True) - trainer(short, True),
+           "trainer, no diagnostics": trainer(long, False) - trainer(short, False),
+           "hand-written": handwritten(long) - handwritten(short)}
+    for name, ops in per.items():
+        print(f"{name:24s} {sum(ops.values()) / micro:7.2f} operations a micro-batch")
+    for name in ("trainer", "trainer, no diagnostics"):
+        more = Counter(per[name])
+        more.subtract(per["hand-written"])
+        print(f"{name} beyond the hand-written loop: " + ", ".join(
+            f"{op} {n / micro:.3f}" for op, n in more.most_common() if n / micro >= 0.01))
+    print(f"extra_ops={(sum(per['trainer'].values()) - sum(per['hand-written'].values())) / micro:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_flags(parser)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
+    parser.add_argument("--no-diagnostics", dest="diagnostics", action="store_false",
+                        help="the trainer without its built-in diagnostics (peak memory, health, noise scale)")
+    parser.add_argument("--count-ops", action="store_true",
+                        help="count the operations a micro-batch dispatches instead of timing (last line extra_ops=)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     config = config_from_args(args, TrainConfig(physical_batch=32, accum_steps=4, epochs=40))
+    if args.count_ops:
+        return count_ops(config)
     print(f"model={config.model} dataset={config.dataset} b={config.physical_batch} k={config.accum_steps} "
-          f"precision={config.precision} threads={torch.get_num_threads()} epochs={config.epochs}")
+          f"precision={config.precision} threads={torch.get_num_threads()} epochs={config.epochs} "
+          f"diagnostics={'on' if args.diagnostics else 'off'}")
     hand = HandWritten(config)
     warm_up = min(config.epochs, 2)
-    train(replace(config, epochs=warm_up))  # caches, allocator, kernels
+    train(replace(config, epochs=warm_up), diagnostics=args.diagnostics)  # caches, allocator, kernels
     hand_sps = [hand.run_epoch() for _ in range(warm_up)][-1:]
     ratios = []
 
@@ -110,7 +174,7 @@ def main() -> None:
         print(f"epoch {int(row['epoch'])}: trainer {row['samples_per_s']:,.0f} samples/s, "
               f"hand-written {hand_sps[-1]:,.0f} samples/s, ratio {ratios[-1]:.3f}")
 
-    train(config, on_epoch=pair)
+    train(config, on_epoch=pair, diagnostics=args.diagnostics)
     if len(ratios) > 1:
         quartiles = statistics.quantiles(ratios, n=4)
         print(f"quartiles of the ratio: {quartiles[0]:.3f} {quartiles[1]:.3f} {quartiles[2]:.3f} "
