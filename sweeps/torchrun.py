@@ -40,10 +40,18 @@ def train_job(config: TrainConfig, on_epoch: Callable[[dict[str, float]], None],
         checkpoint: Checkpointing | None) -> dict[str, Any]:
     """Train `config` under torchrun and return the trainer's result (TrainResult.to_dict()). An exception
     raised by `on_epoch` (a pruned trial) stops the job. The trainer's bad-input line becomes a ConfigError,
-    its out-of-memory a torch.OutOfMemoryError."""
-    with tempfile.TemporaryDirectory(prefix="batchsweep-torchrun-") as tmp:
+    its out-of-memory a torch.OutOfMemoryError.
+
+    The job's files (its rows, result and log, and torchrun's own log folders, which it would otherwise leave
+    in the system's temporary folder at every launch) are in a folder of their own, inside the trial's
+    checkpoint folder when it has one: a worker killed outright cannot remove them, and they go with that
+    folder once the point is done."""
+    if checkpoint:
+        Path(checkpoint.dir).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="torchrun-" if checkpoint else "batchsweep-torchrun-",
+                                     dir=checkpoint.dir if checkpoint else None) as tmp:
         rows_path, result_path, log_path = Path(tmp, "rows.jsonl"), Path(tmp, "result.json"), Path(tmp, "log")
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--log-dir", str(Path(tmp, "elastic")),
                    "--nproc-per-node", str(config.world_size), str(TRAIN_SCRIPT), *flags(config),
                    "--json", str(result_path), "--epochs-jsonl", str(rows_path)]
         if checkpoint:

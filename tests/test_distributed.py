@@ -160,7 +160,9 @@ def test_a_torchrun_study_killed_mid_trial_resumes_without_losing_or_repeating_a
     hold.touch()
     # The first trial's job holds at its second evaluation, its first epoch checkpointed; the sweep is then
     # killed (SIGKILL, no chance to clean up).
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "BATCHSWEEP_TEST_HOLD": f"{hold}:2"}
+    temp = tmp_path / "temp"  # the system's temporary folder, as the sweep and its jobs see it
+    temp.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "BATCHSWEEP_TEST_HOLD": f"{hold}:2", "TMPDIR": str(temp)}
     sweep = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 240
     while not (tmp_path / "hold.held").exists():
@@ -197,6 +199,11 @@ def test_a_torchrun_study_killed_mid_trial_resumes_without_losing_or_repeating_a
         assert [m.step for m in client.get_metric_history(run.info.run_id, "val_loss")] == [1, 2, 3]
         assert run.data.params["world_size"] == "2" and run.data.params["effective_batch"] == "64"
         assert run.data.metrics["allreduce_calls"] == 16  # an epoch of 1,024: 16 windows of 64
+    # Nothing of the killed job, nor of torchrun's launches (a log folder each), is left behind once its point
+    # is done. (torch's own compile cache, one a user, may stay.)
+    left = [p.name for p in temp.iterdir() if p.name.startswith(("batchsweep-", "torchelastic_"))]
+    left += [str(p.relative_to(tmp_path)) for p in (tmp_path / "mlruns" / "checkpoints").rglob("torchrun-*")]
+    assert left == []
 
 
 def test_a_study_that_needs_torchrun_or_cannot_use_it_says_so(tmp_path, capsys):
