@@ -45,6 +45,8 @@ def test_a_benchmark_prints_its_figure(tmp_path, data_dir, script):
     script = script.split()[0]
     if script in ("system_metrics.py", "sweep_overhead.py", "gpu_figures.py"):
         args = [*args, "--data-dir", data_dir]
+    if "torch.distributed.run" in launcher:  # its log folders in the test's, not one left in /tmp each launch
+        launcher = [*launcher, "--log-dir", str(tmp_path / "elastic")]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, *launcher, str(ROOT / "benchmarks" / script), *args], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300, env=env)

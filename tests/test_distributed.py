@@ -21,6 +21,7 @@ def torchrun(tmp_path, jobs: list[dict]) -> list[dict]:
     """The jobs trained by 2 ranks in one torchrun launch; rank 0's results."""
     out = tmp_path / "results.pt"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--log-dir", str(tmp_path / "elastic"),  # (not a folder left in /tmp each launch)
                            str(ROOT / "tests/ddp_train.py"), json.dumps(jobs), str(out)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
