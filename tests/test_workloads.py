@@ -162,6 +162,21 @@ def test_a_users_probe_adds_its_metric_to_every_epoch():
     assert [r["tokens_per_step"] for r in result.history] == [int((data.y_train != -100).sum()) / 4] * 2
 
 
+def test_a_probe_is_called_where_it_acts_whether_its_class_or_the_probe_itself_defines_the_method():
+    # The loop calls only the methods a probe defines (trainers/probes.py, Hooks): one set on the probe itself
+    # counts too, and a subclass inherits its parent's.
+    class Steps(TokensPerStep):
+        pass
+
+    config = TrainConfig(**TOKENS)
+    by_class, by_instance = Steps(), Probe()
+    seen = []
+    by_instance.after_micro = lambda micro: seen.append(len(micro.y))
+    result = train(config, probes=[by_class, by_instance])
+    assert "tokens_per_step" in result.history[-1]
+    assert sum(seen) == 2 * load_data(config.dataset, "", 0).n_train  # every sample of two epochs, once
+
+
 def test_the_trainers_modules_import_each_other_without_a_circle():
     graph = {}
     for path in (ROOT / "trainers").glob("*.py"):

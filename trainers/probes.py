@@ -95,8 +95,11 @@ class Hooks:
 
     @classmethod
     def of(cls, probes: list[Probe]) -> Hooks:
-        return cls(*([p for p in probes if getattr(type(p), name) is not getattr(Probe, name)]
-                     for name in ("forward", "after_micro", "before_step", "after_step")))
+        def acts(probe: Probe, name: str) -> bool:  # (its class's method, or one set on the probe itself)
+            return getattr(getattr(probe, name), "__func__", None) is not getattr(Probe, name)
+
+        return cls(*([p for p in probes if acts(p, name)] for name in ("forward", "after_micro", "before_step",
+                                                                        "after_step")))
 
 
 @dataclass
