@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import statistics
 import time
 from collections import Counter
@@ -79,7 +80,7 @@ class HandWritten:
             yield data.x_train[idx], data.y_train[idx]
 
     def run_epoch(self, micro_batches: int | None = None) -> float:
-        """Trains one epoch, or its first `micro_batches`; returns its samples/s."""
+        """Trains one epoch, or its first `micro_batches`; returns its samples/s (NaN for a part of one)."""
         config, data, model, optimizer = self.config, self.data, self.model, self.optimizer
         k, n = config.accum_steps, data.n_train
         bf16 = config.precision == "bf16"
@@ -95,7 +96,7 @@ class HandWritten:
                 optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return n / (time.perf_counter() - start)
+        return n / (time.perf_counter() - start) if micro_batches is None else math.nan
 
 
 class OpCount(TorchDispatchMode):
