@@ -52,8 +52,8 @@ def train_job(config: TrainConfig, on_epoch: Callable[[dict[str, float]], None],
                                      dir=checkpoint.dir if checkpoint else None) as tmp:
         rows_path, result_path, log_path = Path(tmp, "rows.jsonl"), Path(tmp, "result.json"), Path(tmp, "log")
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--log-dir",
-                   str(Path(tmp, "elastic")), "--nproc-per-node", str(config.world_size), str(TRAIN_SCRIPT), *flags(config),
-                   "--json", str(result_path), "--epochs-jsonl", str(rows_path)]
+                   str(Path(tmp, "elastic")), "--nproc-per-node", str(config.world_size), str(TRAIN_SCRIPT),
+                   *flags(config), "--json", str(result_path), "--epochs-jsonl", str(rows_path)]
         if checkpoint:
             command += ["--checkpoint-dir", checkpoint.dir, "--checkpoint-every", str(checkpoint.every),
                         "--checkpoint-minutes", str(checkpoint.minutes)]
