@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from sweeps.program import stop_group
+from sweeps.tables import format_table
 from trainers import BatchsweepError
 from trainers.cli import run_script
 
@@ -185,12 +186,11 @@ def main() -> None:
                     result, measured = f"kept {kept}", "accum_lr_report.md" in kept
             rows.append((step.name, time.monotonic() - began, result, measured))
             print(f"[{i}/{len(chosen)}] {step.name}: {result} ({rows[-1][1]:.0f} s)", flush=True)
-    table = [f"{'step':<28}  {'seconds':>7}  result"] + [f"{name:<28}  {s:>7.0f}  {result}"
-                                                         for name, s, result, _ in rows]
+    table = format_table(["step", "seconds", "result"], [[name, f"{s:.0f}", result] for name, s, result, _ in rows])
     measured = sum(row[3] for row in rows)
     with open(log_path, "a") as log:
-        log.write("\n" + "\n".join(table) + f"\nmeasured={measured}\n")
-    print("\n".join(table))
+        log.write(f"\n{table}\nmeasured={measured}\n")
+    print(table)
     print(f"measured={measured}")
     if measured < len(chosen):
         sys.exit(1)
