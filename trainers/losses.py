@@ -48,8 +48,7 @@ def token_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> tuple[tor
     cast to float32 included."""
     if logits.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(logits.device.type):
         logits = logits.float()
-    total, count = torch.ops.aten.nll_loss_forward(F.log_softmax(logits, -1), target, None, SUM, IGNORE_INDEX)
-    return total, count
+    return torch.ops.aten.nll_loss_forward(F.log_softmax(logits, -1), target, None, SUM, IGNORE_INDEX)
 
 
 def builtin_counts(target: torch.Tensor) -> Count:

@@ -118,8 +118,6 @@ class TermSum:
             self.held_counts.append(count)
         else:
             self.count += count
-        if len(self.held) == LossTerms.HELD:
-            self.add_held()
 
     def add_held(self) -> None:
         if self.held:
@@ -155,6 +153,8 @@ class LossTerms(Probe):
                 if entry is None:
                     entry = self.sums[name] = TermSum(torch.zeros((), device=total.device, dtype=torch.float64))
                 entry.hold(total.detach(), count)
+                if len(entry.held) == self.HELD:
+                    entry.add_held()
         self.pending = []
 
     def retry(self, step: int, b: int) -> None:
