@@ -34,10 +34,11 @@ Terms = dict[str, tuple[torch.Tensor, Count]]
 def builtin(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Count]:
     """Cross-entropy for integer targets (one class per sample, or per token with IGNORE_INDEX for padding),
     squared error for float targets (per sample)."""
+    # (shape[0], not len(): a tensor's __len__ is Python, a micro-second every micro-batch)
     if target.is_floating_point():
-        return (output - target.view_as(output)).pow(2).sum(), len(target)
+        return (output - target.view_as(output)).pow(2).sum(), target.shape[0]
     if target.dim() == 1:
-        return F.cross_entropy(output, target, ignore_index=IGNORE_INDEX, reduction="sum"), len(target)
+        return F.cross_entropy(output, target, ignore_index=IGNORE_INDEX, reduction="sum"), target.shape[0]
     return token_cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
