@@ -34,7 +34,7 @@ Terms = dict[str, tuple[torch.Tensor, Count]]
 def builtin(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Count]:
     """Cross-entropy for integer targets (one class per sample, or per token with IGNORE_INDEX for padding),
     squared error for float targets (per sample)."""
-    # (shape[0], not len(): a tensor's __len__ is Python, a micro-second every micro-batch)
+    # (shape[0], not len(): a tensor's __len__ runs Python code, a third of a µs every micro-batch)
     if target.is_floating_point():
         return (output - target.view_as(output)).pow(2).sum(), target.shape[0]
     if target.dim() == 1:
