@@ -89,15 +89,12 @@ def steps(device: str, tiny: bool, data: str) -> list[Step]:
             out.append(Step("memory", f"memory {model} {precision}", [
                 str(BENCH / "memory.py"), *on, "--model", model, "--dataset", dataset, "--physical-batch", str(b),
                 "--precision", precision, "--epochs", str(epochs), *flags], "flat_ratio", 180))
-    for model, dataset, b, _, epochs, flags in models:
-        out.append(Step("throughput", f"throughput {model} bf16 k=4", [
+    # Every model, then the two launch-bound ones without diagnostics: what share the diagnostics take.
+    for (model, dataset, b, _, epochs, flags), bare in [(m, False) for m in models] + [(m, True) for m in models[:2]]:
+        out.append(Step("throughput", f"throughput {model} bf16 k=4{', no diagnostics' if bare else ''}", [
             str(BENCH / "throughput.py"), *on, "--model", model, "--dataset", dataset, "--physical-batch", str(b),
-            "--accum-steps", "4", "--precision", "bf16", "--epochs", str(epochs), *flags], "ratio", 180))
-    for model, dataset, b, _, epochs, flags in models[:2]:  # launch-bound: what share the diagnostics take
-        out.append(Step("throughput", f"throughput {model} bf16 k=4, no diagnostics", [
-            str(BENCH / "throughput.py"), *on, "--model", model, "--dataset", dataset, "--physical-batch", str(b),
-            "--accum-steps", "4", "--precision", "bf16", "--epochs", str(epochs), "--no-diagnostics", *flags],
-            "ratio", 180))
+            "--accum-steps", "4", "--precision", "bf16", "--epochs", str(epochs),
+            *(["--no-diagnostics"] if bare else []), *flags], "ratio", 180))
     small = ["--simulate-gpu", "8GiB", "--trials", "2", "--workers", "1,2", "--epochs", "1", "--seeds", "1",
              "--set", "warmup_epochs=0"] if tiny else ["--trials", "12"]
     out.append(Step("workers", "workers 1, 2, 4 on GPU 0", [
