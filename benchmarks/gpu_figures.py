@@ -13,6 +13,7 @@ The steps, in order (--only picks groups):
                 for cnn1d and gpt once more without the trainer's diagnostics
     workers     gpu_workers.py: trials per hour of accum_lr with 1, 2 and 4 workers on GPU 0
     study       sweeps/run.py --study accum_lr on the GPU, with its report
+    metrics     a placed trial with --system-metrics: MLflow's GPU metrics of its own GPU, found by UUID
 
     python benchmarks/gpu_figures.py --out gpu-figures [--budget 540] [--only memory,throughput]
 
@@ -42,7 +43,7 @@ from trainers.cli import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
-GROUPS = ("context", "memory", "throughput", "workers", "study")
+GROUPS = ("context", "memory", "throughput", "workers", "study", "metrics")
 LEAST_S = 20  # a step is not started with less time left than this
 
 # Measured after a real training step, so that every library the trainer loads (cuBLAS, cuDNN, their
@@ -62,6 +63,35 @@ print(f"{torch.cuda.get_device_name()}: the allocator reserved {reserved / 2**20
 print(f"{outside / 2**20:.0f} MiB held outside the allocator, against an allowance of "
       f"{CONTEXT_BYTES / 2**20:.0f} MiB per worker")
 print(f"context_share={outside / CONTEXT_BYTES:.3f}")
+"""
+
+# One trial placed on the GPU with --system-metrics: its run must hold the GPU metrics of its own GPU alone
+# (gpu_0), and NVML must know that GPU by the UUID that torch gave the placement. On the CPU (--tiny): none.
+METRICS = """
+import subprocess, sys
+from mlflow import MlflowClient
+from sweeps.placement import visible_gpus
+from sweeps.tracking import own_gpu
+sweep = [sys.executable, RUN, "--study", "accum_lr", "--study-name", "system_metrics", "--device", DEVICE,
+         "--n-trials", "1", "--epochs", "3", "--seeds", "1", "--workers", "1", "--system-metrics", "--no-report",
+         "--set", "data_dir=" + DATA]
+subprocess.run(sweep, check=True)
+client = MlflowClient("sqlite:///mlruns/mlflow.db")
+runs = client.search_runs([client.get_experiment_by_name("system_metrics").experiment_id], "tags.state = 'COMPLETE'")
+keys = sorted(k for k in runs[0].data.metrics if k.startswith("system/gpu_"))
+print("the trial's GPU metrics:", ", ".join(keys) or "none")
+expected = {"system/gpu_0_memory_usage_megabytes", "system/gpu_0_utilization_percentage"} if DEVICE == "cuda" else set()
+assert expected <= set(keys) and not [k for k in keys if not k.startswith("system/gpu_0_")], keys
+if DEVICE == "cuda":
+    import pynvml
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+    uuid = visible_gpus()[0].uuid
+    monitor = SystemMetricsMonitor(runs[0].info.run_id, tracking_uri="sqlite:///mlruns/mlflow.db")
+    own_gpu(monitor, uuid)
+    handles = [h for m in monitor.monitors for h in getattr(m, "gpu_handles", [])]
+    print(f"torch's UUID {uuid}; NVML's:", [pynvml.nvmlDeviceGetUUID(h) for h in handles])
+    assert len(handles) == 1 and uuid in pynvml.nvmlDeviceGetUUID(handles[0])
+print(f"own_gpu_metrics={len(keys)}")
 """
 
 
@@ -104,6 +134,9 @@ def steps(device: str, tiny: bool, data: str) -> list[Step]:
     out.append(Step("study", "study accum_lr", [
         str(ROOT / "sweeps" / "run.py"), "--study", "accum_lr", "--device", device, *small,
         "--set", f"data_dir={data}"], "", 300))
+    out.append(Step("metrics", "system metrics of a placed trial", ["-c", METRICS.replace("RUN", repr(
+        str(ROOT / "sweeps" / "run.py"))).replace("DEVICE", repr(device)).replace("DATA", repr(data))],
+        "own_gpu_metrics", 120))
     return out
 
 

@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "--workers")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first trial that raises an error")
     p.add_argument("--system-metrics", action="store_true", help="log MLflow's system metrics (CPU, memory, disk, "
-                   "network, GPU when present) for every trial, sampled every second")
+                   "network, and on a GPU the trial's own GPU) for every trial, sampled every second")
     p.add_argument("--checkpoint-dir", help="a checkpoint folder per trial configuration, written every epoch: a "
                    "killed trial resumes from it when its point runs again (default: mlruns/checkpoints; a folder "
                    "all machines share when several run the study; 'none' turns checkpoints off)")

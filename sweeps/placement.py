@@ -42,6 +42,7 @@ class Gpu:
     index: str
     name: str
     total_bytes: int
+    uuid: str = ""  # CUDA's, which NVML knows it by (its own numbering ignores CUDA_VISIBLE_DEVICES)
 
 
 def visible_gpus() -> list[Gpu]:
@@ -52,7 +53,7 @@ def visible_gpus() -> list[Gpu]:
     gpus = []
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
-        gpus.append(Gpu(ids[i] if i < len(ids) else str(i), props.name, props.total_memory))
+        gpus.append(Gpu(ids[i] if i < len(ids) else str(i), props.name, props.total_memory, str(props.uuid)))
     return gpus
 
 
@@ -186,6 +187,7 @@ class Placement:
     tracking_uri: str
     program: bool = False
     fits: dict = dataclasses.field(default_factory=dict)  # memory shape -> planner.Fit
+    uuid: str = ""  # its GPU's, for the trial's system metrics
 
     @property
     def capacity(self) -> int:
@@ -262,4 +264,5 @@ def place(workers: int, gpus: list[Gpu], tracking_uri: str, program: bool) -> li
     between them: a GPU's capacity is its memory less what its workers' processes hold besides tensors."""
     on = [i % len(gpus) for i in range(workers)]
     ledger = Ledger([gpu.total_bytes - on.count(i) * CONTEXT_BYTES for i, gpu in enumerate(gpus)], on)
-    return [Placement(slot, gpus[i].index, ledger, tracking_uri, program) for slot, i in enumerate(on)]
+    return [Placement(slot, gpus[i].index, ledger, tracking_uri, program, uuid=gpus[i].uuid)
+            for slot, i in enumerate(on)]

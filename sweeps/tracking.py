@@ -105,13 +105,34 @@ def standard_tags(commit: str | None) -> dict[str, str]:
     return tags
 
 
-def system_metrics(run_id: str, uri: str):
-    """Start MLflow's own system-metrics monitor for one run (a thread); call .finish() when the trial ends."""
+def system_metrics(run_id: str, uri: str, gpu_uuid: str = ""):
+    """Start MLflow's own system-metrics monitor for one run (a thread); call .finish() when the trial ends.
+    With `gpu_uuid` (a worker placed on a GPU), its GPU metrics are those of that GPU alone."""
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
     monitor = SystemMetricsMonitor(run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S, tracking_uri=uri)
+    if gpu_uuid:
+        own_gpu(monitor, gpu_uuid)
     monitor.start()
     return monitor
+
+
+def own_gpu(monitor, uuid: str) -> None:
+    """Narrow MLflow's NVIDIA monitor, when it started, to the GPU of CUDA's `uuid`: it reads every GPU of the
+    machine through NVML, which ignores CUDA_VISIBLE_DEVICES. Its metrics are then `system/gpu_0_*`, the GPU
+    as the trial's process numbers it. One that NVML does not know by that UUID keeps MLflow's every GPU."""
+    from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
+
+    for gpus in getattr(monitor, "monitors", []):
+        if isinstance(gpus, GPUMonitor):  # (it exists only where pynvml imported and found a GPU)
+            import pynvml
+
+            for name in (uuid, f"GPU-{uuid}", f"MIG-{uuid}"):  # (torch gives it without NVML's prefix)
+                try:
+                    gpus.gpu_handles = [pynvml.nvmlDeviceGetHandleByUUID(name)]
+                    return
+                except pynvml.NVMLError:
+                    pass
 
 
 def first_line(exc: BaseException, *urls: str) -> str:

@@ -28,7 +28,7 @@ RUNS = {
     "gpu_workers.py": ([], ["--simulate-gpu", "8GiB", "--trials", "2", "--workers", "2", *TINY[:4], "--epochs", "1",
                             "--seeds", "1", "--set", "warmup_epochs=0"], "speedup"),
     # a step of each kind but the context (CUDA only) and those run above as they are (memory.py, gpu_workers.py)
-    "gpu_figures.py": ([], ["--tiny", "--only", "throughput,study", "--out", "figures"], "measured"),
+    "gpu_figures.py": ([], ["--tiny", "--only", "throughput,study,metrics", "--out", "figures"], "measured"),
     "ddp_sync.py": (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
                     [*TINY, "--pairs", "1", "--accum-steps", "2", "--physical-batch", "32"], "epoch_time_ratio"),
 }

@@ -40,9 +40,10 @@ def in_thread(fn):
 
 
 def test_workers_are_placed_round_robin_and_each_gpu_keeps_room_for_its_workers_contexts():
-    gpus = [Gpu("2", "simulated A", 16 * GIB), Gpu("5", "simulated B", 8 * GIB)]
+    gpus = [Gpu("2", "simulated A", 16 * GIB, "uuid-a"), Gpu("5", "simulated B", 8 * GIB, "uuid-b")]
     placements = place(5, gpus, "sqlite:///unused.db", program=False)
     assert [p.name for p in placements] == ["2", "5", "2", "5", "2"]
+    assert [p.uuid for p in placements] == ["uuid-a", "uuid-b", "uuid-a", "uuid-b", "uuid-a"]
     ledger = placements[0].ledger
     assert all(p.ledger is ledger for p in placements)
     assert ledger.capacities == [16 * GIB - 3 * CONTEXT_BYTES, 8 * GIB - 2 * CONTEXT_BYTES]
@@ -204,9 +205,9 @@ def test_a_study_on_simulated_gpus_places_each_trial_and_tags_its_placement(tmp_
 
     monkeypatch.chdir(tmp_path)  # the workers import tests.factories from the path they inherit
     args = parse_args(["--model", "mlp", "--dataset", "tests.factories:blobs1k", "--epochs", "1", "--seeds", "1",
-                       "--set", "warmup_epochs=0", "--log-models", "none", "--n-trials", "4"])
+                       "--set", "warmup_epochs=0", "--log-models", "none", "--n-trials", "4", "--system-metrics"])
     inv = build_invocation(args)
-    assert run_invocation(inv, 2, [Gpu("0", "simulated", 2 * CONTEXT_BYTES + GIB)]) == 0
+    assert run_invocation(inv, 2, [Gpu("0", "simulated", 2 * CONTEXT_BYTES + GIB, "simulated-uuid")]) == 0
     trials = [t for t in optuna.load_study(study_name="accum_lr", storage=inv.storage).trials
               if t.user_attrs.get("reason") != "duplicate"]
     assert len(trials) == 4 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
@@ -244,3 +245,30 @@ def test_the_workers_of_a_gpu_share_one_probe(monkeypatch, data_dir, tmp_path):
     assert len(probed) == 1 and ledger.waiting(0) == 0
     assert third.need(config, 32) == held and len(probed) == 2  # GPU 1's own probe (the same numbers on a CPU)
     assert second.need(dataclasses.replace(config, model="cnn1d"), 32) != held and len(probed) == 3
+
+
+def test_a_placed_trials_gpu_metrics_are_those_of_its_own_gpu(tmp_path, monkeypatch):
+    """NVML numbers every GPU of the machine whatever CUDA_VISIBLE_DEVICES says: MLflow's GPU monitor, narrowed
+    by the UUID that torch gave the placement, reads the trial's own GPU alone. No GPU here: MLflow's monitor
+    of three simulated GPUs, and NVML's lookup by UUID over them."""
+    import pynvml
+    from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    from sweeps.tracking import own_gpu
+
+    nvml = {"GPU-aaaa": "handle 0", "GPU-bbbb": "handle 1", "GPU-cccc": "handle 2"}  # NVML prefixes its UUIDs
+
+    def by_uuid(uuid):
+        if uuid not in nvml:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        return nvml[uuid]
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByUUID", by_uuid)
+    monitor = SystemMetricsMonitor("run", tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    gpus = GPUMonitor.__new__(GPUMonitor)  # (its __init__ asks NVML for the machine's GPUs)
+    monitor.monitors.append(gpus)
+    for uuid, handles in (("bbbb", ["handle 1"]), ("GPU-cccc", ["handle 2"]), ("dddd", list(nvml.values()))):
+        gpus.gpu_handles = list(nvml.values())
+        own_gpu(monitor, uuid)
+        assert gpus.gpu_handles == handles, uuid  # one NVML does not know keeps every GPU, as MLflow logs them
