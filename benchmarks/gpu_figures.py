@@ -68,14 +68,13 @@ print(f"context_share={outside / CONTEXT_BYTES:.3f}")
 # One trial placed on the GPU with --system-metrics: its run must hold the GPU metrics of its own GPU alone
 # (gpu_0), and NVML must know that GPU by the UUID that torch gave the placement. On the CPU (--tiny): none.
 METRICS = """
-import subprocess, sys
 from mlflow import MlflowClient
+from sweeps.cli import main
 from sweeps.placement import visible_gpus
 from sweeps.tracking import own_gpu
-sweep = [sys.executable, RUN, "--study", "accum_lr", "--study-name", "system_metrics", "--device", DEVICE,
-         "--n-trials", "1", "--epochs", "3", "--seeds", "1", "--workers", "1", "--system-metrics", "--no-report",
-         "--set", "data_dir=" + DATA]
-subprocess.run(sweep, check=True)
+assert main(["--study", "accum_lr", "--study-name", "system_metrics", "--device", DEVICE, "--n-trials", "1",
+             "--epochs", "3", "--seeds", "1", "--workers", "1", "--system-metrics", "--no-report",
+             "--log-models", "none", "--set", "data_dir=" + DATA]) == 0  # in this process, placed on GPU 0
 client = MlflowClient("sqlite:///mlruns/mlflow.db")
 runs = client.search_runs([client.get_experiment_by_name("system_metrics").experiment_id], "tags.state = 'COMPLETE'")
 keys = sorted(k for k in runs[0].data.metrics if k.startswith("system/gpu_"))
@@ -134,9 +133,8 @@ def steps(device: str, tiny: bool, data: str) -> list[Step]:
     out.append(Step("study", "study accum_lr", [
         str(ROOT / "sweeps" / "run.py"), "--study", "accum_lr", "--device", device, *small,
         "--set", f"data_dir={data}"], "", 300))
-    out.append(Step("metrics", "system metrics of a placed trial", ["-c", METRICS.replace("RUN", repr(
-        str(ROOT / "sweeps" / "run.py"))).replace("DEVICE", repr(device)).replace("DATA", repr(data))],
-        "own_gpu_metrics", 120))
+    out.append(Step("metrics", "system metrics of a placed trial", [
+        "-c", METRICS.replace("DEVICE", repr(device)).replace("DATA", repr(data))], "own_gpu_metrics", 120))
     return out
 
 
