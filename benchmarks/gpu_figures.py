@@ -13,7 +13,8 @@ The steps, in order (--only picks groups):
                 for cnn1d and gpt once more without the trainer's diagnostics
     workers     gpu_workers.py: trials per hour of accum_lr with 1, 2 and 4 workers on GPU 0
     study       sweeps/run.py --study accum_lr on the GPU, with its report
-    metrics     a placed trial with --system-metrics: MLflow's GPU metrics of its own GPU, found by UUID
+    metrics     a placed trial with --system-metrics: MLflow's GPU metrics of its own GPU, found in NVML by
+                UUID, and NVML's free memory of that GPU, which the placement offers
 
     python benchmarks/gpu_figures.py --out gpu-figures [--budget 540] [--only memory,throughput]
 
@@ -66,7 +67,8 @@ print(f"context_share={outside / CONTEXT_BYTES:.3f}")
 """
 
 # One trial placed on the GPU with --system-metrics: its run must hold the GPU metrics of its own GPU alone
-# (gpu_0), and NVML must know that GPU by the UUID that torch gave the placement. On the CPU (--tiny): none.
+# (gpu_0), and NVML must know that GPU by the UUID that torch gave the placement, and say its free memory (what
+# the placement offers). On the CPU (--tiny): no GPU metrics.
 METRICS = """
 from mlflow import MlflowClient
 from sweeps.cli import main
@@ -84,12 +86,13 @@ assert expected <= set(keys) and not [k for k in keys if not k.startswith("syste
 if DEVICE == "cuda":
     import pynvml
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-    uuid = visible_gpus()[0].uuid
+    gpu = visible_gpus()[0]  # (this process holds the trial's CUDA context and cached blocks: less is free)
+    print(f"torch's total {gpu.total_bytes / 2**20:.0f} MiB; NVML's free now: {gpu.free_bytes} bytes")
     monitor = SystemMetricsMonitor(runs[0].info.run_id, tracking_uri="sqlite:///mlruns/mlflow.db")
-    own_gpu(monitor, uuid)
+    own_gpu(monitor, gpu.uuid)
     handles = [h for m in monitor.monitors for h in getattr(m, "gpu_handles", [])]
-    print(f"torch's UUID {uuid}; NVML's:", [pynvml.nvmlDeviceGetUUID(h) for h in handles])
-    assert len(handles) == 1 and uuid in pynvml.nvmlDeviceGetUUID(handles[0])
+    print(f"torch's UUID {gpu.uuid}; NVML's:", [pynvml.nvmlDeviceGetUUID(h) for h in handles])
+    assert len(handles) == 1 and gpu.uuid in pynvml.nvmlDeviceGetUUID(handles[0]) and gpu.free_bytes
 print(f"own_gpu_metrics={len(keys)}")
 """
 

@@ -43,6 +43,11 @@ class Gpu:
     name: str
     total_bytes: int
     uuid: str = ""  # CUDA's, which NVML knows it by (its own numbering ignores CUDA_VISIBLE_DEVICES)
+    free_bytes: int | None = None  # free when the invocation started, by NVML (others' memory is not ours to place)
+
+    @property
+    def offered(self) -> int:
+        return self.total_bytes if self.free_bytes is None else min(self.total_bytes, self.free_bytes)
 
 
 def visible_gpus() -> list[Gpu]:
@@ -53,8 +58,39 @@ def visible_gpus() -> list[Gpu]:
     gpus = []
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
-        gpus.append(Gpu(ids[i] if i < len(ids) else str(i), props.name, props.total_memory, str(props.uuid)))
+        uuid = str(props.uuid)
+        gpus.append(Gpu(ids[i] if i < len(ids) else str(i), props.name, props.total_memory, uuid, free_now(uuid)))
     return gpus
+
+
+def free_now(uuid: str) -> int | None:
+    """The GPU's free memory now, as NVML counts it (what every process on it holds is not free), or None."""
+    handle = nvml_handle(uuid)
+    if handle is None:
+        return None
+    import pynvml
+
+    try:
+        return pynvml.nvmlDeviceGetMemoryInfo(handle).free
+    except pynvml.NVMLError:
+        return None
+
+
+def nvml_handle(uuid: str):
+    """NVML's handle of the GPU of this CUDA UUID (torch gives it without NVML's "GPU-"), or None where NVML
+    cannot say: no NVIDIA driver library, or a device it does not know by that UUID."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()  # (NVML counts its inits: one more is harmless)
+    except Exception:  # noqa: BLE001 (pynvml's errors, or none installed: no NVML)
+        return None
+    for name in (uuid, f"GPU-{uuid}", f"MIG-{uuid}"):
+        try:
+            return pynvml.nvmlDeviceGetHandleByUUID(name)
+        except pynvml.NVMLError:
+            pass
+    return None
 
 
 @dataclass
@@ -261,8 +297,10 @@ class Placement:
 
 def place(workers: int, gpus: list[Gpu], tracking_uri: str, program: bool) -> list[Placement]:
     """Each worker's placement, round-robin over the GPUs (worker i on gpus[i % len(gpus)]), with one ledger
-    between them: a GPU's capacity is its memory less what its workers' processes hold besides tensors."""
+    between them: a GPU's capacity is its memory (free of other processes' when the invocation started) less
+    what its workers' processes hold besides tensors."""
     on = [i % len(gpus) for i in range(workers)]
-    ledger = Ledger([gpu.total_bytes - on.count(i) * CONTEXT_BYTES for i, gpu in enumerate(gpus)], on)
+    # (at least a byte: a GPU that its workers' contexts would fill runs one trial at a time)
+    ledger = Ledger([max(gpu.offered - on.count(i) * CONTEXT_BYTES, 1) for i, gpu in enumerate(gpus)], on)
     return [Placement(slot, gpus[i].index, ledger, tracking_uri, program, uuid=gpus[i].uuid)
             for slot, i in enumerate(on)]

@@ -123,16 +123,13 @@ def own_gpu(monitor, uuid: str) -> None:
     as the trial's process numbers it. One that NVML does not know by that UUID keeps MLflow's every GPU."""
     from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
 
+    from .placement import nvml_handle
+
     for gpus in getattr(monitor, "monitors", []):
         if isinstance(gpus, GPUMonitor):  # (it exists only where pynvml imported and found a GPU)
-            import pynvml
-
-            for name in (uuid, f"GPU-{uuid}", f"MIG-{uuid}"):  # (torch gives it without NVML's prefix)
-                try:
-                    gpus.gpu_handles = [pynvml.nvmlDeviceGetHandleByUUID(name)]
-                    return
-                except pynvml.NVMLError:
-                    pass
+            handle = nvml_handle(uuid)
+            if handle is not None:
+                gpus.gpu_handles = [handle]
 
 
 def first_line(exc: BaseException, *urls: str) -> str:

@@ -49,6 +49,29 @@ def test_workers_are_placed_round_robin_and_each_gpu_keeps_room_for_its_workers_
     assert ledger.capacities == [16 * GIB - 3 * CONTEXT_BYTES, 8 * GIB - 2 * CONTEXT_BYTES]
 
 
+def test_a_gpu_offers_what_other_processes_left_free_and_a_full_one_runs_a_trial_at_a_time():
+    from sweeps.placement import free_now, nvml_handle
+
+    busy = Gpu("0", "simulated, half used by another process", 16 * GIB, "uuid", free_bytes=8 * GIB)
+    full = Gpu("1", "simulated, smaller than its workers' contexts", 2 * GIB)
+    placements = place(4, [busy, full], "sqlite:///unused.db", program=False)
+    ledger = placements[0].ledger
+    assert ledger.capacities == [8 * GIB - 2 * CONTEXT_BYTES, 1]
+    config = TrainConfig(model="mlp")
+    shape = TrainConfig(**{name: getattr(config, name) for name in SHAPE})
+    placements[1].fits[shape] = placements[3].fits[shape] = Fit(GIB, 0, "simulated", "cuda_allocator", [])
+    assert placements[1].need(config, 8) == (1, False)
+    first = ledger.hold(1, 1)
+    thread, second = in_thread(lambda: ledger.hold(3, placements[3].need(config, 8)[0]))
+    until(lambda: ledger.waiting(1) == 1, "the second trial never asked")
+    assert not second  # no room beside the first
+    ledger.release(first)
+    thread.join(30)
+    ledger.release(second["value"])
+    assert ledger.peak(1) == 1
+    assert nvml_handle("not a GPU") is None and free_now("not a GPU") is None  # NVML cannot say: the whole GPU
+
+
 def test_trials_start_in_turn_when_their_memory_fits_and_know_whether_they_shared():
     ledger = Ledger([10 * GIB], [0, 0, 0])  # three workers' slots on one GPU
     a = ledger.hold(0, 6 * GIB)
@@ -264,6 +287,7 @@ def test_a_placed_trials_gpu_metrics_are_those_of_its_own_gpu(tmp_path, monkeypa
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
         return nvml[uuid]
 
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
     monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByUUID", by_uuid)
     monitor = SystemMetricsMonitor("run", tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     gpus = GPUMonitor.__new__(GPUMonitor)  # (its __init__ asks NVML for the machine's GPUs)
