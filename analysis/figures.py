@@ -216,6 +216,7 @@ def lr_scaling(trials: pd.DataFrame) -> Figure | None:
     ax.plot(xs, np.exp(intercept) * xs ** alpha, color="C0")
     ax.plot(xs, lr0 * xs / b0, "--", color="gray", label="linear (α = 1)")
     ax.plot(xs, lr0 * np.sqrt(xs / b0), ":", color="gray", label="square root (α = 0.5)")
+    ax.plot(xs, [lr0, lr0], "-.", color="gray", label="LR unchanged (α = 0)")
     ax.set_yscale("log")
     _log2_axis(ax, best["effective_batch"])
     ax.set(xlabel="effective batch B", ylabel="best learning rate")

@@ -21,6 +21,9 @@ from .runs import (TARGET_SHARE, Difference, aggregate, discoveries, knee, paire
 EXACT = 1e-4  # relative parameter difference below which accumulation is float rounding, not a change
 ROUNDING = 1e-10  # in float64, a ghost twin this close shows that what is left in float32 is rounding
 BOOTSTRAPS = 2000
+# The LR rules as exponents of lr ~ B^alpha, and what the report calls the scaling each one is.
+LR_RULES = ((0.0, "LR unchanged", "no scaling"), (0.5, "square root", "square-root scaling"),
+            (1.0, "linear", "linear scaling"))
 
 
 def _pct(x: float) -> str:
@@ -239,6 +242,22 @@ def exactness(trials: pd.DataFrame) -> list[str]:
     return out
 
 
+def lr_rule_reading(lo: float, hi: float) -> str:
+    """Which LR rule an interval of the exponent singles out: one only when it holds that rule's exponent and no
+    other's (an interval that holds 0 cannot tell a rule from leaving the LR as it is)."""
+    held = [rule for rule in LR_RULES if lo <= rule[0] <= hi]
+
+    def listed(rules) -> str:
+        named = [f"{value:g} ({name})" for value, name, _ in rules]
+        return f"{', '.join(named[:-1])} and {named[-1]}" if len(named) > 1 else named[0]
+
+    if len(held) == 1:
+        return f"{held[0][2]}: of the exponents {listed(LR_RULES)}, the interval holds {held[0][0]:g} alone"
+    if held:
+        return f"no rule singled out: the interval holds {listed(held)}"
+    return f"no rule singled out: the interval holds none of {listed(LR_RULES)}"
+
+
 def lr_exponent(trials: pd.DataFrame) -> list[str]:
     """The fitted exponent of lr_opt ~ B^alpha, with a bootstrap interval over the trials at each B."""
     found = best_lr(trials)
@@ -257,16 +276,10 @@ def lr_exponent(trials: pd.DataFrame) -> list[str]:
             lrs.append(sample[sample[:, 1].argmax(), 0])
         draws.append(np.polyfit(sizes, np.log(lrs), 1)[0])
     lo, hi = np.percentile(draws, [2.5, 97.5])
-    if lo > 0.5 and lo <= 1 <= hi:
-        reading = "linear scaling (the interval excludes the square root)"
-    elif lo <= 0.5 <= hi and hi < 1:
-        reading = "square-root scaling (the interval excludes linear)"
-    else:
-        reading = "neither rule singled out: the interval holds both or neither of 0.5 and 1"
     return [f"The best learning rate grew as B^{alpha:.2f} (95% bootstrap interval {lo:.2f} to {hi:.2f}, "
-            f"{BOOTSTRAPS} resamples of the trials at each B): {reading}; from {best['base_lr'].iloc[0]:.3g} at "
-            f"B = {best['effective_batch'].iloc[0]} to {best['base_lr'].iloc[-1]:.3g} at "
-            f"B = {best['effective_batch'].iloc[-1]}."]
+            f"{BOOTSTRAPS} resamples of the trials at each B): {lr_rule_reading(lo, hi)}; from "
+            f"{best['base_lr'].iloc[0]:.3g} at B = {best['effective_batch'].iloc[0]} to "
+            f"{best['base_lr'].iloc[-1]:.3g} at B = {best['effective_batch'].iloc[-1]}."]
 
 
 def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None) -> list[str]:

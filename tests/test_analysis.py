@@ -9,7 +9,7 @@ import pytest
 
 from analysis.figures import all_figures, best_lr, protocol, warmup_curves
 from analysis import branching
-from analysis.findings import summarize
+from analysis.findings import lr_rule_reading, summarize
 from analysis.render import MIB, _display, _table, write_report
 from analysis.runs import StudyRuns, aggregate, knee, load_study, steps_to_target
 from analysis.space import (MIN_IMPORTANCE_TRIALS, front, importance, memory_front, parallel_coordinates,
@@ -238,8 +238,24 @@ def test_lr_exponent_is_fitted():
     assert alpha == pytest.approx(0.7, abs=1e-6)
     sentence = " ".join(summarize(pd.DataFrame(rows)))
     assert "grew as B^0.70 (95% bootstrap interval" in sentence
-    # Each B has 3 trials: resampling them moves the best LR by a factor of 2, so neither rule is singled out.
-    assert "neither rule singled out" in sentence
+    # Each B has 3 trials: resampling them moves the best LR by a factor of 2, so no rule is singled out.
+    assert "no rule singled out: the interval holds" in sentence
+
+
+@pytest.mark.parametrize("lo, hi, reading", [
+    (0.2, 0.75, "square-root scaling: of the exponents 0 (LR unchanged), 0.5 (square root) and 1 (linear), the "
+                "interval holds 0.5 alone"),
+    (0.6, 1.3, "linear scaling: of the exponents 0 (LR unchanged), 0.5 (square root) and 1 (linear), the interval "
+               "holds 1 alone"),
+    (-0.2, 0.3, "no scaling: of the exponents 0 (LR unchanged), 0.5 (square root) and 1 (linear), the interval "
+                "holds 0 alone"),
+    # lr_search on a 2-core CPU read -0.17 to 0.75: that cannot tell the square root from leaving the LR alone
+    (-0.17, 0.75, "no rule singled out: the interval holds 0 (LR unchanged) and 0.5 (square root)"),
+    (0.4, 1.1, "no rule singled out: the interval holds 0.5 (square root) and 1 (linear)"),
+    (1.2, 1.5, "no rule singled out: the interval holds none of 0 (LR unchanged), 0.5 (square root) and 1 (linear)"),
+])
+def test_an_lr_rule_is_named_only_when_the_interval_holds_its_exponent_alone(lo, hi, reading):
+    assert lr_rule_reading(lo, hi) == reading
 
 
 @pytest.fixture(scope="module")
