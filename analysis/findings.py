@@ -34,13 +34,20 @@ def _points(diff: float) -> str:
     return f"{abs(100 * diff):.1f} points"
 
 
+def _end(x: float, places: int) -> str:
+    """An end of a separated interval: `places` decimals, or two significant digits where those would round it to
+    zero (it is not zero, and "-0.0" reads as if the interval reached it)."""
+    return f"{x:+,.{places}f}" if round(abs(x), places) else f"{x:+.2g}"
+
+
 def stated(d: Difference, ahead: str = "higher", behind: str = "lower") -> str:
     """How a paired difference (in accuracy) reads: a stated difference only when its interval excludes 0."""
     if d.n < 2:
         return f"{_points(d.mean)} {ahead if d.mean > 0 else behind} in one seed, which cannot be told from seed noise"
     lo, hi = 100 * (d.mean - d.half), 100 * (d.mean + d.half)
     if d.separated:
-        return f"{_points(d.mean)} {ahead if d.mean > 0 else behind}, 95% CI {lo:+.1f} to {hi:+.1f} over {d.n} seeds"
+        return (f"{_points(d.mean)} {ahead if d.mean > 0 else behind}, 95% CI {_end(lo, 1)} to {_end(hi, 1)} over "
+                f"{d.n} seeds")
     return f"indistinguishable ({100 * d.mean:+.1f} ± {100 * d.half:.1f} points over {d.n} seeds)"
 
 
@@ -182,7 +189,7 @@ def bn(trials: pd.DataFrame) -> list[str]:
                 d = paired(at_k[at_k["bn_momentum_rule"] == r], true, "bn_mean_error")
                 if d is not None and d.separated:
                     apart.append(f"{r} {'further from' if d.mean > 0 else 'closer to'} it than the true batch "
-                                 f"({d.mean:+.3f}, 95% CI {d.mean - d.half:+.3f} to {d.mean + d.half:+.3f})")
+                                 f"({d.mean:+.3f}, 95% CI {_end(d.mean - d.half, 3)} to {_end(d.mean + d.half, 3)})")
                 elif d is not None:
                     alike.append(r)
             n = int(true["seed"].nunique()) if "seed" in true else 1
@@ -324,7 +331,7 @@ def _counted(d: Difference | None, unit: str) -> str:
         return f"no seed reached the target in both, so no {unit} to compare"
     if not d.separated:
         return f"indistinguishable ({d.mean:+,.0f} ± {d.half:,.0f} {unit} over {d.n} seed{'s' * (d.n > 1)})"
-    return f"{d.mean:+,.0f} {unit}, 95% CI {d.mean - d.half:+,.0f} to {d.mean + d.half:+,.0f} over {d.n} seeds"
+    return f"{d.mean:+,.0f} {unit}, 95% CI {_end(d.mean - d.half, 0)} to {_end(d.mean + d.half, 0)} over {d.n} seeds"
 
 
 def warmup(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None) -> list[str]:

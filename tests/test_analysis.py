@@ -242,6 +242,15 @@ def test_lr_exponent_is_fitted():
     assert "no rule singled out: the interval holds" in sentence
 
 
+def test_an_interval_that_excludes_zero_never_reads_as_reaching_it():
+    from analysis.findings import stated
+    from analysis.runs import Difference
+
+    # adam_lr's linear rule at B = 128 on a 2-core CPU: 1.3 points lower, the interval ending 0.04 below zero
+    assert stated(Difference(-0.0130, 0.0126, 3)) == "1.3 points lower, 95% CI -2.6 to -0.04 over 3 seeds"
+    assert stated(Difference(0.0210, 0.0050, 3)) == "2.1 points higher, 95% CI +1.6 to +2.6 over 3 seeds"
+
+
 @pytest.mark.parametrize("lo, hi, reading", [
     (0.2, 0.75, "square-root scaling: of the exponents 0 (LR unchanged), 0.5 (square root) and 1 (linear), the "
                 "interval holds 0.5 alone"),
