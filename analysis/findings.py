@@ -40,6 +40,13 @@ def _end(x: float, places: int) -> str:
     return f"{x:+,.{places}f}" if round(abs(x), places) else f"{x:+.2g}"
 
 
+def _sig(x: float, sign: str = "") -> str:
+    """Two significant digits: BN statistics' errors span 0.001 to 1, where fixed decimals hide differences."""
+    rounded = float(f"{abs(x):.2g}")  # (0.0999... has the places of 0.10, not of 0.099)
+    places = max(0, 1 - math.floor(math.log10(rounded))) if rounded and math.isfinite(rounded) else 0
+    return f"{x:{sign}.{places}f}"
+
+
 def stated(d: Difference, ahead: str = "higher", behind: str = "lower") -> str:
     """How a paired difference (in accuracy) reads: a stated difference only when its interval excludes 0."""
     if d.n < 2:
@@ -183,13 +190,14 @@ def bn(trials: pd.DataFrame) -> list[str]:
         rules = sorted(at_k["bn_momentum_rule"].unique())
         if "bn_mean_error" in t and not true.empty and true["bn_mean_error"].notna().any():
             errors = at_k.groupby("bn_momentum_rule")["bn_mean_error"].mean()
-            listing = ", ".join(f"{r} {errors[r]:.3f}" for r in rules)
+            listing = ", ".join(f"{r} {_sig(errors[r])}" for r in rules)
             apart, alike = [], []
             for r in rules:
                 d = paired(at_k[at_k["bn_momentum_rule"] == r], true, "bn_mean_error")
                 if d is not None and d.separated:
                     apart.append(f"{r} {'further from' if d.mean > 0 else 'closer to'} it than the true batch "
-                                 f"({d.mean:+.3f}, 95% CI {_end(d.mean - d.half, 3)} to {_end(d.mean + d.half, 3)})")
+                                 f"({_sig(d.mean, '+')}, 95% CI {_sig(d.mean - d.half, '+')} to "
+                                 f"{_sig(d.mean + d.half, '+')})")
                 elif d is not None:
                     alike.append(r)
             n = int(true["seed"].nunique()) if "seed" in true else 1
@@ -201,7 +209,7 @@ def bn(trials: pd.DataFrame) -> list[str]:
                 verdict_text = "; ".join([*apart, *([verdict_text] if verdict_text else [])])
             out.append(f"At k = {k} (B = {k * b}), the BN running means ended {listing} population standard "
                        f"deviations from the population means of the final weights (true batch: "
-                       f"{float(true['bn_mean_error'].mean()):.3f}); {verdict_text}.")
+                       f"{_sig(float(true['bn_mean_error'].mean()))}); {verdict_text}.")
         accuracy = "; ".join(f"{r} {stated(d, 'above', 'below')}" for r in rules
                              if (d := paired(at_k[at_k["bn_momentum_rule"] == r], true, "val_acc")) is not None)
         if accuracy:

@@ -203,10 +203,10 @@ def test_bn_rules_are_compared_by_their_running_statistics():
                          effective_batch=512, bn_momentum_rule="default", seed=seed, val_acc=0.9,
                          bn_mean_error=errors["true"] + jitter[seed], batch="true batch"))
     sentences = " ".join(summarize(pd.DataFrame(rows)))
-    assert "the BN running means ended default 0.020, matched 0.120, scaled 0.130 population standard deviations" \
+    assert "the BN running means ended default 0.020, matched 0.12, scaled 0.13 population standard deviations" \
         in sentences
     # default is 0.1 closer in every seed: stated; scaled's 0.01 is inside its seed noise: not stated.
-    assert "(true batch: 0.120); default closer to it than the true batch (-0.100, 95% CI -0.100 to -0.100); " \
+    assert "(true batch: 0.12); default closer to it than the true batch (-0.10, 95% CI -0.10 to -0.10); " \
            "indistinguishable from the true batch's over 3 seeds: matched, scaled." in sentences
     assert "Final accuracy at k = 16 against the true batch: default indistinguishable" in sentences
 
