@@ -3,9 +3,10 @@ one and passes the correct loop, on per-sample and per-token losses, in float64 
 import json
 
 import pytest
+import torch
 from mlflow import MlflowClient
 
-from sweeps.audit import main
+from sweeps.audit import Run, first_parting, main
 from tests.conftest import ROOT
 
 CATALOG = ROOT / "tests" / "programs" / "catalog.py"
@@ -79,6 +80,29 @@ def test_every_run_of_an_audit_is_a_nested_mlflow_run_and_the_verdict_a_tag(tmp_
     assert parent.data.tags["mlflow.note.content"].startswith("verdict: loss_not_divided. ")
     assert len(children) == 5 and all(r.info.status == "FINISHED" for r in children)
     assert {r.data.tags["audit.role"] for r in children} == {"start", "accumulated", "true batch"}
+
+
+class Parting:
+    """Runs whose weights agree up to update `u` and differ from it on, and the steps each run was taken to."""
+
+    def __init__(self, u: int):
+        self.u, self.steps = u, []
+
+    def run(self, name: str, b: int, k: int, max_steps: int, lr=None) -> Run:
+        self.steps.append(max_steps)
+        parted = name == "accumulated" and max_steps >= self.u
+        return Run(name, b, k, max_steps, 0.1, {"w": torch.tensor([max_steps + 1.0 + parted])})
+
+
+@pytest.mark.parametrize("n", [2, 3, 8, 13])
+def test_the_first_update_where_runs_part_is_found_anywhere_and_the_last_with_one_pair(n):
+    for u in range(2, n + 1):
+        auditor = Parting(u)
+        assert first_parting(auditor, 8, 4, n, 1e-10) == u, u
+        assert max(auditor.steps, default=1) < n  # runs of n steps are the epoch's, made already
+    last = Parting(n)
+    first_parting(last, 8, 4, n, 1e-10)
+    assert last.steps == ([n - 1, n - 1] if n > 2 else [])
 
 
 @pytest.mark.parametrize("body, expected", [
