@@ -19,6 +19,8 @@ from markupsafe import Markup
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from sweeps import commands
+
 from . import branching
 from .figures import Figure, all_figures, protocol
 from .findings import summarize
@@ -247,7 +249,7 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
         _table(study.trials).to_csv(csv, index=False)
         written.append(csv)
     names = [s.name for s in studies]
-    reproduce = "python analysis/report.py " + (f"--compare {' '.join(map(shlex.quote, names))}" if len(names) > 1
+    reproduce = f"{commands.command('report')} " + (f"--compare {' '.join(map(shlex.quote, names))}" if len(names) > 1
                                                  else f"--study {shlex.quote(names[0])}")
     health = []
     for study in studies:

@@ -10,6 +10,8 @@ from mlflow import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from scipy import stats
 
+from sweeps import commands
+
 # Run-level tags worth a column; the rest stay in MLflow.
 TAGS = ("state", "reason", "device_name", "memory_source", "torch_version", "optuna.trial_number", "health",
         "health_epoch", "warnings", "batchsweep.model", "batchsweep.program")
@@ -68,7 +70,7 @@ def load_study(name: str, tracking_uri: str, shown_uri: str | None = None) -> St
         raise AnalysisError(f"cannot read the MLflow store {shown_uri} ({type(exc).__name__}): check "
                             f"--tracking-uri, or move a damaged store aside") from None
     if experiment is None:
-        raise AnalysisError(f"no study {name!r} in {shown_uri}: run `python sweeps/run.py --study {name}` first, "
+        raise AnalysisError(f"no study {name!r} in {shown_uri}: run `{commands.command('run')} --study {name}` first, "
                             f"or pass the --tracking-uri it used")
     runs, token = [], None
     while True:

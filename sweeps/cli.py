@@ -8,6 +8,7 @@ from pathlib import Path
 
 from trainers import FIELDS, BatchsweepError, ConfigError, TrainConfig, format_bytes, parse_overrides, parse_value
 
+from .commands import command
 from .driver import run_invocation, write_report
 from .placement import visible_gpus
 from .studies import LAUNCHERS, check_name, check_size
@@ -192,7 +193,7 @@ def memory_plan(args: argparse.Namespace) -> int:
         print(f"note: kept below b = {fitted.ceiling}, the smallest that ran out of memory in a run of the store")
     if answer.note:
         print(f"note: {answer.note}")
-    print(f"run it: python trainers/train.py --model {config.model} --dataset {config.dataset} "
+    print(f"run it: {command('train')} --model {config.model} --dataset {config.dataset} "
           f"--physical-batch {answer.physical_batch} --accum-steps {answer.accum_steps}")
     return 0
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 # name: (module whose main() takes the rest of the command line, arguments put first, what it does)
@@ -12,6 +13,16 @@ COMMANDS = {
     "train": ("trainers.cli", [], "train one configuration (python trainers/train.py)"),
     "audit": ("sweeps.audit", [], "name the accumulation mistake of your own training script"),
 }
+
+SCRIPTS = {"run": "sweeps/run.py", "report": "analysis/report.py", "train": "trainers/train.py"}
+# Set by the installed command for itself and the processes it starts (the report a study writes at its end).
+INVOKED = "BATCHSWEEP_COMMAND"
+
+
+def command(name: str) -> str:
+    """A command as a hint names it: `batchsweep report` where the user started `batchsweep`, which runs from any
+    folder, else the script (`python analysis/report.py`), which runs from batchsweep's own folder."""
+    return f"batchsweep {name}" if os.environ.get(INVOKED) == "batchsweep" else f"python {SCRIPTS[name]}"
 
 
 def usage() -> str:
@@ -63,4 +74,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command {argv[0]!r}: use one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module, first, _ = COMMANDS[argv[0]]
+    os.environ[INVOKED] = "batchsweep"
     return importlib.import_module(module).main(first + argv[1:])

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from trainers import BatchsweepError, interrupt, make_writable_folder
 
+from .commands import command
 from .outcomes import OUTCOMES, outcome_of
 from .studies import describe
 from .tables import results_table
@@ -152,7 +153,7 @@ def write_report(inv) -> int:
     done = subprocess.run([sys.executable, str(script), "--study", inv.study_name],
                           env={**os.environ, "MLFLOW_TRACKING_URI": inv.tracking_uri})
     if done.returncode:
-        print(f"warning: the report failed; the study's runs are complete. Retry with: python analysis/report.py "
+        print(f"warning: the report failed; the study's runs are complete. Retry with: {command('report')} "
               f"--study {inv.study_name} --tracking-uri {redact(inv.tracking_uri)}", file=sys.stderr)
     return done.returncode
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from trainers import FIELDS, MAX_COUNT, ConfigError, import_object
 
+from .commands import command
 from .objective import OBJECTIVES
 from .program import PLACEHOLDER, Program, fill
 from .search import PRUNERS, SAMPLERS
@@ -279,7 +280,7 @@ def _field_value(key: str, field: str, value: Any, fail) -> Any:
     if field not in FIELDS:
         close = [f for f in FIELDS if f.startswith(field[:4])]
         raise fail(key, f"{field!r} is not a trainer field" + (f" (did you mean {close[0]}?)" if close else "")
-                   + ": see `python trainers/train.py --help`")
+                   + f": see `{command('train')} --help`")
     kind = type(FIELDS[field].default)
     if kind is float and type(value) is int:
         value = float(value)

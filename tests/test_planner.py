@@ -40,6 +40,8 @@ def test_plan_from_a_batch_memory_study(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "from the batch_memory study" in proc.stdout and "(4 runs)" in proc.stdout
     assert "plan: physical batch" in proc.stdout and "= 512" in proc.stdout
+    assert "\nrun it: python trainers/train.py --model mlp --dataset tests.factories:blobs1k --physical-batch" \
+        in proc.stdout  # as the user started it: the script
     bad = sweep(tmp_path, "--plan", "--target-batch", "512", "--memory-budget", "lots")
     assert bad.returncode == 2 and bad.stderr.strip() == \
         "error: memory budget 'lots' is not a size: write e.g. 6GiB, 512MiB or 2e9"

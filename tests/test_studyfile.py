@@ -7,6 +7,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+from mlflow import MlflowClient
 
 from analysis.runs import load_study
 from analysis.space import objectives_front
@@ -371,6 +372,20 @@ def test_the_installed_command_runs_from_any_folder(tmp_path):
     assert wrong.returncode == 2 and wrong.stderr.strip() == "error: unknown command 'sweep': use one of run, plan, " \
                                                              "report, train, audit"
     assert list(tmp_path.iterdir()) == []  # a dry run writes nothing
+    # A hint names a command as the user started it: `batchsweep ...` runs here, `python sweeps/...` would not.
+    (tmp_path / "work").mkdir()
+    plan = subprocess.run(command + ["plan", "--target-batch", "64", "--memory-budget", "1GiB", "--model", "mlp"],
+                          capture_output=True, text=True, cwd=tmp_path / "work")
+    hint = plan.stdout.strip().splitlines()[-1]
+    assert plan.returncode == 0 and hint.startswith("run it: batchsweep train --model mlp "), plan.stdout + plan.stderr
+    train = subprocess.run(command + hint.split()[3:] + ["--epochs", "1"], capture_output=True, text=True,
+                           cwd=tmp_path / "work")
+    assert train.returncode == 0, train.stderr[-2000:]
+    (tmp_path / "work/mlruns").mkdir()
+    MlflowClient(f"sqlite:///{tmp_path}/work/mlruns/mlflow.db").search_experiments()  # a store without the study
+    report = subprocess.run(command + ["report", "--study", "nope"], capture_output=True, text=True,
+                            cwd=tmp_path / "work")
+    assert report.returncode == 2 and "run `batchsweep run --study nope` first" in report.stderr, report.stderr
 
 
 def test_objective_values_and_pruners_follow_the_file():
