@@ -31,30 +31,36 @@ from .urls import check_tracking_uri, scrub
 # Relative weight difference that counts as equal: what summing in another order costs in each dtype.
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked")  # BatchNorm's, not weights
-# name: (whether the script is right, what it means and what to do)
+REUSED = ("accumulated", "true batch")  # the runs made once, whichever step of the audit asks for them again
+# name: (exit status: 0 right, 1 a mistake, 2 cannot be audited; what it means and what to do)
 VERDICTS = {
-    "exact": (True, "(b, k) equals (b*k, 1) within the tolerance of {dtype}: the accumulation is exact."),
-    "zero_grad_per_micro_batch": (False, "zero_grad() runs inside the micro-batch loop, so only the last micro-batch "
-                                         "of each window reaches the step: zero the gradients once per window, "
-                                         "after step()."),
-    "loss_not_divided": (False, "each window's update is k times the true batch's: the micro-batch losses are added "
-                                "up undivided. Divide each micro-batch's summed loss by the window's number of items "
-                                "(or its mean loss by k). With Adam this mistake is nearly invisible, since Adam "
-                                "divides the scale away (all but its eps and weight decay): audit with SGD to see it."),
-    "short_window_divided_by_k": (False, "full windows agree, but the short last window of an epoch is scaled by (its "
-                                         "micro-batches)/k: it is divided by k instead of by its own count. Divide "
-                                         "by the number of items in each window (Lightning #19987)."),
-    "mean_of_micro_batch_means": (False, "windows whose micro-batches hold different numbers of counted items (tokens "
-                                         "with padding) differ: the loss is a mean of micro-batch means. Sum the "
-                                         "per-item losses and divide by the window's total count of items."),
-    "step_per_micro_batch": (False, "the optimizer steps once per micro-batch ({steps_a} steps an epoch against "
-                                    "{steps_t}): step() and zero_grad() belong after the last micro-batch of a "
-                                    "window."),
-    "batchnorm": (True, "the model has BatchNorm, and the first step differs: (b, k) normalizes each micro-batch "
-                        "of b, which (b*k, 1) cannot equal, and updates its running statistics k times a step. "
-                        "Compare against a ghost-batch twin (BatchNorm over chunks of b), or use GroupNorm or "
-                        "LayerNorm where the two must agree."),
-    "unexplained": (False, "the runs differ, and the difference matches none of the known mistakes: see the figures."),
+    "exact": (0, "(b, k) equals (b*k, 1) within the tolerance of {dtype}: the accumulation is exact."),
+    "zero_grad_per_micro_batch": (1, "zero_grad() runs inside the micro-batch loop, so only the last micro-batch "
+                                     "of each window reaches the step: zero the gradients once per window, "
+                                     "after step()."),
+    "loss_not_divided": (1, "each window's update is k times the true batch's: the micro-batch losses are added "
+                            "up undivided. Divide each micro-batch's summed loss by the window's number of items "
+                            "(or its mean loss by k). With Adam this mistake is nearly invisible, since Adam "
+                            "divides the scale away (all but its eps and weight decay): audit with SGD to see it."),
+    "short_window_divided_by_k": (1, "full windows agree, but the short last window of an epoch is scaled by (its "
+                                     "micro-batches)/k: it is divided by k instead of by its own count. Divide "
+                                     "by the number of items in each window (Lightning #19987)."),
+    "mean_of_micro_batch_means": (1, "windows whose micro-batches hold different numbers of counted items (tokens "
+                                     "with padding) differ: the loss is a mean of micro-batch means. Sum the "
+                                     "per-item losses and divide by the window's total count of items."),
+    "step_per_micro_batch": (1, "the optimizer steps once per micro-batch ({steps_a} steps an epoch against "
+                                "{steps_t}): step() and zero_grad() belong after the last micro-batch of a "
+                                "window."),
+    "batchnorm": (0, "the model has BatchNorm, and the first step differs: (b, k) normalizes each micro-batch "
+                     "of b, which (b*k, 1) cannot equal, and updates its running statistics k times a step. "
+                     "Compare against a ghost-batch twin (BatchNorm over chunks of b), or use GroupNorm or "
+                     "LayerNorm where the two must agree."),
+    "unexplained": (1, "the runs differ, and the difference matches none of the known mistakes: see the figures."),
+    "not_reproducible": (2, "two runs of (b*k, 1) with the same values differ by {repeat:.3g}: the script is not "
+                            "deterministic (an unseeded shuffle or augmentation, randomness drawn from an unseeded "
+                            "generator, nondeterministic GPU kernels), so no difference between (b, k) and (b*k, 1) "
+                            "can be told from it. Seed everything from {{seed}} (or call "
+                            "torch.use_deterministic_algorithms(True)) and audit again."),
 }
 
 
@@ -85,8 +91,9 @@ class Auditor:
         self.runs: list[Run] = []
 
     def run(self, name: str, b: int, k: int, max_steps: int, lr: float | None = None) -> Run:
-        """The script at (b, k) for `max_steps` steps (0: an epoch); a run made already is not made again."""
-        done = next((r for r in self.runs if (r.b, r.k) == (b, k) and lr is None and r.name != "start" and
+        """The script at (b, k) for `max_steps` steps (0: an epoch); an accumulated or true-batch run made
+        already is not made again (a "start" run has its own LR, a "repeat" run is made again on purpose)."""
+        done = next((r for r in self.runs if name == r.name and name in REUSED and (r.b, r.k) == (b, k) and
                      (r.max_steps == max_steps or r.max_steps == 0 and len(r.losses) == max_steps)), None)
         if done:
             return done
@@ -175,8 +182,11 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
     dtype, tol = tolerance(t1.state)
     compared = [("after step 1", rel(a1, t1))]
     figures = {"dtype": dtype, "tolerance": tol}
-    if compared[0][1] > tol and any(key.endswith(BUFFERS) for key in t1.state):  # BatchNorm's statistics
-        return Finding("batchnorm", figures, compared)
+    if compared[0][1] > tol:
+        if not repeats(auditor, t1, tol, figures, compared):
+            return Finding("not_reproducible", figures, compared)
+        if any(key.endswith(BUFFERS) for key in t1.state):  # BatchNorm's statistics
+            return Finding("batchnorm", figures, compared)
     ea, et = auditor.run("accumulated", b, k, steps), auditor.run("true batch", B, 1, steps)
     compared.append((f"after {len(et.losses)} steps", rel(ea, et)))
     figures.update(steps_accumulated=len(ea.losses), steps_true_batch=len(et.losses))
@@ -192,9 +202,21 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
         a, t = auditor.run("accumulated", b, k, u), auditor.run("true batch", B, 1, u)
         if u < len(et.losses):  # the last update's runs are the epoch's, compared already
             compared.append((f"after step {u}", rel(a, t)))
+        if not repeats(auditor, t, tol, figures, compared):
+            return Finding("not_reproducible", figures, compared)
     ratio, cos = update(base, a, t)
     figures.update(first_differing_update=u, update_ratio=ratio, update_cosine=cos)
     return Finding(classify(ratio, cos, k, last=u == len(et.losses)), figures, compared)
+
+
+def repeats(auditor: Auditor, t: Run, tol: float, figures: dict[str, Any], compared: list) -> bool:
+    """Whether a second run of the true batch `t` gives its weights again (recorded in the comparisons): a script
+    that differs from itself would pass any difference off as a mistake (an unseeded shuffle reads almost as
+    zero_grad: r 0.78)."""
+    again = rel(auditor.run("repeat", t.b, t.k, t.max_steps), t)
+    figures["repeat_rel_diff"] = again
+    compared.append((f"between two true-batch runs of {len(t.losses)} steps", again))
+    return again <= tol
 
 
 def first_parting(auditor: Auditor, b: int, k: int, n: int, tol: float) -> int:
@@ -220,10 +242,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="batchsweep audit", description="Run your training script (the [program] of "
                                 "a study file) at (b, k) and at (b*k, 1) from the same start, and name the "
                                 "accumulation mistake that separates them. Exit status: 0 exact or batchnorm, 1 a "
-                                "mistake, 2 bad input.", epilog="The script passes {max_steps} and {epochs} on, "
-                                "prints a {\"step\": s, \"loss\": l} row per optimizer step and ends with "
-                                "torch.save(model.state_dict(), os.environ[\"BATCHSWEEP_STATE\"]) "
-                                "(docs/audit.md).")
+                                "mistake, 2 bad input or a script that differs from itself.",
+                                epilog="The script passes {max_steps} and {epochs} on, prints a {\"step\": s, "
+                                "\"loss\": l} row per optimizer step and ends with "
+                                "torch.save(model.state_dict(), os.environ[\"BATCHSWEEP_STATE\"]) (docs/audit.md).")
     p.add_argument("--study", required=True, help="a study file with a [program]")
     p.add_argument("--physical-batch", type=int, required=True, help="b: the micro-batch")
     p.add_argument("--accum-steps", type=int, required=True, help="k: micro-batches per step (at least 2)")
@@ -280,8 +302,9 @@ def _main(args: argparse.Namespace) -> int:
             auditor.tracker.end_open_runs("FAILED")
             raise
     f = finding.figures
-    right, text = VERDICTS[finding.verdict]
-    sentence = text.format(dtype=f["dtype"], steps_a=f.get("steps_accumulated"), steps_t=f.get("steps_true_batch"))
+    status, text = VERDICTS[finding.verdict]
+    sentence = text.format(dtype=f["dtype"], steps_a=f.get("steps_accumulated"), steps_t=f.get("steps_true_batch"),
+                           repeat=f.get("repeat_rel_diff"))
     print(format_table(["run", "b", "k", "max steps", "steps run"],
                        [[r.name, str(r.b), str(r.k), str(r.max_steps) if r.max_steps else "epoch",
                          str(len(r.losses))] for r in auditor.runs]))
@@ -301,4 +324,4 @@ def _main(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"verdict": finding.verdict, "sentence": sentence, **f,
                                                "compared": dict(finding.compared)}, indent=2) + "\n")
-    return 0 if right else 1
+    return status

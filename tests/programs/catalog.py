@@ -2,7 +2,7 @@
 what `batchsweep audit` must name. A plain PyTorch loop, as people write them.
 
     python catalog.py --batch-size 8 --accum 4 --lr 0.1 --seed 0 --epochs 1 --max-steps 0 \\
-        [--mistake none|zero_grad|not_divided|short_window|mean_of_means|step_per_micro|batchnorm] \\
+        [--mistake none|zero_grad|not_divided|short_window|mean_of_means|step_per_micro|batchnorm|unseeded] \\
         [--loss sample|token] [--dtype float64|float32] [--optimizer sgd|adam]
 
 It prints {"step": s, "loss": l} per optimizer step and saves model.state_dict() to $BATCHSWEEP_STATE at the
@@ -85,7 +85,12 @@ def main() -> int:
     opt = SGD(model.parameters(), args.lr) if args.optimizer == "sgd" else torch.optim.Adam(model.parameters(), args.lr)
     b, k, step = args.batch_size, args.accum, 0
     for epoch in range(args.epochs):
-        order = torch.randperm(N, generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
+        shuffle = torch.Generator()
+        if args.mistake == "unseeded":
+            shuffle.seed()  # the mistake: an order that differs from run to run
+        else:
+            shuffle.manual_seed(args.seed * 1000 + epoch)
+        order = torch.randperm(N, generator=shuffle)
         for start in range(0, N, b * k):
             window = order[start:start + b * k]
             micro = window.split(b)
