@@ -5,7 +5,7 @@ angle of single updates, where in an epoch the runs part, the step counts and th
     batchsweep audit --study study.toml --physical-batch 8 --accum-steps 4 [--steps N] [--json PATH]
 
 The study file's [program] is the script; it must pass {max_steps} (and {epochs}) on, print a {"step": s,
-"loss": l} row per optimizer step, and save its weights at the end:
+"loss": l} row per optimizer step (with "lr" where there is a schedule), and save its weights at the end:
 torch.save(model.state_dict(), os.environ["BATCHSWEEP_STATE"]).
 """
 from __future__ import annotations
@@ -40,8 +40,10 @@ VERDICTS = {
                                      "after step()."),
     "loss_not_divided": (1, "each window's update is k times the true batch's: the micro-batch losses are added "
                             "up undivided. Divide each micro-batch's summed loss by the window's number of items "
-                            "(or its mean loss by k). With Adam this mistake is nearly invisible, since Adam "
-                            "divides the scale away (all but its eps and weight decay): audit with SGD to see it."),
+                            "(or its mean loss by k). (A script that multiplies its LR by k reads the same: print "
+                            "\"lr\" in each row and the audit tells them apart.) With Adam this mistake is nearly "
+                            "invisible, since Adam divides the scale away (all but its eps and weight decay): audit "
+                            "with SGD to see it."),
     "short_window_divided_by_k": (1, "full windows agree, but the short last window of an epoch is scaled by (its "
                                      "micro-batches)/k: it is divided by k instead of by its own count. Divide "
                                      "by the number of items in each window (Lightning #19987)."),
@@ -55,6 +57,17 @@ VERDICTS = {
                      "of b, which (b*k, 1) cannot equal, and updates its running statistics k times a step. "
                      "Compare against a ghost-batch twin (BatchNorm over chunks of b), or use GroupNorm or "
                      "LayerNorm where the two must agree."),
+    "schedule_per_micro_batch": (1, "the learning-rate schedule advances once per micro-batch, k times too fast: "
+                                    "at step {lr_step} the accumulated run's LR is {lr_a:.4g} against the true "
+                                    "batch's {lr_t:.4g}. Step the scheduler once per window, after "
+                                    "optimizer.step()."),
+    "lr_differs": (1, "the script sets another learning rate at (b, k) than at (b*k, 1), {lr_a:.4g} against "
+                      "{lr_t:.4g} from step {lr_step} on: it scales the LR it is given by k or b itself. Use the LR it "
+                      "is given (a study's lr_rule scales it), and the audit compares like with like."),
+    "update_scaled": (1, "the accumulated update has exactly the true batch's direction but {ratio:.4g} times its "
+                         "length: the learning rate differs (a schedule stepped per micro-batch? print \"lr\" in "
+                         "each row and the audit tells) or the loss is divided by another number than the "
+                         "window's count of items."),
     "unexplained": (1, "the runs differ, and the difference matches none of the known mistakes: see the figures."),
     "not_reproducible": (2, "two runs of (b*k, 1) with the same values differ by {repeat:.3g}: the script is not "
                             "deterministic (an unseeded shuffle or augmentation, randomness drawn from an unseeded "
@@ -79,6 +92,13 @@ class Run:
     lr: float
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     losses: list[float] = field(default_factory=list)  # its {"step", "loss"} rows, in order
+    lrs: list[float] = field(default_factory=list)  # their "lr", where the script prints it
+
+    def read(self, row: dict[str, float]) -> None:
+        if "loss" in row:
+            self.losses.append(row["loss"])
+            if "lr" in row:
+                self.lrs.append(row["lr"])
 
 
 class Auditor:
@@ -111,7 +131,7 @@ class Auditor:
         output = program.Output()
         try:
             ended = program.run(self.study.program.argv(values), env, self.study.program.cwd, None, output,
-                                lambda row: record.losses.append(row["loss"]) if "loss" in row else None)
+                                record.read)
         finally:
             self.tracker.client.log_text(run_id, scrub(output.text(), self.tracker.uri), "log.txt")
         if ended.code != 0:
@@ -154,6 +174,8 @@ def classify(ratio: float, cos: float, k: int, last: bool) -> str:
         return "loss_not_divided"
     if last and cos > 0.99 and ratio < 0.98 and 1 <= round(ratio * k) < k and abs(ratio * k - round(ratio * k)) < 0.1:
         return "short_window_divided_by_k"
+    if cos > 1 - 1e-6:  # the same gradient, scaled: a mean of means would also turn it
+        return "update_scaled"
     if cos > 0.98 and 0.5 < ratio < 2:
         return "mean_of_micro_batch_means"
     if ratio < 0.75 and cos < 0.999:
@@ -194,6 +216,11 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
         return Finding("exact", figures, compared)
     if len(ea.losses) >= 1.5 * len(et.losses):
         return Finding("step_per_micro_batch", figures, compared)
+    lr_step = lr_parting(ea, et)
+    if lr_step:  # a constant factor is the script's own scaling; one that changes, a schedule out of step
+        figures.update(lr_step=lr_step, lr_a=ea.lrs[lr_step - 1], lr_t=et.lrs[lr_step - 1])
+        factors = {round(x / y, 9) for x, y in zip(ea.lrs, et.lrs) if y}
+        return Finding("lr_differs" if len(factors) == 1 else "schedule_per_micro_batch", figures, compared)
     u, a, t = 1, a1, t1
     base = auditor.run("start", B, 1, 1, lr=0.0) if compared[0][1] > tol else None  # the weights it starts from
     if base is None:  # the first update agrees: find the first that does not
@@ -207,6 +234,14 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
     ratio, cos = update(base, a, t)
     figures.update(first_differing_update=u, update_ratio=ratio, update_cosine=cos)
     return Finding(classify(ratio, cos, k, last=u == len(et.losses)), figures, compared)
+
+
+def lr_parting(a: Run, t: Run) -> int | None:
+    """The first step at which the LRs that both runs printed differ; None where they agree or were not printed."""
+    if not a.lrs or len(a.lrs) != len(a.losses) or len(t.lrs) != len(t.losses):
+        return None
+    return next((step for step, (x, y) in enumerate(zip(a.lrs, t.lrs), 1)
+                 if abs(x - y) > 1e-9 * max(abs(x), abs(y))), None)
 
 
 def repeats(auditor: Auditor, t: Run, tol: float, figures: dict[str, Any], compared: list) -> bool:
@@ -304,7 +339,8 @@ def _main(args: argparse.Namespace) -> int:
     f = finding.figures
     status, text = VERDICTS[finding.verdict]
     sentence = text.format(dtype=f["dtype"], steps_a=f.get("steps_accumulated"), steps_t=f.get("steps_true_batch"),
-                           repeat=f.get("repeat_rel_diff"))
+                           repeat=f.get("repeat_rel_diff"), lr_step=f.get("lr_step"), lr_a=f.get("lr_a"),
+                           lr_t=f.get("lr_t"), ratio=f.get("update_ratio"))
     print(format_table(["run", "b", "k", "max steps", "steps run"],
                        [[r.name, str(r.b), str(r.k), str(r.max_steps) if r.max_steps else "epoch",
                          str(len(r.losses))] for r in auditor.runs]))

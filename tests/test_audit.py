@@ -21,6 +21,7 @@ EXPECTED = {
     ("mean_of_means", "sample"): "exact", ("mean_of_means", "token"): "mean_of_micro_batch_means",
     ("step_per_micro", "sample"): "step_per_micro_batch", ("step_per_micro", "token"): "step_per_micro_batch",
     ("batchnorm", "sample"): "batchnorm", ("unseeded", "sample"): "not_reproducible",
+    ("schedule_per_micro", "sample"): "schedule_per_micro_batch", ("lr_times_k", "sample"): "lr_differs",
 }
 # float32's looser tolerance matters where the verdict rests on a small difference, or on none; the gross
 # mistakes (the last micro-batch's gradient alone, an update k times too large, k updates, BatchNorm's
@@ -34,13 +35,13 @@ def store(tmp_path_factory):
     return f"sqlite:///{tmp_path_factory.mktemp('audit')}/mlflow.db"
 
 
-def study(folder, mistake: str, loss: str, floats: str):
+def study(folder, mistake: str, loss: str, floats: str, print_lr: str = "yes"):
     path = folder / "catalog.toml"
     path.write_text(f'''name = "catalog"
 [program]
 command = ["{{python}}", "{CATALOG}", "--batch-size", "{{physical_batch}}", "--accum", "{{accum_steps}}",
            "--lr", "{{lr}}", "--seed", "{{seed}}", "--epochs", "{{epochs}}", "--max-steps", "{{max_steps}}",
-           "--mistake", "{{mistake}}", "--loss", "{{per}}", "--dtype", "{{floats}}"]
+           "--mistake", "{{mistake}}", "--loss", "{{per}}", "--dtype", "{{floats}}", "--print-lr", "{print_lr}"]
 [fixed]
 base_lr = 0.1
 mistake = "{mistake}"
@@ -63,11 +64,23 @@ def test_the_audit_names_each_mistake_of_the_catalog(tmp_path, store, capsys, mi
     assert found["tolerance"] == {"float64": 1e-10, "float32": 1e-5}[floats]
     if verdict == "loss_not_divided":
         assert found["update_ratio"] == pytest.approx(4, rel=0.01)  # k
+    if verdict == "schedule_per_micro_batch":  # ExponentialLR(0.9) stepped before the step, per micro-batch
+        assert found["lr_step"] == 1 and found["lr_a"] == pytest.approx(0.1 * 0.9 ** 4)
+        assert found["lr_t"] == pytest.approx(0.1 * 0.9)
     if verdict == "short_window_divided_by_k":
-        assert found["first_differing_update"] == 8 and found["update_ratio"] == pytest.approx(2 / 4)
+        assert found["first_differing_update"] == 8 and found["update_ratio"] == pytest.approx(2 / 4, rel=1e-5)
     # A difference is named only once the true batch has given the same weights twice.
     assert ("repeat_rel_diff" in found) == (verdict != "exact")
     assert (found.get("repeat_rel_diff", 0) > found["tolerance"]) == (verdict == "not_reproducible")
+
+
+def test_without_lr_rows_a_schedule_per_micro_batch_is_a_scaled_update(tmp_path, store, capsys):
+    """The same gradient, 0.9 ** 3 as long (cosine 1 to rounding): a scale, not a mean of micro-batch means."""
+    code = main(["--study", str(study(tmp_path, "schedule_per_micro", "sample", "float64", print_lr="no")),
+                 "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store])
+    out = capsys.readouterr().out
+    assert code == 1 and "verdict: update_scaled\n" in out, out
+    assert "exactly the true batch's direction but 0.729 times its length" in out
 
 
 def test_every_run_of_an_audit_is_a_nested_mlflow_run_and_the_verdict_a_tag(tmp_path, store, capsys):

@@ -2,11 +2,12 @@
 what `batchsweep audit` must name. A plain PyTorch loop, as people write them.
 
     python catalog.py --batch-size 8 --accum 4 --lr 0.1 --seed 0 --epochs 1 --max-steps 0 \\
-        [--mistake none|zero_grad|not_divided|short_window|mean_of_means|step_per_micro|batchnorm|unseeded] \\
-        [--loss sample|token] [--dtype float64|float32] [--optimizer sgd|adam]
+        [--mistake none|zero_grad|not_divided|short_window|mean_of_means|step_per_micro|batchnorm|unseeded|
+                   schedule_per_micro|lr_times_k] \\
+        [--loss sample|token] [--dtype float64|float32] [--optimizer sgd|adam] [--print-lr yes|no]
 
-It prints {"step": s, "loss": l} per optimizer step and saves model.state_dict() to $BATCHSWEEP_STATE at the
-end. The training set (240 samples) is 7 windows of 32 and a short one of 16: at b = 8, k = 4 the last window
+It prints {"step": s, "loss": l, "lr": the step's LR} per optimizer step and saves model.state_dict() to
+$BATCHSWEEP_STATE at the end. With SGD the LR decays by 0.9 a step. The training set (240 samples) is 7 windows of 32 and a short one of 16: at b = 8, k = 4 the last window
 holds 2 micro-batches.
 """
 import argparse
@@ -48,10 +49,14 @@ def loss_sum(model, x, y, tokens: bool):
 
 
 class SGD:
-    """Plain SGD, as torch.optim.SGD steps (whose first step imports torch._dynamo: 1.5 s of each short run)."""
+    """Plain SGD, as torch.optim.SGD steps (whose first step imports torch._dynamo: 1.5 s of each short run), with
+    an exponential decay of its LR, as ExponentialLR(gamma=0.9) schedules it."""
 
     def __init__(self, params, lr: float):
         self.params, self.lr = list(params), lr
+
+    def schedule(self) -> None:
+        self.lr *= 0.9
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -61,6 +66,10 @@ class SGD:
     def step(self) -> None:
         for p in self.params:
             p -= self.lr * p.grad
+
+
+def row(step: int, loss: float, lr: float, args) -> dict:
+    return {"step": step, "loss": loss, **({"lr": lr} if args.print_lr == "yes" else {})}
 
 
 def main() -> int:
@@ -75,6 +84,7 @@ def main() -> int:
     p.add_argument("--loss", default="sample", choices=["sample", "token"])
     p.add_argument("--dtype", default="float64")
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
+    p.add_argument("--print-lr", default="yes", choices=["yes", "no"])
     args = p.parse_args()
     args.tokens = args.loss == "token"
     torch.set_default_dtype(getattr(torch, args.dtype))
@@ -82,7 +92,9 @@ def main() -> int:
     x, y = data(1234, args.tokens)
     torch.manual_seed(args.seed)
     model = model_for(args.tokens, args.mistake == "batchnorm")
-    opt = SGD(model.parameters(), args.lr) if args.optimizer == "sgd" else torch.optim.Adam(model.parameters(), args.lr)
+    lr = args.lr * args.accum if args.mistake == "lr_times_k" else args.lr  # the mistake: the script scales it
+    opt = SGD(model.parameters(), lr) if args.optimizer == "sgd" else torch.optim.Adam(model.parameters(), lr)
+    schedule = opt.schedule if args.optimizer == "sgd" else lambda: None
     b, k, step = args.batch_size, args.accum, 0
     for epoch in range(args.epochs):
         shuffle = torch.Generator()
@@ -111,18 +123,25 @@ def main() -> int:
                     loss = s / total  # the window's sum over the window's count: the true batch's mean
                 loss.backward()
                 shown += loss.item()
+                if args.mistake == "schedule_per_micro":
+                    schedule()  # the mistake: the schedule advances k times a window
                 if args.mistake == "step_per_micro":
+                    lr = getattr(opt, "lr", args.lr)
                     opt.step()
                     opt.zero_grad()
+                    schedule()
                     step += 1
-                    print(json.dumps({"step": step, "loss": shown}), flush=True)
+                    print(json.dumps(row(step, shown, lr, args)), flush=True)
                     shown = 0.0
                     if step == args.max_steps:
                         break
             if args.mistake != "step_per_micro":
+                lr = getattr(opt, "lr", args.lr)
                 opt.step()
+                if args.mistake != "schedule_per_micro":
+                    schedule()
                 step += 1
-                print(json.dumps({"step": step, "loss": shown}), flush=True)
+                print(json.dumps(row(step, shown, lr, args)), flush=True)
             if step == args.max_steps:
                 break
         if step == args.max_steps:
