@@ -1,6 +1,6 @@
 """transformers' own accumulation, as `batchsweep audit` checks it (docs/audit.md): a small GPT-2 built from a
 config (random weights, no download, no dropout) trained by Trainer(gradient_accumulation_steps=k) in float64
-with plain SGD and a constant learning rate, on sequences of 4 to 16 tokens padded per batch (labels -100 on the
+with plain SGD and its default linear decay of the learning rate, on sequences of 4 to 16 tokens padded per batch (labels -100 on the
 padding), so that micro-batches hold different numbers of tokens.
 
     batchsweep audit --study examples/audit/hf.toml --physical-batch 4 --accum-steps 4
@@ -38,11 +38,12 @@ def collate(rows: list[dict]) -> dict:
 
 
 class LossRows(TrainerCallback):
-    """One {"step", "loss"} row per optimizer step: the loss the Trainer logs."""
+    """One {"step", "loss", "lr"} row per optimizer step: the loss and learning rate the Trainer logs."""
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
-            print(json.dumps({"step": state.global_step, "loss": logs["loss"]}), flush=True)
+            print(json.dumps({"step": state.global_step, "loss": logs["loss"], "lr": logs["learning_rate"]}),
+                  flush=True)
 
 
 def main() -> None:
@@ -61,7 +62,7 @@ def main() -> None:
     training = TrainingArguments(
         output_dir=os.path.join(tempfile.gettempdir(), "hf-audit-subject"), per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.accum, learning_rate=args.lr, num_train_epochs=args.epochs,
-        max_steps=args.max_steps or -1, seed=args.seed, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
+        max_steps=args.max_steps or -1, seed=args.seed, optim="sgd", lr_scheduler_type="linear", weight_decay=0.0,
         max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True)
     trainer = Trainer(model=model, args=training, train_dataset=sequences(200), data_collator=collate,
                       callbacks=[LossRows()])
