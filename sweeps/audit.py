@@ -50,9 +50,9 @@ VERDICTS = {
     "mean_of_micro_batch_means": (1, "windows whose micro-batches hold different numbers of counted items (tokens "
                                      "with padding) differ: the loss is a mean of micro-batch means. Sum the "
                                      "per-item losses and divide by the window's total count of items."),
-    "step_per_micro_batch": (1, "the optimizer steps once per micro-batch ({steps_a} steps an epoch against "
-                                "{steps_t}): step() and zero_grad() belong after the last micro-batch of a "
-                                "window."),
+    "step_per_micro_batch": (1, "the optimizer steps once per micro-batch ({steps_accumulated} steps an epoch "
+                                "against {steps_true_batch}): step() and zero_grad() belong after the last "
+                                "micro-batch of a window."),
     "batchnorm": (0, "the model has BatchNorm, and the first step differs: (b, k) normalizes each micro-batch "
                      "of b, which (b*k, 1) cannot equal, and updates its running statistics k times a step. "
                      "Compare against a ghost-batch twin (BatchNorm over chunks of b), or use GroupNorm or "
@@ -64,15 +64,15 @@ VERDICTS = {
     "lr_differs": (1, "the script sets another learning rate at (b, k) than at (b*k, 1), {lr_a:.4g} against "
                       "{lr_t:.4g} from step {lr_step} on: it scales the LR it is given by k or b itself. Use the LR it "
                       "is given (a study's lr_rule scales it), and the audit compares like with like."),
-    "update_scaled": (1, "the accumulated update has exactly the true batch's direction but {ratio:.4g} times its "
-                         "length: the learning rate differs (a schedule stepped per micro-batch? print \"lr\" in "
-                         "each row and the audit tells) or the loss is divided by another number than the "
-                         "window's count of items."),
+    "update_scaled": (1, "the accumulated update has exactly the true batch's direction but {update_ratio:.4g} "
+                         "times its length: the learning rate differs (a schedule stepped per micro-batch? print "
+                         "\"lr\" in each row and the audit tells) or the loss is divided by another number than "
+                         "the window's count of items."),
     "unexplained": (1, "the runs differ, and the difference matches none of the known mistakes: see the figures."),
-    "not_reproducible": (2, "two runs of (b*k, 1) with the same values differ by {repeat:.3g}: the script is not "
-                            "deterministic (an unseeded shuffle or augmentation, randomness drawn from an unseeded "
-                            "generator, nondeterministic GPU kernels), so no difference between (b, k) and (b*k, 1) "
-                            "can be told from it. Seed everything from {{seed}} (or call "
+    "not_reproducible": (2, "two runs of (b*k, 1) with the same values differ by {repeat_rel_diff:.3g}: the "
+                            "script is not deterministic (an unseeded shuffle or augmentation, randomness drawn "
+                            "from an unseeded generator, nondeterministic GPU kernels), so no difference between "
+                            "(b, k) and (b*k, 1) can be told from it. Seed everything from {{seed}} (or call "
                             "torch.use_deterministic_algorithms(True)) and audit again."),
 }
 
@@ -279,8 +279,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 "accumulation mistake that separates them. Exit status: 0 exact or batchnorm, 1 a "
                                 "mistake, 2 bad input or a script that differs from itself.",
                                 epilog="The script passes {max_steps} and {epochs} on, prints a {\"step\": s, "
-                                "\"loss\": l} row per optimizer step and ends with "
-                                "torch.save(model.state_dict(), os.environ[\"BATCHSWEEP_STATE\"]) (docs/audit.md).")
+                                "\"loss\": l} row per optimizer step (with \"lr\" where there is a schedule) and "
+                                "ends with torch.save(model.state_dict(), os.environ[\"BATCHSWEEP_STATE\"]) "
+                                "(docs/audit.md).")
     p.add_argument("--study", required=True, help="a study file with a [program]")
     p.add_argument("--physical-batch", type=int, required=True, help="b: the micro-batch")
     p.add_argument("--accum-steps", type=int, required=True, help="k: micro-batches per step (at least 2)")
@@ -338,9 +339,7 @@ def _main(args: argparse.Namespace) -> int:
             raise
     f = finding.figures
     status, text = VERDICTS[finding.verdict]
-    sentence = text.format(dtype=f["dtype"], steps_a=f.get("steps_accumulated"), steps_t=f.get("steps_true_batch"),
-                           repeat=f.get("repeat_rel_diff"), lr_step=f.get("lr_step"), lr_a=f.get("lr_a"),
-                           lr_t=f.get("lr_t"), ratio=f.get("update_ratio"))
+    sentence = text.format(**f)
     print(format_table(["run", "b", "k", "max steps", "steps run"],
                        [[r.name, str(r.b), str(r.k), str(r.max_steps) if r.max_steps else "epoch",
                          str(len(r.losses))] for r in auditor.runs]))

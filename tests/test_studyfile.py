@@ -378,9 +378,6 @@ def test_the_installed_command_runs_from_any_folder(tmp_path):
                           capture_output=True, text=True, cwd=tmp_path / "work")
     hint = plan.stdout.strip().splitlines()[-1]
     assert plan.returncode == 0 and hint.startswith("run it: batchsweep train --model mlp "), plan.stdout + plan.stderr
-    train = subprocess.run(command + hint.split()[3:] + ["--epochs", "1"], capture_output=True, text=True,
-                           cwd=tmp_path / "work")
-    assert train.returncode == 0, train.stderr[-2000:]
     (tmp_path / "work/mlruns").mkdir()
     MlflowClient(f"sqlite:///{tmp_path}/work/mlruns/mlflow.db").search_experiments()  # a store without the study
     report = subprocess.run(command + ["report", "--study", "nope"], capture_output=True, text=True,
