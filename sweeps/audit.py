@@ -137,10 +137,15 @@ class Auditor:
         if ended.code != 0:
             self.tracker.end(run_id, "FAILED")
             raise AuditError(f"the {name} run failed: {scrub(program.failure(ended, output), self.tracker.uri)}")
-        if not state.exists():
+        unusable = ("the script saved no weights: end it with torch.save(model.state_dict(), "
+                    "os.environ[\"BATCHSWEEP_STATE\"])" if not state.exists() else
+                    "the script printed no {\"step\": s, \"loss\": l} row: print one per optimizer step"
+                    if not record.losses else
+                    f"the {name} run made {len(record.losses)} optimizer steps where {{max_steps}} was {max_steps}: "
+                    f"stop the script after that many" if max_steps and len(record.losses) > max_steps else None)
+        if unusable:  # what the verdict would rest on is missing or wrong
             self.tracker.end(run_id, "FAILED")
-            raise AuditError("the script saved no weights: end it with torch.save(model.state_dict(), "
-                             "os.environ[\"BATCHSWEEP_STATE\"])")
+            raise AuditError(unusable)
         record.state = torch.load(state, map_location="cpu", weights_only=True)
         self.tracker.finish(run_id, "FINISHED", metrics={"steps": float(len(record.losses))})
         self.runs.append(record)

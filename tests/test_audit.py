@@ -120,6 +120,24 @@ def test_the_first_update_where_runs_part_is_found_anywhere_and_the_last_with_on
     assert last.steps == ([n - 1, n - 1] if n > 2 else [])
 
 
+@pytest.mark.parametrize("rows, expected", [
+    (3, "the accumulated run made 3 optimizer steps where {max_steps} was 1: stop the script after that many"),
+    (0, 'the script printed no {"step": s, "loss": l} row: print one per optimizer step'),
+])
+def test_a_script_that_runs_on_or_prints_no_rows_is_one_line(tmp_path, store, capsys, rows, expected):
+    """The audit's runs stop after {max_steps} and count steps by their rows: without either, no verdict holds."""
+    (tmp_path / "own.py").write_text(f"""import json, os, torch
+for step in range(1, {rows} + 1):  # whatever --max-steps says
+    print(json.dumps({{"step": step, "loss": 1.0}}))
+torch.save({{"w": torch.zeros(1)}}, os.environ["BATCHSWEEP_STATE"])
+""")
+    (tmp_path / "own.toml").write_text('name = "own"\n[program]\ncommand = ["{python}", "own.py", "{max_steps}", '
+                                       '"{epochs}"]\n')
+    assert main(["--study", str(tmp_path / "own.toml"), "--physical-batch", "8", "--accum-steps", "4",
+                 "--tracking-uri", store]) == 2
+    assert capsys.readouterr().err == f"error: {expected}\n"
+
+
 @pytest.mark.parametrize("body, expected", [
     ('[fixed]\nbase_lr = 0.1', "program.command: pass {max_steps} on to the script"),
 ])
