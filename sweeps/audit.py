@@ -57,10 +57,11 @@ VERDICTS = {
                      "of b, which (b*k, 1) cannot equal, and updates its running statistics k times a step. "
                      "Compare against a ghost-batch twin (BatchNorm over chunks of b), or use GroupNorm or "
                      "LayerNorm where the two must agree."),
-    "schedule_per_micro_batch": (1, "the learning-rate schedule advances once per micro-batch, k times too fast: "
-                                    "at step {lr_step} the accumulated run's LR is {lr_a:.4g} against the true "
-                                    "batch's {lr_t:.4g}. Step the scheduler once per window, after "
-                                    "optimizer.step()."),
+    "schedule_per_micro_batch": (1, "the learning-rate schedule does not follow the optimizer steps: at step "
+                                    "{lr_step} the accumulated run's LR is {lr_a:.4g} against the true batch's "
+                                    "{lr_t:.4g}. It counts micro-batches (a scheduler.step() per micro-batch, or a "
+                                    "length of len(loader)): step it once per window, after optimizer.step(), "
+                                    "over a length in windows."),
     "lr_differs": (1, "the script sets another learning rate at (b, k) than at (b*k, 1), {lr_a:.4g} against "
                       "{lr_t:.4g} from step {lr_step} on: it scales the LR it is given by k or b itself. Use the LR it "
                       "is given (a study's lr_rule scales it), and the audit compares like with like."),
