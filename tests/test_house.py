@@ -2,6 +2,7 @@
 command's --help, no function is longer than a screen, and sweeps/ uses the trainer through its surface."""
 import ast
 import re
+import subprocess
 
 from tests.conftest import ROOT
 
@@ -21,6 +22,15 @@ def test_the_readme_is_a_front_door_whose_links_lead_somewhere():
     assert "docs/architecture.md" in named and "docs/figures/accum_lr_accuracy.png" in named
     missing = [path for path in named if not (ROOT / path.rstrip("/")).exists()]
     assert not missing, missing
+
+
+def test_the_repository_tracks_no_store_report_or_data():
+    """A store or a report written while trying a command in a subfolder (examples/audit/mlruns/) is not
+    committed: .gitignore covers every level."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    kept = [p for p in tracked if p != "mlruns/.gitkeep" and
+            re.search(r"(^|/)(mlruns|reports|data|\.cache)/|\.(db|npz|pkl|pt)$", p)]
+    assert not kept, kept
 
 
 def test_no_function_is_longer_than_60_lines():
