@@ -138,19 +138,27 @@ class Auditor:
         if ended.code != 0:
             self.tracker.end(run_id, "FAILED")
             raise AuditError(f"the {name} run failed: {scrub(program.failure(ended, output), self.tracker.uri)}")
-        unusable = ("the script saved no weights: end it with torch.save(model.state_dict(), "
-                    "os.environ[\"BATCHSWEEP_STATE\"])" if not state.exists() else
-                    "the script printed no {\"step\": s, \"loss\": l} row: print one per optimizer step"
-                    if not record.losses else
-                    f"the {name} run made {len(record.losses)} optimizer steps where {{max_steps}} was {max_steps}: "
-                    f"stop the script after that many" if max_steps and len(record.losses) > max_steps else None)
-        if unusable:  # what the verdict would rest on is missing or wrong
+        problem = unusable(record, state)
+        if problem:
             self.tracker.end(run_id, "FAILED")
-            raise AuditError(unusable)
+            raise AuditError(problem)
         record.state = torch.load(state, map_location="cpu", weights_only=True)
         self.tracker.finish(run_id, "FINISHED", metrics={"steps": float(len(record.losses))})
         self.runs.append(record)
         return record
+
+
+def unusable(record: Run, state: Path) -> str | None:
+    """What a run lacks that a verdict would rest on: its weights, its step rows, a stop at max_steps."""
+    if not state.exists():
+        return ("the script saved no weights: end it with torch.save(model.state_dict(), "
+                "os.environ[\"BATCHSWEEP_STATE\"])")
+    if not record.losses:
+        return "the script printed no {\"step\": s, \"loss\": l} row: print one per optimizer step"
+    if record.max_steps and len(record.losses) > record.max_steps:
+        return (f"the {record.name} run made {len(record.losses)} optimizer steps where {{max_steps}} was "
+                f"{record.max_steps}: stop the script after that many")
+    return None
 
 
 def weights(state: dict[str, torch.Tensor]) -> torch.Tensor:
