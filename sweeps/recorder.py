@@ -108,8 +108,8 @@ class TrialRun:
             self.end("oom", self._final(), error=first_line(exc, inv.storage, inv.tracking_uri))
             raise optuna.TrialPruned("out of memory") from None
         except ConfigError as exc:  # e.g. b*k larger than the training set: the point cannot run
-            self.end("invalid", error=str(exc))
-            worker.hooks.say(f"trial {self.trial.number} ({describe(self.point)}): {exc}")
+            self.end("invalid", error=exc.problem)
+            worker.hooks.say(f"trial {self.trial.number} ({describe(self.point)}): {exc.problem}: skipped as invalid")
             raise optuna.TrialPruned(str(exc)) from None
         except Exception as exc:
             if interrupt.pending():  # a Ctrl-C that a library caught and replaced: the run was interrupted

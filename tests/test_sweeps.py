@@ -367,6 +367,8 @@ def test_points_larger_than_the_training_set_are_recorded_and_skipped(tmp_path):
     proc = sweep(tmp_path, *TINY, "--study", "batch_memory")  # 1,024 samples: b = 512 and 1024 at k = 4 cannot run
     assert proc.returncode == 0, proc.stderr
     assert "effective batch 2048 (physical_batch 512 x accum_steps 4) is larger than the training set" in proc.stderr
+    # The grid chose the point: the line says it is skipped, not which command-line flag to lower.
+    assert "training set (1024 samples): skipped as invalid" in proc.stderr and "--physical-batch" not in proc.stderr
     storage, client = stores(tmp_path)
     trials = grid_trials(storage, "batch_memory")
     invalid = sorted(t.user_attrs["config"]["physical_batch"] for t in trials if t.user_attrs.get("reason") == "invalid")

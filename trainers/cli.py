@@ -201,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.epochs_jsonl:  # what kind of error, for a launcher that cannot see this process's exit status
             try:
                 with open(args.epochs_jsonl, "a") as rows:
-                    rows.write(json.dumps({"error": type(exc).__name__, "message": str(exc)}) + "\n")
+                    # The problem without the command-line hint: the launcher chose the flags.
+                    message = getattr(exc, "problem", str(exc))
+                    rows.write(json.dumps({"error": type(exc).__name__, "message": message}) + "\n")
             except OSError:  # the path itself was the bad input: the line above says so
                 pass
         return 2

@@ -6,7 +6,13 @@ class BatchsweepError(Exception):
 
 
 class ConfigError(BatchsweepError, ValueError):
-    """A configuration value that is unknown, malformed or out of range."""
+    """A configuration value that is unknown, malformed or out of range.
+
+    `hint` is what to change on the command line; a sweep, whose points come from a study, says `problem` alone."""
+
+    def __init__(self, problem: str, hint: str = ""):
+        super().__init__(f"{problem}: {hint}" if hint else problem)
+        self.problem = problem
 
 
 class DataError(BatchsweepError):

@@ -126,8 +126,8 @@ def prepare(config: TrainConfig) -> Prepared:
     if config.effective_batch > n:
         ranks = f" x world_size {config.world_size}" if config.world_size > 1 else ""
         raise ConfigError(f"effective batch {config.effective_batch} (physical_batch {config.physical_batch} x "
-                          f"accum_steps {config.accum_steps}{ranks}) is larger than the training set ({n} samples): "
-                          f"lower --physical-batch or --accum-steps")
+                          f"accum_steps {config.accum_steps}{ranks}) is larger than the training set ({n} samples)",
+                          "lower --physical-batch or --accum-steps")
     torch.manual_seed(config.seed)  # same seed, same initial weights, whatever b and k are
     model = build_model(config.model, data.input_shape, data.num_classes, config.norm)
     notes = list(data.notes)
