@@ -111,7 +111,7 @@ def start_on(proc, placement) -> None:
     if placement is None:
         return proc.start()
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = placement.name
+    os.environ["CUDA_VISIBLE_DEVICES"] = placement.gpu.index
     try:
         proc.start()
     finally:

@@ -218,12 +218,11 @@ class Placement:
     peak memory. A [program]'s memory cannot be predicted before its script runs: its trials run alone."""
 
     slot: int  # the worker's slot in the ledger
-    name: str  # its GPU as the machine numbers it
+    gpu: Gpu
     ledger: Ledger
     tracking_uri: str
     program: bool = False
     fits: dict = dataclasses.field(default_factory=dict)  # memory shape -> planner.Fit
-    uuid: str = ""  # its GPU's, for the trial's system metrics
 
     @property
     def capacity(self) -> int:
@@ -273,7 +272,7 @@ class Placement:
         passes on. `tags` receives the trial's placement: its GPU, the bytes held for it, whether it shared the
         GPU, and whether it ran again alone."""
         need, alone = self.need(config, batch)
-        tags.update(gpu=self.name, gpu_memory_held_bytes=need)
+        tags.update(gpu=self.gpu.index, gpu_memory_held_bytes=need)
         try:
             return self._held(need, alone, train, tags)
         except torch.OutOfMemoryError:
@@ -302,5 +301,4 @@ def place(workers: int, gpus: list[Gpu], tracking_uri: str, program: bool) -> li
     on = [i % len(gpus) for i in range(workers)]
     # (at least a byte: a GPU that its workers' contexts would fill runs one trial at a time)
     ledger = Ledger([max(gpu.offered - on.count(i) * CONTEXT_BYTES, 1) for i, gpu in enumerate(gpus)], on)
-    return [Placement(slot, gpus[i].index, ledger, tracking_uri, program, uuid=gpus[i].uuid)
-            for slot, i in enumerate(on)]
+    return [Placement(slot, gpus[i], ledger, tracking_uri, program) for slot, i in enumerate(on)]

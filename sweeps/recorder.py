@@ -76,7 +76,7 @@ class TrialRun:
     def _train(self) -> tuple[Trained, list[float] | None]:
         """Train, and map what stopped the training to its outcome."""
         worker, inv = self.worker, self.worker.inv
-        placed_on = worker.placement.uuid if worker.placement else ""
+        placed_on = worker.placement.gpu.uuid if worker.placement else ""
         monitor = system_metrics(self.run_id, inv.tracking_uri, placed_on) if inv.system_metrics else None
         urls = [v for v in self.own.values() if isinstance(v, str) and "://" in v]  # the study's own, too
         link = TrialLink(self.run_id, worker.tracker.experiment_id, inv.tracking_uri, self.own, self.report,

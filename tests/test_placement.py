@@ -42,8 +42,8 @@ def in_thread(fn):
 def test_workers_are_placed_round_robin_and_each_gpu_keeps_room_for_its_workers_contexts():
     gpus = [Gpu("2", "simulated A", 16 * GIB, "uuid-a"), Gpu("5", "simulated B", 8 * GIB, "uuid-b")]
     placements = place(5, gpus, "sqlite:///unused.db", program=False)
-    assert [p.name for p in placements] == ["2", "5", "2", "5", "2"]
-    assert [p.uuid for p in placements] == ["uuid-a", "uuid-b", "uuid-a", "uuid-b", "uuid-a"]
+    assert [p.gpu.index for p in placements] == ["2", "5", "2", "5", "2"]
+    assert [p.gpu.uuid for p in placements] == ["uuid-a", "uuid-b", "uuid-a", "uuid-b", "uuid-a"]
     ledger = placements[0].ledger
     assert all(p.ledger is ledger for p in placements)
     assert ledger.capacities == [16 * GIB - 3 * CONTEXT_BYTES, 8 * GIB - 2 * CONTEXT_BYTES]
@@ -152,13 +152,16 @@ def test_a_worker_that_died_holding_memory_frees_it():
     assert not ledger.release(lease["value"]).shared and ledger.peak(0) == 8 * GIB
 
 
+SIMULATED = Gpu("0", "simulated", 10 * GIB)
+
+
 def placement(ledger, slot, program=False) -> tuple[Placement, TrainConfig]:
     """A worker's placement whose memory model is given (the fit a batch_memory study or a probe would give):
     1 GiB + 10 MiB per sample."""
     config = TrainConfig(model="mlp", physical_batch=100)
     shape = TrainConfig(**{name: getattr(config, name) for name in SHAPE})
     fits = {shape: Fit(GIB, 10 * 2 ** 20, "simulated", "cuda_allocator", [])}
-    return Placement(slot, "0", ledger, "sqlite:///unused.db", program, fits), config
+    return Placement(slot, SIMULATED, ledger, "sqlite:///unused.db", program, fits), config
 
 
 def test_an_out_of_memory_beside_another_trial_runs_again_alone_and_only_then_counts():
@@ -259,8 +262,8 @@ def test_the_workers_of_a_gpu_share_one_probe(monkeypatch, data_dir, tmp_path):
     real = planner.measure
     monkeypatch.setattr(planner, "measure", counted)
     ledger = Ledger([10 * GIB, 10 * GIB], [0, 0, 1])
-    first, second, third = (Placement(slot, str(gpu), ledger, f"sqlite:///{tmp_path}/mlflow.db")
-                            for slot, gpu in ((0, 0), (1, 0), (2, 1)))
+    first, second, third = (Placement(slot, Gpu(str(gpu), "simulated", 10 * GIB), ledger,
+                                      f"sqlite:///{tmp_path}/mlflow.db") for slot, gpu in ((0, 0), (1, 0), (2, 1)))
     config = TrainConfig(model="mlp", dataset="mnist1d", data_dir=data_dir, physical_batch=32, device="cpu")
     held = first.need(config, 32)
     assert probed == [("mlp", "cpu")] and 0 < held[0] < GIB
@@ -296,3 +299,4 @@ def test_a_placed_trials_gpu_metrics_are_those_of_its_own_gpu(tmp_path, monkeypa
         gpus.gpu_handles = list(nvml.values())
         own_gpu(monitor, uuid)
         assert gpus.gpu_handles == handles, uuid  # one NVML does not know keeps every GPU, as MLflow logs them
+
