@@ -27,14 +27,34 @@ from .urls import REACH_ADVICE, redact, sqlite_path, unreachable
 HOST = socket.gethostname()
 
 
+class Once(logging.Filter):
+    """Each message once. MLflow's GPU monitor warns at every sample where NVML cannot read a metric (a MIG
+    slice has no utilization or power of its own): once a second, for every trial, between the bars."""
+
+    def __init__(self):
+        super().__init__()
+        self.said: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self.said:
+            return False
+        self.said.add(message)
+        return True
+
+
 def quiet_library_logs() -> None:
     """Keep the stores' libraries to what matters, in the commands and in every worker process (spawned, so
     they start with Python's defaults): MLflow's and alembic's INFO lines would break the progress bars, and a
     Ctrl-C inside a fetch from SQLite leaves a cursor that SQLAlchemy's pool cannot close: it logs that with a
-    traceback and goes on, while the interrupt itself is handled (exit 130, how to resume)."""
+    traceback and goes on, while the interrupt itself is handled (exit 130, how to resume). MLflow's GPU monitor
+    says each of its warnings once."""
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)
     logging.getLogger("sqlalchemy.pool").setLevel(logging.CRITICAL)
+    gpu_monitor = logging.getLogger("mlflow.system_metrics.metrics.gpu_monitor")
+    if not any(isinstance(f, Once) for f in gpu_monitor.filters):
+        gpu_monitor.addFilter(Once())
 
 
 def _processes() -> str:

@@ -1,6 +1,7 @@
 """Trials placed on GPUs by memory (sweeps/placement.py), on simulated GPUs: a list of devices and their memory
 sizes, shared by threads and by worker processes as the GPUs of one machine would be. No GPU is needed."""
 import dataclasses
+import logging
 import math
 import multiprocessing
 import os
@@ -300,3 +301,31 @@ def test_a_placed_trials_gpu_metrics_are_those_of_its_own_gpu(tmp_path, monkeypa
         own_gpu(monitor, uuid)
         assert gpus.gpu_handles == handles, uuid  # one NVML does not know keeps every GPU, as MLflow logs them
 
+
+def test_a_gpu_metric_nvml_cannot_read_is_warned_once_not_every_second(monkeypatch, caplog):
+    """A MIG slice has no utilization or power of its own: MLflow's GPU monitor warns at every sample. No GPU
+    here: the monitor's own collect_metrics over a simulated handle whose utilization NVML does not support."""
+    import pynvml
+    from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
+
+    from sweeps.tracking import quiet_library_logs
+
+    def unsupported(handle):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    class Memory:
+        used, total = 2 * GIB, 10 * GIB
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", lambda handle: Memory)
+    for name in ("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetPowerUsage"):
+        monkeypatch.setattr(pynvml, name, unsupported)
+    quiet_library_logs()  # (what every command and worker process does first)
+    gpus = GPUMonitor.__new__(GPUMonitor)  # (its __init__ asks NVML for the machine's GPUs)
+    GPUMonitor.__bases__[0].__init__(gpus)
+    gpus.gpu_handles = ["mig slice"]
+    with caplog.at_level(logging.WARNING):
+        for _ in range(5):
+            gpus.collect_metrics()
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2 and any("utilization" in m for m in warned) and any("power" in m for m in warned)
+    assert len(gpus._metrics["gpu_0_memory_usage_percentage"]) == 5  # what NVML can read is still sampled
