@@ -46,13 +46,19 @@ VERDICTS = {
                             "with SGD to see it."),
     "short_window_divided_by_k": (1, "full windows agree, but the short last window of an epoch is scaled by (its "
                                      "micro-batches)/k: it is divided by k instead of by its own count. Divide "
-                                     "by the number of items in each window (Lightning #19987)."),
+                                     "by the number of items in each window (Lightning's accumulate_grad_batches, "
+                                     "#19987, and Accelerate's accumulate() do this)."),
     "mean_of_micro_batch_means": (1, "windows whose micro-batches hold different numbers of counted items (tokens "
                                      "with padding) differ: the loss is a mean of micro-batch means. Sum the "
                                      "per-item losses and divide by the window's total count of items."),
     "step_per_micro_batch": (1, "the optimizer steps once per micro-batch ({steps_accumulated} steps an epoch "
                                 "against {steps_true_batch}): step() and zero_grad() belong after the last "
                                 "micro-batch of a window."),
+    "short_window_skipped": (1, "the accumulated run made {steps_accumulated} optimizer steps an epoch against "
+                                "the true batch's {steps_true_batch}: the epoch's last window, shorter than k "
+                                "micro-batches, never steps (a step only when (i + 1) % k == 0), so its samples "
+                                "are lost, or their gradient is added to the next epoch's first window. Step after "
+                                "the epoch's last micro-batch too, dividing by that window's own count of items."),
     "batchnorm": (0, "the model has BatchNorm, and the first step differs: (b, k) normalizes each micro-batch "
                      "of b, which (b*k, 1) cannot equal, and updates its running statistics k times a step. "
                      "Compare against a ghost-batch twin (BatchNorm over chunks of b), or use GroupNorm or "
@@ -224,12 +230,16 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
         if any(key.endswith(BUFFERS) for key in t1.state):  # BatchNorm's statistics
             return Finding("batchnorm", figures, compared)
     ea, et = auditor.run("accumulated", b, k, steps), auditor.run("true batch", B, 1, steps)
-    compared.append((f"after {len(et.losses)} steps", rel(ea, et)))
+    counts = f"{len(et.losses)}" if len(ea.losses) == len(et.losses) else f"{len(ea.losses)} and {len(et.losses)}"
+    compared.append((f"after {counts} steps", rel(ea, et)))
     figures.update(steps_accumulated=len(ea.losses), steps_true_batch=len(et.losses))
     if max(d for _, d in compared) <= tol:
         return Finding("exact", figures, compared)
     if len(ea.losses) >= 1.5 * len(et.losses):
         return Finding("step_per_micro_batch", figures, compared)
+    if len(ea.losses) < len(et.losses):  # (comparing updates past the accumulated run's last would read as zero)
+        return Finding("short_window_skipped" if len(ea.losses) == len(et.losses) - 1 else "unexplained", figures,
+                       compared)
     lr_step = lr_parting(ea, et)
     if lr_step:  # a constant factor is the script's own scaling; one that changes, a schedule out of step
         figures.update(lr_step=lr_step, lr_a=ea.lrs[lr_step - 1], lr_t=et.lrs[lr_step - 1])

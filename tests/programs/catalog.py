@@ -2,8 +2,8 @@
 what `batchsweep audit` must name. A plain PyTorch loop, as people write them.
 
     python catalog.py --batch-size 8 --accum 4 --lr 0.1 --seed 0 --epochs 1 --max-steps 0 \\
-        [--mistake none|zero_grad|not_divided|short_window|mean_of_means|step_per_micro|batchnorm|unseeded|
-                   schedule_per_micro|lr_times_k] \\
+        [--mistake none|zero_grad|not_divided|short_window|skip_short_window|mean_of_means|step_per_micro|
+                   batchnorm|unseeded|schedule_per_micro|lr_times_k] \\
         [--loss sample|token] [--dtype float64|float32] [--optimizer sgd|adam] [--print-lr yes|no]
 
 It prints {"step": s, "loss": l, "lr": the step's LR} per optimizer step and saves model.state_dict() to
@@ -135,6 +135,8 @@ def main() -> int:
                     shown = 0.0
                     if step == args.max_steps:
                         break
+            if args.mistake == "skip_short_window" and len(micro) < k:
+                continue  # the mistake: a step only when (i + 1) % k == 0, so the short last window has none
             if args.mistake != "step_per_micro":
                 lr = getattr(opt, "lr", args.lr)
                 opt.step()
