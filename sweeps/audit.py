@@ -59,6 +59,11 @@ VERDICTS = {
                                 "micro-batches, never steps (a step only when (i + 1) % k == 0), so its samples "
                                 "are lost, or their gradient is added to the next epoch's first window. Step after "
                                 "the epoch's last micro-batch too, dividing by that window's own count of items."),
+    "short_window_extra": (1, "the accumulated run made {steps_accumulated} optimizer steps an epoch against the "
+                              "true batch's {steps_true_batch}: its micro-batches fill a short last window from "
+                              "samples that the true batch drops (a loader with drop_last=True drops fewer samples "
+                              "in batches of b than of b*k), so the two cannot agree. Keep the last batch "
+                              "(drop_last=False), or drop the short window at (b, k) too."),
     "batchnorm": (0, "the model has BatchNorm, and the first step differs: (b, k) normalizes each micro-batch "
                      "of b, which (b*k, 1) cannot equal, and updates its running statistics k times a step. "
                      "Compare against a ghost-batch twin (BatchNorm over chunks of b), or use GroupNorm or "
@@ -237,9 +242,10 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
         return Finding("exact", figures, compared)
     if len(ea.losses) >= 1.5 * len(et.losses):
         return Finding("step_per_micro_batch", figures, compared)
-    if len(ea.losses) < len(et.losses):  # (comparing updates past the accumulated run's last would read as zero)
-        return Finding("short_window_skipped" if len(ea.losses) == len(et.losses) - 1 else "unexplained", figures,
-                       compared)
+    extra = len(ea.losses) - len(et.losses)
+    if extra:  # (an update past the shorter run's last compared with none would read as a mistake in it)
+        verdict = {-1: "short_window_skipped", 1: "short_window_extra"}.get(extra, "unexplained")
+        return Finding(verdict, figures, compared)
     lr_step = lr_parting(ea, et)
     if lr_step:  # a constant factor is the script's own scaling; one that changes, a schedule out of step
         figures.update(lr_step=lr_step, lr_a=ea.lrs[lr_step - 1], lr_t=et.lrs[lr_step - 1])

@@ -2,8 +2,8 @@
 what `batchsweep audit` must name. A plain PyTorch loop, as people write them.
 
     python catalog.py --batch-size 8 --accum 4 --lr 0.1 --seed 0 --epochs 1 --max-steps 0 \\
-        [--mistake none|zero_grad|not_divided|short_window|skip_short_window|mean_of_means|step_per_micro|
-                   batchnorm|unseeded|schedule_per_micro|lr_times_k] \\
+        [--mistake none|zero_grad|not_divided|short_window|skip_short_window|drop_last|mean_of_means|
+                   step_per_micro|batchnorm|unseeded|schedule_per_micro|lr_times_k] \\
         [--loss sample|token] [--dtype float64|float32] [--optimizer sgd|adam] [--print-lr yes|no]
 
 It prints {"step": s, "loss": l, "lr": the step's LR} per optimizer step and saves model.state_dict() to
@@ -103,7 +103,9 @@ def main() -> int:
         else:
             shuffle.manual_seed(args.seed * 1000 + epoch)
         order = torch.randperm(N, generator=shuffle)
-        for start in range(0, N, b * k):
+        if args.mistake == "drop_last":  # a loader's drop_last=True: the batches of b are full ones only
+            order = order[:N - N % b]
+        for start in range(0, len(order), b * k):
             window = order[start:start + b * k]
             micro = window.split(b)
             total = sum(int((y[m] != -100).sum()) for m in micro)  # the window's items that count
