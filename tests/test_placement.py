@@ -306,6 +306,7 @@ def test_a_gpu_metric_nvml_cannot_read_is_warned_once_not_every_second(monkeypat
     """A MIG slice has no utilization or power of its own: MLflow's GPU monitor warns at every sample. No GPU
     here: the monitor's own collect_metrics over a simulated handle whose utilization NVML does not support."""
     import pynvml
+    from mlflow.system_metrics.metrics.base_metrics_monitor import BaseMetricsMonitor
     from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
 
     from sweeps.tracking import quiet_library_logs
@@ -319,9 +320,11 @@ def test_a_gpu_metric_nvml_cannot_read_is_warned_once_not_every_second(monkeypat
     monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", lambda handle: Memory)
     for name in ("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetPowerUsage"):
         monkeypatch.setattr(pynvml, name, unsupported)
-    quiet_library_logs()  # (what every command and worker process does first)
+    # A filter of its own, whatever this process logged before (what every command and worker process does first)
+    monkeypatch.setattr(logging.getLogger("mlflow.system_metrics.metrics.gpu_monitor"), "filters", [])
+    quiet_library_logs()
     gpus = GPUMonitor.__new__(GPUMonitor)  # (its __init__ asks NVML for the machine's GPUs)
-    GPUMonitor.__bases__[0].__init__(gpus)
+    BaseMetricsMonitor.__init__(gpus)
     gpus.gpu_handles = ["mig slice"]
     with caplog.at_level(logging.WARNING):
         for _ in range(5):
