@@ -32,13 +32,14 @@ class TrialRun:
         inv = worker.inv
         self.config, self.own = inv.config(point, seed), inv.own(point)
         self.folder = folder_of(inv, self.config, trial.number) if inv.checkpoint_dir else None
+        self.name = describe(point) + (f" seed {seed}" if len(inv.seeds) > 1 else "")  # 'b32 k4 linear seed 1'
         program = inv.study.program
         tags = {"optuna.trial_number": trial.number, "optuna.study_name": trial.study.study_name,
                 "device_name": worker.device, "torch_version": torch.__version__, "study": inv.study.name,
                 "batchsweep.program": " ".join(program.command) if program else None,
                 "batchsweep.resumes_run": resumes(self.folder) if self.folder else None,
                 **standard_tags(worker.commit)}
-        self.run_id = worker.tracker.start_trial(worker.parent_run_id, f"{trial.number}: {describe(point)}",
+        self.run_id = worker.tracker.start_trial(worker.parent_run_id, f"{trial.number}: {self.name}",
                                                  worker.objective.params(self.config, self.own), tags)
         self.history: list[dict[str, float]] = []
         self.in_run: tuple[str, ...] = ()  # metrics the run holds already (a script logged them itself)
@@ -51,7 +52,7 @@ class TrialRun:
             self.trial.set_user_attr("invocation", worker.parent_run_id)
             if self.folder:
                 claim(self.folder, self.run_id)
-            worker.hooks.trial_start(describe(self.point), self.config.epochs)
+            worker.hooks.trial_start(self.name, self.config.epochs)
             broken = worker.inv.broken(self.config, self.own)
             if broken:
                 self.end("invalid", error=f"breaks the study's constraint {broken}")
@@ -109,7 +110,7 @@ class TrialRun:
             raise optuna.TrialPruned("out of memory") from None
         except ConfigError as exc:  # e.g. b*k larger than the training set: the point cannot run
             self.end("invalid", error=exc.problem)
-            worker.hooks.say(f"trial {self.trial.number} ({describe(self.point)}): {exc.problem}: skipped as invalid")
+            worker.hooks.say(f"trial {self.trial.number} ({self.name}): {exc.problem}: skipped as invalid")
             raise optuna.TrialPruned(str(exc)) from None
         except Exception as exc:
             if interrupt.pending():  # a Ctrl-C that a library caught and replaced: the run was interrupted
@@ -161,7 +162,7 @@ class TrialRun:
                                                      **extra},
                                                end=name != "complete", dataset=dataset)
         if error:
-            self.worker.hooks.say(f"trial {trial.number} ({describe(self.point)}): trained, but recording it in "
+            self.worker.hooks.say(f"trial {trial.number} ({self.name}): trained, but recording it in "
                                   f"MLflow failed ({error}); its result is kept in Optuna and its run is marked "
                                   f"FAILED with reason record_error")
 

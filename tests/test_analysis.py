@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -283,6 +284,20 @@ def test_loads_typed_frames_from_a_real_study(tiny_study):
     assert (t["effective_batch"] == t["physical_batch"] * t["accum_steps"]).all()
     assert list(runs.history.groupby("run_id")["epoch"].apply(list).iloc[0]) == [1, 2]
     assert runs.parent_run_id is not None
+
+
+def test_each_run_of_several_seeds_is_named_with_its_seed(tiny_study):
+    """In the MLflow UI and on the epoch bar, '3: b32 k2 linear seed 1', not the same name for every seed."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tiny_study}/mlruns/mlflow.db")
+    runs = [r for r in client.search_runs([client.get_experiment_by_name("accum_lr").experiment_id])
+            if "mlflow.parentRunId" in r.data.tags]
+    assert len(runs) == 8
+    for run in runs:
+        number = run.data.tags["optuna.trial_number"]
+        assert re.fullmatch(rf"{number}: b\d+ k\d+ \w+ seed {run.data.params['seed']}", run.info.run_name), \
+            run.info.run_name
 
 
 def test_the_protocol_line_counts_one_epoch_as_one():
