@@ -1,13 +1,12 @@
 """Command line of `python analysis/report.py`."""
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
 from pathlib import Path
 
-from sweeps import urls
+from sweeps import commands, urls  # standard library only: no sweep logic
 
 from .runs import AnalysisError, load_study
 
@@ -35,7 +34,7 @@ def check_out(out: Path, folder: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="analysis/report.py", description="Write the comparison report of a study "
+    p = commands.Parser("report", description="Write the comparison report of a study "
                                 "from its MLflow runs: reports/<study>/report.html, report.md, figures, trials.csv.")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--study", help="the study (its MLflow experiment name)")

@@ -24,6 +24,7 @@ import torch
 from trainers import FIELDS, BatchsweepError, ConfigError, TrainConfig
 
 from . import program
+from .commands import Parser
 from .tables import format_table
 from .tracking import Tracker, default_tracking_uri, first_line, quiet_library_logs
 from .urls import check_tracking_uri, scrub
@@ -304,7 +305,7 @@ def first_parting(auditor: Auditor, b: int, k: int, n: int, tol: float) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="batchsweep audit", description="Run your training script (the [program] of "
+    p = Parser("audit", description="Run your training script (the [program] of "
                                 "a study file) at (b, k) and at (b*k, 1) from the same start, and name the "
                                 "accumulation mistake that separates them. Exit status: 0 exact or batchnorm, 1 a "
                                 "mistake, 2 bad input or a script that differs from itself.",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from trainers import FIELDS, BatchsweepError, ConfigError, TrainConfig, format_bytes, parse_overrides, parse_value
 
-from .commands import command
+from .commands import Parser, command
 from .driver import run_invocation, write_report
 from .placement import visible_gpus
 from .studies import LAUNCHERS, check_name, check_size
@@ -32,7 +32,7 @@ RUNS_CODE = ("An import path runs code: --study package.module:STUDY, --model an
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="sweeps/run.py", description="Run an Optuna study of gradient accumulation, "
+    p = Parser("run", description="Run an Optuna study of gradient accumulation, "
                                 "every trial tracked in MLflow. Running the same command again resumes it.",
                                 epilog=RUNS_CODE)
     p.add_argument("--study", default="accum_lr", help="a built-in study (see --list), a study file "

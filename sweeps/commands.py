@@ -1,6 +1,7 @@
 """The installed `batchsweep` command: `batchsweep run|plan|report|train ...`, each the same as its script."""
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import sys
@@ -21,8 +22,23 @@ INVOKED = "BATCHSWEEP_COMMAND"
 
 def command(name: str) -> str:
     """A command as a hint names it: `batchsweep report` where the user started `batchsweep`, which runs from any
-    folder, else the script (`python analysis/report.py`), which runs from batchsweep's own folder."""
-    return f"batchsweep {name}" if os.environ.get(INVOKED) == "batchsweep" else f"python {SCRIPTS[name]}"
+    folder, else the script (`python analysis/report.py`), which runs from batchsweep's own folder (`batchsweep audit`
+    has no script)."""
+    return f"batchsweep {name}" if invoked() or name not in SCRIPTS else f"python {SCRIPTS[name]}"
+
+
+class Parser(argparse.ArgumentParser):
+    """A command's parser, named as the user started it; its bad input is one line instead of argparse's usage."""
+
+    def __init__(self, name: str, **kwargs):
+        super().__init__(prog=command(name), **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message}: see {self.prog} --help\n")
+
+
+def invoked() -> bool:
+    return os.environ.get(INVOKED) == "batchsweep"
 
 
 def usage() -> str:
@@ -32,21 +48,16 @@ def usage() -> str:
 
 
 def help_text(name: str) -> str:
-    """A command's --help, as a terminal 100 columns wide prints it."""
+    """A command's --help, as `batchsweep` prints it in a terminal 100 columns wide."""
     import contextlib
     import io
-    import os
+    from unittest import mock  # patch.dict: the environment as it was afterwards, whatever --help raised
 
     module, first, _ = COMMANDS[name]
-    out, columns = io.StringIO(), os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = "100"
-    try:
-        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
-            importlib.import_module(module).main([*first, "--help"])
-    finally:
-        del os.environ["COLUMNS"]
-        if columns is not None:
-            os.environ["COLUMNS"] = columns
+    out = io.StringIO()
+    with mock.patch.dict(os.environ, {"COLUMNS": "100", INVOKED: "batchsweep"}), \
+            contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        importlib.import_module(module).main([*first, "--help"])
     return out.getvalue()
 
 

@@ -37,6 +37,29 @@ def test_bad_input_is_one_line(capsys, data_dir, argv, expected):
     assert expected in line
 
 
+@pytest.mark.parametrize("module,argv,started,start,end", [
+    ("sweeps.cli", ["--bogus"], "batchsweep", "unrecognized arguments: --bogus", "batchsweep run"),
+    ("sweeps.cli", ["--log-models", "x"], "", "argument --log-models: invalid choice: ", "python sweeps/run.py"),
+    ("analysis.cli", [], "batchsweep", "one of the arguments --study --compare is required", "batchsweep report"),
+    ("analysis.cli", ["--study"], "", "argument --study: expected one argument", "python analysis/report.py"),
+    ("sweeps.audit", ["--study", "x"], "", "the following arguments are required: --physical-batch",
+     "batchsweep audit"),
+    ("trainers.cli", ["--bogus"], "batchsweep", "unrecognized arguments: --bogus", "batchsweep train"),
+    ("trainers.cli", ["--epochs"], "", "argument --epochs: expected one argument", "python trainers/train.py"),
+])
+def test_a_flag_argparse_refuses_is_one_line_naming_the_help_as_the_user_started_it(capsys, monkeypatch, module,
+                                                                                    argv, started, start, end):
+    """Not argparse's usage block: the problem, and the --help of the command as it was typed."""
+    import importlib
+
+    monkeypatch.setenv("BATCHSWEEP_COMMAND", started)
+    with pytest.raises(SystemExit) as exited:
+        importlib.import_module(module).main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: {start}") and err.endswith(f": see {end} --help\n"), err
+
+
 def test_missing_offline_dataset(capsys, tmp_path):
     line = one_line_error(capsys, ["--dataset", "mnist", "--data-dir", str(tmp_path / "none"), "--epochs", "1"])
     assert "dataset MNIST is not in" in line and "could not be downloaded" in line

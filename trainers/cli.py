@@ -153,11 +153,14 @@ def epoch_progress(total: int, jsonl: str | None = None):
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainers/train.py", description=
+    # Named as the user started it (`batchsweep train` sets BATCHSWEEP_COMMAND, as sweeps/commands.py does for all).
+    prog = "batchsweep train" if os.environ.get("BATCHSWEEP_COMMAND") == "batchsweep" else "python trainers/train.py"
+    parser = argparse.ArgumentParser(prog=prog, description=
                                      "Train one configuration with exact gradient accumulation.", epilog=
                                      "An import path runs code: --model, --dataset and --loss package.module:name "
                                      "import that module, which runs with your permissions. Name only code you "
                                      "trust (docs/security.md).")
+    parser.error = lambda message: parser.exit(2, f"error: {message}: see {prog} --help\n")  # one line, no usage
     add_config_flags(parser)
     parser.add_argument("--effective-batch", metavar="B", help="samples per optimizer step: sets accum_steps, or with "
                         "--physical-batch auto the target that b shrinks under on out-of-memory")
