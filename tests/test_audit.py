@@ -24,11 +24,12 @@ EXPECTED = {
     ("batchnorm", "sample"): "batchnorm", ("unseeded", "sample"): "not_reproducible",
     ("schedule_per_micro", "sample"): "schedule_per_micro_batch", ("lr_times_k", "sample"): "lr_differs",
 }
-# float32's looser tolerance matters where the verdict rests on a small difference, or on none; the gross
-# mistakes (the last micro-batch's gradient alone, an update k times too large, k updates, BatchNorm's
-# first step) are checked in float64 only.
+# float32's looser tolerance matters where the verdict rests on a small difference, or on none: a correct
+# loop on padded tokens (exact within 1e-5 over the epoch), a mean of micro-batch means on them (a small
+# difference at step 1), and seven windows that agree before a short one that does not. The gross mistakes,
+# and the per-sample loops that float64 finds exact, are checked in float64 only.
 CASES = [(*case, floats) for case in sorted(EXPECTED) for floats in ("float64", "float32")
-         if floats == "float64" or case[0] in ("none", "short_window", "mean_of_means")]
+         if floats == "float64" or case in (("none", "token"), ("mean_of_means", "token"), ("short_window", "sample"))]
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +53,18 @@ floats = "{floats}"
     return path
 
 
+def assert_every_run_is_a_nested_mlflow_run_and_the_verdict_a_tag(store):
+    client = MlflowClient(store)
+    runs = client.search_runs([client.get_experiment_by_name("catalog-audit").experiment_id],
+                              order_by=["attributes.start_time DESC"])
+    parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)  # this audit's: the latest
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert parent.data.tags["verdict"] == "loss_not_divided" and parent.info.status == "FINISHED"
+    assert parent.data.tags["mlflow.note.content"].startswith("verdict: loss_not_divided. ")
+    assert len(children) == 6 and all(r.info.status == "FINISHED" for r in children)
+    assert {r.data.tags["audit.role"] for r in children} == {"start", "accumulated", "true batch", "repeat"}
+
+
 @pytest.mark.parametrize("mistake, loss, floats", CASES)
 def test_the_audit_names_each_mistake_of_the_catalog(tmp_path, store, capsys, mistake, loss, floats):
     verdict = EXPECTED[(mistake, loss)]
@@ -65,6 +78,8 @@ def test_the_audit_names_each_mistake_of_the_catalog(tmp_path, store, capsys, mi
     assert found["tolerance"] == {"float64": 1e-10, "float32": 1e-5}[floats]
     if verdict == "loss_not_divided":
         assert found["update_ratio"] == pytest.approx(4, rel=0.01)  # k
+        if loss == "sample":
+            assert_every_run_is_a_nested_mlflow_run_and_the_verdict_a_tag(store)
     if verdict == "schedule_per_micro_batch":  # ExponentialLR(0.9) stepped before the step, per micro-batch
         assert found["lr_step"] == 1 and found["lr_a"] == pytest.approx(0.1 * 0.9 ** 4)
         assert found["lr_t"] == pytest.approx(0.1 * 0.9)
@@ -87,20 +102,6 @@ def test_without_lr_rows_a_schedule_per_micro_batch_is_a_scaled_update(tmp_path,
     out = capsys.readouterr().out
     assert code == 1 and "verdict: update_scaled\n" in out, out
     assert "exactly the true batch's direction but 0.729 times its length" in out
-
-
-def test_every_run_of_an_audit_is_a_nested_mlflow_run_and_the_verdict_a_tag(tmp_path, store, capsys):
-    assert main(["--study", str(study(tmp_path, "not_divided", "sample", "float64")), "--physical-batch", "8",
-                 "--accum-steps", "4", "--tracking-uri", store]) == 1
-    client = MlflowClient(store)
-    runs = client.search_runs([client.get_experiment_by_name("catalog-audit").experiment_id],
-                              order_by=["attributes.start_time DESC"])
-    parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
-    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert parent.data.tags["verdict"] == "loss_not_divided" and parent.info.status == "FINISHED"
-    assert parent.data.tags["mlflow.note.content"].startswith("verdict: loss_not_divided. ")
-    assert len(children) == 6 and all(r.info.status == "FINISHED" for r in children)
-    assert {r.data.tags["audit.role"] for r in children} == {"start", "accumulated", "true batch", "repeat"}
 
 
 class Parting:

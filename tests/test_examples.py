@@ -1,7 +1,9 @@
 """The worked examples of docs/programs.md, each swept at a small size: a transformers Trainer script that
-prints JSON lines, and a Lightning script that logs through its own MLFlowLogger. They need the optional
-extra (pip install -e '.[scripts]'), which CI installs."""
+prints JSON lines, and a Lightning script that logs through its own MLFlowLogger; and two of docs/audit.md's
+real subjects, audited as it shows. They need the optional extra (pip install -e '.[scripts]'), which CI
+installs."""
 import importlib.util
+import json
 import math
 
 import optuna
@@ -49,3 +51,34 @@ def test_a_lightning_script_logging_through_its_mlflow_logger(tmp_path):
     # Lightning logs at its global step: the optimizer steps of the epoch's full windows, less one (0-based),
     # and one more for a short last window.
     swept(tmp_path, "lightning", "lightning", lambda b, k: math.ceil(math.ceil(1000 / b) / k) - 1)
+
+
+def audited(tmp_path, capsys, monkeypatch, study: str, b: int, k: int) -> dict:
+    """`batchsweep audit` on one of examples/audit/, as docs/audit.md runs it: what its --json says."""
+    from sweeps.audit import main
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # its scripts' own threads, beside the other test process
+    code = main(["--study", str(ROOT / "examples" / "audit" / study), "--physical-batch", str(b), "--accum-steps",
+                 str(k), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--json", str(tmp_path / "audit.json")])
+    finding = json.loads((tmp_path / "audit.json").read_text())
+    assert code == (0 if finding["verdict"] == "exact" else 1), capsys.readouterr().out
+    return finding
+
+
+@needs("lightning")
+def test_the_audit_finds_that_lightning_divides_the_short_last_window_by_k(tmp_path, capsys, monkeypatch):
+    """Lightning #19987: 125 micro-batches of 8 at k = 4 end in a window of 1 micro-batch, divided by 4. A
+    Lightning that fixes it fails here: docs/audit.md and the README say otherwise then."""
+    finding = audited(tmp_path, capsys, monkeypatch, "lightning.toml", 8, 4)
+    assert finding["verdict"] == "short_window_divided_by_k", finding
+    assert finding["first_differing_update"] == finding["steps_true_batch"] == 32
+    assert finding["update_ratio"] == pytest.approx(0.25, rel=1e-6)
+
+
+@needs("transformers", "accelerate")
+def test_the_audit_finds_the_transformers_trainers_accumulation_exact(tmp_path, capsys, monkeypatch):
+    """Padded sequences of different token counts and a short last window of 2 micro-batches: transformers
+    divides by the window's token count (num_items_in_batch), and steps its schedule once per window."""
+    finding = audited(tmp_path, capsys, monkeypatch, "hf.toml", 4, 4)
+    assert finding["verdict"] == "exact", finding
+    assert finding["steps_accumulated"] == finding["steps_true_batch"] == 13
