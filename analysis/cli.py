@@ -34,8 +34,8 @@ def check_out(out: Path, folder: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = commands.Parser("report", description="Write the comparison report of a study "
-                                "from its MLflow runs: reports/<study>/report.html, report.md, figures, trials.csv.")
+    p = commands.Parser("report", description="Write the comparison report of a study from its MLflow runs: "
+                        "reports/<study>/report.html, report.md, figures, trials.csv.")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--study", help="the study (its MLflow experiment name)")
     which.add_argument("--compare", nargs=2, metavar=("STUDY_A", "STUDY_B"), help="two studies side by side")

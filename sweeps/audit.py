@@ -305,14 +305,12 @@ def first_parting(auditor: Auditor, b: int, k: int, n: int, tol: float) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = Parser("audit", description="Run your training script (the [program] of "
-                                "a study file) at (b, k) and at (b*k, 1) from the same start, and name the "
-                                "accumulation mistake that separates them. Exit status: 0 exact or batchnorm, 1 a "
-                                "mistake, 2 bad input or a script that differs from itself.",
-                                epilog="The script passes {max_steps} and {epochs} on, prints a {\"step\": s, "
-                                "\"loss\": l} row per optimizer step (with \"lr\" where there is a schedule) and "
-                                "ends with torch.save(model.state_dict(), os.environ[\"BATCHSWEEP_STATE\"]) "
-                                "(docs/audit.md).")
+    p = Parser("audit", description="Run your training script (the [program] of a study file) at (b, k) and at "
+               "(b*k, 1) from the same start, and name the accumulation mistake that separates them. Exit status: 0 "
+               "exact or batchnorm, 1 a mistake, 2 bad input or a script that differs from itself.",
+               epilog="The script passes {max_steps} and {epochs} on, prints a {\"step\": s, \"loss\": l} row per "
+               "optimizer step (with \"lr\" where there is a schedule) and ends with "
+               "torch.save(model.state_dict(), os.environ[\"BATCHSWEEP_STATE\"]) (docs/audit.md).")
     p.add_argument("--study", required=True, help="a study file with a [program]")
     p.add_argument("--physical-batch", type=int, required=True, help="b: the micro-batch")
     p.add_argument("--accum-steps", type=int, required=True, help="k: micro-batches per step (at least 2)")

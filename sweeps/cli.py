@@ -32,9 +32,8 @@ RUNS_CODE = ("An import path runs code: --study package.module:STUDY, --model an
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = Parser("run", description="Run an Optuna study of gradient accumulation, "
-                                "every trial tracked in MLflow. Running the same command again resumes it.",
-                                epilog=RUNS_CODE)
+    p = Parser("run", description="Run an Optuna study of gradient accumulation, every trial tracked in MLflow. "
+               "Running the same command again resumes it.", epilog=RUNS_CODE)
     p.add_argument("--study", default="accum_lr", help="a built-in study (see --list), a study file "
                    "(path/to/study.toml) or package.module:STUDY; default accum_lr")
     p.add_argument("--list", action="store_true", help="list the studies and exit")
