@@ -1,6 +1,8 @@
 """`python -m sweeps ...`: the same as `python sweeps/run.py ...`."""
 import sys
 
+from sweeps import commands
 from sweeps.cli import main
 
+commands.started = ("sweeps.cli", "python -m sweeps")
 sys.exit(main())

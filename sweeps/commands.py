@@ -18,6 +18,9 @@ COMMANDS = {
 SCRIPTS = {"run": "sweeps/run.py", "report": "analysis/report.py", "train": "trainers/train.py"}
 # Set by the installed command for itself and the processes it starts (the report a study writes at its end).
 INVOKED = "BATCHSWEEP_COMMAND"
+# (module, command) this process was started as where its parser's own name would be another: `batchsweep plan`
+# (run's parser, with --plan first) and `python -m sweeps`.
+started: tuple[str, str] | None = None
 
 
 def command(name: str) -> str:
@@ -31,7 +34,8 @@ class Parser(argparse.ArgumentParser):
     """A command's parser, named as the user started it; its bad input is one line instead of argparse's usage."""
 
     def __init__(self, name: str, **kwargs):
-        super().__init__(prog=command(name), **kwargs)
+        module = COMMANDS[name][0]
+        super().__init__(prog=started[1] if started and started[0] == module else command(name), **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"error: {message}: see {self.prog} --help\n")
@@ -84,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] not in COMMANDS:
         print(f"error: unknown command {argv[0]!r}: use one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    global started
     module, first, _ = COMMANDS[argv[0]]
     os.environ[INVOKED] = "batchsweep"
-    return importlib.import_module(module).main(first + argv[1:])
+    started = (module, f"batchsweep {argv[0]}")
+    try:
+        return importlib.import_module(module).main(first + argv[1:])
+    finally:
+        started = None

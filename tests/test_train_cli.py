@@ -46,6 +46,8 @@ def test_bad_input_is_one_line(capsys, data_dir, argv, expected):
      "batchsweep audit"),
     ("trainers.cli", ["--bogus"], "batchsweep", "unrecognized arguments: --bogus", "batchsweep train"),
     ("trainers.cli", ["--epochs"], "", "argument --epochs: expected one argument", "python trainers/train.py"),
+    ("sweeps.commands", ["plan", "--bogus"], "", "unrecognized arguments: --bogus", "batchsweep plan"),
+    ("sweeps.commands", ["run", "--bogus"], "", "unrecognized arguments: --bogus", "batchsweep run"),
 ])
 def test_a_flag_argparse_refuses_is_one_line_naming_the_help_as_the_user_started_it(capsys, monkeypatch, module,
                                                                                     argv, started, start, end):
@@ -58,6 +60,19 @@ def test_a_flag_argparse_refuses_is_one_line_naming_the_help_as_the_user_started
     err = capsys.readouterr().err
     assert exited.value.code == 2 and err.count("\n") == 1, err
     assert err.startswith(f"error: {start}") and err.endswith(f": see {end} --help\n"), err
+
+
+def test_python_m_sweeps_is_named_as_typed(capsys, monkeypatch):
+    import runpy
+
+    from sweeps import commands
+
+    monkeypatch.setattr(commands, "started", None)  # __main__ sets it for the process: put back afterwards
+    monkeypatch.setattr("sys.argv", ["sweeps", "--bogus"])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module("sweeps", run_name="__main__")
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == "error: unrecognized arguments: --bogus: see python -m sweeps --help\n"
 
 
 def test_missing_offline_dataset(capsys, tmp_path):
