@@ -90,9 +90,16 @@ def test_the_audit_names_each_mistake_of_the_catalog(tmp_path, store, capsys, mi
         assert (found["steps_accumulated"], found["steps_true_batch"]) == (7, 8)
     if verdict == "short_window_extra":  # 240 samples: 30 micro-batches of 8 but 7 batches of 32 (16 dropped)
         assert (found["steps_accumulated"], found["steps_true_batch"]) == (8, 7)
-    # A difference in the weights is named only once the true batch has given the same weights twice (a verdict
-    # from the step counts needs no weights).
-    assert ("repeat_rel_diff" in found) == (verdict not in ("exact", "short_window_skipped", "short_window_extra"))
+    # A difference in the weights is named only once the true batch has given the same weights twice; a verdict
+    # from the epoch's step counts or LRs needs no weights, and neither runs are made that it does not need.
+    from_rows = ("short_window_skipped", "short_window_extra", "step_per_micro_batch", "schedule_per_micro_batch",
+                 "lr_differs")
+    assert ("repeat_rel_diff" in found) == (verdict not in ("exact", *from_rows))
+    first = f"after {found['steps_true_batch']} steps" if found["steps_accumulated"] == found["steps_true_batch"] \
+        else f"after {found['steps_accumulated']} and {found['steps_true_batch']} steps"
+    assert list(found["compared"])[0] == first  # the epoch's runs, compared first
+    if verdict in ("exact", *from_rows):
+        assert list(found["compared"]) == [first] and found["runs"] == 2
     assert (found.get("repeat_rel_diff", 0) > found["tolerance"]) == (verdict == "not_reproducible")
 
 
@@ -134,13 +141,13 @@ def test_the_first_update_where_runs_part_is_found_anywhere_and_the_last_with_on
 ])
 def test_a_script_that_runs_on_or_prints_no_rows_is_one_line(tmp_path, store, capsys, rows, expected):
     """The audit's runs stop after {max_steps} and count steps by their rows: without either, no verdict holds."""
-    (tmp_path / "own.py").write_text(f"""import json, os, torch
+    (tmp_path / "own.py").write_text(f"""import json, os, sys, torch
 for step in range(1, {rows} + 1):  # whatever --max-steps says
     print(json.dumps({{"step": step, "loss": 1.0}}))
-torch.save({{"w": torch.zeros(1)}}, os.environ["BATCHSWEEP_STATE"])
+torch.save({{"w": torch.tensor([float(sys.argv[3])])}}, os.environ["BATCHSWEEP_STATE"])  # b: the epochs differ
 """)
     (tmp_path / "own.toml").write_text('name = "own"\n[program]\ncommand = ["{python}", "own.py", "{max_steps}", '
-                                       '"{epochs}"]\n')
+                                       '"{epochs}", "{physical_batch}"]\n')
     assert main(["--study", str(tmp_path / "own.toml"), "--physical-batch", "8", "--accum-steps", "4",
                  "--tracking-uri", store]) == 2
     assert capsys.readouterr().err == f"error: {expected}\n"

@@ -113,7 +113,7 @@ epochs = 3
 physical_batch = 16
 accum_steps = 2
 """, COMMAND + ', "--mode", "mlflow"]')
-    proc = sweep(tmp_path, "--study", str(path))
+    proc = sweep(tmp_path, "--study", str(path), "--no-report")
     assert proc.returncode == 0, proc.stderr
     storage, client = stores(tmp_path)
     [trial] = trials_of(storage, "script_mlflow")
@@ -168,7 +168,7 @@ handicap = [0.0, 0.01, 0.02, 0.6]
 [search]
 pruner = "median"
 """, COMMAND + ', "--handicap", "{handicap}"]')
-    proc = sweep(tmp_path, "--study", str(path), "--workers", "1")
+    proc = sweep(tmp_path, "--study", str(path), "--workers", "1", "--no-report")
     assert proc.returncode == 0, proc.stderr
     storage, client = stores(tmp_path)
     trials = {t.user_attrs["config"]["handicap"]: t for t in trials_of(storage, "script_pruned")}
@@ -259,7 +259,8 @@ physical_batch = 16
 mode = ["ok", "mlflow"]
 """, COMMAND + ', "--mode", "{mode}"]')
     with postgres_server() as server, mlflow_server(tmp_path) as tracking:
-        proc = sweep(tmp_path, "--study", str(path), "--storage", server.url, "--tracking-uri", tracking)
+        proc = sweep(tmp_path, "--study", str(path), "--storage", server.url, "--tracking-uri", tracking,
+                     "--no-report")
         assert proc.returncode == 0, proc.stderr
         trials = trials_of(server.url, "script_served")
         assert [t.state for t in trials] == [State.COMPLETE] * 2
