@@ -232,13 +232,24 @@ def exactness(trials: pd.DataFrame) -> list[str]:
         gaps = f"accuracy gap {100 * rows['acc_gap'].min():+.1f} to {100 * rows['acc_gap'].max():+.1f} points"
         # The equivalence objective trains a ghost-batch twin only for a model with BatchNorm: its metric says so.
         has_bn = "ghost_rel_diff" in rows and rows["ghost_rel_diff"].notna().any()
+        # Without BatchNorm, a pair that parts in float32 is trained again in float64 (sweeps/objective.py).
+        parted = rows.loc[rows["param_rel_diff"] >= EXACT, "param_rel_diff_fp64"] \
+            if "param_rel_diff_fp64" in rows else pd.Series(dtype=float)
         if worst < EXACT:
             out.append(f"{model}: accumulation is exactly the true batch, up to float rounding (largest relative "
                        f"parameter difference {worst:.1e}; {gaps}).")
+        elif not has_bn and len(parted) and parted.notna().all() and parted.max() < ROUNDING:
+            out.append(f"{model}: accumulation is exactly the true batch, up to float rounding that training "
+                       f"amplified: {len(parted)} of {len(rows)} pairs parted by up to {worst:.2g} in float32, and "
+                       f"agreed to {parted.max():.1e} in float64 ({gaps}).")
         else:
             why = ("BatchNorm normalizes each micro-batch of b samples, so accumulated training is Ghost "
                    "BatchNorm with ghost size b (Hoffer et al. 2017), not the true batch" if has_bn else
                    "something in the model depends on the micro-batch (BatchNorm or another batch statistic)")
+            if not has_bn and parted.notna().any():
+                why += f": in float64 the pair still differs by {parted.max():.1e}, which is not rounding"
+            elif not has_bn:
+                why += ", or float32 rounding that training amplified: no float64 pair was measured"
             ghost = ""
             if "ghost_rel_diff" in rows and rows["ghost_rel_diff"].notna().any():
                 ghost = (f" The true batch with ghost_batch = b came within {rows['ghost_rel_diff'].max():.2g} of "

@@ -100,6 +100,26 @@ def test_many_pairs_are_put_under_false_discovery_control():
             "(Benjamini-Hochberg at 5%, paired t-tests over the seeds).") in sentences
 
 
+@pytest.mark.parametrize("fp64, reading", [
+    (6e-16, "mlp: accumulation is exactly the true batch, up to float rounding that training amplified: 1 of 3 "
+            "pairs parted by up to 0.0031 in float32, and agreed to 6.0e-16 in float64"),
+    (2e-3, "mlp: accumulation is not the true batch (largest relative parameter difference 0.0031; accuracy gap "
+           "-0.1 to +0.0 points): something in the model depends on the micro-batch (BatchNorm or another batch "
+           "statistic): in float64 the pair still differs by 2.0e-03, which is not rounding."),
+    (None, "no float64 pair was measured"),
+])
+def test_a_pair_without_batchnorm_that_parts_in_float32_is_judged_by_its_float64_pair(fp64, reading):
+    """As one seed of three did (mlp, k = 4, 3 epochs): float32 rounding that a ReLU's flip amplified to 3e-3."""
+    from analysis.findings import exactness
+
+    rows = [dict(status="FINISHED", model="mlp", accum_steps=k, seed=s, param_rel_diff=d, acc_gap=g)
+            for k, s, d, g in ((4, 0, 2.4e-7, 0.0), (4, 1, 3.1e-3, -0.001), (4, 2, 6.2e-7, 0.0))]
+    if fp64 is not None:
+        rows[1]["param_rel_diff_fp64"] = fp64
+    [_, said] = exactness(pd.DataFrame(rows))
+    assert reading in said, said
+
+
 def test_steps_to_target_within_epochs():
     # Evaluated at epoch ends (every 10 steps) the target is first seen at step 20; every 2 steps, at 14.
     trials = synthetic(flat)

@@ -194,8 +194,8 @@ def test_a_ctrl_c_that_a_library_replaces_with_another_error_is_an_interruption(
 
 
 def test_equivalence_study_separates_bn_from_no_bn(tmp_path, data_dir):
-    proc = sweep(tmp_path, "--study", "equivalence", "--epochs", "1", "--set", "max_steps=4", "--set",
-                 f"data_dir={data_dir}")
+    proc = sweep(tmp_path, "--study", "equivalence", "--epochs", "1", "--seeds", "1", "--set", "max_steps=4",
+                 "--set", f"data_dir={data_dir}")
     assert proc.returncode == 0, proc.stderr
     storage, client = stores(tmp_path)
     trials = optuna.load_study(study_name="equivalence", storage=storage).trials
@@ -217,6 +217,23 @@ def test_equivalence_study_separates_bn_from_no_bn(tmp_path, data_dir):
     assert "gpt: accumulation is exactly the true batch" in report and "never by k" in report
     assert "cnn1d: accumulation is not the true batch" in report and "ghost_batch = b came within" in report
     assert "in float64 the same pair agreed to" in report and "so what remains in float32 is rounding" in report
+
+
+def test_a_pair_without_batchnorm_that_parts_is_trained_again_in_float64(monkeypatch, data_dir):
+    """Where float32 parts the pair by the report's line or more, float64 says whether it is rounding: this
+    one's is (the line is lowered to 0 here, so that a pair of a few steps crosses it)."""
+    from sweeps.objective import Equivalence
+    from sweeps.studyfile import load
+    from trainers import TrainConfig
+
+    objective = Equivalence(load("equivalence"))
+    config = TrainConfig(model="mlp", dataset="mnist1d", physical_batch=32, accum_steps=4, epochs=1, max_steps=3,
+                         data_dir=data_dir)
+    metrics = objective.train(config, lambda row: None).metrics
+    assert metrics["param_rel_diff"] < objective.recheck and "param_rel_diff_fp64" not in metrics
+    monkeypatch.setattr(objective, "recheck", 0.0)
+    metrics = objective.train(config, lambda row: None).metrics
+    assert 0 < metrics["param_rel_diff"] and metrics["param_rel_diff_fp64"] < 1e-10
 
 
 def test_lr_search_tunes_base_lr_with_tpe_and_prunes(tmp_path):
