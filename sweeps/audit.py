@@ -224,8 +224,8 @@ def tolerance(state: dict[str, torch.Tensor]) -> tuple[str, float]:
 
 
 def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
-    """The runs and the diagnosis; see the module's docstring. The whole epoch first: a correct loop is told
-    from two runs, and so is a mistake in the step counts or the rows' LRs, which need no weights."""
+    """The runs and the diagnosis; see the module's docstring. The epoch (or --steps) first: a correct loop is
+    told from two runs, and so is a mistake in the step counts or the rows' LRs, which need no weights."""
     B = b * k
     ea, et = auditor.run("accumulated", b, k, steps), auditor.run("true batch", B, 1, steps)
     dtype, tol = tolerance(et.state)
