@@ -367,7 +367,7 @@ def test_the_installed_command_runs_from_any_folder(tmp_path):
     assert usage.returncode == 2 and "run" in usage.stdout and "report" in usage.stdout
     dry = subprocess.run(command + ["run", "--study", "equivalence", "--dry-run"], capture_output=True, text=True,
                          cwd=tmp_path)
-    assert dry.returncode == 0 and dry.stdout.count("cnn1d mnist1d b32") == 3, dry.stderr
+    assert dry.returncode == 0 and dry.stdout.count("cnn1d mnist1d b32") == 3 * 3, dry.stderr  # k, seeds
     wrong = subprocess.run(command + ["sweep"], capture_output=True, text=True, cwd=tmp_path)
     assert wrong.returncode == 2 and wrong.stderr.strip() == "error: unknown command 'sweep': use one of run, plan, " \
                                                              "report, train, audit"
