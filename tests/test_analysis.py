@@ -109,7 +109,7 @@ def test_many_pairs_are_put_under_false_discovery_control():
     (None, "no float64 pair was measured"),
 ])
 def test_a_pair_without_batchnorm_that_parts_in_float32_is_judged_by_its_float64_pair(fp64, reading):
-    """As one seed of three did (mlp, k = 4, 3 epochs): float32 rounding that a ReLU's flip amplified to 3e-3."""
+    """As one seed of three did (mlp, k = 4, 3 epochs): float32 rounding that training amplified to 3e-3."""
     from analysis.findings import exactness
 
     rows = [dict(status="FINISHED", model="mlp", accum_steps=k, seed=s, param_rel_diff=d, acc_gap=g)

@@ -91,7 +91,7 @@ def test_the_audit_names_each_mistake_of_the_catalog(tmp_path, store, capsys, mi
     if verdict == "short_window_extra":  # 240 samples: 30 micro-batches of 8 but 7 batches of 32 (16 dropped)
         assert (found["steps_accumulated"], found["steps_true_batch"]) == (8, 7)
     # A difference in the weights is named only once the true batch has given the same weights twice; a verdict
-    # from the epoch's step counts or LRs needs no weights, and neither runs are made that it does not need.
+    # from the epoch's step counts or LRs needs no weights, and no run is made that a verdict does not need.
     from_rows = ("short_window_skipped", "short_window_extra", "step_per_micro_batch", "schedule_per_micro_batch",
                  "lr_differs")
     assert ("repeat_rel_diff" in found) == (verdict not in ("exact", *from_rows))
