@@ -8,7 +8,8 @@ from pathlib import Path
 
 from sweeps import commands, urls  # standard library only: no sweep logic
 
-from .runs import AnalysisError, load_study
+# MLflow, SciPy and matplotlib (seconds) are imported once the command line is parsed: --help and bad flags
+# answer at once.
 
 
 def default_tracking_uri() -> str:
@@ -19,6 +20,8 @@ def default_tracking_uri() -> str:
 
 def check_out(out: Path, folder: Path) -> None:
     """The report's folder can be made inside --out, and is not a link that leads out of it."""
+    from .runs import AnalysisError
+
     if out.exists() and not out.is_dir():
         raise AnalysisError(f"--out {out} is a file: name a folder (default: reports/)")
     if folder.is_symlink():
@@ -48,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     uri = args.tracking_uri or default_tracking_uri()
     names = args.compare or [args.study]
     from .render import folder_name, write_report
+    from .runs import AnalysisError, load_study
 
     folder = Path(args.out) / folder_name(names)
     try:

@@ -17,20 +17,23 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from trainers import FIELDS, BatchsweepError, ConfigError, TrainConfig
 
 from . import program
 from .commands import Parser
-from .tables import format_table
-from .tracking import Tracker, default_tracking_uri, first_line, quiet_library_logs
 from .urls import check_tracking_uri, scrub
 
+if TYPE_CHECKING:
+    import torch
+
+    from .tracking import Tracker
+
+# Torch and MLflow (seconds) are imported where they are used, so that --help and bad flags answer at once.
+
 # Relative weight difference that counts as equal: what summing in another order costs in each dtype.
-TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked")  # BatchNorm's, not weights
 REUSED = ("accumulated", "true batch")  # the runs made once, whichever step of the audit asks for them again
 # name: (exit status: 0 right, 1 a mistake, 2 cannot be audited; what it means and what to do)
@@ -154,6 +157,8 @@ class Auditor:
         if problem:
             self.tracker.end(run_id, "FAILED")
             raise AuditError(problem)
+        import torch
+
         record.state = torch.load(state, map_location="cpu", weights_only=True)
         self.tracker.finish(run_id, "FINISHED", metrics={"steps": float(len(record.losses))})
         self.runs.append(record)
@@ -175,6 +180,8 @@ def unusable(record: Run, state: Path) -> str | None:
 
 def weights(state: dict[str, torch.Tensor]) -> torch.Tensor:
     """The floating-point tensors of a state dict that are weights (not BatchNorm's statistics), as one vector."""
+    import torch
+
     parts = [t.detach().double().flatten() for key, t in sorted(state.items())
              if t.is_floating_point() and not key.endswith(BUFFERS)]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
@@ -218,9 +225,9 @@ class Finding:
 
 def tolerance(state: dict[str, torch.Tensor]) -> tuple[str, float]:
     """The weights' dtype and the relative difference that counts as equal in it."""
-    dtype = next((t.dtype for key, t in state.items() if t.is_floating_point() and not key.endswith(BUFFERS)),
-                 torch.float32)
-    return str(dtype).removeprefix("torch."), TOLERANCE.get(dtype, 1e-2)
+    dtype = next((str(t.dtype) for key, t in state.items() if t.is_floating_point() and not key.endswith(BUFFERS)),
+                 "torch.float32").removeprefix("torch.")
+    return dtype, TOLERANCE.get(dtype, 1e-2)
 
 
 def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
@@ -324,6 +331,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from .tracking import quiet_library_logs
+
     quiet_library_logs()
     try:
         return _main(args)
@@ -335,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
 def _auditor(args: argparse.Namespace, folder: Path) -> Auditor:
     """The study's script at the audit's point: [fixed], the first value of every other [grid] axis, LR rule none."""
     from .studyfile import load
+    from .tracking import Tracker, default_tracking_uri
 
     study = load(args.study)
     if study.program is None:
@@ -359,6 +369,9 @@ def _auditor(args: argparse.Namespace, folder: Path) -> Auditor:
 
 
 def _main(args: argparse.Namespace) -> int:
+    from .tables import format_table
+    from .tracking import first_line
+
     b, k = args.physical_batch, args.accum_steps
     with tempfile.TemporaryDirectory(prefix="batchsweep-audit-") as folder:
         auditor = _auditor(args, Path(folder))

@@ -9,12 +9,11 @@ from pathlib import Path
 from trainers import FIELDS, BatchsweepError, ConfigError, TrainConfig, format_bytes, parse_overrides, parse_value
 
 from .commands import Parser, command
-from .driver import run_invocation, write_report
-from .placement import visible_gpus
 from .studies import LAUNCHERS, check_name, check_size
-from .tables import dry_run_table, list_studies
-from .tracking import TrackingError, default_tracking_uri, first_line, quiet_library_logs
 from .urls import REACH_ADVICE, check_storage, check_tracking_uri, redact, sqlite_path, unreachable
+
+# Torch, MLflow and Optuna (seconds) are imported once the command line is parsed: --help and bad flags answer
+# at once.
 
 # Flags that set one trainer field for every trial of the study.
 CONFIG_FLAGS = ("epochs", "model", "dataset", "device", "seed", "metrics")
@@ -75,6 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def workers_and_gpus(args: argparse.Namespace, study) -> tuple[int, list]:
     """How many worker processes, and the GPUs they are placed on (none under torchrun, which places its own)."""
+    from .placement import visible_gpus
+
     gpus = visible_gpus() if (args.launcher or study.launcher) == "process" else []
     if args.workers_per_gpu is not None:
         if args.workers is not None or not gpus:
@@ -91,6 +92,7 @@ def build_invocation(args: argparse.Namespace):
     from .invocation import Invocation
     from .storage import default_storage
     from .studyfile import load
+    from .tracking import default_tracking_uri
 
     study = load(args.study)
     make_objective(study)  # its metrics are checked before anything runs
@@ -138,6 +140,10 @@ def build_invocation(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from .driver import run_invocation, write_report
+    from .tables import dry_run_table, list_studies
+    from .tracking import quiet_library_logs
+
     quiet_library_logs()
     # MLflow prints a "View run … at http://…" line for every run a tracking server ends, into the results table.
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
@@ -165,6 +171,7 @@ def memory_plan(args: argparse.Namespace) -> int:
     from trainers import memory_source, resolve_device
 
     from .planner import from_study, measure, parse_bytes, plan
+    from .tracking import TrackingError, default_tracking_uri, first_line
 
     if args.target_batch is None or args.memory_budget is None:
         raise ConfigError("--plan needs --target-batch N and --memory-budget SIZE (e.g. 6GiB)")

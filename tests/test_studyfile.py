@@ -14,9 +14,10 @@ from analysis.space import objectives_front
 from sweeps.cli import main
 from sweeps.outcomes import OUTCOMES, holds
 from sweeps.search import GridSearch, SamplerSearch, make_search
-from sweeps.studies import point_key
+from sweeps.studies import DERIVED, point_key
 from sweeps.studyfile import builtin_names, load, parse
 from tests.test_sweeps import child_runs, stores, wait_for_complete
+from trainers import TrainConfig
 
 State = optuna.trial.TrialState
 K = (1, 2, 4, 8, 16)
@@ -52,6 +53,11 @@ BEFORE = {
     "equivalence": [dict(model=m, dataset=d, physical_batch=32, accum_steps=k)
                     for m, d in (("mlp", "mnist1d"), ("cnn1d", "mnist1d"), ("gpt", "pytext")) for k in (2, 4, 8)],
 }
+
+
+def test_the_derived_values_a_study_may_name_are_the_trainers():
+    """Written out in sweeps/studies.py (building a TrainConfig there would import torch): the same names."""
+    assert DERIVED == tuple(TrainConfig(optimizer="adamw").derived())
 
 
 def test_builtin_study_files_give_the_same_trials_as_before():

@@ -1,18 +1,36 @@
 """batchsweep's trainer: one configuration, trained with exact gradient accumulation and measured.
 
 Imports torch, torchvision and mnist1d only, so it runs on a bare GPU machine. This is its whole surface:
-sweeps/ and the benchmarks use nothing else of it.
+sweeps/ and the benchmarks use nothing else of it. Each name is imported where it is first used (PEP 562), so
+that `from trainers import ConfigError` does not import torch: the commands' --help and bad flags answer at once.
 """
-from . import interrupt
-from .checkpoint import FILE as CHECKPOINT_FILE
-from .checkpoint import HOW_NOT_WHAT, Checkpointing, make_writable_folder, pid_alive
-from .cli import format_bytes
-from .config import FIELDS, MAX_COUNT, BatchsweepError, ConfigError, TrainConfig, parse_overrides, parse_value
-from .data import DataError
-from .imports import import_object
-from .loop import METRICS, TrainResult, device_name, memory_source, prepare, resolve_device, train
+import importlib
 
-__all__ = ["CHECKPOINT_FILE", "FIELDS", "HOW_NOT_WHAT", "MAX_COUNT", "METRICS", "BatchsweepError", "Checkpointing",
-           "ConfigError", "DataError", "TrainConfig", "TrainResult", "device_name", "format_bytes", "import_object",
-           "interrupt", "make_writable_folder", "memory_source", "parse_overrides", "parse_value", "pid_alive",
-           "prepare", "resolve_device", "train"]
+# name: (its module, its name there; None for the module itself)
+_SURFACE = {
+    "CHECKPOINT_FILE": ("checkpoint", "FILE"), "HOW_NOT_WHAT": ("checkpoint", "HOW_NOT_WHAT"),
+    "Checkpointing": ("checkpoint", "Checkpointing"), "make_writable_folder": ("checkpoint", "make_writable_folder"),
+    "pid_alive": ("checkpoint", "pid_alive"), "format_bytes": ("cli", "format_bytes"),
+    "FIELDS": ("config", "FIELDS"), "MAX_COUNT": ("config", "MAX_COUNT"), "TrainConfig": ("config", "TrainConfig"),
+    "parse_overrides": ("config", "parse_overrides"), "parse_value": ("config", "parse_value"),
+    "BatchsweepError": ("errors", "BatchsweepError"), "ConfigError": ("errors", "ConfigError"),
+    "DataError": ("errors", "DataError"), "import_object": ("imports", "import_object"),
+    "interrupt": ("interrupt", None), "METRICS": ("loop", "METRICS"), "TrainResult": ("loop", "TrainResult"),
+    "device_name": ("loop", "device_name"), "memory_source": ("loop", "memory_source"),
+    "prepare": ("loop", "prepare"), "resolve_device": ("loop", "resolve_device"), "train": ("loop", "train"),
+}
+__all__ = sorted(_SURFACE)
+
+
+def __getattr__(name: str):
+    if name not in _SURFACE:
+        raise AttributeError(f"module 'trainers' has no attribute {name!r}")
+    module, attribute = _SURFACE[name]
+    module = importlib.import_module(f"{__name__}.{module}")
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value  # the next use is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

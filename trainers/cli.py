@@ -11,7 +11,6 @@ from pathlib import Path
 
 from . import interrupt
 from .config import FIELDS, BatchsweepError, ConfigError, TrainConfig, parse_value
-from .distributed import check_launch, launched_rank, launched_ranks
 
 
 def add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -32,6 +31,8 @@ def config_from_args(args: argparse.Namespace, base: TrainConfig | None = None) 
     """The given flags on top of `base`; each value is parsed to its field's type. `--physical-batch auto` with
     `--effective-batch B` starts at b = B and shrinks on out-of-memory; `--effective-batch` with a number b sets
     k = B / (b * N). Under torchrun, world_size defaults to the number of processes."""
+    from .distributed import launched_ranks
+
     base = base or TrainConfig()
     auto = getattr(args, "physical_batch", None) == "auto"
     target = getattr(args, "effective_batch", None)
@@ -178,9 +179,10 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
-    import torch
+    import torch  # after parsing: --help and bad flags answer before torch is imported
 
     from .checkpoint import Checkpointing
+    from .distributed import check_launch, launched_rank
     from .loop import train
 
     checkpoint, lead = None, launched_rank() == 0  # under torchrun, rank 0 alone reports

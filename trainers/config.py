@@ -6,10 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .data import DATASETS
 from .errors import BatchsweepError, ConfigError  # noqa: F401  (re-exported: callers import them from here)
-from .hf import check as check_hf
-from .models import MODELS
 
 LR_RULES = ("none", "linear", "sqrt", "adam_sqrt")
 WD_RULES = ("none", "timescale")
@@ -84,6 +81,11 @@ class TrainConfig:
     data_dir: str = "data"  # datasets and the MNIST-1D cache
 
     def __post_init__(self) -> None:
+        # Here, not above: the commands' --help and bad flags answer before torch is imported.
+        from .data import DATASETS
+        from .hf import check as check_hf
+        from .models import MODELS
+
         if self.model.startswith("hf:"):
             check_hf(self.model)
         elif ":" not in self.model:
