@@ -150,6 +150,10 @@ def write_report(inv) -> int:
     """Run `analysis/report.py` as its own command: the analysis reads MLflow, never the sweep code. The
     tracking URI goes through the environment (MLFLOW_TRACKING_URI), never on a command line that `ps` shows."""
     script = Path(__file__).resolve().parents[1] / "analysis" / "report.py"
+    # The table of trials is out; the report reads every run's history and draws its figures (20 s for the
+    # default study on 2 cores): a line, so that the wait is not taken for a hang.
+    print(f"writing the report of {inv.study_name} ...", file=sys.stderr, flush=True)
+    sys.stdout.flush()  # the table, before the report's own "report: ..." line
     done = subprocess.run([sys.executable, str(script), "--study", inv.study_name],
                           env={**os.environ, "MLFLOW_TRACKING_URI": inv.tracking_uri})
     if done.returncode:

@@ -78,6 +78,7 @@ def test_tiny_study_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "val_acc" in proc.stdout and "health" in proc.stdout and "24 trials left" in proc.stderr
     assert f"report: {tmp_path}/reports/accum_lr/report.html" in proc.stdout
+    assert proc.stderr.rstrip().endswith("writing the report of accum_lr ...")  # said before the wait
     storage, client = stores(tmp_path)
     trials = grid_trials(storage)
     assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 3
