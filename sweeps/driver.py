@@ -152,8 +152,8 @@ def write_report(inv) -> int:
     script = Path(__file__).resolve().parents[1] / "analysis" / "report.py"
     # The table of trials is out; the report reads every run's history and draws its figures (20 s for the
     # default study on 2 cores): a line, so that the wait is not taken for a hang.
-    print(f"writing the report of {inv.study_name} ...", file=sys.stderr, flush=True)
     sys.stdout.flush()  # the table, before the report's own "report: ..." line
+    print(f"writing the report of {inv.study_name} ...", file=sys.stderr, flush=True)
     done = subprocess.run([sys.executable, str(script), "--study", inv.study_name],
                           env={**os.environ, "MLFLOW_TRACKING_URI": inv.tracking_uri})
     if done.returncode:

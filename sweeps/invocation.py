@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 from typing import Any
 
-from trainers import FIELDS, TrainConfig
+from trainers import DERIVED, FIELDS, TrainConfig
 
 from .planner import start_batch
 from .search import Search, Unit, make_search
-from .studies import DERIVED, Point, Study
+from .studies import Point, Study
 
 
 @dataclass

@@ -15,10 +15,6 @@ from .program import Program
 
 Point = dict[str, Any]  # the fields that vary between trials: TrainConfig's, and a [program] study's own
 
-# Values computed from the fields, which a constraint or a placeholder may name too: TrainConfig.derived()'s
-# names with AdamW, all of them (tests/test_studyfile.py holds them equal), written out so that the commands'
-# --help does not build a TrainConfig, which imports torch.
-DERIVED = ("effective_batch", "lr", "bn_momentum", "beta1", "beta2", "eps", "decay")
 LAUNCHERS = ("process", "torchrun")  # where a trial trains: in the worker, or as a torchrun job
 DIRECTIONS = ("maximize", "minimize")
 OPERATORS = {"<=": operator.le, ">=": operator.ge, "==": operator.eq, "!=": operator.ne, "<": operator.lt,

@@ -13,13 +13,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from trainers import FIELDS, MAX_COUNT, ConfigError, import_object
+from trainers import DERIVED, FIELDS, MAX_COUNT, ConfigError, import_object  # DERIVED: a constraint may name them
 
 from .commands import command
 from .objective import OBJECTIVES
 from .program import PLACEHOLDER, Program, fill
 from .search import PRUNERS, SAMPLERS
-from .studies import (CONSTRAINT, DERIVED, DIRECTIONS, LAUNCHERS, Constraint, Param, Study, check_name,
+from .studies import (CONSTRAINT, DIRECTIONS, LAUNCHERS, Constraint, Param, Study, check_name,
                       check_size)
 
 try:

@@ -14,10 +14,10 @@ from analysis.space import objectives_front
 from sweeps.cli import main
 from sweeps.outcomes import OUTCOMES, holds
 from sweeps.search import GridSearch, SamplerSearch, make_search
-from sweeps.studies import DERIVED, point_key
+from sweeps.studies import point_key
 from sweeps.studyfile import builtin_names, load, parse
 from tests.test_sweeps import child_runs, stores, wait_for_complete
-from trainers import TrainConfig
+from trainers import DERIVED, TrainConfig
 
 State = optuna.trial.TrialState
 K = (1, 2, 4, 8, 16)
@@ -56,7 +56,7 @@ BEFORE = {
 
 
 def test_the_derived_values_a_study_may_name_are_the_trainers():
-    """Written out in sweeps/studies.py (building a TrainConfig there would import torch): the same names."""
+    """Named once in trainers/config.py, without building a TrainConfig (which would import torch)."""
     assert DERIVED == tuple(TrainConfig(optimizer="adamw").derived())
 
 

@@ -15,6 +15,8 @@ OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "cosine")
 NORMS = ("batch", "group", "none")
 PRECISIONS = ("fp32", "bf16")
+# The values TrainConfig.derived() computes from the fields; the last four with AdamW only.
+DERIVED = ("effective_batch", "lr", "bn_momentum", "beta1", "beta2", "eps", "decay")
 DTYPES = ("float32", "float64")
 DEVICES = ("auto", "cpu", "cuda")
 MAX_COUNT = 2 ** 31 - 1  # batch sizes, steps, epochs: beyond this no run gets there, and torch's indices overflow
@@ -246,10 +248,8 @@ class TrainConfig:
         return m
 
     def derived(self) -> dict[str, Any]:
-        found = {"effective_batch": self.effective_batch, "lr": self.lr, "bn_momentum": self.bn_momentum}
-        if self.optimizer == "adamw":  # what AdamW ran with, after the rules
-            found.update(beta1=self.beta1, beta2=self.beta2, eps=self.eps, decay=self.decay)
-        return found
+        names = DERIVED if self.optimizer == "adamw" else DERIVED[:3]  # AdamW: what it ran with, after the rules
+        return {name: getattr(self, name) for name in names}
 
     def to_dict(self) -> dict[str, Any]:
         """Every field plus the derived values: the params a run is logged with."""
