@@ -88,13 +88,14 @@ def workers_and_gpus(args: argparse.Namespace, study) -> tuple[int, list]:
 
 
 def build_invocation(args: argparse.Namespace):
-    from .objective import make_objective
-    from .invocation import Invocation
-    from .storage import default_storage
     from .studyfile import load
+
+    study = load(args.study)  # before torch and MLflow are imported: a study file's mistake answers at once
+    from .invocation import Invocation
+    from .objective import make_objective
+    from .storage import default_storage
     from .tracking import default_tracking_uri
 
-    study = load(args.study)
     make_objective(study)  # its metrics are checked before anything runs
     if args.seeds is None:
         args.seeds = study.seeds
@@ -140,23 +141,22 @@ def build_invocation(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from .driver import run_invocation, write_report
     from .tables import dry_run_table, list_studies
-    from .tracking import quiet_library_logs
 
-    quiet_library_logs()
-    # MLflow prints a "View run … at http://…" line for every run a tracking server ends, into the results table.
-    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     try:
-        if args.list:
+        if args.list:  # the study files only: no torch or MLflow
             print(list_studies())
             return 0
         if args.plan:
+            quiet_stores()
             return memory_plan(args)
         inv = build_invocation(args)
         if args.dry_run:
             print(dry_run_table(inv))
             return 0
+        quiet_stores()
+        from .driver import run_invocation, write_report
+
         code = run_invocation(inv, args.workers, args.gpus)
     except BatchsweepError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -164,6 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     if code or args.no_report:
         return code
     return write_report(inv)
+
+
+def quiet_stores() -> None:
+    """Before a store opens: its libraries' INFO lines stay out of the bars, and MLflow's "View run … at
+    http://…" line for every run a tracking server ends out of the results table."""
+    from .tracking import quiet_library_logs
+
+    quiet_library_logs()
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 
 def memory_plan(args: argparse.Namespace) -> int:

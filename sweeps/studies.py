@@ -16,6 +16,7 @@ from .program import Program
 Point = dict[str, Any]  # the fields that vary between trials: TrainConfig's, and a [program] study's own
 
 LAUNCHERS = ("process", "torchrun")  # where a trial trains: in the worker, or as a torchrun job
+KINDS = ("train", "equivalence", "program")  # what a trial is: sweeps/objective.py has a class for each
 DIRECTIONS = ("maximize", "minimize")
 OPERATORS = {"<=": operator.le, ">=": operator.ge, "==": operator.eq, "!=": operator.ne, "<": operator.lt,
              ">": operator.gt}
@@ -71,7 +72,7 @@ class Study:
     pruner: str = "none"
     twins: bool = False
     constraints: tuple[Constraint, ...] = ()
-    kind: str = "train"
+    kind: str = "train"  # one of KINDS
     metrics: tuple[str, ...] = ("val_acc",)
     directions: tuple[str, ...] = ("maximize",)
     seeds: int = 1  # the default of --seeds

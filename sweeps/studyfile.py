@@ -16,10 +16,9 @@ from typing import Any
 from trainers import DERIVED, FIELDS, MAX_COUNT, ConfigError, import_object  # DERIVED: a constraint may name them
 
 from .commands import command
-from .objective import OBJECTIVES
 from .program import PLACEHOLDER, Program, fill
 from .search import PRUNERS, SAMPLERS
-from .studies import (CONSTRAINT, DIRECTIONS, LAUNCHERS, Constraint, Param, Study, check_name,
+from .studies import (CONSTRAINT, DIRECTIONS, KINDS, LAUNCHERS, Constraint, Param, Study, check_name,
                       check_size)
 
 try:
@@ -194,7 +193,7 @@ def _axis(key: str, values: Any, value_of, fail) -> tuple:
 
 def _objective(objective: dict, fail, program: bool) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
     """[objective]: the kind, and one direction per metric."""
-    kind = _choice(objective, "objective.kind", "kind", tuple(OBJECTIVES), "program" if program else "train", fail)
+    kind = _choice(objective, "objective.kind", "kind", KINDS, "program" if program else "train", fail)
     if (kind == "program") != program:
         raise fail("objective.kind", "a study with a [program] runs your script: leave kind out (it is \"program\")"
                    if program else "\"program\" runs your script: add a [program] table with its command")

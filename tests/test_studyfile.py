@@ -60,6 +60,14 @@ def test_the_derived_values_a_study_may_name_are_the_trainers():
     assert DERIVED == tuple(TrainConfig(optimizer="adamw").derived())
 
 
+def test_each_kind_a_study_file_may_name_has_its_objective():
+    """Named in sweeps/studies.py, so that reading a study file imports no torch or MLflow."""
+    from sweeps.objective import OBJECTIVES
+    from sweeps.studies import KINDS
+
+    assert tuple(OBJECTIVES) == KINDS
+
+
 def test_builtin_study_files_give_the_same_trials_as_before():
     # (equivalence has gained gpt on pytext, its fields joined to the model's in one axis)
     assert builtin_names() == sorted(BEFORE)
