@@ -1,7 +1,7 @@
 """The worked examples of docs/programs.md, each swept at a small size: a transformers Trainer script that
-prints JSON lines, and a Lightning script that logs through its own MLFlowLogger; and two of docs/audit.md's
-real subjects, audited as it shows. They need the optional extra (pip install -e '.[scripts]'), which CI
-installs."""
+prints JSON lines, and a Lightning script that logs through its own MLFlowLogger; and docs/audit.md's real
+subjects (Lightning, transformers' Trainer, Accelerate's two loops), audited as it shows. They need the
+optional extra (pip install -e '.[scripts]'), which CI installs."""
 import importlib.util
 import json
 import math
@@ -82,3 +82,18 @@ def test_the_audit_finds_the_transformers_trainers_accumulation_exact(tmp_path, 
     finding = audited(tmp_path, capsys, monkeypatch, "hf.toml", 4, 4)
     assert finding["verdict"] == "exact", finding
     assert finding["steps_accumulated"] == finding["steps_true_batch"] == 13
+
+
+@needs("transformers", "accelerate")
+@pytest.mark.parametrize("study, verdict", [("accelerate.toml", "mean_of_micro_batch_means"),
+                                            ("accelerate_window.toml", "exact")])
+def test_the_audit_of_accelerates_two_loops_says_what_docs_audit_says(tmp_path, capsys, monkeypatch, study, verdict):
+    """`accumulate()` around the model's own per-micro-batch mean is a mean of micro-batch means on padded
+    sequences, from the first update on; the guide's loop for samples of variable size, which divides the
+    window's summed token loss by its count of tokens, is exact, the short last window included."""
+    finding = audited(tmp_path, capsys, monkeypatch, study, 4, 4)
+    assert finding["verdict"] == verdict, finding
+    assert finding["steps_accumulated"] == finding["steps_true_batch"] == 13
+    if verdict != "exact":
+        assert finding["first_differing_update"] == 1 and finding["runs"] == 6
+        assert finding["update_ratio"] == pytest.approx(1.01, abs=0.01) and 0.99 < finding["update_cosine"] < 1
