@@ -129,12 +129,13 @@ def run_in_process(inv, parent_run_id: str, total: int, placement=None) -> None:
     trials = tqdm(total=total, unit="trial", file=sys.stderr, dynamic_ncols=True, position=0)
     epochs = tqdm(total=0, unit="epoch", file=sys.stderr, dynamic_ncols=True, position=1, leave=False)
 
-    def trial_start(name: str, n_epochs: int) -> None:
+    def trial_start(name: str, n_epochs: int) -> None:  # one frame: its name, at epoch 0, no metric of the last
+        epochs.set_description(name, refresh=False)
+        epochs.set_postfix_str("", refresh=False)
         epochs.reset(total=n_epochs)
-        epochs.set_description(name)
 
-    def epoch_done(row: dict) -> None:
-        epochs.set_postfix({m: f"{row[m]:.3f}" for m in inv.study.metrics if m in row})
+    def epoch_done(row: dict) -> None:  # the metric and its epoch in the same frame
+        epochs.set_postfix({m: f"{row[m]:.3f}" for m in inv.study.metrics if m in row}, refresh=False)
         epochs.update(1)
 
     hooks = Hooks(trial_done=lambda t: trials.update(1), trial_start=trial_start, epoch_done=epoch_done,
