@@ -127,7 +127,9 @@ def run_in_process(inv, parent_run_id: str, total: int, placement=None) -> None:
     from .worker import Hooks, Worker
 
     trials = tqdm(total=total, unit="trial", file=sys.stderr, dynamic_ncols=True, position=0)
-    epochs = tqdm(total=0, unit="epoch", file=sys.stderr, dynamic_ncols=True, position=1, leave=False)
+    # A frame for every epoch (however fast), each with its metric.
+    epochs = tqdm(total=0, unit="epoch", file=sys.stderr, dynamic_ncols=True, position=1, leave=False,
+                  mininterval=0, miniters=1)
 
     def trial_start(name: str, n_epochs: int) -> None:  # one frame: its name, at epoch 0, no metric of the last
         epochs.set_description(name, refresh=False)
