@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -204,3 +205,16 @@ def test_checkpoint_dir_none_turns_checkpoints_off(tmp_path, monkeypatch):
     assert main(["--model", "mlp", "--dataset", "tests.factories:blobs", "--epochs", "1", "--device", "cpu",
                  "--checkpoint-dir", "none"]) == 0
     assert not (tmp_path / "none").exists()
+
+
+def test_the_bar_over_epochs_draws_each_epoch_with_its_own_metrics(capsys):
+    from trainers.cli import epoch_progress
+
+    on_epoch, close = epoch_progress(3)
+    for epoch in (1, 2, 3):  # faster than tqdm's default 0.1 s between frames
+        on_epoch({"epoch": epoch, "train_loss": 1 / epoch, "val_acc": 0.5 + epoch / 10})
+    close()
+    frames = re.split(r"[\r\n]", capsys.readouterr().err)
+    for epoch in (1, 2, 3):
+        assert any(f" {epoch}/3 [" in f and f"val_acc={0.5 + epoch / 10:.3f}" in f for f in frames), frames
+    assert not any(" 0/3 [" in f and "val_acc" in f for f in frames), frames

@@ -133,7 +133,8 @@ def epoch_progress(total: int, jsonl: str | None = None):
     """A bar over epochs, and each row appended to `jsonl` when given: returns (callback, close)."""
     from tqdm import tqdm
 
-    bar = tqdm(total=total, unit="epoch", file=sys.stderr, dynamic_ncols=True)
+    # A frame for every epoch (however fast), each with its own metrics: not epoch n - 1 with epoch n's.
+    bar = tqdm(total=total, unit="epoch", file=sys.stderr, dynamic_ncols=True, mininterval=0, miniters=1)
     rows = open(jsonl, "a") if jsonl else None
 
     def on_epoch(row: dict) -> None:
@@ -142,7 +143,7 @@ def epoch_progress(total: int, jsonl: str | None = None):
             rows.flush()
         if "epoch" not in row:  # an evaluation within the epoch (eval_every_steps)
             return
-        bar.set_postfix(loss=f"{row['train_loss']:.3f}", val_acc=f"{row['val_acc']:.3f}")
+        bar.set_postfix(loss=f"{row['train_loss']:.3f}", val_acc=f"{row['val_acc']:.3f}", refresh=False)
         bar.update(1)
 
     def close() -> None:
