@@ -1,4 +1,4 @@
-"""Running a study: its worker processes, one progress bar, the parent MLflow run, the report at the end."""
+"""Running a study: its worker processes, the progress bars, the parent MLflow run, the report at the end."""
 from __future__ import annotations
 
 import multiprocessing
@@ -20,13 +20,39 @@ from .tracking import HOST, Tracker, TrackingError, first_line, git_commit, quie
 from .urls import redact
 
 # A worker's message that moves the bar: counting this invocation's trials, not the study's, keeps the bar
-# right when another machine's workers share the study or a point claimed twice is given back.
+# right when another machine's workers share the study or a point claimed twice is given back. Its bar over
+# epochs moves by ("start", worker, trial name, epochs) and ("epoch", worker, metrics).
 TRIAL_DONE = "\0trial done"
+
+
+def epoch_bar(position: int):
+    """The bar over one trial's epochs, under the bar over trials: a frame for every epoch (however fast)."""
+    from tqdm import tqdm
+
+    return tqdm(total=0, unit="epoch", file=sys.stderr, dynamic_ncols=True, position=position, leave=False,
+                mininterval=0, miniters=1)
+
+
+def start_trial(bar, name: str, epochs: int) -> None:
+    """One frame: the trial's name, at epoch 0, and no metric of the trial before it."""
+    bar.set_description(name, refresh=False)
+    bar.set_postfix_str("", refresh=False)
+    bar.reset(total=epochs)
+
+
+def end_epoch(bar, metrics: dict[str, str]) -> None:
+    bar.set_postfix(metrics, refresh=False)  # the metric and its epoch in the same frame
+    bar.update(1)
+
+
+def shown(inv, row: dict) -> dict[str, str]:
+    """An epoch's objective metrics, as its bar shows them."""
+    return {m: f"{row[m]:.3f}" for m in inv.study.metrics if m in row}
 
 
 def _worker_process(inv, parent_run_id: str, index: int, budget: int | None, messages, placement=None) -> None:
     """One of --workers N: one torch thread (several multi-threaded workers thrash a small CPU); its lines go
-    to the main process, which prints them above the bar. A fatal error is its last line, and exit status 2.
+    to the main process, which prints them above the bars. A fatal error is its last line, and exit status 2.
     With a placement it sees one GPU (its CUDA_VISIBLE_DEVICES was set when it started)."""
     import optuna
     import torch
@@ -38,8 +64,10 @@ def _worker_process(inv, parent_run_id: str, index: int, budget: int | None, mes
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     quiet_library_logs()
     try:
-        Worker(inv, parent_run_id, index, Hooks(say=messages.put, trial_done=lambda t: messages.put(TRIAL_DONE)),
-               placement).run(budget)
+        hooks = Hooks(say=messages.put, trial_done=lambda t: messages.put(TRIAL_DONE),
+                      trial_start=lambda name, epochs: messages.put(("start", index, name, epochs)),
+                      epoch_done=lambda row: messages.put(("epoch", index, shown(inv, row))))
+        Worker(inv, parent_run_id, index, hooks, placement).run(budget)
     except KeyboardInterrupt:
         pass
     except BatchsweepError as exc:
@@ -48,8 +76,8 @@ def _worker_process(inv, parent_run_id: str, index: int, budget: int | None, mes
 
 
 def run_workers(inv, parent_run_id: str, workers: int, total: int, placements: list) -> None:
-    """Start the worker processes (each on its GPU, where there are placements) and draw one bar over the
-    study's trials while they work."""
+    """Start the worker processes (each on its GPU, where there are placements) and draw a bar over the
+    study's trials while they work, and under it a bar over each worker's epochs."""
     from tqdm import tqdm
 
     budgets = [None] * workers if inv.n_trials is None else \
@@ -63,13 +91,16 @@ def run_workers(inv, parent_run_id: str, workers: int, total: int, placements: l
         start_on(proc, placement)
     fatal = []
 
-    def drain(bar) -> None:
+    def drain(bar, epochs: list) -> None:
         while True:
             try:
                 line = messages.get_nowait()
             except queue.Empty:
                 return
-            if line == TRIAL_DONE:
+            if isinstance(line, tuple):
+                kind, index, *args = line
+                (start_trial if kind == "start" else end_epoch)(epochs[index], *args)
+            elif line == TRIAL_DONE:
                 bar.update(1)
             elif line.startswith("error: "):
                 fatal.append(line.removeprefix("error: "))
@@ -77,15 +108,20 @@ def run_workers(inv, parent_run_id: str, workers: int, total: int, placements: l
                 tqdm.write(line, file=sys.stderr)
 
     try:
-        with tqdm(total=total, unit="trial", file=sys.stderr, dynamic_ncols=True) as bar:
-            while any(p.is_alive() for p in procs):
-                time.sleep(1.0)
-                interrupt.check()
-                drain(bar)
-                bar.refresh()  # the elapsed time moves on between trials too
-            for proc in procs:
-                proc.join()
-            drain(bar)
+        with tqdm(total=total, unit="trial", file=sys.stderr, dynamic_ncols=True, position=0) as bar:
+            epochs = [epoch_bar(i + 1) for i in range(workers)]
+            try:
+                while any(p.is_alive() for p in procs):
+                    time.sleep(1.0)
+                    interrupt.check()
+                    drain(bar, epochs)
+                    bar.refresh()  # the elapsed time moves on between trials too
+                for proc in procs:
+                    proc.join()
+                drain(bar, epochs)
+            finally:
+                for epoch in reversed(epochs):
+                    epoch.close()
     except KeyboardInterrupt:  # from a terminal the workers got the signal too: let them mark their trials
         deadline = time.monotonic() + 5
         for proc in procs:
@@ -127,20 +163,10 @@ def run_in_process(inv, parent_run_id: str, total: int, placement=None) -> None:
     from .worker import Hooks, Worker
 
     trials = tqdm(total=total, unit="trial", file=sys.stderr, dynamic_ncols=True, position=0)
-    # A frame for every epoch (however fast), each with its metric.
-    epochs = tqdm(total=0, unit="epoch", file=sys.stderr, dynamic_ncols=True, position=1, leave=False,
-                  mininterval=0, miniters=1)
-
-    def trial_start(name: str, n_epochs: int) -> None:  # one frame: its name, at epoch 0, no metric of the last
-        epochs.set_description(name, refresh=False)
-        epochs.set_postfix_str("", refresh=False)
-        epochs.reset(total=n_epochs)
-
-    def epoch_done(row: dict) -> None:  # the metric and its epoch in the same frame
-        epochs.set_postfix({m: f"{row[m]:.3f}" for m in inv.study.metrics if m in row}, refresh=False)
-        epochs.update(1)
-
-    hooks = Hooks(trial_done=lambda t: trials.update(1), trial_start=trial_start, epoch_done=epoch_done,
+    epochs = epoch_bar(1)
+    hooks = Hooks(trial_done=lambda t: trials.update(1),
+                  trial_start=lambda name, n: start_trial(epochs, name, n),
+                  epoch_done=lambda row: end_epoch(epochs, shown(inv, row)),
                   say=lambda line: tqdm.write(line, file=sys.stderr))
     try:
         return Worker(inv, parent_run_id, 0, hooks, placement).run(inv.n_trials)

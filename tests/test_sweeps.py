@@ -79,12 +79,8 @@ def test_tiny_study_end_to_end(tmp_path):
     assert "val_acc" in proc.stdout and "health" in proc.stdout and "24 trials left" in proc.stderr
     assert f"report: {tmp_path}/reports/accum_lr/report.html" in proc.stdout
     assert proc.stderr.rstrip().endswith("writing the report of accum_lr ...")  # said before the wait
-    # The bar over epochs: each trial's first frame is its own, at epoch 0 without the last trial's val_acc.
-    frames = [f for f in re.split(r"[\r\n]", proc.stderr) if re.search(r"epoch/s|s/epoch", f)]
-    started = [f for f in frames if " 0/1 [" in f]
-    assert len({f.split(":")[0] for f in started}) == 3 and not any("val_acc=" in f for f in started), frames
-    ended = {f.split(":")[0] for f in frames if " 1/1 [" in f and "val_acc=0." in f}  # each epoch's, with it
-    assert ended == {f.split(":")[0] for f in started}, frames
+    started, ended = epoch_frames(proc.stderr, 1)  # the bar over epochs: each trial's own, from epoch 0
+    assert len(started) == 3 and ended == started, (started, ended)
     storage, client = stores(tmp_path)
     trials = grid_trials(storage)
     assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 3
@@ -248,6 +244,18 @@ def test_workers_cover_the_grid_once(tmp_path, workers, storage):
     children, _ = child_runs(client)
     assert sorted(r.info.run_id for r in children if r.info.status == "FINISHED") == \
         sorted(t.user_attrs["mlflow_run_id"] for t in trials)
+    started, ended = epoch_frames(proc.stderr, 1)  # each worker's bar over epochs: every trial's epoch, drawn
+    assert len(ended) == 12 and ended <= started, (started, ended)
+
+
+def epoch_frames(stderr: str, epochs: int) -> tuple[set[str], set[str]]:
+    """The trials that the bars over epochs showed at epoch 0, and at their last epoch with their val_acc; a
+    frame at epoch 0 shows no metric (of the trial before it)."""
+    frames = [f for f in re.split(r"[\r\n]", stderr) if re.search(r"epoch/s|s/epoch", f)]
+    at_0 = [f for f in frames if f" 0/{epochs} [" in f]
+    assert not any("val_acc=" in f for f in at_0), at_0
+    return ({f.split(":")[0] for f in at_0},
+            {f.split(":")[0] for f in frames if f" {epochs}/{epochs} [" in f and "val_acc=0." in f})
 
 
 @pytest.mark.parametrize("args,expected", [
