@@ -122,17 +122,8 @@ def run_workers(inv, parent_run_id: str, workers: int, total: int, placements: l
             finally:
                 for epoch in reversed(epochs):
                     epoch.close()
-    except KeyboardInterrupt:  # from a terminal the workers got the signal too: let them mark their trials
-        deadline = time.monotonic() + 5
-        for proc in procs:
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        for proc in procs:  # a signal to this process alone (kill -INT): pass it on, or they would run on
-            if proc.is_alive():
-                os.kill(proc.pid, signal.SIGINT)
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.terminate()
+    except KeyboardInterrupt:
+        stop_workers(procs)
         raise
     if fatal:
         raise BatchsweepError(fatal[0])
@@ -140,6 +131,20 @@ def run_workers(inv, parent_run_id: str, workers: int, total: int, placements: l
         if proc.exitcode is not None and proc.exitcode < 0:  # e.g. the kernel's out-of-memory killer
             print(f"warning: worker {i} was killed by {signal.Signals(-proc.exitcode).name}; its trial is marked "
                   f"failed, and its point runs again (in this invocation, or the next)", file=sys.stderr)
+
+
+def stop_workers(procs) -> None:
+    """After a Ctrl-C. From a terminal the workers got the signal too: let them mark their trials."""
+    deadline = time.monotonic() + 5
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:  # a signal to this process alone (kill -INT): pass it on, or they would run on
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGINT)
+    for proc in procs:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.terminate()
 
 
 def start_on(proc, placement) -> None:
