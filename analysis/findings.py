@@ -319,20 +319,19 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
         return []
     table, target = found
     out = []
-    knees = {}
+    knees, courses = {}, {}
     for group, rows in table.groupby(keys) if keys else [("", table)]:
         group = group[0] if isinstance(group, tuple) else group
         knees[group] = knee(rows)
-    def where(b: int | None) -> str:
-        return f"beyond B = {b}" if b else "nowhere within the batches measured"
-
-    if len(knees) > 1 and len(set(knees.values())) == 1:
-        per = f"for every {' and '.join(keys)} {where(next(iter(knees.values())))}"
+        courses[group] = course(rows, knees[group])
+    reached_at = f"Steps to reach {_pct(target)} validation accuracy ({100 * TARGET_SHARE:.0f}% of the best " \
+                 f"configuration's mean)"
+    if len(set(courses.values())) == 1:
+        every = f", for every {' and '.join(keys)}," if len(courses) > 1 else ""
+        out.append(f"{reached_at}{every} {next(iter(courses.values()))}. Accuracy is {resolution(t, evals)}.")
     else:
-        per = ", ".join(f"{f'for {g} ' if g else ''}{where(b)}" for g, b in knees.items())
-    out.append(f"Steps to reach {_pct(target)} validation accuracy ({100 * TARGET_SHARE:.0f}% of the best "
-               f"configuration's mean) stopped halving with each doubling of B (a doubling saved less than a "
-               f"quarter of them) {per}. Accuracy is {resolution(t, evals)}.")
+        out.append(f"{reached_at}: " + "; ".join(f"for {g}, {c}" for g, c in courses.items()) +
+                   f". Accuracy is {resolution(t, evals)}.")
     b_crit = critical_batch(t)
     measured = [b for b in knees.values() if b]
     if b_crit is not None and measured:
@@ -342,6 +341,19 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
         out.append(f"The measured gradient noise scale predicts a critical batch of about {b_crit:.0f} "
                    f"(McCandlish et al. 2018): {where} where steps-to-target stopped halving (B = {knee_b}).")
     return out
+
+
+def course(rows: pd.DataFrame, b: int | None) -> str:
+    """How one series' steps-to-target followed B: where they stopped halving, that they never did, or that
+    the smallest B never reached the target, so there is nothing to follow."""
+    s = rows.sort_values("effective_batch")
+    if b:
+        return (f"stopped halving with each doubling of B (a doubling saved less than a quarter of them) beyond "
+                f"B = {b}")
+    if math.isnan(s["steps"].iloc[0]):
+        return f"could not be compared across B: most seeds never reached it at B = {s['effective_batch'].iloc[0]}"
+    return (f"kept halving with each doubling of B (each doubling saved at least a quarter of them) up to "
+            f"B = {s['effective_batch'].iloc[-1]}, the largest measured")
 
 
 def _counted(d: Difference | None, unit: str) -> str:

@@ -5,6 +5,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -186,17 +187,21 @@ def test_the_critical_batch_by_branching_beside_the_noise_scale():
     assert branching.figure(trials, history).name == "critical_batch"
 
 
+def reaching(trials: pd.DataFrame, epochs_to_target) -> pd.DataFrame:
+    """A history in which each trial's val_acc jumps from 0.5 to 0.95 at epoch `epochs_to_target(trial)`."""
+    rows = []
+    for r in trials.itertuples():
+        per_epoch, reach = 4000 // r.effective_batch, epochs_to_target(r)
+        for e in range(1, 21):
+            rows.append(dict(run_id=r.run_id, epoch=e, steps=e * per_epoch, val_acc=0.5 if e < reach else 0.95))
+    return pd.DataFrame(rows)
+
+
 def test_steps_to_target_and_its_knee():
     # Steps to reach 90% halve with each doubling of B up to 128 and stay flat beyond: the knee is at 128.
     trials = synthetic(flat)
     trials = trials[trials.physical_batch == 32].assign(lr_rule="sqrt").drop_duplicates(["seed", "effective_batch"])
-    rows = []
-    for r in trials.itertuples():
-        per_epoch = 4000 // r.effective_batch
-        reach = {32: 4, 64: 4, 128: 4, 256: 8, 512: 16}[r.effective_batch]  # epochs to the target
-        for e in range(1, 21):
-            rows.append(dict(run_id=r.run_id, epoch=e, steps=e * per_epoch, val_acc=0.5 if e < reach else 0.95))
-    history = pd.DataFrame(rows)
+    history = reaching(trials, lambda r: {32: 4, 64: 4, 128: 4, 256: 8, 512: 16}[r.effective_batch])
     table, target = steps_to_target(trials, history, ["lr_rule"])
     assert target == pytest.approx(0.95 * 0.951)
     assert list(table.sort_values("effective_batch")["steps"]) == [4 * 125, 4 * 62, 4 * 31, 8 * 15, 16 * 7]
@@ -208,6 +213,25 @@ def test_steps_to_target_and_its_knee():
            "steps-to-target stopped halving (B = 128)" in sentences
     names = [f.name for f in all_figures(trials, history)]
     assert "steps_to_target" in names
+
+
+def test_steps_that_never_stop_halving_or_were_never_reached_are_said_so():
+    trials = synthetic(flat)
+    trials = trials[trials.physical_batch == 32].drop_duplicates(["seed", "effective_batch"])
+    trials = trials.assign(lr_rule=np.where(trials.seed == trials.seed.min(), "none", "sqrt"))
+    # sqrt: the same epoch at every B, so the steps halve up to the largest B; none: never reached at B = 32.
+    history = reaching(trials, lambda r: 4 if r.lr_rule == "sqrt" or r.effective_batch > 32 else 99)
+    table, _ = steps_to_target(trials, history, ["lr_rule"])
+    assert [knee(rows) for _, rows in table.groupby("lr_rule")] == [None, None]
+    sentences = " ".join(summarize(trials, history))
+    assert ("validation accuracy (95% of the best configuration's mean): for none, could not be compared across B: "
+            "most seeds never reached it at B = 32; for sqrt, kept halving with each doubling of B (each doubling "
+            "saved at least a quarter of them) up to B = 512, the largest measured. Accuracy is") in sentences
+    assert "stopped halving" not in sentences
+    history = reaching(trials, lambda r: 4)
+    sentences = " ".join(summarize(trials, history))
+    assert "mean), for every lr_rule, kept halving with each doubling of B (each doubling saved at least a quarter " \
+           "of them) up to B = 512, the largest measured. Accuracy is" in sentences
 
 
 def test_bn_rules_are_compared_by_their_running_statistics():
