@@ -85,12 +85,19 @@ def finding(trials: pd.DataFrame, history: pd.DataFrame) -> list[str]:
     out = (f"Branched from the reference at B = {found.b0} into larger batches (the same samples after the branch; "
            f"a branch kept up when its validation loss came within {100 * TOLERANCE:.0f}% of the reference's), the "
            f"critical batch measured was {said} (Merrill et al. 2025).")
-    at = [(b, noise[t]) for t, b in zip(c["t"], c["B"]) if t in noise.index]
+    at = [(t, b, noise[t]) for t, b in zip(c["t"], c["B"]) if t in noise.index]
     if at:
-        measured = [n / b for b, n in at if least <= b < tops]  # both sides bounded by the branches
-        out += (f" The reference's noise scale at those epochs was {', '.join(f'{n:.0f}' for _, n in at)} "
-                f"(McCandlish et al. 2018)" + (f": a median {np.median(measured):.2g} times the critical batch where "
-                                               f"branching measured it." if measured else "."))
+        measured = {t: n / b for t, b, n in at if least <= b < tops}  # both sides bounded by the branches
+        ratio = ""
+        if len(measured) == 1:
+            (t, r), = measured.items()
+            ratio = (f": {r:.2g} times the critical batch at epoch {t}, the only epoch where branching "
+                     f"measured it rather than bounded it")
+        elif measured:
+            ratio = (f": a median {np.median(list(measured.values())):.2g} times the critical batch at epochs "
+                     f"{', '.join(map(str, measured))}, where branching measured it rather than bounded it")
+        out += (f" The reference's noise scale at those epochs was {', '.join(f'{n:.0f}' for _, _, n in at)} "
+                f"(McCandlish et al. 2018){ratio}.")
     return [out]
 
 
