@@ -59,13 +59,20 @@ def _value(value) -> str:
     return str(int(value)) if isinstance(value, (int, float, np.integer)) and not isinstance(value, bool) else str(value)
 
 
+def _warmup(value: str) -> str:
+    """A batch warmup's B per epoch, a repeated B once with its epochs: a critical-batch branch's eight epochs
+    at the reference's B are '32 for 8 epochs'."""
+    sizes = value.split(",")
+    return f"{sizes[0]} for {len(sizes)} epochs" if len(sizes) > 1 and len(set(sizes)) == 1 else value
+
+
 def label(row: pd.Series | dict, fields: list[str]) -> str:
     """A configuration as people say it: 'b = 64, k = 8, sqrt'."""
     parts = []
     for f in fields:
         v = row[f]
         if f == "batch_warmup":
-            parts.append(f"warmup B = {v}" if isinstance(v, str) and v else "fixed B")
+            parts.append(f"warmup B = {_warmup(v)}" if isinstance(v, str) and v else "fixed B")
         elif f in SHORT:
             parts.append(f"{SHORT[f]} = {_value(v)}")
         elif f in ORDER:

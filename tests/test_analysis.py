@@ -14,7 +14,7 @@ from analysis import branching
 from analysis.findings import lr_rule_reading, summarize
 from analysis.render import MIB, _display, _table, write_report
 from analysis.runs import StudyRuns, aggregate, knee, load_study, steps_to_target
-from analysis.space import (MIN_IMPORTANCE_TRIALS, front, importance, memory_front, parallel_coordinates,
+from analysis.space import (MIN_IMPORTANCE_TRIALS, front, importance, label, memory_front, parallel_coordinates,
                             time_front)
 from tests.conftest import run_script
 from tests.test_sweeps import TINY, sweep
@@ -487,6 +487,14 @@ def test_pareto_fronts_answer_a_budget():
     points = pd.DataFrame({"cost": [1, 2, 2, 3], "value": [0.5, 0.7, 0.6, 0.7]})
     assert list(front(points, "cost", "value")) == [True, True, False, False]
     assert list(front(points, "cost", "value", maximize=False)) == [True, False, False, False]
+
+
+def test_a_configuration_is_named_as_people_say_it():
+    fields = ["accum_steps", "batch_warmup"]
+    assert label({"accum_steps": 16, "batch_warmup": "32,32,32,32,32,32,32,32"}, fields) == \
+        "k = 16, warmup B = 32 for 8 epochs"  # a critical-batch branch
+    assert label({"accum_steps": 8, "batch_warmup": "32,64,128"}, fields) == "k = 8, warmup B = 32,64,128"
+    assert label({"accum_steps": 1, "batch_warmup": ""}, fields) == "k = 1, fixed B"
 
 
 def test_no_lr_rule_is_named_best_at_the_base_batch():
