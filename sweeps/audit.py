@@ -124,6 +124,7 @@ class Auditor:
                  folder: Path):
         self.study, self.config, self.own, self.tracker, self.parent, self.folder = (
             study, config, own, tracker, parent, folder)
+        self.bar = None  # _main's bar over the steps of the run being made (how many runs is not known ahead)
         self.runs: list[Run] = []
 
     def run(self, name: str, b: int, k: int, max_steps: int, lr: float | None = None) -> Run:
@@ -145,11 +146,13 @@ class Auditor:
         env = {"BATCHSWEEP_STATE": str(state), **program.handoff(self.tracker.uri, run_id, self.tracker.experiment_id),
                **self.study.program.environment(values)}
         output = program.Output()
+        self.started(record)
         try:
             ended = program.run(self.study.program.argv(values), env, self.study.program.cwd, None, output,
-                                record.read)
+                                lambda row: self.read(record, row))
         finally:
             self.tracker.client.log_text(run_id, scrub(output.text(), self.tracker.uri), "log.txt")
+            self.bar.refresh()  # the run's last step, however soon the next run starts
         if ended.code != 0:
             self.tracker.end(run_id, "FAILED")
             raise AuditError(f"the {name} run failed: {scrub(program.failure(ended, output), self.tracker.uri)}")
@@ -163,6 +166,21 @@ class Auditor:
         self.tracker.finish(run_id, "FINISHED", metrics={"steps": float(len(record.losses))})
         self.runs.append(record)
         return record
+
+    def started(self, record: Run) -> None:
+        """One frame: the run's number, what it is, at step 0 of its max_steps (of an epoch: a count)."""
+        steps = f"to step {record.max_steps}" if record.max_steps else "an epoch"
+        self.bar.set_description_str(f"run {len(self.runs) + 1}: {record.name} b{record.b} k{record.k}, {steps}",
+                                     refresh=False)  # (set_description's ': ' doubles on a bar of no total)
+        self.bar.set_postfix_str("", refresh=False)
+        self.bar.total = record.max_steps or None  # (reset(total=None) would keep the last run's)
+        self.bar.reset()
+
+    def read(self, record: Run, row: dict[str, float]) -> None:
+        record.read(row)
+        if "loss" in row:
+            self.bar.set_postfix(loss=f"{row['loss']:.4g}", refresh=False)
+            self.bar.update(1)
 
 
 def unusable(record: Run, state: Path) -> str | None:
@@ -369,18 +387,21 @@ def _auditor(args: argparse.Namespace, folder: Path) -> Auditor:
 
 
 def _main(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
     from .tables import format_table
     from .tracking import first_line
 
     b, k = args.physical_batch, args.accum_steps
     with tempfile.TemporaryDirectory(prefix="batchsweep-audit-") as folder:
-        auditor = _auditor(args, Path(folder))
-        try:
-            finding = audit(auditor, b, k, args.steps)
-        except BaseException as exc:
-            auditor.tracker.finish(auditor.parent, "FAILED", tags={"error": first_line(exc, auditor.tracker.uri)})
-            auditor.tracker.end_open_runs("FAILED")
-            raise
+        auditor = _auditor(args, Path(folder))  # (a mistake in the study is one line, with no bar before it)
+        with tqdm(total=0, unit="step", file=sys.stderr, dynamic_ncols=True, leave=False) as auditor.bar:
+            try:
+                finding = audit(auditor, b, k, args.steps)
+            except BaseException as exc:
+                auditor.tracker.finish(auditor.parent, "FAILED", tags={"error": first_line(exc, auditor.tracker.uri)})
+                auditor.tracker.end_open_runs("FAILED")
+                raise
     f = finding.figures
     status, text = VERDICTS[finding.verdict]
     sentence = text.format(**f)

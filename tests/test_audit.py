@@ -1,6 +1,7 @@
 """`batchsweep audit` against the catalog of accumulation mistakes (tests/programs/catalog.py): it names each
 one and passes the correct loop, on per-sample and per-token losses, in float64 and float32."""
 import json
+import re
 
 import pytest
 import torch
@@ -66,14 +67,29 @@ def assert_every_run_is_a_nested_mlflow_run_and_the_verdict_a_tag(store):
     assert {r.data.tags["audit.role"] for r in children} == {"start", "accumulated", "true batch", "repeat"}
 
 
+def assert_a_bar_over_each_runs_steps(out: str, err: str):
+    """Each run of the table on stdout had a frame at step 0 and one at its last step, under its number."""
+    rows = [re.fullmatch(r"(.+?)\s+(\d+)\s+(\d+)\s+(epoch|\d+)\s+(\d+)", line) for line in out.splitlines()]
+    rows = [m.groups() for m in rows if m]
+    frames = err.split("\r")
+    assert rows and not any(f.startswith(f"run {len(rows) + 1}: ") for f in frames)
+    for i, (name, b, k, max_steps, steps) in enumerate(rows, 1):
+        what = "an epoch" if max_steps == "epoch" else f"to step {max_steps}"
+        own = [f for f in frames if f.startswith(f"run {i}: {name} b{b} k{k}, {what}: ")]
+        done = f"{steps}/{steps} [" if max_steps != "epoch" else f" {steps}step ["
+        assert own and ("0step [" in own[0] or f" 0/{max_steps} [" in own[0]) and done in own[-1], (i, own)
+        assert "loss=" not in own[0] and "loss=" in own[-1]
+
+
 @pytest.mark.parametrize("mistake, loss, floats", CASES)
 def test_the_audit_names_each_mistake_of_the_catalog(tmp_path, store, capsys, mistake, loss, floats):
     verdict = EXPECTED[(mistake, loss)]
     code = main(["--study", str(study(tmp_path, mistake, loss, floats)), "--physical-batch", "8", "--accum-steps",
                  "4", "--tracking-uri", store, "--json", str(tmp_path / "audit.json")])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert f"verdict: {verdict}\n" in out, out
     assert code == {"exact": 0, "batchnorm": 0, "not_reproducible": 2}.get(verdict, 1)
+    assert_a_bar_over_each_runs_steps(out, err)
     found = json.loads((tmp_path / "audit.json").read_text())
     assert found["verdict"] == verdict and found["dtype"] == floats
     assert found["tolerance"] == {"float64": 1e-10, "float32": 1e-5}[floats]
@@ -150,7 +166,8 @@ torch.save({{"w": torch.tensor([float(sys.argv[3])])}}, os.environ["BATCHSWEEP_S
                                        '"{epochs}", "{physical_batch}"]\n')
     assert main(["--study", str(tmp_path / "own.toml"), "--physical-batch", "8", "--accum-steps", "4",
                  "--tracking-uri", store]) == 2
-    assert capsys.readouterr().err == f"error: {expected}\n"
+    err = capsys.readouterr().err
+    assert err.rsplit("\r", 1)[-1] == f"error: {expected}\n"  # after the bar, which leave=False clears
 
 
 @pytest.mark.parametrize("body, expected", [
