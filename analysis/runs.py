@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -9,6 +10,7 @@ import pandas as pd
 from mlflow import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from scipy import stats
+from tqdm import tqdm
 
 from sweeps import commands
 
@@ -99,16 +101,18 @@ def load_study(name: str, tracking_uri: str, shown_uri: str | None = None) -> St
         trials["batch"] = trials["accum_steps"].map(lambda k: "accumulated" if k > 1 else "true batch")
     tags = parents[-1].data.tags if parents else {}
     names = [c.removeprefix("param:") for c in params]
-    history, evals = _history(client, children)
+    history, evals = _history(client, children, name)
     return StudyRuns(name, trials, history, parents[-1].info.run_id if parents else None,
                      shown_uri, _varied(tags.get("batchsweep.varied"), trials, names),
                      _objectives(tags.get("batchsweep.objective")), evals)
 
 
-def _history(client: MlflowClient, runs) -> tuple[pd.DataFrame, pd.DataFrame | None]:
-    """The per-epoch rows, and the evaluations within epochs (step_* metrics, by optimizer step) if any."""
+def _history(client: MlflowClient, runs, name: str) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """The per-epoch rows, and the evaluations within epochs (step_* metrics, by optimizer step) if any. A request
+    per run and metric: most of a report's wait on a large study, and more over a tracking server, hence a bar."""
     rows = []
-    for run in runs:
+    for run in tqdm(runs, desc=f"reading the runs of {name}", unit="run", file=sys.stderr, dynamic_ncols=True,
+                    leave=False):
         for key in run.data.metrics:
             for m in client.get_metric_history(run.info.run_id, key):
                 if m.step >= 1:  # per-epoch values; run-level ones sit on the last epoch's step only
