@@ -345,11 +345,13 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
 
 def course(rows: pd.DataFrame, b: int | None) -> str:
     """How one series' steps-to-target followed B: where they stopped halving, that they never did, or that
-    the smallest B never reached the target, so there is nothing to follow."""
+    there is nothing to follow (one B, or a smallest B that never reached the target)."""
     s = rows.sort_values("effective_batch")
     if b:
         return (f"stopped halving with each doubling of B (a doubling saved less than a quarter of them) beyond "
                 f"B = {b}")
+    if len(s) < 2:
+        return f"could not be compared across B: only B = {s['effective_batch'].iloc[0]} was run"
     if math.isnan(s["steps"].iloc[0]):
         return f"could not be compared across B: most seeds never reached it at B = {s['effective_batch'].iloc[0]}"
     return (f"kept halving with each doubling of B (each doubling saved at least a quarter of them) up to "

@@ -11,7 +11,7 @@ import pytest
 
 from analysis.figures import all_figures, best_lr, protocol, warmup_curves
 from analysis import branching
-from analysis.findings import lr_rule_reading, summarize
+from analysis.findings import course, lr_rule_reading, summarize
 from analysis.render import MIB, _display, _table, write_report
 from analysis.runs import StudyRuns, aggregate, knee, load_study, steps_to_target
 from analysis.space import (MIN_IMPORTANCE_TRIALS, front, importance, label, memory_front, parallel_coordinates,
@@ -233,6 +233,8 @@ def test_steps_that_never_stop_halving_or_were_never_reached_are_said_so():
             "most seeds never reached it at B = 32; for sqrt, kept halving with each doubling of B (each doubling "
             "saved at least a quarter of them) up to B = 512, the largest measured. Accuracy is") in sentences
     assert "stopped halving" not in sentences
+    one = pd.DataFrame({"effective_batch": [128], "steps": [40.0]})  # e.g. a BN rule run at one k only
+    assert course(one, knee(one)) == "could not be compared across B: only B = 128 was run"
     history = reaching(trials, lambda r: 4)
     sentences = " ".join(summarize(trials, history))
     assert "mean), for every lr_rule, kept halving with each doubling of B (each doubling saved at least a quarter " \
