@@ -17,6 +17,15 @@ torch.set_num_threads(1)  # tests are many small runs; one thread each is fastes
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.fixture(autouse=True)
+def close_figures():
+    """The figures a test drew in this process are closed after it: an xdist worker runs many such tests, and
+    which of them reaches matplotlib's 21st open figure (a warning) depends on how the tests were shared out."""
+    yield
+    if "matplotlib.pyplot" in sys.modules:
+        sys.modules["matplotlib.pyplot"].close("all")
+
+
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory) -> str:
     """One MNIST-1D cache for the whole session."""
