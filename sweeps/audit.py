@@ -169,18 +169,18 @@ class Auditor:
 
     def started(self, record: Run) -> None:
         """One frame: the run's number, what it is, at step 0 of its max_steps (of an epoch: a count)."""
+        from .driver import start_trial
+
         steps = f"to step {record.max_steps}" if record.max_steps else "an epoch"
-        self.bar.set_description_str(f"run {len(self.runs) + 1}: {record.name} b{record.b} k{record.k}, {steps}",
-                                     refresh=False)  # (set_description's ': ' doubles on a bar of no total)
-        self.bar.set_postfix_str("", refresh=False)
-        self.bar.total = record.max_steps or None  # (reset(total=None) would keep the last run's)
-        self.bar.reset()
+        start_trial(self.bar, f"run {len(self.runs) + 1}: {record.name} b{record.b} k{record.k}, {steps}",
+                    record.max_steps or None)
 
     def read(self, record: Run, row: dict[str, float]) -> None:
+        from .driver import end_epoch
+
         record.read(row)
         if "loss" in row:
-            self.bar.set_postfix(loss=f"{row['loss']:.4g}", refresh=False)
-            self.bar.update(1)
+            end_epoch(self.bar, {"loss": f"{row['loss']:.4g}"})
 
 
 def unusable(record: Run, state: Path) -> str | None:

@@ -33,11 +33,13 @@ def epoch_bar(position: int):
                 mininterval=0, miniters=1)
 
 
-def start_trial(bar, name: str, epochs: int) -> None:
-    """One frame: the trial's name, at epoch 0, and no metric of the trial before it."""
-    bar.set_description(name, refresh=False)
+def start_trial(bar, name: str, epochs: int | None) -> None:
+    """One frame: the trial's name, at epoch 0, and no metric of the trial before it. (Also an audit's script
+    run, over steps, of no total where it runs an epoch.)"""
+    bar.set_description_str(name, refresh=False)  # (set_description's ': ' doubles on a bar of no total)
     bar.set_postfix_str("", refresh=False)
-    bar.reset(total=epochs)
+    bar.total = epochs  # (reset(total=None) would keep the last one's)
+    bar.reset()
 
 
 def end_epoch(bar, metrics: dict[str, str]) -> None:
