@@ -178,17 +178,24 @@ def throughput(trials: pd.DataFrame) -> Figure | None:
 def learning_curves(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | None:
     if history.empty or "val_acc" not in history:
         return None
-    facet = next((c for c in ("lr_rule", "bn_momentum_rule", "model") if _varies(trials, c)), None)
-    cols = [c for c in ("run_id", "effective_batch", "batch", facet) if c and c in trials]
-    h = history.merge(trials[cols], on="run_id")
+    t = finished(trials)
+    facet = next((c for c in ("lr_rule", "bn_momentum_rule", "model") if _varies(t, c)), None)
+    best = tuned(t) and "val_acc" in t
+    if best:  # a mean over the searched LRs means little: the curve of the best of them at each B
+        t = t.dropna(subset=["val_acc"])
+        t = t.loc[t.groupby(["effective_batch", *([facet] if facet else [])])["val_acc"].idxmax()]
+    cols = [c for c in ("run_id", "effective_batch", "batch", facet) if c and c in t]
+    h = history.merge(t[cols], on="run_id")
+    if h.empty:
+        return None
     grid = sns.relplot(data=h, x="epoch", y="val_acc", hue="effective_batch", style="batch" if "batch" in h else None,
                        col=facet, kind="line", palette="flare", hue_norm=matplotlib.colors.LogNorm(), errorbar=None,
                        height=3.2, aspect=1.1, facet_kws={"sharey": True})
     # A script's MLflow step is its own: the epoch of a JSON row, the global step of a Lightning logger.
     grid.set_axis_labels("epoch" if "model" in trials else "epoch, or the step the script logged at",
                          "validation accuracy")
-    return Figure("learning_curves", f"Learning curves{f' by {facet}' if facet else ''}", grid.figure,
-                  context(trials))
+    title = f"Learning curves{' of the best trial at each B' if best else ''}{f' by {facet}' if facet else ''}"
+    return Figure("learning_curves", title, grid.figure, context(t))
 
 
 def best_lr(trials: pd.DataFrame) -> tuple[pd.DataFrame, float] | None:

@@ -278,10 +278,11 @@ def lr_rule_reading(lo: float, hi: float) -> str:
         return f"{', '.join(named[:-1])} and {named[-1]}" if len(named) > 1 else named[0]
 
     if len(held) == 1:
-        return f"{held[0][2]}: of the exponents {listed(LR_RULES)}, the interval holds {held[0][0]:g} alone"
+        return (f"It reads as {held[0][2]}: of the exponents {listed(LR_RULES)}, the interval holds "
+                f"{held[0][0]:g} alone")
     if held:
-        return f"no rule singled out: the interval holds {listed(held)}"
-    return f"no rule singled out: the interval holds none of {listed(LR_RULES)}"
+        return f"It singles out no rule: the interval holds {listed(held)}"
+    return f"It singles out no rule: the interval holds none of {listed(LR_RULES)}"
 
 
 def lr_exponent(trials: pd.DataFrame) -> list[str]:
@@ -302,10 +303,10 @@ def lr_exponent(trials: pd.DataFrame) -> list[str]:
             lrs.append(sample[sample[:, 1].argmax(), 0])
         draws.append(np.polyfit(sizes, np.log(lrs), 1)[0])
     lo, hi = np.percentile(draws, [2.5, 97.5])
-    return [f"The best learning rate grew as B^{alpha:.2f} (95% bootstrap interval {lo:.2f} to {hi:.2f}, "
-            f"{BOOTSTRAPS} resamples of the trials at each B): {lr_rule_reading(lo, hi)}; from "
-            f"{best['base_lr'].iloc[0]:.3g} at B = {best['effective_batch'].iloc[0]} to "
-            f"{best['base_lr'].iloc[-1]:.3g} at B = {best['effective_batch'].iloc[-1]}."]
+    return [f"The best learning rate went from {best['base_lr'].iloc[0]:.3g} at B = {best['effective_batch'].iloc[0]} "
+            f"to {best['base_lr'].iloc[-1]:.3g} at B = {best['effective_batch'].iloc[-1]}: B^{alpha:.2f} fitted over "
+            f"every B (95% bootstrap interval {lo:.2f} to {hi:.2f}, {BOOTSTRAPS:,} resamples of the trials at each "
+            f"B). {lr_rule_reading(lo, hi)}."]
 
 
 def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None) -> list[str]:
@@ -425,7 +426,8 @@ def failures(trials: pd.DataFrame) -> list[str]:
         return []
     reasons = bad["reason"].fillna("unknown").value_counts()
     listing = ", ".join(f"{n} {reason}" for reason, n in reasons.items())
-    return [f"{len(bad)} of {len(trials)} trials did not finish ({listing}); they are left out of the figures."]
+    health = ", except training health, which draws every trial" if "grad_norm" in trials else ""
+    return [f"{len(bad)} of {len(trials)} trials did not finish ({listing}); they are left out of the figures{health}."]
 
 
 def health(trials: pd.DataFrame) -> list[str]:

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.figures import all_figures, best_lr, protocol, warmup_curves
+from analysis.figures import all_figures, best_lr, learning_curves, protocol, warmup_curves
 from analysis import branching
 from analysis.findings import course, lr_rule_reading, summarize
 from analysis.render import MIB, _display, _table, write_report
@@ -289,9 +289,31 @@ def test_lr_exponent_is_fitted():
     best, alpha = best_lr(pd.DataFrame(rows))
     assert alpha == pytest.approx(0.7, abs=1e-6)
     sentence = " ".join(summarize(pd.DataFrame(rows)))
-    assert "grew as B^0.70 (95% bootstrap interval" in sentence
+    assert "to 0.214 at B = 256: B^0.70 fitted over every B (95% bootstrap interval" in sentence
     # Each B has 3 trials: resampling them moves the best LR by a factor of 2, so no rule is singled out.
-    assert "no rule singled out: the interval holds" in sentence
+    assert "resamples of the trials at each B). It singles out no rule: the interval holds" in sentence
+
+
+def test_the_learning_curves_of_a_search_are_its_best_finished_trial_at_each_b():
+    """A mean over searched LRs would mix a diverged LR into every curve, and a pruned trial's curve ends where it
+    stopped: each B draws its best finished trial, and the findings say what left the unfinished ones out."""
+    rows, history = [], []
+    for b in (32, 128):
+        for lr, final, status in ((0.01, 0.6, "FINISHED"), (0.1, 0.9, "FINISHED"), (1.0, 0.95, "KILLED")):
+            rows.append(dict(run_id=f"{b}-{lr}", status=status, effective_batch=b, base_lr=lr, physical_batch=32,
+                             accum_steps=b // 32, seed=0, epochs=3, model="cnn1d", dataset="d", device_name="cpu",
+                             batch="true batch" if b == 32 else "accumulated", val_acc=final,
+                             reason=None if status == "FINISHED" else "pruned"))
+            history += [dict(run_id=f"{b}-{lr}", epoch=e, val_acc=final * e / 3) for e in (1, 2, 3)]
+    trials = pd.DataFrame(rows)
+    figure = learning_curves(trials, pd.DataFrame(history))
+    assert figure.title == "Learning curves of the best trial at each B"
+    drawn = [tuple(np.round(line.get_ydata(), 3)) for ax in figure.figure.axes for line in ax.lines
+             if len(line.get_ydata())]
+    assert drawn == [(0.3, 0.6, 0.9)] * 2
+    assert "2 of 6 trials did not finish (2 pruned); they are left out of the figures." in summarize(trials)
+    assert ("2 of 6 trials did not finish (2 pruned); they are left out of the figures, except training health, "
+            "which draws every trial.") in summarize(trials.assign(grad_norm=1.0))
 
 
 def test_an_interval_that_excludes_zero_never_reads_as_reaching_it():
@@ -304,16 +326,16 @@ def test_an_interval_that_excludes_zero_never_reads_as_reaching_it():
 
 
 @pytest.mark.parametrize("lo, hi, reading", [
-    (0.2, 0.75, "square-root scaling: of the exponents 0 (LR unchanged), 0.5 (square root) and 1 (linear), the "
-                "interval holds 0.5 alone"),
-    (0.6, 1.3, "linear scaling: of the exponents 0 (LR unchanged), 0.5 (square root) and 1 (linear), the interval "
-               "holds 1 alone"),
-    (-0.2, 0.3, "no scaling: of the exponents 0 (LR unchanged), 0.5 (square root) and 1 (linear), the interval "
-                "holds 0 alone"),
+    (0.2, 0.75, "It reads as square-root scaling: of the exponents 0 (LR unchanged), 0.5 (square root) and 1 "
+                "(linear), the interval holds 0.5 alone"),
+    (0.6, 1.3, "It reads as linear scaling: of the exponents 0 (LR unchanged), 0.5 (square root) and 1 (linear), "
+               "the interval holds 1 alone"),
+    (-0.2, 0.3, "It reads as no scaling: of the exponents 0 (LR unchanged), 0.5 (square root) and 1 (linear), "
+                "the interval holds 0 alone"),
     # lr_search on a 2-core CPU read -0.17 to 0.75: that cannot tell the square root from leaving the LR alone
-    (-0.17, 0.75, "no rule singled out: the interval holds 0 (LR unchanged) and 0.5 (square root)"),
-    (0.4, 1.1, "no rule singled out: the interval holds 0.5 (square root) and 1 (linear)"),
-    (1.2, 1.5, "no rule singled out: the interval holds none of 0 (LR unchanged), 0.5 (square root) and 1 (linear)"),
+    (-0.17, 0.75, "It singles out no rule: the interval holds 0 (LR unchanged) and 0.5 (square root)"),
+    (0.4, 1.1, "It singles out no rule: the interval holds 0.5 (square root) and 1 (linear)"),
+    (1.2, 1.5, "It singles out no rule: the interval holds none of 0 (LR unchanged), 0.5 (square root) and 1 (linear)"),
 ])
 def test_an_lr_rule_is_named_only_when_the_interval_holds_its_exponent_alone(lo, hi, reading):
     assert lr_rule_reading(lo, hi) == reading
