@@ -303,10 +303,11 @@ def lr_exponent(trials: pd.DataFrame) -> list[str]:
             lrs.append(sample[sample[:, 1].argmax(), 0])
         draws.append(np.polyfit(sizes, np.log(lrs), 1)[0])
     lo, hi = np.percentile(draws, [2.5, 97.5])
+    shown = [f"{round(x, 2) + 0.0:.2f}" for x in (alpha, lo, hi)]  # + 0.0: an exponent of -0.001 reads 0.00
     return [f"The best learning rate went from {best['base_lr'].iloc[0]:.3g} at B = {best['effective_batch'].iloc[0]} "
-            f"to {best['base_lr'].iloc[-1]:.3g} at B = {best['effective_batch'].iloc[-1]}: B^{alpha:.2f} fitted over "
-            f"every B (95% bootstrap interval {lo:.2f} to {hi:.2f}, {BOOTSTRAPS:,} resamples of the trials at each "
-            f"B). {lr_rule_reading(lo, hi)}."]
+            f"to {best['base_lr'].iloc[-1]:.3g} at B = {best['effective_batch'].iloc[-1]}: B^{shown[0]} fitted over "
+            f"every B (95% bootstrap interval {shown[1]} to {shown[2]}, {BOOTSTRAPS:,} resamples of the trials at "
+            f"each B). {lr_rule_reading(lo, hi)}."]
 
 
 def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None) -> list[str]:
@@ -354,7 +355,8 @@ def course(rows: pd.DataFrame, b: int | None) -> str:
     if len(s) < 2:
         return f"could not be compared across B: only B = {s['effective_batch'].iloc[0]} was run"
     if math.isnan(s["steps"].iloc[0]):
-        return f"could not be compared across B: most seeds never reached it at B = {s['effective_batch'].iloc[0]}"
+        who = "its one run" if s["seeds"].iloc[0] == 1 else "most seeds"
+        return f"could not be compared across B: {who} never reached it at B = {s['effective_batch'].iloc[0]}"
     return (f"kept halving with each doubling of B (each doubling saved at least a quarter of them) up to "
             f"B = {s['effective_batch'].iloc[-1]}, the largest measured")
 
@@ -427,7 +429,8 @@ def failures(trials: pd.DataFrame) -> list[str]:
     reasons = bad["reason"].fillna("unknown").value_counts()
     listing = ", ".join(f"{n} {reason}" for reason, n in reasons.items())
     health = ", except training health, which draws every trial" if "grad_norm" in trials else ""
-    return [f"{len(bad)} of {len(trials)} trials did not finish ({listing}); they are left out of the figures{health}."]
+    they = "it is" if len(bad) == 1 else "they are"
+    return [f"{len(bad)} of {len(trials)} trials did not finish ({listing}); {they} left out of the figures{health}."]
 
 
 def health(trials: pd.DataFrame) -> list[str]:
@@ -437,7 +440,8 @@ def health(trials: pd.DataFrame) -> list[str]:
     if broken.empty:
         return []  # the health section says it; a sentence about nothing is left out
     counts = ", ".join(f"{n} {name}" for name, n in broken["health"].value_counts().items())
-    return [f"{len(broken)} trials were not healthy ({counts}): see the training health table."]
+    were = "trial was" if len(broken) == 1 else "trials were"
+    return [f"{len(broken)} {were} not healthy ({counts}): see the training health table."]
 
 
 def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None) -> list[str]:

@@ -1,4 +1,5 @@
 import json
+import math
 import os
 import re
 import shutil
@@ -230,11 +231,13 @@ def test_steps_that_never_stop_halving_or_were_never_reached_are_said_so():
     assert [knee(rows) for _, rows in table.groupby("lr_rule")] == [None, None]
     sentences = " ".join(summarize(trials, history))
     assert ("validation accuracy (95% of the best configuration's mean): for none, could not be compared across B: "
-            "most seeds never reached it at B = 32; for sqrt, kept halving with each doubling of B (each doubling "
+            "its one run never reached it at B = 32; for sqrt, kept halving with each doubling of B (each doubling "
             "saved at least a quarter of them) up to B = 512, the largest measured. Accuracy is") in sentences
     assert "stopped halving" not in sentences
     one = pd.DataFrame({"effective_batch": [128], "steps": [40.0]})  # e.g. a BN rule run at one k only
     assert course(one, knee(one)) == "could not be compared across B: only B = 128 was run"
+    never = pd.DataFrame({"effective_batch": [32, 64], "steps": [math.nan, 40.0], "seeds": [3, 3]})
+    assert course(never, knee(never)) == "could not be compared across B: most seeds never reached it at B = 32"
     history = reaching(trials, lambda r: 4)
     sentences = " ".join(summarize(trials, history))
     assert "mean), for every lr_rule, kept halving with each doubling of B (each doubling saved at least a quarter " \
@@ -314,6 +317,10 @@ def test_the_learning_curves_of_a_search_are_its_best_finished_trial_at_each_b()
     assert "2 of 6 trials did not finish (2 pruned); they are left out of the figures." in summarize(trials)
     assert ("2 of 6 trials did not finish (2 pruned); they are left out of the figures, except training health, "
             "which draws every trial.") in summarize(trials.assign(grad_norm=1.0))
+    one = trials.drop(index=2).assign(health=["ok", "ok", "stalled", "ok", "ok"])
+    assert "1 of 5 trials did not finish (1 pruned); it is left out of the figures." in summarize(one)
+    assert "1 trial was not healthy (1 stalled): see the training health table." in summarize(one)
+    assert "to 0.1 at B = 128: B^0.00 fitted over every B" in " ".join(summarize(one))  # never "-0.00"
 
 
 def test_an_interval_that_excludes_zero_never_reads_as_reaching_it():
