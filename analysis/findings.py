@@ -408,6 +408,8 @@ def noise_scale(trials: pd.DataFrame) -> list[str]:
             f"finite-set correction tr(Σ)/N, where the estimate tends to N whatever the gradient)") if dropped else ""
     if values.empty:
         return [f"The gradient noise scale could not be read at the last epoch{rule}."]
+    if len(values) == 1:
+        return [f"The gradient noise scale at the last epoch was {values.iloc[0]:.0f} (one trial with k ≥ 2){rule}."]
     return [f"The gradient noise scale at the last epoch was {values.median():.0f} (median of {len(values)} trials "
             f"with k ≥ 2, range {values.min():.0f}–{values.max():.0f}){rule}."]
 

@@ -324,6 +324,7 @@ def all_failed(inv, storage) -> bool:
              if t.state.is_finished() and outcome_of(t) != OUTCOMES["duplicate"]]
     if not ended or any(t.state != optuna.trial.TrialState.FAIL for t in ended):
         return False
-    print(f"error: all {len(ended)} trials of study {inv.study_name} failed with an error: see the lines above, "
-          f"or the 'error' tag of their MLflow runs", file=sys.stderr)
+    which = "the one trial" if len(ended) == 1 else f"all {len(ended)} trials"
+    print(f"error: {which} of study {inv.study_name} failed with an error: see the lines above, or the 'error' tag "
+          f"of {'its MLflow run' if len(ended) == 1 else 'their MLflow runs'}", file=sys.stderr)
     return True

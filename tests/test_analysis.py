@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.figures import all_figures, best_lr, learning_curves, protocol, warmup_curves
+from analysis.figures import all_figures, best_lr, context, learning_curves, protocol, warmup_curves
 from analysis import branching
 from analysis.findings import course, lr_rule_reading, summarize
 from analysis.render import MIB, _display, _table, write_report
@@ -477,6 +477,11 @@ def test_noise_scale_sentence_leaves_out_unreliable_values():
            "9 values left out as unreliable" in sentences
     figure = all_figures(trials, pd.DataFrame())[0]
     assert figure.name == "accuracy_vs_batch" and "noise scale" in figure.title
+    one = trials.assign(noise_scale=trials.noise_scale.where(trials.accum_steps == 16))  # the unreliable only
+    one.loc[one.index[one.accum_steps == 2][0], "noise_scale"] = 250.0
+    assert "The gradient noise scale at the last epoch was 250 (one trial with k ≥ 2); 9 values left out" \
+        in " ".join(summarize(one))
+    assert context(one.iloc[:1]).endswith("; 1 trial") and context(one).endswith("; 81 trials")
 
 
 def test_importance_finds_the_field_that_was_planted():

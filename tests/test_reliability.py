@@ -67,6 +67,25 @@ def test_failures_in_worker_processes_reach_the_terminal(tmp_path):
     assert [r.info.status for r in children] == ["FAILED"] * 4 and parents[0].info.status == "FINISHED"
 
 
+@pytest.mark.parametrize("failed, said", [
+    (1, "error: the one trial of study accum_lr failed with an error: see the lines above, or the 'error' tag of "
+        "its MLflow run"),
+    (2, "error: all 2 trials of study accum_lr failed with an error: see the lines above, or the 'error' tag of "
+        "their MLflow runs")])
+def test_a_study_whose_every_trial_failed_says_how_many(tmp_path, monkeypatch, capsys, failed, said):
+    from sweeps.cli import build_invocation, parse_args
+    from sweeps.driver import all_failed
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mlruns").mkdir()
+    inv = build_invocation(parse_args([]))
+    study = optuna.create_study(study_name=inv.study_name, storage=inv.storage)
+    for _ in range(failed):
+        study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.FAIL))
+    assert all_failed(inv, inv.storage)
+    assert capsys.readouterr().err == said + "\n"
+
+
 def test_a_storage_server_that_goes_down_stops_the_study_in_one_line(tmp_path):
     from tests.servers import postgres_server
 
