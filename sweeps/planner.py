@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainers import MAX_COUNT, ConfigError, TrainConfig, resolve_device, train
+from trainers import MAX_COUNT, ConfigError, TrainConfig, format_bytes, resolve_device, train
 
 from .tracking import quote
 from .urls import redact, sqlite_path
@@ -129,8 +129,8 @@ def plan(model: Fit, target: int, budget: int) -> MemoryPlan:
     if model.ceiling:
         largest = min(largest, model.ceiling - 1)
     if largest < 1:
-        raise ConfigError(f"even b = 1 needs about {model.peak(1) / 2 ** 20:.1f} MiB, more than the budget of "
-                          f"{budget / 2 ** 20:.1f} MiB: raise --memory-budget or use a smaller model")
+        raise ConfigError(f"even b = 1 needs about {format_bytes(model.peak(1))}, more than the budget of "
+                          f"{format_bytes(budget)}: raise --memory-budget or use a smaller model")
     largest = min(largest, target)
     divisor = max(d for d in _divisors(target) if d <= largest)
     if divisor * 2 > largest:  # within a factor 2 of the largest that fits: keep b*k exactly the target
