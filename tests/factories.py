@@ -66,6 +66,12 @@ def not_a_dataset(**_):
     return [1, 2, 3]
 
 
+def byte_images(**_):
+    """8x8 RGB images as bytes, not yet scaled to floats."""
+    x, y = torch.randint(0, 256, (40, 3, 8, 8), dtype=torch.uint8), torch.arange(40) % 2
+    return TensorDataset(x[:32], y[:32]), TensorDataset(x[32:], y[32:])
+
+
 def broken_model(**_):
     raise RuntimeError("factory exploded")
 

@@ -12,12 +12,13 @@ from trainers.cli import main
 
 
 def one_line_error(capsys, argv) -> str:
+    """The error line, and nothing else left on the terminal (a bar that counted nothing clears itself)."""
     code = main(argv)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2
-    errors = [line for line in err if line.startswith("error:")]
-    assert len(errors) == 1 and not any("Traceback" in line for line in err), err
-    return errors[0]
+    lines = capsys.readouterr().err.strip().split("\n")
+    assert code == 2 and len(lines) == 1, lines
+    shown = lines[0].rsplit("\r", 1)[-1]
+    assert shown.startswith("error:"), lines
+    return shown
 
 
 @pytest.mark.parametrize("argv,expected", [
@@ -35,6 +36,15 @@ def one_line_error(capsys, argv) -> str:
     (["--dataset", "tests.factories:not_a_dataset"], "must return (train, test) Datasets"),
     (["--model", "tests.factories"], "or give package.module:factory"),
     (["--model", ":make"], "import path ':make' is malformed"),
+    (["--model", "gpt"], "model 'gpt' takes token ids of shape (length,), and dataset 'mnist1d' gives floats of "
+                         "shape (1, 40): use --model cnn1d or mlp"),
+    (["--model", "resnet18", "--dataset", "pytext"], "gives integers of shape (64,): use --model gpt"),
+    (["--dataset", "pytext_hf"], "and dataset 'pytext_hf' gives mappings of input_ids, attention_mask: use a model "
+                                 "that takes them as keyword arguments (--model hf:gpt2-tiny, or your own "
+                                 "factory)"),
+    (["--model", "resnet18", "--dataset", "tests.factories:byte_images"], "model 'resnet18' takes images of shape "
+     "(channels, height, width), and dataset 'tests.factories:byte_images' gives integers of shape (3, 8, 8): use "
+     "your own model (--model package.module:factory)"),
 ])
 def test_bad_input_is_one_line(capsys, data_dir, argv, expected):
     line = one_line_error(capsys, [*argv, "--data-dir", data_dir, "--epochs", "1"])

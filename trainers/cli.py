@@ -147,6 +147,7 @@ def epoch_progress(total: int, jsonl: str | None = None):
         bar.update(1)
 
     def close() -> None:
+        bar.leave = bar.n > 0  # a bar that counted no epoch (data the model cannot take) leaves no line
         bar.close()
         if rows:
             rows.close()

@@ -22,7 +22,7 @@ from .feed import Feed
 from .health import coverage_warnings, verdict
 from .interrupt import check as check_interrupt
 from .losses import Loss, load_loss
-from .models import bn_population_error, build_model, has_conv2d, set_bn_momentum, use_ghost_batch
+from .models import bn_population_error, build_model, check_inputs, has_conv2d, set_bn_momentum, use_ghost_batch
 from .probes import Hooks, LossTerms, Micro, Probe, Run
 from .probes import diagnostics as builtin_diagnostics
 from .shrink import Retry, at
@@ -129,6 +129,7 @@ def prepare(config: TrainConfig) -> Prepared:
                           f"accum_steps {config.accum_steps}{ranks}) is larger than the training set ({n} samples)",
                           "lower --physical-batch or --accum-steps")
     torch.manual_seed(config.seed)  # same seed, same initial weights, whatever b and k are
+    check_inputs(config.model, config.dataset, data.example(1))
     model = build_model(config.model, data.input_shape, data.num_classes, config.norm)
     notes = list(data.notes)
     bn_layers = set_bn_momentum(model, config.bn_momentum)

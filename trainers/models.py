@@ -1,6 +1,8 @@
 """Model registry: built-in networks by name, user networks by `package.module:factory`."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -52,6 +54,32 @@ def resnet18(input_shape, num_classes, **_) -> nn.Module:
 
 
 MODELS = {"cnn1d": cnn1d, "mlp": mlp, "resnet18": resnet18, "gpt": gpt}
+# What each built-in model takes: the rank of one sample (None: any), whether it is token ids, in words.
+TAKES = {"cnn1d": (2, False, "signals of shape (channels, length)"), "mlp": (None, False, "floats of any shape"),
+         "resnet18": (3, False, "images of shape (channels, height, width)"),
+         "gpt": (1, True, "token ids of shape (length,)")}
+
+
+def _takes(name: str, inputs) -> bool:
+    rank, tokens, _ = TAKES[name]
+    return torch.is_tensor(inputs) and rank in (None, inputs.dim() - 1) and inputs.is_floating_point() != tokens
+
+
+def check_inputs(name: str, dataset: str, inputs) -> None:
+    """A built-in model and samples it cannot take: one line before training, not a traceback from inside it.
+    `inputs`: a batch of the dataset's inputs."""
+    if name not in TAKES or _takes(name, inputs):
+        return
+    fitting = [n for n in TAKES if _takes(n, inputs)]
+    hint = f"use --model {' or '.join(fitting)}" if fitting else "use your own model (--model package.module:factory)"
+    if isinstance(inputs, Mapping):
+        got = f"mappings of {', '.join(inputs)}"
+        hint = "use a model that takes them as keyword arguments (--model hf:gpt2-tiny, or your own factory)"
+    elif torch.is_tensor(inputs):
+        got = f"{'floats' if inputs.is_floating_point() else 'integers'} of shape {tuple(inputs.shape[1:])}"
+    else:
+        got = type(inputs).__name__
+    raise ConfigError(f"model {name!r} takes {TAKES[name][2]}, and dataset {dataset!r} gives {got}", hint)
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, norm: str) -> nn.Module:
