@@ -30,6 +30,11 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+def _listed(items: list[str]) -> str:
+    """a; a and b; a, b and c."""
+    return f"{', '.join(items[:-1])} and {items[-1]}" if len(items) > 1 else items[0]
+
+
 def _points(diff: float) -> str:
     return f"{abs(100 * diff):.1f} points"
 
@@ -274,8 +279,7 @@ def lr_rule_reading(lo: float, hi: float) -> str:
     held = [rule for rule in LR_RULES if lo <= rule[0] <= hi]
 
     def listed(rules) -> str:
-        named = [f"{value:g} ({name})" for value, name, _ in rules]
-        return f"{', '.join(named[:-1])} and {named[-1]}" if len(named) > 1 else named[0]
+        return _listed([f"{value:g} ({name})" for value, name, _ in rules])
 
     if len(held) == 1:
         return (f"It reads as {held[0][2]}: of the exponents {listed(LR_RULES)}, the interval holds "
@@ -332,7 +336,10 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
         every = f", for every {' and '.join(keys)}," if len(courses) > 1 else ""
         out.append(f"{reached_at}{every} {next(iter(courses.values()))}. Accuracy is {resolution(t, evals)}.")
     else:
-        out.append(f"{reached_at}: " + "; ".join(f"for {g}, {c}" for g, c in courses.items()) +
+        alike: dict[str, list[str]] = {}  # the groups that read the same, said once
+        for g, c in courses.items():
+            alike.setdefault(c, []).append(str(g))
+        out.append(f"{reached_at}: " + "; ".join(f"for {_listed(gs)}, {c}" for c, gs in alike.items()) +
                    f". Accuracy is {resolution(t, evals)}.")
     b_crit = critical_batch(t)
     measured = [b for b in knees.values() if b]

@@ -228,3 +228,16 @@ def test_the_bar_over_epochs_draws_each_epoch_with_its_own_metrics(capsys):
     for epoch in (1, 2, 3):
         assert any(f" {epoch}/3 [" in f and f"val_acc={0.5 + epoch / 10:.3f}" in f for f in frames), frames
     assert not any(" 0/3 [" in f and "val_acc" in f for f in frames), frames
+
+
+def test_the_cpu_is_named_with_its_threads():
+    from trainers.loop import device_name
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert device_name(torch.device("cpu")).endswith(", 1 thread)")
+        torch.set_num_threads(2)
+        assert device_name(torch.device("cpu")).endswith(", 2 threads)")
+    finally:
+        torch.set_num_threads(before)

@@ -75,7 +75,8 @@ def memory_source(device: torch.device) -> str:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    return f"cpu ({platform.machine()}, {threads} thread{'s' * (threads != 1)})"
 
 
 def lr_at(config: TrainConfig, step: int, total_steps: int, warmup_steps: int) -> float:
