@@ -68,9 +68,10 @@ def controlled(diffs: list[Difference], what: str) -> list[str]:
     diffs = [d for d in diffs if d is not None and d.n >= 2]
     if len(diffs) < 4:
         return []
-    apart = sum(d.separated for d in diffs)
-    return [f"Of the {len(diffs)} {what}, {apart} differ by their own 95% interval and {discoveries(diffs)} "
-            f"survive false-discovery control (Benjamini-Hochberg at 5%, paired t-tests over the seeds)."]
+    apart, kept = sum(d.separated for d in diffs), discoveries(diffs)
+    differ = "differs by its" if apart == 1 else "differ by their"
+    return [f"Of the {len(diffs)} {what}, {apart} {differ} own 95% interval and {kept} survive{'s' * (kept == 1)} "
+            f"false-discovery control (Benjamini-Hochberg at 5%, paired t-tests over the seeds)."]
 
 
 def _seed_note(t: pd.DataFrame) -> list[str]:
@@ -356,14 +357,21 @@ def course(rows: pd.DataFrame, b: int | None) -> str:
     """How one series' steps-to-target followed B: where they stopped halving, that they never did, or that
     there is nothing to follow (one B, or a smallest B that never reached the target)."""
     s = rows.sort_values("effective_batch")
+
+    def never(row: pd.Series) -> str:
+        who = "its one run" if row.get("seeds") == 1 else "most seeds"
+        return f"{who} never reached it at B = {int(row['effective_batch'])}"
+
     if b:
+        after = s[s["effective_batch"] > b]
+        if math.isnan(after["steps"].iloc[0]):  # the knee is where the target stopped being reached at all
+            return f"stopped halving beyond B = {b}: {never(after.iloc[0])}"
         return (f"stopped halving with each doubling of B (a doubling saved less than a quarter of them) beyond "
                 f"B = {b}")
     if len(s) < 2:
         return f"could not be compared across B: only B = {s['effective_batch'].iloc[0]} was run"
     if math.isnan(s["steps"].iloc[0]):
-        who = "its one run" if s["seeds"].iloc[0] == 1 else "most seeds"
-        return f"could not be compared across B: {who} never reached it at B = {s['effective_batch'].iloc[0]}"
+        return f"could not be compared across B: {never(s.iloc[0])}"
     return (f"kept halving with each doubling of B (each doubling saved at least a quarter of them) up to "
             f"B = {s['effective_batch'].iloc[-1]}, the largest measured")
 

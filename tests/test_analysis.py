@@ -101,6 +101,13 @@ def test_many_pairs_are_put_under_false_discovery_control():
     assert ("Of the 12 twin pairs, 3 differ by their own 95% interval and 2 survive false-discovery control "
             "(Benjamini-Hochberg at 5%, paired t-tests over the seeds).") in sentences
 
+    def one(rule, B, kind, seed):
+        return flat(rule, B, kind, seed) - (0.04 + 0.001 * seed if (rule, B, kind) == ("sqrt", 128, "accumulated")
+                                            else 0.0)
+
+    assert "Of the 12 twin pairs, 1 differs by its own 95% interval and 1 survives false-discovery control" \
+        in " ".join(summarize(synthetic(one)))
+
 
 @pytest.mark.parametrize("fp64, reading", [
     (6e-16, "mlp: accumulation is exactly the true batch, up to float rounding that training amplified: 1 of 3 "
@@ -238,6 +245,8 @@ def test_steps_that_never_stop_halving_or_were_never_reached_are_said_so():
     assert course(one, knee(one)) == "could not be compared across B: only B = 128 was run"
     never = pd.DataFrame({"effective_batch": [32, 64], "steps": [math.nan, 40.0], "seeds": [3, 3]})
     assert course(never, knee(never)) == "could not be compared across B: most seeds never reached it at B = 32"
+    lost = pd.DataFrame({"effective_batch": [32, 128, 256], "steps": [250.0, 64.0, math.nan], "seeds": [3, 3, 3]})
+    assert course(lost, knee(lost)) == "stopped halving beyond B = 128: most seeds never reached it at B = 256"
     three = synthetic(flat)
     three = three[three.physical_batch == 32]
     history = reaching(three, lambda r: 99 if r.lr_rule == "none" and r.effective_batch == 32 else 4)
