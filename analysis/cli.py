@@ -51,9 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     uri = args.tracking_uri or default_tracking_uri()
     names = args.compare or [args.study]
     from .render import folder_name, write_report
-    from .runs import AnalysisError, load_study
+    from .runs import AnalysisError, load_studies
 
     folder = Path(args.out) / folder_name(names)
+    made = [p for p in [folder, *folder.parents] if not p.exists()]  # what check_out creates, deepest first
     try:
         wrong = urls.problem(uri, "--tracking-uri", urls.TRACKING_SCHEMES)
         if wrong:
@@ -65,8 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         why = urls.unreachable(uri)
         if why:
             raise AnalysisError(f"{why}: {urls.REACH_ADVICE}")
-        studies = [load_study(name, uri, urls.redact(uri)) for name in names]
+        studies = load_studies(names, uri, urls.redact(uri))
     except AnalysisError as exc:
+        for path in made:  # no empty folder is left for a report that was never written
+            try:
+                path.rmdir()
+            except OSError:
+                break
         print(f"error: {exc}", file=sys.stderr)
         return 2
     written, findings = write_report(studies, folder)

@@ -62,31 +62,39 @@ def _typed(column: pd.Series) -> pd.Series:
     return column
 
 
-def load_study(name: str, tracking_uri: str, shown_uri: str | None = None) -> StudyRuns:
-    """The study's runs; `shown_uri` is the tracking URI as messages may show it (no password)."""
+def load_studies(names: list[str], tracking_uri: str, shown_uri: str | None = None) -> list[StudyRuns]:
+    """Each named study's runs; `shown_uri` is the tracking URI as messages may show it (no password). A study
+    that is not in the store, or has no trial run, is refused before any study's history is read."""
     shown_uri = shown_uri or tracking_uri
     try:
         client = MlflowClient(tracking_uri=tracking_uri)  # a damaged SQLite store already fails here
-        experiment = client.get_experiment_by_name(name)
+        experiments = [client.get_experiment_by_name(name) for name in names]
     except Exception as exc:
         raise AnalysisError(f"cannot read the MLflow store {shown_uri} ({type(exc).__name__}): check "
                             f"--tracking-uri, or move a damaged store aside") from None
-    if experiment is None:
-        raise AnalysisError(f"no study {name!r} in {shown_uri}: run `{commands.command('run')} --study {name}` first, "
-                            f"or pass the --tracking-uri it used")
-    runs, token = [], None
-    while True:
-        page = client.search_runs([experiment.experiment_id], max_results=1000, page_token=token)
-        runs += page
-        token = page.token
-        if not token:
-            break
+    found = []
+    for name, experiment in zip(names, experiments):
+        if experiment is None:
+            raise AnalysisError(f"no study {name!r} in {shown_uri}: run `{commands.command('run')} --study {name}` "
+                                f"first, or pass the --tracking-uri it used")
+        runs, token = [], None
+        while True:
+            page = client.search_runs([experiment.experiment_id], max_results=1000, page_token=token)
+            runs += page
+            token = page.token
+            if not token:
+                break
+        if not any(MLFLOW_PARENT_RUN_ID in r.data.tags for r in runs):
+            raise AnalysisError(f"study {name!r} has no trial runs yet in {shown_uri}")
+        found.append((name, runs))
+    return [_study(client, name, runs, shown_uri) for name, runs in found]
+
+
+def _study(client: MlflowClient, name: str, runs, shown_uri: str) -> StudyRuns:
     children = [r for r in runs if MLFLOW_PARENT_RUN_ID in r.data.tags]
     # (the latest by start, and of two started in the same millisecond, as on two machines, always the same one)
     parents = sorted((r for r in runs if MLFLOW_PARENT_RUN_ID not in r.data.tags),
                      key=lambda r: (r.info.start_time, r.info.run_id))
-    if not children:
-        raise AnalysisError(f"study {name!r} has no trial runs yet in {shown_uri}")
     rows = []
     for run in children:
         rows.append({"run_id": run.info.run_id, "status": run.info.status,

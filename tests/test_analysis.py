@@ -14,7 +14,7 @@ from analysis.figures import all_figures, best_lr, context, learning_curves, pro
 from analysis import branching
 from analysis.findings import course, lr_rule_reading, summarize
 from analysis.render import MIB, _display, _table, write_report
-from analysis.runs import StudyRuns, aggregate, knee, load_study, steps_to_target
+from analysis.runs import StudyRuns, aggregate, knee, load_studies, steps_to_target
 from analysis.space import (MIN_IMPORTANCE_TRIALS, front, importance, label, memory_front, parallel_coordinates,
                             time_front)
 from tests.conftest import run_script
@@ -372,7 +372,7 @@ def tiny_study(tmp_path_factory):
 
 
 def test_loads_typed_frames_from_a_real_study(tiny_study):
-    runs = load_study("accum_lr", f"sqlite:///{tiny_study}/mlruns/mlflow.db")
+    runs = load_studies(["accum_lr"], f"sqlite:///{tiny_study}/mlruns/mlflow.db")[0]
     t = runs.trials
     assert len(t) == 8 and set(t["seed"]) == {0, 1}
     assert t["effective_batch"].dtype.kind == "i" and t["lr"].dtype.kind == "f" and t["drop_last"].dtype == bool
@@ -425,6 +425,7 @@ def test_report_command_and_compare(tiny_study):
 
 @pytest.mark.parametrize("args,expected", [
     (["--study", "nothing"], "no study 'nothing'"),
+    (["--compare", "accum_lr", "nothing", "--out", "new/reports"], "no study 'nothing'"),
     (["--study", "accum_lr", "--tracking-uri", "sqlite:////nonexistent/mlflow.db"], "no MLflow store at"),
 ])
 def test_report_bad_input(tiny_study, args, expected):
@@ -433,6 +434,7 @@ def test_report_bad_input(tiny_study, args, expected):
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: ") and expected in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tiny_study / "reports/nothing").exists() and not (tiny_study / "new").exists()  # no empty folder
 
 
 # Injected before the report's own content: collects console errors and checks every image once loaded.

@@ -9,7 +9,7 @@ import optuna
 import pytest
 from mlflow import MlflowClient
 
-from analysis.runs import load_study
+from analysis.runs import load_studies
 from analysis.space import objectives_front
 from sweeps.cli import main
 from sweeps.outcomes import OUTCOMES, holds
@@ -356,7 +356,7 @@ def test_own_study_file_with_nsga2_marks_the_pareto_front(tmp_path):
     md = (tmp_path / "reports/own_pareto/report.md").read_text()
     assert f"holds {len(front)} of 8 finished trials" in md and "objectives_front.png" in md
     assert "parallel_coordinates.png" in md and "memory_front.png" in md
-    runs = load_study("own_pareto", f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    runs = load_studies(["own_pareto"], f"sqlite:///{tmp_path}/mlruns/mlflow.db")[0]
     assert runs.varied == ("physical_batch", "accum_steps")
     assert runs.objectives == (("val_acc", "maximize"), ("peak_memory_bytes", "minimize"))
     figure = objectives_front(runs)
