@@ -55,7 +55,8 @@ def protocol(trials: pd.DataFrame) -> str:
 def context(trials: pd.DataFrame) -> str:
     what = (f"{_values(trials, 'model')} on {_values(trials, 'dataset')}" if "model" in trials
             else f"program {_values(trials, 'batchsweep.program')}")
-    return f"{what}; device {_values(trials, 'device_name')}; {protocol(trials)}; {len(trials)} trial{'s' * (len(trials) != 1)}"
+    count = f"{len(trials)} trial{'s' * (len(trials) != 1)}"
+    return f"{what}; device {_values(trials, 'device_name')}; {protocol(trials)}; {count}"
 
 
 def _varies(trials: pd.DataFrame, column: str) -> bool:
