@@ -324,7 +324,8 @@ def all_failed(inv, storage) -> bool:
              if t.state.is_finished() and outcome_of(t) != OUTCOMES["duplicate"]]
     if not ended or any(t.state != optuna.trial.TrialState.FAIL for t in ended):
         return False
-    which = "the one trial" if len(ended) == 1 else f"all {len(ended)} trials"
+    which, runs = ("the one trial", "its MLflow run") if len(ended) == 1 else (f"all {len(ended)} trials",
+                                                                                "their MLflow runs")
     print(f"error: {which} of study {inv.study_name} failed with an error: see the lines above, or the 'error' tag "
-          f"of {'its MLflow run' if len(ended) == 1 else 'their MLflow runs'}", file=sys.stderr)
+          f"of {runs}", file=sys.stderr)
     return True

@@ -70,15 +70,15 @@ def check_inputs(name: str, dataset: str, inputs) -> None:
     `inputs`: a batch of the dataset's inputs."""
     if name not in TAKES or _takes(name, inputs):
         return
-    fitting = [n for n in TAKES if _takes(n, inputs)]
-    hint = f"use --model {' or '.join(fitting)}" if fitting else "use your own model (--model package.module:factory)"
     if isinstance(inputs, Mapping):
         got = f"mappings of {', '.join(inputs)}"
         hint = "use a model that takes them as keyword arguments (--model hf:gpt2-tiny, or your own factory)"
-    elif torch.is_tensor(inputs):
-        got = f"{'floats' if inputs.is_floating_point() else 'integers'} of shape {tuple(inputs.shape[1:])}"
     else:
-        got = type(inputs).__name__
+        got = (f"{'floats' if inputs.is_floating_point() else 'integers'} of shape {tuple(inputs.shape[1:])}"
+               if torch.is_tensor(inputs) else type(inputs).__name__)
+        fitting = [n for n in TAKES if _takes(n, inputs)]
+        hint = (f"use --model {' or '.join(fitting)}" if fitting else
+                "use your own model (--model package.module:factory)")
     raise ConfigError(f"model {name!r} takes {TAKES[name][2]}, and dataset {dataset!r} gives {got}", hint)
 
 
