@@ -3,6 +3,7 @@ removes the folder of a trial that is still training, nor the best model of anot
 still runs; it works on every kind of storage."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -154,7 +155,8 @@ def test_a_race_for_a_point_and_a_kill_leave_the_live_trials_checkpoint(tmp_path
     """Two workers: one trains the 8-epoch point, the other the 2-epoch one, with the trial that lost a race for
     the 8-epoch point already in the storage (as two machines starting together leave it). The short trial's
     clean-up must not remove the long one's folder; the long one is then killed in epoch 6, resumes from its
-    checkpoint when the study runs again, and its model is logged."""
+    checkpoint (in the same invocation when a worker is free for it, else in the next), and its model is logged:
+    with --log-models all, since both trials reach the same accuracy and either may be the best."""
     from mlflow import MlflowClient
 
     (tmp_path / "race.toml").write_text(RACE)
@@ -170,12 +172,12 @@ def test_a_race_for_a_point_and_a_kill_leave_the_live_trials_checkpoint(tmp_path
 
     def run():
         return subprocess.run([sys.executable, str(ROOT / "sweeps/run.py"), "--study", "race.toml", "--seeds", "1",
-                               "--workers", "2", "--no-report"], capture_output=True, text=True, cwd=tmp_path,
-                              env=env, timeout=600)
+                               "--workers", "2", "--log-models", "all", "--no-report"], capture_output=True,
+                              text=True, cwd=tmp_path, env=env, timeout=600)
 
     first = run()
     assert not marker.exists(), first.stderr  # the long trial reached epoch 6: its folder was there to write to
-    assert "warning: worker 0 was killed by SIGKILL" in first.stderr, first.stderr
+    assert re.search(r"warning: worker \d was killed by SIGKILL", first.stderr), first.stderr
     assert "cannot write checkpoint" not in first.stderr, first.stderr
     second = run()
     assert second.returncode == 0, second.stderr
@@ -183,7 +185,7 @@ def test_a_race_for_a_point_and_a_kill_leave_the_live_trials_checkpoint(tmp_path
     runs = client.search_runs([client.get_experiment_by_name("race").experiment_id], "tags.`mlflow.parentRunId` != ''")
     long = [r for r in runs if r.data.params["epochs"] == "8" and r.info.status == "FINISHED"]
     assert len(long) == 1 and long[0].data.tags["resumed_after_epoch"] == "5", [r.data.tags for r in long]
-    assert long[0].data.tags["batchsweep.model"] in ("pytorch", "state_dict")  # the best model, logged
+    assert long[0].data.tags.get("batchsweep.model") in ("pytorch", "state_dict"), second.stderr  # its model
     assert not any(r.info.status == "RUNNING" for r in runs)
     trials = optuna.load_study(study_name="race", storage=storage).trials
     complete = [t.user_attrs["config"]["epochs"] for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
