@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print(dry_run_table(inv))
             return 0
+        preflight_study(inv)
         quiet_stores()
         from .driver import run_invocation, write_report
 
@@ -164,6 +165,23 @@ def main(argv: list[str] | None = None) -> int:
     if code or args.no_report:
         return code
     return write_report(inv)
+
+
+def preflight_study(inv) -> None:
+    """Before the study is written to, once for each model and data of its trials: what would make every one of
+    them invalid alike (an import path that does not import, a built-in model given data it cannot take). A
+    [program] trains in the user's script, which the trainer does not check."""
+    from trainers import preflight
+
+    if inv.study.program:
+        return
+    checked = set()
+    for unit in inv.units():
+        config = inv.config(unit.point, unit.seed)
+        key = (config.model, config.dataset, config.data_dir, config.label_key, config.loss, config.metrics)
+        if key not in checked:
+            checked.add(key)
+            preflight(config)
 
 
 def quiet_stores() -> None:

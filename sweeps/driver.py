@@ -200,7 +200,8 @@ def write_report(inv) -> int:
 
 def run_invocation(inv, workers: int, gpus: list | tuple = ()) -> int:
     """Run what is left of the study (at most --n-trials of it) in `workers` processes, placed round-robin on
-    `gpus` where there are any (sweeps/placement.py); 0, or 1 when every trial failed, or 130 on Ctrl-C."""
+    `gpus` where there are any (sweeps/placement.py); 0, or 1 when every trial failed or was invalid, or 130 on
+    Ctrl-C."""
     import optuna
 
     from .placement import place
@@ -316,16 +317,25 @@ def end_dead(inv, storage, tracker: Tracker) -> int:
 
 
 def all_failed(inv, storage) -> bool:
-    """Whether the study has trials and every one that ended failed with an error: then the command fails too."""
+    """Whether the study has trials and every one that ended failed with an error or was invalid: it measured
+    nothing, and the command fails too."""
     import optuna
 
     ended = [t for name in inv.study_names()
              for t in optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
              if t.state.is_finished() and outcome_of(t) != OUTCOMES["duplicate"]]
-    if not ended or any(t.state != optuna.trial.TrialState.FAIL for t in ended):
+    invalid = sum(outcome_of(t) == OUTCOMES["invalid"] for t in ended)
+    failed = sum(t.state == optuna.trial.TrialState.FAIL for t in ended)
+    if not ended or failed + invalid < len(ended):
         return False
-    which, runs = ("the one trial", "its MLflow run") if len(ended) == 1 else (f"all {len(ended)} trials",
-                                                                                "their MLflow runs")
-    print(f"error: {which} of study {inv.study_name} failed with an error: see the lines above, or the 'error' tag "
-          f"of {runs}", file=sys.stderr)
+    one = len(ended) == 1
+    which, runs = ("the one trial", "its MLflow run") if one else (f"all {len(ended)} trials", "their MLflow runs")
+    if not invalid:
+        how = "failed with an error"
+    elif not failed:
+        how = f"{'was' if one else 'were'} invalid"
+    else:
+        how = "failed with an error or were invalid"
+    print(f"error: {which} of study {inv.study_name} {how}: see the lines above, or the 'error' tag of {runs}",
+          file=sys.stderr)
     return True

@@ -67,12 +67,18 @@ def test_failures_in_worker_processes_reach_the_terminal(tmp_path):
     assert [r.info.status for r in children] == ["FAILED"] * 4 and parents[0].info.status == "FINISHED"
 
 
-@pytest.mark.parametrize("failed, said", [
-    (1, "error: the one trial of study accum_lr failed with an error: see the lines above, or the 'error' tag of "
-        "its MLflow run"),
-    (2, "error: all 2 trials of study accum_lr failed with an error: see the lines above, or the 'error' tag of "
-        "their MLflow runs")])
-def test_a_study_whose_every_trial_failed_says_how_many(tmp_path, monkeypatch, capsys, failed, said):
+@pytest.mark.parametrize("failed, invalid, said", [
+    (1, 0, "error: the one trial of study accum_lr failed with an error: see the lines above, or the 'error' tag "
+           "of its MLflow run"),
+    (2, 0, "error: all 2 trials of study accum_lr failed with an error: see the lines above, or the 'error' tag of "
+           "their MLflow runs"),
+    (0, 1, "error: the one trial of study accum_lr was invalid: see the lines above, or the 'error' tag of its "
+           "MLflow run"),
+    (1, 2, "error: all 3 trials of study accum_lr failed with an error or were invalid: see the lines above, or "
+           "the 'error' tag of their MLflow runs"),
+    (1, 1, None)])  # and one complete trial
+def test_a_study_whose_every_trial_failed_says_how_many(tmp_path, monkeypatch, capsys, failed, invalid, said):
+    """A study that measured nothing fails as a command; one trial that measured something is enough."""
     from sweeps.cli import build_invocation, parse_args
     from sweeps.driver import all_failed
 
@@ -80,10 +86,14 @@ def test_a_study_whose_every_trial_failed_says_how_many(tmp_path, monkeypatch, c
     (tmp_path / "mlruns").mkdir()
     inv = build_invocation(parse_args([]))
     study = optuna.create_study(study_name=inv.study_name, storage=inv.storage)
-    for _ in range(failed):
-        study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.FAIL))
-    assert all_failed(inv, inv.storage)
-    assert capsys.readouterr().err == said + "\n"
+    states = [optuna.trial.TrialState.FAIL] * failed + [optuna.trial.TrialState.PRUNED] * invalid
+    for state in states:
+        reason = {"reason": "invalid"} if state == optuna.trial.TrialState.PRUNED else {}
+        study.add_trial(optuna.trial.create_trial(state=state, user_attrs=reason))
+    if said is None:
+        study.add_trial(optuna.trial.create_trial(value=0.5))
+    assert all_failed(inv, inv.storage) == (said is not None)
+    assert capsys.readouterr().err == ("" if said is None else said + "\n")
 
 
 def test_a_storage_server_that_goes_down_stops_the_study_in_one_line(tmp_path):

@@ -276,6 +276,14 @@ def epoch_frames(stderr: str, epochs: int) -> tuple[set[str], set[str]]:
     (["--storage", "postgresql://nobody@127.0.0.1:9/none"], "cannot open the Optuna storage"),
     (["--tracking-uri", "http://127.0.0.1:9"], "cannot reach the MLflow tracking server http://127.0.0.1:9"),
     (["--checkpoint-dir", "/proc/nope"], "cannot write checkpoints to /proc/nope (No such file or directory)"),
+    # What would make every trial invalid alike: found once, before the stores are opened.
+    (["--model", "gpt"], "model 'gpt' takes token ids of shape (length,), and dataset 'tests.factories:blobs1k' "
+                         "gives floats of shape (4,): use --model mlp"),
+    (["--model", "nosuchpkg.mod:make"], "model import path 'nosuchpkg.mod:make' does not import"),
+    (["--metrics", "tests.factories:missing"], "metrics import path 'tests.factories:missing': module "
+                                                "'tests.factories' has no callable 'missing'"),
+    (["--set", "loss=tests.factories:missing"], "loss import path 'tests.factories:missing'"),
+    (["--dataset", "tests.factories:not_a_dataset"], "must return (train, test) Datasets"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, expected):
     proc = sweep(tmp_path, *TINY, *args, "--storage" if "--storage" not in args else "--n-trials",

@@ -18,7 +18,8 @@ _SURFACE = {
     "DataError": ("errors", "DataError"), "import_object": ("imports", "import_object"),
     "interrupt": ("interrupt", None), "METRICS": ("loop", "METRICS"), "TrainResult": ("loop", "TrainResult"),
     "device_name": ("loop", "device_name"), "memory_source": ("loop", "memory_source"),
-    "prepare": ("loop", "prepare"), "resolve_device": ("loop", "resolve_device"), "train": ("loop", "train"),
+    "preflight": ("loop", "preflight"), "prepare": ("loop", "prepare"),
+    "resolve_device": ("loop", "resolve_device"), "train": ("loop", "train"),
 }
 __all__ = sorted(_SURFACE)
 

@@ -16,13 +16,15 @@ from .checkpoint import Checkpointer, Checkpointing, Progress, restore, rng_stat
 from .config import TrainConfig
 from .data import Data, load_data
 from .distributed import Parallel, launched_rank, local_device, setup
-from .errors import ConfigError
+from .errors import BatchsweepError, ConfigError, DataError
 from .evaluation import Metric, evaluate, load_metrics
 from .feed import Feed
 from .health import coverage_warnings, verdict
+from .imports import load_factory
 from .interrupt import check as check_interrupt
 from .losses import Loss, load_loss
-from .models import bn_population_error, build_model, check_inputs, has_conv2d, set_bn_momentum, use_ghost_batch
+from .models import (TAKES, bn_population_error, build_model, check_inputs, has_conv2d, set_bn_momentum,
+                     use_ghost_batch)
 from .probes import Hooks, LossTerms, Micro, Probe, Run
 from .probes import diagnostics as builtin_diagnostics
 from .shrink import Retry, at
@@ -151,6 +153,24 @@ def prepare(config: TrainConfig) -> Prepared:
         else:
             notes.append("channels_last has no effect: the model has no 2-D convolution")
     return Prepared(device, data, model, notes)
+
+
+def preflight(config: TrainConfig) -> None:
+    """What would make every trial of a study fail alike, checked once before it starts: each import path
+    imports, and a built-in model can take the dataset's samples (the one check that loads the dataset)."""
+    load_metrics(config.metrics)
+    for path, what in ((config.model, "model"), (config.dataset, "dataset"), (config.loss, "loss")):
+        if ":" in path and not path.startswith("hf:"):
+            load_factory(path, what)
+    if config.model not in TAKES:
+        return
+    try:
+        data = load_data(config.dataset, config.data_dir, config.seed, config.label_key)
+    except BatchsweepError:
+        raise
+    except Exception as exc:  # the user's factory: one line, as a trial would record it
+        raise DataError(f"dataset {config.dataset!r} raised {type(exc).__name__}: {exc}") from None
+    check_inputs(config.model, config.dataset, data.example(1))
 
 
 NO_CONTEXT = nullcontext()  # (reusable: none is built per micro-batch)
