@@ -284,6 +284,8 @@ def epoch_frames(stderr: str, epochs: int) -> tuple[set[str], set[str]]:
                                                 "'tests.factories' has no callable 'missing'"),
     (["--set", "loss=tests.factories:missing"], "loss import path 'tests.factories:missing'"),
     (["--dataset", "tests.factories:not_a_dataset"], "must return (train, test) Datasets"),
+    (["--dataset", "tests.factories:broken_model"], "dataset 'tests.factories:broken_model' raised RuntimeError: "
+                                                    "factory exploded"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, expected):
     proc = sweep(tmp_path, *TINY, *args, "--storage" if "--storage" not in args else "--n-trials",
