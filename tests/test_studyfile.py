@@ -429,3 +429,12 @@ def test_a_grid_changed_under_a_running_study_stops_it_in_one_line():
     with pytest.raises(StudyChanged, match=r"the \[grid\] of study g changed since its first trials: accum_steps "
                                            r"now takes \[1, 2, 4\]; restore the grid, or run it under a new"):
         study.optimize(objective_for(search, search.units()), n_trials=1)
+
+
+def test_a_trials_name_says_which_field_a_number_is():
+    """A run name like critical_batch's 'k2 fixed B 10' read as B = 10 where 10 was its epochs."""
+    from sweeps.studies import describe
+
+    assert describe({"accum_steps": 2, "batch_warmup": "", "epochs": 10}) == "k2 fixed B epochs=10"
+    assert describe({"physical_batch": 32, "lr_rule": "sqrt", "base_lr": 0.031623, "channels_last": True}) == \
+        "b32 sqrt base_lr=0.0316 channels_last=True"
