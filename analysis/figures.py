@@ -28,7 +28,19 @@ class Figure:
 
 
 def _values(trials: pd.DataFrame, column: str) -> str:
-    return ", ".join(sorted(map(str, trials[column].dropna().unique()))) if column in trials else "?"
+    """A column's distinct values, numbers in their order ('3, 4, 6, 10 epochs', not '10, 3, 4, 6')."""
+    if column not in trials:
+        return "?"
+    values = set(map(str, trials[column].dropna().unique()))
+    return ", ".join(sorted(values, key=lambda v: (0, float(v), v) if _is_number(v) else (1, 0.0, v)))
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _epochs(values: str) -> str:

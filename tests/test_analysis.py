@@ -401,6 +401,9 @@ def test_the_protocol_line_counts_one_epoch_as_one():
     assert protocol(trials) == "adamw; linear warmup 1 epoch, then cosine; weight decay 0.0; 1 epoch; 2 seeds"
     trials["warmup_epochs"], trials["epochs"] = "2.5", "8"
     assert "linear warmup 2.5 epochs, then cosine; weight decay 0.0; 8 epochs; 2 seeds" in protocol(trials)
+    trials = pd.concat([trials, trials.assign(epochs="10"), trials.assign(epochs="3", optimizer="sgd")])
+    assert protocol(trials).endswith("3, 8, 10 epochs; 2 seeds")  # critical_batch's read '10, 3, 4, 6 epochs'
+    assert protocol(trials).startswith("adamw, sgd;")
 
 
 def test_report_command_and_compare(tiny_study):
