@@ -413,20 +413,23 @@ def warmup(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | No
 
 
 def noise_scale(trials: pd.DataFrame) -> list[str]:
-    """The measured noise scale, reliable values only."""
-    t = finished(trials)
+    """The measured noise scale, reliable values only, of the trials that the figure against B draws and the
+    critical batch is predicted from: a batch warmup's or a branch's B changed during training."""
+    t = one_batch(finished(trials))
     if "noise_scale" not in t or t["noise_scale"].notna().sum() == 0:
         return []
     values = reliable_noise(t)
     dropped = int(t["noise_scale"].notna().sum()) - len(values)
     rule = (f"; {dropped} value{'s' * (dropped != 1)} left out as unreliable (the measured |G|² fell below the "
             f"finite-set correction tr(Σ)/N, where the estimate tends to N whatever the gradient)") if dropped else ""
+    which = " that trained at one B throughout" if len(t) < len(finished(trials)) else ""
     if values.empty:
         return [f"The gradient noise scale could not be read at the last epoch{rule}."]
     if len(values) == 1:
-        return [f"The gradient noise scale at the last epoch was {values.iloc[0]:.0f} (one trial with k ≥ 2){rule}."]
+        return [f"The gradient noise scale at the last epoch was {values.iloc[0]:.0f} (one trial with k ≥ 2{which})"
+                f"{rule}."]
     return [f"The gradient noise scale at the last epoch was {values.median():.0f} (median of {len(values)} trials "
-            f"with k ≥ 2, range {values.min():.0f}–{values.max():.0f}){rule}."]
+            f"with k ≥ 2{which}, range {values.min():.0f}–{values.max():.0f}){rule}."]
 
 
 def script_note(trials: pd.DataFrame) -> list[str]:

@@ -502,6 +502,12 @@ def test_noise_scale_sentence_leaves_out_unreliable_values():
     assert "The gradient noise scale at the last epoch was 250 (one trial with k ≥ 2); 9 values left out" \
         in " ".join(summarize(one))
     assert context(one.iloc[:1]).endswith("; 1 trial") and context(one).endswith("; 81 trials")
+    # Trials whose B changed during training (a batch warmup, a branch) are left out, as the figure leaves them.
+    warm = trials.assign(batch_warmup="")
+    changed = warm.index[warm.accum_steps.isin([2, 4])]
+    warm.loc[changed, ["batch_warmup", "noise_scale"]] = ["32,64", 9000.0]
+    assert "was 250 (median of 9 trials with k ≥ 2 that trained at one B throughout, range 250–250)" \
+        in " ".join(summarize(warm))
 
 
 def test_importance_finds_the_field_that_was_planted():
