@@ -177,6 +177,14 @@ def describe(point: Point) -> str:
     """A short run name: 'b32 k4 linear', 'b32 k8 base_lr=0.0316', 'k4 warmup 32 epochs=3', 'fixed B'. A word
     names itself; a number or a switch says its field (a bare '3' could be any of them)."""
     names = {"physical_batch": "b", "accum_steps": "k", "batch_warmup": "warmup "}
-    return " ".join("fixed B" if k == "batch_warmup" and not v else f"{names[k]}{v}" if k in names
-                    else f"{k}={v:.3g}" if isinstance(v, float) else v if isinstance(v, str) else f"{k}={v}"
-                    for k, v in point.items())
+
+    def part(field: str, value) -> str:
+        if field == "batch_warmup" and not value:
+            return "fixed B"
+        if field in names:
+            return f"{names[field]}{value}"
+        if isinstance(value, str):
+            return value
+        return f"{field}={value:.3g}" if isinstance(value, float) else f"{field}={value}"
+
+    return " ".join(part(field, value) for field, value in point.items())
