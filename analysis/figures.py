@@ -14,6 +14,10 @@ import seaborn as sns  # noqa: E402
 
 from .runs import aggregate, knee, steps_to_target  # noqa: E402
 
+# The fields a figure splits its trials by, the first that varies, with their values in the order they read (the
+# rules' own order, not the alphabet's). Each value keeps one colour in every figure, and in every report.
+SPLITS = {"lr_rule": ("none", "linear", "sqrt", "adam_sqrt"), "bn_momentum_rule": ("default", "scaled", "matched"),
+          "model": ()}
 MEMORY_LABELS = {"saved_tensors": "peak memory, MiB (saved-for-backward tensors + state, CPU)",
                  "cuda_allocator": "peak memory, MiB (CUDA allocator)"}
 
@@ -75,6 +79,18 @@ def _varies(trials: pd.DataFrame, column: str) -> bool:
     return column in trials and trials[column].nunique() > 1
 
 
+def split(trials: pd.DataFrame) -> tuple[str | None, dict]:
+    """The field that splits the trials, and its values in reading order, each mapped to its colour."""
+    column = next((c for c in SPLITS if _varies(trials, c)), None)
+    if column is None:
+        return None, {}
+    known = SPLITS[column]
+    present = set(trials[column].dropna())
+    values = [*known, *sorted(present - set(known), key=str)]
+    colors = sns.color_palette(n_colors=max(10, len(values)))
+    return column, {v: colors[i] for i, v in enumerate(values) if v in present}
+
+
 def _log2_axis(ax, values) -> None:
     ax.set_xscale("log", base=2)
     ticks = sorted(set(int(v) for v in values))
@@ -119,7 +135,8 @@ def accuracy_vs_batch(trials: pd.DataFrame) -> Figure | None:
     t = one_batch(finished(trials))
     if not _varies(t, "effective_batch") or "val_acc" not in t or tuned(t):
         return None
-    hue = next((c for c in ("lr_rule", "bn_momentum_rule", "model") if _varies(t, c)), None)
+    hue, palette = split(trials)
+    hue = hue if _varies(t, hue) else None
     keys = [k for k in (hue, "batch") if k]
     stats = aggregate(t, [*keys, "effective_batch"], "val_acc")
     b_crit = critical_batch(t)
@@ -128,7 +145,8 @@ def accuracy_vs_batch(trials: pd.DataFrame) -> Figure | None:
     else:  # the measured noise scale beside the accuracy curve
         fig, (ax, noise_ax) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
         measured = t.loc[reliable_noise(t).index]
-        sns.scatterplot(data=measured, x="effective_batch", y="noise_scale", hue=hue, ax=noise_ax, legend=False)
+        sns.scatterplot(data=measured, x="effective_batch", y="noise_scale", hue=hue, palette=palette if hue else None,
+                        ax=noise_ax, legend=False)
         noise_ax.axhline(b_crit, color="gray", linestyle="--", linewidth=1)
         _log2_axis(noise_ax, measured["effective_batch"])
         noise_ax.set_yscale("log")
@@ -136,13 +154,15 @@ def accuracy_vs_batch(trials: pd.DataFrame) -> Figure | None:
         noise_ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         noise_ax.set(xlabel="effective batch B (trials with k ≥ 2)",
                      ylabel="gradient noise scale at the last epoch", title=f"median {b_crit:.0f}")
-    palette = dict(zip(sorted(stats[hue].unique()) if hue else [None], sns.color_palette()))
-    for group, rows in stats.groupby(keys) if keys else [((), stats)]:
-        group = group if isinstance(group, tuple) else (group,)
+    groups = list(stats.groupby(keys)) if keys else [((), stats)]
+    if hue:  # the split's own order
+        groups.sort(key=lambda g: list(palette).index(g[0][0]))
+    for group, rows in groups:
         label = dict(zip(keys, group))
         rows = rows.sort_values("effective_batch")
         ax.errorbar(rows["effective_batch"], 100 * rows["mean"], yerr=100 * rows["ci95"].fillna(0),
-                    color=palette[label.get(hue)], marker="o" if label.get("batch") != "true batch" else "s",
+                    color=palette[label[hue]] if hue else "C0",
+                    marker="o" if label.get("batch") != "true batch" else "s",
                     linestyle="-" if label.get("batch") != "true batch" else "--", capsize=3,
                     label=" / ".join(str(v) for v in group))
     if b_crit is not None:
@@ -192,7 +212,7 @@ def learning_curves(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | Non
     if history.empty or "val_acc" not in history:
         return None
     t = finished(trials)
-    facet = next((c for c in ("lr_rule", "bn_momentum_rule", "model") if _varies(t, c)), None)
+    facet, order = split(trials)
     best = tuned(t) and "val_acc" in t
     if best:  # a mean over the searched LRs means little: the curve of the best of them at each B
         t = t.dropna(subset=["val_acc"])
@@ -202,8 +222,9 @@ def learning_curves(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | Non
     if h.empty:
         return None
     grid = sns.relplot(data=h, x="epoch", y="val_acc", hue="effective_batch", style="batch" if "batch" in h else None,
-                       col=facet, kind="line", palette="flare", hue_norm=matplotlib.colors.LogNorm(), errorbar=None,
-                       height=3.2, aspect=1.1, facet_kws={"sharey": True})
+                       col=facet, col_order=[v for v in order if v in set(h[facet])] if facet else None, kind="line",
+                       palette="flare", hue_norm=matplotlib.colors.LogNorm(), errorbar=None, height=3.2, aspect=1.1,
+                       facet_kws={"sharey": True})
     # A script's MLflow step is its own: the epoch of a JSON row, the global step of a Lightning logger.
     grid.set_axis_labels("epoch" if "model" in trials else "epoch, or the step the script logged at",
                          "validation accuracy")
@@ -252,9 +273,10 @@ def bn_rules(trials: pd.DataFrame) -> Figure | None:
                  B=t["effective_batch"])
     t.loc[t["B"] == t["physical_batch"].min(), "rule"] = "k = 1"  # the smallest B has no accumulation at all
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    order = [r for r in ("k = 1", "true batch", "default", "scaled", "matched") if r in set(t["rule"])]
+    colors = {"k = 1": "0.8", "true batch": "0.45", **split(trials)[1]}
+    order = [r for r in colors if r in set(t["rule"])]
     sns.barplot(data=t.assign(val_pct=100 * t["val_acc"]), x="B", y="val_pct", hue="rule", hue_order=order,
-                errorbar=("ci", 95), ax=ax)
+                palette=colors, errorbar=("ci", 95), ax=ax)
     low = 100 * t["val_acc"].min()
     ax.set_ylim(max(0, low - 5), 100)
     ax.set(xlabel="effective batch B (accumulated: b = 32, k = B/32; true batch: b = B, k = 1)",
@@ -283,12 +305,13 @@ def health(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | None:
     """grad_norm and update_ratio over epochs for every trial: an LR scaled too far stands out."""
     if history.empty or "grad_norm" not in history or "update_ratio" not in history:
         return None
-    hue = next((c for c in ("lr_rule", "bn_momentum_rule", "model") if _varies(trials, c)), None)
+    hue, palette = split(trials)
     h = history.merge(trials[["run_id", *([hue] if hue else [])]], on="run_id")
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, label in ((left, "grad_norm", "gradient norm |G_B| (mean over steps)"),
                            (right, "update_ratio", "update ratio |Δθ| / |θ| (mean over steps)")):
-        sns.lineplot(data=h, x="epoch", y=key, hue=hue, units="run_id", estimator=None, alpha=0.7, ax=ax)
+        sns.lineplot(data=h, x="epoch", y=key, hue=hue, hue_order=list(palette) or None, palette=palette or None,
+                     units="run_id", estimator=None, alpha=0.7, ax=ax)
         ax.set_yscale("log")
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.set(xlabel="epoch", ylabel=label)
@@ -310,12 +333,16 @@ def steps_vs_batch(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFr
         return None
     table, target = found
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    groups = list(table.groupby(keys)) if keys else [("all", table)]
-    for color, (group, rows) in zip(sns.color_palette(), groups):
-        group = group[0] if isinstance(group, tuple) else group
+    field, palette = split(trials)
+    groups = list(table.groupby(keys)) if keys else [(("all",), table)]
+    colors = sns.color_palette()
+    if keys == [field]:  # the split's own order and colours
+        groups.sort(key=lambda g: list(palette).index(g[0][0]))
+        colors = [palette[g[0]] for g, _ in groups]
+    for color, (group, rows) in zip(colors, groups):
         rows = rows.dropna(subset=["steps"]).sort_values("effective_batch")
         for ax, column in ((left, "steps"), (right, "samples")):
-            ax.plot(rows["effective_batch"], rows[column], "o-", color=color, label=str(group))
+            ax.plot(rows["effective_batch"], rows[column], "o-", color=color, label=" / ".join(map(str, group)))
         b = knee(rows)
         if b:
             left.axvline(b, color=color, linestyle=":", linewidth=1)

@@ -6,11 +6,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import matplotlib.colors
 import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.figures import all_figures, best_lr, context, learning_curves, protocol, warmup_curves
+from analysis.figures import all_figures, best_lr, context, learning_curves, protocol, split, warmup_curves
 from analysis import branching
 from analysis.findings import course, lr_rule_reading, summarize
 from analysis.render import MIB, _display, _table, write_report
@@ -297,6 +298,28 @@ def test_figures_from_a_synthetic_frame(tmp_path):
     page = write_report([StudyRuns("synthetic", trials, history, None, "sqlite:///nowhere")], tmp_path)[0][0]
     assert page.read_text().count("<img") == 4
     assert all((tmp_path / f"{n}.png").stat().st_size > 1000 for n in names)
+
+
+def test_a_rule_keeps_its_colour_and_place_in_every_figure():
+    """The trials arrive in any order: each rule reads in its own order and keeps its colour across figures."""
+    trials = synthetic(flat).iloc[::-1].reset_index(drop=True)  # sqrt's trials first
+    history = pd.DataFrame([dict(run_id=r, epoch=e, val_acc=0.5 + 0.2 * e, grad_norm=1.0 / e, update_ratio=1e-3)
+                            for r in trials.run_id for e in (1, 2)])
+    figures = {f.name: f.figure for f in all_figures(trials, history)}
+    rgb = matplotlib.colors.to_rgb
+
+    accuracy = figures["accuracy_vs_batch"].axes[0].get_legend_handles_labels()
+    by_line = {label.split(" / ")[0]: rgb(h.lines[0].get_color()) for h, label in zip(*accuracy)
+               if label.endswith("accumulated")}
+    legend = figures["health"].axes[0].get_legend()
+    by_health = {t.get_text(): rgb(h.get_color()) for h, t in zip(legend.legend_handles, legend.get_texts())}
+    assert list(by_line) == list(by_health) == ["none", "linear", "sqrt"]
+    assert by_line == by_health and len(set(by_line.values())) == 3
+    titles = [ax.get_title() for ax in figures["learning_curves"].axes]
+    assert titles == [f"lr_rule = {rule}" for rule in ("none", "linear", "sqrt")]
+    # A study without 'none' gives 'linear' and 'sqrt' the same colours as one with it.
+    without_none = {rule: color for rule, color in split(trials)[1].items() if rule != "none"}
+    assert split(trials[trials.lr_rule != "none"])[1] == without_none
 
 
 def test_lr_exponent_is_fitted():
