@@ -46,6 +46,16 @@ def test_a_checkpoint_that_is_not_this_runs_is_one_line_that_names_it(capsys, tm
     assert line.startswith(f"error: checkpoint {folder}/checkpoint.pt ") and expected in line, line
 
 
+def test_a_finished_run_asked_for_more_epochs_is_told_which_field_differs(capsys, tmp_path):
+    """Its schedule was of 2 epochs: the checkpoint is of another configuration, not a damaged one of this run."""
+    from trainers.cli import main
+
+    args = [*ARGS, "--checkpoint-dir", str(tmp_path / "run")]
+    assert main(args) == 0
+    line = one_line_error(capsys, [*args, "--epochs", "3"])
+    assert "is of another configuration (epochs 2 there, 3 here): pass another --checkpoint-dir" in line, line
+
+
 def test_a_trainer_error_under_a_launcher_says_its_kind(tmp_path):
     """Under torchrun the launcher cannot see a rank's exit status: the trainer writes its error's kind beside the
     epochs' rows, and only a configuration error makes a point invalid for good."""

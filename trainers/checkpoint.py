@@ -190,7 +190,7 @@ class Checkpointer:
         except Exception as exc:
             raise CheckpointError(f"checkpoint {path} cannot be read ({_reason(exc)}): it is damaged; remove it to "
                                   f"start the run over, or pass another --checkpoint-dir") from None
-        wrong = _malformed(state, self.config)
+        wrong = _malformed(state)
         if wrong:
             raise CheckpointError(f"checkpoint {path} is not one of this run's ({wrong}): remove it to start over, "
                                   f"or pass another --checkpoint-dir")
@@ -201,6 +201,10 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path} is of another configuration ({'; '.join(differing[:4])}"
                                   f"{'; …' if len(differing) > 4 else ''}): pass another --checkpoint-dir, or "
                                   f"remove it to start over")
+        wrong = _out_of_place(state["progress"], self.config)
+        if wrong:
+            raise CheckpointError(f"checkpoint {path} is not one of this run's ({wrong}): remove it to start over, "
+                                  f"or pass another --checkpoint-dir")
         return state
 
 
@@ -208,14 +212,20 @@ def _reason(exc: BaseException) -> str:
     return (str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)[:200]
 
 
-def _malformed(state: dict[str, Any], config: TrainConfig) -> str | None:
-    """What makes a readable checkpoint unfit to resume `config` from, before anything is put back."""
+def _malformed(state: dict[str, Any]) -> str | None:
+    """What makes a readable checkpoint unfit to resume anything from: entries missing or of another shape."""
     missing, unknown = ENTRIES - state.keys(), state.keys() - ENTRIES - {"rng_ranks"}
     if missing or unknown:
         return f"{'no ' + ', '.join(sorted(missing)) if missing else 'unknown ' + ', '.join(sorted(unknown))}"
     progress, fields = state["progress"], {f.name for f in dataclasses.fields(Progress)}
     if not isinstance(state["config"], dict) or not isinstance(progress, dict) or progress.keys() != fields:
         return "its config or progress is not of this version's shape"
+    return None
+
+
+def _out_of_place(progress: dict[str, Any], config: TrainConfig) -> str | None:
+    """What makes the progress of a checkpoint of this very configuration impossible (the configuration is compared
+    first, so that a run of other epochs is told as that)."""
     if not isinstance(progress["epoch"], int) or not 0 <= progress["epoch"] <= config.epochs:
         return f"it stands at epoch {progress['epoch']!r} of a {config.epochs}-epoch run"
     if progress["finished"] and progress["epoch"] < config.epochs and progress["status"] == "ok" \
