@@ -289,13 +289,22 @@ def equivalence(trials: pd.DataFrame) -> Figure | None:
     if "param_rel_diff" not in t:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    sns.barplot(data=t, x="accum_steps", y="param_rel_diff", hue="model", ax=left, errorbar=None)
+    hue, palette = split(trials)
+    hue = hue if hue == "model" else None
+    bars = dict(hue=hue, hue_order=list(palette), palette=palette) if hue else {}
+    dots = dict(hue=hue, hue_order=list(palette), palette="dark:black", dodge=True) if hue else dict(color="black")
+    t = t.assign(gap=100 * t["acc_gap"])
+    # Bars: the median over seeds (one seed that parts in float32 would carry a mean on a log axis); dots: each seed.
+    for ax, column in ((left, "param_rel_diff"), (right, "gap")):
+        sns.barplot(data=t, x="accum_steps", y=column, estimator="median", errorbar=None, alpha=0.7, ax=ax, **bars)
+        sns.stripplot(data=t, x="accum_steps", y=column, size=3, legend=False, ax=ax, **dots)
     left.set_yscale("log")
     left.set(xlabel="accumulation steps k (b = 32)", ylabel="largest relative parameter difference")
-    sns.barplot(data=t.assign(gap=100 * t["acc_gap"]), x="accum_steps", y="gap", hue="model", ax=right,
-                errorbar=None)
+    if left.get_legend():  # one legend, on the side with room for it
+        left.get_legend().remove()
     right.axhline(0, color="black", linewidth=0.8)
-    right.set(xlabel="accumulation steps k (b = 32)", ylabel="accuracy gap, points (accumulated − true batch)")
+    right.set(xlabel="accumulation steps k (b = 32)", ylabel="accuracy, accumulated − true batch, points")
+    fig.suptitle("bars: the median over seeds; dots: each seed", fontsize=9)
     fig.tight_layout()
     return Figure("equivalence", "Accumulated against true batch from the same weights: BN against no BN", fig,
                   context(t))
