@@ -79,15 +79,21 @@ def _varies(trials: pd.DataFrame, column: str) -> bool:
     return column in trials and trials[column].nunique() > 1
 
 
+def in_order(column: str, values) -> list:
+    """The distinct values of a split field in reading order: the rules' own first, any others after them."""
+    known, present = SPLITS.get(column, ()), set(values)
+    return [v for v in known if v in present] + sorted(present - set(known), key=str)
+
+
 def split(trials: pd.DataFrame) -> tuple[str | None, dict]:
-    """The field that splits the trials, and its values in reading order, each mapped to its colour."""
+    """The field that splits the trials, and its values in reading order, each mapped to its colour: a rule's
+    colour is its place among all the rules, so that it is the same in every report."""
     column = next((c for c in SPLITS if _varies(trials, c)), None)
     if column is None:
         return None, {}
-    known = SPLITS[column]
-    present = set(trials[column].dropna())
-    values = [*known, *sorted(present - set(known), key=str)]
+    values = in_order(column, [*SPLITS[column], *trials[column].dropna()])
     colors = sns.color_palette(n_colors=max(10, len(values)))
+    present = set(trials[column].dropna())
     return column, {v: colors[i] for i, v in enumerate(values) if v in present}
 
 

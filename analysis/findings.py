@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from . import branching
-from .figures import SPLITS, best_lr, critical_batch, finished, one_batch, reliable_noise, tuned
+from .figures import best_lr, critical_batch, finished, in_order, one_batch, reliable_noise, tuned
 from .runs import (TARGET_SHARE, Difference, aggregate, discoveries, knee, paired, reached, resolution,
                    steps_to_target)
 
@@ -96,7 +96,8 @@ def lr_rules(trials: pd.DataFrame) -> list[str]:
         return []
     t = _series(t)
     out, family = [], []
-    for rule, rows in t.groupby("lr_rule"):
+    for rule in in_order("lr_rule", t["lr_rule"]):
+        rows = t[t["lr_rule"] == rule]
         sizes = sorted(rows["effective_batch"].unique())
         if len(sizes) < 2:
             continue
@@ -193,7 +194,7 @@ def bn(trials: pd.DataFrame) -> list[str]:
     for k in sorted(t.loc[t["accum_steps"] > 1, "accum_steps"].unique()):
         at_k = t[(t["accum_steps"] == k) & (t["physical_batch"] == b)]
         true = t[(t["accum_steps"] == 1) & (t["effective_batch"] == k * b)]
-        rules = [r for r in SPLITS["bn_momentum_rule"] if r in set(at_k["bn_momentum_rule"])]
+        rules = in_order("bn_momentum_rule", at_k["bn_momentum_rule"])
         if "bn_mean_error" in t and not true.empty and true["bn_mean_error"].notna().any():
             errors = at_k.groupby("bn_momentum_rule")["bn_mean_error"].mean()
             listing = ", ".join(f"{r} {_sig(errors[r])}" for r in rules)
