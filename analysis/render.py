@@ -156,9 +156,9 @@ TEMPLATE = jinja2.Environment(autoescape=True).from_string("""<!DOCTYPE html>
 {% endfor %}
 {% for section, items in sections %}
 <h2>{{ section }}</h2><div class='row'>
-{% for label, fig, data in items %}
+{% for label, fig, data, caption in items %}
 <figure><img alt='{{ label }}{{ fig.title }}' src='data:image/png;base64,{{ data }}'>
-<figcaption>{{ label }}{{ fig.context }}</figcaption></figure>
+<figcaption>{{ caption }}</figcaption></figure>
 {% endfor %}
 </div>
 {% endfor %}
@@ -210,8 +210,8 @@ def _markdown(studies, title: str, stamp: str, source: str, reproduce: str, summ
                      ""]
     for section_title, items in sections.items():
         md_lines += [f"## {md(section_title)}", ""]
-        for label, fig, path in items:
-            md_lines += [f"![{md(label + fig.title)}]({path.name})", "", f"*{md(label + fig.context)}*", ""]
+        for label, fig, path, caption in items:
+            md_lines += [f"![{md(label + fig.title)}]({path.name})", "", f"*{md(caption)}*", ""]
     for name, table in health:
         md_lines += [f"## Training health: {md(name)}", "", "Every trial was healthy." if table is None
                      else _md_table(table), ""]
@@ -224,6 +224,18 @@ def _markdown(studies, title: str, stamp: str, source: str, reproduce: str, summ
     return "\n".join(md_lines)
 
 
+def _shared_title(titles: list[str]) -> str:
+    """The words that several titles open with ('Learning curves'), or the title when they are one."""
+    shared = []
+    for words in zip(*(t.split() for t in titles)):
+        if len(set(words)) > 1:
+            break
+        shared.append(words[0])
+    while shared and shared[-1] in ("by", "from", "of", "at", "against"):
+        shared.pop()
+    return " ".join(shared).rstrip(",;:") or titles[0]
+
+
 def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], dict[str, list[str]]]:
     """Write the report of one study, or of several side by side, into `folder`. Returns the files written,
     report.html first, and each study's findings."""
@@ -233,7 +245,7 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
     written: list[Path] = []
     title = " vs ".join(s.name for s in studies)
     stamp = time.strftime("%Y-%m-%d %H:%M")
-    sections: dict[str, list[tuple[str, Figure, Path]]] = {}
+    kinds: dict[str, list[tuple[str, Figure, Path]]] = {}
     summaries = []
     for study in studies:
         prefix = f"{folder_name([study.name])}-" if len(studies) > 1 else ""
@@ -242,12 +254,19 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
         for fig in figures:
             path = _save(fig, folder, prefix)
             written.append(path)
-            sections.setdefault(fig.title, []).append((f"{study.name}: " if len(studies) > 1 else "", fig, path))
+            kinds.setdefault(fig.name, []).append((f"{study.name}: " if len(studies) > 1 else "", fig, path))
         findings = summarize(study.trials, study.history, study.evals) + [f.finding for f in figures if f.finding]
         summaries.append((study.name, findings or ["No finished trials yet."], protocol(study.trials)))
         csv = folder / f"{prefix}trials.csv"
         _table(study.trials).to_csv(csv, index=False)
         written.append(csv)
+    # A section per kind of figure: the studies' side by side even where their titles differ (learning curves by
+    # lr_rule beside those by bn_momentum_rule), under what their titles share, each whole title in its caption.
+    sections = {}
+    for items in kinds.values():
+        heading = _shared_title([fig.title for _, fig, _ in items])
+        sections[heading] = [(label, fig, path, label + (f"{fig.title}. " if fig.title != heading else "")
+                              + fig.context) for label, fig, path in items]
     names = [s.name for s in studies]
     reproduce = f"{commands.command('report')} " + (f"--compare {' '.join(map(shlex.quote, names))}" if len(names) > 1
                                                  else f"--study {shlex.quote(names[0])}")
@@ -264,8 +283,8 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
     page = TEMPLATE.render(
         title=title, css=Markup(CSS), stamp=stamp, source=source, reproduce=reproduce,
         summaries=summaries, health=health, html_table=_html_table, models=models,
-        sections=[(t, [(label, fig, base64.b64encode(path.read_bytes()).decode()) for label, fig, path in items])
-                  for t, items in sections.items()],
+        sections=[(t, [(label, fig, base64.b64encode(path.read_bytes()).decode(), caption)
+                       for label, fig, path, caption in items]) for t, items in sections.items()],
         trials=[(s.name, _table(s.trials, s.objectives[0])) for s in studies])
     (folder / "report.html").write_text(page)
     written = [folder / "report.html", folder / "report.md", *written]

@@ -337,6 +337,22 @@ def test_the_equivalence_figure_shows_each_seed_and_a_median_that_one_seed_canno
     assert sum(len(dots.get_offsets()) for dots in left.collections) == 6
 
 
+def test_a_comparison_sets_the_studies_figures_of_one_kind_side_by_side(tmp_path):
+    """Learning curves by lr_rule and by bn_momentum_rule are one section, each figure's title in its caption."""
+    lr = synthetic(flat)
+    bn = lr.assign(bn_momentum_rule=lr.lr_rule.map({"none": "default", "linear": "scaled", "sqrt": "matched"}),
+                   lr_rule="linear")
+    history = pd.DataFrame([dict(run_id=r, epoch=e, val_acc=0.5 + 0.2 * e) for r in lr.run_id for e in (1, 2)])
+    write_report([StudyRuns(name, trials, history, None, "sqlite:///nowhere") for name, trials in
+                  (("lr", lr), ("bn", bn))], tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert md.count("## Learning curves") == 1 and "by lr_rule\n" not in md
+    section = md.split("## Learning curves\n")[1].split("\n## ")[0]
+    assert "*lr: Learning curves by lr_rule. cnn1d on mnist1d" in section
+    assert "*bn: Learning curves by bn_momentum_rule. cnn1d on mnist1d" in section
+    assert "## Validation accuracy against effective batch\n" in md  # one title: the section's, not repeated
+
+
 def test_lr_exponent_is_fitted():
     rows = [dict(run_id=f"{b}-{lr}", status="FINISHED", effective_batch=b, base_lr=lr, physical_batch=32,
                  accum_steps=b // 32, seed=0, epochs=2, model="mlp", dataset="d", device_name="cpu",
