@@ -200,7 +200,7 @@ def _clear(folder: Path) -> None:
     manifest.unlink()
 
 
-def _markdown(studies, title: str, stamp: str, source: str, reproduce: str, summaries: list, sections: dict,
+def _markdown(studies, title: str, stamp: str, source: str, reproduce: str, summaries: list, sections: list,
               health: list, models: list) -> str:
     """report.md: the same sections as the page, every string from the data escaped by md()."""
     md_lines = [f"# batchsweep report: {md(title)}", "", f"Made {stamp} from {md(source)}. Reproduce with: "
@@ -208,7 +208,7 @@ def _markdown(studies, title: str, stamp: str, source: str, reproduce: str, summ
     for name, sentences, how in summaries:
         md_lines += [f"## Findings: {md(name)}", "", f"Protocol: {md(how)}.", "", *(f"- {md(s)}" for s in sentences),
                      ""]
-    for section_title, items in sections.items():
+    for section_title, items in sections:
         md_lines += [f"## {md(section_title)}", ""]
         for label, fig, path, caption in items:
             md_lines += [f"![{md(label + fig.title)}]({path.name})", "", f"*{md(caption)}*", ""]
@@ -262,11 +262,11 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
         written.append(csv)
     # A section per kind of figure: the studies' side by side even where their titles differ (learning curves by
     # lr_rule beside those by bn_momentum_rule), under what their titles share, each whole title in its caption.
-    sections = {}
+    sections = []  # (heading, items): two kinds may share a heading ('Pareto front' of val_acc and of val_loss)
     for items in kinds.values():
         heading = _shared_title([fig.title for _, fig, _ in items])
-        sections[heading] = [(label, fig, path, label + (f"{fig.title}. " if fig.title != heading else "")
-                              + fig.context) for label, fig, path in items]
+        sections.append((heading, [(label, fig, path, label + (f"{fig.title}. " if fig.title != heading else "")
+                                    + fig.context) for label, fig, path in items]))
     names = [s.name for s in studies]
     reproduce = f"{commands.command('report')} " + (f"--compare {' '.join(map(shlex.quote, names))}" if len(names) > 1
                                                  else f"--study {shlex.quote(names[0])}")
@@ -284,7 +284,7 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
         title=title, css=Markup(CSS), stamp=stamp, source=source, reproduce=reproduce,
         summaries=summaries, health=health, html_table=_html_table, models=models,
         sections=[(t, [(label, fig, base64.b64encode(path.read_bytes()).decode(), caption)
-                       for label, fig, path, caption in items]) for t, items in sections.items()],
+                       for label, fig, path, caption in items]) for t, items in sections],
         trials=[(s.name, _table(s.trials, s.objectives[0])) for s in studies])
     (folder / "report.html").write_text(page)
     written = [folder / "report.html", folder / "report.md", *written]

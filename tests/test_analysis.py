@@ -351,6 +351,7 @@ def test_a_comparison_sets_the_studies_figures_of_one_kind_side_by_side(tmp_path
     assert "*lr: Learning curves by lr_rule. cnn1d on mnist1d" in section
     assert "*bn: Learning curves by bn_momentum_rule. cnn1d on mnist1d" in section
     assert "## Validation accuracy against effective batch\n" in md  # one title: the section's, not repeated
+    assert md.count("![") == len(list(tmp_path.glob("*.png")))  # no figure lost to a heading two kinds share
 
 
 def test_lr_exponent_is_fitted():
