@@ -11,13 +11,16 @@ import base64
 import math
 import re
 import shlex
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jinja2
 from markupsafe import Markup
 import matplotlib.pyplot as plt
 import pandas as pd
+from tqdm import tqdm
 
 from sweeps import commands
 
@@ -224,6 +227,14 @@ def _markdown(studies, title: str, stamp: str, source: str, reproduce: str, summ
     return "\n".join(md_lines)
 
 
+def _figures(study: StudyRuns) -> Iterator[Figure]:
+    yield from all_figures(study.trials, study.history, study.evals)
+    yield from space_figures(study)
+    branched = branching.figure(study.trials, study.history)
+    if branched:
+        yield branched
+
+
 def _shared_title(titles: list[str]) -> str:
     """The words that several titles open with ('Learning curves'), or the title when they are one."""
     shared = []
@@ -249,12 +260,15 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
     summaries = []
     for study in studies:
         prefix = f"{folder_name([study.name])}-" if len(studies) > 1 else ""
-        figures = [*all_figures(study.trials, study.history, study.evals), *space_figures(study)]
-        figures += [f for f in [branching.figure(study.trials, study.history)] if f]
-        for fig in figures:
-            path = _save(fig, folder, prefix)
-            written.append(path)
-            kinds.setdefault(fig.name, []).append((f"{study.name}: " if len(studies) > 1 else "", fig, path))
+        figures = []
+        with tqdm(desc=f"drawing the figures of {study.name}", unit=" figure", file=sys.stderr, dynamic_ncols=True,
+                  leave=False) as bar:
+            for fig in _figures(study):
+                path = _save(fig, folder, prefix)
+                written.append(path)
+                kinds.setdefault(fig.name, []).append((f"{study.name}: " if len(studies) > 1 else "", fig, path))
+                figures.append(fig)
+                bar.update()
         findings = summarize(study.trials, study.history, study.evals) + [f.finding for f in figures if f.finding]
         summaries.append((study.name, findings or ["No finished trials yet."], protocol(study.trials)))
         csv = folder / f"{prefix}trials.csv"

@@ -10,6 +10,7 @@ the top 10% of trials with the rest, a handful of trials in a study of 27 to 81.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import matplotlib.pyplot as plt
 from matplotlib import ticker
@@ -360,7 +361,9 @@ def objectives_front(study: StudyRuns) -> Figure | None:
                   finding)
 
 
-def space_figures(study: StudyRuns) -> list[Figure]:
-    made = [importance(study), parallel_coordinates(study), memory_front(study), time_front(study),
-            objectives_front(study)]
-    return [f for f in made if f is not None]
+def space_figures(study: StudyRuns) -> Iterator[Figure]:
+    """Each figure over the search space the study supports, drawn as it is asked for."""
+    for make in (importance, parallel_coordinates, memory_front, time_front, objectives_front):
+        figure = make(study)
+        if figure is not None:
+            yield figure

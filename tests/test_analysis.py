@@ -550,7 +550,7 @@ def test_noise_scale_sentence_leaves_out_unreliable_values():
     sentences = " ".join(summarize(trials))
     assert "The gradient noise scale at the last epoch was 250 (median of 27 trials with k ≥ 2, range 250–250); " \
            "9 values left out as unreliable" in sentences
-    figure = all_figures(trials, pd.DataFrame())[0]
+    figure = next(all_figures(trials, pd.DataFrame()))
     assert figure.name == "accuracy_vs_batch" and "noise scale" in figure.title
     one = trials.assign(noise_scale=trials.noise_scale.where(trials.accum_steps == 16))  # the unreliable only
     one.loc[one.index[one.accum_steps == 2][0], "noise_scale"] = 250.0
