@@ -235,6 +235,8 @@ def learning_curves(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | Non
     # A script's MLflow step is its own: the epoch of a JSON row, the global step of a Lightning logger.
     grid.set_axis_labels("epoch" if "model" in trials else "epoch, or the step the script logged at",
                          "validation accuracy")
+    for ax in grid.axes.flat:  # epochs and steps are whole: no tick at 2.5 of a 3-epoch run
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     title = f"Learning curves{' of the best trial at each B' if best else ''}{f' by {facet}' if facet else ''}"
     return Figure("learning_curves", title, grid.figure, context(t))
 

@@ -321,6 +321,7 @@ def test_a_rule_keeps_its_colour_and_place_in_every_figure():
     assert by_line == by_health and len(set(by_line.values())) == 3
     titles = [ax.get_title() for ax in figures["learning_curves"].axes]
     assert titles == [f"lr_rule = {rule}" for rule in ("none", "linear", "sqrt")]
+    assert all(tick == int(tick) for tick in figures["learning_curves"].axes[0].get_xticks())  # whole epochs
     # A study without 'none' gives 'linear' and 'sqrt' the same colours as one with it.
     without_none = {rule: color for rule, color in split(trials)[1].items() if rule != "none"}
     assert split(trials[trials.lr_rule != "none"])[1] == without_none
