@@ -211,33 +211,38 @@ def rel(a: Run, t: Run) -> float:
     return float((wa - wt).norm() / wt.norm().clamp_min(1e-300))
 
 
-def update(base: Run, a: Run, t: Run, prior: Run | None = None) -> tuple[float, float, float]:
-    """The accumulated update against the true batch's, both from `base`: (ratio along it, cosine, the share of
-    the update before them that both carried). An optimizer with momentum adds that share to both (Δ = μ'·Δprior
-    − lr·g), which hides a scaled gradient: SGD with momentum 0.9 read a short window's 1/4 as 0.61 at cosine
-    0.91. Their difference holds none of it, so where the difference is a multiple of this step's gradient,
-    d = (r − 1)(Δt − μ'Δprior) fits exactly and gives μ'; elsewhere nothing is taken out."""
+def update(base: Run, a: Run, t: Run, prior: Run | None, tol: float) -> tuple[float, float, dict[str, float]]:
+    """The accumulated update against the true batch's, both from `base`: (ratio along it, cosine, what both held
+    besides this step's gradient). SGD adds to both the same share of the update before (momentum: Δ = μ'·Δprior
+    − lr·(g + wd·w)) and of the weights (weight decay), which hides a scaled gradient: with momentum 0.9 a short
+    window's 1/4 read as 0.61 at cosine 0.91. Their difference holds neither, so where it is a multiple of this
+    step's gradient, d = (r − 1)(Δt − μ'·Δprior + lr·wd·w) fits exactly and gives the shares, which are taken
+    out of both; elsewhere nothing is."""
     start = weights(base.state)
     da, dt = weights(a.state) - start, weights(t.state) - start
-    carried = _carried(da - dt, dt, start - weights(prior.state)) if prior is not None else 0.0
-    if carried:
-        dp = start - weights(prior.state)
-        da, dt = da - carried * dp, dt - carried * dp
+    held = {"weight_decay": start, **({"momentum": start - weights(prior.state)} if prior is not None else {})}
+    shares = _shares(da - dt, dt, held, tol)
+    for name, share in shares.items():
+        da, dt = da - share * held[name], dt - share * held[name]
     ratio = float(da @ dt / (dt @ dt).clamp_min(1e-300))
     cos = float(da @ dt / (da.norm() * dt.norm()).clamp_min(1e-300))
-    return ratio, cos, carried
+    return ratio, cos, shares
 
 
-def _carried(d: torch.Tensor, dt: torch.Tensor, dp: torch.Tensor) -> float:
-    """μ' where d = α·dt + β·dp holds to 1e-6 of |d|² (then μ' = −β/α), else 0."""
+def _shares(d: torch.Tensor, dt: torch.Tensor, held: dict[str, torch.Tensor], tol: float) -> dict[str, float]:
+    """Each s where d = α·(dt − Σ s·held) holds to 1e-6 of |d|², that moves dt by more than the dtype's
+    tolerance of it (plain SGD's fit gives 1e-6 in float32, 1e-15 in float64: rounding); none where d is not
+    such a multiple."""
     import torch
 
-    basis = torch.stack([dt, dp], dim=1)
+    basis = torch.stack([dt, *held.values()], dim=1)
     coef = torch.linalg.lstsq(basis, d[:, None]).solution[:, 0]
     misfit = float((basis @ coef - d).norm() ** 2 / (d @ d).clamp_min(1e-300))
-    alpha, beta = float(coef[0]), float(coef[1])
-    carried = -beta / alpha if misfit < 1e-6 and abs(alpha) > 1e-6 else 0.0
-    return carried if abs(carried) > 1e-3 else 0.0  # (plain SGD's is rounding)
+    alpha = float(coef[0])
+    if misfit >= 1e-6 or abs(alpha) <= 1e-6:
+        return {}
+    shares = {name: -float(c) / alpha for name, c in zip(held, coef[1:])}
+    return {name: s for name, s in shares.items() if abs(s) * float(held[name].norm()) > tol * float(dt.norm())}
 
 
 def classify(ratio: float, cos: float, k: int, last: bool) -> str:
@@ -313,10 +318,9 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
     prior = None  # the weights before the update before u: what an optimizer's momentum carries into u
     if u > 1:
         prior = auditor.run("true batch", B, 1, u - 2) if u > 2 else auditor.run("start", B, 1, 1, lr=0.0)
-    ratio, cos, carried = update(base, a, t, prior)
+    ratio, cos, shares = update(base, a, t, prior, tol)
     figures.update(first_differing_update=u, update_ratio=ratio, update_cosine=cos)
-    if carried:
-        figures["carried_over"] = carried
+    figures.update({f"{name}_share": share for name, share in shares.items()})
     return Finding(classify(ratio, cos, k, last=u == len(et.losses)), figures, compared)
 
 
@@ -355,6 +359,14 @@ def first_parting(auditor: Auditor, b: int, k: int, n: int, tol: float) -> int:
         mid = (low + high) // 2
         low, high = (mid, high) if agree(mid) else (low, mid)
     return high
+
+
+def _taken_out(f: dict[str, Any]) -> str:
+    parts = [f"{f['momentum_share']:.3g} of the update before (momentum)"] if "momentum_share" in f else []
+    if "weight_decay_share" in f:
+        parts.append(f"{-f['weight_decay_share']:.3g} of the weights (weight decay)")
+    return f", once what both updates hold besides this step's gradient is taken out: {' and '.join(parts)}" \
+        if parts else ""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -440,8 +452,7 @@ def _main(args: argparse.Namespace) -> int:
     if "first_differing_update" in f:
         print(f"first update where they part: {f['first_differing_update']} of {f['steps_true_batch']}; the "
               f"accumulated update is {f['update_ratio']:.4g} x the true batch's along it, at cosine "
-              f"{f['update_cosine']:.4f}" + (f", once the {f['carried_over']:.3g} of the update before it that both "
-                                              f"carry (momentum) is taken out" if "carried_over" in f else ""))
+              f"{f['update_cosine']:.4f}{_taken_out(f)}")
     print(f"verdict: {finding.verdict}")
     print(sentence[0].upper() + sentence[1:])
     auditor.tracker.describe(auditor.parent, f"verdict: {finding.verdict}. {sentence}")

@@ -39,14 +39,15 @@ def store(tmp_path_factory):
     return f"sqlite:///{tmp_path_factory.mktemp('audit')}/mlflow.db"
 
 
-def study(folder, mistake: str, loss: str, floats: str, print_lr: str = "yes", momentum: float = 0.0):
+def study(folder, mistake: str, loss: str, floats: str, print_lr: str = "yes", momentum: float = 0.0,
+          weight_decay: float = 0.0):
     path = folder / "catalog.toml"
     path.write_text(f'''name = "catalog"
 [program]
 command = ["{{python}}", "{CATALOG}", "--batch-size", "{{physical_batch}}", "--accum", "{{accum_steps}}",
            "--lr", "{{lr}}", "--seed", "{{seed}}", "--epochs", "{{epochs}}", "--max-steps", "{{max_steps}}",
            "--mistake", "{{mistake}}", "--loss", "{{per}}", "--dtype", "{{floats}}", "--print-lr", "{print_lr}",
-           "--momentum", "{momentum}"]
+           "--momentum", "{momentum}", "--weight-decay", "{weight_decay}"]
 [fixed]
 base_lr = 0.1
 mistake = "{mistake}"
@@ -82,19 +83,22 @@ def assert_a_bar_over_each_runs_steps(out: str, err: str):
         assert "loss=" not in own[0] and "loss=" in own[-1]
 
 
-def test_a_short_window_is_named_through_the_momentum_both_runs_carry(tmp_path, store, capsys):
-    """SGD with momentum 0.9 adds 0.9 of the update before to both runs' updates, which hid the short window's
-    2/4 (read as zero_grad_per_micro_batch); taken out, the ratio is 2/4 at cosine 1 again, and the share
-    carried is the momentum times the LR's decay of that step (0.9 x 0.9)."""
-    code = main(["--study", str(study(tmp_path, "short_window", "sample", "float32", momentum=0.9)),
-                 "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store, "--json",
-                 str(tmp_path / "audit.json")])
+def test_a_short_window_is_named_through_the_momentum_and_weight_decay_both_runs_hold(tmp_path, store, capsys):
+    """SGD with momentum 0.9 and weight decay adds to both runs' updates a share of the update before and of the
+    weights, which hid the short window's 2/4 (read as mean_of_micro_batch_means); taken out, the ratio is 2/4
+    at cosine 1 again, the momentum's share 0.9 times the LR's decay of that step, and weight decay's the step's
+    LR (0.1 x 0.9^7) times 5e-4."""
+    path = study(tmp_path, "short_window", "sample", "float32", momentum=0.9, weight_decay=5e-4)
+    code = main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store,
+                 "--json", str(tmp_path / "audit.json")])
     out = capsys.readouterr().out
     assert code == 1 and "verdict: short_window_divided_by_k\n" in out, out
-    assert "once the 0.81 of the update before it that both carry (momentum) is taken out" in out, out
+    assert ("taken out: 0.81 of the update before (momentum) and 2.39e-05 of the weights (weight decay)"
+            in out), out
     found = json.loads((tmp_path / "audit.json").read_text())
     assert found["first_differing_update"] == 8 and found["update_ratio"] == pytest.approx(2 / 4, rel=1e-4)
-    assert found["carried_over"] == pytest.approx(0.81, rel=1e-3) and found["update_cosine"] > 0.9999
+    assert found["update_cosine"] > 0.9999 and found["momentum_share"] == pytest.approx(0.81, rel=1e-3)
+    assert found["weight_decay_share"] == pytest.approx(-0.1 * 0.9 ** 7 * 5e-4, rel=1e-2)
 
 
 @pytest.mark.parametrize("mistake, loss, floats", CASES)
