@@ -86,16 +86,19 @@ def in_order(column: str, values) -> list:
     return [v for v in known if v in present] + sorted(present - set(known), key=str)
 
 
-def split(trials: pd.DataFrame) -> tuple[str | None, dict]:
-    """The field that splits the trials, and its values in reading order, each mapped to its colour: a rule's
+def colors(trials: pd.DataFrame, column: str) -> dict:
+    """The values of a split field that the trials hold, in reading order, each mapped to its colour: a rule's
     colour is its place among all the rules, so that it is the same in every report."""
+    present = set(trials[column].dropna()) if column in trials else set()
+    values = in_order(column, [*SPLITS.get(column, ()), *present])
+    palette = sns.color_palette(n_colors=max(10, len(values)))
+    return {v: palette[i] for i, v in enumerate(values) if v in present}
+
+
+def split(trials: pd.DataFrame) -> tuple[str | None, dict]:
+    """The field that splits the trials (the first of SPLITS that varies), and colors() of it."""
     column = next((c for c in SPLITS if _varies(trials, c)), None)
-    if column is None:
-        return None, {}
-    values = in_order(column, [*SPLITS[column], *trials[column].dropna()])
-    colors = sns.color_palette(n_colors=max(10, len(values)))
-    present = set(trials[column].dropna())
-    return column, {v: colors[i] for i, v in enumerate(values) if v in present}
+    return (column, colors(trials, column)) if column else (None, {})
 
 
 def _log2_axis(ax, values) -> None:
@@ -282,10 +285,10 @@ def bn_rules(trials: pd.DataFrame) -> Figure | None:
                  B=t["effective_batch"])
     t.loc[t["B"] == t["physical_batch"].min(), "rule"] = "k = 1"  # the smallest B has no accumulation at all
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = {"k = 1": "0.8", "true batch": "0.45", **split(trials)[1]}
-    order = [r for r in colors if r in set(t["rule"])]
+    palette = {"k = 1": "0.8", "true batch": "0.45", **colors(trials, "bn_momentum_rule")}
+    order = [r for r in palette if r in set(t["rule"])]
     sns.barplot(data=t.assign(val_pct=100 * t["val_acc"]), x="B", y="val_pct", hue="rule", hue_order=order,
-                palette=colors, errorbar=("ci", 95), ax=ax)
+                palette=palette, errorbar=("ci", 95), ax=ax)
     low = 100 * t["val_acc"].min()
     ax.set_ylim(max(0, low - 5), 100)
     ax.set(xlabel="effective batch B (accumulated: b = 32, k = B/32; true batch: b = B, k = 1)",
@@ -353,11 +356,11 @@ def steps_vs_batch(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFr
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     field, palette = split(trials)
     groups = list(table.groupby(keys)) if keys else [(("all",), table)]
-    colors = sns.color_palette()
+    lines = sns.color_palette()
     if keys == [field]:  # the split's own order and colours
         groups.sort(key=lambda g: list(palette).index(g[0][0]))
-        colors = [palette[g[0]] for g, _ in groups]
-    for color, (group, rows) in zip(colors, groups):
+        lines = [palette[g[0]] for g, _ in groups]
+    for color, (group, rows) in zip(lines, groups):
         rows = rows.dropna(subset=["steps"]).sort_values("effective_batch")
         for ax, column in ((left, "steps"), (right, "samples")):
             ax.plot(rows["effective_batch"], rows[column], "o-", color=color, label=" / ".join(map(str, group)))

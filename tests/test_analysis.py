@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.figures import (all_figures, best_lr, context, equivalence, learning_curves, protocol, split,
+from analysis.figures import (all_figures, best_lr, bn_rules, context, equivalence, learning_curves, protocol, split,
                               warmup_curves)
 from analysis import branching
 from analysis.findings import course, lr_rule_reading, summarize
@@ -325,6 +325,11 @@ def test_a_rule_keeps_its_colour_and_place_in_every_figure():
     # A study without 'none' gives 'linear' and 'sqrt' the same colours as one with it.
     without_none = {rule: color for rule, color in split(trials)[1].items() if rule != "none"}
     assert split(trials[trials.lr_rule != "none"])[1] == without_none
+    # With the LR rule varied too, the BN rules' bars keep their own colours.
+    both = trials.assign(bn_momentum_rule=["default", "scaled", "matched"] * (len(trials) // 3) +
+                         ["default"] * (len(trials) % 3))
+    legend = bn_rules(both).figure.axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["k = 1", "true batch", "default", "scaled", "matched"]
 
 
 def test_the_equivalence_figure_shows_each_seed_and_a_median_that_one_seed_cannot_carry():
