@@ -328,8 +328,12 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
     table, target = found
     out = []
     knees, courses = {}, {}
-    for group, rows in table.groupby(keys) if keys else [("", table)]:
-        group = group[0] if isinstance(group, tuple) else group
+    groups = list(table.groupby(keys)) if keys else [(("",), table)]
+    if len(keys) == 1:  # the rules in their own order, as the figures draw them
+        order = in_order(keys[0], table[keys[0]])
+        groups.sort(key=lambda g: order.index(g[0][0]))
+    for group, rows in groups:
+        group = group[0] if len(group) == 1 else group
         knees[group] = knee(rows)
         courses[group] = course(rows, knees[group])
     reached_at = f"Steps to reach {_pct(target)} validation accuracy ({100 * TARGET_SHARE:.0f}% of the best " \
