@@ -16,8 +16,9 @@ import seaborn as sns  # noqa: E402
 from .runs import aggregate, knee, steps_to_target  # noqa: E402
 
 # The fields a figure splits its trials by, the first that varies, with their values in the order they read (the
-# rules' own order, not the alphabet's). Each value keeps one colour in every figure, and in every report.
-SPLITS = {"lr_rule": ("none", "linear", "sqrt", "adam_sqrt"), "bn_momentum_rule": ("default", "scaled", "matched"),
+# LR rules by their exponent of B, then Adam's whole rule; not the alphabet's). Each value keeps one colour in
+# every figure, and in every report.
+SPLITS = {"lr_rule": ("none", "sqrt", "linear", "adam_sqrt"), "bn_momentum_rule": ("default", "scaled", "matched"),
           "model": ()}
 MEMORY_LABELS = {"saved_tensors": "peak memory, MiB (saved-for-backward tensors + state, CPU)",
                  "cuda_allocator": "peak memory, MiB (CUDA allocator)"}

@@ -17,12 +17,11 @@ from matplotlib import ticker
 import numpy as np
 import pandas as pd
 
-from .figures import Figure, context, finished
+from .figures import Figure, context, finished, in_order
 from .runs import TARGET_SHARE, StudyRuns, ci95
 
 MIN_IMPORTANCE_TRIALS = 10  # fewer finished trials say nothing about which field mattered
 SHORT = {"physical_batch": "b", "accum_steps": "k"}
-ORDER = {"lr_rule": ["none", "sqrt", "linear"], "bn_momentum_rule": ["default", "scaled", "matched"]}
 MIB = 2 ** 20
 
 
@@ -45,9 +44,7 @@ def _is_number(column: pd.Series) -> bool:
 
 def _choices(column: pd.Series) -> list[str]:
     """A categorical field's values in a fixed order: the known rules' own order, else sorted."""
-    values = sorted(map(str, column.dropna().unique()))
-    known = ORDER.get(str(column.name), [])
-    return [v for v in known if v in values] + [v for v in values if v not in known]
+    return in_order(str(column.name), map(str, column.dropna().unique()))
 
 
 def _log(values: pd.Series) -> bool:
@@ -76,7 +73,7 @@ def label(row: pd.Series | dict, fields: list[str]) -> str:
             parts.append(f"warmup B = {_warmup(v)}" if isinstance(v, str) and v else "fixed B")
         elif f in SHORT:
             parts.append(f"{SHORT[f]} = {_value(v)}")
-        elif f in ORDER:
+        elif f in ("lr_rule", "bn_momentum_rule"):
             parts.append(str(v) if f == "lr_rule" else f"BN {v}")
         else:
             parts.append(f"{f} = {_value(v)}")

@@ -53,8 +53,8 @@ def test_a_difference_outside_the_noise_is_stated():
 
     sentences = " ".join(summarize(synthetic(planted).iloc[::-1]))  # sqrt's trials first
     # The rules in their own order, as the figures draw them, whatever order the trials came in.
-    assert sentences.index("The none LR rule") < sentences.index("The linear LR rule") < \
-        sentences.index("The sqrt LR rule")
+    assert sentences.index("The none LR rule") < sentences.index("The sqrt LR rule") < \
+        sentences.index("The linear LR rule")
     assert ("The linear LR rule fell below B = 32 from B = 512 (2.1 points lower, 95% CI -2.1 to -2.1 over 3 seeds)."
             in sentences)
     assert "The sqrt LR rule did not fall measurably below B = 32 up to B = 512" in sentences
@@ -255,8 +255,8 @@ def test_steps_that_never_stop_halving_or_were_never_reached_are_said_so():
     three = synthetic(flat)
     three = three[three.physical_batch == 32]
     history = reaching(three, lambda r: 99 if r.lr_rule == "none" and r.effective_batch == 32 else 4)
-    assert "mean): for none, could not be compared across B: most seeds never reached it at B = 32; for linear and " \
-           "sqrt, kept halving with each doubling of B (each doubling saved at least a quarter of them) up to " \
+    assert "mean): for none, could not be compared across B: most seeds never reached it at B = 32; for sqrt and " \
+           "linear, kept halving with each doubling of B (each doubling saved at least a quarter of them) up to " \
            "B = 512, the largest measured. Accuracy is" in " ".join(summarize(three, history))  # alike, said once
     history = reaching(trials, lambda r: 4)
     sentences = " ".join(summarize(trials, history))
@@ -306,7 +306,7 @@ def test_figures_from_a_synthetic_frame(tmp_path):
 
 def test_a_rule_keeps_its_colour_and_place_in_every_figure():
     """The trials arrive in any order: each rule reads in its own order and keeps its colour across figures."""
-    trials = synthetic(flat).iloc[::-1].reset_index(drop=True)  # sqrt's trials first
+    trials = synthetic(flat).iloc[::-1].reset_index(drop=True)  # sqrt's trials first, then linear's
     history = pd.DataFrame([dict(run_id=r, epoch=e, val_acc=0.5 + 0.2 * e, grad_norm=1.0 / e, update_ratio=1e-3)
                             for r in trials.run_id for e in (1, 2)])
     figures = {f.name: f.figure for f in all_figures(trials, history)}
@@ -317,10 +317,10 @@ def test_a_rule_keeps_its_colour_and_place_in_every_figure():
                if label.endswith("accumulated")}
     legend = figures["health"].axes[0].get_legend()
     by_health = {t.get_text(): rgb(h.get_color()) for h, t in zip(legend.legend_handles, legend.get_texts())}
-    assert list(by_line) == list(by_health) == ["none", "linear", "sqrt"]
+    assert list(by_line) == list(by_health) == ["none", "sqrt", "linear"]
     assert by_line == by_health and len(set(by_line.values())) == 3
     titles = [ax.get_title() for ax in figures["learning_curves"].axes]
-    assert titles == [f"lr_rule = {rule}" for rule in ("none", "linear", "sqrt")]
+    assert titles == [f"lr_rule = {rule}" for rule in ("none", "sqrt", "linear")]
     assert all(tick == int(tick) for tick in figures["learning_curves"].axes[0].get_xticks())  # whole epochs
     # A study without 'none' gives 'linear' and 'sqrt' the same colours as one with it.
     without_none = {rule: color for rule, color in split(trials)[1].items() if rule != "none"}
