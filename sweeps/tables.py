@@ -64,11 +64,13 @@ def command_line(inv, point, seed: int) -> str:
 
 def results_table(inv, storage) -> str:
     """Every finished trial of the study, best first; the best (one objective) or the Pareto front (several)
-    marked with *."""
+    marked with *. A study of several searches (one per point, as lr_search's per B) lists each search's trials
+    together, since a trial's number is its search's."""
     import optuna
 
     trials, marked = [], set()
-    for name in inv.study_names():
+    names = inv.study_names()
+    for name in names:
         study = optuna.load_study(study_name=name, storage=storage)
         done = [t for t in study.get_trials(deepcopy=False)
                 if t.state.is_finished() and outcome_of(t) != OUTCOMES["duplicate"]]
@@ -78,7 +80,8 @@ def results_table(inv, storage) -> str:
             marked |= {(name, t.number) for t in best}
     metrics, directions = inv.study.metrics, inv.study.directions
     sign = -1 if directions[0] == "maximize" else 1
-    trials.sort(key=lambda nt: (nt[1].values is None, sign * (nt[1].values[0] if nt[1].values else 0)))
+    trials.sort(key=lambda nt: (names.index(nt[0]), nt[1].values is None,
+                                sign * (nt[1].values[0] if nt[1].values else 0)))
     varied = list(dict.fromkeys(k for _, t in trials for k in t.user_attrs.get("config", {})))
     shrunk = inv.study.auto_batch or any("oom_retries" in t.user_attrs.get("metrics", {}) for _, t in trials)
     headers = ["#", *varied, "B", *(["b used (OOM retries)"] if shrunk else []), "lr", "outcome", "health", *metrics,

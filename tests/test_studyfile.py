@@ -317,6 +317,30 @@ def test_own_study_file_with_tpe_resumes_after_a_kill(tmp_path):
     assert "best" in out.splitlines()[0] and out.count(" *") == 3  # the best trial of each point is marked
 
 
+def test_the_table_of_a_study_of_searches_keeps_each_searchs_trials_together(tmp_path):
+    """lr_search numbers its trials per B (one TPE search each): its table lists each search's trials together,
+    best first, so that '#' names one trial, and marks each search's best."""
+    from sweeps.invocation import Invocation
+    from sweeps.storage import create_studies, open_storage
+    from sweeps.tables import results_table
+
+    study = load("lr_search")
+    inv = Invocation(study=study, base=TrainConfig(**study.fixed), seeds=(0,), study_name="lr_search",
+                     storage=f"sqlite:///{tmp_path}/optuna.db", tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    storage = open_storage(inv.storage)
+    create_studies(inv, storage)
+    for k, accuracies in ((1, (0.5, 0.9)), (2, (0.95, 0.6)), (4, (0.7, 0.8))):  # B = 64 holds the best overall
+        searched = optuna.load_study(study_name=f"lr_search/accum_steps={k},physical_batch=32,seed=0", storage=storage)
+        for accuracy in accuracies:
+            searched.add_trial(optuna.trial.create_trial(value=accuracy, user_attrs={
+                "config": {"physical_batch": 32, "accum_steps": k, "base_lr": 0.1, "seed": 0},
+                "metrics": {"val_acc": accuracy}}))
+    rows = [line.split() for line in results_table(inv, storage).splitlines()[2:]]
+    assert [(row[0], row[5], row[-1] == "*") for row in rows] == [
+        ("1", "32", True), ("0", "32", False), ("0", "64", True), ("1", "64", False), ("1", "128", True),
+        ("0", "128", False)]
+
+
 def test_own_study_file_with_nsga2_marks_the_pareto_front(tmp_path):
     write_project(tmp_path)
     (tmp_path / "study.toml").write_text(f'name = "own_pareto"\n{FIXED}' + textwrap.dedent("""
