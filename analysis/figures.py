@@ -222,7 +222,7 @@ def throughput(trials: pd.DataFrame) -> Figure | None:
 def learning_curves(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | None:
     if history.empty or "val_acc" not in history:
         return None
-    t = finished(trials)
+    t = one_batch(finished(trials))  # a curve by B holds trials that trained at that B throughout
     facet, order = split(trials)
     best = tuned(t) and "val_acc" in t
     if best:  # a mean over the searched LRs means little: the curve of the best of them at each B

@@ -399,6 +399,20 @@ def test_the_learning_curves_of_a_search_are_its_best_finished_trial_at_each_b()
     assert "to 0.1 at B = 128: B^0.00 fitted over every B" in " ".join(summarize(one))  # never "-0.00"
 
 
+def test_the_learning_curves_leave_out_trials_whose_b_changed_in_training():
+    """A branch of critical_batch (or a batch warmup) trained at B = 32 before its B: averaged into its B's curve,
+    it would drag that curve by its own epochs at 32. Its curves are the branching and warmup figures'."""
+    rows = [dict(run_id=f"{b}-{warmup}", status="FINISHED", effective_batch=b, physical_batch=32,
+                 accum_steps=b // 32, seed=0, epochs=3, model="cnn1d", dataset="d", device_name="cpu",
+                 batch="accumulated", val_acc=0.9, batch_warmup=warmup) for b, warmup in ((64, ""), (64, "32,32"))]
+    history = pd.DataFrame([dict(run_id=r["run_id"], epoch=e, val_acc=0.3 * e if r["batch_warmup"] == "" else 0.1)
+                            for r in rows for e in (1, 2, 3)])
+    figure = learning_curves(pd.DataFrame(rows), history)
+    drawn = [tuple(np.round(line.get_ydata(), 3)) for ax in figure.figure.axes for line in ax.lines
+             if len(line.get_ydata())]
+    assert drawn == [(0.3, 0.6, 0.9)]
+
+
 def test_an_interval_that_excludes_zero_never_reads_as_reaching_it():
     from analysis.findings import stated
     from analysis.runs import Difference
