@@ -78,11 +78,13 @@ def test_tiny_study_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "val_acc" in proc.stdout and "health" in proc.stdout and "24 trials left" in proc.stderr
     assert f"report: {tmp_path}/reports/accum_lr/report.html" in proc.stdout
-    # Said before the wait, and then only the bar over the runs the report reads, which clears itself.
-    # (text=True reads tqdm's carriage returns as line ends)
+    # Said before the wait, and then only the bars over the runs the report reads and the figures it draws, which
+    # clear themselves. (text=True reads tqdm's carriage returns as line ends)
     after = [line for line in proc.stderr.split("writing the report of accum_lr ...\n")[1].splitlines() if line.strip()]
-    assert after and all(line.startswith("reading the runs of accum_lr: ") for line in after), after
-    assert " 0/3 [" in after[0]
+    reading = [line for line in after if line.startswith("reading the runs of accum_lr: ")]
+    drawing = [line for line in after if line.startswith("drawing the figures of accum_lr: ")]
+    assert reading and drawing and after == reading + drawing, after
+    assert " 0/3 [" in reading[0] and " 0 figure [" in drawing[0]
     started, ended = epoch_frames(proc.stderr, 1)  # the bar over epochs: each trial's own, from epoch 0
     assert len(started) == 3 and ended == started, (started, ended)
     storage, client = stores(tmp_path)
