@@ -43,7 +43,8 @@ h1 { margin-bottom: 0.2em; } .meta { color: #666; margin-top: 0; }
 .summary { background: #f4f7fb; border-left: 4px solid #3b6ea8; padding: 0.6em 1.2em; }
 .row { display: grid; grid-template-columns: repeat(auto-fit, minmax(420px, 1fr)); gap: 1.5em; }
 figure { margin: 1em 0; } figure img { max-width: 100%; } figcaption { color: #555; font-size: 0.9em; }
-table { border-collapse: collapse; font-size: 0.85em; } td, th { padding: 2px 8px; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; font-size: 0.85em; display: block; max-width: 100%; overflow-x: auto; }
+td, th { padding: 2px 8px; border-bottom: 1px solid #ddd; }
 th { text-align: left; } td.n { text-align: right; font-variant-numeric: tabular-nums; }
 """
 

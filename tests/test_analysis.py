@@ -523,7 +523,8 @@ window.addEventListener('error', e => window.__errors.push(String(e.message || e
 window.addEventListener('load', () => {
   const images = [...document.images].map(i => ({alt: i.alt, ok: i.complete && i.naturalWidth > 0}));
   const pre = document.createElement('pre'); pre.id = 'probe';
-  pre.textContent = JSON.stringify({errors: window.__errors, images});
+  const page = document.documentElement;  // wider than the window: the reader scrolls the whole page sideways
+  pre.textContent = JSON.stringify({errors: window.__errors, overflow: page.scrollWidth - page.clientWidth, images});
   document.body.appendChild(pre);
 });
 </script>"""
@@ -558,6 +559,7 @@ def test_html_report_opens_in_chromium_with_every_figure(tiny_study, tmp_path):
     result = probe_in_chromium((tmp_path / "accum_lr/report.html").read_text(), tmp_path)
     assert result["errors"] == []
     assert len(result["images"]) >= 3 and all(i["ok"] for i in result["images"]), result["images"]
+    assert result["overflow"] == 0  # the trials table, wider than the window, scrolls by itself
     alts = " ".join(i["alt"] for i in result["images"])
     assert "Every finished trial over the varied fields" in alts and "Pareto front: val_acc against peak memory" in alts
 
