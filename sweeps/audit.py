@@ -245,9 +245,10 @@ def _shares(d: torch.Tensor, dt: torch.Tensor, held: dict[str, torch.Tensor], to
     return {name: s for name, s in shares.items() if abs(s) * float(held[name].norm()) > tol * float(dt.norm())}
 
 
-def classify(ratio: float, cos: float, k: int, last: bool) -> str:
-    """The mistake whose signature one differing update has."""
-    if cos > 0.999 and abs(ratio / k - 1) < 0.02:
+def classify(ratio: float, cos: float, k: int, first: bool, last: bool) -> str:
+    """The mistake whose signature one differing update has. zero_grad per micro-batch and an undivided loss
+    change every window, so they part the runs at the first update: a later update is neither."""
+    if first and cos > 0.999 and abs(ratio / k - 1) < 0.02:
         return "loss_not_divided"
     if last and cos > 0.99 and ratio < 0.98 and 1 <= round(ratio * k) < k and abs(ratio * k - round(ratio * k)) < 0.1:
         return "short_window_divided_by_k"
@@ -255,7 +256,7 @@ def classify(ratio: float, cos: float, k: int, last: bool) -> str:
         return "update_scaled"
     if cos > 0.98 and 0.5 < ratio < 2:
         return "mean_of_micro_batch_means"
-    if ratio < 0.75 and cos < 0.999:
+    if first and ratio < 0.75 and cos < 0.999:
         return "zero_grad_per_micro_batch"
     return "unexplained"
 
@@ -321,7 +322,7 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
     ratio, cos, shares = update(base, a, t, prior, tol)
     figures.update(first_differing_update=u, update_ratio=ratio, update_cosine=cos)
     figures.update({f"{name}_share": share for name, share in shares.items()})
-    return Finding(classify(ratio, cos, k, last=u == len(et.losses)), figures, compared)
+    return Finding(classify(ratio, cos, k, first=u == 1, last=u == len(et.losses)), figures, compared)
 
 
 def lr_parting(a: Run, t: Run) -> int | None:

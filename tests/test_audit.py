@@ -101,6 +101,18 @@ def test_a_short_window_is_named_through_the_momentum_and_weight_decay_both_runs
     assert found["weight_decay_share"] == pytest.approx(-0.1 * 0.9 ** 7 * 5e-4, rel=1e-2)
 
 
+def test_a_mistake_of_every_window_is_never_named_for_a_later_update():
+    """zero_grad per micro-batch and an undivided loss part the runs at step 1. Where they part later (Adam
+    hiding a short window's scale, say), the update's figures may look like them, and the verdict says it is
+    unexplained rather than name a mistake the loop cannot have."""
+    from sweeps.audit import classify
+
+    assert classify(0.6111, 0.9106, 4, first=True, last=False) == "zero_grad_per_micro_batch"
+    assert classify(0.6111, 0.9106, 4, first=False, last=True) == "unexplained"
+    assert classify(4.0, 1.0, 4, first=True, last=False) == "loss_not_divided"
+    assert classify(4.0, 1.0, 4, first=False, last=False) == "update_scaled"
+
+
 @pytest.mark.parametrize("mistake, loss, floats", CASES)
 def test_the_audit_names_each_mistake_of_the_catalog(tmp_path, store, capsys, mistake, loss, floats):
     verdict = EXPECTED[(mistake, loss)]
