@@ -362,6 +362,17 @@ def first_parting(auditor: Auditor, b: int, k: int, n: int, tol: float) -> int:
     return high
 
 
+def _sentence(finding: Finding) -> str:
+    """The verdict's sentence; for an unexplained difference at the epoch's last update only, where to look."""
+    f = finding.figures
+    sentence = VERDICTS[finding.verdict][1].format(**f)
+    if finding.verdict == "unexplained" and 1 < f.get("first_differing_update", 0) == f["steps_true_batch"]:
+        sentence += (" Only the epoch's last update differs: look at its last window, the short one where the "
+                     "epoch's micro-batches are not a multiple of k. An optimizer other than SGD (Adam) hides how "
+                     "it was scaled: audit with SGD to have it named.")
+    return sentence
+
+
 def _taken_out(f: dict[str, Any]) -> str:
     parts = [f"{f['momentum_share']:.3g} of the update before (momentum)"] if "momentum_share" in f else []
     if "weight_decay_share" in f:
@@ -442,8 +453,7 @@ def _main(args: argparse.Namespace) -> int:
                 auditor.tracker.end_open_runs("FAILED")
                 raise
     f = finding.figures
-    status, text = VERDICTS[finding.verdict]
-    sentence = text.format(**f)
+    status, sentence = VERDICTS[finding.verdict][0], _sentence(finding)
     print(format_table(["run", "b", "k", "max steps", "steps run"],
                        [[r.name, str(r.b), str(r.k), str(r.max_steps) if r.max_steps else "epoch",
                          str(len(r.losses))] for r in auditor.runs]))

@@ -40,14 +40,14 @@ def store(tmp_path_factory):
 
 
 def study(folder, mistake: str, loss: str, floats: str, print_lr: str = "yes", momentum: float = 0.0,
-          weight_decay: float = 0.0):
+          weight_decay: float = 0.0, optimizer: str = "sgd"):
     path = folder / "catalog.toml"
     path.write_text(f'''name = "catalog"
 [program]
 command = ["{{python}}", "{CATALOG}", "--batch-size", "{{physical_batch}}", "--accum", "{{accum_steps}}",
            "--lr", "{{lr}}", "--seed", "{{seed}}", "--epochs", "{{epochs}}", "--max-steps", "{{max_steps}}",
            "--mistake", "{{mistake}}", "--loss", "{{per}}", "--dtype", "{{floats}}", "--print-lr", "{print_lr}",
-           "--momentum", "{momentum}", "--weight-decay", "{weight_decay}"]
+           "--momentum", "{momentum}", "--weight-decay", "{weight_decay}", "--optimizer", "{optimizer}"]
 [fixed]
 base_lr = 0.1
 mistake = "{mistake}"
@@ -99,6 +99,16 @@ def test_a_short_window_is_named_through_the_momentum_and_weight_decay_both_runs
     assert found["first_differing_update"] == 8 and found["update_ratio"] == pytest.approx(2 / 4, rel=1e-4)
     assert found["update_cosine"] > 0.9999 and found["momentum_share"] == pytest.approx(0.81, rel=1e-3)
     assert found["weight_decay_share"] == pytest.approx(-0.1 * 0.9 ** 7 * 5e-4, rel=1e-2)
+
+
+def test_a_short_window_under_adam_is_unexplained_and_says_where_to_look(tmp_path, store, capsys):
+    """Adam divides a window's scale away: the short window's update is not a multiple of the true batch's, and
+    the verdict says where the difference is and how to have it named."""
+    path = study(tmp_path, "short_window", "sample", "float64", optimizer="adam")
+    code = main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store])
+    out = capsys.readouterr().out
+    assert code == 1 and "first update where they part: 8 of 8;" in out and "verdict: unexplained\n" in out, out
+    assert "Only the epoch's last update differs: look at its last window" in out and "audit with SGD" in out
 
 
 def test_a_mistake_of_every_window_is_never_named_for_a_later_update():
