@@ -176,8 +176,12 @@ def accuracy_vs_batch(trials: pd.DataFrame) -> Figure | None:
                     marker="o" if label.get("batch") != "true batch" else "s",
                     linestyle="-" if label.get("batch") != "true batch" else "--", capsize=3,
                     label=" / ".join(str(v) for v in group))
-    if b_crit is not None:
+    low, high = stats["effective_batch"].min(), stats["effective_batch"].max()
+    if b_crit is not None and low / 2 <= b_crit <= 2 * high:
         ax.axvline(b_crit, color="gray", linestyle="--", linewidth=1, label=f"predicted critical batch ≈ {b_crit:.0f}")
+    elif b_crit is not None:  # a line far off the Bs run would squeeze them to one side: the legend says it
+        ax.plot([], [], " ", label=f"predicted critical batch ≈ {b_crit:.0f}, {'below' if b_crit < low else 'above'} "
+                                   f"every B run")
     _log2_axis(ax, stats["effective_batch"])
     ax.set(xlabel="effective batch B = b·k", ylabel="final validation accuracy, %")
     ax.legend(title=" / ".join(keys), fontsize=8)

@@ -11,8 +11,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.figures import (all_figures, best_lr, bn_rules, context, equivalence, learning_curves, protocol, split,
-                              warmup_curves)
+from analysis.figures import (accuracy_vs_batch, all_figures, best_lr, bn_rules, context, equivalence,
+                              learning_curves, protocol, split, warmup_curves)
 from analysis import branching
 from analysis.findings import course, lr_rule_reading, summarize
 from analysis.render import MIB, _display, _table, write_report
@@ -330,6 +330,20 @@ def test_a_rule_keeps_its_colour_and_place_in_every_figure():
                          ["default"] * (len(trials) % 3))
     legend = bn_rules(both).figure.axes[0].get_legend()
     assert [t.get_text() for t in legend.get_texts()] == ["k = 1", "true batch", "default", "scaled", "matched"]
+
+
+@pytest.mark.parametrize("noise, said", [(4.0, "predicted critical batch ≈ 4, below every B run"),
+                                          (200.0, "predicted critical batch ≈ 200"),
+                                          (1e5, "predicted critical batch ≈ 100000, above every B run")])
+def test_a_critical_batch_far_off_the_bs_run_is_said_not_drawn(noise, said):
+    """adam_lr's noise scale of 13 drew a line left of B = 32 that squeezed the Bs run to one side."""
+    trials = synthetic(flat)
+    trials = trials.assign(noise_scale=np.where(trials.accum_steps > 1, noise, np.nan))
+    ax = accuracy_vs_batch(trials).figure.axes[0]
+    assert said in [t.get_text() for t in ax.get_legend().get_texts()]
+    lines = [line for line in ax.get_lines() if line.get_linestyle() == "--" and line.get_color() == "gray"]
+    assert len(lines) == (0 if said.endswith("every B run") else 1)
+    assert ax.get_xlim()[0] > 16 and ax.get_xlim()[1] < 1024  # the Bs run, 32 to 512, fill the axis
 
 
 def test_the_equivalence_figure_shows_each_seed_and_a_median_that_one_seed_cannot_carry():
