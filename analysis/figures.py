@@ -227,7 +227,7 @@ def learning_curves(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | Non
     if history.empty or "val_acc" not in history:
         return None
     t = one_batch(finished(trials))  # a curve by B holds trials that trained at that B throughout
-    facet, order = split(trials)
+    facet, palette = split(trials)  # its values in reading order
     best = tuned(t) and "val_acc" in t
     if best:  # a mean over the searched LRs means little: the curve of the best of them at each B
         t = t.dropna(subset=["val_acc"])
@@ -237,7 +237,7 @@ def learning_curves(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | Non
     if h.empty:
         return None
     grid = sns.relplot(data=h, x="epoch", y="val_acc", hue="effective_batch", style="batch" if "batch" in h else None,
-                       col=facet, col_order=[v for v in order if v in set(h[facet])] if facet else None, kind="line",
+                       col=facet, col_order=[v for v in palette if v in set(h[facet])] if facet else None, kind="line",
                        palette="flare", hue_norm=matplotlib.colors.LogNorm(), errorbar=None, height=3.2, aspect=1.1,
                        facet_kws={"sharey": True})
     # A script's MLflow step is its own: the epoch of a JSON row, the global step of a Lightning logger.
