@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import json
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -62,6 +64,20 @@ def chosen(trials: list[optuna.trial.FrozenTrial], directions: tuple[str, ...], 
     return [t for s, t in zip(score, trials) if not dominated(s)]
 
 
+def mlflow_pytorch():
+    """mlflow.pytorch, without the Lightning it imports, where Lightning is installed, for a checkpoint callback
+    that batchsweep never uses (seconds at the end of every study). A Lightning that this process imported
+    already (a trial run in it) is left as it is."""
+    blocked = "mlflow.pytorch" not in sys.modules and "pytorch_lightning" not in sys.modules
+    if blocked:
+        sys.modules["pytorch_lightning"] = None  # the ImportError that mlflow.pytorch takes for "not installed"
+    try:
+        return importlib.import_module("mlflow.pytorch")
+    finally:
+        if blocked:
+            del sys.modules["pytorch_lightning"]
+
+
 def log_model(tracker, run_id: str, config: TrainConfig, folder: Path) -> str:
     """The model of a trial's last checkpoint into its run's artifacts, under `model/`: MLflow's PyTorch
     flavour (torch.export's format, with a signature and an input example), or where the model does not export,
@@ -75,16 +91,13 @@ def log_model(tracker, run_id: str, config: TrainConfig, folder: Path) -> str:
     with tempfile.TemporaryDirectory() as scratch:
         target = Path(scratch) / "model"
         try:
-            import mlflow.pytorch
-
             if not isinstance(example, torch.Tensor):  # keyword inputs: the flavour's signature takes one array
                 raise TypeError("keyword inputs")
-
             with torch.no_grad():
                 output = model(example)
-            mlflow.pytorch.save_model(model, str(target), input_example=example.numpy(),
-                                      signature=infer_signature(example.numpy(), output.numpy()),
-                                      pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+            mlflow_pytorch().save_model(model, str(target), input_example=example.numpy(),
+                                        signature=infer_signature(example.numpy(), output.numpy()),
+                                        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
             kind = "pytorch"
         except Exception:  # e.g. a model that torch.export cannot trace: the weights and how to build them
             shutil.rmtree(target, ignore_errors=True)

@@ -1,5 +1,6 @@
 """Checkpoints: a run killed anywhere resumes after its last finished epoch and ends bitwise where an
 uninterrupted run ends; bad checkpoints are one line."""
+import importlib.util
 import json
 import os
 import signal
@@ -215,3 +216,29 @@ def test_models_chosen_and_logged(tmp_path):
             assert {"model/state_dict.pt", "model/model.json"} <= names
             weights = torch.load(f"{run.artifact_uri.removeprefix('file://')}/model/state_dict.pt", weights_only=True)
             assert all(torch.equal(weights[k], v) for k, v in trained.model.state_dict().items())
+
+
+LOG_A_MODEL = """
+import sys
+from sweeps.checkpoints import log_model
+from sweeps.tracking import Tracker
+from trainers import TrainConfig, train
+from trainers.checkpoint import Checkpointing
+config = TrainConfig(model="mlp", dataset="tests.factories:blobs", epochs=1, device="cpu")
+train(config, checkpoint=Checkpointing(sys.argv[1] + "/mlp"))
+tracker = Tracker(f"sqlite:///{sys.argv[1]}/mlflow.db", "models")
+run = tracker.client.create_run(tracker.experiment_id).info
+print(log_model(tracker, run.run_id, config, __import__("pathlib").Path(sys.argv[1]) / "mlp"))
+print("pytorch_lightning" in sys.modules)
+import pytorch_lightning
+print(pytorch_lightning.LightningModule.__name__)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pytorch_lightning") is None, reason="Lightning is not installed")
+def test_a_model_is_logged_without_importing_lightning_which_stays_importable(tmp_path):
+    """mlflow.pytorch imports Lightning, where it is installed, for a callback batchsweep never uses: seconds
+    at the end of every study. Logging a model leaves Lightning out, and importable after."""
+    proc = subprocess.run([sys.executable, "-c", LOG_A_MODEL, str(tmp_path)], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.split() == ["pytorch", "False", "LightningModule"], proc.stderr[-2000:]
