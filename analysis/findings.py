@@ -169,14 +169,19 @@ def memory(trials: pd.DataFrame) -> list[str]:
         return []
     b = acc["physical_batch"].mode().iloc[0]
     same_b = t[t["physical_batch"] == b]
-    k_max = same_b["accum_steps"].max()
+    k_min, k_max = same_b["accum_steps"].min(), same_b["accum_steps"].max()
     low, high = same_b["peak_memory_bytes"].min(), same_b["peak_memory_bytes"].max()
     big_b = b * k_max
     true = t[(t["physical_batch"] == big_b) & (t["accum_steps"] == 1)]
+    if k_min == k_max and true.empty:
+        return []  # one k and nothing to hold it against
     source = ", ".join(t["memory_source"].dropna().unique())
     span = f"at {high / 2 ** 20:.2f} MiB" if high - low < 0.01 * high else \
         f"between {low / 2 ** 20:.2f} and {high / 2 ** 20:.2f} MiB"
-    sentence = f"At b = {b}, peak memory ({source}) stayed {span} from k = 1 to k = {k_max}"
+    if k_min < k_max:
+        sentence = f"At b = {b}, peak memory ({source}) stayed {span} from k = {k_min} to k = {k_max}"
+    else:
+        sentence = f"At b = {b} and k = {k_max}, peak memory ({source}) was {span.removeprefix('at ')}"
     if not true.empty:
         need = true["peak_memory_bytes"].mean()
         sentence += f", while the true batch of {big_b} needed {need / 2 ** 20:.2f} MiB ({need / high:.1f}x)"

@@ -14,7 +14,7 @@ import pytest
 from analysis.figures import (accuracy_vs_batch, all_figures, best_lr, bn_rules, context, equivalence,
                               learning_curves, protocol, split, warmup_curves)
 from analysis import branching
-from analysis.findings import course, lr_rule_reading, summarize
+from analysis.findings import course, lr_rule_reading, memory, summarize
 from analysis.render import MIB, _display, _table, write_report
 from analysis.runs import StudyRuns, aggregate, knee, load_studies, steps_to_target
 from analysis.space import (MIN_IMPORTANCE_TRIALS, front, importance, label, memory_front, parallel_coordinates,
@@ -284,6 +284,20 @@ def test_bn_rules_are_compared_by_their_running_statistics():
     assert "(true batch: 0.12); default closer to it than the true batch (-0.10, 95% CI -0.10 to -0.10); " \
            "indistinguishable from the true batch's over 3 seeds: scaled, matched." in sentences
     assert "Final accuracy at k = 16 against the true batch: default indistinguishable" in sentences
+
+
+def test_the_memory_sentence_names_the_ks_that_ran():
+    """From the smallest k run at b to the largest: a study without k = 1 at b (critical_batch's k = 2 to 32)
+    never reads "from k = 1"; with one k, its memory is held against the true batch, or not said."""
+    t = synthetic(flat).assign(peak_memory_bytes=lambda d: d["peak_memory_bytes"] * 1024)  # 4.10 MiB at b = 32
+    assert memory(t) == ["At b = 32, peak memory (saved_tensors) stayed at 4.10 MiB from k = 1 to k = 16, while the "
+                         "true batch of 512 needed 50.98 MiB (12.4x)."]
+    assert memory(t[t["accum_steps"] != 1]) == ["At b = 32, peak memory (saved_tensors) stayed at 4.10 MiB from k = 2 "
+                                                "to k = 16."]
+    one_k = t[(t["accum_steps"] == 4) | (t["physical_batch"] == 128)]
+    assert memory(one_k) == ["At b = 32 and k = 4, peak memory (saved_tensors) was 4.10 MiB, while the true batch "
+                             "of 128 needed 13.48 MiB (3.3x)."]
+    assert memory(t[t["accum_steps"] == 4]) == []
 
 
 def test_seed_aggregation_gives_mean_and_t_interval():
