@@ -211,27 +211,30 @@ def rel(a: Run, t: Run) -> float:
     return float((wa - wt).norm() / wt.norm().clamp_min(1e-300))
 
 
-def update(base: Run, a: Run, t: Run, prior: Run | None, tol: float) -> tuple[float, float, dict[str, float]]:
+def update(base: Run, a: Run, t: Run, prior: Run | None,
+           tol: float) -> tuple[float, float, dict[str, float] | None]:
     """The accumulated update against the true batch's, both from `base`: (ratio along it, cosine, what both held
-    besides this step's gradient). SGD adds to both the same share of the update before (momentum: Δ = μ'·Δprior
-    − lr·(g + wd·w)) and of the weights (weight decay), which hides a scaled gradient: with momentum 0.9 a short
-    window's 1/4 read as 0.61 at cosine 0.91. Their difference holds neither, so where it is a multiple of this
-    step's gradient, d = (r − 1)(Δt − μ'·Δprior + lr·wd·w) fits exactly and gives the shares, which are taken
-    out of both; elsewhere nothing is."""
+    besides this step's gradient, None where the difference is not a multiple of it). SGD adds to both the same
+    share of the update before (momentum: Δ = μ'·Δprior − lr·(g + wd·w)) and of the weights (weight decay),
+    which hides a scaled gradient: with momentum 0.9 a short window's 1/4 read as 0.61 at cosine 0.91. Their
+    difference holds neither, so where it is a multiple of this step's gradient, d = (r − 1)(Δt − μ'·Δprior +
+    lr·wd·w) fits exactly and gives the shares, which are taken out of both; elsewhere nothing is. Without
+    `prior`, only weight decay's share is fitted."""
     start = weights(base.state)
     da, dt = weights(a.state) - start, weights(t.state) - start
     held = {"weight_decay": start, **({"momentum": start - weights(prior.state)} if prior is not None else {})}
     shares = _shares(da - dt, dt, held, tol)
-    for name, share in shares.items():
+    for name, share in (shares or {}).items():
         da, dt = da - share * held[name], dt - share * held[name]
     ratio = float(da @ dt / (dt @ dt).clamp_min(1e-300))
     cos = float(da @ dt / (da.norm() * dt.norm()).clamp_min(1e-300))
     return ratio, cos, shares
 
 
-def _shares(d: torch.Tensor, dt: torch.Tensor, held: dict[str, torch.Tensor], tol: float) -> dict[str, float]:
+def _shares(d: torch.Tensor, dt: torch.Tensor, held: dict[str, torch.Tensor],
+            tol: float) -> dict[str, float] | None:
     """Each s where d = α·(dt − Σ s·held) holds to 1e-6 of |d|², that moves dt by more than the dtype's
-    tolerance of it (plain SGD's fit gives 1e-6 in float32, 1e-15 in float64: rounding); none where d is not
+    tolerance of it (plain SGD's fit gives 1e-6 in float32, 1e-15 in float64: rounding); None where d is not
     such a multiple."""
     import torch
 
@@ -240,7 +243,7 @@ def _shares(d: torch.Tensor, dt: torch.Tensor, held: dict[str, torch.Tensor], to
     misfit = float((basis @ coef - d).norm() ** 2 / (d @ d).clamp_min(1e-300))
     alpha = float(coef[0])
     if misfit >= 1e-6 or abs(alpha) <= 1e-6:
-        return {}
+        return None
     shares = {name: -float(c) / alpha for name, c in zip(held, coef[1:])}
     return {name: s for name, s in shares.items() if abs(s) * float(held[name].norm()) > tol * float(dt.norm())}
 
@@ -316,12 +319,12 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
             compared.append((f"after step {u}", rel(a, t)))
         if not repeats(auditor, t, tol, figures, compared):
             return Finding("not_reproducible", figures, compared)
-    prior = None  # the weights before the update before u: what an optimizer's momentum carries into u
-    if u > 1:
+    ratio, cos, shares = update(base, a, t, None, tol)
+    if shares is None and u > 1:  # no fit without a momentum's share: the weights before the update before u
         prior = auditor.run("true batch", B, 1, u - 2) if u > 2 else auditor.run("start", B, 1, 1, lr=0.0)
-    ratio, cos, shares = update(base, a, t, prior, tol)
+        ratio, cos, shares = update(base, a, t, prior, tol)
     figures.update(first_differing_update=u, update_ratio=ratio, update_cosine=cos)
-    figures.update({f"{name}_share": share for name, share in shares.items()})
+    figures.update({f"{name}_share": share for name, share in (shares or {}).items()})
     return Finding(classify(ratio, cos, k, first=u == 1, last=u == len(et.losses)), figures, compared)
 
 

@@ -99,6 +99,7 @@ def test_a_short_window_is_named_through_the_momentum_and_weight_decay_both_runs
     assert found["first_differing_update"] == 8 and found["update_ratio"] == pytest.approx(2 / 4, rel=1e-4)
     assert found["update_cosine"] > 0.9999 and found["momentum_share"] == pytest.approx(0.81, rel=1e-3)
     assert found["weight_decay_share"] == pytest.approx(-0.1 * 0.9 ** 7 * 5e-4, rel=1e-2)
+    assert found["runs"] == 8  # and one to the step before the parting, for the update before
 
 
 def test_a_short_window_under_adam_is_unexplained_and_says_where_to_look(tmp_path, store, capsys):
@@ -144,6 +145,7 @@ def test_the_audit_names_each_mistake_of_the_catalog(tmp_path, store, capsys, mi
         assert found["lr_t"] == pytest.approx(0.1 * 0.9)
     if verdict == "short_window_divided_by_k":
         assert found["first_differing_update"] == 8 and found["update_ratio"] == pytest.approx(2 / 4, rel=1e-5)
+        assert found["runs"] == 7  # without momentum, no run to the step before the parting
     if verdict == "short_window_skipped":  # 7 full windows and a short one of 2 micro-batches, left unstepped
         assert (found["steps_accumulated"], found["steps_true_batch"]) == (7, 8)
     if verdict == "short_window_extra":  # 240 samples: 30 micro-batches of 8 but 7 batches of 32 (16 dropped)
