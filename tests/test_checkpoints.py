@@ -220,15 +220,16 @@ def test_models_chosen_and_logged(tmp_path):
 
 LOG_A_MODEL = """
 import sys
+from pathlib import Path
 from sweeps.checkpoints import log_model
 from sweeps.tracking import Tracker
 from trainers import TrainConfig, train
 from trainers.checkpoint import Checkpointing
 config = TrainConfig(model="mlp", dataset="tests.factories:blobs", epochs=1, device="cpu")
-train(config, checkpoint=Checkpointing(sys.argv[1] + "/mlp"))
+train(config, checkpoint=Checkpointing(str(Path(sys.argv[1]) / "mlp")))
 tracker = Tracker(f"sqlite:///{sys.argv[1]}/mlflow.db", "models")
 run = tracker.client.create_run(tracker.experiment_id).info
-print(log_model(tracker, run.run_id, config, __import__("pathlib").Path(sys.argv[1]) / "mlp"))
+print(log_model(tracker, run.run_id, config, Path(sys.argv[1]) / "mlp"))
 print("pytorch_lightning" in sys.modules)
 import pytorch_lightning
 print(pytorch_lightning.LightningModule.__name__)
