@@ -196,11 +196,12 @@ def unusable(record: Run, state: Path) -> str | None:
     return None
 
 
-def weights(state: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The floating-point tensors of a state dict that are weights (not BatchNorm's statistics), as one vector."""
+def weights(state: dict[str, torch.Tensor], matrices_only: bool = False) -> torch.Tensor:
+    """The floating-point tensors of a state dict that are weights (not BatchNorm's statistics), as one vector;
+    `matrices_only`: the 1-D ones (biases, norms' scales) as zeros."""
     import torch
 
-    parts = [t.detach().double().flatten() for key, t in sorted(state.items())
+    parts = [t.detach().double().flatten() * (t.dim() >= 2 or not matrices_only) for key, t in sorted(state.items())
              if t.is_floating_point() and not key.endswith(BUFFERS)]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
@@ -219,11 +220,17 @@ def update(base: Run, a: Run, t: Run, prior: Run | None,
     which hides a scaled gradient: with momentum 0.9 a short window's 1/4 read as 0.61 at cosine 0.91. Their
     difference holds neither, so where it is a multiple of this step's gradient, d = (r − 1)(Δt − μ'·Δprior +
     lr·wd·w) fits exactly and gives the shares, which are taken out of both; elsewhere nothing is. Without
-    `prior`, only weight decay's share is fitted."""
-    start = weights(base.state)
+    `prior`, only weight decay's share is fitted. Weight decay is fitted on every weight alike, or where that
+    does not fit, apart on the matrices (tensors of two or more dimensions) and on the 1-D tensors, which
+    nanoGPT, timm and transformers' Trainer leave undecayed."""
+    start, matrices = weights(base.state), weights(base.state, matrices_only=True)
     da, dt = weights(a.state) - start, weights(t.state) - start
-    held = {"weight_decay": start, **({"momentum": start - weights(prior.state)} if prior is not None else {})}
-    shares = _shares(da - dt, dt, held, tol)
+    momentum = {"momentum": start - weights(prior.state)} if prior is not None else {}
+    for decay in ({"weight_decay": start}, {"weight_decay_2d": matrices, "weight_decay_1d": start - matrices}):
+        held = {name: v for name, v in {**decay, **momentum}.items() if v.any()}
+        shares = _shares(da - dt, dt, held, tol)
+        if shares is not None:
+            break
     for name, share in (shares or {}).items():
         da, dt = da - share * held[name], dt - share * held[name]
     ratio = float(da @ dt / (dt @ dt).clamp_min(1e-300))
@@ -371,15 +378,25 @@ def _sentence(finding: Finding) -> str:
     sentence = VERDICTS[finding.verdict][1].format(**f)
     if finding.verdict == "unexplained" and 1 < f.get("first_differing_update", 0) == f["steps_true_batch"]:
         sentence += (" Only the epoch's last update differs: look at its last window, the short one where the "
-                     "epoch's micro-batches are not a multiple of k. An optimizer other than SGD (Adam) hides how "
-                     "it was scaled: audit with SGD to have it named.")
+                     "epoch's micro-batches are not a multiple of k. Adam, and SGD with Nesterov's momentum, hide how "
+                     "it was scaled: audit with SGD without Nesterov (its momentum and weight decay are taken out) "
+                     "to have it named.")
     return sentence
+
+
+# weight decay's shares in the figures: (of what, where it was on one kind of tensor only: what else)
+DECAYED = {"weight_decay_share": ("weights", ""),
+           "weight_decay_2d_share": ("matrices", "; none measurable on the 1-D tensors"),
+           "weight_decay_1d_share": ("1-D tensors", "; none measurable on the matrices")}
 
 
 def _taken_out(f: dict[str, Any]) -> str:
     parts = [f"{f['momentum_share']:.3g} of the update before (momentum)"] if "momentum_share" in f else []
-    if "weight_decay_share" in f:
-        parts.append(f"{-f['weight_decay_share']:.3g} of the weights (weight decay)")
+    decayed = [key for key in DECAYED if key in f]
+    if decayed:
+        alone = DECAYED[decayed[0]][1] if len(decayed) == 1 else ""
+        parts.append(f"{' and '.join(f'{-f[key]:.3g} of the {DECAYED[key][0]}' for key in decayed)} "
+                     f"(weight decay{alone})")
     return f", once what both updates hold besides this step's gradient is taken out: {' and '.join(parts)}" \
         if parts else ""
 

@@ -40,14 +40,15 @@ def store(tmp_path_factory):
 
 
 def study(folder, mistake: str, loss: str, floats: str, print_lr: str = "yes", momentum: float = 0.0,
-          weight_decay: float = 0.0, optimizer: str = "sgd"):
+          weight_decay: float = 0.0, optimizer: str = "sgd", decay: str = "all"):
     path = folder / "catalog.toml"
     path.write_text(f'''name = "catalog"
 [program]
 command = ["{{python}}", "{CATALOG}", "--batch-size", "{{physical_batch}}", "--accum", "{{accum_steps}}",
            "--lr", "{{lr}}", "--seed", "{{seed}}", "--epochs", "{{epochs}}", "--max-steps", "{{max_steps}}",
            "--mistake", "{{mistake}}", "--loss", "{{per}}", "--dtype", "{{floats}}", "--print-lr", "{print_lr}",
-           "--momentum", "{momentum}", "--weight-decay", "{weight_decay}", "--optimizer", "{optimizer}"]
+           "--momentum", "{momentum}", "--weight-decay", "{weight_decay}", "--optimizer", "{optimizer}",
+           "--decay", "{decay}"]
 [fixed]
 base_lr = 0.1
 mistake = "{mistake}"
@@ -83,22 +84,30 @@ def assert_a_bar_over_each_runs_steps(out: str, err: str):
         assert "loss=" not in own[0] and "loss=" in own[-1]
 
 
-def test_a_short_window_is_named_through_the_momentum_and_weight_decay_both_runs_hold(tmp_path, store, capsys):
+@pytest.mark.parametrize("decay, weight_decay, taken_out", [
+    ("all", 5e-4, "0.81 of the update before (momentum) and 2.39e-05 of the weights (weight decay)"),
+    ("matrices", 1e-2, "0.81 of the update before (momentum) and 0.000478 of the matrices (weight decay; none "
+                       "measurable on the 1-D tensors)")])
+def test_a_short_window_is_named_through_the_momentum_and_weight_decay_both_runs_hold(decay, weight_decay, taken_out,
+                                                                                      tmp_path, store, capsys):
     """SGD with momentum 0.9 and weight decay adds to both runs' updates a share of the update before and of the
     weights, which hid the short window's 2/4 (read as mean_of_micro_batch_means); taken out, the ratio is 2/4
     at cosine 1 again, the momentum's share 0.9 times the LR's decay of that step, and weight decay's the step's
-    LR (0.1 x 0.9^7) times 5e-4."""
-    path = study(tmp_path, "short_window", "sample", "float32", momentum=0.9, weight_decay=5e-4)
+    LR (0.1 x 0.9^7) times weight_decay. So too where the biases are not decayed (nanoGPT's param groups),
+    which read as mean_of_micro_batch_means while weight decay's share was fitted on every weight alike."""
+    path = study(tmp_path, "short_window", "sample", "float32", momentum=0.9, weight_decay=weight_decay,
+                 decay=decay)
     code = main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store,
                  "--json", str(tmp_path / "audit.json")])
     out = capsys.readouterr().out
     assert code == 1 and "verdict: short_window_divided_by_k\n" in out, out
-    assert ("taken out: 0.81 of the update before (momentum) and 2.39e-05 of the weights (weight decay)"
-            in out), out
+    assert f"taken out: {taken_out}\n" in out, out
     found = json.loads((tmp_path / "audit.json").read_text())
     assert found["first_differing_update"] == 8 and found["update_ratio"] == pytest.approx(2 / 4, rel=1e-4)
     assert found["update_cosine"] > 0.9999 and found["momentum_share"] == pytest.approx(0.81, rel=1e-3)
-    assert found["weight_decay_share"] == pytest.approx(-0.1 * 0.9 ** 7 * 5e-4, rel=1e-2)
+    shares = {key: value for key, value in found.items() if key.startswith("weight_decay")}
+    assert shares == {"weight_decay_share" if decay == "all" else "weight_decay_2d_share":
+                      pytest.approx(-0.1 * 0.9 ** 7 * weight_decay, rel=1e-2)}
     assert found["runs"] == 8  # and one to the step before the parting, for the update before
 
 

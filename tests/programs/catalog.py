@@ -5,11 +5,11 @@ what `batchsweep audit` must name. A plain PyTorch loop, as people write them.
         [--mistake none|zero_grad|not_divided|short_window|skip_short_window|drop_last|mean_of_means|
                    step_per_micro|batchnorm|unseeded|schedule_per_micro|lr_times_k] \\
         [--loss sample|token] [--dtype float64|float32] [--optimizer sgd|adam] [--momentum M]
-        [--weight-decay WD] [--print-lr yes|no]
+        [--weight-decay WD] [--decay all|matrices] [--print-lr yes|no]
 
 It prints {"step": s, "loss": l, "lr": the step's LR} per optimizer step and saves model.state_dict() to
-$BATCHSWEEP_STATE at the end. With SGD the LR decays by 0.9 a step. The training set (240 samples) is 7 windows of 32 and a short one of 16: at b = 8, k = 4 the last window
-holds 2 micro-batches.
+$BATCHSWEEP_STATE at the end. With SGD the LR decays by 0.9 a step. The training set (240 samples) is 7
+windows of 32 and a short one of 16: at b = 8, k = 4 the last window holds 2 micro-batches.
 """
 import argparse
 import json
@@ -52,10 +52,12 @@ def loss_sum(model, x, y, tokens: bool):
 class SGD:
     """SGD, as torch.optim.SGD steps (whose first step imports torch._dynamo: 1.5 s of each short run), with
     momentum and weight decay as it keeps them (buffer = momentum * buffer + gradient + weight_decay * weights),
-    and an exponential decay of its LR, as ExponentialLR(gamma=0.9) schedules it."""
+    and an exponential decay of its LR, as ExponentialLR(gamma=0.9) schedules it. Weight decay on the matrices
+    only leaves biases undecayed, as nanoGPT's param groups do."""
 
-    def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
+    def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, decay: str = "all"):
         self.params, self.lr, self.momentum, self.weight_decay = list(params), lr, momentum, weight_decay
+        self.decay = decay
         self.buffers = [torch.zeros_like(p) for p in self.params]
 
     def schedule(self) -> None:
@@ -68,7 +70,8 @@ class SGD:
     @torch.no_grad()
     def step(self) -> None:
         for p, buffer in zip(self.params, self.buffers):
-            buffer.mul_(self.momentum).add_(p.grad + self.weight_decay * p)
+            decay = self.weight_decay if self.decay == "all" or p.dim() >= 2 else 0.0
+            buffer.mul_(self.momentum).add_(p.grad + decay * p)
             p -= self.lr * buffer
 
 
@@ -90,6 +93,7 @@ def main() -> int:
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
     p.add_argument("--momentum", type=float, default=0.0)
     p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--decay", default="all", choices=["all", "matrices"])
     p.add_argument("--print-lr", default="yes", choices=["yes", "no"])
     args = p.parse_args()
     args.tokens = args.loss == "token"
@@ -99,7 +103,7 @@ def main() -> int:
     torch.manual_seed(args.seed)
     model = model_for(args.tokens, args.mistake == "batchnorm")
     lr = args.lr * args.accum if args.mistake == "lr_times_k" else args.lr  # the mistake: the script scales it
-    opt = SGD(model.parameters(), lr, args.momentum, args.weight_decay) if args.optimizer == "sgd" \
+    opt = SGD(model.parameters(), lr, args.momentum, args.weight_decay, args.decay) if args.optimizer == "sgd" \
         else torch.optim.Adam(model.parameters(), lr)
     schedule = opt.schedule if args.optimizer == "sgd" else lambda: None
     b, k, step = args.batch_size, args.accum, 0
