@@ -40,7 +40,8 @@ def store(tmp_path_factory):
 
 
 def study(folder, mistake: str, loss: str, floats: str, print_lr: str = "yes", momentum: float = 0.0,
-          weight_decay: float = 0.0, optimizer: str = "sgd", decay: str = "all"):
+          weight_decay: float = 0.0, optimizer: str = "sgd", decay: str = "all", autocast: str = "no",
+          clip: float = 0.0):
     path = folder / "catalog.toml"
     path.write_text(f'''name = "catalog"
 [program]
@@ -48,7 +49,7 @@ command = ["{{python}}", "{CATALOG}", "--batch-size", "{{physical_batch}}", "--a
            "--lr", "{{lr}}", "--seed", "{{seed}}", "--epochs", "{{epochs}}", "--max-steps", "{{max_steps}}",
            "--mistake", "{{mistake}}", "--loss", "{{per}}", "--dtype", "{{floats}}", "--print-lr", "{print_lr}",
            "--momentum", "{momentum}", "--weight-decay", "{weight_decay}", "--optimizer", "{optimizer}",
-           "--decay", "{decay}"]
+           "--decay", "{decay}", "--autocast", "{autocast}", "--clip", "{clip}"]
 [fixed]
 base_lr = 0.1
 mistake = "{mistake}"
@@ -109,6 +110,38 @@ def test_a_short_window_is_named_through_the_momentum_and_weight_decay_both_runs
     assert shares == {"weight_decay_share" if decay == "all" else "weight_decay_2d_share":
                       pytest.approx(-0.1 * 0.9 ** 7 * weight_decay, rel=1e-2)}
     assert found["runs"] == 8  # and one to the step before the parting, for the update before
+
+
+@pytest.mark.parametrize("mistake, verdict", [("none", "within_rounding"), ("not_divided", "loss_not_divided")])
+def test_under_bf16_autocast_rounding_is_not_named_a_mistake_and_a_mistake_still_is(mistake, verdict, tmp_path, store,
+                                                                                      capsys):
+    """A correct loop whose forward runs in bf16 (autocast, float32 weights) parts from the true batch at update 1
+    by rounding alone, 2e-3 of the update on padded tokens, which read as mean_of_micro_batch_means: the audit
+    says it cannot tell a mistake from rounding there, and how to audit instead (exit status 2)."""
+    path = study(tmp_path, mistake, "token", "float32", autocast="bf16")
+    code = main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store,
+                 "--json", str(tmp_path / "audit.json")])
+    out = capsys.readouterr().out
+    found = json.loads((tmp_path / "audit.json").read_text())
+    assert found["verdict"] == verdict and found["first_differing_update"] == 1, out
+    if verdict == "within_rounding":
+        assert code == 2 and 1e-4 < found["update_difference"] < 1e-2, found
+        assert "Audit in float64, or in float32 with autocast off" in out
+    else:
+        assert code == 1 and found["update_ratio"] == pytest.approx(4, rel=0.02)
+
+
+def test_an_undivided_loss_under_gradient_clipping_says_what_hides_it(tmp_path, store, capsys):
+    """Clipping cuts both runs' gradients to its threshold: an undivided loss changes the update's length by
+    clip_grad_norm_'s eps only (in float32 it would read exact). The verdict says so, and how to audit."""
+    path = study(tmp_path, "not_divided", "sample", "float64", clip=0.05)
+    code = main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store,
+                 "--json", str(tmp_path / "audit.json")])
+    out = capsys.readouterr().out
+    found = json.loads((tmp_path / "audit.json").read_text())
+    assert code == 1 and found["verdict"] == "update_scaled" and found["first_differing_update"] == 1, out
+    assert 0 < abs(found["update_ratio"] - 1) < 1e-3 and found["update_cosine"] > 1 - 1e-9, found
+    assert "gradient clipping (clip_grad_norm_" in out and "audit with it off" in out, out
 
 
 def test_a_short_window_under_adam_is_unexplained_and_says_where_to_look(tmp_path, store, capsys):

@@ -5,7 +5,8 @@ what `batchsweep audit` must name. A plain PyTorch loop, as people write them.
         [--mistake none|zero_grad|not_divided|short_window|skip_short_window|drop_last|mean_of_means|
                    step_per_micro|batchnorm|unseeded|schedule_per_micro|lr_times_k] \\
         [--loss sample|token] [--dtype float64|float32] [--optimizer sgd|adam] [--momentum M]
-        [--weight-decay WD] [--decay all|matrices] [--print-lr yes|no]
+        [--weight-decay WD] [--decay all|matrices] [--autocast no|bf16] [--clip NORM]
+        [--print-lr yes|no]
 
 It prints {"step": s, "loss": l, "lr": the step's LR} per optimizer step and saves model.state_dict() to
 $BATCHSWEEP_STATE at the end. With SGD the LR decays by 0.9 a step. The training set (240 samples) is 7
@@ -41,9 +42,10 @@ def model_for(tokens: bool, batchnorm: bool) -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), *norm, nn.Tanh(), nn.Linear(16, 3))
 
 
-def loss_sum(model, x, y, tokens: bool):
-    """(sum of the per-item losses, number of items that count)."""
-    out = model(x)
+def loss_sum(model, x, y, tokens: bool, autocast: bool):
+    """(sum of the per-item losses, number of items that count); under autocast, the model's forward in bf16."""
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        out = model(x).float()
     if tokens:
         out, y = out.reshape(-1, VOCAB), y.reshape(-1)
     return nn.functional.cross_entropy(out, y, reduction="sum", ignore_index=-100), int((y != -100).sum())
@@ -94,6 +96,8 @@ def main() -> int:
     p.add_argument("--momentum", type=float, default=0.0)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--decay", default="all", choices=["all", "matrices"])
+    p.add_argument("--autocast", default="no", choices=["no", "bf16"])
+    p.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm_ to NORM before each step (0: none)")
     p.add_argument("--print-lr", default="yes", choices=["yes", "no"])
     args = p.parse_args()
     args.tokens = args.loss == "token"
@@ -123,7 +127,7 @@ def main() -> int:
             opt.zero_grad()
             shown = 0.0
             for m in micro:
-                s, count = loss_sum(model, x[m], y[m], args.tokens)
+                s, count = loss_sum(model, x[m], y[m], args.tokens, args.autocast == "bf16")
                 if args.mistake == "zero_grad":
                     opt.zero_grad()  # the mistake: only the last micro-batch's gradient reaches the step
                 if args.mistake == "not_divided":
@@ -151,6 +155,8 @@ def main() -> int:
             if args.mistake == "skip_short_window" and len(micro) < k:
                 continue  # the mistake: a step only when (i + 1) % k == 0, so the short last window has none
             if args.mistake != "step_per_micro":
+                if args.clip:
+                    nn.utils.clip_grad_norm_(model.parameters(), args.clip)
                 lr = getattr(opt, "lr", args.lr)
                 opt.step()
                 if args.mistake != "schedule_per_micro":
