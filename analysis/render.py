@@ -262,7 +262,7 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
     for study in studies:
         prefix = f"{folder_name([study.name])}-" if len(studies) > 1 else ""
         figures = []
-        with tqdm(desc=f"drawing the figures of {study.name}", unit=" figure", file=sys.stderr, dynamic_ncols=True,
+        with tqdm(desc=f"drawing the figures of {study.name}", unit=" figures", file=sys.stderr, dynamic_ncols=True,
                   leave=False) as bar:
             for fig in _figures(study):
                 path = _save(fig, folder, prefix)

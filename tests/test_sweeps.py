@@ -84,7 +84,7 @@ def test_tiny_study_end_to_end(tmp_path):
     reading = [line for line in after if line.startswith("reading the runs of accum_lr: ")]
     drawing = [line for line in after if line.startswith("drawing the figures of accum_lr: ")]
     assert reading and drawing and after == reading + drawing, after
-    assert " 0/3 [" in reading[0] and " 0 figure [" in drawing[0]
+    assert " 0/3 [" in reading[0] and " 0 figures [" in drawing[0]
     started, ended = epoch_frames(proc.stderr, 1)  # the bar over epochs: each trial's own, from epoch 0
     assert len(started) == 3 and ended == started, (started, ended)
     storage, client = stores(tmp_path)
