@@ -45,7 +45,8 @@ def model_for(tokens: bool, batchnorm: bool) -> nn.Module:
 def loss_sum(model, x, y, tokens: bool, autocast: bool):
     """(sum of the per-item losses, number of items that count); under autocast, the model's forward in bf16."""
     with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-        out = model(x).float()
+        out = model(x)
+    out = out.to(torch.get_default_dtype())  # (the loss in the weights' dtype, as autocast leaves it to the script)
     if tokens:
         out, y = out.reshape(-1, VOCAB), y.reshape(-1)
     return nn.functional.cross_entropy(out, y, reduction="sum", ignore_index=-100), int((y != -100).sum())
