@@ -71,10 +71,10 @@ VERDICTS = {
                               "samples that the true batch drops (a loader with drop_last=True drops fewer samples "
                               "in batches of b than of b*k), so the two cannot agree. Keep the last batch "
                               "(drop_last=False), or drop the short window at (b, k) too."),
-    "batchnorm": (0, "the model has BatchNorm, and the first step differs: (b, k) normalizes each micro-batch "
-                     "of b, which (b*k, 1) cannot equal, and updates its running statistics k times a step. "
-                     "Compare against a ghost-batch twin (BatchNorm over chunks of b), or use GroupNorm or "
-                     "LayerNorm where the two must agree."),
+    "batchnorm": (0, "the model has BatchNorm in training mode, and the first step differs: (b, k) normalizes "
+                     "each micro-batch of b, which (b*k, 1) cannot equal, and updates its running statistics k "
+                     "times a step. Compare against a ghost-batch twin (BatchNorm over chunks of b), or use "
+                     "GroupNorm or LayerNorm where the two must agree."),
     "schedule_per_micro_batch": (1, "the learning-rate schedule does not follow the optimizer steps: at step "
                                     "{lr_step} the accumulated run's LR is {lr_a:.4g} against the true batch's "
                                     "{lr_t:.4g}. It counts micro-batches (a scheduler.step() per micro-batch, or a "
@@ -324,7 +324,7 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
     if compared[-1][1] > tol:
         if not repeats(auditor, t1, tol, figures, compared):
             return Finding("not_reproducible", figures, compared)
-        if any(key.endswith(BUFFERS) for key in t1.state):  # BatchNorm's statistics
+        if live_batchnorm(a1, t1):
             return Finding("batchnorm", figures, compared)
         base = auditor.run("start", B, 1, 1, lr=0.0)  # the weights both start from
     else:  # the first update agrees: find the first that does not
@@ -344,6 +344,15 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
     if dtype != "float64" and difference < ROUNDING:
         return Finding("within_rounding", figures, compared)
     return Finding(classify(ratio, cos, k, first=u == 1, last=u == len(et.losses)), figures, compared)
+
+
+def live_batchnorm(a: Run, t: Run) -> bool:
+    """Whether BatchNorm normalized each run by its own batches: its statistics moved otherwise at (b, k), k
+    updates from micro-batches, than at (b*k, 1). A frozen one (eval mode, or FrozenBatchNorm2d, as in
+    fine-tuning) normalizes both alike, so a difference beside it (an undivided loss, say) is the loop's."""
+    import torch
+
+    return any(key.endswith(BUFFERS) and not torch.equal(value, a.state[key]) for key, value in t.state.items())
 
 
 def lr_parting(a: Run, t: Run) -> int | None:

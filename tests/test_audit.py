@@ -41,7 +41,7 @@ def store(tmp_path_factory):
 
 def study(folder, mistake: str, loss: str, floats: str, print_lr: str = "yes", momentum: float = 0.0,
           weight_decay: float = 0.0, optimizer: str = "sgd", decay: str = "all", autocast: str = "no",
-          clip: float = 0.0):
+          clip: float = 0.0, frozen_bn: str = "no"):
     path = folder / "catalog.toml"
     path.write_text(f'''name = "catalog"
 [program]
@@ -49,7 +49,8 @@ command = ["{{python}}", "{CATALOG}", "--batch-size", "{{physical_batch}}", "--a
            "--lr", "{{lr}}", "--seed", "{{seed}}", "--epochs", "{{epochs}}", "--max-steps", "{{max_steps}}",
            "--mistake", "{{mistake}}", "--loss", "{{per}}", "--dtype", "{{floats}}", "--print-lr", "{print_lr}",
            "--momentum", "{momentum}", "--weight-decay", "{weight_decay}", "--optimizer", "{optimizer}",
-           "--decay", "{decay}", "--autocast", "{autocast}", "--clip", "{clip}"]
+           "--decay", "{decay}", "--autocast", "{autocast}", "--clip", "{clip}",
+           "--frozen-bn", "{frozen_bn}"]
 [fixed]
 base_lr = 0.1
 mistake = "{mistake}"
@@ -142,6 +143,15 @@ def test_an_undivided_loss_under_gradient_clipping_says_what_hides_it(tmp_path, 
     assert code == 1 and found["verdict"] == "update_scaled" and found["first_differing_update"] == 1, out
     assert 0 < abs(found["update_ratio"] - 1) < 1e-3 and found["update_cosine"] > 1 - 1e-9, found
     assert "gradient clipping (clip_grad_norm_" in out and "audit with it off" in out, out
+
+
+@pytest.mark.parametrize("mistake, verdict, code", [("none", "exact", 0), ("not_divided", "loss_not_divided", 1)])
+def test_a_frozen_batchnorm_is_audited_as_any_layer(mistake, verdict, code, tmp_path, store, capsys):
+    """A BatchNorm in eval mode (fine-tuning) normalizes (b, k) and (b*k, 1) by the same statistics: the loop is
+    exact, and an undivided loss beside it is named, where any difference passed as batchnorm (exit status 0)."""
+    path = study(tmp_path, mistake, "sample", "float64", frozen_bn="yes")
+    assert main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store]) == code
+    assert f"verdict: {verdict}\n" in capsys.readouterr().out
 
 
 def test_a_short_window_under_adam_is_unexplained_and_says_where_to_look(tmp_path, store, capsys):

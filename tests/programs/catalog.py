@@ -6,7 +6,7 @@ what `batchsweep audit` must name. A plain PyTorch loop, as people write them.
                    step_per_micro|batchnorm|unseeded|schedule_per_micro|lr_times_k] \\
         [--loss sample|token] [--dtype float64|float32] [--optimizer sgd|adam] [--momentum M]
         [--weight-decay WD] [--decay all|matrices] [--autocast no|bf16] [--clip NORM]
-        [--print-lr yes|no]
+        [--frozen-bn yes|no] [--print-lr yes|no]
 
 It prints {"step": s, "loss": l, "lr": the step's LR} per optimizer step and saves model.state_dict() to
 $BATCHSWEEP_STATE at the end. With SGD the LR decays by 0.9 a step. The training set (240 samples) is 7
@@ -99,6 +99,7 @@ def main() -> int:
     p.add_argument("--decay", default="all", choices=["all", "matrices"])
     p.add_argument("--autocast", default="no", choices=["no", "bf16"])
     p.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm_ to NORM before each step (0: none)")
+    p.add_argument("--frozen-bn", default="no", choices=["yes", "no"], help="a BatchNorm in eval mode (fine-tuning)")
     p.add_argument("--print-lr", default="yes", choices=["yes", "no"])
     args = p.parse_args()
     args.tokens = args.loss == "token"
@@ -106,7 +107,9 @@ def main() -> int:
     torch.set_num_threads(1)
     x, y = data(1234, args.tokens)
     torch.manual_seed(args.seed)
-    model = model_for(args.tokens, args.mistake == "batchnorm")
+    model = model_for(args.tokens, args.mistake == "batchnorm" or args.frozen_bn == "yes")
+    if args.frozen_bn == "yes":
+        model[1].eval()  # normalizes by its running statistics, which stay as they are
     lr = args.lr * args.accum if args.mistake == "lr_times_k" else args.lr  # the mistake: the script scales it
     opt = SGD(model.parameters(), lr, args.momentum, args.weight_decay, args.decay) if args.optimizer == "sgd" \
         else torch.optim.Adam(model.parameters(), lr)
