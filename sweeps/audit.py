@@ -56,8 +56,10 @@ VERDICTS = {
                                      "by the number of items in each window (Lightning's accumulate_grad_batches, "
                                      "#19987, and Accelerate's accumulate() do this)."),
     "mean_of_micro_batch_means": (1, "windows whose micro-batches hold different numbers of counted items (tokens "
-                                     "with padding) differ: the loss is a mean of micro-batch means. Sum the "
-                                     "per-item losses and divide by the window's total count of items."),
+                                     "with padding, or a loss weighted by class, whose mean divides by the "
+                                     "micro-batch's sum of weights) differ: the loss is a mean of micro-batch "
+                                     "means. Sum the per-item losses and divide by the window's total count of "
+                                     "items (its sum of weights)."),
     "step_per_micro_batch": (1, "the optimizer steps once per micro-batch ({steps_accumulated} steps an epoch "
                                 "against {steps_true_batch}): step() and zero_grad() belong after the last "
                                 "micro-batch of a window."),

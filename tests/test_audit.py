@@ -41,7 +41,7 @@ def store(tmp_path_factory):
 
 def study(folder, mistake: str, loss: str, floats: str, print_lr: str = "yes", momentum: float = 0.0,
           weight_decay: float = 0.0, optimizer: str = "sgd", decay: str = "all", autocast: str = "no",
-          clip: float = 0.0, frozen_bn: str = "no"):
+          clip: float = 0.0, frozen_bn: str = "no", class_weights: str = "no"):
     path = folder / "catalog.toml"
     path.write_text(f'''name = "catalog"
 [program]
@@ -50,7 +50,7 @@ command = ["{{python}}", "{CATALOG}", "--batch-size", "{{physical_batch}}", "--a
            "--mistake", "{{mistake}}", "--loss", "{{per}}", "--dtype", "{{floats}}", "--print-lr", "{print_lr}",
            "--momentum", "{momentum}", "--weight-decay", "{weight_decay}", "--optimizer", "{optimizer}",
            "--decay", "{decay}", "--autocast", "{autocast}", "--clip", "{clip}",
-           "--frozen-bn", "{frozen_bn}"]
+           "--frozen-bn", "{frozen_bn}", "--class-weights", "{class_weights}"]
 [fixed]
 base_lr = 0.1
 mistake = "{mistake}"
@@ -151,6 +151,17 @@ def test_a_frozen_batchnorm_is_audited_as_any_layer(mistake, verdict, code, tmp_
     exact, and an undivided loss beside it is named, where any difference passed as batchnorm (exit status 0)."""
     path = study(tmp_path, mistake, "sample", "float64", frozen_bn="yes")
     assert main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store]) == code
+    assert f"verdict: {verdict}\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake, verdict", [("none", "exact"), ("mean_of_means", "mean_of_micro_batch_means")])
+def test_a_loss_weighted_by_class_is_a_mean_of_means_unless_divided_by_the_windows_weights(mistake, verdict, tmp_path,
+                                                                                         store, capsys):
+    """CrossEntropyLoss(weight=...) divides its mean by the micro-batch's sum of weights, which differs between
+    micro-batches of the same size: its micro-batch means, averaged, are a mean of means, where on an unweighted
+    per-sample loss they are exact; the window's weighted sum over its sum of weights is exact."""
+    path = study(tmp_path, mistake, "sample", "float64", class_weights="yes")
+    main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store])
     assert f"verdict: {verdict}\n" in capsys.readouterr().out
 
 

@@ -6,7 +6,7 @@ what `batchsweep audit` must name. A plain PyTorch loop, as people write them.
                    step_per_micro|batchnorm|unseeded|schedule_per_micro|lr_times_k] \\
         [--loss sample|token] [--dtype float64|float32] [--optimizer sgd|adam] [--momentum M]
         [--weight-decay WD] [--decay all|matrices] [--autocast no|bf16] [--clip NORM]
-        [--frozen-bn yes|no] [--print-lr yes|no]
+        [--frozen-bn yes|no] [--class-weights yes|no] [--print-lr yes|no]
 
 It prints {"step": s, "loss": l, "lr": the step's LR} per optimizer step and saves model.state_dict() to
 $BATCHSWEEP_STATE at the end. With SGD the LR decays by 0.9 a step. The training set (240 samples) is 7
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 N, VOCAB, WIDTH = 240, 12, 10
+CLASS_WEIGHTS = (1.0, 2.0, 4.0)  # --class-weights: a per-sample loss weighted by class, as for imbalanced classes
 
 
 def data(seed: int, tokens: bool):
@@ -42,14 +43,21 @@ def model_for(tokens: bool, batchnorm: bool) -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), *norm, nn.Tanh(), nn.Linear(16, 3))
 
 
-def loss_sum(model, x, y, tokens: bool, autocast: bool):
-    """(sum of the per-item losses, number of items that count); under autocast, the model's forward in bf16."""
+def loss_sum(model, x, y, tokens: bool, autocast: bool, weighted: bool):
+    """(sum of the per-item losses, counted(y)); under autocast, the model's forward in bf16."""
     with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
         out = model(x)
     out = out.to(torch.get_default_dtype())  # (the loss in the weights' dtype, as autocast leaves it to the script)
     if tokens:
         out, y = out.reshape(-1, VOCAB), y.reshape(-1)
-    return nn.functional.cross_entropy(out, y, reduction="sum", ignore_index=-100), int((y != -100).sum())
+    weight = torch.tensor(CLASS_WEIGHTS) if weighted else None
+    return nn.functional.cross_entropy(out, y, weight, reduction="sum", ignore_index=-100), counted(y, weighted)
+
+
+def counted(y, weighted: bool) -> float:
+    """The items of y that count: labels that are not padding, or with class weights their weights' sum (what
+    CrossEntropyLoss(weight=...) divides by in its mean)."""
+    return float(torch.tensor(CLASS_WEIGHTS)[y].sum()) if weighted else int((y != -100).sum())
 
 
 class SGD:
@@ -100,9 +108,11 @@ def main() -> int:
     p.add_argument("--autocast", default="no", choices=["no", "bf16"])
     p.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm_ to NORM before each step (0: none)")
     p.add_argument("--frozen-bn", default="no", choices=["yes", "no"], help="a BatchNorm in eval mode (fine-tuning)")
+    p.add_argument("--class-weights", default="no", choices=["yes", "no"], help="per-sample loss only")
     p.add_argument("--print-lr", default="yes", choices=["yes", "no"])
     args = p.parse_args()
     args.tokens = args.loss == "token"
+    weighted = args.class_weights == "yes"
     torch.set_default_dtype(getattr(torch, args.dtype))
     torch.set_num_threads(1)
     x, y = data(1234, args.tokens)
@@ -127,11 +137,11 @@ def main() -> int:
         for start in range(0, len(order), b * k):
             window = order[start:start + b * k]
             micro = window.split(b)
-            total = sum(int((y[m] != -100).sum()) for m in micro)  # the window's items that count
+            total = sum(counted(y[m], weighted) for m in micro)  # the window's items that count
             opt.zero_grad()
             shown = 0.0
             for m in micro:
-                s, count = loss_sum(model, x[m], y[m], args.tokens, args.autocast == "bf16")
+                s, count = loss_sum(model, x[m], y[m], args.tokens, args.autocast == "bf16", weighted)
                 if args.mistake == "zero_grad":
                     opt.zero_grad()  # the mistake: only the last micro-batch's gradient reaches the step
                 if args.mistake == "not_divided":
