@@ -37,6 +37,9 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-
 # An update's relative difference |Δa − Δt| / |Δt| that reduced-precision arithmetic makes by itself: the
 # catalog's correct loop under bf16 autocast differs by 2e-3; a mean of micro-batch means on its tokens, by 2.5e-2.
 ROUNDING = 1e-2
+# |Δa| / |Δt| within this of 1: clip_grad_norm_ cut both updates to its threshold (its eps leaves 1e-6 at norms
+# near 1); a mistake of the loop beneath it shows only in the direction, or, where there is none, not at all.
+CLIPPED = 1e-3
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked")  # BatchNorm's, not weights
 REUSED = ("accumulated", "true batch")  # the runs made once, whichever step of the audit asks for them again
 # name: (exit status: 0 right, 1 a mistake, 2 cannot be audited; what it means and what to do)
@@ -89,6 +92,15 @@ VERDICTS = {
                          "times its length: the learning rate differs (a schedule stepped per micro-batch? print "
                          "\"lr\" in each row and the audit tells) or the loss is divided by another number than "
                          "the window's count of items."),
+    "differs_under_clipping": (1, "the accumulated update has the true batch's length (|Δa| / |Δt| = "
+                                  "{update_length_ratio:.7f}) but not its direction (cosine {update_cosine:.4g}): "
+                                  "gradient clipping (clip_grad_norm_; transformers' max_grad_norm is 1.0 by "
+                                  "default) cut both to its threshold, and what it cut differed. Clipping inside "
+                                  "the micro-batch loop does this (each micro-batch's partial sum is cut: clip "
+                                  "once per window, after its last backward() and before step()), and so does a "
+                                  "mistake in how the loss is divided beneath the clip. Audit with clipping off: "
+                                  "exact then, the clip is in the wrong place; otherwise the mistake of the loss "
+                                  "is named."),
     "within_rounding": (2, "the runs part at update {first_differing_update} by {update_difference:.2g} of the true "
                            "batch's update: no more than reduced-precision arithmetic makes by itself between two "
                            "batch shapes (autocast to bf16 or fp16, and TF32, which GPUs use for convolutions by "
@@ -275,6 +287,8 @@ def classify(ratio: float, cos: float, k: int, first: bool, last: bool) -> str:
         return "short_window_divided_by_k"
     if cos > 1 - 1e-6:  # the same gradient, scaled: a mean of means would also turn it
         return "update_scaled"
+    if cos > 0 and abs(ratio / cos - 1) < CLIPPED:  # r / cos = |Δa| / |Δt| = 1: clipped, and turned
+        return "differs_under_clipping"
     if cos > 0.98 and 0.5 < ratio < 2:
         return "mean_of_micro_batch_means"
     if first and ratio < 0.75 and cos < 0.999:
@@ -341,7 +355,8 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
     if shares is None and u > 1:  # no fit without a momentum's share: the weights before the update before u
         prior = auditor.run("true batch", B, 1, u - 2) if u > 2 else auditor.run("start", B, 1, 1, lr=0.0)
         ratio, cos, difference, shares = update(base, a, t, prior, tol)
-    figures.update(first_differing_update=u, update_ratio=ratio, update_cosine=cos, update_difference=difference)
+    figures.update(first_differing_update=u, update_ratio=ratio, update_cosine=cos, update_difference=difference,
+                   update_length_ratio=ratio / cos if cos else float("nan"))  # |Δa| / |Δt|
     figures.update({f"{name}_share": share for name, share in (shares or {}).items()})
     if dtype != "float64" and difference < ROUNDING:
         return Finding("within_rounding", figures, compared)
@@ -403,8 +418,10 @@ def _sentence(finding: Finding) -> str:
         sentence += (" Only the epoch's last update differs: look at its last window, the short one where the "
                      "epoch's micro-batches are not a multiple of k. Adam, and SGD with Nesterov's momentum, hide how "
                      "it was scaled: audit with SGD without Nesterov (its momentum and weight decay are taken out) "
-                     "to have it named.")
-    if finding.verdict == "update_scaled" and abs(f["update_ratio"] - 1) < 1e-3:
+                     "to have it named. Where the training set is not a multiple of b, that window also ends in a "
+                     "short micro-batch, which a mean of micro-batch means (each one's mean loss over k, or over the "
+                     "window's micro-batches) weights as a full one: that turns the update, under SGD too.")
+    if finding.verdict == "update_scaled" and abs(f["update_ratio"] - 1) < CLIPPED:
         sentence += (f" Both updates have the same length to within {abs(f['update_ratio'] - 1):.2g}: gradient "
                      "clipping (clip_grad_norm_; transformers' max_grad_norm is 1.0 by default) cuts both to its "
                      "threshold, which hides how the loss was divided: audit with it off to have the mistake named.")

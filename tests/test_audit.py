@@ -145,6 +145,24 @@ def test_an_undivided_loss_under_gradient_clipping_says_what_hides_it(tmp_path, 
     assert "gradient clipping (clip_grad_norm_" in out and "audit with it off" in out, out
 
 
+@pytest.mark.parametrize("mistake, verdict, code", [("none", "exact", 0),
+                                                   ("clip_per_micro", "differs_under_clipping", 1)])
+def test_a_clip_inside_the_micro_batch_loop_is_told_from_a_mean_of_means(mistake, verdict, code, tmp_path, store,
+                                                                        capsys):
+    """clip_grad_norm_ after every micro-batch's backward() cuts the window's partial sums: the update keeps the
+    true batch's length (both are cut to the threshold) and turns, which read as mean_of_micro_batch_means on a
+    per-sample loss, where a mean of means is exact. Clipped once per window, the loop is exact."""
+    path = study(tmp_path, mistake, "sample", "float32", clip=0.5)
+    assert main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store,
+                 "--json", str(tmp_path / "audit.json")]) == code
+    out = capsys.readouterr().out
+    found = json.loads((tmp_path / "audit.json").read_text())
+    assert found["verdict"] == verdict, out
+    if code:
+        assert found["first_differing_update"] == 1 and abs(found["update_length_ratio"] - 1) < 1e-5, found
+        assert found["update_cosine"] < 0.999 and "Clipping inside the micro-batch loop" in out, out
+
+
 @pytest.mark.parametrize("mistake, verdict, code", [("none", "exact", 0), ("not_divided", "loss_not_divided", 1)])
 def test_a_frozen_batchnorm_is_audited_as_any_layer(mistake, verdict, code, tmp_path, store, capsys):
     """A BatchNorm in eval mode (fine-tuning) normalizes (b, k) and (b*k, 1) by the same statistics: the loop is
@@ -173,6 +191,7 @@ def test_a_short_window_under_adam_is_unexplained_and_says_where_to_look(tmp_pat
     out = capsys.readouterr().out
     assert code == 1 and "first update where they part: 8 of 8;" in out and "verdict: unexplained\n" in out, out
     assert "Only the epoch's last update differs: look at its last window" in out and "audit with SGD" in out
+    assert "ends in a short micro-batch, which a mean of micro-batch means" in out
 
 
 def test_a_mistake_of_every_window_is_never_named_for_a_later_update():

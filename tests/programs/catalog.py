@@ -3,7 +3,7 @@ what `batchsweep audit` must name. A plain PyTorch loop, as people write them.
 
     python catalog.py --batch-size 8 --accum 4 --lr 0.1 --seed 0 --epochs 1 --max-steps 0 \\
         [--mistake none|zero_grad|not_divided|short_window|skip_short_window|drop_last|mean_of_means|
-                   step_per_micro|batchnorm|unseeded|schedule_per_micro|lr_times_k] \\
+                   step_per_micro|batchnorm|unseeded|schedule_per_micro|lr_times_k|clip_per_micro] \\
         [--loss sample|token] [--dtype float64|float32] [--optimizer sgd|adam] [--momentum M]
         [--weight-decay WD] [--decay all|matrices] [--autocast no|bf16] [--clip NORM]
         [--frozen-bn yes|no] [--class-weights yes|no] [--print-lr yes|no]
@@ -153,6 +153,8 @@ def main() -> int:
                 else:
                     loss = s / total  # the window's sum over the window's count: the true batch's mean
                 loss.backward()
+                if args.mistake == "clip_per_micro":  # the mistake: each partial sum is clipped (needs --clip)
+                    nn.utils.clip_grad_norm_(model.parameters(), args.clip)
                 shown += loss.item()
                 if args.mistake == "schedule_per_micro":
                     schedule()  # the mistake: the schedule advances k times a window
@@ -169,7 +171,7 @@ def main() -> int:
             if args.mistake == "skip_short_window" and len(micro) < k:
                 continue  # the mistake: a step only when (i + 1) % k == 0, so the short last window has none
             if args.mistake != "step_per_micro":
-                if args.clip:
+                if args.clip and args.mistake != "clip_per_micro":
                     nn.utils.clip_grad_norm_(model.parameters(), args.clip)
                 lr = getattr(opt, "lr", args.lr)
                 opt.step()
