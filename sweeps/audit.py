@@ -38,7 +38,8 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-
 # catalog's correct loop under bf16 autocast differs by 2e-3; a mean of micro-batch means on its tokens, by 2.5e-2.
 ROUNDING = 1e-2
 # |Δa| / |Δt| within this of 1: clip_grad_norm_ cut both updates to its threshold (its eps leaves 1e-6 at norms
-# near 1); a mistake of the loop beneath it shows only in the direction, or, where there is none, not at all.
+# near 1), or Adam's first update, about the LR on every weight, hides the gradient's scale; a mistake of the
+# loop beneath either shows only in the direction, or, where there is none, not at all.
 CLIPPED = 1e-3
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked")  # BatchNorm's, not weights
 REUSED = ("accumulated", "true batch")  # the runs made once, whichever step of the audit asks for them again
@@ -235,17 +236,38 @@ def rel(a: Run, t: Run) -> float:
     return float((wa - wt).norm() / wt.norm().clamp_min(1e-300))
 
 
-def update(base: Run, a: Run, t: Run, prior: Run | None,
-           tol: float) -> tuple[float, float, float, dict[str, float] | None]:
-    """The accumulated update against the true batch's, both from `base`: (ratio along it, cosine, |Δa − Δt| /
-    |Δt|, what both held besides this step's gradient, None where the difference is not a multiple of it). SGD
-    adds to both the same share of the update before (momentum: Δ = μ'·Δprior − lr·(g + wd·w)) and of the
-    weights (weight decay), which hides a scaled gradient: with momentum 0.9 a short window's 1/4 read as 0.61
-    at cosine 0.91. Their difference holds neither, so where it is a multiple of this step's gradient,
-    d = (r − 1)(Δt − μ'·Δprior + lr·wd·w) fits exactly and gives the shares, which are taken out of both;
-    elsewhere nothing is. Without `prior`, only weight decay's share is fitted. Weight decay is fitted on every
-    weight alike, or where that does not fit, apart on the matrices (tensors of two or more dimensions) and on
-    the 1-D tensors, which nanoGPT, timm and transformers' Trainer leave undecayed."""
+@dataclass
+class Update:
+    """The accumulated update Δa against the true batch's Δt, from the same weights."""
+
+    ratio: float  # along Δt: Δa·Δt / |Δt|²
+    cosine: float
+    difference: float  # |Δa − Δt| / |Δt|
+    length: float  # |Δa| / |Δt|
+    magnitudes: float  # coordinate by coordinate, signs aside: ‖|Δa| − |Δt|‖ / |Δt|
+    shares: dict[str, float] | None  # what both held besides this step's gradient, taken out
+
+    def figures(self) -> dict[str, float]:
+        return {"update_ratio": self.ratio, "update_cosine": self.cosine, "update_difference": self.difference,
+                "update_length_ratio": self.length, "update_magnitude_difference": self.magnitudes,
+                **{f"{name}_share": share for name, share in (self.shares or {}).items()}}
+
+    @property
+    def clipped(self) -> bool:
+        """Cut to one length, as clip_grad_norm_ cuts both, but not coordinate by coordinate to one size each, as
+        Adam's first update (lr·g / (|g| + eps)) and Lion's every one (lr·sign) are, whatever the gradient."""
+        return abs(self.length - 1) < CLIPPED <= self.magnitudes
+
+
+def update(base: Run, a: Run, t: Run, prior: Run | None, tol: float) -> Update:
+    """The accumulated update against the true batch's, both from `base`. SGD adds to both the same share of the
+    update before (momentum: Δ = μ'·Δprior − lr·(g + wd·w)) and of the weights (weight decay), which hides a
+    scaled gradient: with momentum 0.9 a short window's 1/4 read as 0.61 at cosine 0.91. Their difference
+    holds neither, so where it is a multiple of this step's gradient, d = (r − 1)(Δt − μ'·Δprior + lr·wd·w)
+    fits exactly and gives the shares, which are taken out of both; elsewhere nothing is (shares None).
+    Without `prior`, only weight decay's share is fitted. Weight decay is fitted on every weight alike, or
+    where that does not fit, apart on the matrices (tensors of two or more dimensions) and on the 1-D
+    tensors, which nanoGPT, timm and transformers' Trainer leave undecayed."""
     start, matrices = weights(base.state), weights(base.state, matrices_only=True)
     da, dt = weights(a.state) - start, weights(t.state) - start
     momentum = {"momentum": start - weights(prior.state)} if prior is not None else {}
@@ -256,9 +278,10 @@ def update(base: Run, a: Run, t: Run, prior: Run | None,
             break
     for name, share in (shares or {}).items():
         da, dt = da - share * held[name], dt - share * held[name]
-    ratio = float(da @ dt / (dt @ dt).clamp_min(1e-300))
-    cos = float(da @ dt / (da.norm() * dt.norm()).clamp_min(1e-300))
-    return ratio, cos, float((da - dt).norm() / dt.norm().clamp_min(1e-300)), shares
+    length = dt.norm().clamp_min(1e-300)
+    return Update(ratio=float(da @ dt / length ** 2), cosine=float(da @ dt / (da.norm() * length).clamp_min(1e-300)),
+                  difference=float((da - dt).norm() / length), length=float(da.norm() / length),
+                  magnitudes=float((da.abs() - dt.abs()).norm() / length), shares=shares)
 
 
 def _shares(d: torch.Tensor, dt: torch.Tensor, held: dict[str, torch.Tensor],
@@ -278,16 +301,17 @@ def _shares(d: torch.Tensor, dt: torch.Tensor, held: dict[str, torch.Tensor],
     return {name: s for name, s in shares.items() if abs(s) * float(held[name].norm()) > tol * float(dt.norm())}
 
 
-def classify(ratio: float, cos: float, k: int, first: bool, last: bool) -> str:
+def classify(ratio: float, cos: float, k: int, first: bool, last: bool, clipped: bool = False) -> str:
     """The mistake whose signature one differing update has. zero_grad per micro-batch and an undivided loss
-    change every window, so they part the runs at the first update: a later update is neither."""
+    change every window, so they part the runs at the first update: a later update is neither. `clipped`: both
+    updates were cut to one length (Update.clipped)."""
     if first and cos > 0.999 and abs(ratio / k - 1) < 0.02:
         return "loss_not_divided"
     if last and cos > 0.99 and ratio < 0.98 and 1 <= round(ratio * k) < k and abs(ratio * k - round(ratio * k)) < 0.1:
         return "short_window_divided_by_k"
     if cos > 1 - 1e-6:  # the same gradient, scaled: a mean of means would also turn it
         return "update_scaled"
-    if cos > 0 and abs(ratio / cos - 1) < CLIPPED:  # r / cos = |Δa| / |Δt| = 1: clipped, and turned
+    if clipped:  # and turned
         return "differs_under_clipping"
     if cos > 0.98 and 0.5 < ratio < 2:
         return "mean_of_micro_batch_means"
@@ -351,16 +375,16 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
             compared.append((f"after step {u}", rel(a, t)))
         if not repeats(auditor, t, tol, figures, compared):
             return Finding("not_reproducible", figures, compared)
-    ratio, cos, difference, shares = update(base, a, t, None, tol)
-    if shares is None and u > 1:  # no fit without a momentum's share: the weights before the update before u
+    measured = update(base, a, t, None, tol)
+    if measured.shares is None and u > 1:  # no fit without a momentum's share: the weights before the update before u
         prior = auditor.run("true batch", B, 1, u - 2) if u > 2 else auditor.run("start", B, 1, 1, lr=0.0)
-        ratio, cos, difference, shares = update(base, a, t, prior, tol)
-    figures.update(first_differing_update=u, update_ratio=ratio, update_cosine=cos, update_difference=difference,
-                   update_length_ratio=ratio / cos if cos else float("nan"))  # |Δa| / |Δt|
-    figures.update({f"{name}_share": share for name, share in (shares or {}).items()})
-    if dtype != "float64" and difference < ROUNDING:
+        measured = update(base, a, t, prior, tol)
+    figures.update(first_differing_update=u, **measured.figures())
+    if dtype != "float64" and measured.difference < ROUNDING:
         return Finding("within_rounding", figures, compared)
-    return Finding(classify(ratio, cos, k, first=u == 1, last=u == len(et.losses)), figures, compared)
+    verdict = classify(measured.ratio, measured.cosine, k, first=u == 1, last=u == len(et.losses),
+                       clipped=measured.clipped)
+    return Finding(verdict, figures, compared)
 
 
 def live_batchnorm(a: Run, t: Run) -> bool:
@@ -424,7 +448,9 @@ def _sentence(finding: Finding) -> str:
     if finding.verdict == "update_scaled" and abs(f["update_ratio"] - 1) < CLIPPED:
         sentence += (f" Both updates have the same length to within {abs(f['update_ratio'] - 1):.2g}: gradient "
                      "clipping (clip_grad_norm_; transformers' max_grad_norm is 1.0 by default) cuts both to its "
-                     "threshold, which hides how the loss was divided: audit with it off to have the mistake named.")
+                     "threshold, and Adam's first update is about the LR on every weight whatever the gradient "
+                     "(Lion's every update is), which hides how the loss was divided: audit with clipping off and "
+                     "with SGD to have the mistake named.")
     return sentence
 
 

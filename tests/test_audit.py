@@ -142,7 +142,7 @@ def test_an_undivided_loss_under_gradient_clipping_says_what_hides_it(tmp_path, 
     found = json.loads((tmp_path / "audit.json").read_text())
     assert code == 1 and found["verdict"] == "update_scaled" and found["first_differing_update"] == 1, out
     assert 0 < abs(found["update_ratio"] - 1) < 1e-3 and found["update_cosine"] > 1 - 1e-9, found
-    assert "gradient clipping (clip_grad_norm_" in out and "audit with it off" in out, out
+    assert "gradient clipping (clip_grad_norm_" in out and "audit with clipping off" in out, out
 
 
 @pytest.mark.parametrize("mistake, verdict, code", [("none", "exact", 0),
@@ -161,6 +161,24 @@ def test_a_clip_inside_the_micro_batch_loop_is_told_from_a_mean_of_means(mistake
     if code:
         assert found["first_differing_update"] == 1 and abs(found["update_length_ratio"] - 1) < 1e-5, found
         assert found["update_cosine"] < 0.999 and "Clipping inside the micro-batch loop" in out, out
+
+
+@pytest.mark.parametrize("mistake, loss, verdict", [("mean_of_means", "token", "mean_of_micro_batch_means"),
+                                                   ("not_divided", "sample", "update_scaled")])
+def test_adams_first_update_is_not_taken_for_clipping(mistake, loss, verdict, tmp_path, store, capsys):
+    """Adam's first update is about the LR on every weight, whatever the gradient: both runs' updates have one
+    length there, as under clipping, and also one size on each weight, which clipping does not give. A mean of
+    means is named (it read as differs_under_clipping), and an undivided loss, whose scale Adam divides away,
+    says that Adam may hide it."""
+    path = study(tmp_path, mistake, loss, "float64", optimizer="adam")
+    assert main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store,
+                 "--json", str(tmp_path / "audit.json")]) == 1
+    out = capsys.readouterr().out
+    found = json.loads((tmp_path / "audit.json").read_text())
+    assert found["verdict"] == verdict and found["first_differing_update"] == 1, out
+    assert abs(found["update_length_ratio"] - 1) < 1e-5 and found["update_magnitude_difference"] < 1e-4, found
+    if verdict == "update_scaled":
+        assert "and Adam's first update is about the LR on every weight" in out, out
 
 
 @pytest.mark.parametrize("mistake, verdict, code", [("none", "exact", 0), ("not_divided", "loss_not_divided", 1)])
