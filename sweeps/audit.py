@@ -254,9 +254,11 @@ class Update:
 
     @property
     def clipped(self) -> bool:
-        """Cut to one length, as clip_grad_norm_ cuts both, but not coordinate by coordinate to one size each, as
-        Adam's first update (lr·g / (|g| + eps)) and Lion's every one (lr·sign) are, whatever the gradient."""
-        return abs(self.length - 1) < CLIPPED <= self.magnitudes
+        """Cut to one length, as clip_grad_norm_ cuts both, where the difference is in the sizes of the weights'
+        updates. Adam's first update (lr·g / (|g| + eps)) and Lion's every one (lr·sign) are about the LR on
+        every weight whatever the gradient: one length too, but what differs is signs (the catalog's zero_grad
+        on tokens under Adam: sizes 0.011 of the difference; clipped updates, 0.98 and more)."""
+        return abs(self.length - 1) < CLIPPED and self.magnitudes >= 0.5 * self.difference
 
 
 def update(base: Run, a: Run, t: Run, prior: Run | None, tol: float) -> Update:
@@ -445,6 +447,10 @@ def _sentence(finding: Finding) -> str:
                      "to have it named. Where the training set is not a multiple of b, that window also ends in a "
                      "short micro-batch, which a mean of micro-batch means (each one's mean loss over k, or over the "
                      "window's micro-batches) weights as a full one: that turns the update, under SGD too.")
+    if finding.verdict == "unexplained" and abs(f.get("update_length_ratio", 0) - 1) < CLIPPED:  # (not clipped)
+        sentence += (" Both updates have one length, and one size on each weight, where only signs differ: Adam's "
+                     "first update is about the LR on every weight whatever the gradient (Lion's every update is), "
+                     "which hides the scale that names a mistake: audit with SGD to have it named.")
     if finding.verdict == "update_scaled" and abs(f["update_ratio"] - 1) < CLIPPED:
         sentence += (f" Both updates have the same length to within {abs(f['update_ratio'] - 1):.2g}: gradient "
                      "clipping (clip_grad_norm_; transformers' max_grad_norm is 1.0 by default) cuts both to its "

@@ -164,21 +164,24 @@ def test_a_clip_inside_the_micro_batch_loop_is_told_from_a_mean_of_means(mistake
 
 
 @pytest.mark.parametrize("mistake, loss, verdict", [("mean_of_means", "token", "mean_of_micro_batch_means"),
-                                                   ("not_divided", "sample", "update_scaled")])
+                                                   ("not_divided", "sample", "update_scaled"),
+                                                   ("zero_grad", "token", "unexplained")])
 def test_adams_first_update_is_not_taken_for_clipping(mistake, loss, verdict, tmp_path, store, capsys):
     """Adam's first update is about the LR on every weight, whatever the gradient: both runs' updates have one
     length there, as under clipping, and also one size on each weight, which clipping does not give. A mean of
-    means is named (it read as differs_under_clipping), and an undivided loss, whose scale Adam divides away,
-    says that Adam may hide it."""
+    means is named (it read as differs_under_clipping); an undivided loss, whose scale Adam divides away, and
+    zero_grad per micro-batch, whose 1/k Adam hides (r = cosine 0.954), say that Adam may hide them."""
     path = study(tmp_path, mistake, loss, "float64", optimizer="adam")
     assert main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store,
                  "--json", str(tmp_path / "audit.json")]) == 1
     out = capsys.readouterr().out
     found = json.loads((tmp_path / "audit.json").read_text())
     assert found["verdict"] == verdict and found["first_differing_update"] == 1, out
-    assert abs(found["update_length_ratio"] - 1) < 1e-5 and found["update_magnitude_difference"] < 1e-4, found
-    if verdict == "update_scaled":
-        assert "and Adam's first update is about the LR on every weight" in out, out
+    assert abs(found["update_length_ratio"] - 1) < 1e-3, found
+    sizes, difference = found["update_magnitude_difference"], found["update_difference"]
+    assert sizes < 1e-4 or sizes < 0.05 * difference, found  # one size on each weight, but where signs differ
+    if verdict != "mean_of_micro_batch_means":
+        assert "Adam's first update is about the LR on every weight" in out, out
 
 
 @pytest.mark.parametrize("mistake, verdict, code", [("none", "exact", 0), ("not_divided", "loss_not_divided", 1)])
