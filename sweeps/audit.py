@@ -437,7 +437,7 @@ def first_parting(auditor: Auditor, b: int, k: int, n: int, tol: float) -> int:
 
 def _sentence(finding: Finding) -> str:
     """The verdict's sentence; for an unexplained difference at the epoch's last update only, where to look; for
-    a scaled update of the true batch's length, what hides the scale."""
+    a scaled or unexplained update of the true batch's length, what hides the scale."""
     f = finding.figures
     sentence = VERDICTS[finding.verdict][1].format(**f)
     if finding.verdict == "unexplained" and 1 < f.get("first_differing_update", 0) == f["steps_true_batch"]:
