@@ -89,7 +89,7 @@ VERDICTS = {
     "lr_differs": (1, "the script sets another learning rate at (b, k) than at (b*k, 1), {lr_a:.4g} against "
                       "{lr_t:.4g} from step {lr_step} on: it scales the LR it is given by k or b itself. Use the LR it "
                       "is given (a study's lr_rule scales it), and the audit compares like with like."),
-    "update_scaled": (1, "the accumulated update has exactly the true batch's direction but {update_ratio:.4g} "
+    "update_scaled": (1, "the accumulated update has exactly the true batch's direction but {update_ratio:.7g} "
                          "times its length: the learning rate differs (a schedule stepped per micro-batch? print "
                          "\"lr\" in each row and the audit tells) or the loss is divided by another number than "
                          "the window's count of items."),
