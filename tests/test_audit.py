@@ -41,7 +41,7 @@ def store(tmp_path_factory):
 
 def study(folder, mistake: str, loss: str, floats: str, print_lr: str = "yes", momentum: float = 0.0,
           weight_decay: float = 0.0, optimizer: str = "sgd", decay: str = "all", autocast: str = "no",
-          clip: float = 0.0, frozen_bn: str = "no", class_weights: str = "no"):
+          clip: float = 0.0, frozen_bn: str = "no", class_weights: str = "no", warmup: int = 0):
     path = folder / "catalog.toml"
     path.write_text(f'''name = "catalog"
 [program]
@@ -50,7 +50,7 @@ command = ["{{python}}", "{CATALOG}", "--batch-size", "{{physical_batch}}", "--a
            "--mistake", "{{mistake}}", "--loss", "{{per}}", "--dtype", "{{floats}}", "--print-lr", "{print_lr}",
            "--momentum", "{momentum}", "--weight-decay", "{weight_decay}", "--optimizer", "{optimizer}",
            "--decay", "{decay}", "--autocast", "{autocast}", "--clip", "{clip}",
-           "--frozen-bn", "{frozen_bn}", "--class-weights", "{class_weights}"]
+           "--frozen-bn", "{frozen_bn}", "--class-weights", "{class_weights}", "--warmup", "{warmup}"]
 [fixed]
 base_lr = 0.1
 mistake = "{mistake}"
@@ -182,6 +182,20 @@ def test_adams_first_update_is_not_taken_for_clipping(mistake, loss, verdict, tm
     assert sizes < 1e-4 or sizes < 0.05 * difference, found  # one size on each weight, but where signs differ
     if verdict != "mean_of_micro_batch_means":
         assert "Adam's first update is about the LR on every weight" in out, out
+
+
+@pytest.mark.parametrize("mistake, print_lr, verdict", [("not_divided", "yes", "loss_not_divided"),
+                                                       ("zero_grad", "no", "zero_grad_per_micro_batch")])
+def test_after_a_warmup_from_lr_0_the_first_update_that_moves_is_the_first(mistake, print_lr, verdict, tmp_path,
+                                                                           store, capsys):
+    """transformers' linear warmup starts at LR 0: the runs part at update 2, the first that moves the weights,
+    where a mistake of every window is named (an undivided loss read as update_scaled, zero_grad as
+    unexplained). The rows' LRs say that update 1 moved nothing, or else the start's weights do."""
+    path = study(tmp_path, mistake, "sample", "float64", print_lr=print_lr, warmup=3)
+    assert main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store,
+                 "--json", str(tmp_path / "audit.json")]) == 1
+    found = json.loads((tmp_path / "audit.json").read_text())
+    assert found["verdict"] == verdict and found["first_differing_update"] == 2, capsys.readouterr().out
 
 
 @pytest.mark.parametrize("mistake, verdict, code", [("none", "exact", 0), ("not_divided", "loss_not_divided", 1)])

@@ -6,7 +6,7 @@ what `batchsweep audit` must name. A plain PyTorch loop, as people write them.
                    step_per_micro|batchnorm|unseeded|schedule_per_micro|lr_times_k|clip_per_micro] \\
         [--loss sample|token] [--dtype float64|float32] [--optimizer sgd|adam] [--momentum M]
         [--weight-decay WD] [--decay all|matrices] [--autocast no|bf16] [--clip NORM]
-        [--frozen-bn yes|no] [--class-weights yes|no] [--print-lr yes|no]
+        [--frozen-bn yes|no] [--class-weights yes|no] [--warmup STEPS] [--print-lr yes|no]
 
 It prints {"step": s, "loss": l, "lr": the step's LR} per optimizer step and saves model.state_dict() to
 $BATCHSWEEP_STATE at the end. With SGD the LR decays by 0.9 a step. The training set (240 samples) is 7
@@ -66,13 +66,20 @@ class SGD:
     and an exponential decay of its LR, as ExponentialLR(gamma=0.9) schedules it. Weight decay on the matrices
     only leaves biases undecayed, as nanoGPT's param groups do."""
 
-    def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, decay: str = "all"):
-        self.params, self.lr, self.momentum, self.weight_decay = list(params), lr, momentum, weight_decay
-        self.decay = decay
+    def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, decay: str = "all",
+                 warmup: int = 0):
+        self.params, self.decayed, self.momentum, self.weight_decay = list(params), lr, momentum, weight_decay
+        self.decay, self.warmup, self.steps = decay, warmup, 0
         self.buffers = [torch.zeros_like(p) for p in self.params]
 
+    @property
+    def lr(self) -> float:
+        """With warmup, times steps / warmup until then: 0 at the first step, as transformers' linear schedule."""
+        return self.decayed * min(1.0, self.steps / self.warmup) if self.warmup else self.decayed
+
     def schedule(self) -> None:
-        self.lr *= 0.9
+        self.decayed *= 0.9
+        self.steps += 1
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -109,6 +116,7 @@ def main() -> int:
     p.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm_ to NORM before each step (0: none)")
     p.add_argument("--frozen-bn", default="no", choices=["yes", "no"], help="a BatchNorm in eval mode (fine-tuning)")
     p.add_argument("--class-weights", default="no", choices=["yes", "no"], help="per-sample loss only")
+    p.add_argument("--warmup", type=int, default=0, help="SGD's LR rises from 0 over this many steps")
     p.add_argument("--print-lr", default="yes", choices=["yes", "no"])
     args = p.parse_args()
     args.tokens = args.loss == "token"
@@ -121,8 +129,8 @@ def main() -> int:
     if args.frozen_bn == "yes":
         model[1].eval()  # normalizes by its running statistics, which stay as they are
     lr = args.lr * args.accum if args.mistake == "lr_times_k" else args.lr  # the mistake: the script scales it
-    opt = SGD(model.parameters(), lr, args.momentum, args.weight_decay, args.decay) if args.optimizer == "sgd" \
-        else torch.optim.Adam(model.parameters(), lr)
+    opt = SGD(model.parameters(), lr, args.momentum, args.weight_decay, args.decay, args.warmup) \
+        if args.optimizer == "sgd" else torch.optim.Adam(model.parameters(), lr)
     schedule = opt.schedule if args.optimizer == "sgd" else lambda: None
     b, k, step = args.batch_size, args.accum, 0
     for epoch in range(args.epochs):
