@@ -348,6 +348,9 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
                "steps_true_batch": len(et.losses)}
     if len(ea.losses) == len(et.losses) and compared[0][1] <= tol:
         return Finding("exact", figures, compared)
+    if compared[0][1] <= tol:  # the same weights from other numbers of steps: the rows are not the steps
+        raise AuditError(f"the runs end with equal weights but printed {counts} step rows: print one {{\"step\": "
+                         f"s, \"loss\": l}} row per optimizer step, after step(), not one per micro-batch")
     if len(ea.losses) >= 1.5 * len(et.losses):
         return Finding("step_per_micro_batch", figures, compared)
     extra = len(ea.losses) - len(et.losses)

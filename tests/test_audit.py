@@ -331,6 +331,23 @@ torch.save({{"w": torch.tensor([float(sys.argv[3])])}}, os.environ["BATCHSWEEP_S
     assert err.rsplit("\r", 1)[-1] == f"error: {expected}\n"  # after the bar, which leave=False clears
 
 
+def test_rows_per_micro_batch_beside_equal_weights_are_one_line_not_a_mistake(tmp_path, store, capsys):
+    """A script that prints a row per micro-batch ends both runs with the same weights: its rows do not count its
+    optimizer steps, and the audit says so (exit status 2) rather than name step_per_micro_batch (1)."""
+    (tmp_path / "own.py").write_text("""import json, os, sys, torch
+for micro in range(32 // int(sys.argv[3])):  # one window of 32: micro-batches of b
+    print(json.dumps({"step": 1, "loss": 1.0}))
+torch.save({"w": torch.tensor([1.0])}, os.environ["BATCHSWEEP_STATE"])
+""")
+    (tmp_path / "own.toml").write_text('name = "own"\n[program]\ncommand = ["{python}", "own.py", "{max_steps}", '
+                                       '"{epochs}", "{physical_batch}"]\n')
+    assert main(["--study", str(tmp_path / "own.toml"), "--physical-batch", "8", "--accum-steps", "4",
+                 "--tracking-uri", store]) == 2
+    assert capsys.readouterr().err.rsplit("\r", 1)[-1] == (
+        'error: the runs end with equal weights but printed 4 and 1 step rows: print one {"step": s, "loss": l} '
+        'row per optimizer step, after step(), not one per micro-batch\n')
+
+
 @pytest.mark.parametrize("body, expected", [
     ('[fixed]\nbase_lr = 0.1', "program.command: pass {max_steps} on to the script"),
 ])
