@@ -39,8 +39,9 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-
 ROUNDING = 1e-2
 # |Δa| / |Δt| within this of 1: clip_grad_norm_ cut both updates to its threshold (its eps leaves 1e-6 at norms
 # near 1), or Adam's first update, about the LR on every weight, hides the gradient's scale; a mistake of the
-# loop beneath either shows only in the direction, or, where there is none, not at all.
-CLIPPED = 1e-3
+# loop beneath either shows only in the direction, or, where there is none, not at all. A small difference of
+# another kind leaves the length within 1e-3 (an L2 penalty added to every micro-batch's loss: 8.2e-4).
+CLIPPED = 1e-4
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked")  # BatchNorm's, not weights
 REUSED = ("accumulated", "true batch")  # the runs made once, whichever step of the audit asks for them again
 # name: (exit status: 0 right, 1 a mistake, 2 cannot be audited; what it means and what to do)
@@ -63,7 +64,10 @@ VERDICTS = {
                                      "with padding, or a loss weighted by class, whose mean divides by the "
                                      "micro-batch's sum of weights) differ: the loss is a mean of micro-batch "
                                      "means. Sum the per-item losses and divide by the window's total count of "
-                                     "items (its sum of weights)."),
+                                     "items (its sum of weights). Where every micro-batch counts alike, look for a "
+                                     "term that the loss adds once per micro-batch (an L2 penalty, a router's "
+                                     "auxiliary loss): a window adds it k times, the true batch once; divide it by "
+                                     "k."),
     "step_per_micro_batch": (1, "the optimizer steps once per micro-batch ({steps_accumulated} steps an epoch "
                                 "against {steps_true_batch}): step() and zero_grad() belong after the last "
                                 "micro-batch of a window."),
@@ -456,7 +460,8 @@ def first_parting(auditor: Auditor, b: int, k: int, n: int, tol: float) -> int:
 
 def _sentence(finding: Finding) -> str:
     """The verdict's sentence; for an unexplained difference at the epoch's last update only, where to look; for
-    a scaled or unexplained update of the true batch's length, what hides the scale."""
+    a scaled update of the true batch's length, or an unexplained one in the signs of its steps, what hides the
+    scale."""
     f = finding.figures
     sentence = VERDICTS[finding.verdict][1].format(**f)
     if finding.verdict == "unexplained" and 1 < f.get("first_differing_update", 0) == f["steps_true_batch"]:
@@ -466,10 +471,12 @@ def _sentence(finding: Finding) -> str:
                      "to have it named. Where the training set is not a multiple of b, that window also ends in a "
                      "short micro-batch, which a mean of micro-batch means (each one's mean loss over k, or over the "
                      "window's micro-batches) weights as a full one: that turns the update, under SGD too.")
-    if finding.verdict == "unexplained" and abs(f.get("update_length_ratio", 0) - 1) < CLIPPED:  # (not clipped)
-        sentence += (" Both updates have one length, and one size on each weight, where only signs differ: Adam's "
-                     "first update is about the LR on every weight whatever the gradient (Lion's every update is), "
-                     "which hides the scale that names a mistake: audit with SGD to have it named.")
+    sizes = f["update_magnitude_difference"] / f["update_difference"] if "update_difference" in f else 1.0
+    if finding.verdict == "unexplained" and sizes < 0.5:  # sign-like updates
+        sentence += (f" The updates differ in the signs of the weights' steps more than in their sizes ({sizes:.2g} "
+                     "of the difference): Adam's first update is about the LR on every weight whatever the gradient "
+                     "(Lion's every update is), which hides the scale that names a mistake: audit with SGD to have "
+                     "it named.")
     if finding.verdict == "update_scaled" and abs(f["update_ratio"] - 1) < CLIPPED:
         sentence += (f" Both updates have the same length to within {abs(f['update_ratio'] - 1):.2g}: gradient "
                      "clipping (clip_grad_norm_; transformers' max_grad_norm is 1.0 by default) cuts both to its "

@@ -229,6 +229,17 @@ def test_a_short_window_under_adam_is_unexplained_and_says_where_to_look(tmp_pat
     assert "ends in a short micro-batch, which a mean of micro-batch means" in out
 
 
+def test_clipping_is_one_length_with_other_sizes_where_adam_and_a_small_difference_are_not():
+    """Figures of real audits of the catalog (float64 but the first): a clip per micro-batch (float32), zero_grad
+    on tokens under Adam (one length, signs differ), and an L2 penalty added to every micro-batch's loss,
+    k times a window (no clipping; its length 1 + 8.2e-4)."""
+    from sweeps.audit import Update
+
+    assert Update(0.98691, 0.98691, 0.16180, 0.9999991, 0.15827, None).clipped
+    assert not Update(0.95436, 0.95453, 0.30153, 0.99982, 0.00327, None).clipped
+    assert not Update(1.00062, 0.99980, 0.01995, 1.00082, 0.01974, None).clipped
+
+
 def test_a_mistake_of_every_window_is_never_named_for_a_later_update():
     """zero_grad per micro-batch and an undivided loss part the runs at step 1. Where they part later (Adam
     hiding a short window's scale, say), the update's figures may look like them, and the verdict says it is
