@@ -65,9 +65,8 @@ VERDICTS = {
                                      "micro-batch's sum of weights) differ: the loss is a mean of micro-batch "
                                      "means. Sum the per-item losses and divide by the window's total count of "
                                      "items (its sum of weights). Where every micro-batch counts alike, look for a "
-                                     "term that the loss adds once per micro-batch (an L2 penalty, a router's "
-                                     "auxiliary loss): a window adds it k times, the true batch once; divide it by "
-                                     "k."),
+                                     "term that the loss adds once per micro-batch (a router's auxiliary loss, "
+                                     "say): a window adds it k times, the true batch once; divide it by k."),
     "step_per_micro_batch": (1, "the optimizer steps once per micro-batch ({steps_accumulated} steps an epoch "
                                 "against {steps_true_batch}): step() and zero_grad() belong after the last "
                                 "micro-batch of a window."),
@@ -93,6 +92,12 @@ VERDICTS = {
     "lr_differs": (1, "the script sets another learning rate at (b, k) than at (b*k, 1), {lr_a:.4g} against "
                       "{lr_t:.4g} from step {lr_step} on: it scales the LR it is given by k or b itself. Use the LR it "
                       "is given (a study's lr_rule scales it), and the audit compares like with like."),
+    "weight_penalty_per_micro_batch": (1, "the accumulated update differs from the true batch's by "
+                                          "{weight_penalty_share:.3g} of the {penalized}, a multiple of them: "
+                                          "a penalty on the weights in the loss (λ‖w‖²) or a decay of them, "
+                                          "applied once per micro-batch, which a window applies k times and the "
+                                          "true batch once. Apply it once per window (or divide it by k), or leave "
+                                          "it to the optimizer's weight_decay."),
     "update_scaled": (1, "the accumulated update has exactly the true batch's direction but {update_ratio:.7g} "
                          "times its length: the learning rate differs (a schedule stepped per micro-batch? print "
                          "\"lr\" in each row and the audit tells) or the loss is divided by another number than "
@@ -290,6 +295,19 @@ def update(base: Run, a: Run, t: Run, prior: Run | None, tol: float) -> Update:
                   magnitudes=float((da.abs() - dt.abs()).norm() / length), shares=shares)
 
 
+def weight_penalty(base: Run, a: Run, t: Run) -> dict[str, Any] | None:
+    """Where Δa − Δt is a multiple of the weights (of every weight, or of the matrices only, as nanoGPT decays
+    them), to 1e-6 of its square: the share, and of what. A penalty in every micro-batch's loss leaves this
+    difference, (k − 1) times its gradient; a mistake of the data's gradient does not."""
+    start = weights(base.state)
+    d = weights(a.state) - weights(t.state)
+    for penalized, w in (("weights", start), ("matrices", weights(base.state, matrices_only=True))):
+        share = float(d @ w / (w @ w).clamp_min(1e-300))
+        if w.any() and float((d - share * w).norm() ** 2 / (d @ d).clamp_min(1e-300)) < 1e-6:
+            return {"weight_penalty_share": share, "penalized": penalized}
+    return None
+
+
 def _shares(d: torch.Tensor, dt: torch.Tensor, held: dict[str, torch.Tensor],
             tol: float) -> dict[str, float] | None:
     """Each s where d = α·(dt − Σ s·held) holds to 1e-6 of |d|², that moves dt by more than the dtype's
@@ -391,6 +409,17 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
     figures.update(first_differing_update=u, **measured.figures())
     if dtype != "float64" and measured.difference < ROUNDING:
         return Finding("within_rounding", figures, compared)
+    return Finding(_named(auditor, measured, (base, a, t), et, u, k, tol, figures), figures, compared)
+
+
+def _named(auditor: Auditor, measured: Update, runs: tuple[Run, Run, Run], et: Run, u: int, k: int, tol: float,
+           figures: dict[str, Any]) -> str:
+    """The verdict of differing update u, measured from `runs` (the weights before it, and both runs after it)."""
+    base, a, t = runs
+    penalty = weight_penalty(base, a, t) if u == 1 else None  # (a mistake of every window: it parts them at once)
+    if penalty:
+        figures.update(penalty)
+        return "weight_penalty_per_micro_batch"
 
     def named(first: bool) -> str:
         return classify(measured.ratio, measured.cosine, k, first=first, last=u == len(et.losses),
@@ -399,7 +428,7 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
     verdict = named(u == 1)
     if verdict != named(True) and not moved_before(auditor, base, et, u, tol):
         verdict = named(True)
-    return Finding(verdict, figures, compared)
+    return verdict
 
 
 def moved_before(auditor: Auditor, base: Run, et: Run, u: int, tol: float) -> bool:

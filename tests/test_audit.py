@@ -229,6 +229,18 @@ def test_a_short_window_under_adam_is_unexplained_and_says_where_to_look(tmp_pat
     assert "ends in a short micro-batch, which a mean of micro-batch means" in out
 
 
+def test_an_l2_penalty_added_to_every_micro_batch_is_named_with_its_share_of_the_weights(tmp_path, store, capsys):
+    """λ‖w‖² in each micro-batch's loss: a window's gradient holds (k − 1)·2λ·w more than the true batch's, so the
+    updates differ by lr·(k − 1)·2λ = 0.1 · 3 · 2e-3 of the weights. It read as mean_of_micro_batch_means."""
+    path = study(tmp_path, "penalty_per_micro", "sample", "float64")
+    assert main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store,
+                 "--json", str(tmp_path / "audit.json")]) == 1
+    found = json.loads((tmp_path / "audit.json").read_text())
+    assert found["verdict"] == "weight_penalty_per_micro_batch", capsys.readouterr().out
+    assert found["weight_penalty_share"] == pytest.approx(-0.1 * 3 * 2e-3, rel=1e-6)
+    assert found["penalized"] == "weights"
+
+
 def test_clipping_is_one_length_with_other_sizes_where_adam_and_a_small_difference_are_not():
     """Figures of real audits of the catalog (float64 but the first): a clip per micro-batch (float32), zero_grad
     on tokens under Adam (one length, signs differ), and an L2 penalty added to every micro-batch's loss,

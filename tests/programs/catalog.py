@@ -3,7 +3,8 @@ what `batchsweep audit` must name. A plain PyTorch loop, as people write them.
 
     python catalog.py --batch-size 8 --accum 4 --lr 0.1 --seed 0 --epochs 1 --max-steps 0 \\
         [--mistake none|zero_grad|not_divided|short_window|skip_short_window|drop_last|mean_of_means|
-                   step_per_micro|batchnorm|unseeded|schedule_per_micro|lr_times_k|clip_per_micro] \\
+                   step_per_micro|batchnorm|unseeded|schedule_per_micro|lr_times_k|clip_per_micro|
+                   penalty_per_micro] \\
         [--loss sample|token] [--dtype float64|float32] [--optimizer sgd|adam] [--momentum M]
         [--weight-decay WD] [--decay all|matrices] [--autocast no|bf16] [--clip NORM]
         [--frozen-bn yes|no] [--class-weights yes|no] [--warmup STEPS] [--print-lr yes|no]
@@ -22,6 +23,7 @@ from torch import nn
 
 N, VOCAB, WIDTH = 240, 12, 10
 CLASS_WEIGHTS = (1.0, 2.0, 4.0)  # --class-weights: a per-sample loss weighted by class, as for imbalanced classes
+PENALTY = 1e-3  # --mistake penalty_per_micro: λ of an L2 penalty in the loss
 
 
 def data(seed: int, tokens: bool):
@@ -160,6 +162,8 @@ def main() -> int:
                     loss = s / count / len(micro)  # the mean of the micro-batches' means
                 else:
                     loss = s / total  # the window's sum over the window's count: the true batch's mean
+                if args.mistake == "penalty_per_micro":  # the mistake: added to every micro-batch, k times a window
+                    loss = loss + PENALTY * sum((p ** 2).sum() for p in model.parameters())
                 loss.backward()
                 if args.mistake == "clip_per_micro":  # the mistake: each partial sum is clipped (needs --clip)
                     nn.utils.clip_grad_norm_(model.parameters(), args.clip)
