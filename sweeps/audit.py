@@ -43,7 +43,7 @@ ROUNDING = 1e-2
 # another kind leaves the length within 1e-3 (an L2 penalty added to every micro-batch's loss: 8.2e-4).
 CLIPPED = 1e-4
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked")  # BatchNorm's, not weights
-REUSED = ("accumulated", "true batch")  # the runs made once, whichever step of the audit asks for them again
+REUSED = ("accumulated", "true batch", "start")  # made once, whichever step of the audit asks for them again
 # name: (exit status: 0 right, 1 a mistake, 2 cannot be audited; what it means and what to do)
 VERDICTS = {
     "exact": (0, "(b, k) equals (b*k, 1) within the tolerance of {dtype}: the accumulation is exact."),
@@ -162,7 +162,7 @@ class Auditor:
 
     def run(self, name: str, b: int, k: int, max_steps: int, lr: float | None = None) -> Run:
         """The script at (b, k) for `max_steps` steps (0: an epoch); an accumulated or true-batch run made
-        already is not made again (a "start" run has its own LR, a "repeat" run is made again on purpose)."""
+        already is not made again, nor is the "start" (always LR 0); a "repeat" run is made again on purpose."""
         done = next((r for r in self.runs if name == r.name and name in REUSED and (r.b, r.k) == (b, k) and
                      (r.max_steps == max_steps or r.max_steps == 0 and len(r.losses) == max_steps)), None)
         if done:
@@ -384,24 +384,18 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
         figures.update(lr_step=lr_step, lr_a=ea.lrs[lr_step - 1], lr_t=et.lrs[lr_step - 1])
         factors = {round(x / y, 9) for x, y in zip(ea.lrs, et.lrs) if y}
         return Finding("lr_differs" if len(factors) == 1 else "schedule_per_micro_batch", figures, compared)
-    a1, t1 = auditor.run("accumulated", b, k, 1), auditor.run("true batch", B, 1, 1)
-    if len(et.losses) > 1:  # (else the epoch's runs, compared already)
-        compared.append(("after step 1", rel(a1, t1)))
-    u, a, t = 1, a1, t1
-    if compared[-1][1] > tol:
-        if not repeats(auditor, t1, tol, figures, compared):
-            return Finding("not_reproducible", figures, compared)
-        if live_batchnorm(a1, t1):
-            return Finding("batchnorm", figures, compared)
-        base = auditor.run("start", B, 1, 1, lr=0.0)  # the weights both start from
-    else:  # the first update agrees: find the first that does not
-        u = first_parting(auditor, b, k, len(et.losses), tol)
-        base = auditor.run("true batch", B, 1, u - 1)
-        a, t = auditor.run("accumulated", b, k, u), auditor.run("true batch", B, 1, u)
-        if u < len(et.losses):  # the last update's runs are the epoch's, compared already
-            compared.append((f"after step {u}", rel(a, t)))
-        if not repeats(auditor, t, tol, figures, compared):
-            return Finding("not_reproducible", figures, compared)
+    u = first_parting(auditor, b, k, len(et.losses), tol, rows_part(ea, et, tol))
+    a, t = auditor.run("accumulated", b, k, u), auditor.run("true batch", B, 1, u)
+    if u > 1:  # the weights before it, which agree
+        compared.append((f"after step {u - 1}", rel(auditor.run("accumulated", b, k, u - 1),
+                                                    auditor.run("true batch", B, 1, u - 1))))
+    if u < len(et.losses):  # the last update's runs are the epoch's, compared already
+        compared.append((f"after step {u}", rel(a, t)))
+    if not repeats(auditor, t, tol, figures, compared):
+        return Finding("not_reproducible", figures, compared)
+    if u == 1 and live_batchnorm(a, t):
+        return Finding("batchnorm", figures, compared)
+    base = auditor.run("start", B, 1, 1, lr=0.0) if u == 1 else auditor.run("true batch", B, 1, u - 1)
     measured = update(base, a, t, None, tol)
     if measured.shares is None and u > 1:  # no fit without a momentum's share: the weights before the update before u
         prior = auditor.run("true batch", B, 1, u - 2) if u > 2 else auditor.run("start", B, 1, 1, lr=0.0)
@@ -468,19 +462,28 @@ def repeats(auditor: Auditor, t: Run, tol: float, figures: dict[str, Any], compa
     return again <= tol
 
 
-def first_parting(auditor: Auditor, b: int, k: int, n: int, tol: float) -> int:
-    """The first update where the runs part, by bisection over max_steps: they agree after 1 and differ after
-    n. (Loss rows cannot say it: a script with a mistake often reports its loss in the mistake's scale.) The
-    last update is tried first: a short last window, the mistake that parts runs after step 1, is then found
-    with one pair of runs instead of log2(n)."""
+def rows_part(a: Run, t: Run, tol: float) -> int | None:
+    """The first step whose loss rows differ; None where they agree throughout."""
+    return next((step for step, (x, y) in enumerate(zip(a.losses, t.losses), 1)
+                 if abs(x - y) > tol * max(abs(x), abs(y))), None)
+
+
+def first_parting(auditor: Auditor, b: int, k: int, n: int, tol: float, rows: int | None) -> int:
+    """The first update after which the runs' weights differ, by bisection over max_steps: they agree before
+    update 1 and differ after n. The loss rows say where to look first, never where it is, since a script with
+    a mistake often prints its loss in the mistake's scale. Row s is printed from the weights after s - 1
+    updates, so rows that part at step `rows` > 1 point at update rows - 1 (a warmup from LR 0 parts the runs
+    at update 2, the first that moves) or, where only the row is printed otherwise, at update rows (a short
+    last window): a pair of runs before it and one at it bracket either. Rows that agree throughout point at
+    the last update; rows that differ from the first, at update 1 (a mistake of every window), then the last."""
     def agree(steps: int) -> bool:
         return rel(auditor.run("accumulated", b, k, steps), auditor.run("true batch", b * k, 1, steps)) <= tol
 
-    low, high = 1, n
-    if high - low > 1:
-        if agree(n - 1):
-            return n
-        high = n - 1
+    first = [n - 1] if rows is None else [1, n - 1] if rows == 1 else [rows - 1, rows - 2, rows]
+    low, high = 0, n  # agree after `low` updates, differ after `high`
+    for steps in first:
+        if low < steps < high:
+            low, high = (steps, high) if agree(steps) else (low, steps)
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (mid, high) if agree(mid) else (low, mid)

@@ -110,7 +110,8 @@ def test_a_short_window_is_named_through_the_momentum_and_weight_decay_both_runs
     shares = {key: value for key, value in found.items() if key.startswith("weight_decay")}
     assert shares == {"weight_decay_share" if decay == "all" else "weight_decay_2d_share":
                       pytest.approx(-0.1 * 0.9 ** 7 * weight_decay, rel=1e-2)}
-    assert found["runs"] == 8  # and one to the step before the parting, for the update before
+    assert found["runs"] == 6  # the epoch's pair, the pair before the last update, its repeat, and one to the step
+    # before that, for the update before
 
 
 @pytest.mark.parametrize("mistake, verdict", [("none", "within_rounding"), ("not_divided", "loss_not_divided")])
@@ -196,6 +197,9 @@ def test_after_a_warmup_from_lr_0_the_first_update_that_moves_is_the_first(mista
                  "--json", str(tmp_path / "audit.json")]) == 1
     found = json.loads((tmp_path / "audit.json").read_text())
     assert found["verdict"] == verdict and found["first_differing_update"] == 2, capsys.readouterr().out
+    if mistake == "zero_grad":  # its rows, in the true batch's scale, part at step 3: tried at updates 2 and 1
+        assert found["compared"]["after step 1"] <= found["tolerance"]
+        assert found["runs"] == 8  # the epoch's pair, those two pairs, the repeat, and one start for the rest
 
 
 @pytest.mark.parametrize("mistake, verdict, code", [("none", "exact", 0), ("not_divided", "loss_not_divided", 1)])
@@ -285,7 +289,7 @@ def test_the_audit_names_each_mistake_of_the_catalog(tmp_path, store, capsys, mi
         assert found["lr_t"] == pytest.approx(0.1 * 0.9)
     if verdict == "short_window_divided_by_k":
         assert found["first_differing_update"] == 8 and found["update_ratio"] == pytest.approx(2 / 4, rel=1e-5)
-        assert found["runs"] == 7  # without momentum, no run to the step before the parting
+        assert found["runs"] == 5  # the epoch's pair, the pair one step before, the repeat; without momentum, no more
     if verdict == "short_window_skipped":  # 7 full windows and a short one of 2 micro-batches, left unstepped
         assert (found["steps_accumulated"], found["steps_true_batch"]) == (7, 8)
     if verdict == "short_window_extra":  # 240 samples: 30 micro-batches of 8 but 7 batches of 32 (16 dropped)
@@ -324,19 +328,27 @@ class Parting:
         return Run(name, b, k, max_steps, 0.1, {"w": torch.tensor([max_steps + 1.0 + parted])})
 
 
-@pytest.mark.parametrize("n", [2, 3, 8, 13])
-def test_the_first_update_where_runs_part_is_found_anywhere_and_the_last_with_one_pair(n):
-    for u in range(2, n + 1):
-        auditor = Parting(u)
-        assert first_parting(auditor, 8, 4, n, 1e-10) == u, u
-        assert max(auditor.steps, default=1) < n  # runs of n steps are the epoch's, made already
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 13])
+def test_the_first_update_where_runs_part_is_found_anywhere_and_where_the_rows_point_with_two_pairs(n):
+    """Wherever the loss rows point (nowhere, at step 1, at the parting or the step after it), the bisection
+    finds the first update that differs without making the epoch's runs again; where they point right, it takes
+    two pairs of runs at most, and one for the last update when the rows agree throughout."""
+    for u in range(1, n + 1):
+        for rows in (None, 1, u, u + 1):
+            if rows is not None and rows > n:
+                continue
+            auditor = Parting(u)
+            assert first_parting(auditor, 8, 4, n, 1e-10, rows) == u, (u, rows)
+            assert max(auditor.steps, default=0) < n  # runs of n steps are the epoch's, made already
+            if rows in (u, u + 1) or rows is None and u == n:
+                assert len(auditor.steps) <= 4, (u, rows, auditor.steps)
     last = Parting(n)
-    first_parting(last, 8, 4, n, 1e-10)
-    assert last.steps == ([n - 1, n - 1] if n > 2 else [])
+    first_parting(last, 8, 4, n, 1e-10, None)
+    assert last.steps == ([n - 1, n - 1] if n > 1 else [])
 
 
 @pytest.mark.parametrize("rows, expected", [
-    (3, "the accumulated run made 3 optimizer steps where {max_steps} was 1: stop the script after that many"),
+    (3, "the accumulated run made 3 optimizer steps where {max_steps} was 2: stop the script after that many"),
     (0, 'the script printed no {"step": s, "loss": l} row: print one per optimizer step'),
 ])
 def test_a_script_that_runs_on_or_prints_no_rows_is_one_line(tmp_path, store, capsys, rows, expected):

@@ -72,7 +72,9 @@ def test_the_audit_finds_that_lightning_divides_the_short_last_window_by_k(tmp_p
     finding = audited(tmp_path, capsys, monkeypatch, "lightning.toml", 8, 4)
     assert finding["verdict"] == "short_window_divided_by_k", finding
     assert finding["first_differing_update"] == finding["steps_true_batch"] == 32
-    assert finding["update_ratio"] == pytest.approx(0.25, rel=1e-6) and finding["runs"] == 7  # as docs/audit.md
+    assert finding["update_ratio"] == pytest.approx(0.25, rel=1e-6)
+    # Its loss rows agree throughout: the last update is tried first, from the pair one step before it.
+    assert finding["runs"] == 5 and finding["compared"]["after step 31"] <= finding["tolerance"]  # as docs/audit.md
 
 
 @needs("transformers", "accelerate")
