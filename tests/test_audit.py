@@ -1,6 +1,7 @@
 """`batchsweep audit` against the catalog of accumulation mistakes (tests/programs/catalog.py): it names each
 one and passes the correct loop, on per-sample and per-token losses, in float64 and float32."""
 import json
+import math
 import re
 
 import pytest
@@ -330,16 +331,16 @@ class Parting:
 
 @pytest.mark.parametrize("n", [1, 2, 3, 8, 13])
 def test_the_first_update_where_runs_part_is_found_anywhere_and_where_the_rows_point_with_two_pairs(n):
-    """Wherever the loss rows point (nowhere, at step 1, at the parting or the step after it), the bisection
-    finds the first update that differs without making the epoch's runs again; where they point right, it takes
-    two pairs of runs at most, and one for the last update when the rows agree throughout."""
+    """Wherever the loss rows point (nowhere, or at any step: rounded rows part late, rows in a mistake's scale
+    at once), the bisection finds the first update that differs without making the epoch's runs again; where
+    they point right (at the parting or the step after it), it takes two pairs of runs at most, and one for the
+    last update when the rows agree throughout."""
     for u in range(1, n + 1):
-        for rows in (None, 1, u, u + 1):
-            if rows is not None and rows > n:
-                continue
+        for rows in (None, *range(1, n + 1)):
             auditor = Parting(u)
             assert first_parting(auditor, 8, 4, n, 1e-10, rows) == u, (u, rows)
             assert max(auditor.steps, default=0) < n  # runs of n steps are the epoch's, made already
+            assert len(auditor.steps) <= 2 * (math.ceil(math.log2(n)) + 2)  # pairs, however wrong the rows are
             if rows in (u, u + 1) or rows is None and u == n:
                 assert len(auditor.steps) <= 4, (u, rows, auditor.steps)
     last = Parting(n)
