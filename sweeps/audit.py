@@ -386,16 +386,16 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
         return Finding("lr_differs" if len(factors) == 1 else "schedule_per_micro_batch", figures, compared)
     u = first_parting(auditor, b, k, len(et.losses), tol, rows_part(ea, et, tol))
     a, t = auditor.run("accumulated", b, k, u), auditor.run("true batch", B, 1, u)
-    if u > 1:  # the weights before it, which agree
-        compared.append((f"after step {u - 1}", rel(auditor.run("accumulated", b, k, u - 1),
-                                                    auditor.run("true batch", B, 1, u - 1))))
+    before = auditor.run("true batch", B, 1, u - 1) if u > 1 else None  # the weights before it, which agree
+    if before:
+        compared.append((f"after step {u - 1}", rel(auditor.run("accumulated", b, k, u - 1), before)))
     if u < len(et.losses):  # the last update's runs are the epoch's, compared already
         compared.append((f"after step {u}", rel(a, t)))
     if not repeats(auditor, t, tol, figures, compared):
         return Finding("not_reproducible", figures, compared)
     if u == 1 and live_batchnorm(a, t):
         return Finding("batchnorm", figures, compared)
-    base = auditor.run("start", B, 1, 1, lr=0.0) if u == 1 else auditor.run("true batch", B, 1, u - 1)
+    base = before or auditor.run("start", B, 1, 1, lr=0.0)
     measured = update(base, a, t, None, tol)
     if measured.shares is None and u > 1:  # no fit without a momentum's share: the weights before the update before u
         prior = auditor.run("true batch", B, 1, u - 2) if u > 2 else auditor.run("start", B, 1, 1, lr=0.0)
