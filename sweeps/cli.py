@@ -178,7 +178,8 @@ def preflight_study(inv) -> None:
     checked = set()
     for unit in inv.units():
         config = inv.config(unit.point, unit.seed)
-        key = (config.model, config.dataset, config.data_dir, config.label_key, config.loss, config.metrics)
+        key = (config.device, config.model, config.dataset, config.data_dir, config.label_key, config.loss,
+               config.metrics)
         if key not in checked:
             checked.add(key)
             preflight(config)
@@ -195,27 +196,22 @@ def quiet_stores() -> None:
 
 def memory_plan(args: argparse.Namespace) -> int:
     """Answer --plan: the largest physical batch within the budget and the steps to the target batch."""
-    from trainers import memory_source, resolve_device
+    from trainers import preflight, train_size
 
-    from .planner import from_study, measure, parse_bytes, plan
-    from .tracking import TrackingError, default_tracking_uri, first_line
+    from .planner import check_target, parse_bytes, plan
+    from .tracking import default_tracking_uri
 
     if args.target_batch is None or args.memory_budget is None:
         raise ConfigError("--plan needs --target-batch N and --memory-budget SIZE (e.g. 6GiB)")
     budget = parse_bytes(args.memory_budget)
     flags = {name: parse_value(name, getattr(args, name)) for name in CONFIG_FLAGS if getattr(args, name)}
     config = TrainConfig(**{**flags, **parse_overrides(args.set)})
-    source = memory_source(resolve_device(config.device))
-    uri = check_tracking_uri(args.tracking_uri or default_tracking_uri())
-    no_local_store = sqlite_path(uri) is not None and not sqlite_path(uri).exists()
-    if not no_local_store and (why := unreachable(uri)):
-        raise TrackingError(f"{why}: {REACH_ADVICE}")
-    try:
-        fitted = None if no_local_store else from_study(config, uri, source)
-    except Exception as exc:  # a store that answers but cannot be read: one line, as for any store
-        raise TrackingError(f"cannot read the MLflow store {redact(uri)} ({first_line(exc, uri)}): move a damaged "
-                            f"store aside, or pass another --tracking-uri") from None
-    fitted = fitted or measure(config)
+    check_target(args.target_batch)
+    preflight(config)  # the model and data that the probe would train, as for a study
+    if args.target_batch > (n := train_size(config)):
+        raise ConfigError(f"--target-batch {args.target_batch} is larger than the training set of {config.dataset} "
+                          f"({n} samples): a step holds each sample once at most; give at most {n}")
+    fitted = memory_fit(config, check_tracking_uri(args.tracking_uri or default_tracking_uri()))
     answer = plan(fitted, args.target_batch, budget)
     print(f"{config.model} on {config.dataset}: peak memory ({fitted.memory_source}) = "
           f"{format_bytes(fitted.fixed)} + {format_bytes(fitted.per_sample)} x b, from the {fitted.source}")
@@ -229,5 +225,32 @@ def memory_plan(args: argparse.Namespace) -> int:
     print(f"run it: {command('train')} --model {config.model} --dataset {config.dataset} "
           f"--physical-batch {answer.physical_batch} --accum-steps {answer.accum_steps}")
     return 0
+
+
+def memory_fit(config: TrainConfig, uri: str):
+    """The fit of peak memory against b: from a batch_memory study in the store, or else from a probe."""
+    from trainers import memory_source, resolve_device
+
+    from .planner import from_study, measure
+    from .tracking import TrackingError, first_line
+
+    source = memory_source(resolve_device(config.device))
+    no_local_store = sqlite_path(uri) is not None and not sqlite_path(uri).exists()
+    if not no_local_store and (why := unreachable(uri)):
+        raise TrackingError(f"{why}: {REACH_ADVICE}")
+    try:
+        fitted = None if no_local_store else from_study(config, uri, source)
+    except Exception as exc:  # a store that answers but cannot be read: one line, as for any store
+        raise TrackingError(f"cannot read the MLflow store {redact(uri)} ({first_line(exc, uri)}): move a damaged "
+                            f"store aside, or pass another --tracking-uri") from None
+    try:
+        return fitted or measure(config)
+    except BatchsweepError:
+        raise
+    except Exception as exc:  # the user's model on the user's data: one line, as a trial would record it
+        said = (str(exc).strip().splitlines() or [""])[0]
+        raise ConfigError(f"the memory probe of {config.model} on {config.dataset} raised {type(exc).__name__}: {said}",
+                          f"check that `{command('train')} --model {config.model} --dataset {config.dataset}` "
+                          f"trains") from None
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainers import MAX_COUNT, ConfigError, TrainConfig, format_bytes, resolve_device, train
+from trainers import MAX_COUNT, ConfigError, TrainConfig, format_bytes, resolve_device, train, train_size
 
 from .tracking import quote
 from .urls import redact, sqlite_path
@@ -80,13 +80,18 @@ def from_study(config: TrainConfig, tracking_uri: str, memory_source: str) -> Fi
 
 
 def measure(config: TrainConfig) -> Fit:
-    """Measure a few physical batches for a few steps each."""
+    """Measure a few physical batches for a few steps each (none larger than the training set)."""
+    n = train_size(config)
+    batches = sorted({min(b, n) for b in PROBE_BATCHES})
+    if len(batches) < 2:
+        raise ConfigError(f"the training set of {config.dataset} holds {n} samples: too few to measure memory at "
+                          f"two batch sizes")
     points, memory_source = [], "?"
-    for b in PROBE_BATCHES:
+    for b in batches:
         result = train(dataclasses.replace(config, physical_batch=b, accum_steps=1, epochs=1, max_steps=PROBE_STEPS))
         points.append((b, result.metrics["peak_memory_bytes"]))
         memory_source = result.memory_source
-    return fit(points, f"probe of b = {', '.join(map(str, PROBE_BATCHES))} ({PROBE_STEPS} steps each)", memory_source)
+    return fit(points, f"probe of b = {', '.join(map(str, batches))} ({PROBE_STEPS} steps each)", memory_source)
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,10 +126,14 @@ class MemoryPlan:
         return self.physical_batch * self.accum_steps
 
 
+def check_target(target: int) -> None:
+    if not 1 <= target <= MAX_COUNT:  # (the divisor search takes sqrt(target) steps)
+        raise ConfigError(f"--target-batch must be between 1 and {MAX_COUNT}, got {target}")
+
+
 def plan(model: Fit, target: int, budget: int) -> MemoryPlan:
     """The largest b within the budget that divides the target; the nearest b*k with a note otherwise."""
-    if not 1 <= target <= MAX_COUNT:
-        raise ConfigError(f"--target-batch must be between 1 and {MAX_COUNT}, got {target}")
+    check_target(target)
     largest = int((budget - model.fixed) // model.per_sample) if model.per_sample > 0 else target
     if model.ceiling:
         largest = min(largest, model.ceiling - 1)

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from sweeps.planner import Fit, measure, parse_bytes, plan
 from tests.test_sweeps import TINY, sweep
@@ -45,3 +46,31 @@ def test_plan_from_a_batch_memory_study(tmp_path):
     bad = sweep(tmp_path, "--plan", "--target-batch", "512", "--memory-budget", "lots")
     assert bad.returncode == 2 and bad.stderr.strip() == \
         "error: memory budget 'lots' is not a size: write e.g. 6GiB, 512MiB or 2e9"
+
+
+def test_a_probe_on_a_training_set_smaller_than_its_batches_measures_what_fits(tmp_path):
+    proc = sweep(tmp_path, "--plan", "--target-batch", "90", "--memory-budget", "1GiB", "--model", "mlp",
+                 "--dataset", "tests.factories:blobs")  # 90 samples: b = 128 cannot be measured
+    assert proc.returncode == 0, proc.stderr
+    assert "from the probe of b = 8, 32, 90 (3 steps each)" in proc.stdout
+    assert "plan: physical batch 90 x 1 accumulation steps = 90 " in proc.stdout
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--dataset", "tests.factories:blobs", "--target-batch", "91"],
+     "--target-batch 91 is larger than the training set of tests.factories:blobs (90 samples): a step holds each "
+     "sample once at most; give at most 90"),
+    (["--dataset", "tests.factories:broken_model", "--target-batch", "8"],
+     "dataset 'tests.factories:broken_model' raised RuntimeError: factory exploded"),
+    (["--dataset", "tests.factories:blobs", "--model", "tests.factories:broken_model", "--target-batch", "8"],
+     "the memory probe of tests.factories:broken_model on tests.factories:blobs raised RuntimeError: factory "
+     "exploded: check that `python trainers/train.py --model tests.factories:broken_model --dataset "
+     "tests.factories:blobs` trains"),
+    pytest.param(["--device", "cuda", "--target-batch", "8"],
+                 "device 'cuda' is not available on this machine: use --device cpu or auto",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: cuda is valid")),
+])
+def test_a_plan_that_cannot_be_made_is_one_line(tmp_path, args, expected):
+    proc = sweep(tmp_path, "--plan", "--memory-budget", "1GiB", "--model", "mlp", *args)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"error: {expected}", proc.stderr
+    assert not (tmp_path / "mlruns").exists()

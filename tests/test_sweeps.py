@@ -10,6 +10,7 @@ import time
 
 import optuna
 import pytest
+import torch
 from mlflow import MlflowClient
 
 from tests.conftest import ROOT, in_process
@@ -288,6 +289,8 @@ def epoch_frames(stderr: str, epochs: int) -> tuple[set[str], set[str]]:
     (["--dataset", "tests.factories:not_a_dataset"], "must return (train, test) Datasets"),
     (["--dataset", "tests.factories:broken_model"], "dataset 'tests.factories:broken_model' raised RuntimeError: "
                                                     "factory exploded"),
+    pytest.param(["--device", "cuda"], "device 'cuda' is not available on this machine: use --device cpu or auto",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: cuda is valid")),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, expected):
     proc = sweep(tmp_path, *TINY, *args, "--storage" if "--storage" not in args else "--n-trials",

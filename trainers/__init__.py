@@ -19,7 +19,7 @@ _SURFACE = {
     "interrupt": ("interrupt", None), "METRICS": ("loop", "METRICS"), "TrainResult": ("loop", "TrainResult"),
     "device_name": ("loop", "device_name"), "memory_source": ("loop", "memory_source"),
     "preflight": ("loop", "preflight"), "prepare": ("loop", "prepare"),
-    "resolve_device": ("loop", "resolve_device"), "train": ("loop", "train"),
+    "resolve_device": ("loop", "resolve_device"), "train": ("loop", "train"), "train_size": ("loop", "train_size"),
 }
 __all__ = sorted(_SURFACE)
 

@@ -156,21 +156,30 @@ def prepare(config: TrainConfig) -> Prepared:
 
 
 def preflight(config: TrainConfig) -> None:
-    """What would make every trial of a study fail alike, checked once before it starts: each import path
-    imports, and a built-in model can take the dataset's samples (the one check that loads the dataset)."""
+    """What would make every trial of a study fail alike, checked once before it starts: its device is on this
+    machine, each import path imports, and a built-in model can take the dataset's samples (the one check that
+    loads the dataset)."""
+    resolve_device(config.device)
     load_metrics(config.metrics)
     for path, what in ((config.model, "model"), (config.dataset, "dataset"), (config.loss, "loss")):
         if ":" in path and not path.startswith("hf:"):
             load_factory(path, what)
-    if config.model not in TAKES:
-        return
+    if config.model in TAKES:
+        check_inputs(config.model, config.dataset, _loaded(config).example(1))
+
+
+def train_size(config: TrainConfig) -> int:
+    """The samples of the config's training set: no effective batch is larger."""
+    return _loaded(config).n_train
+
+
+def _loaded(config: TrainConfig) -> Data:
     try:
-        data = load_data(config.dataset, config.data_dir, config.seed, config.label_key)
+        return load_data(config.dataset, config.data_dir, config.seed, config.label_key)
     except BatchsweepError:
         raise
     except Exception as exc:  # the user's factory: one line, as a trial would record it
         raise DataError(f"dataset {config.dataset!r} raised {type(exc).__name__}: {exc}") from None
-    check_inputs(config.model, config.dataset, data.example(1))
 
 
 NO_CONTEXT = nullcontext()  # (reusable: none is built per micro-batch)
