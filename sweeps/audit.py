@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainers import FIELDS, BatchsweepError, ConfigError, TrainConfig
+from trainers import FIELDS, BatchsweepError, ConfigError, TrainConfig, check_output
 
 from . import program
 from .commands import Parser
@@ -578,8 +578,7 @@ def _auditor(args: argparse.Namespace, folder: Path) -> Auditor:
                           f"runs after a given number of steps, within one epoch")
     if args.physical_batch < 1 or args.accum_steps < 2 or args.steps < 0:
         raise ConfigError("--physical-batch must be at least 1, --accum-steps at least 2 and --steps at least 0")
-    if args.json and not Path(args.json).resolve().parent.is_dir():
-        raise ConfigError(f"--json {args.json}: its folder does not exist")
+    check_output("--json", args.json)  # before any run: a verdict that cannot be written would be lost
     point = {**study.fixed, **{f: v[0] for key, v in study.grid.items() for f, v in [(key, v)] if "+" not in key}}
     fields = {k: v for k, v in point.items() if k in FIELDS and k not in ("physical_batch", "accum_steps")}
     config = TrainConfig(**{**fields, "lr_rule": "none", "epochs": 1})

@@ -394,3 +394,18 @@ def test_a_study_the_audit_cannot_use_is_one_line(tmp_path, capsys, body, expect
     err = capsys.readouterr().err
     assert err == f"error: {path}: {expected}: the audit stops runs after a given number of steps, within one " \
                   f"epoch\n"
+
+
+@pytest.mark.parametrize("where, expected", [
+    ("a-file/audit.json", "its folder cannot be made (File exists): name a file in a folder you can write"),
+    ("/proc/batchsweep-audit.json", "cannot be written (No such file or directory): name a file in a folder you can "
+                                    "write")])
+def test_a_json_path_that_cannot_be_written_is_refused_before_any_run(tmp_path, capsys, where, expected):
+    (tmp_path / "a-file").write_text("")
+    path = where if where.startswith("/") else str(tmp_path / where)
+    store = tmp_path / "mlflow.db"
+    assert main(["--study", str(study(tmp_path, "none", "sample", "float64")), "--physical-batch", "8",
+                 "--accum-steps", "4", "--tracking-uri", f"sqlite:///{store}", "--json", path]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"error: --json {path}") and err.endswith(f" {expected}\n") and err.count("\n") == 1, err
+    assert out == "" and not store.exists()  # no run was made, nothing recorded

@@ -192,6 +192,10 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_training(capsys
     assert line.startswith(f"error: {flag} {tmp_path}/a-file/result.json: its folder cannot be made (")
     line = one_line_error(capsys, [*args, flag, str(tmp_path)])
     assert line == f"error: {flag} {tmp_path} is a folder: name a file in a folder you can write"
+    # A folder that takes no file, whoever asks (os.access() lets root write anywhere): opened, not asked.
+    line = one_line_error(capsys, [*args, flag, "/proc/batchsweep.json"])
+    assert line == f"error: {flag} /proc/batchsweep.json cannot be written (No such file or directory): name a file " \
+                   f"in a folder you can write"
     assert capsys.readouterr().out == ""  # refused before training: no summary
 
 

@@ -10,7 +10,8 @@ import importlib
 _SURFACE = {
     "CHECKPOINT_FILE": ("checkpoint", "FILE"), "HOW_NOT_WHAT": ("checkpoint", "HOW_NOT_WHAT"),
     "Checkpointing": ("checkpoint", "Checkpointing"), "make_writable_folder": ("checkpoint", "make_writable_folder"),
-    "pid_alive": ("checkpoint", "pid_alive"), "format_bytes": ("cli", "format_bytes"),
+    "pid_alive": ("checkpoint", "pid_alive"), "check_output": ("cli", "check_output"),
+    "format_bytes": ("cli", "format_bytes"),
     "DERIVED": ("config", "DERIVED"), "FIELDS": ("config", "FIELDS"), "MAX_COUNT": ("config", "MAX_COUNT"),
     "TrainConfig": ("config", "TrainConfig"),
     "parse_overrides": ("config", "parse_overrides"), "parse_value": ("config", "parse_value"),

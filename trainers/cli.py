@@ -106,7 +106,8 @@ def summary_table(result) -> str:
 
 
 def check_output(flag: str, path: str | None) -> None:
-    """An output file can be written where it is named: its folder is made now, and the path is no folder."""
+    """An output file can be written where it is named: its folder is made now, and the file opened for appending
+    (and removed again where it was not there)."""
     if path is None:
         return
     target = Path(path)
@@ -115,9 +116,17 @@ def check_output(flag: str, path: str | None) -> None:
     except OSError as exc:
         raise ConfigError(f"{flag} {path}: its folder cannot be made ({exc.strerror or exc}): name a file in a "
                           f"folder you can write") from None
-    if target.is_dir() or not os.access(target.parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise ConfigError(f"{flag} {path} {'is a folder' if target.is_dir() else 'cannot be written'}: name a file "
-                          f"in a folder you can write")
+    if target.is_dir():
+        raise ConfigError(f"{flag} {path} is a folder: name a file in a folder you can write")
+    try:  # opened as the end will open it: root passes os.access() where the file system refuses the file
+        existed = target.exists()
+        with open(target, "a"):
+            pass
+        if not existed:
+            target.unlink()
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path} cannot be written ({exc.strerror or exc}): name a file in a folder you "
+                          f"can write") from None
 
 
 def run_script(main) -> None:
@@ -191,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(args)
         check_launch(config)
-        for flag, path in (("--json", args.json), ("--epochs-jsonl", args.epochs_jsonl)):
-            check_output(flag, path)  # before training: a result that cannot be written would be lost
+        for flag, path in (("--json", args.json), ("--epochs-jsonl", args.epochs_jsonl)) if lead else ():
+            check_output(flag, path)  # before training: a result that cannot be written would be lost (rank 0 writes)
         checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every, args.checkpoint_minutes) \
             if args.checkpoint_dir not in (None, "none") else None  # 'none': off, as for sweeps/run.py
         if checkpoint and checkpoint.path.exists() and lead:
