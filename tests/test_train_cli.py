@@ -28,6 +28,9 @@ def one_line_error(capsys, argv) -> str:
     (["--accum-steps", "0"], "accum_steps must be >= 1"),
     (["--physical-batch", "eight"], "physical_batch takes an integer, got 'eight'"),
     (["--physical-batch", "512", "--accum-steps", "16"], "effective batch 8192"),
+    (["--physical-batch", "auto", "--effective-batch", "5000"], "effective batch 5000 (physical_batch 5000 x "
+     "accum_steps 1) is larger than the training set (4000 samples): lower --physical-batch, --accum-steps or "
+     "--effective-batch"),
     (["--model", "vgg"], "unknown model 'vgg'"),
     (["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
     (["--lr-rule", "cube"], "unknown lr_rule 'cube'"),

@@ -130,7 +130,7 @@ def prepare(config: TrainConfig) -> Prepared:
         ranks = f" x world_size {config.world_size}" if config.world_size > 1 else ""
         raise ConfigError(f"effective batch {config.effective_batch} (physical_batch {config.physical_batch} x "
                           f"accum_steps {config.accum_steps}{ranks}) is larger than the training set ({n} samples)",
-                          "lower --physical-batch or --accum-steps")
+                          "lower --physical-batch, --accum-steps or --effective-batch")
     torch.manual_seed(config.seed)  # same seed, same initial weights, whatever b and k are
     check_inputs(config.model, config.dataset, data.example(1))
     model = build_model(config.model, data.input_shape, data.num_classes, config.norm)
