@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="reports", help="folder for the reports (default: reports/)")
     p.add_argument("--no-log", action="store_true", help="do not log the report to the study's MLflow parent run")
     args = p.parse_args(argv)
+    if args.compare and args.compare[0] == args.compare[1]:
+        p.error(f"--compare names {args.compare[0]!r} twice: give two different studies, or --study "
+                f"{args.compare[0]} for one")
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     uri = args.tracking_uri or default_tracking_uri()
     names = args.compare or [args.study]

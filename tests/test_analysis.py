@@ -532,6 +532,7 @@ def test_report_command_and_compare(tiny_study):
 @pytest.mark.parametrize("args,expected", [
     (["--study", "nothing"], "no study 'nothing'"),
     (["--compare", "accum_lr", "nothing", "--out", "new/reports"], "no study 'nothing'"),
+    (["--compare", "accum_lr", "accum_lr"], "--compare names 'accum_lr' twice"),  # not a report of two equal halves
     (["--study", "accum_lr", "--tracking-uri", "sqlite:////nonexistent/mlflow.db"], "no MLflow store at"),
 ])
 def test_report_bad_input(tiny_study, args, expected):
@@ -540,7 +541,8 @@ def test_report_bad_input(tiny_study, args, expected):
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: ") and expected in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
-    assert not (tiny_study / "reports/nothing").exists() and not (tiny_study / "new").exists()  # no empty folder
+    assert not {"nothing", "accum_lr_vs_accum_lr"} & {p.name for p in (tiny_study / "reports").glob("*")}
+    assert not (tiny_study / "new").exists()  # no empty folder
 
 
 # Injected before the report's own content: collects console errors and checks every image once loaded.

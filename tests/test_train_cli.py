@@ -151,9 +151,13 @@ def test_refused_dataset_files_say_so(capsys, tmp_path):
     assert "could not be downloaded" not in line
 
 
-def test_bn_rule_without_bn_is_a_warning(capsys, data_dir):
-    assert main(["--model", "mlp", "--bn-momentum-rule", "matched", "--epochs", "1", "--data-dir", data_dir]) == 0
-    assert "warning: bn_momentum_rule='matched' has no effect" in capsys.readouterr().err
+def test_settings_without_effect_are_warnings(capsys, data_dir):
+    assert main(["--model", "mlp", "--bn-momentum-rule", "matched", "--ghost-batch", "4", "--label-key", "target",
+                 "--epochs", "1", "--data-dir", data_dir]) == 0
+    err = capsys.readouterr().err
+    assert "warning: bn_momentum_rule='matched' has no effect" in err
+    assert "warning: ghost_batch has no effect: model 'mlp' has no BatchNorm layer" in err
+    assert "warning: label_key='target' has no effect: the samples of 'mnist1d' are (input, target) pairs" in err
 
 
 def test_script_trains_and_writes_json(tmp_path, data_dir):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import platform
 import time
+from collections.abc import Mapping
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -132,9 +133,13 @@ def prepare(config: TrainConfig) -> Prepared:
                           f"accum_steps {config.accum_steps}{ranks}) is larger than the training set ({n} samples)",
                           "lower --physical-batch, --accum-steps or --effective-batch")
     torch.manual_seed(config.seed)  # same seed, same initial weights, whatever b and k are
-    check_inputs(config.model, config.dataset, data.example(1))
+    example = data.example(1)
+    check_inputs(config.model, config.dataset, example)
     model = build_model(config.model, data.input_shape, data.num_classes, config.norm)
     notes = list(data.notes)
+    if config.label_key != TrainConfig.label_key and not isinstance(example, Mapping):
+        notes.append(f"label_key={config.label_key!r} has no effect: the samples of {config.dataset!r} are "
+                     f"(input, target) pairs, not mappings")
     bn_layers = set_bn_momentum(model, config.bn_momentum)
     if bn_layers == 0 and config.bn_momentum_rule != "default":
         notes.append(f"bn_momentum_rule={config.bn_momentum_rule!r} has no effect: model {config.model!r} "
