@@ -80,6 +80,11 @@ VERDICTS = {
                               "samples that the true batch drops (a loader with drop_last=True drops fewer samples "
                               "in batches of b than of b*k), so the two cannot agree. Keep the last batch "
                               "(drop_last=False), or drop the short window at (b, k) too."),
+    "nothing_accumulated": (2, "an epoch at this --physical-batch is a single micro-batch (the run at (b, 1) made "
+                               "one step): the accumulated run's one window held that micro-batch alone, and "
+                               "equals the true batch whatever the loop does, so nothing was tested. Audit with a "
+                               "--physical-batch of at most 1/k of the training set, so that a window holds k "
+                               "micro-batches."),
     "batchnorm": (0, "the model has BatchNorm in training mode, and the first step differs: (b, k) normalizes "
                      "each micro-batch of b, which (b*k, 1) cannot equal, and updates its running statistics k "
                      "times a step. Compare against a ghost-batch twin (BatchNorm over chunks of b), or use "
@@ -365,11 +370,13 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
     ea, et = auditor.run("accumulated", b, k, steps), auditor.run("true batch", B, 1, steps)
     dtype, tol = tolerance(et.state)
     counts = f"{len(et.losses)}" if len(ea.losses) == len(et.losses) else f"{len(ea.losses)} and {len(et.losses)}"
-    compared = [(f"after {counts} steps", rel(ea, et))]
+    compared = [(f"after {counts} step{'' if counts == '1' else 's'}", rel(ea, et))]
     figures = {"dtype": dtype, "tolerance": tol, "steps_accumulated": len(ea.losses),
                "steps_true_batch": len(et.losses)}
     if len(ea.losses) == len(et.losses) and compared[0][1] <= tol:
-        return Finding("exact", figures, compared)
+        # An epoch of one window may be one micro-batch (b at least the training set): nothing accumulated.
+        alone = steps == 0 and len(ea.losses) == 1 and len(auditor.run("per micro-batch", b, 1, 0).losses) == 1
+        return Finding("nothing_accumulated" if alone else "exact", figures, compared)
     if compared[0][1] <= tol:  # the same weights from other numbers of steps: the rows are not the steps
         raise AuditError(f"the runs end with equal weights but printed {counts} step rows: print one {{\"step\": "
                          f"s, \"loss\": l}} row per optimizer step, after step(), not one per micro-batch")
@@ -458,7 +465,8 @@ def repeats(auditor: Auditor, t: Run, tol: float, figures: dict[str, Any], compa
     zero_grad: r 0.78)."""
     again = rel(auditor.run("repeat", t.b, t.k, t.max_steps), t)
     figures["repeat_rel_diff"] = again
-    compared.append((f"between two true-batch runs of {len(t.losses)} steps", again))
+    n = len(t.losses)
+    compared.append((f"between two true-batch runs of {n} step{'' if n == 1 else 's'}", again))
     return again <= tol
 
 
@@ -538,8 +546,8 @@ def _taken_out(f: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = Parser("audit", description="Run your training script (the [program] of a study file) at (b, k) and at "
                "(b*k, 1) from the same start, and name the accumulation mistake that separates them. Exit status: 0 "
-               "exact or batchnorm, 1 a mistake, 2 bad input, a script that differs from itself, or a difference "
-               "within rounding.",
+               "exact or batchnorm, 1 a mistake, 2 bad input, a script that differs from itself, a difference "
+               "within rounding, or a micro-batch that holds the whole epoch.",
                epilog="The script passes {max_steps} and {epochs} on, prints a {\"step\": s, \"loss\": l} row per "
                "optimizer step (with \"lr\" where there is a schedule) and ends with "
                "torch.save(model.state_dict(), os.environ[\"BATCHSWEEP_STATE\"]) (docs/audit.md).")

@@ -308,6 +308,23 @@ def test_the_audit_names_each_mistake_of_the_catalog(tmp_path, store, capsys, mi
     assert (found.get("repeat_rel_diff", 0) > found["tolerance"]) == (verdict == "not_reproducible")
 
 
+@pytest.mark.parametrize("b, verdict, code", [(256, "nothing_accumulated", 2), (64, "exact", 0)])
+def test_a_micro_batch_that_holds_the_epoch_tests_nothing_and_says_so(b, verdict, code, tmp_path, store, capsys):
+    """At b = 256 the catalog's 240 samples are one micro-batch: (b, k) is then (b*k, 1) whatever the loop does,
+    and an `exact` would reassure about a loop that never accumulated. At b = 64 the epoch is one window of four
+    micro-batches (64, 64, 64, 48), which tests the loop: exact."""
+    path = study(tmp_path, "none", "sample", "float64")
+    assert main(["--study", str(path), "--physical-batch", str(b), "--accum-steps", "4", "--tracking-uri", store,
+                 "--json", str(tmp_path / "audit.json")]) == code
+    out = capsys.readouterr().out
+    found = json.loads((tmp_path / "audit.json").read_text())
+    assert found["verdict"] == verdict and found["runs"] == 3, out  # the pair, and (b, 1) over the epoch
+    assert (found["steps_accumulated"], found["steps_true_batch"]) == (1, 1)
+    assert re.search(rf"per micro-batch\s+{b}\s+1\s+epoch\s+{1 if code else 4}\n", out), out
+    if code:
+        assert "equals the true batch whatever the loop does" in out
+
+
 def test_without_lr_rows_a_schedule_per_micro_batch_is_a_scaled_update(tmp_path, store, capsys):
     """The same gradient, 0.9 ** 3 as long (cosine 1 to rounding): a scale, not a mean of micro-batch means."""
     code = main(["--study", str(study(tmp_path, "schedule_per_micro", "sample", "float64", print_lr="no")),
