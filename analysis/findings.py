@@ -353,13 +353,17 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
         out.append(f"{reached_at}: " + "; ".join(f"for {_listed(gs)}, {c}" for c, gs in alike.items()) +
                    f". Accuracy is {resolution(t, evals)}.")
     b_crit = critical_batch(t)
-    measured = [b for b in knees.values() if b]
+    measured = {g: b for g, b in knees.items() if b}
     if b_crit is not None and measured:
-        knee_b = max(measured)
-        where = "within a factor of 2 of" if knee_b / 2 <= b_crit <= knee_b * 2 else \
-            "below" if b_crit < knee_b else "above"
+        lo, hi = min(measured.values()), max(measured.values())
+        where = "within a factor of 2 of" if any(b / 2 <= b_crit <= b * 2 for b in measured.values()) else \
+            "below" if b_crit < lo else "above" if b_crit > hi else "between"
+        at = {}  # where the series differ, each B with the series that stopped there
+        for g, b in sorted(measured.items(), key=lambda item: item[1]):
+            at.setdefault(b, []).append(str(g))
+        span = f"B = {lo}" if len(at) == 1 else "B = " + ", ".join(f"{b} for {_listed(gs)}" for b, gs in at.items())
         out.append(f"The measured gradient noise scale predicts a critical batch of about {b_crit:.0f} "
-                   f"(McCandlish et al. 2018): {where} where steps-to-target stopped halving (B = {knee_b}).")
+                   f"(McCandlish et al. 2018): {where} where steps-to-target stopped halving ({span}).")
     return out
 
 

@@ -233,6 +233,25 @@ def test_steps_to_target_and_its_knee():
     assert "steps_to_target" in names
 
 
+def test_the_critical_batch_is_set_against_each_series_where_their_steps_stopped_halving_apart():
+    trials = synthetic(flat)
+    trials = trials[trials.physical_batch == 32].drop_duplicates(["seed", "effective_batch"])
+    trials = trials.assign(lr_rule=np.where(trials.seed == trials.seed.min(), "none", "sqrt"))
+    reach = {"none": {32: 4, 64: 8, 128: 16, 256: 20, 512: 20}, "sqrt": {32: 4, 64: 4, 128: 4, 256: 8, 512: 16}}
+    history = reaching(trials, lambda r: reach[r.lr_rule][r.effective_batch])
+    table, _ = steps_to_target(trials, history, ["lr_rule"])
+    assert {rule: knee(rows) for rule, rows in table.groupby("lr_rule")} == {"none": 32, "sqrt": 128}
+    for noise, where in [(150.0, "within a factor of 2 of"), (10.0, "below"), (1000.0, "above")]:
+        sentences = " ".join(summarize(trials.assign(noise_scale=noise), history))
+        assert f"predicts a critical batch of about {noise:.0f} (McCandlish et al. 2018): {where} where " \
+               f"steps-to-target stopped halving (B = 32 for none, 128 for sqrt)." in sentences, sentences
+    reach["sqrt"] = {32: 4, 64: 4, 128: 4, 256: 4, 512: 8}  # stops halving beyond 256: 100 is near neither
+    sentences = " ".join(summarize(trials.assign(noise_scale=100.0), reaching(trials, lambda r: reach[r.lr_rule][
+        r.effective_batch])))
+    assert "about 100 (McCandlish et al. 2018): between where steps-to-target stopped halving (B = 32 for none, " \
+           "256 for sqrt)." in sentences, sentences
+
+
 def test_steps_that_never_stop_halving_or_were_never_reached_are_said_so():
     trials = synthetic(flat)
     trials = trials[trials.physical_batch == 32].drop_duplicates(["seed", "effective_batch"])
