@@ -35,6 +35,11 @@ def _listed(items: list[str]) -> str:
     return f"{', '.join(items[:-1])} and {items[-1]}" if len(items) > 1 else items[0]
 
 
+def _lowered(sentence: str) -> str:
+    """A sentence that goes on after a label: 'The noise scale' reads 'the noise scale'; 'BN' stays."""
+    return sentence[0].lower() + sentence[1:] if sentence[1:2].islower() else sentence
+
+
 def _points(diff: float) -> str:
     return f"{abs(100 * diff):.1f} points"
 
@@ -494,7 +499,7 @@ def summarize(trials: pd.DataFrame, history: pd.DataFrame | None = None,
         for group, rows in trials.groupby(keys):
             label = " on ".join(map(str, group if isinstance(group, tuple) else (group,)))
             part = history[history["run_id"].isin(rows["run_id"])] if not history.empty else history
-            comparisons += [f"{label}: {s}" for s in _comparisons(rows, part, evals)]
+            comparisons += [f"{label}: {_lowered(s)}" for s in _comparisons(rows, part, evals)]
     else:
         comparisons = _comparisons(trials, history, evals)
     return [*exactness(trials), *comparisons, *_seed_note(finished(trials)), *failures(trials), *health(trials),

@@ -1,4 +1,5 @@
 """How trials end: diverged, failed, pruned, interrupted; and the equivalence and lr_search studies."""
+import re
 import signal
 import subprocess
 import sys
@@ -217,6 +218,8 @@ def test_equivalence_study_separates_bn_from_no_bn(tmp_path, data_dir):
     assert "gpt: accumulation is exactly the true batch" in report and "never by k" in report
     assert "cnn1d: accumulation is not the true batch" in report and "ghost_batch = b came within" in report
     assert "in float64 the same pair agreed to" in report and "so what remains in float32 is rounding" in report
+    labelled = re.findall(r"- \w+ on (?:mnist1d|pytext): (\w+)", report)  # the sentences of each model and dataset
+    assert labelled and all(word[0].islower() or word[1:2].isupper() for word in labelled), labelled
 
 
 def test_a_pair_without_batchnorm_that_parts_is_trained_again_in_float64(monkeypatch, data_dir):
