@@ -404,7 +404,7 @@ def warmup_curves(trials: pd.DataFrame, evals: pd.DataFrame | None) -> Figure | 
         return None
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for color, ((arm, b), rows) in zip(sns.color_palette(), arms.groupby(["batch_warmup", "effective_batch"])):
-        label = f"warmup B = {arm}, then {b}" if arm else f"fixed B = {b}"
+        label = f"warmup B = {arm.replace(',', ', ')}, then {b}" if arm else f"fixed B = {b}"
         for i, run_id in enumerate(rows["run_id"]):
             curve = evals[evals["run_id"] == run_id].sort_values("step_samples")
             ax.plot(curve["step_samples"], curve["step_val_acc"], color=color, linewidth=1, alpha=0.8,

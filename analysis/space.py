@@ -61,7 +61,7 @@ def _warmup(value: str) -> str:
     """A batch warmup's B per epoch, a repeated B once with its epochs: a critical-batch branch's eight epochs
     at the reference's B are '32 for 8 epochs'."""
     sizes = value.split(",")
-    return f"{sizes[0]} for {len(sizes)} epochs" if len(sizes) > 1 and len(set(sizes)) == 1 else value
+    return f"{sizes[0]} for {len(sizes)} epochs" if len(sizes) > 1 and len(set(sizes)) == 1 else ", ".join(sizes)
 
 
 def label(row: pd.Series | dict, fields: list[str]) -> str:

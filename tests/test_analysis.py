@@ -165,7 +165,7 @@ def test_a_batch_warmup_is_paired_with_the_fixed_batches_it_grows_from_and_to():
                            step_val_acc=0.95 if s >= step + seed * 4 else 0.5) for s in range(4, 201, 4)]
     trials, history, evals = pd.DataFrame(trials), pd.DataFrame(history), pd.DataFrame(evals)
     sentences = " ".join(summarize(trials, history, evals))
-    assert "Batch-size warmup (B = 32,64 in the first epochs, then 256), to 90.3% validation accuracy" in sentences
+    assert "Batch-size warmup (B = 32, 64 in the first epochs, then 256), to 90.3% validation accuracy" in sentences
     assert ("against a fixed B = 256: +20 steps, 95% CI +20 to +20 over 3 seeds; -3,944 samples, 95% CI -5,991 to "
             "-1,897 over 3 seeds; final accuracy indistinguishable (+0.0 ± 0.0 points over 3 seeds); and against a "
             "fixed B = 32: -60 steps, 95% CI -60 to -60 over 3 seeds; -1,128 samples, 95% CI -1,307 to -949 over 3 "
@@ -681,7 +681,7 @@ def test_a_configuration_is_named_as_people_say_it():
     fields = ["accum_steps", "batch_warmup"]
     assert label({"accum_steps": 16, "batch_warmup": "32,32,32,32,32,32,32,32"}, fields) == \
         "k = 16, warmup B = 32 for 8 epochs"  # a critical-batch branch
-    assert label({"accum_steps": 8, "batch_warmup": "32,64,128"}, fields) == "k = 8, warmup B = 32,64,128"
+    assert label({"accum_steps": 8, "batch_warmup": "32,64,128"}, fields) == "k = 8, warmup B = 32, 64, 128"
     assert label({"accum_steps": 1, "batch_warmup": ""}, fields) == "k = 1, fixed B"
 
 
