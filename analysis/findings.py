@@ -425,9 +425,9 @@ def warmup(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | No
                    f"{stated(paired(rows, fixed[b], 'val_acc'), 'higher with warmup', 'lower with warmup')}"
                    for b in dict.fromkeys((end, start)) if b in fixed]
         if against:
-            out.append(f"Batch-size warmup (B = {arm.replace(',', ', ')} in the first epochs, then {end}), to {_pct(target)} validation "
-                       f"accuracy ({100 * TARGET_SHARE:.0f}% of the best mean; {resolution(t, evals)}), "
-                       + "; and ".join(against) + ".")
+            out.append(f"Batch-size warmup (B = {arm.replace(',', ', ')} in the first epochs, then {end}), to "
+                       f"{_pct(target)} validation accuracy ({100 * TARGET_SHARE:.0f}% of the best mean; "
+                       f"{resolution(t, evals)}), " + "; and ".join(against) + ".")
     return out
 
 
