@@ -8,6 +8,7 @@ from pathlib import Path
 
 from trainers import FIELDS, BatchsweepError, ConfigError, TrainConfig, format_bytes, parse_overrides, parse_value
 
+from . import commands
 from .commands import Parser, command
 from .studies import LAUNCHERS, check_name, check_size
 from .urls import REACH_ADVICE, check_storage, check_tracking_uri, redact, sqlite_path, unreachable
@@ -202,7 +203,8 @@ def memory_plan(args: argparse.Namespace) -> int:
     from .tracking import default_tracking_uri
 
     if args.target_batch is None or args.memory_budget is None:
-        raise ConfigError("--plan needs --target-batch N and --memory-budget SIZE (e.g. 6GiB)")
+        asked = "batchsweep plan" if commands.started == ("sweeps.cli", "batchsweep plan") else "--plan"  # as typed
+        raise ConfigError(f"{asked} needs --target-batch N and --memory-budget SIZE (e.g. 6GiB)")
     budget = parse_bytes(args.memory_budget)
     flags = {name: parse_value(name, getattr(args, name)) for name in CONFIG_FLAGS if getattr(args, name)}
     config = TrainConfig(**{**flags, **parse_overrides(args.set)})

@@ -48,6 +48,17 @@ def test_plan_from_a_batch_memory_study(tmp_path):
         "error: memory budget 'lots' is not a size: write e.g. 6GiB, 512MiB or 2e9"
 
 
+@pytest.mark.parametrize("argv, asked", [(["plan"], "batchsweep plan"), (["run", "--plan", "--target-batch", "8"],
+                                                                        "--plan")])
+def test_a_plan_without_its_target_or_budget_names_what_was_typed(capsys, monkeypatch, tmp_path, argv, asked):
+    from sweeps import commands
+
+    monkeypatch.chdir(tmp_path)
+    assert commands.main(argv) == 2
+    assert capsys.readouterr().err == f"error: {asked} needs --target-batch N and --memory-budget SIZE (e.g. 6GiB)\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_probe_on_a_training_set_smaller_than_its_batches_measures_what_fits(tmp_path):
     proc = sweep(tmp_path, "--plan", "--target-batch", "90", "--memory-budget", "1GiB", "--model", "mlp",
                  "--dataset", "tests.factories:blobs")  # 90 samples: b = 128 cannot be measured
