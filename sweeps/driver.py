@@ -336,6 +336,14 @@ def all_failed(inv, storage) -> bool:
         how = f"{'was' if one else 'were'} invalid"
     else:
         how = "failed with an error or were invalid"
-    print(f"error: {which} of study {inv.study_name} {how}: see the lines above, or the 'error' tag of {runs}",
-          file=sys.stderr)
+    # The last recorded error in the line itself: a study resumed with no trial left to run printed none above.
+    said = max((t for t in ended if "error" in t.user_attrs), key=lambda t: t.number, default=None)
+    if said is None:
+        print(f"error: {which} of study {inv.study_name} {how}: see the lines above, or the 'error' tag of {runs}",
+              file=sys.stderr)
+    else:
+        last = f"trial {said.number}" if one else f"the last, trial {said.number}"
+        error = (str(said.user_attrs["error"]).strip().splitlines() or [""])[0]
+        print(f"error: {which} of study {inv.study_name} {how}; {last}: {error} (see the 'error' tag of {runs})",
+              file=sys.stderr)
     return True

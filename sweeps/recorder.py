@@ -153,6 +153,8 @@ class TrialRun:
                 trial.set_user_attr("metrics", {k: v for k, v in metrics.items() if math.isfinite(v)})
             if extra.get("health"):
                 trial.set_user_attr("health", extra["health"])
+            if extra.get("error"):  # (as the MLflow tag: also where Optuna's own tools show a trial)
+                trial.set_user_attr("error", extra["error"])
         finally:
             # A finished trial's run ends once Optuna has recorded it complete (see Worker): a kill between the
             # two then leaves a run that the next invocation closes by the trial's state.

@@ -76,9 +76,16 @@ def test_failures_in_worker_processes_reach_the_terminal(tmp_path):
            "MLflow run"),
     (1, 2, "error: all 3 trials of study accum_lr failed with an error or were invalid: see the lines above, or "
            "the 'error' tag of their MLflow runs"),
-    (1, 1, None)])  # and one complete trial
+    (1, 1, None),  # and one complete trial
+    (2, 1, "error: all 3 trials of study accum_lr failed with an error or were invalid; the last, trial 2: effective "
+           "batch 5000 is larger than the training set (see the 'error' tag of their MLflow runs)"),
+    (0, 1, "error: the one trial of study accum_lr was invalid; trial 0: effective batch 5000 is larger than the "
+           "training set (see the 'error' tag of its MLflow run)"),
+    (1, 0, "error: the one trial of study accum_lr failed with an error; trial 0: RuntimeError: first (see the "
+           "'error' tag of its MLflow run)")])  # its first line
 def test_a_study_whose_every_trial_failed_says_how_many(tmp_path, monkeypatch, capsys, failed, invalid, said):
-    """A study that measured nothing fails as a command; one trial that measured something is enough."""
+    """A study that measured nothing fails as a command; one trial that measured something is enough. Where the
+    trials recorded their errors, the line quotes the last (a study resumed with nothing left to run printed none)."""
     from sweeps.cli import build_invocation, parse_args
     from sweeps.driver import all_failed
 
@@ -87,8 +94,11 @@ def test_a_study_whose_every_trial_failed_says_how_many(tmp_path, monkeypatch, c
     inv = build_invocation(parse_args([]))
     study = optuna.create_study(study_name=inv.study_name, storage=inv.storage)
     states = [optuna.trial.TrialState.FAIL] * failed + [optuna.trial.TrialState.PRUNED] * invalid
+    errors = ["RuntimeError: first\nits traceback", "effective batch 5000 is larger than the training set"]
     for state in states:
         reason = {"reason": "invalid"} if state == optuna.trial.TrialState.PRUNED else {}
+        if said and "; " in said:  # errors as the recorder keeps them, the last one per state kind
+            reason["error"] = errors[state == optuna.trial.TrialState.PRUNED]
         study.add_trial(optuna.trial.create_trial(state=state, user_attrs=reason))
     if said is None:
         study.add_trial(optuna.trial.create_trial(value=0.5))

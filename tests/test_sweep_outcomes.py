@@ -41,6 +41,9 @@ def test_a_failing_model_factory_fails_its_trial_and_the_study_goes_on(tmp_path)
     trials = optuna.load_study(study_name="accum_lr", storage=storage).trials
     assert [t.state for t in trials] == [State.FAIL] * 3
     assert len({t.user_attrs["config"]["lr_rule"] for t in trials}) == 3  # three points, none retried now
+    assert [t.user_attrs["error"] for t in trials] == ["RuntimeError: factory exploded"] * 3  # in Optuna too
+    assert proc.stderr.strip().splitlines()[-1] == "error: all 3 trials of study accum_lr failed with an error; the " \
+        "last, trial 2: RuntimeError: factory exploded (see the 'error' tag of their MLflow runs)"
     for run in runs_by_trial(client, trials):
         assert run.info.status == "FAILED" and run.data.tags["reason"] == "error"
         assert run.data.tags["error"] == "RuntimeError: factory exploded"
