@@ -54,6 +54,7 @@ def test_a_plan_without_its_target_or_budget_names_what_was_typed(capsys, monkey
     from sweeps import commands
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(commands.INVOKED, "")  # main() sets it for the process: put back afterwards
     assert commands.main(argv) == 2
     assert capsys.readouterr().err == f"error: {asked} needs --target-batch N and --memory-budget SIZE (e.g. 6GiB)\n"
     assert list(tmp_path.iterdir()) == []
