@@ -91,6 +91,7 @@ def measure(config: TrainConfig) -> Fit:
         result = train(dataclasses.replace(config, physical_batch=b, accum_steps=1, epochs=1, max_steps=PROBE_STEPS))
         points.append((b, result.metrics["peak_memory_bytes"]))
         memory_source = result.memory_source
+        del result  # it holds the model, which on a GPU would count in the next probe's peak
     return fit(points, f"probe of b = {', '.join(map(str, batches))} ({PROBE_STEPS} steps each)", memory_source)
 
 

@@ -1,10 +1,12 @@
 """Every benchmark runs in a tiny mode and prints its figure: a benchmark that breaks (a changed interface, a
 trial that fails) fails here, rather than printing a figure of nothing."""
+import importlib.util
 import math
 import os
 import re
 import subprocess
 import sys
+import weakref
 
 import pytest
 
@@ -57,6 +59,28 @@ def test_a_benchmark_prints_its_figure(tmp_path, data_dir, script):
     # A ratio of two timings is positive; an overhead or a share is a difference of two noisy timings, which a
     # tiny run on a busy machine can make negative (checkpoint_share=-0.37 was seen): a figure, not a failure.
     assert float(match.group(1)) > 0 or not figure.endswith("ratio"), proc.stdout[-2000:]
+
+
+def test_memory_trains_each_configuration_with_no_earlier_model_alive(monkeypatch, capsys):
+    """On a GPU a run's peak is the allocator's, which counts every tensor alive, and a run's result holds its
+    model: results kept until the next run added two ResNet-18s (85 MiB) to the peaks at k = 4 and 16."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("memory_benchmark", ROOT / "benchmarks" / "memory.py")
+    memory = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(memory)
+    real_train, models, alive = memory.train, [], []
+
+    def train(config, **kwargs):
+        alive.append(sum(model() is not None for model in models))
+        result = real_train(config, **kwargs)
+        models.append(weakref.ref(result.model))
+        return result
+
+    monkeypatch.setattr(memory, "train", train)
+    monkeypatch.setattr(sys, "argv", ["memory.py", "--device", "cpu", *RUNS["memory.py"][1]])
+    memory.main()
+    assert alive == [0] * 6
+    assert capsys.readouterr().out.splitlines()[-1].startswith("flat_ratio=")
 
 
 def test_the_gpu_figures_say_what_they_did_not_measure(tmp_path):

@@ -1,5 +1,9 @@
+import weakref
+
 import pytest
 import torch
+
+import sweeps.planner
 
 from sweeps.planner import Fit, measure, parse_bytes, plan
 from tests.test_sweeps import TINY, sweep
@@ -15,6 +19,22 @@ def test_planned_batch_runs_within_the_budget(data_dir):
         "peak_memory_bytes"]
     assert peak(answer.physical_batch) <= budget  # the plan fits (saved-tensor measure, CPU) ...
     assert peak(2 * answer.physical_batch) > budget  # ... and the next divisor would not
+
+
+def test_each_probe_trains_with_no_earlier_model_alive(data_dir, monkeypatch):
+    """On a GPU a probe's peak is the allocator's, which counts every tensor alive: a result kept from the probe
+    before would add its model to the next probe's point, and the fit would be off by it."""
+    models, alive = [], []
+
+    def probe(config, **kwargs):
+        alive.append(sum(model() is not None for model in models))
+        result = train(config, **kwargs)
+        models.append(weakref.ref(result.model))
+        return result
+
+    monkeypatch.setattr(sweeps.planner, "train", probe)
+    measure(TrainConfig(model="mlp", data_dir=data_dir))
+    assert alive == [0, 0, 0]
 
 
 def test_plan_rounds_to_a_divisor_or_says_why():
