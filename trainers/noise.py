@@ -20,16 +20,18 @@ class NoiseScale:
     the gradients), its norm is taken, and the gradients are copied back in (one foreach copy). The last copy
     is the window's gradient. So one flat copy of the gradient is held (not a copy per micro-batch beside the
     one before), and a measured micro-batch dispatches three operations whatever the number of tensors. The
-    arithmetic waits for `value()`, once per epoch."""
+    buffer lives within a measured window only: a run's peak can be at its evaluation, and a copy of the
+    gradient held there would be a peak that k = 1 does not have. The arithmetic waits for `value()`, once
+    per epoch."""
 
     def __init__(self, params: list[nn.Parameter], b: int, B: int, n_train: int):
         self.params, self.b, self.B, self.N = params, b, B, n_train
-        dtype = params[0].dtype
+        self.dtype = params[0].dtype
         for p in params[1:]:
-            dtype = torch.promote_types(dtype, p.dtype)
-        self.flat = torch.zeros(sum(p.numel() for p in params), device=params[0].device, dtype=dtype)
-        self.views = [v.view_as(p) for v, p in zip(self.flat.split([p.numel() for p in params]), params)]
-        self.started = False  # whether `flat` holds this window's accumulated gradient
+            self.dtype = torch.promote_types(self.dtype, p.dtype)
+        self.sizes = [p.numel() for p in params]
+        self.flat: torch.Tensor | None = None  # the measured window's accumulated gradient, within the window
+        self.views: list[torch.Tensor] = []  # of `flat`, one per parameter
         self.small: list[torch.Tensor] = []  # per measured micro-batch, |increment|
         self.big: list[torch.Tensor] = []  # per measured window, |window gradient|
         self.ema = torch.zeros(2, device=params[0].device, dtype=torch.float64)  # |G|^2, tr(S)
@@ -37,15 +39,18 @@ class NoiseScale:
 
     def after_micro(self) -> None:
         """After every micro-batch's backward in a measured window."""
+        first = self.flat is None
+        if first:
+            self.flat = torch.empty(sum(self.sizes), device=self.params[0].device, dtype=self.dtype)
+            self.views = [v.view_as(p) for v, p in zip(self.flat.split(self.sizes), self.params)]
         present = [(v, p.grad) for v, p in zip(self.views, self.params) if p.grad is not None]
         views, grads = [v for v, _ in present], [g for _, g in present]
-        if not self.started:  # the first increment is the gradient itself (a tensor without one is zero)
+        if first:  # the first increment is the gradient itself (a tensor without one is zero)
             if len(views) < len(self.views):
                 self.flat.zero_()
             if views:
                 torch._foreach_copy_(views, grads)
             self.small.append(torch.linalg.vector_norm(self.flat))
-            self.started = True
             return
         if views:  # (none: no gradient yet in this window, and `flat` is zero)
             torch._foreach_sub_(views, grads)  # the accumulation before minus this one
@@ -56,7 +61,7 @@ class NoiseScale:
     def step(self) -> None:
         """After the window's last micro-batch."""
         self.big.append(torch.linalg.vector_norm(self.flat))
-        self.started = False
+        self.flat, self.views = None, []
 
     def _fold(self) -> None:
         """Fold the measured windows into the EMAs, in order."""
