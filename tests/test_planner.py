@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import sweeps.planner
-
 from sweeps.planner import Fit, measure, parse_bytes, plan
 from tests.test_sweeps import TINY, sweep
 from trainers import ConfigError, TrainConfig, train
