@@ -113,11 +113,14 @@ def importance(study: StudyRuns) -> Figure | None:
             distributions[f] = CategoricalDistribution(_choices(column))
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     rebuilt = optuna.create_study(directions=[d for _, d in study.objectives])
+    trials = []
     for _, row in t.iterrows():
         params = {f: (int(row[f]) if isinstance(d, IntDistribution) else float(row[f])
                       if isinstance(d, FloatDistribution) else str(row[f])) for f, d in distributions.items()}
-        rebuilt.add_trial(optuna.trial.create_trial(params=params, distributions=distributions,
-                                                    values=[float(row[m]) for m, _ in study.objectives]))
+        trials.append((params, [float(row[m]) for m, _ in study.objectives]))
+    # In one order, whatever order the workers finished them in: the seeded forest's bootstrap follows it.
+    for params, values in sorted(trials, key=lambda trial: ([str(v) for v in trial[0].values()], trial[1])):
+        rebuilt.add_trial(optuna.trial.create_trial(params=params, distributions=distributions, values=values))
     metrics = [m for m, _ in study.objectives]
     shares = {m: get_param_importances(rebuilt, evaluator=FanovaImportanceEvaluator(seed=0),
                                        target=lambda trial, i=i: trial.values[i], normalize=True)
