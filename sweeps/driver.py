@@ -339,11 +339,10 @@ def all_failed(inv, storage) -> bool:
     # The last recorded error in the line itself: a study resumed with no trial left to run printed none above.
     said = max((t for t in ended if "error" in t.user_attrs), key=lambda t: t.number, default=None)
     if said is None:
-        print(f"error: {which} of study {inv.study_name} {how}: see the lines above, or the 'error' tag of {runs}",
-              file=sys.stderr)
+        where = f": see the lines above, or the 'error' tag of {runs}"
     else:
         last = f"trial {said.number}" if one else f"the last, trial {said.number}"
         error = (str(said.user_attrs["error"]).strip().splitlines() or [""])[0]
-        print(f"error: {which} of study {inv.study_name} {how}; {last}: {error} (see the 'error' tag of {runs})",
-              file=sys.stderr)
+        where = f"; {last}: {error} (see the 'error' tag of {runs})"
+    print(f"error: {which} of study {inv.study_name} {how}{where}", file=sys.stderr)
     return True
