@@ -26,6 +26,15 @@ trainer's extra operations a micro-batch as `extra_ops=<x>`. `--no-diagnostics` 
 its diagnostics.
 
     python benchmarks/throughput.py --count-ops --precision bf16 [--model gpt --dataset pytext]
+
+Where the time of a micro-batch goes, on the host and on the device: `--profile N` runs N windows of each
+loop under torch.profiler (after 4 of their own) and prints, a micro-batch, the host's time, the CPU time
+of the operations, the kernels' time and their launches, then the operations where the trainer spends more
+or less than the hand-written loop, and last its extra host time as `host_extra_us=<x>`. (The hand-written
+loop cuts its whole epoch into micro-batches before the windows profiled, the trainer each window as it
+comes: its `split` and `narrow`s, views, show on the trainer's side.)
+
+    python benchmarks/throughput.py --device cuda --model gpt --dataset pytext --precision bf16 --profile 20
 """
 from __future__ import annotations
 
@@ -34,7 +43,7 @@ import itertools
 import math
 import statistics
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import replace
 
 import torch
@@ -48,6 +57,7 @@ from trainers.batches import aligned, apply, forward, label_shift, split
 from trainers.cli import add_config_flags, config_from_args, run_script
 from trainers.loop import make_optimizer, prepare
 from trainers.order import permutation
+from trainers.probes import Probe
 
 
 class HandWritten:
@@ -79,8 +89,9 @@ class HandWritten:
         for idx in permutation(self.config, self.epoch, len(data.x_train), self.device).split(self.config.physical_batch):
             yield data.x_train[idx], data.y_train[idx]
 
-    def run_epoch(self, micro_batches: int | None = None) -> float:
-        """Trains one epoch, or its first `micro_batches`; returns its samples/s (NaN for a part of one)."""
+    def run_epoch(self, micro_batches: int | None = None, step_done=None) -> float:
+        """Trains one epoch, or its first `micro_batches`; returns its samples/s (NaN for a part of one).
+        `step_done()` is called after each optimizer step."""
         config, data, model, optimizer = self.config, self.data, self.model, self.optimizer
         k, n = config.accum_steps, data.n_train
         bf16 = config.precision == "bf16"
@@ -94,6 +105,8 @@ class HandWritten:
             if (i + 1) % k == 0:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+                if step_done is not None:
+                    step_done()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return n / (time.perf_counter() - start) if micro_batches is None else math.nan
@@ -146,6 +159,78 @@ def count_ops(config: TrainConfig) -> None:
     print(f"extra_ops={(sum(per['trainer'].values()) - sum(per['hand-written'].values())) / micro:.2f}")
 
 
+class StepDone(Probe):
+    """Calls `step_done()` after each of the trainer's optimizer steps."""
+
+    def __init__(self, step_done):
+        self.step_done = step_done
+
+    def after_step(self, step: int) -> None:
+        self.step_done()
+
+
+def profile_loops(config: TrainConfig, diagnostics: bool, active: int) -> None:
+    """`active` windows of each loop under torch.profiler (one profiler step a window, after SKIP that it does
+    not record), twice each in the order trainer, hand-written, hand-written, trainer, so that neither gains
+    from coming later; both loops, and the profiler, have run once before."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    skip = 4  # the setup and the first window (the optimizer's state) among them; the last is the warm-up
+    windows, micro = skip + active, 2 * active * config.accum_steps  # (micro: over both runs of a loop)
+    if active < 1:
+        raise ConfigError(f"--profile takes the number of windows to profile, at least 1; got {active}")
+    hand = HandWritten(config)
+    if windows > hand.data.n_train // config.effective_batch:
+        raise ConfigError(f"--profile {active} needs {windows} windows of B = {config.effective_batch} in an epoch: "
+                          f"lower it, --physical-batch or --accum-steps")
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if hand.device.type == "cuda" else [])]
+    short = replace(config, epochs=1, max_steps=windows)
+    runs = {"trainer": lambda step: train(short, diagnostics=diagnostics, probes=[StepDone(step)]),
+            "hand-written": lambda step: hand.run_epoch(windows * config.accum_steps, step)}
+
+    def profiled(run) -> list:
+        found = []
+        with profile(activities=activities, schedule=schedule(wait=skip - 1, warmup=1, active=active, repeat=1),
+                     on_trace_ready=lambda p: found.append(p.key_averages())) as prof:
+            run(prof.step)
+        if not found:
+            raise ConfigError("the profiler recorded no window: the run ended early (a diverged loss?)")
+        return found[0]
+
+    train(short, diagnostics=diagnostics)
+    profiled(runs["hand-written"])
+    # A micro-batch: the windows' span on the host (a ProfilerStep is a window), the kernels' time, and by
+    # operation on the host its own CPU µs, its kernels' µs and its calls.
+    span, kernels = dict.fromkeys(runs, 0.0), dict.fromkeys(runs, 0.0)
+    ops = {name: defaultdict(lambda: [0.0, 0.0, 0.0]) for name in runs}
+    for name in ("trainer", "hand-written", "hand-written", "trainer"):
+        for event in profiled(runs[name]):
+            if event.device_type != DeviceType.CPU:  # a kernel (its time is its operation's too) or an annotation
+                kernels[name] += 0.0 if event.is_user_annotation else event.self_device_time_total / micro
+            elif event.key.startswith("ProfilerStep"):
+                span[name] += event.cpu_time_total / micro
+            else:
+                totals = ops[name][event.key]
+                for i, value in enumerate((event.self_cpu_time_total, event.self_device_time_total, event.count)):
+                    totals[i] += value / micro
+    print(f"profile of {active} windows ({micro // 2} micro-batches), twice for each loop: model={config.model} "
+          f"b={config.physical_batch} k={config.accum_steps} precision={config.precision} device={hand.device} "
+          f"diagnostics={'on' if diagnostics else 'off'}")
+    print(f"{'a micro-batch':14s} {'host µs':>9s} {'ops CPU µs':>11s} {'kernels µs':>11s} {'launches':>9s} "
+          f"{'aten ops':>9s}")
+    for name, by_op in ops.items():
+        print(f"{name:14s} {span[name]:9.1f} {sum(v[0] for v in by_op.values()):11.1f} {kernels[name]:11.1f} "
+              f"{sum(v[2] for key, v in by_op.items() if 'LaunchKernel' in key):9.2f} "
+              f"{sum(v[2] for key, v in by_op.items() if key.startswith('aten::')):9.2f}")
+    more = {key: [a - b for a, b in zip(ops["trainer"][key], ops["hand-written"][key])]
+            for key in {*ops["trainer"], *ops["hand-written"]}}
+    print("the trainer beyond the hand-written loop, a micro-batch (CPU µs, kernels' µs, calls):")
+    for key, (cpu, kernels, calls) in sorted(more.items(), key=lambda kv: -abs(kv[1][0]) - abs(kv[1][1]))[:15]:
+        print(f"  {key[:60]:60s} {cpu:+8.2f} {kernels:+8.2f} {calls:+7.2f}")
+    print(f"host_extra_us={span['trainer'] - span['hand-written']:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_flags(parser)
@@ -154,12 +239,16 @@ def main() -> None:
                         help="the trainer without its built-in diagnostics (peak memory, health, noise scale)")
     parser.add_argument("--count-ops", action="store_true",
                         help="count the operations a micro-batch dispatches instead of timing (last line extra_ops=)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="profile N windows of each loop instead of timing epochs (last line host_extra_us=)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     config = config_from_args(args, TrainConfig(physical_batch=32, accum_steps=4, epochs=40))
     if args.count_ops:
         return count_ops(config)
+    if args.profile != 0:
+        return profile_loops(config, args.diagnostics, args.profile)
     print(f"model={config.model} dataset={config.dataset} b={config.physical_batch} k={config.accum_steps} "
           f"precision={config.precision} threads={torch.get_num_threads()} epochs={config.epochs} "
           f"diagnostics={'on' if args.diagnostics else 'off'}")

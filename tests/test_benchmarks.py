@@ -18,6 +18,8 @@ TINY = ["--model", "mlp", "--dataset", "synthetic:blobs", "--epochs", "3"]
 RUNS = {
     "throughput.py": ([], [*TINY, "--physical-batch", "32", "--accum-steps", "4"], "ratio"),
     "throughput.py ops": ([], [*TINY, "--physical-batch", "32", "--accum-steps", "4", "--count-ops"], "extra_ops"),
+    "throughput.py profile": ([], [*TINY, "--physical-batch", "32", "--accum-steps", "2", "--profile", "3"],
+                              "host_extra_us"),
     "throughput.py mappings": ([], ["--model", "tests.factories:keyword_lm", "--dataset", "tests.factories:hf_shaped",
                                     "--epochs", "3", "--physical-batch", "4", "--accum-steps", "2"], "ratio"),
     "memory.py": ([], ["--model", "mlp", "--dataset", "synthetic:blobs", "--physical-batch", "8"], "flat_ratio"),

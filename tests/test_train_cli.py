@@ -191,6 +191,14 @@ def test_benchmark_scripts_refuse_bad_input_in_one_line(script):
             "error: device 'cuda' is not available on this machine: use --device cpu or auto"], result.stderr
 
 
+@pytest.mark.parametrize("profile, said", [
+    ("-2", "--profile takes the number of windows to profile, at least 1; got -2"),
+    ("500", "--profile 500 needs 504 windows of B = 128 in an epoch: lower it, --physical-batch or --accum-steps")])
+def test_a_profile_the_benchmark_cannot_take_is_refused_in_one_line(profile, said):
+    result = run_script("benchmarks/throughput.py", "--profile", profile)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [f"error: {said}"], result.stderr
+
+
 @pytest.mark.parametrize("flag", ["--json", "--epochs-jsonl"])
 def test_an_output_path_that_cannot_be_written_is_refused_before_training(capsys, tmp_path, flag):
     (tmp_path / "a-file").write_text("")
