@@ -217,6 +217,11 @@ def profile_loops(config: TrainConfig, diagnostics: bool, active: int) -> None:
     print(f"profile of {active} windows ({micro // 2} micro-batches), twice for each loop: model={config.model} "
           f"b={config.physical_batch} k={config.accum_steps} precision={config.precision} device={hand.device} "
           f"diagnostics={'on' if diagnostics else 'off'}")
+    report_profile(span, kernels, ops)
+
+
+def report_profile(span: dict[str, float], kernels: dict[str, float], ops: dict[str, dict[str, list]]) -> None:
+    """Each loop's line, a micro-batch; the operations where the trainer differs most; host_extra_us last."""
     print(f"{'a micro-batch':14s} {'host µs':>9s} {'ops CPU µs':>11s} {'kernels µs':>11s} {'launches':>9s} "
           f"{'aten ops':>9s}")
     for name, by_op in ops.items():
@@ -226,8 +231,8 @@ def profile_loops(config: TrainConfig, diagnostics: bool, active: int) -> None:
     more = {key: [a - b for a, b in zip(ops["trainer"][key], ops["hand-written"][key])]
             for key in {*ops["trainer"], *ops["hand-written"]}}
     print("the trainer beyond the hand-written loop, a micro-batch (CPU µs, kernels' µs, calls):")
-    for key, (cpu, kernels, calls) in sorted(more.items(), key=lambda kv: -abs(kv[1][0]) - abs(kv[1][1]))[:15]:
-        print(f"  {key[:60]:60s} {cpu:+8.2f} {kernels:+8.2f} {calls:+7.2f}")
+    for key, (cpu, device, calls) in sorted(more.items(), key=lambda kv: -abs(kv[1][0]) - abs(kv[1][1]))[:15]:
+        print(f"  {key[:60]:60s} {cpu:+8.2f} {device:+8.2f} {calls:+7.2f}")
     print(f"host_extra_us={span['trainer'] - span['hand-written']:.2f}")
 
 
