@@ -52,7 +52,9 @@ class TrialRun:
             self.trial.set_user_attr("invocation", worker.parent_run_id)
             if self.folder:
                 claim(self.folder, self.run_id)
-            worker.hooks.trial_start(self.name, self.config.epochs)
+            program = worker.inv.study.program  # a script not given {epochs} runs its own: a bar of no total
+            worker.hooks.trial_start(self.name, self.config.epochs if program is None
+                                     or "epochs" in program.placeholders() else None)
             broken = worker.inv.broken(self.config, self.own)
             if broken:
                 self.end("invalid", error=f"breaks the study's constraint {broken}")

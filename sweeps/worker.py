@@ -35,7 +35,7 @@ class Hooks:
     """How a worker reports progress; the defaults stay silent."""
 
     trial_done: Callable[[optuna.trial.FrozenTrial], None] = lambda t: None
-    trial_start: Callable[[str, int], None] = lambda name, epochs: None
+    trial_start: Callable[[str, int | None], None] = lambda name, epochs: None
     epoch_done: Callable[[dict[str, float]], None] = lambda row: None
     say: Callable[[str], None] = lambda line: None
 

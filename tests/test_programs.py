@@ -1,5 +1,6 @@
 """[program] trials: the user's own script, swept with its own metrics, memory measured, every ending recorded."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -180,6 +181,18 @@ pruner = "median"
     assert run.info.status == "KILLED"
     log = Path(client.download_artifacts(run.info.run_id, "log.txt", str(tmp_path))).read_text()
     assert "done" not in log  # it never reached its end
+    assert " 6/6 [" in proc.stderr  # the bar over a trial's epochs counts to the 6 the script is given
+
+
+def test_a_script_not_given_its_epochs_has_a_bar_of_no_total(tmp_path):
+    """loop.py runs its own 3 epochs: a bar over the 10 of TrainConfig's default would stop at 3/10."""
+    path = study_file(tmp_path, "script_own_epochs", "[fixed]\nphysical_batch = 16", COMMAND.split(', "--epochs"')[0]
+                      + "]")
+    proc = sweep(tmp_path, "--study", str(path), "--no-report")
+    assert proc.returncode == 0, proc.stderr
+    frames = [f for f in re.split(r"[\r\n]", proc.stderr) if "epoch/s" in f]
+    assert any(f.startswith("3epoch [") and "val_acc=0." in f for f in frames), frames
+    assert not any("/10 [" in f for f in frames), frames
 
 
 def test_a_script_past_its_time_is_stopped_with_its_process_group(tmp_path):
