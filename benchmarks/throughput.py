@@ -170,7 +170,7 @@ class StepDone(Probe):
 
 
 def profile_loops(config: TrainConfig, diagnostics: bool, active: int) -> None:
-    """`active` windows of each loop under torch.profiler (one profiler step a window, after SKIP that it does
+    """`active` windows of each loop under torch.profiler (one profiler step a window, after `skip` that it does
     not record), twice each in the order trainer, hand-written, hand-written, trainer, so that neither gains
     from coming later; both loops, and the profiler, have run once before."""
     from torch.autograd import DeviceType
