@@ -34,6 +34,8 @@ class TrialRun:
         self.folder = folder_of(inv, self.config, trial.number) if inv.checkpoint_dir else None
         self.name = describe(point) + (f" seed {seed}" if len(inv.seeds) > 1 else "")  # 'b32 k4 linear seed 1'
         program = inv.study.program
+        # The epoch a trial ends at: a script not given {epochs} runs its own, which batchsweep cannot know.
+        self.last_epoch = self.config.epochs if program is None or "epochs" in program.placeholders() else None
         tags = {"optuna.trial_number": trial.number, "optuna.study_name": trial.study.study_name,
                 "device_name": worker.device, "torch_version": torch.__version__, "study": inv.study.name,
                 "batchsweep.program": " ".join(program.command) if program else None,
@@ -52,9 +54,7 @@ class TrialRun:
             self.trial.set_user_attr("invocation", worker.parent_run_id)
             if self.folder:
                 claim(self.folder, self.run_id)
-            program = worker.inv.study.program  # a script not given {epochs} runs its own: a bar of no total
-            worker.hooks.trial_start(self.name, self.config.epochs if program is None
-                                     or "epochs" in program.placeholders() else None)
+            worker.hooks.trial_start(self.name, self.last_epoch)
             broken = worker.inv.broken(self.config, self.own)
             if broken:
                 self.end("invalid", error=f"breaks the study's constraint {broken}")
@@ -136,7 +136,8 @@ class TrialRun:
         where = ("epoch", int(row["epoch"])) if "epoch" in row else ("step", int(row["step"]))
         self.trial.report(value, where[1])
         # A trial that trained its last epoch is complete: pruning it would throw its result away.
-        if row.get("epoch", 0) < self.config.epochs and self.trial.should_prune():
+        last = self.last_epoch is not None and row.get("epoch", 0) >= self.last_epoch
+        if not last and self.trial.should_prune():
             raise optuna.TrialPruned(f"pruned at {where[0]} {where[1]}")
 
     def end(self, name: str, metrics: dict[str, float] | None = None, dataset: dict[str, Any] | None = None,

@@ -160,23 +160,31 @@ mode = ["ok", "fail", "oom"]
     assert "s3cr3t" not in report and "only batchsweep's trainer measures them" in report
 
 
-def test_a_median_pruner_stops_a_script_mid_run(tmp_path):
-    path = study_file(tmp_path, "script_pruned", """[fixed]
-epochs = 6
+def pruned_sweep(tmp_path: Path, name: str, epochs: int,
+                 command: str) -> tuple[subprocess.CompletedProcess, optuna.trial.FrozenTrial]:
+    """loop.py at four handicaps under the median pruner, told `epochs` in the study: the pruner's 3 to start
+    from complete, and the handicapped one is pruned. The sweep, and that trial."""
+    path = study_file(tmp_path, name, f"""[fixed]
+epochs = {epochs}
 physical_batch = 16
 [grid]
 handicap = [0.0, 0.01, 0.02, 0.6]
 [search]
 pruner = "median"
-""", COMMAND + ', "--handicap", "{handicap}"]')
+""", command)
     proc = sweep(tmp_path, "--study", str(path), "--workers", "1", "--no-report")
     assert proc.returncode == 0, proc.stderr
-    storage, client = stores(tmp_path)
-    trials = {t.user_attrs["config"]["handicap"]: t for t in trials_of(storage, "script_pruned")}
-    assert [trials[h].state for h in (0.0, 0.01, 0.02)] == [State.COMPLETE] * 3  # the pruner's 3 to start from
+    trials = {t.user_attrs["config"]["handicap"]: t for t in trials_of(stores(tmp_path)[0], name)}
+    assert [trials[h].state for h in (0.0, 0.01, 0.02)] == [State.COMPLETE] * 3
     pruned = trials[0.6]
     assert pruned.state == State.PRUNED and pruned.user_attrs["reason"] == "pruned"
+    return proc, pruned
+
+
+def test_a_median_pruner_stops_a_script_mid_run(tmp_path):
+    proc, pruned = pruned_sweep(tmp_path, "script_pruned", 6, COMMAND + ', "--handicap", "{handicap}"]')
     assert max(pruned.intermediate_values) < 6  # stopped before its last epoch
+    client = stores(tmp_path)[1]
     run = client.get_run(pruned.user_attrs["mlflow_run_id"])
     assert run.info.status == "KILLED"
     log = Path(client.download_artifacts(run.info.run_id, "log.txt", str(tmp_path))).read_text()
@@ -184,15 +192,15 @@ pruner = "median"
     assert " 6/6 [" in proc.stderr  # the bar over a trial's epochs counts to the 6 the script is given
 
 
-def test_a_script_not_given_its_epochs_has_a_bar_of_no_total(tmp_path):
-    """loop.py runs its own 3 epochs: a bar over the 10 of TrainConfig's default would stop at 3/10."""
-    path = study_file(tmp_path, "script_own_epochs", "[fixed]\nphysical_batch = 16", COMMAND.split(', "--epochs"')[0]
-                      + "]")
-    proc = sweep(tmp_path, "--study", str(path), "--no-report")
-    assert proc.returncode == 0, proc.stderr
+def test_a_script_not_given_its_epochs_has_a_bar_of_no_total_and_is_pruned_at_any_epoch(tmp_path):
+    """loop.py is told 4 epochs in the command, not by {epochs}: the study's 2 are not its last. A bar over them
+    would stop at 4/2, and a pruner that spared epochs from the 2nd on would never stop the handicapped one."""
+    command = COMMAND.split(', "--epochs"')[0] + ', "--epochs", "4", "--handicap", "{handicap}"]'
+    proc, pruned = pruned_sweep(tmp_path, "script_own_epochs", 2, command)
+    assert 2 <= max(pruned.intermediate_values) < 4  # the median pruner waits 2 epochs
     frames = [f for f in re.split(r"[\r\n]", proc.stderr) if "epoch/s" in f]
-    assert any(f.startswith("3epoch [") and "val_acc=0." in f for f in frames), frames
-    assert not any("/10 [" in f for f in frames), frames
+    assert any(f.startswith("handicap=0: 4epoch [") and "val_acc=0." in f for f in frames), frames
+    assert not any("/2 [" in f for f in frames), frames
 
 
 def test_a_script_past_its_time_is_stopped_with_its_process_group(tmp_path):
