@@ -21,7 +21,8 @@ from .urls import redact
 
 # A worker's message that moves the bar: counting this invocation's trials, not the study's, keeps the bar
 # right when another machine's workers share the study or a point claimed twice is given back. Its bar over
-# epochs moves by ("start", worker, trial name, epochs) and ("epoch", worker, metrics).
+# epochs moves by ("start", worker, trial name, epochs, time) and ("epoch", worker, metrics, time), each at
+# the time.time() that the worker sent it.
 TRIAL_DONE = "\0trial done"
 
 
@@ -47,6 +48,15 @@ def end_epoch(bar, metrics: dict[str, str]) -> None:
     bar.update(1)
 
 
+def show_epoch(epochs: list, message: tuple) -> None:
+    """A worker's message on its bar over epochs, timed by when the worker sent it (time.time(), tqdm's own
+    clock): the main process shows a second's messages together, and by its clock a 0.3 s epoch read as 10,000
+    epoch/s."""
+    kind, index, *args, when = message
+    epochs[index]._time = lambda: when  # tqdm reads its clock through this attribute
+    (start_trial if kind == "start" else end_epoch)(epochs[index], *args)
+
+
 def shown(inv, row: dict) -> dict[str, str]:
     """An epoch's objective metrics, as its bar shows them."""
     return {m: f"{row[m]:.3f}" for m in inv.study.metrics if m in row}
@@ -67,8 +77,8 @@ def _worker_process(inv, parent_run_id: str, index: int, budget: int | None, mes
     quiet_library_logs()
     try:
         hooks = Hooks(say=messages.put, trial_done=lambda t: messages.put(TRIAL_DONE),
-                      trial_start=lambda name, epochs: messages.put(("start", index, name, epochs)),
-                      epoch_done=lambda row: messages.put(("epoch", index, shown(inv, row))))
+                      trial_start=lambda name, epochs: messages.put(("start", index, name, epochs, time.time())),
+                      epoch_done=lambda row: messages.put(("epoch", index, shown(inv, row), time.time())))
         Worker(inv, parent_run_id, index, hooks, placement).run(budget)
     except KeyboardInterrupt:
         pass
@@ -100,8 +110,7 @@ def run_workers(inv, parent_run_id: str, workers: int, total: int, placements: l
             except queue.Empty:
                 return
             if isinstance(line, tuple):
-                kind, index, *args = line
-                (start_trial if kind == "start" else end_epoch)(epochs[index], *args)
+                show_epoch(epochs, line)
             elif line == TRIAL_DONE:
                 bar.update(1)
             elif line.startswith("error: "):

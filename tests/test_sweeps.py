@@ -265,6 +265,24 @@ def epoch_frames(stderr: str, epochs: int) -> tuple[set[str], set[str]]:
             {f.split(":")[0] for f in frames if f" {epochs}/{epochs} [" in f and "val_acc=0." in f})
 
 
+def test_a_workers_bar_over_epochs_is_timed_by_when_the_worker_sent_each_epoch(capsys):
+    """The main process shows a second's messages together: a 0.5 s epoch is 2 epoch/s all the same, not the
+    thousands that its own clock would read between two messages shown at once."""
+    from sweeps.driver import epoch_bar, show_epoch
+
+    bars = [epoch_bar(1), epoch_bar(2)]
+    try:
+        show_epoch(bars, ("start", 1, "b32 k4 linear", 3, 100.0))
+        for epoch in (1, 2, 3):
+            show_epoch(bars, ("epoch", 1, {"val_acc": f"0.{epoch}00"}, 100.0 + 0.5 * epoch))
+    finally:
+        for bar in bars:
+            bar.close()
+    frames = [f for f in re.split(r"[\r\n]", capsys.readouterr().err) if "b32 k4 linear" in f]
+    assert any(" 3/3 [00:01<00:00,  2.00epoch/s, val_acc=0.300]" in f for f in frames), frames
+    assert any(" 1/3 [00:00<00:01,  2.00epoch/s, val_acc=0.100]" in f for f in frames), frames
+
+
 @pytest.mark.parametrize("args,expected", [
     (["--study", "nope"], "unknown study 'nope'"),
     (["--set", "nope=1"], "unknown setting 'nope'"),
