@@ -91,7 +91,9 @@ class Search:
         raise NotImplementedError
 
     def pruner(self, epochs: int) -> optuna.pruners.BasePruner:
-        return PRUNERS[self.study.pruner](epochs)
+        """The study's pruner for trials of `epochs`; a script's rows count its own epochs, or steps, which
+        Hyperband then learns from the first trial that completes (Optuna's max_resource="auto")."""
+        return PRUNERS[self.study.pruner](None if self.study.program else epochs)
 
     def next_point(self, trial: optuna.Trial, mine: list[Unit], failed_here: set[str],
                    worker: int = 0) -> tuple[Point, int]:
@@ -190,11 +192,12 @@ SAMPLERS: dict[str, Callable[[int], optuna.samplers.BaseSampler] | None] = {
     "cmaes": lambda seed: optuna.samplers.CmaEsSampler(seed=seed),
     "nsga2": lambda seed: optuna.samplers.NSGAIISampler(seed=seed),
 }
-# The pruners by name, each from the trials' epochs.
-PRUNERS: dict[str, Callable[[int], optuna.pruners.BasePruner]] = {
+# The pruners by name, each from the trials' epochs (None: not known before a trial completes).
+PRUNERS: dict[str, Callable[[int | None], optuna.pruners.BasePruner]] = {
     "none": lambda epochs: optuna.pruners.NopPruner(),
     "median": lambda epochs: optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=2),
-    "hyperband": lambda epochs: optuna.pruners.HyperbandPruner(min_resource=1, max_resource=max(epochs, 1)),
+    "hyperband": lambda epochs: optuna.pruners.HyperbandPruner(min_resource=1, max_resource=max(epochs, 1)
+                                                               if epochs else "auto"),
 }
 
 

@@ -440,6 +440,28 @@ def test_objective_values_and_pruners_follow_the_file():
     assert make_objective(parse(tuned, "test")).epoch_value({"val_acc": float("nan")}) == float("-inf")
 
 
+@pytest.mark.parametrize("program", [False, True])
+def test_hyperband_counts_a_scripts_own_epochs_or_steps_from_its_first_completed_trial(program):
+    """batchsweep's trainer reports the study's epochs: Hyperband's brackets are sized by them from the start,
+    and the worse of two trials is pruned at its first epoch. A script's rows count its own epochs, or steps:
+    Hyperband prunes nothing until a trial completes, and is then sized by that trial's last row."""
+    body = {"name": "h", "grid": {"accum_steps": [1, 2]}, "search": {"pruner": "hyperband"}}
+    if program:
+        body["program"] = {"command": ["{python}", "train.py", "--accum", "{accum_steps}"]}
+    search = make_search(parse(body, "test"), "h", [{"accum_steps": 1}], (0,))
+    study = optuna.create_study(direction="maximize", pruner=search.pruner(epochs=2))
+
+    def pruned(trial: optuna.Trial, value: float) -> bool:
+        trial.report(value, 1)
+        return trial.should_prune()
+
+    first, worse = study.ask(), study.ask()
+    assert not pruned(first, 0.9) and pruned(worse, 0.1) == (not program)
+    if program:  # one trial of one step completes: one bracket, as the trainer's 2 epochs give
+        study.tell(first, 0.9)
+        assert not pruned(study.ask(), 0.9) and pruned(study.ask(), 0.1)
+
+
 def test_a_grid_changed_under_a_running_study_stops_it_in_one_line():
     from sweeps.search import StudyChanged
 
