@@ -122,6 +122,19 @@ VERDICTS = {
                            "default, keep about 3 significant digits), so in {dtype} a mistake cannot be told from "
                            "rounding. Audit in float64, or in float32 with autocast off and TF32 off "
                            "(torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False)."),
+    "accumulated_step_skipped": (1, "the accumulated run's update {first_differing_update} left every weight as it "
+                                    "was, where the true batch's moved them: its step was skipped, as a GradScaler "
+                                    "(fp16) skips a step whose gradients overflowed. A correct loop's micro-batches, "
+                                    "each a sum over fewer samples than the true batch's, overflow no sooner than it: "
+                                    "these gradients were larger than the true batch's, as a loss not divided by k "
+                                    "makes them. Audit with the GradScaler off (bf16 autocast, or float32), where the "
+                                    "mistake is named."),
+    "true_batch_step_skipped": (2, "the true batch's update {first_differing_update} left every weight as it was, "
+                                   "where the accumulated run's moved them: a GradScaler (fp16) skips a step whose "
+                                   "gradients overflowed, and the true batch's fp16 sums over b*k samples overflow "
+                                   "sooner than a micro-batch's over b. That is no mistake of the loop, and the runs "
+                                   "part there whatever the loop does: audit with the GradScaler off (bf16 "
+                                   "autocast, or float32), or with a lower init_scale."),
     "unexplained": (1, "the runs differ, and the difference matches none of the known mistakes: see the figures."),
     "not_reproducible": (2, "two runs of (b*k, 1) with the same values differ by {repeat_rel_diff:.3g}: the "
                             "script is not deterministic (an unseeded shuffle or augmentation, randomness drawn "
@@ -400,9 +413,13 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
         compared.append((f"after step {u}", rel(a, t)))
     if not repeats(auditor, t, tol, figures, compared):
         return Finding("not_reproducible", figures, compared)
+    base = before or auditor.run("start", B, 1, 1, lr=0.0)
+    still = skipped(auditor, base, a, t, u)
+    if still:  # (before BatchNorm's verdict: a step that moved nothing is no normalization's doing)
+        figures.update(first_differing_update=u)
+        return Finding(still, figures, compared)
     if u == 1 and live_batchnorm(a, t):
         return Finding("batchnorm", figures, compared)
-    base = before or auditor.run("start", B, 1, 1, lr=0.0)
     measured = update(base, a, t, None, tol)
     if measured.shares is None and u > 1:  # no fit without a momentum's share: the weights before the update before u
         prior = auditor.run("true batch", B, 1, u - 2) if u > 2 else auditor.run("start", B, 1, 1, lr=0.0)
@@ -440,6 +457,18 @@ def moved_before(auditor: Auditor, base: Run, et: Run, u: int, tol: float) -> bo
     if len(et.lrs) == len(et.losses):
         return any(et.lrs[:u - 1])
     return rel(base, auditor.run("start", base.b, 1, 1, lr=0.0)) > tol
+
+
+def skipped(auditor: Auditor, base: Run, a: Run, t: Run, u: int) -> str | None:
+    """The verdict where one run's update u left every weight exactly as it was and the other's moved them, as a
+    GradScaler's skipped step does (fp16 gradients with inf or NaN); None where both moved."""
+    import torch
+
+    if torch.equal(weights(t.state), weights(base.state)):
+        return "true_batch_step_skipped"
+    # From its own weights before u: the runs agree there within the tolerance only.
+    before = auditor.run("accumulated", a.b, a.k, u - 1) if u > 1 else base
+    return "accumulated_step_skipped" if torch.equal(weights(a.state), weights(before.state)) else None
 
 
 def live_batchnorm(a: Run, t: Run) -> bool:
@@ -547,7 +576,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = Parser("audit", description="Run your training script (the [program] of a study file) at (b, k) and at "
                "(b*k, 1) from the same start, and name the accumulation mistake that separates them. Exit status: 0 "
                "exact or batchnorm, 1 a mistake, 2 bad input, a script that differs from itself, a difference "
-               "within rounding, or a micro-batch that holds the whole epoch.",
+               "within rounding, a step that a GradScaler skipped in the true batch alone, or a micro-batch that "
+               "holds the whole epoch.",
                epilog="The script passes {max_steps} and {epochs} on, prints a {\"step\": s, \"loss\": l} row per "
                "optimizer step (with \"lr\" where there is a schedule) and ends with "
                "torch.save(model.state_dict(), os.environ[\"BATCHSWEEP_STATE\"]) (docs/audit.md).")
@@ -623,10 +653,10 @@ def _main(args: argparse.Namespace) -> int:
     for what, diff in finding.compared:
         print(f"relative weight difference {what}: {diff:.3g} (equal within {f['tolerance']:g}, {f['dtype']})")
     if "first_differing_update" in f:
-        print(f"first update where they part: {f['first_differing_update']} of {f['steps_true_batch']}; the "
-              f"accumulated update is {f['update_ratio']:.4g} x the true batch's along it, at cosine "
-              f"{f['update_cosine']:.4f}, and differs from it by {f['update_difference']:.3g} of its length"
-              f"{_taken_out(f)}")
+        print(f"first update where they part: {f['first_differing_update']} of {f['steps_true_batch']}" + (
+            f"; the accumulated update is {f['update_ratio']:.4g} x the true batch's along it, at cosine "
+            f"{f['update_cosine']:.4f}, and differs from it by {f['update_difference']:.3g} of its length"
+            f"{_taken_out(f)}" if "update_ratio" in f else ""))
     print(f"verdict: {finding.verdict}")
     print(sentence[0].upper() + sentence[1:])
     auditor.tracker.describe(auditor.parent, f"verdict: {finding.verdict}. {sentence}")

@@ -42,7 +42,8 @@ def store(tmp_path_factory):
 
 def study(folder, mistake: str, loss: str, floats: str, print_lr: str = "yes", momentum: float = 0.0,
           weight_decay: float = 0.0, optimizer: str = "sgd", decay: str = "all", autocast: str = "no",
-          clip: float = 0.0, frozen_bn: str = "no", class_weights: str = "no", warmup: int = 0):
+          clip: float = 0.0, frozen_bn: str = "no", class_weights: str = "no", warmup: int = 0,
+          loss_scale: float = 2.0 ** 16):
     path = folder / "catalog.toml"
     path.write_text(f'''name = "catalog"
 [program]
@@ -51,7 +52,8 @@ command = ["{{python}}", "{CATALOG}", "--batch-size", "{{physical_batch}}", "--a
            "--mistake", "{{mistake}}", "--loss", "{{per}}", "--dtype", "{{floats}}", "--print-lr", "{print_lr}",
            "--momentum", "{momentum}", "--weight-decay", "{weight_decay}", "--optimizer", "{optimizer}",
            "--decay", "{decay}", "--autocast", "{autocast}", "--clip", "{clip}",
-           "--frozen-bn", "{frozen_bn}", "--class-weights", "{class_weights}", "--warmup", "{warmup}"]
+           "--frozen-bn", "{frozen_bn}", "--class-weights", "{class_weights}", "--warmup", "{warmup}",
+           "--loss-scale", "{loss_scale}"]
 [fixed]
 base_lr = 0.1
 mistake = "{mistake}"
@@ -132,6 +134,30 @@ def test_under_bf16_autocast_rounding_is_not_named_a_mistake_and_a_mistake_still
         assert "Audit in float64, or in float32 with autocast off" in out
     else:
         assert code == 1 and found["update_ratio"] == pytest.approx(4, rel=0.02)
+
+
+@pytest.mark.parametrize("mistake, scale, verdict, code", [
+    ("not_divided", 2 ** 18, "accumulated_step_skipped", 1), ("none", 2 ** 19, "true_batch_step_skipped", 2),
+    ("not_divided", 2 ** 16, "loss_not_divided", 1)])
+def test_a_step_that_a_grad_scaler_skipped_in_one_run_is_named_not_taken_for_zero_grad(mistake, scale, verdict, code,
+                                                                                        tmp_path, store, capsys):
+    """Under fp16 autocast a GradScaler skips a step whose gradients overflowed: the update is then exactly zero,
+    which read as zero_grad_per_micro_batch (r 0). The catalog's first step overflows at a scale between 2^17
+    and 2^17.6 with an undivided loss (its gradients k times larger), between 2^18 and 2^18.6 in the true batch,
+    whose fp16 sums are over b*k samples, and between 2^19 and 2^19.6 in a correct loop's micro-batches: at 2^18
+    the undivided loss is named by its skipped step, at 2^19 the correct loop is not called a mistake, and at the
+    default 2^16 the undivided loss is named as without a GradScaler."""
+    path = study(tmp_path, mistake, "sample", "float32", autocast="fp16", loss_scale=scale)
+    assert main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store,
+                 "--json", str(tmp_path / "audit.json")]) == code
+    out = capsys.readouterr().out
+    found = json.loads((tmp_path / "audit.json").read_text())
+    assert found["verdict"] == verdict and found["first_differing_update"] == 1, out
+    if verdict.endswith("skipped"):
+        assert "first update where they part: 1 of 8\n" in out and "update_ratio" not in found, out
+        assert "with the GradScaler off (bf16 autocast, or float32)" in out, out
+    else:
+        assert found["update_ratio"] == pytest.approx(4, rel=0.01)
 
 
 def test_an_undivided_loss_under_gradient_clipping_says_what_hides_it(tmp_path, store, capsys):

@@ -6,7 +6,7 @@ what `batchsweep audit` must name. A plain PyTorch loop, as people write them.
                    step_per_micro|batchnorm|unseeded|schedule_per_micro|lr_times_k|clip_per_micro|
                    penalty_per_micro] \\
         [--loss sample|token] [--dtype float64|float32] [--optimizer sgd|adam] [--momentum M]
-        [--weight-decay WD] [--decay all|matrices] [--autocast no|bf16] [--clip NORM]
+        [--weight-decay WD] [--decay all|matrices] [--autocast no|bf16|fp16] [--loss-scale S] [--clip NORM]
         [--frozen-bn yes|no] [--class-weights yes|no] [--warmup STEPS] [--print-lr yes|no]
 
 It prints {"step": s, "loss": l, "lr": the step's LR} per optimizer step and saves model.state_dict() to
@@ -45,9 +45,9 @@ def model_for(tokens: bool, batchnorm: bool) -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), *norm, nn.Tanh(), nn.Linear(16, 3))
 
 
-def loss_sum(model, x, y, tokens: bool, autocast: bool, weighted: bool):
-    """(sum of the per-item losses, counted(y)); under autocast, the model's forward in bf16."""
-    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+def loss_sum(model, x, y, tokens: bool, autocast: str, weighted: bool):
+    """(sum of the per-item losses, counted(y)); under autocast, the model's forward in bf16 or fp16."""
+    with torch.autocast("cpu", torch.float16 if autocast == "fp16" else torch.bfloat16, enabled=autocast != "no"):
         out = model(x)
     out = out.to(torch.get_default_dtype())  # (the loss in the weights' dtype, as autocast leaves it to the script)
     if tokens:
@@ -73,6 +73,7 @@ class SGD:
         self.params, self.decayed, self.momentum, self.weight_decay = list(params), lr, momentum, weight_decay
         self.decay, self.warmup, self.steps = decay, warmup, 0
         self.buffers = [torch.zeros_like(p) for p in self.params]
+        self.param_groups = [{"params": self.params}]  # (what a GradScaler unscales)
 
     @property
     def lr(self) -> float:
@@ -114,7 +115,9 @@ def main() -> int:
     p.add_argument("--momentum", type=float, default=0.0)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--decay", default="all", choices=["all", "matrices"])
-    p.add_argument("--autocast", default="no", choices=["no", "bf16"])
+    p.add_argument("--autocast", default="no", choices=["no", "bf16", "fp16"],
+                   help="fp16: with a GradScaler of initial scale --loss-scale, as PyTorch's AMP recipe")
+    p.add_argument("--loss-scale", type=float, default=2.0 ** 16)
     p.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm_ to NORM before each step (0: none)")
     p.add_argument("--frozen-bn", default="no", choices=["yes", "no"], help="a BatchNorm in eval mode (fine-tuning)")
     p.add_argument("--class-weights", default="no", choices=["yes", "no"], help="per-sample loss only")
@@ -134,6 +137,7 @@ def main() -> int:
     opt = SGD(model.parameters(), lr, args.momentum, args.weight_decay, args.decay, args.warmup) \
         if args.optimizer == "sgd" else torch.optim.Adam(model.parameters(), lr)
     schedule = opt.schedule if args.optimizer == "sgd" else lambda: None
+    scaler = torch.amp.GradScaler("cpu", init_scale=args.loss_scale, enabled=args.autocast == "fp16")
     b, k, step = args.batch_size, args.accum, 0
     for epoch in range(args.epochs):
         shuffle = torch.Generator()
@@ -151,7 +155,7 @@ def main() -> int:
             opt.zero_grad()
             shown = 0.0
             for m in micro:
-                s, count = loss_sum(model, x[m], y[m], args.tokens, args.autocast == "bf16", weighted)
+                s, count = loss_sum(model, x[m], y[m], args.tokens, args.autocast, weighted)
                 if args.mistake == "zero_grad":
                     opt.zero_grad()  # the mistake: only the last micro-batch's gradient reaches the step
                 if args.mistake == "not_divided":
@@ -164,7 +168,7 @@ def main() -> int:
                     loss = s / total  # the window's sum over the window's count: the true batch's mean
                 if args.mistake == "penalty_per_micro":  # the mistake: added to every micro-batch, k times a window
                     loss = loss + PENALTY * sum((p ** 2).sum() for p in model.parameters())
-                loss.backward()
+                scaler.scale(loss).backward()
                 if args.mistake == "clip_per_micro":  # the mistake: each partial sum is clipped (needs --clip)
                     nn.utils.clip_grad_norm_(model.parameters(), args.clip)
                 shown += loss.item()
@@ -186,7 +190,8 @@ def main() -> int:
                 if args.clip and args.mistake != "clip_per_micro":
                     nn.utils.clip_grad_norm_(model.parameters(), args.clip)
                 lr = getattr(opt, "lr", args.lr)
-                opt.step()
+                scaler.step(opt)  # opt.step(), unless the GradScaler found inf or NaN in the gradients
+                scaler.update()
                 if args.mistake != "schedule_per_micro":
                     schedule()
                 step += 1
