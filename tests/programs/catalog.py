@@ -176,7 +176,8 @@ def main() -> int:
                     schedule()  # the mistake: the schedule advances k times a window
                 if args.mistake == "step_per_micro":
                     lr = getattr(opt, "lr", args.lr)
-                    opt.step()
+                    scaler.step(opt)
+                    scaler.update()
                     opt.zero_grad()
                     schedule()
                     step += 1
@@ -188,6 +189,7 @@ def main() -> int:
                 continue  # the mistake: a step only when (i + 1) % k == 0, so the short last window has none
             if args.mistake != "step_per_micro":
                 if args.clip and args.mistake != "clip_per_micro":
+                    scaler.unscale_(opt)  # clip the true gradient, not the scaled one (a no-op without fp16)
                     nn.utils.clip_grad_norm_(model.parameters(), args.clip)
                 lr = getattr(opt, "lr", args.lr)
                 scaler.step(opt)  # opt.step(), unless the GradScaler found inf or NaN in the gradients
