@@ -94,13 +94,28 @@ def _series(t: pd.DataFrame) -> pd.DataFrame:
     return t
 
 
+def _series_note(whole: pd.DataFrame, series: pd.DataFrame) -> list[str]:
+    """Which series the LR rules' sentences follow, where trials left out of it reach a B beyond its range (else
+    "the largest batch" would not be the study's)."""
+    left = whole[~whole.index.isin(series.index)]
+    sizes = series["effective_batch"]
+    if left.empty or left["effective_batch"].between(sizes.min(), sizes.max()).all():
+        return []
+    others = ", ".join(str(int(b)) for b in sorted(left["physical_batch"].unique()))
+    return [f"These comparisons of the LR rules follow b = {int(series['physical_batch'].iloc[0])} with k from "
+            f"{int(series['accum_steps'].min())} to {int(series['accum_steps'].max())} (B = {int(sizes.min())} to "
+            f"{int(sizes.max())}); the trials at b = {others} (B = {int(left['effective_batch'].min())} to "
+            f"{int(left['effective_batch'].max())}) are in the figures and the table only."]
+
+
 def lr_rules(trials: pd.DataFrame) -> list[str]:
     """Per LR rule: from which B accuracy fell below the smallest B, and the rules' ranking at the largest."""
     t = one_batch(finished(trials))
     if "lr_rule" not in t or t["lr_rule"].nunique() < 2 or t["effective_batch"].nunique() < 2 or tuned(t):
         return []
-    t = _series(t)
-    out, family = [], []
+    whole, t = t, _series(t)
+    note = _series_note(whole, t)
+    out, family = list(note), []
     for rule in in_order("lr_rule", t["lr_rule"]):
         rows = t[t["lr_rule"] == rule]
         sizes = sorted(rows["effective_batch"].unique())
@@ -129,8 +144,9 @@ def lr_rules(trials: pd.DataFrame) -> list[str]:
         for rule in means.index[1:]:
             d = paired(largest[largest["lr_rule"] == rule], largest[largest["lr_rule"] == best], "val_acc")
             others.append(f"{rule} {stated(d)}" if d else f"{rule} {_pct(means[rule])}")
-        out.append(f"At the largest batch, B = {int(largest['effective_batch'].iloc[0])}, the {best} rule had the "
-                   f"highest mean ({_pct(means[best])}{spread}); against it, " + "; ".join(others) + ".")
+        out.append(f"At the largest batch{' of that series' if note else ''}, B = "
+                   f"{int(largest['effective_batch'].iloc[0])}, the {best} rule had the highest mean "
+                   f"({_pct(means[best])}{spread}); against it, " + "; ".join(others) + ".")
     return out + controlled(family, "comparisons of a rule's B against its smallest B")
 
 

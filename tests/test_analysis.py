@@ -84,6 +84,22 @@ def test_one_seed_cannot_separate_anything():
     assert "run the study with --seeds 3" in sentences and "fell below" not in sentences
 
 
+def test_the_lr_rules_series_is_named_where_other_physical_batches_reach_beyond_it():
+    """A grid of b in {8, 16} and k in {1, 4}: the rules are compared along b = 8 (B 8 to 32), and B = 64 at
+    b = 16 is the study's largest batch, which "At the largest batch, B = 32" denied. An accum_lr-shaped study,
+    whose true-batch twins stay within the series' B, gets no such sentence."""
+    rows = [dict(run_id=f"{seed}-{rule}-{b}-{k}", status="FINISHED", physical_batch=b, accum_steps=k,
+                 effective_batch=b * k, lr_rule=rule, seed=seed, epochs=2, model="cnn1d", dataset="mnist1d",
+                 device_name="cpu", val_acc=0.9 + 0.01 * seed - 0.001 * b * k * (rule == "none"))
+            for seed in (0, 1) for rule in ("none", "sqrt") for b in (8, 16) for k in (1, 4)]
+    sentences = summarize(pd.DataFrame(rows))
+    assert sentences[0] == ("These comparisons of the LR rules follow b = 8 with k from 1 to 4 (B = 8 to 32); the "
+                            "trials at b = 16 (B = 16 to 64) are in the figures and the table only."), sentences
+    assert any(s.startswith("At the largest batch of that series, B = 32, the sqrt rule") for s in sentences)
+    twins = " ".join(summarize(synthetic(flat)))
+    assert "These comparisons" not in twins and "At the largest batch, B = 512, " in twins
+
+
 def test_planted_accumulation_gap_is_named():
     def planted(rule, B, kind, seed):
         return flat(rule, B, kind, seed) - (0.04 if kind == "accumulated" and B == 128 and rule == "sqrt" else 0)
