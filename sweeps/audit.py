@@ -6,7 +6,8 @@ angle of single updates, where in an epoch the runs part, the step counts and th
 
 The study file's [program] is the script; it must pass {max_steps} (and {epochs}) on, print a {"step": s,
 "loss": l} row per optimizer step (with "lr" where there is a schedule), and save its weights at the end:
-torch.save(model.state_dict(), os.environ["BATCHSWEEP_STATE"]).
+torch.save(model.state_dict(), os.environ["BATCHSWEEP_STATE"]). Runs are of one epoch ({epochs} = 1); where
+their LR decayed by its end, the study's {epochs} are given too (`stretch`).
 """
 from __future__ import annotations
 
@@ -157,6 +158,7 @@ class Run:
     k: int
     max_steps: int
     lr: float
+    epochs: int  # the {epochs} it was given: 1, or the study's where its schedule follows them
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     losses: list[float] = field(default_factory=list)  # its {"step", "loss"} rows, in order
     lrs: list[float] = field(default_factory=list)  # their "lr", where the script prints it
@@ -172,16 +174,19 @@ class Auditor:
     """Runs the script with the study's values, one MLflow run each under the audit's parent run."""
 
     def __init__(self, study, config: TrainConfig, own: dict[str, Any], tracker: Tracker, parent: str,
-                 folder: Path):
+                 folder: Path, epochs: int = 1):
         self.study, self.config, self.own, self.tracker, self.parent, self.folder = (
             study, config, own, tracker, parent, folder)
+        self.epochs = epochs  # the study's: what a schedule over {epochs} spans in its training
         self.bar = None  # _main's bar over the steps of the run being made (how many runs is not known ahead)
         self.runs: list[Run] = []
 
     def run(self, name: str, b: int, k: int, max_steps: int, lr: float | None = None) -> Run:
         """The script at (b, k) for `max_steps` steps (0: an epoch); an accumulated or true-batch run made
-        already is not made again, nor is the "start" (always LR 0); a "repeat" run is made again on purpose."""
+        already with the config's epochs is not made again, nor is the "start" (always LR 0); a "repeat" run is
+        made again on purpose."""
         done = next((r for r in self.runs if name == r.name and name in REUSED and (r.b, r.k) == (b, k) and
+                     (r.epochs == self.config.epochs or name == "start") and
                      (r.max_steps == max_steps or r.max_steps == 0 and len(r.losses) == max_steps)), None)
         if done:
             return done
@@ -189,11 +194,13 @@ class Auditor:
         values = {**config.to_dict(), **self.own}
         if lr is not None:
             values["lr"] = lr  # 0: the weights the script starts from
-        record = Run(name, b, k, max_steps, values["lr"])
+        record = Run(name, b, k, max_steps, values["lr"], config.epochs)
         state = self.folder / f"{len(self.runs)}.pt"
-        run_id = self.tracker.start_trial(self.parent, f"{name}: b{b} k{k} steps {max_steps}",
+        over = f" of {config.epochs} epochs" if config.epochs > 1 else ""
+        run_id = self.tracker.start_trial(self.parent, f"{name}: b{b} k{k} steps {max_steps}{over}",
                                           {"physical_batch": b, "accum_steps": k, "max_steps": max_steps,
-                                           "lr": values["lr"], "seed": config.seed}, {"audit.role": name})
+                                           "epochs": config.epochs, "lr": values["lr"], "seed": config.seed},
+                                          {"audit.role": name})
         env = {"BATCHSWEEP_STATE": str(state), **program.handoff(self.tracker.uri, run_id, self.tracker.experiment_id),
                **self.study.program.environment(values)}
         output = program.Output()
@@ -346,7 +353,8 @@ def _shares(d: torch.Tensor, dt: torch.Tensor, held: dict[str, torch.Tensor],
 def classify(ratio: float, cos: float, k: int, first: bool, last: bool, clipped: bool = False) -> str:
     """The mistake whose signature one differing update has. zero_grad per micro-batch and an undivided loss
     change every window, so they part the runs at the first update: a later update is neither. `clipped`: both
-    updates were cut to one length (Update.clipped)."""
+    updates were cut to one length (Update.clipped). A turned update at the epoch's last update only is not named
+    a mean of micro-batch means: Adam turns a short window divided by k so too (ratio 0.98, cosine 0.996)."""
     if first and cos > 0.999 and abs(ratio / k - 1) < 0.02:
         return "loss_not_divided"
     if last and cos > 0.99 and ratio < 0.98 and 1 <= round(ratio * k) < k and abs(ratio * k - round(ratio * k)) < 0.1:
@@ -355,8 +363,8 @@ def classify(ratio: float, cos: float, k: int, first: bool, last: bool, clipped:
         return "update_scaled"
     if clipped:  # and turned
         return "differs_under_clipping"
-    if cos > 0.98 and 0.5 < ratio < 2:
-        return "mean_of_micro_batch_means"
+    if cos > 0.98 and 0.5 < ratio < 2 and (first or not last):  # (at the last update only: a short window under
+        return "mean_of_micro_batch_means"  # Adam reads so too, and the sentence of `unexplained` says where to look)
     if first and ratio < 0.75 and cos < 0.999:
         return "zero_grad_per_micro_batch"
     return "unexplained"
@@ -388,9 +396,13 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
                "steps_true_batch": len(et.losses)}
     if len(ea.losses) == len(et.losses) and compared[0][1] <= tol:
         # An epoch of one window may be one micro-batch (b at least the training set): nothing accumulated.
-        alone = steps == 0 and len(ea.losses) == 1 and len(auditor.run("per micro-batch", b, 1, 0).losses) == 1
-        return Finding("nothing_accumulated" if alone else "exact", figures, compared)
-    if compared[0][1] <= tol:  # the same weights from other numbers of steps: the rows are not the steps
+        if steps == 0 and len(ea.losses) == 1 and len(auditor.run("per micro-batch", b, 1, 0).losses) == 1:
+            return Finding("nothing_accumulated", figures, compared)
+        stretched = stretch(auditor, ea, et, tol, figures, compared)
+        if stretched is None:
+            return Finding("exact", figures, compared)
+        ea, et = stretched  # they part within the study's schedule: the audit goes on in it
+    elif compared[0][1] <= tol:  # the same weights from other numbers of steps: the rows are not the steps
         raise AuditError(f"the runs end with equal weights but printed {counts} step rows: print one {{\"step\": "
                          f"s, \"loss\": l}} row per optimizer step, after step(), not one per micro-batch")
     if len(ea.losses) >= 1.5 * len(et.losses):
@@ -428,6 +440,26 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
     if dtype != "float64" and measured.difference < ROUNDING:
         return Finding("within_rounding", figures, compared)
     return Finding(_named(auditor, measured, (base, a, t), et, u, k, tol, figures), figures, compared)
+
+
+def stretch(auditor: Auditor, ea: Run, et: Run, tol: float, figures: dict[str, Any],
+            compared: list) -> tuple[Run, Run] | None:
+    """The runs that agreed again, to the same step within the study's own schedule, where theirs decayed by the
+    epoch's end and the study trains for more epochs; None where they agree there too (or nothing changes). A
+    schedule over {epochs} puts the end of a one-epoch run at its tail, where a mistake of the last window moves
+    almost nothing (a loss over k in a short window under Adam and a cosine to 0: 4e-6 of the weights in float32,
+    within the tolerance), while in training that window ends epoch 1 at nearly the full LR (there: 1e-3)."""
+    n = len(et.losses)
+    if auditor.epochs <= 1 or len(et.lrs) != n or not n or et.lrs[-1] >= max(et.lrs):
+        return None
+    auditor.config = dataclasses.replace(auditor.config, epochs=auditor.epochs)
+    t = auditor.run("true batch", et.b, 1, n)
+    if t.lrs == et.lrs:  # its schedule does not follow {epochs} (it decays per step, or over {max_steps})
+        return None
+    a = auditor.run("accumulated", ea.b, ea.k, n)
+    figures["schedule_epochs"] = auditor.epochs
+    compared.append((f"after {n} steps of the schedule over {auditor.epochs} epochs", rel(a, t)))
+    return (a, t) if compared[-1][1] > tol else None
 
 
 def _named(auditor: Auditor, measured: Update, runs: tuple[Run, Run, Run], et: Run, u: int, k: int, tol: float,
@@ -619,13 +651,13 @@ def _auditor(args: argparse.Namespace, folder: Path) -> Auditor:
     check_output("--json", args.json)  # before any run: a verdict that cannot be written would be lost
     point = {**study.fixed, **{f: v[0] for key, v in study.grid.items() for f, v in [(key, v)] if "+" not in key}}
     fields = {k: v for k, v in point.items() if k in FIELDS and k not in ("physical_batch", "accum_steps")}
-    config = TrainConfig(**{**fields, "lr_rule": "none", "epochs": 1})
+    config = TrainConfig(**{**fields, "lr_rule": "none"})
     own = {k: v for k, v in point.items() if k not in FIELDS}
     tracker = Tracker(check_tracking_uri(args.tracking_uri or default_tracking_uri()), f"{study.name}-audit")
     parent = tracker.start_parent(f"audit b{args.physical_batch} k{args.accum_steps}",
                                   {"physical_batch": args.physical_batch, "accum_steps": args.accum_steps,
                                    "steps": args.steps, **own}, {"study_file": study.source})
-    return Auditor(study, config, own, tracker, parent, folder)
+    return Auditor(study, dataclasses.replace(config, epochs=1), own, tracker, parent, folder, config.epochs)
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -646,8 +678,8 @@ def _main(args: argparse.Namespace) -> int:
                 raise
     f = finding.figures
     status, sentence = VERDICTS[finding.verdict][0], _sentence(finding)
-    print(format_table(["run", "b", "k", "max steps", "steps run"],
-                       [[r.name, str(r.b), str(r.k), str(r.max_steps) if r.max_steps else "epoch",
+    print(format_table(["run", "b", "k", "epochs", "max steps", "steps run"],
+                       [[r.name, str(r.b), str(r.k), str(r.epochs), str(r.max_steps) if r.max_steps else "epoch",
                          str(len(r.losses))] for r in auditor.runs]))
     print()
     for what, diff in finding.compared:

@@ -43,7 +43,7 @@ def store(tmp_path_factory):
 def study(folder, mistake: str, loss: str, floats: str, print_lr: str = "yes", momentum: float = 0.0,
           weight_decay: float = 0.0, optimizer: str = "sgd", decay: str = "all", autocast: str = "no",
           clip: float = 0.0, frozen_bn: str = "no", class_weights: str = "no", warmup: int = 0,
-          loss_scale: float = 2.0 ** 16):
+          loss_scale: float = 2.0 ** 16, schedule: str = "exponential", epochs: int = 10, base_lr: float = 0.1):
     path = folder / "catalog.toml"
     path.write_text(f'''name = "catalog"
 [program]
@@ -53,9 +53,10 @@ command = ["{{python}}", "{CATALOG}", "--batch-size", "{{physical_batch}}", "--a
            "--momentum", "{momentum}", "--weight-decay", "{weight_decay}", "--optimizer", "{optimizer}",
            "--decay", "{decay}", "--autocast", "{autocast}", "--clip", "{clip}",
            "--frozen-bn", "{frozen_bn}", "--class-weights", "{class_weights}", "--warmup", "{warmup}",
-           "--loss-scale", "{loss_scale}"]
+           "--loss-scale", "{loss_scale}", "--schedule", "{schedule}"]
 [fixed]
-base_lr = 0.1
+epochs = {epochs}
+base_lr = {base_lr}
 mistake = "{mistake}"
 per = "{loss}"
 floats = "{floats}"
@@ -77,7 +78,7 @@ def assert_every_run_is_a_nested_mlflow_run_and_the_verdict_a_tag(store):
 
 def assert_a_bar_over_each_runs_steps(out: str, err: str):
     """Each run of the table on stdout had a frame at step 0 and one at its last step, under its number."""
-    rows = [re.fullmatch(r"(.+?)\s+(\d+)\s+(\d+)\s+(epoch|\d+)\s+(\d+)", line) for line in out.splitlines()]
+    rows = [re.fullmatch(r"(.+?)\s+(\d+)\s+(\d+)\s+\d+\s+(epoch|\d+)\s+(\d+)", line) for line in out.splitlines()]
     rows = [m.groups() for m in rows if m]
     frames = err.split("\r")
     assert rows and not any(f.startswith(f"run {len(rows) + 1}: ") for f in frames)
@@ -260,6 +261,30 @@ def test_a_short_window_under_adam_is_unexplained_and_says_where_to_look(tmp_pat
     assert "ends in a short micro-batch, which a mean of micro-batch means" in out
 
 
+@pytest.mark.parametrize("epochs, verdict", [(6, "unexplained"), (1, "exact")])
+def test_a_last_window_at_a_schedules_tail_is_audited_where_the_study_trains_it(epochs, verdict, tmp_path, store,
+                                                                               capsys):
+    """A cosine to 0 over the run's {epochs}, Adam, and a short last window divided by k (float32, b = 3, k = 3: 26
+    full windows and one of 2). Run for one epoch, that window is at the schedule's tail (LR 3.4e-7): the weights
+    differ by 4e-6, within float32's 1e-5, and it read as exact. The study trains 6 epochs, where epoch 1 ends at
+    94% of the LR: run to the same step under that schedule, they part at the last update by 1e-3. A study of one
+    epoch trains with that window at the tail: exact there, after the two runs."""
+    path = study(tmp_path, "short_window", "sample", "float32", optimizer="adam", schedule="cosine", epochs=epochs,
+                 base_lr=0.01)
+    code = main(["--study", str(path), "--physical-batch", "3", "--accum-steps", "3", "--tracking-uri", store,
+                 "--json", str(tmp_path / "audit.json")])
+    out = capsys.readouterr().out
+    found = json.loads((tmp_path / "audit.json").read_text())
+    assert found["verdict"] == verdict and code == (1 if epochs > 1 else 0), out
+    assert found["compared"]["after 27 steps"] < 1e-5
+    if epochs == 1:
+        assert found["runs"] == 2 and "schedule_epochs" not in found
+        return
+    assert found["schedule_epochs"] == 6 and found["compared"]["after 27 steps of the schedule over 6 epochs"] > 1e-4
+    assert found["first_differing_update"] == 27 and "Only the epoch's last update differs" in out
+    assert re.search(r"true batch\s+9\s+1\s+6\s+27\s+27\n", out), out  # the runs under the study's epochs
+
+
 def test_an_l2_penalty_added_to_every_micro_batch_is_named_with_its_share_of_the_weights(tmp_path, store, capsys):
     """λ‖w‖² in each micro-batch's loss: a window's gradient holds (k − 1)·2λ·w more than the true batch's, so the
     updates differ by lr·(k − 1)·2λ = 0.1 · 3 · 2e-3 of the weights. It read as mean_of_micro_batch_means."""
@@ -329,8 +354,10 @@ def test_the_audit_names_each_mistake_of_the_catalog(tmp_path, store, capsys, mi
     first = f"after {found['steps_true_batch']} steps" if found["steps_accumulated"] == found["steps_true_batch"] \
         else f"after {found['steps_accumulated']} and {found['steps_true_batch']} steps"
     assert list(found["compared"])[0] == first  # the epoch's runs, compared first
-    if verdict in ("exact", *from_rows):
+    if verdict in from_rows:
         assert list(found["compared"]) == [first] and found["runs"] == 2
+    if verdict == "exact":  # and the true batch again under the study's 10 epochs, whose LRs came out the same
+        assert list(found["compared"]) == [first] and found["runs"] == 3 and "schedule_epochs" not in found
     assert (found.get("repeat_rel_diff", 0) > found["tolerance"]) == (verdict == "not_reproducible")
 
 
@@ -346,7 +373,7 @@ def test_a_micro_batch_that_holds_the_epoch_tests_nothing_and_says_so(b, verdict
     found = json.loads((tmp_path / "audit.json").read_text())
     assert found["verdict"] == verdict and found["runs"] == 3, out  # the pair, and (b, 1) over the epoch
     assert (found["steps_accumulated"], found["steps_true_batch"]) == (1, 1)
-    assert re.search(rf"per micro-batch\s+{b}\s+1\s+epoch\s+{1 if code else 4}\n", out), out
+    assert re.search(rf"per micro-batch\s+{b}\s+1\s+1\s+epoch\s+{1 if code else 4}\n", out), out
     if code:
         assert "equals the true batch whatever the loop does" in out
 
@@ -369,7 +396,7 @@ class Parting:
     def run(self, name: str, b: int, k: int, max_steps: int, lr=None) -> Run:
         self.steps.append(max_steps)
         parted = name == "accumulated" and max_steps >= self.u
-        return Run(name, b, k, max_steps, 0.1, {"w": torch.tensor([max_steps + 1.0 + parted])})
+        return Run(name, b, k, max_steps, 0.1, 1, {"w": torch.tensor([max_steps + 1.0 + parted])})
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 8, 13])

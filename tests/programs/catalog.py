@@ -8,13 +8,16 @@ what `batchsweep audit` must name. A plain PyTorch loop, as people write them.
         [--loss sample|token] [--dtype float64|float32] [--optimizer sgd|adam] [--momentum M]
         [--weight-decay WD] [--decay all|matrices] [--autocast no|bf16|fp16] [--loss-scale S] [--clip NORM]
         [--frozen-bn yes|no] [--class-weights yes|no] [--warmup STEPS] [--print-lr yes|no]
+        [--schedule exponential|cosine]
 
 It prints {"step": s, "loss": l, "lr": the step's LR} per optimizer step and saves model.state_dict() to
-$BATCHSWEEP_STATE at the end. With SGD the LR decays by 0.9 a step. The training set (240 samples) is 7
+$BATCHSWEEP_STATE at the end. With SGD the LR decays by 0.9 a step; with --schedule cosine (either optimizer)
+it follows a cosine to 0 over the run's {epochs} of windows, as schedules built from a total number of steps do. The training set (240 samples) is 7
 windows of 32 and a short one of 16: at b = 8, k = 4 the last window holds 2 micro-batches.
 """
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -69,9 +72,9 @@ class SGD:
     only leaves biases undecayed, as nanoGPT's param groups do."""
 
     def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, decay: str = "all",
-                 warmup: int = 0):
+                 warmup: int = 0, total: int = 0):
         self.params, self.decayed, self.momentum, self.weight_decay = list(params), lr, momentum, weight_decay
-        self.decay, self.warmup, self.steps = decay, warmup, 0
+        self.decay, self.warmup, self.steps, self.base, self.total = decay, warmup, 0, lr, total
         self.buffers = [torch.zeros_like(p) for p in self.params]
         self.param_groups = [{"params": self.params}]  # (what a GradScaler unscales)
 
@@ -81,8 +84,8 @@ class SGD:
         return self.decayed * min(1.0, self.steps / self.warmup) if self.warmup else self.decayed
 
     def schedule(self) -> None:
-        self.decayed *= 0.9
         self.steps += 1
+        self.decayed = self.base * cosine(self.steps, self.total) if self.total else self.decayed * 0.9
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -94,6 +97,10 @@ class SGD:
             decay = self.weight_decay if self.decay == "all" or p.dim() >= 2 else 0.0
             buffer.mul_(self.momentum).add_(p.grad + decay * p)
             p -= self.lr * buffer
+
+
+def cosine(step: int, total: int) -> float:
+    return 0.5 * (1 + math.cos(math.pi * step / total))
 
 
 def row(step: int, loss: float, lr: float, args) -> dict:
@@ -123,6 +130,7 @@ def main() -> int:
     p.add_argument("--class-weights", default="no", choices=["yes", "no"], help="per-sample loss only")
     p.add_argument("--warmup", type=int, default=0, help="SGD's LR rises from 0 over this many steps")
     p.add_argument("--print-lr", default="yes", choices=["yes", "no"])
+    p.add_argument("--schedule", default="exponential", choices=["exponential", "cosine"])
     args = p.parse_args()
     args.tokens = args.loss == "token"
     weighted = args.class_weights == "yes"
@@ -134,9 +142,14 @@ def main() -> int:
     if args.frozen_bn == "yes":
         model[1].eval()  # normalizes by its running statistics, which stay as they are
     lr = args.lr * args.accum if args.mistake == "lr_times_k" else args.lr  # the mistake: the script scales it
-    opt = SGD(model.parameters(), lr, args.momentum, args.weight_decay, args.decay, args.warmup) \
-        if args.optimizer == "sgd" else torch.optim.Adam(model.parameters(), lr)
-    schedule = opt.schedule if args.optimizer == "sgd" else lambda: None
+    windows = args.epochs * -(-N // (args.batch_size * args.accum)) if args.schedule == "cosine" else 0
+    if args.optimizer == "sgd":
+        opt = SGD(model.parameters(), lr, args.momentum, args.weight_decay, args.decay, args.warmup, windows)
+        schedule, lr_now = opt.schedule, lambda: opt.lr
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr)
+        steps = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine(s, windows) if windows else 1.0)
+        schedule, lr_now = steps.step, lambda: steps.get_last_lr()[0]
     scaler = torch.amp.GradScaler("cpu", init_scale=args.loss_scale, enabled=args.autocast == "fp16")
     b, k, step = args.batch_size, args.accum, 0
     for epoch in range(args.epochs):
@@ -175,7 +188,7 @@ def main() -> int:
                 if args.mistake == "schedule_per_micro":
                     schedule()  # the mistake: the schedule advances k times a window
                 if args.mistake == "step_per_micro":
-                    lr = getattr(opt, "lr", args.lr)
+                    lr = lr_now()
                     scaler.step(opt)
                     scaler.update()
                     opt.zero_grad()
@@ -191,7 +204,7 @@ def main() -> int:
                 if args.clip and args.mistake != "clip_per_micro":
                     scaler.unscale_(opt)  # clip the true gradient, not the scaled one (a no-op without fp16)
                     nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-                lr = getattr(opt, "lr", args.lr)
+                lr = lr_now()
                 scaler.step(opt)  # opt.step(), unless the GradScaler found inf or NaN in the gradients
                 scaler.update()
                 if args.mistake != "schedule_per_micro":
