@@ -43,6 +43,9 @@ ROUNDING = 1e-2
 # loop beneath either shows only in the direction, or, where there is none, not at all. A small difference of
 # another kind leaves the length within 1e-3 (an L2 penalty added to every micro-batch's loss: 8.2e-4).
 CLIPPED = 1e-4
+# An epoch's last LR below this share of its largest, in a schedule the study's epochs do not stretch: `exact` says
+# that the last window was checked at that size (transformers' linear schedule over 13 steps ends at 1/13).
+TAIL = 0.1
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked")  # BatchNorm's, not weights
 REUSED = ("accumulated", "true batch", "start")  # made once, whichever step of the audit asks for them again
 # name: (exit status: 0 right, 1 a mistake, 2 cannot be audited; what it means and what to do)
@@ -455,6 +458,7 @@ def stretch(auditor: Auditor, ea: Run, et: Run, tol: float, figures: dict[str, A
     auditor.config = dataclasses.replace(auditor.config, epochs=auditor.epochs)
     t = auditor.run("true batch", et.b, 1, n)
     if t.lrs == et.lrs:  # its schedule does not follow {epochs} (it decays per step, or over {max_steps})
+        figures["last_lr_share"] = et.lrs[-1] / max(et.lrs)
         return None
     a = auditor.run("accumulated", ea.b, ea.k, n)
     figures["schedule_epochs"] = auditor.epochs
@@ -578,6 +582,12 @@ def _sentence(finding: Finding) -> str:
                      "of the difference): Adam's first update is about the LR on every weight whatever the gradient "
                      "(Lion's every update is), which hides the scale that names a mistake: audit with SGD to have "
                      "it named.")
+    if finding.verdict == "exact" and f.get("last_lr_share", 1.0) < TAIL:
+        sentence += (f" The epoch's last update ran at {f['last_lr_share']:.2g} of its largest LR, and the schedule "
+                     "does not follow {epochs} (it decays per step, or over {max_steps}, as transformers' Trainer "
+                     "builds it): a mistake of the epoch's last window moves the weights that much less there. "
+                     "Audit with a constant LR (transformers: lr_scheduler_type=\"constant\") to check that window "
+                     "at full size.")
     if finding.verdict == "update_scaled" and abs(f["update_ratio"] - 1) < CLIPPED:
         sentence += (f" Both updates have the same length to within {abs(f['update_ratio'] - 1):.2g}: gradient "
                      "clipping (clip_grad_norm_; transformers' max_grad_norm is 1.0 by default) cuts both to its "

@@ -84,6 +84,10 @@ def test_the_audit_finds_the_transformers_trainers_accumulation_exact(tmp_path, 
     finding = audited(tmp_path, capsys, monkeypatch, "hf.toml", 4, 4)
     assert finding["verdict"] == "exact", finding
     assert finding["steps_accumulated"] == finding["steps_true_batch"] == 13
+    # Its linear schedule spans {max_steps} where it is given: under the study's 10 epochs the LRs are the same,
+    # and the last window was checked at 1/13 of the LR, which the sentence says.
+    assert finding["runs"] == 3 and finding["last_lr_share"] == pytest.approx(1 / 13)
+    assert "ran at 0.077 of its largest LR" in finding["sentence"] and "constant" in finding["sentence"]
 
 
 @needs("transformers", "accelerate")
