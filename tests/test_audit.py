@@ -265,7 +265,7 @@ def test_a_short_window_under_adam_is_unexplained_and_says_where_to_look(tmp_pat
 def test_a_last_window_at_a_schedules_tail_is_audited_where_the_study_trains_it(epochs, verdict, tmp_path, store,
                                                                                capsys):
     """A cosine to 0 over the run's {epochs}, Adam, and a short last window divided by k (float32, b = 3, k = 3: 26
-    full windows and one of 2). Run for one epoch, that window is at the schedule's tail (LR 3.4e-7): the weights
+    full windows and one of 2). Run for one epoch, that window is at the schedule's tail (LR 3.4e-5): the weights
     differ by 4e-6, within float32's 1e-5, and it read as exact. The study trains 6 epochs, where epoch 1 ends at
     94% of the LR: run to the same step under that schedule, they part at the last update by 1e-3. A study of one
     epoch trains with that window at the tail: exact there, after the two runs."""

@@ -12,8 +12,9 @@ what `batchsweep audit` must name. A plain PyTorch loop, as people write them.
 
 It prints {"step": s, "loss": l, "lr": the step's LR} per optimizer step and saves model.state_dict() to
 $BATCHSWEEP_STATE at the end. With SGD the LR decays by 0.9 a step; with --schedule cosine (either optimizer)
-it follows a cosine to 0 over the run's {epochs} of windows, as schedules built from a total number of steps do. The training set (240 samples) is 7
-windows of 32 and a short one of 16: at b = 8, k = 4 the last window holds 2 micro-batches.
+it follows a cosine to 0 over the run's {epochs} of windows, as schedules built from a total number of steps
+do. The training set (240 samples) is 7 windows of 32 and a short one of 16: at b = 8, k = 4 the last window
+holds 2 micro-batches.
 """
 import argparse
 import json
