@@ -177,7 +177,7 @@ class Auditor:
     """Runs the script with the study's values, one MLflow run each under the audit's parent run."""
 
     def __init__(self, study, config: TrainConfig, own: dict[str, Any], tracker: Tracker, parent: str,
-                 folder: Path, epochs: int = 1):
+                 folder: Path, epochs: int):
         self.study, self.config, self.own, self.tracker, self.parent, self.folder = (
             study, config, own, tracker, parent, folder)
         self.epochs = epochs  # the study's: what a schedule over {epochs} spans in its training
@@ -366,8 +366,9 @@ def classify(ratio: float, cos: float, k: int, first: bool, last: bool, clipped:
         return "update_scaled"
     if clipped:  # and turned
         return "differs_under_clipping"
-    if cos > 0.98 and 0.5 < ratio < 2 and (first or not last):  # (at the last update only: a short window under
-        return "mean_of_micro_batch_means"  # Adam reads so too, and the sentence of `unexplained` says where to look)
+    # (At the last update alone a short window under Adam turns so too: `unexplained`, whose sentence says where.)
+    if cos > 0.98 and 0.5 < ratio < 2 and (first or not last):
+        return "mean_of_micro_batch_means"
     if first and ratio < 0.75 and cos < 0.999:
         return "zero_grad_per_micro_batch"
     return "unexplained"
