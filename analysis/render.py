@@ -28,7 +28,7 @@ from . import branching
 from .figures import Figure, all_figures, protocol
 from .findings import summarize
 from .runs import StudyRuns
-from .space import space_figures
+from .space import pareto_trials, space_figures
 
 MANIFEST = ".batchsweep-report"  # the files the last report wrote in this folder, one name a line
 # Columns of the trials table in the report, when the study has them.
@@ -49,16 +49,37 @@ th { text-align: left; } td.n { text-align: right; font-variant-numeric: tabular
 """
 
 
-def _table(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> pd.DataFrame:
-    """The trials table; with an objective, a first column marks the best finished trial with ★."""
+def _columns(study: StudyRuns) -> list[str]:
+    """The trials table's columns: those of TABLE that the runs have, and the study's objectives."""
+    trials = study.trials
     columns = [c for c in TABLE if c in trials and not (c in UNLESS and (trials[c] == UNLESS[c]).all())]
+    extra = [m for m, _ in study.objectives if m in trials and m not in columns]
+    at = columns.index("samples_per_s") if "samples_per_s" in columns else len(columns)
+    return columns[:at] + extra + columns[at:]
+
+
+def _table(study: StudyRuns) -> pd.DataFrame:
+    """The trials table, a first column marking with ★ the best finished trial, or with several objectives the
+    Pareto front of them (`front`, as the run's final table marks it)."""
+    trials, columns = study.trials, _columns(study)
     table = trials[columns].sort_values(columns[0]) if columns else trials
-    if objective is None or objective[0] not in trials:
+    metric, direction = study.objectives[0]
+    if len(study.objectives) > 1:
+        marked, name = set(pareto_trials(study)), "front"
+    elif metric in trials:
+        done = trials[(trials["status"] == "FINISHED") & trials[metric].notna()] if "status" in trials else trials
+        marked = set() if done.empty else {done[metric].idxmax() if direction == "maximize" else done[metric].idxmin()}
+        name = "best"
+    else:
         return table
-    metric, direction = objective
-    done = trials[(trials["status"] == "FINISHED") & trials[metric].notna()] if "status" in trials else trials
-    best = None if done.empty else (done[metric].idxmax() if direction == "maximize" else done[metric].idxmin())
-    return table.assign(best=["★" if i == best else "" for i in table.index])[["best", *table.columns]]
+    return table.assign(**{name: ["★" if i in marked else "" for i in table.index]})[[name, *table.columns]]
+
+
+def _raw(study: StudyRuns) -> pd.DataFrame:
+    """trials.csv: the table's columns, then every other param, metric and tag of the runs, unformatted."""
+    columns = _columns(study)
+    rest = sorted(c for c in study.trials.columns if c not in columns)
+    return study.trials[columns + rest].sort_values(columns[0]) if columns else study.trials
 
 
 # Headers with units, and how a column's numbers are shown; one format per column.
@@ -273,7 +294,7 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
         findings = summarize(study.trials, study.history, study.evals) + [f.finding for f in figures if f.finding]
         summaries.append((study.name, findings or ["No finished trials yet."], protocol(study.trials)))
         csv = folder / f"{prefix}trials.csv"
-        _table(study.trials).to_csv(csv, index=False)
+        _raw(study).to_csv(csv, index=False)
         written.append(csv)
     # A section per kind of figure: the studies' side by side even where their titles differ (learning curves by
     # lr_rule beside those by bn_momentum_rule), under what their titles share, each whole title in its caption.
@@ -300,7 +321,7 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
         summaries=summaries, health=health, html_table=_html_table, models=models,
         sections=[(t, [(label, fig, base64.b64encode(path.read_bytes()).decode(), caption)
                        for label, fig, path, caption in items]) for t, items in sections],
-        trials=[(s.name, _table(s.trials, s.objectives[0])) for s in studies])
+        trials=[(s.name, _table(s)) for s in studies])
     (folder / "report.html").write_text(page)
     written = [folder / "report.html", folder / "report.md", *written]
     (folder / MANIFEST).write_text("\n".join(p.name for p in written) + "\n")

@@ -329,22 +329,28 @@ def time_front(study: StudyRuns) -> Figure | None:
                          percent, True, "time_front", f"Pareto front: {value} against time to the target", t, finding)
 
 
+def pareto_trials(study: StudyRuns) -> pd.Index:
+    """The finished trials on Optuna's Pareto front of the study's objectives (its `best_trials`)."""
+    import optuna
+
+    t = _objective_trials(study)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    rebuilt = optuna.create_study(directions=[d for _, d in study.objectives])
+    for i, (_, row) in enumerate(t.iterrows()):
+        rebuilt.add_trial(optuna.trial.create_trial(values=[float(row[m]) for m, _ in study.objectives],
+                                                    user_attrs={"row": i}))
+    return t.index[[trial.user_attrs["row"] for trial in rebuilt.best_trials]]
+
+
 def objectives_front(study: StudyRuns) -> Figure | None:
     """A study of two objectives: every finished trial, and Optuna's Pareto front of them."""
     if len(study.objectives) != 2:
         return None
-    import optuna
-
     t = _objective_trials(study)
     if len(t) < 2:
         return None
     (m1, d1), (m2, d2) = study.objectives
-    optuna.logging.set_verbosity(optuna.logging.ERROR)
-    rebuilt = optuna.create_study(directions=[d1, d2])
-    for i, (_, row) in enumerate(t.iterrows()):
-        rebuilt.add_trial(optuna.trial.create_trial(values=[float(row[m1]), float(row[m2])],
-                                                    user_attrs={"row": i}))
-    on = t.index[[trial.user_attrs["row"] for trial in rebuilt.best_trials]]
+    on = pareto_trials(study)
     fields = _fields(study, t)
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     rest = t.drop(on)

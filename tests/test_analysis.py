@@ -554,6 +554,9 @@ def test_report_command_and_compare(tiny_study):
     assert "## Findings: accum_lr" in md and "2 epochs; 2 seeds" in md
     assert "Protocol: sgd (momentum 0.9); no warmup, then cosine; weight decay 0.0005; 2 epochs; 2 seeds." in md
     assert "## Training health: accum_lr" in md and "health.png" in md
+    raw = pd.read_csv(folder / "trials.csv")  # the table's columns first, then every param, metric and tag
+    assert list(raw.columns[:3]) == ["effective_batch", "physical_batch", "accum_steps"] and len(raw) == 8
+    assert {"run_id", "val_loss", "train_loss", "grad_norm", "weight_decay", "optuna.trial_number"} <= set(raw)
     # A second study under another name, then both side by side.
     assert sweep(tiny_study, *TINY, "--study", "batch_memory", "--n-trials", "3").returncode == 0
     proc = run_script("analysis/report.py", "--compare", "accum_lr", "batch_memory", "--tracking-uri", uri,
@@ -725,7 +728,24 @@ def test_table_columns_keep_one_format_and_mark_the_best():
     trials = pd.DataFrame({"effective_batch": [32, 64], "lr": [0.05, 0.1], "status": ["FINISHED", "FINISHED"],
                            "val_acc": [0.91, 0.935], "samples_per_s": [9934.2, 12760.0],
                            "peak_memory_bytes": [3 * MIB, 5.5 * MIB]})
-    headers, rows = _display(_table(trials, ("val_acc", "maximize")))
+    headers, rows = _display(_table(StudyRuns("s", trials, pd.DataFrame(), None, "")))
     assert headers == ["best", "effective_batch", "lr", "status", "val_acc, %", "samples/s", "peak memory, MiB"]
     assert [[text for text, _ in row] for row in rows] == [
         ["", "32", "0.0500", "FINISHED", "91.00", "9,934", "3.0"], ["★", "64", "0.1000", "FINISHED", "93.50", "12,760", "5.5"]]
+
+
+def test_the_table_shows_the_studys_objectives_and_marks_their_front():
+    """A study of val_loss (minimize) and a metric of the user's (maximize): both are columns, and ★ marks
+    Optuna's Pareto front of them, as the run's final table does, not the best val_acc nor the best first
+    objective alone. A failed trial is on no front."""
+    trials = pd.DataFrame({"effective_batch": [16, 64, 64, 128], "status": ["FINISHED"] * 3 + ["FAILED"],
+                           "val_acc": [0.50, 0.53, 0.52, math.nan], "val_loss": [0.72, 0.79, 0.80, math.nan],
+                           "val_f1": [0.50, 0.53, 0.51, math.nan], "samples_per_s": [2000.0, 3500.0, 1700.0, 0.0]})
+    study = StudyRuns("s", trials, pd.DataFrame(), None, "",
+                      objectives=(("val_loss", "minimize"), ("val_f1", "maximize")))
+    table = _table(study)
+    assert list(table.columns) == ["front", "effective_batch", "status", "val_acc", "val_loss", "val_f1",
+                                   "samples_per_s"]
+    assert table["front"].tolist() == ["★", "★", "", ""]
+    study.objectives = (("val_loss", "minimize"),)
+    assert _table(study)["best"].tolist() == ["★", "", "", ""]  # the lowest loss, at the lowest val_acc
