@@ -214,7 +214,7 @@ def run_invocation(inv, workers: int, gpus: list | tuple = ()) -> int:
     import optuna
 
     from .placement import place
-    from .storage import create_studies, open_storage, remaining
+    from .storage import check_protocol, create_studies, open_storage, remaining
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # trial failures are reported in one line each
     storage = open_storage(inv.storage)
@@ -226,6 +226,7 @@ def run_invocation(inv, workers: int, gpus: list | tuple = ()) -> int:
     except Exception as exc:
         raise BatchsweepError(f"cannot use the Optuna storage {redact(inv.storage)} ({first_line(exc, inv.storage)}):"
                               f" check it, or pass another --storage") from None
+    check_protocol(inv, storage)
     closed = end_dead(inv, storage, tracker)  # before counting: their points run again in this invocation
     left = remaining(inv, storage)
     total = left if inv.n_trials is None else min(left, inv.n_trials)

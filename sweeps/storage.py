@@ -2,6 +2,7 @@
 failed so that their points run again."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import random
@@ -14,12 +15,15 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from trainers import BatchsweepError
+from trainers import BatchsweepError, ConfigError
 
 from .tracking import HOST, PROCESSES, first_line, pid_alive
 from .urls import check_storage, redact, sqlite_path
 
 HEARTBEAT_GRACE_S = 120  # a trial whose process sent no heartbeat for this long is dead
+PROTOCOL = "batchsweep.protocol"  # the Optuna study's user attribute that holds what its trials share
+# Fields that say where a trial runs and how fast, not what it measures: they may differ between invocations.
+WHERE = ("seed", "device", "data_dir", "eval_batch", "num_workers", "pin_memory", "prefetch_factor")
 
 
 class StorageError(BatchsweepError):
@@ -90,6 +94,36 @@ def create_studies(inv, storage: optuna.storages.BaseStorage) -> None:
     for name in inv.study_names():
         optuna.create_study(storage=storage, study_name=name, directions=list(inv.study.directions),
                             load_if_exists=True)
+
+
+def protocol(inv) -> dict[str, str]:
+    """What every trial of the study shares and its numbers depend on: the base configuration's fields that no
+    point sets, and a [program]'s command and own [fixed] values. (The seeds are not in it: more seeds are more
+    trials of the same study.)"""
+    study = inv.study
+    skip = {*WHERE, *study.varied, *(("physical_batch", "accum_steps") if study.auto_batch else ())}
+    shared = {f.name: getattr(inv.base, f.name) for f in dataclasses.fields(inv.base) if f.name not in skip}
+    if study.program:
+        shared |= {"program.command": " ".join(study.program.command), **inv.own({})}
+    return {key: str(value) for key, value in shared.items()}
+
+
+def check_protocol(inv, storage: optuna.storages.BaseStorage) -> None:
+    """Refuse to resume a study under other settings: its finished points count as done, and would be measured
+    under the old ones beside new ones under these. The study's first invocation records its settings."""
+    mine = protocol(inv)
+    for name in inv.study_names():
+        study = optuna.load_study(study_name=name, storage=storage)
+        recorded = study.user_attrs.get(PROTOCOL)
+        if recorded is None:
+            study.set_user_attr(PROTOCOL, mine)
+            continue
+        changed = [key for key in sorted(mine.keys() | recorded.keys()) if mine.get(key) != recorded.get(key)]
+        if changed:
+            said = ", ".join(f"{key} = {recorded.get(key, '(unset)')} (this command: {mine.get(key, '(unset)')})"
+                             for key in changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+            raise ConfigError(f"study {inv.study_name} in {redact(inv.storage)} ran with {said}: run it with those "
+                              f"settings to resume it, or pass --study-name NAME for a new study")
 
 
 def owner() -> str:

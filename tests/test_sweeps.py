@@ -130,6 +130,25 @@ def test_dry_run_and_list_write_nothing(tmp_path):
     assert not (tmp_path / "mlruns").exists()
 
 
+def test_a_study_resumed_under_other_settings_is_refused_and_more_seeds_are_not(tmp_path):
+    """Its finished points would count as done under the old settings, beside new trials under these: a quick
+    `--epochs 1` try of a study, then the full run. The seed, the number of seeds and where it runs may change."""
+    assert sweep(tmp_path, *TINY, "--n-trials", "1").returncode == 0
+    changed = sweep(tmp_path, *TINY, "--n-trials", "1", "--epochs", "2", "--set", "momentum=0.5")
+    assert changed.returncode == 2 and "Traceback" not in changed.stderr
+    assert changed.stderr.splitlines()[-1] == (
+        f"error: study accum_lr in sqlite:///{tmp_path}/mlruns/optuna.db ran with epochs = 1 (this command: 2), "
+        "momentum = 0.9 (this command: 0.5): run it with those settings to resume it, or pass --study-name NAME "
+        "for a new study"), changed.stderr
+    storage, client = stores(tmp_path)
+    assert len(grid_trials(storage)) == 1 and [len(runs) for runs in child_runs(client)] == [1, 1]  # nothing written
+    more = sweep(tmp_path, *TINY, "--n-trials", "1", "--seeds", "2", "--seed", "5", "--device", "cpu")
+    assert more.returncode == 0, more.stderr
+    assert [t.user_attrs["config"]["seed"] for t in grid_trials(storage)] == [0, 5]
+    other = sweep(tmp_path, *TINY, "--n-trials", "1", "--epochs", "2", "--study-name", "accum_lr-2")
+    assert other.returncode == 0, other.stderr
+
+
 def wait_for_complete(storage, at_least, proc, timeout=120, study="accum_lr"):
     """Poll an Optuna storage (a SQLite file's path, or a URL) until `at_least` trials are COMPLETE."""
     url = storage if isinstance(storage, str) else f"sqlite:///{storage}"
