@@ -223,10 +223,12 @@ def run_invocation(inv, workers: int, gpus: list | tuple = ()) -> int:
         make_writable_folder(Path(inv.checkpoint_dir))
     try:
         create_studies(inv, storage)
+        check_protocol(inv, storage)
+    except BatchsweepError:
+        raise
     except Exception as exc:
         raise BatchsweepError(f"cannot use the Optuna storage {redact(inv.storage)} ({first_line(exc, inv.storage)}):"
                               f" check it, or pass another --storage") from None
-    check_protocol(inv, storage)
     closed = end_dead(inv, storage, tracker)  # before counting: their points run again in this invocation
     left = remaining(inv, storage)
     total = left if inv.n_trials is None else min(left, inv.n_trials)

@@ -17,6 +17,7 @@ from optuna.trial import TrialState
 
 from trainers import BatchsweepError, ConfigError
 
+from .program import redacted
 from .tracking import HOST, PROCESSES, first_line, pid_alive
 from .urls import check_storage, redact, sqlite_path
 
@@ -105,7 +106,7 @@ def protocol(inv) -> dict[str, str]:
     shared = {f.name: getattr(inv.base, f.name) for f in dataclasses.fields(inv.base) if f.name not in skip}
     if study.program:
         shared |= {"program.command": " ".join(study.program.command), **inv.own({})}
-    return {key: str(value) for key, value in shared.items()}
+    return {key: str(redacted(value)) for key, value in shared.items()}  # (a URL in it without its password)
 
 
 def check_protocol(inv, storage: optuna.storages.BaseStorage) -> None:
