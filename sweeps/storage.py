@@ -121,7 +121,7 @@ def check_protocol(inv, storage: optuna.storages.BaseStorage) -> None:
             continue
         changed = [key for key in sorted(mine.keys() | recorded.keys()) if mine.get(key) != recorded.get(key)]
         if changed:
-            said = ", ".join(f"{key} = {recorded.get(key, '(unset)')} (this command: {mine.get(key, '(unset)')})"
+            said = ", ".join(f"{key} = {recorded.get(key, '(unset)')} (now {mine.get(key, '(unset)')})"
                              for key in changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
             raise ConfigError(f"study {inv.study_name} in {redact(inv.storage)} ran with {said}: run it with those "
                               f"settings to resume it, or pass --study-name NAME for a new study")

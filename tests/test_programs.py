@@ -267,6 +267,24 @@ physical_batch = [8, 16]
     assert "s3cr3t" not in proc.stdout and "postgresql://me:***@db.example/runs" in lines[0]
 
 
+def test_a_scripts_recorded_settings_are_its_command_and_own_values_without_a_password(tmp_path):
+    """What a resumed [program] study is held to (a change is refused: tests/test_sweeps.py): its command as
+    written, its own [fixed] values, and the fields no point sets; not what varies, nor where it runs."""
+    from sweeps.cli import build_invocation, parse_args
+    from sweeps.storage import protocol
+
+    path = study_file(tmp_path, "script_protocol", """[fixed]
+db = "postgresql://me:s3cr3t@db.example/runs"
+epochs = 3
+[grid]
+physical_batch = [8, 16]
+""", COMMAND + ', "--db", "{db}"]')
+    shared = protocol(build_invocation(parse_args(["--study", str(path), "--set", "data_dir=/elsewhere"])))
+    assert shared["db"] == "postgresql://me:***@db.example/runs" and shared["epochs"] == "3"
+    assert shared["program.command"].endswith(" --epochs {epochs} --db {db}") and "s3cr3t" not in str(shared)
+    assert not {"physical_batch", "seed", "data_dir", "device"} & set(shared) and "base_lr" in shared
+
+
 def test_scripts_on_postgresql_and_a_tracking_server_log_into_their_trials_runs(tmp_path):
     from mlflow import MlflowClient
 

@@ -137,8 +137,8 @@ def test_a_study_resumed_under_other_settings_is_refused_and_more_seeds_are_not(
     changed = sweep(tmp_path, *TINY, "--n-trials", "1", "--epochs", "2", "--set", "momentum=0.5")
     assert changed.returncode == 2 and "Traceback" not in changed.stderr
     assert changed.stderr.splitlines()[-1] == (
-        f"error: study accum_lr in sqlite:///{tmp_path}/mlruns/optuna.db ran with epochs = 1 (this command: 2), "
-        "momentum = 0.9 (this command: 0.5): run it with those settings to resume it, or pass --study-name NAME "
+        f"error: study accum_lr in sqlite:///{tmp_path}/mlruns/optuna.db ran with epochs = 1 (now 2), momentum = 0.9 "
+        "(now 0.5): run it with those settings to resume it, or pass --study-name NAME "
         "for a new study"), changed.stderr
     storage, client = stores(tmp_path)
     assert len(grid_trials(storage)) == 1 and [len(runs) for runs in child_runs(client)] == [1, 1]  # nothing written
