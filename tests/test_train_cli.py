@@ -153,8 +153,10 @@ def test_refused_dataset_files_say_so(capsys, tmp_path):
 
 def test_settings_without_effect_are_warnings(capsys, data_dir):
     assert main(["--model", "mlp", "--bn-momentum-rule", "matched", "--ghost-batch", "4", "--label-key", "target",
-                 "--epochs", "1", "--data-dir", data_dir]) == 0
-    err = capsys.readouterr().err
+                 "--epochs", "1", "--data-dir", data_dir, "--metrics", "tests.factories:margin"]) == 0
+    out, err = capsys.readouterr()
+    # The summary: no BN momentum for a model without BatchNorm, and the user's own metric beside val acc.
+    assert "bn momentum" not in out and re.search(r"\nval margin +-?\d+\.\d+\n", out), out
     assert "warning: bn_momentum_rule='matched' has no effect" in err
     assert "warning: ghost_batch has no effect: model 'mlp' has no BatchNorm layer" in err
     assert "warning: label_key='target' has no effect: the samples of 'mnist1d' are (input, target) pairs" in err
@@ -166,6 +168,7 @@ def test_script_trains_and_writes_json(tmp_path, data_dir):
                       "--bn-momentum-rule", "matched", "--epochs", "2", "--data-dir", data_dir, "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "16 x 4 = 64" in proc.stdout and "val acc" in proc.stdout
+    assert re.search(r"\nbn momentum +0\.026 \(matched\)\n", proc.stdout), proc.stdout  # cnn1d's BatchNorm
     result = json.loads(out.read_text())
     assert result["status"] == "ok" and len(result["history"]) == 2
     assert result["config"]["effective_batch"] == 64 and result["config"]["lr"] == pytest.approx(0.1)

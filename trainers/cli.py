@@ -73,7 +73,10 @@ def format_bytes(n: float) -> str:
 
 
 def summary_table(result) -> str:
+    from .models import batchnorm_layers
+
     c, m = result.config, result.metrics
+    own = sorted(k for k in m if k.startswith("val_") and k not in ("val_loss", "val_acc"))  # top5, perplexity, yours
     rows = [
         ("status", result.status),
         ("model / dataset", f"{c.model} / {c.dataset}"),
@@ -85,11 +88,12 @@ def summary_table(result) -> str:
         *([("gradient all-reduces", f"{m['allreduce_calls']:.0f} in the last epoch, "
                                     f"{format_bytes(m['allreduce_bytes'])}")] if "allreduce_calls" in m else []),
         ("lr", f"{c.lr:.4g} ({c.lr_rule} rule, base {c.base_lr:g} at {c.base_batch})"),
-        ("bn momentum", f"{c.bn_momentum:.4g} ({c.bn_momentum_rule})"),
+        *([("bn momentum", f"{c.bn_momentum:.4g} ({c.bn_momentum_rule})")] if batchnorm_layers(result.model) else []),
         ("epochs / steps", f"{len(result.history)} / {int(m['steps'])}"),
         ("train loss", f"{m['train_loss']:.4f}"),
         ("val loss", f"{m['val_loss']:.4f}"),
         ("val acc", "n/a" if math.isnan(m["val_acc"]) else f"{m['val_acc']:.2%}"),
+        *((f"val {k[4:]}", f"{m[k]:.2%}" if k == "val_top5" else f"{m[k]:.4g}") for k in own),
         ("samples/s", f"{m['samples_per_s']:,.0f}"),
         (f"peak memory ({result.memory_source})", format_bytes(m["peak_memory_bytes"])),
         ("noise scale", f"{m['noise_scale']:.0f}" + (" (unreliable: the finite-set correction dominates)"
