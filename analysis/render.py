@@ -35,7 +35,7 @@ MANIFEST = ".batchsweep-report"  # the files the last report wrote in this folde
 TABLE = ["effective_batch", "physical_batch", "accum_steps", "world_size", "physical_batch_used", "oom_retries",
          "lr_rule", "lr", "bn_momentum_rule", "model", "seed", "status", "reason", "health", "val_acc",
          "param_rel_diff", "acc_gap", "samples_per_s", "peak_memory_bytes"]
-UNLESS = {"world_size": 1}  # columns left out when every trial has this value
+UNLESS = {"world_size": 1, "bn_momentum_rule": "default"}  # columns left out when every trial has this value
 
 CSS = """
 body { font-family: system-ui, sans-serif; max-width: 1200px; margin: 2em auto; padding: 0 1em; color: #222; }

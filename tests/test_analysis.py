@@ -726,6 +726,7 @@ def test_no_lr_rule_is_named_best_at_the_base_batch():
 
 def test_table_columns_keep_one_format_and_mark_the_best():
     trials = pd.DataFrame({"effective_batch": [32, 64], "lr": [0.05, 0.1], "status": ["FINISHED", "FINISHED"],
+                           "bn_momentum_rule": ["default"] * 2,  # the same for every trial: no column
                            "val_acc": [0.91, 0.935], "samples_per_s": [9934.2, 12760.0],
                            "peak_memory_bytes": [3 * MIB, 5.5 * MIB]})
     headers, rows = _display(_table(StudyRuns("s", trials, pd.DataFrame(), None, "")))
