@@ -109,6 +109,21 @@ def _log2_axis(ax, values) -> None:
     ax.minorticks_off()
 
 
+def log_scale(ax, axis: str, values) -> None:
+    """A log scale where the values span a factor of 3 or more, ticked in plain numbers at 1, 2 and 5 times the
+    powers of ten (a factor of 3 always holds one of them); else the linear scale stays, whose ticks are named
+    (a log scale inside 2 to 5, say, would show no number at all)."""
+    values = np.asarray(values, dtype=float)
+    values = values[np.isfinite(values) & (values > 0)]
+    if not len(values) or values.max() < 3 * values.min():
+        return
+    getattr(ax, f"set_{axis}scale")("log")
+    ticks = getattr(ax, f"{axis}axis")
+    ticks.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    ticks.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ticks.set_minor_formatter(matplotlib.ticker.NullFormatter())
+
+
 def finished(trials: pd.DataFrame) -> pd.DataFrame:
     return trials[trials["status"] == "FINISHED"]
 
@@ -160,9 +175,7 @@ def accuracy_vs_batch(trials: pd.DataFrame) -> Figure | None:
                         ax=noise_ax, legend=False)
         noise_ax.axhline(b_crit, color="gray", linestyle="--", linewidth=1)
         _log2_axis(noise_ax, measured["effective_batch"])
-        noise_ax.set_yscale("log")
-        noise_ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-        noise_ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        log_scale(noise_ax, "y", [*measured["noise_scale"], b_crit])
         noise_ax.set(xlabel="effective batch B (trials with k ≥ 2)",
                      ylabel="gradient noise scale at the last epoch", title=f"median {b_crit:.0f}")
     groups = list(stats.groupby(keys)) if keys else [((), stats)]
@@ -204,9 +217,7 @@ def memory_vs_batch(trials: pd.DataFrame) -> Figure | None:
     ax.set(xlabel="effective batch B = b·k",
            ylabel=MEMORY_LABELS.get(sources[0], "peak memory, MiB") if len(sources) == 1 else "peak memory, MiB "
            "(mixed sources: compare within one)")
-    ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    log_scale(ax, "y", t["peak_mib"])
     return Figure("memory_vs_batch", "Peak memory against effective batch (hue: physical batch b)", fig, context(t))
 
 

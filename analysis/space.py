@@ -13,11 +13,10 @@ import math
 from collections.abc import Iterator
 
 import matplotlib.pyplot as plt
-from matplotlib import ticker
 import numpy as np
 import pandas as pd
 
-from .figures import Figure, context, finished, in_order
+from .figures import Figure, context, finished, in_order, log_scale
 from .runs import TARGET_SHARE, StudyRuns, ci95
 
 MIN_IMPORTANCE_TRIALS = 10  # fewer finished trials say nothing about which field mattered
@@ -245,10 +244,7 @@ def _front_figure(points: pd.DataFrame, fields: list[str], cost: str, value: str
         ax.annotate(label(row, fields), (row[cost], scale * row[value]), fontsize=7, xytext=(4, -10),
                     textcoords="offset points")
     ax.set(xlabel=cost_label, ylabel=f"{value}{', %' if percent else ''} (mean over seeds)")
-    if points[cost].min() > 0 and points[cost].max() / points[cost].min() >= 8:
-        ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
-        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+    log_scale(ax, "x", points[cost])
     ax.legend(fontsize=8)
     return Figure(name, title, fig, context(trials), finding)
 

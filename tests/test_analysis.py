@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from analysis.figures import (accuracy_vs_batch, all_figures, best_lr, bn_rules, context, equivalence,
-                              learning_curves, protocol, split, warmup_curves)
+                              learning_curves, log_scale, protocol, split, warmup_curves)
 from analysis import branching
 from analysis.findings import course, lr_rule_reading, memory, summarize
 from analysis.render import MIB, _display, _table, write_report
@@ -722,6 +722,25 @@ def test_no_lr_rule_is_named_best_at_the_base_batch():
         finding = figure.finding
         assert "best overall was k = 1, every LR rule (B = base_batch) (96.8 ± 0.2%)" in finding, finding  # 3 seeds
         assert "k = 1, linear" not in finding and "k = 1, none" not in finding and "k = 1, sqrt" not in finding
+
+
+@pytest.mark.parametrize("values, labels, scale", [
+    ((1.87, 1.93, 6.75), ["2", "5"], "log"),  # a textcls study's peak memory, MiB: no power of ten inside
+    ((42, 96, 160), ["50", "100"], "log"),  # noise scales
+    ((0.49, 0.49, 6.45), ["0.5", "1", "2", "5"], "log"),  # accum_lr's memory
+    ((1.87, 1.93), None, "linear")])  # within a factor of 3: the linear axis, named by matplotlib
+def test_a_log_axis_has_numbers_on_it_wherever_its_values_lie(values, labels, scale):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.scatter(range(len(values)), values)
+    log_scale(ax, "y", values)
+    fig.canvas.draw()
+    low, high = ax.get_ylim()
+    shown = [t.get_text() for t in ax.get_yticklabels() if low <= t.get_position()[1] <= high and t.get_text()]
+    plt.close(fig)
+    assert ax.get_yscale() == scale and len(shown) >= 2
+    assert labels is None or shown == labels, shown
 
 
 def test_table_columns_keep_one_format_and_mark_the_best():
