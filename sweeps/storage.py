@@ -98,12 +98,17 @@ def create_studies(inv, storage: optuna.storages.BaseStorage) -> None:
 
 
 def protocol(inv) -> dict[str, str]:
-    """What every trial of the study shares and its numbers depend on: the base configuration's fields that no
-    point sets, and a [program]'s command and own [fixed] values. (The seeds are not in it: more seeds are more
-    trials of the same study.)"""
+    """What the study's trials are and share: its grid, searched ranges, search and objective; the base
+    configuration's fields that no point sets; a [program]'s command and own [fixed] values. (Not the seeds:
+    more seeds are more trials of the same study.)"""
     study = inv.study
     skip = {*WHERE, *study.varied, *(("physical_batch", "accum_steps") if study.auto_batch else ())}
     shared = {f.name: getattr(inv.base, f.name) for f in dataclasses.fields(inv.base) if f.name not in skip}
+    shared |= {f"grid.{key}": list(values) for key, values in study.grid.items()}
+    shared |= {f"tune.{name}": param for name, param in study.tune.items()}
+    shared |= {f"search.{key}": getattr(study, key) for key in ("sampler", "trials", "pruner", "twins", "sampler_seed",
+                                                                 "auto_batch", "kind", "metrics", "directions")}
+    shared["search.constraints"] = [c.text for c in study.constraints]
     if study.program:
         shared |= {"program.command": " ".join(study.program.command), **inv.own({})}
     return {key: str(redacted(value)) for key, value in shared.items()}  # (a URL in it without its password)

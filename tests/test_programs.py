@@ -283,6 +283,7 @@ physical_batch = [8, 16]
     assert shared["db"] == "postgresql://me:***@db.example/runs" and shared["epochs"] == "3"
     assert shared["program.command"].endswith(" --epochs {epochs} --db {db}") and "s3cr3t" not in str(shared)
     assert not {"physical_batch", "seed", "data_dir", "device"} & set(shared) and "base_lr" in shared
+    assert shared["grid.physical_batch"] == "[8, 16]" and shared["search.metrics"] == "('val_acc',)"
 
 
 def test_scripts_on_postgresql_and_a_tracking_server_log_into_their_trials_runs(tmp_path):

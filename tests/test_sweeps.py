@@ -140,6 +140,9 @@ def test_a_study_resumed_under_other_settings_is_refused_and_more_seeds_are_not(
         f"error: study accum_lr in sqlite:///{tmp_path}/mlruns/optuna.db ran with epochs = 1 (now 2), momentum = 0.9 "
         "(now 0.5): run it with those settings to resume it, or pass --study-name NAME "
         "for a new study"), changed.stderr
+    (tmp_path / "small.toml").write_text(SMALL)  # the same name, a grid of fewer points
+    grid = sweep(tmp_path, *TINY, "--n-trials", "1", "--study", str(tmp_path / "small.toml"))
+    assert grid.returncode == 2 and "ran with grid.accum_steps = [1, 2, 4, 8, 16] (now [1, 2, 4, 8])" in grid.stderr
     storage, client = stores(tmp_path)
     assert len(grid_trials(storage)) == 1 and [len(runs) for runs in child_runs(client)] == [1, 1]  # nothing written
     more = sweep(tmp_path, *TINY, "--n-trials", "1", "--seeds", "2", "--seed", "5", "--device", "cpu")
