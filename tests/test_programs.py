@@ -269,7 +269,8 @@ physical_batch = [8, 16]
 
 def test_a_scripts_recorded_settings_are_its_command_and_own_values_without_a_password(tmp_path):
     """What a resumed [program] study is held to (a change is refused: tests/test_sweeps.py): its command as
-    written, its own [fixed] values, and the fields no point sets; not what varies, nor where it runs."""
+    written, its own [fixed] values, its grid and objective, and the fields no point sets; not the values a
+    point sets, nor where it runs."""
     from sweeps.cli import build_invocation, parse_args
     from sweeps.storage import protocol
 
