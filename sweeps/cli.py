@@ -65,7 +65,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--launcher", choices=LAUNCHERS, help="where each trial trains: in the worker process, or as a "
                    "`torchrun --nproc-per-node N` job with N = its world_size (data-parallel; see README); default: "
                    "the study's own (process)")
-    p.add_argument("--dry-run", action="store_true", help="print the trials it would run and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the trials it would run (of a study the storage holds, with each one's status) and "
+                        "exit; writes nothing")
     p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
     p.add_argument("--plan", action="store_true", help="plan b and k for --target-batch within --memory-budget")
     p.add_argument("--target-batch", type=int, help="with --plan: the effective batch to reach")
@@ -153,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
             return memory_plan(args)
         inv = build_invocation(args)
         if args.dry_run:
-            print(dry_run_table(inv))
+            from .storage import peek
+
+            print(dry_run_table(inv, peek(inv)))
             return 0
         preflight_study(inv)
         quiet_stores()

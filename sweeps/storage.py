@@ -123,13 +123,63 @@ def check_protocol(inv, storage: optuna.storages.BaseStorage) -> None:
         recorded = study.user_attrs.get(PROTOCOL)
         if recorded is None:
             study.set_user_attr(PROTOCOL, mine)
-            continue
-        changed = [key for key in sorted(mine.keys() | recorded.keys()) if mine.get(key) != recorded.get(key)]
-        if changed:
-            said = ", ".join(f"{key} = {recorded.get(key, '(unset)')} (now {mine.get(key, '(unset)')})"
-                             for key in changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
-            raise ConfigError(f"study {inv.study_name} in {redact(inv.storage)} ran with {said}: run it with those "
-                              f"settings to resume it, or pass --study-name NAME for a new study")
+        else:
+            refuse_changes(inv, recorded, mine)
+
+
+def refuse_changes(inv, recorded: dict[str, str], mine: dict[str, str]) -> None:
+    changed = [key for key in sorted(mine.keys() | recorded.keys()) if mine.get(key) != recorded.get(key)]
+    if changed:
+        said = ", ".join(f"{key} = {recorded.get(key, '(unset)')} (now {mine.get(key, '(unset)')})"
+                         for key in changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        raise ConfigError(f"study {inv.study_name} in {redact(inv.storage)} ran with {said}: run it with those "
+                          f"settings to resume it, or pass --study-name NAME for a new study")
+
+
+def peek(inv) -> dict[str, list[optuna.trial.FrozenTrial]] | None:
+    """For --dry-run, which writes nothing: the trials of each of the study's Optuna studies that the storage
+    holds already (its database file, tables and study are not created where they are missing); None where it
+    holds none. Settings that differ from those the study ran with are refused, as the run refuses them."""
+    url = check_storage(inv.storage)
+    path = Path(url.removeprefix("journal:")) if url.startswith("journal:") else sqlite_path(url)
+    if path is not None and not path.exists():
+        return None
+    found = {}
+    try:
+        storage = _read_only(url, path)
+        for name in inv.study_names() if storage else ():
+            try:
+                study = optuna.load_study(study_name=name, storage=storage)
+            except KeyError:  # not created yet
+                continue
+            if PROTOCOL in study.user_attrs:
+                refuse_changes(inv, study.user_attrs[PROTOCOL], protocol(inv))
+            found[name] = study.get_trials(deepcopy=False)
+    except BatchsweepError:
+        raise
+    except Exception as exc:
+        raise StorageError(f"cannot read the Optuna storage {redact(url)} ({first_line(exc, url)}): check the URL "
+                           f"and that the server runs") from None
+    return found or None
+
+
+def _read_only(url: str, path: Path | None) -> optuna.storages.BaseStorage | None:
+    """The storage, opened without writing to it; None for a database without Optuna's tables."""
+    if url.startswith("journal:"):
+        from optuna.storages.journal import JournalFileBackend
+
+        return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+    import sqlalchemy
+
+    engine = sqlalchemy.create_engine(url, connect_args={} if path else {"connect_timeout": 3})
+    try:
+        with engine.connect() as connection:
+            if not sqlalchemy.inspect(connection).has_table("studies"):
+                return None
+    finally:
+        engine.dispose()
+    # (Optuna's schema check inserts its version row where the tables are empty: they are not, here.)
+    return optuna.storages.RDBStorage(url, skip_table_creation=True)
 
 
 def owner() -> str:
@@ -141,20 +191,25 @@ def fail_orphans(study: optuna.Study, trials: list[optuna.trial.FrozenTrial]) ->
     this host (in this container), and those that never got an owner (a process killed between Optuna creating
     the trial and its first heartbeat, which Optuna's own check never fails) once older than the heartbeat's
     grace."""
-    failed, now = 0, datetime.datetime.now()
+    failed = 0
     for t in trials:
-        if t.state != TrialState.RUNNING:
-            continue
-        host, _, pid = t.user_attrs.get("owner", "").rpartition(":")
-        here = host == HOST and t.user_attrs.get("owner_processes", PROCESSES) == PROCESSES
-        if here and not pid_alive(int(pid)) or (
-                not pid and (now - t.datetime_start).total_seconds() > HEARTBEAT_GRACE_S):
+        if orphaned(t):
             try:
                 study.tell(t.number, state=TrialState.FAIL)
                 failed += 1
             except (RuntimeError, ValueError):  # another worker got there first
                 pass
     return failed
+
+
+def orphaned(t: optuna.trial.FrozenTrial) -> bool:
+    """Whether a RUNNING trial's process is gone (see fail_orphans)."""
+    if t.state != TrialState.RUNNING:
+        return False
+    host, _, pid = t.user_attrs.get("owner", "").rpartition(":")
+    here = host == HOST and t.user_attrs.get("owner_processes", PROCESSES) == PROCESSES
+    return here and not pid_alive(int(pid)) or (
+        not pid and (datetime.datetime.now() - t.datetime_start).total_seconds() > HEARTBEAT_GRACE_S)
 
 
 def free_dead_trials(inv, storage) -> None:

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import shlex
 
+from optuna.trial import TrialState
+
 from trainers import format_bytes
 
-from .outcomes import OUTCOMES, outcome_of
-from .studies import describe
+from .outcomes import OUTCOMES, holds, outcome_of
+from .studies import config_key, describe, point_key
 from .studyfile import BUILTIN, builtin_names, load
 from .program import redacted
-from .urls import scrub
+from .urls import redact, scrub
 
 
 def format_table(headers: list[str], rows: list[list[str]]) -> str:
@@ -30,7 +32,8 @@ def list_studies() -> str:
         "\n\nyour own: --study path/to/study.toml (copy one of these files to start)"
 
 
-def dry_run_table(inv) -> str:
+def dry_run_table(inv, held: dict | None = None) -> str:
+    """The trials the study would run; with `held` (storage.peek: a study resumed), each one's status there."""
     study, rows = inv.study, []
     searched = ", ".join(study.tune)
     # A searched field changes the derived values: the table cannot show them before the sampler draws.
@@ -45,13 +48,46 @@ def dry_run_table(inv) -> str:
     headers = ["trial", "b", "k", "B", "lr_rule", "lr", "bn_rule", "bn_momentum", "epochs", "seed", "search"]
     if not study.tune:
         headers, rows = headers[:-1], [r[:-1] for r in rows]
+    if held is not None:
+        counts, statuses = unit_statuses(inv, held)
+        headers, rows = [*headers, "status"], [[*r, status] for r, status in zip(rows, statuses)]
     lines = [format_table(headers, rows)]
+    if held is not None:
+        done, running, left = counts
+        more = f" (--n-trials: {inv.n_trials} of them)" if inv.n_trials is not None and inv.n_trials < left else ""
+        lines.append(f"study {inv.study_name} in {redact(inv.storage)}: {done} trial{'s' * (done != 1)} done, "
+                     f"{running} running, {left} to run{more}")
     for point, why in inv.dropped:
         lines.append(f"not run: {describe(point)} breaks the constraint {why}")
     if study.program:
         lines += ["", "commands (in " + study.program.cwd + "):"]
         lines += [command_line(inv, unit.point, unit.seed) for unit in inv.units()]
     return "\n".join(lines)
+
+
+def unit_statuses(inv, held: dict) -> tuple[tuple[int, int, int], list[str]]:
+    """(trials done, running, to run) and a status per unit: a grid point's outcome ("complete", "oom", ...),
+    "running", "interrupted" (its process is gone: it runs again) or "to run"; a search's "n/T done"."""
+    from .storage import orphaned
+
+    grid = inv.study.sampler == "grid"
+    total = 1 if grid else inv.study.trials
+    done = running = left = 0
+    statuses = []
+    for unit in inv.units():
+        key = point_key(unit.point, unit.seed)
+        trials = [t for t in held.get(unit.study_name, []) if holds(t) and
+                  (not grid or config_key(t.user_attrs.get("config", {})) == key)]
+        ended = [t for t in trials if t.state != TrialState.RUNNING]
+        n = min(len(ended), total)
+        r = min(sum(not orphaned(t) for t in trials if t.state == TrialState.RUNNING), total - n)
+        done, running, left = done + n, running + r, left + total - n - r
+        if not grid:
+            statuses.append(f"{n}/{total} done" + (f", {r} running" if r else ""))
+        else:
+            statuses.append(outcome_of(ended[0]).name if n else "running" if r else
+                            "interrupted" if trials else "to run")
+    return (done, running, left), statuses
 
 
 def command_line(inv, point, seed: int) -> str:

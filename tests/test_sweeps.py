@@ -152,6 +152,38 @@ def test_a_study_resumed_under_other_settings_is_refused_and_more_seeds_are_not(
     assert other.returncode == 0, other.stderr
 
 
+def test_a_dry_run_of_a_resumed_study_shows_each_trials_status_and_writes_nothing(tmp_path):
+    """What the run would do next: a point done, one a live process runs, one whose process is gone (it runs
+    again), the rest to run; settings the study did not run with are refused as the run refuses them."""
+    from sweeps.cli import build_invocation, parse_args
+    from sweeps.tracking import HOST
+
+    assert sweep(tmp_path, *TINY, "--n-trials", "1").returncode == 0
+    storage, _ = stores(tmp_path)
+    study = optuna.load_study(study_name="accum_lr", storage=storage)
+    units = build_invocation(parse_args(TINY)).units()
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid is dead, as a killed worker's is
+    for unit, pid in ((units[1], os.getpid()), (units[2], gone.pid)):
+        trial = study.ask()
+        trial.set_user_attr("config", {**unit.point, "seed": unit.seed})
+        trial.set_user_attr("owner", f"{HOST}:{pid}")
+    db = tmp_path / "mlruns" / "optuna.db"
+    before = db.read_bytes()
+    dry = sweep(tmp_path, *TINY, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    *table, last = dry.stdout.splitlines()
+    statuses = [re.split(r"\s{2,}", row.strip())[-1] for row in table[2:]]
+    assert table[0].split()[-1] == "status" and statuses == ["complete", "running", "interrupted",
+                                                             *["to run"] * (len(units) - 3)]
+    assert last == f"study accum_lr in {storage}: 1 trial done, 1 running, {len(units) - 2} to run"
+    changed = sweep(tmp_path, *TINY, "--dry-run", "--epochs", "2")
+    assert changed.returncode == 2 and changed.stdout == ""
+    assert changed.stderr == f"error: study accum_lr in {storage} ran with epochs = 1 (now 2): run it with those " \
+                             f"settings to resume it, or pass --study-name NAME for a new study\n"
+    assert db.read_bytes() == before
+
+
 def wait_for_complete(storage, at_least, proc, timeout=120, study="accum_lr"):
     """Poll an Optuna storage (a SQLite file's path, or a URL) until `at_least` trials are COMPLETE."""
     url = storage if isinstance(storage, str) else f"sqlite:///{storage}"
