@@ -147,7 +147,7 @@ def peek(inv) -> dict[str, list[optuna.trial.FrozenTrial]] | None:
     found = {}
     try:
         storage = _read_only(url, path)
-        for name in inv.study_names() if storage else ():
+        for name in inv.study_names() if storage else []:  # (none: a database without Optuna's tables)
             try:
                 study = optuna.load_study(study_name=name, storage=storage)
             except KeyError:  # not created yet
