@@ -170,6 +170,9 @@ def test_script_trains_and_writes_json(tmp_path, data_dir):
     assert "16 x 4 = 64" in proc.stdout and "val acc" in proc.stdout
     assert re.search(r"\nbn momentum +0\.026 \(matched\)\n", proc.stdout), proc.stdout  # cnn1d's BatchNorm
     result = json.loads(out.read_text())
+    # The epochs' time, said to be that (not the command's, whose imports and data come before them).
+    seconds = re.search(r"\ntime +(\d+\.\d) s in its epochs, evaluations included\n", proc.stdout).group(1)
+    assert float(seconds) == round(result["metrics"]["wall_time_s"], 1), proc.stdout
     assert result["status"] == "ok" and len(result["history"]) == 2
     assert result["config"]["effective_batch"] == 64 and result["config"]["lr"] == pytest.approx(0.1)
     assert result["config"]["bn_momentum"] == pytest.approx(1 - 0.9 ** 0.25)
