@@ -171,7 +171,9 @@ def _read_only(url: str, path: Path | None) -> optuna.storages.BaseStorage | Non
         return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
     import sqlalchemy
 
-    engine = sqlalchemy.create_engine(url, connect_args={} if path else {"connect_timeout": 3})
+    # As open_storage: SQLite waits for a running study's writes; a server that is down answers in seconds.
+    connect = {"timeout": 60} if path else {"connect_timeout": 3}
+    engine = sqlalchemy.create_engine(url, connect_args=connect)
     try:
         with engine.connect() as connection:
             if not sqlalchemy.inspect(connection).has_table("studies"):
@@ -179,7 +181,7 @@ def _read_only(url: str, path: Path | None) -> optuna.storages.BaseStorage | Non
     finally:
         engine.dispose()
     # (Optuna's schema check inserts its version row where the tables are empty: they are not, here.)
-    return optuna.storages.RDBStorage(url, skip_table_creation=True)
+    return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": connect}, skip_table_creation=True)
 
 
 def owner() -> str:
