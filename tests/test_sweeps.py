@@ -10,6 +10,7 @@ import time
 
 import optuna
 import pytest
+import sqlalchemy
 import torch
 from mlflow import MlflowClient
 
@@ -381,6 +382,9 @@ def test_distributed_study_on_postgresql_and_a_tracking_server(tmp_path):
 
     with postgres_server() as server, mlflow_server(tmp_path) as tracking:
         pg = server.url
+        dry = sweep(tmp_path, *TINY, "--storage", pg, "--dry-run")  # a server without the study: no status column
+        assert dry.returncode == 0 and dry.stdout.splitlines()[0].split()[-1] == "seed", dry.stderr
+        assert sqlalchemy.inspect(sqlalchemy.create_engine(pg)).get_table_names() == []  # nor tables made
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         machines = []
         for name in ("machine-a", "machine-b"):  # two independent processes, as on two machines
@@ -406,6 +410,8 @@ def test_distributed_study_on_postgresql_and_a_tracking_server(tmp_path):
             {t.number: statuses.get(t.user_attrs["mlflow_run_id"]) for t in complete},
             [err[-2000:] for _, err in outputs])
         assert len({t.user_attrs["owner"] for t in complete}) == 2  # both machines worked
+        dry = sweep(tmp_path, *TINY, "--storage", pg, "--dry-run")
+        assert dry.stdout.splitlines()[-1] == f"study accum_lr in {pg}: {len(complete)} trials done, 0 running, 0 to run"
 
         # The MLflow UI, as a user opens it: the runs table and the latest parent run's page have their
         # standard columns filled (source, version, user, dataset) and the descriptions written.
