@@ -23,6 +23,7 @@ from .urls import check_storage, redact, sqlite_path
 
 HEARTBEAT_GRACE_S = 120  # a trial whose process sent no heartbeat for this long is dead
 PROTOCOL = "batchsweep.protocol"  # the Optuna study's user attribute that holds what its trials share
+CREATOR_GRACE_S = 5  # how long a study without trials or settings waits for the machine that created it
 # Fields that say where a trial runs and how fast, not what it measures: they may differ between invocations.
 WHERE = ("seed", "device", "data_dir", "eval_batch", "num_workers", "pin_memory", "prefetch_factor")
 
@@ -91,10 +92,15 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
 
 
 def create_studies(inv, storage: optuna.storages.BaseStorage) -> None:
-    """Create (or find) every Optuna study once, before any worker starts."""
+    """Create (or find) every Optuna study once, before any worker starts. The invocation that creates a study
+    records its settings at once: of two machines that start it at the same moment, the storage lets one
+    create it, and the other is held to that one's settings (check_protocol)."""
     for name in inv.study_names():
-        optuna.create_study(storage=storage, study_name=name, directions=list(inv.study.directions),
-                            load_if_exists=True)
+        try:
+            study = optuna.create_study(storage=storage, study_name=name, directions=list(inv.study.directions))
+        except optuna.exceptions.DuplicatedStudyError:
+            continue
+        study.set_user_attr(PROTOCOL, protocol(inv))
 
 
 def protocol(inv) -> dict[str, str]:
@@ -121,7 +127,11 @@ def check_protocol(inv, storage: optuna.storages.BaseStorage) -> None:
     for name in inv.study_names():
         study = optuna.load_study(study_name=name, storage=storage)
         recorded = study.user_attrs.get(PROTOCOL)
-        if recorded is None:
+        deadline = time.monotonic() + CREATOR_GRACE_S
+        while recorded is None and not study.get_trials(deepcopy=False) and time.monotonic() < deadline:
+            time.sleep(0.1)  # created this moment by another machine, which is recording its settings
+            recorded = study.user_attrs.get(PROTOCOL)
+        if recorded is None:  # a study of an earlier batchsweep: this invocation's settings are its own
             study.set_user_attr(PROTOCOL, mine)
         else:
             refuse_changes(inv, recorded, mine)

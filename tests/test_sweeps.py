@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import optuna
@@ -151,6 +152,45 @@ def test_a_study_resumed_under_other_settings_is_refused_and_more_seeds_are_not(
     assert [t.user_attrs["config"]["seed"] for t in grid_trials(storage)] == [0, 5]
     other = sweep(tmp_path, *TINY, "--n-trials", "1", "--epochs", "2", "--study-name", "accum_lr-2")
     assert other.returncode == 0, other.stderr
+
+
+def test_a_machine_that_finds_a_new_study_without_settings_waits_for_its_creators(tmp_path, monkeypatch):
+    """Two machines start a new study at once under other settings: the storage lets one create it, and the
+    other, finding it without trials or settings, waits for the creator's and is held to them (both used to
+    run, the last to record winning). A study that stays without them (an earlier batchsweep's, or one whose
+    creator was killed before recording) is given the waiting invocation's after a grace."""
+    from types import SimpleNamespace
+
+    from sweeps import storage as stored
+    from sweeps.cli import build_invocation, parse_args
+    from trainers import ConfigError
+
+    url, refused = f"sqlite:///{tmp_path}/optuna.db", []
+    creator, other = (build_invocation(parse_args([*TINY, "--storage", url, "--epochs", e])) for e in ("1", "2"))
+    optuna.create_study(study_name="accum_lr", storage=url)  # the creator's create_study, before its record
+    waiting = threading.Event()  # set when the other machine has looked, found nothing, and waits
+    monkeypatch.setattr(stored, "time", SimpleNamespace(monotonic=time.monotonic,
+                                                        sleep=lambda s: (waiting.set(), time.sleep(s))))
+    monkeypatch.setattr(stored, "CREATOR_GRACE_S", 600)
+
+    def check():
+        try:
+            stored.check_protocol(other, stored.open_storage(url))
+        except ConfigError as exc:
+            refused.append(str(exc))
+
+    thread = threading.Thread(target=check)
+    thread.start()
+    assert waiting.wait(timeout=120)
+    optuna.load_study(study_name="accum_lr", storage=url).set_user_attr(stored.PROTOCOL, stored.protocol(creator))
+    thread.join(timeout=120)
+    assert len(refused) == 1 and "ran with epochs = 1 (now 2): run it with those settings" in refused[0], refused
+    monkeypatch.setattr(stored, "CREATOR_GRACE_S", 0.5)
+    alone = f"sqlite:///{tmp_path}/alone.db"
+    optuna.create_study(study_name="accum_lr", storage=alone)
+    inv = build_invocation(parse_args([*TINY, "--storage", alone]))
+    stored.check_protocol(inv, stored.open_storage(alone))
+    assert optuna.load_study(study_name="accum_lr", storage=alone).user_attrs[stored.PROTOCOL] == stored.protocol(inv)
 
 
 def test_a_dry_run_of_a_resumed_study_shows_each_trials_status_and_writes_nothing(tmp_path):
