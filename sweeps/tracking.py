@@ -90,15 +90,18 @@ def default_tracking_uri(root: str = "mlruns") -> str:
 # writes an experiment's tag or a dataset by SELECT then INSERT, so the slower one hits the unique key; tried
 # again, it finds the row).
 TRANSIENT = ("locked", "UNIQUE constraint failed", "duplicate key value violates unique constraint")
+# Two machines that open a new tracking database at once both create MLflow's tables: the one whose CREATE
+# collided finds them made (in one transaction, on PostgreSQL) when it tries again.
+TABLES_RACE = (*TRANSIENT, "already exists")
 
 
-def retry(call: Callable[[], T], attempts: int = 8) -> T:
+def retry(call: Callable[[], T], attempts: int = 8, transient: tuple[str, ...] = TRANSIENT) -> T:
     """Back off and try again while another worker's write is in the way."""
     for attempt in range(attempts):
         try:
             return call()
         except Exception as exc:  # MlflowException, RestException or SQLAlchemy's OperationalError
-            if not any(marker in str(exc) for marker in TRANSIENT) or attempt == attempts - 1:
+            if not any(marker in str(exc) for marker in transient) or attempt == attempts - 1:
                 raise
             time.sleep(0.05 * 2 ** attempt * (1 + random.random()))
     raise AssertionError("unreachable")
@@ -205,7 +208,8 @@ class Tracker:
         self.artifact_uris: dict[str, str] = {}  # run id -> artifact URI, for the runs this tracker started
         self.open_runs: set[str] = set()  # started here and not ended yet
         try:
-            self.client = MlflowClient(tracking_uri=uri)  # a damaged SQLite store already fails here
+            # A damaged SQLite store already fails here, and a new database's tables are made here.
+            self.client = retry(lambda: MlflowClient(tracking_uri=uri), transient=TABLES_RACE)
             self.experiment_id = retry(lambda: self._experiment(experiment))
         except TrackingError:
             raise
