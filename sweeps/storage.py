@@ -65,9 +65,8 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
         except OSError as exc:
             raise StorageError(f"cannot open the Optuna journal {path} ({exc.strerror}): make its folder "
                                f"writable or pass another --storage") from None
-    scheme = url.split("://", 1)[0].split("+", 1)[0]
-    connect = {"timeout": 60} if scheme == "sqlite" else {"connect_timeout": 3}  # a server that is down: an error in seconds
-    if scheme == "sqlite":
+    connect = connect_args(url)
+    if sqlite_path(url) is not None:
         folder = sqlite_path(url).parent
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -89,6 +88,11 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
             raise StorageError(f"cannot open the Optuna storage {redact(url)} ({first_line(exc, url)}): check the "
                                f"URL and that the server runs") from None
     raise AssertionError("unreachable")
+
+
+def connect_args(url: str) -> dict[str, int]:
+    """SQLite waits for another process's writes; a server that is down is an error in seconds."""
+    return {"timeout": 60} if url.startswith("sqlite") else {"connect_timeout": 3}
 
 
 def create_studies(inv, storage: optuna.storages.BaseStorage) -> None:
@@ -154,16 +158,16 @@ def peek(inv) -> dict[str, list[optuna.trial.FrozenTrial]] | None:
     path = Path(url.removeprefix("journal:")) if url.startswith("journal:") else sqlite_path(url)
     if path is not None and not path.exists():
         return None
-    found = {}
+    found, mine = {}, protocol(inv)
     try:
-        storage = _read_only(url, path)
+        storage = open_storage(url) if url.startswith("journal:") else _read_only(url)
         for name in inv.study_names() if storage else []:  # (none: a database without Optuna's tables)
             try:
                 study = optuna.load_study(study_name=name, storage=storage)
             except KeyError:  # not created yet
                 continue
             if PROTOCOL in study.user_attrs:
-                refuse_changes(inv, study.user_attrs[PROTOCOL], protocol(inv))
+                refuse_changes(inv, study.user_attrs[PROTOCOL], mine)
             found[name] = study.get_trials(deepcopy=False)
     except BatchsweepError:
         raise
@@ -173,17 +177,11 @@ def peek(inv) -> dict[str, list[optuna.trial.FrozenTrial]] | None:
     return found or None
 
 
-def _read_only(url: str, path: Path | None) -> optuna.storages.BaseStorage | None:
-    """The storage, opened without writing to it; None for a database without Optuna's tables."""
-    if url.startswith("journal:"):
-        from optuna.storages.journal import JournalFileBackend
-
-        return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+def _read_only(url: str) -> optuna.storages.RDBStorage | None:
+    """A database's storage, opened without writing to it; None where it has no Optuna tables."""
     import sqlalchemy
 
-    # As open_storage: SQLite waits for a running study's writes; a server that is down answers in seconds.
-    connect = {"timeout": 60} if path else {"connect_timeout": 3}
-    engine = sqlalchemy.create_engine(url, connect_args=connect)
+    engine = sqlalchemy.create_engine(url, connect_args=connect_args(url))
     try:
         with engine.connect() as connection:
             if not sqlalchemy.inspect(connection).has_table("studies"):
@@ -191,7 +189,7 @@ def _read_only(url: str, path: Path | None) -> optuna.storages.BaseStorage | Non
     finally:
         engine.dispose()
     # (Optuna's schema check inserts its version row where the tables are empty: they are not, here.)
-    return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": connect}, skip_table_creation=True)
+    return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": connect_args(url)}, skip_table_creation=True)
 
 
 def owner() -> str:
