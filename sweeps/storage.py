@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
 import random
 import sys
@@ -23,6 +24,7 @@ from .urls import check_storage, redact, sqlite_path
 
 HEARTBEAT_GRACE_S = 120  # a trial whose process sent no heartbeat for this long is dead
 PROTOCOL = "batchsweep.protocol"  # the Optuna study's user attribute that holds what its trials share
+NOT_A_JOURNAL = "pass a journal file to --storage journal:PATH, or move a damaged one aside"
 CREATOR_GRACE_S = 5  # how long a study without trials or settings waits for the machine that created it
 # Fields that say where a trial runs and how fast, not what it measures: they may differ between invocations.
 WHERE = ("seed", "device", "data_dir", "eval_batch", "num_workers", "pin_memory", "prefetch_factor")
@@ -61,7 +63,11 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
 
         path = url.removeprefix("journal:")
         try:
+            check_journal(path)
             return optuna.storages.JournalStorage(JournalFileBackend(path))
+        except ValueError:  # Optuna's replay met a line before the last that does not parse
+            raise StorageError(f"cannot read the Optuna journal {path}: a line before its last is not one of "
+                               f"Optuna's records: {NOT_A_JOURNAL}") from None
         except OSError as exc:
             raise StorageError(f"cannot open the Optuna journal {path} ({exc.strerror}): make its folder "
                                f"writable or pass another --storage") from None
@@ -88,6 +94,34 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
             raise StorageError(f"cannot open the Optuna storage {redact(url)} ({first_line(exc, url)}): check the "
                                f"URL and that the server runs") from None
     raise AssertionError("unreachable")
+
+
+def check_journal(path: str) -> None:
+    """Optuna reads a journal's last line that does not parse as a write in progress, skips it, and appends after
+    it, which leaves the file unreadable: a file whose last line is not a record is refused before anything is
+    written. The journal's lock is held while looking, so another process's write is whole."""
+    from optuna.storages.journal import JournalFileSymlinkLock
+
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return
+    lock = JournalFileSymlinkLock(path)
+    lock.acquire()
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    finally:
+        lock.release()
+    last = data[data.rfind(b"\n", 0, len(data) - 1) + 1:]
+    if not last.endswith(b"\n") and last.startswith(b'{"op_code":'):
+        raise StorageError(f"the Optuna journal {path} ends in a line cut short (a process stopped while writing "
+                           f"it): remove that last line, then run the same command again")
+    try:
+        record = json.loads(last)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict) or "op_code" not in record:
+        raise StorageError(f"cannot read the Optuna journal {path}: its last line is not one of Optuna's records: "
+                           f"{NOT_A_JOURNAL}")
 
 
 def connect_args(url: str) -> dict[str, int]:

@@ -493,6 +493,30 @@ def test_corrupted_optuna_storage_is_one_line_and_left_alone(tmp_path):
     assert (tmp_path / "mlruns/optuna.db").read_bytes() == b"this is not a database" * 100
 
 
+@pytest.mark.parametrize("damage,expected", [
+    (lambda good: b"not a journal\n", "its last line is not one of Optuna's records"),
+    (lambda good: good + b'{"op_code":4,"worker_id":"w', "ends in a line cut short"),
+    (lambda good: good[:good.index(b"\n") + 1] + b"garbage\n" + good[good.index(b"\n") + 1:],
+     "a line before its last is not one of Optuna's records"),
+])
+def test_a_damaged_journal_is_one_line_and_left_alone(tmp_path, damage, expected):
+    """Optuna skips a journal's last line that does not parse, as a write in progress, and would append after it:
+    the run and its dry run refuse such a file before writing to it."""
+    from optuna.storages.journal import JournalFileBackend
+
+    good = tmp_path / "good.log"
+    study = optuna.create_study(storage=optuna.storages.JournalStorage(JournalFileBackend(str(good))))
+    study.optimize(lambda trial: trial.suggest_float("x", 0, 1), n_trials=1)
+    journal = tmp_path / "optuna.log"
+    journal.write_bytes(damage(good.read_bytes()))
+    before = journal.read_bytes()
+    for dry in ([], ["--dry-run"]):
+        proc = sweep(tmp_path, *TINY, "--storage", f"journal:{journal}", *dry)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert proc.stderr.startswith("error: ") and expected in proc.stderr, proc.stderr
+        assert journal.read_bytes() == before
+
+
 def test_store_folder_that_cannot_be_created(tmp_path):
     (tmp_path / "mlruns").write_text("a file where the store folder should be")
     proc = sweep(tmp_path, *TINY)
