@@ -184,7 +184,9 @@ def accuracy_vs_batch(trials: pd.DataFrame) -> Figure | None:
     for group, rows in groups:
         label = dict(zip(keys, group))
         rows = rows.sort_values("effective_batch")
-        ax.errorbar(rows["effective_batch"], 100 * rows["mean"], yerr=100 * rows["ci95"].fillna(0),
+        half = rows["ci95"].fillna(0)  # cut at 0 and 100%: with 2 seeds the t-interval may pass them
+        below, above = half.clip(upper=rows["mean"]), half.clip(upper=1 - rows["mean"])
+        ax.errorbar(rows["effective_batch"], 100 * rows["mean"], yerr=[100 * below, 100 * above],
                     color=palette[label[hue]] if hue else "C0",
                     marker="o" if label.get("batch") != "true batch" else "s",
                     linestyle="-" if label.get("batch") != "true batch" else "--", capsize=3,

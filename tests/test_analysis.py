@@ -10,6 +10,7 @@ import matplotlib.colors
 import numpy as np
 import pandas as pd
 import pytest
+import scipy.stats
 
 from analysis.figures import (accuracy_vs_batch, all_figures, best_lr, bn_rules, context, equivalence,
                               learning_curves, log_scale, protocol, split, warmup_curves)
@@ -393,6 +394,17 @@ def test_a_critical_batch_far_off_the_bs_run_is_said_not_drawn(noise, said):
     lines = [line for line in ax.get_lines() if line.get_linestyle() == "--" and line.get_color() == "gray"]
     assert len(lines) == (0 if said.endswith("every B run") else 1)
     assert ax.get_xlim()[0] > 16 and ax.get_xlim()[1] < 1024  # the Bs run, 32 to 512, fill the axis
+
+
+def test_accuracy_bars_stop_at_100_percent():
+    """Two seeds at 99% and 91%: the t-interval's half-width (t = 12.7) is 51 points, past 100% above; the
+    bar stops there and keeps its full length below."""
+    trials = synthetic(lambda rule, B, kind, seed: 0.99 if seed == 0 else 0.91)
+    ax = accuracy_vs_batch(trials[trials.seed < 2]).figure.axes[0]
+    ends = np.concatenate([np.asarray(segments)[:, :, 1].ravel() for collection in ax.collections
+                           for segments in [collection.get_segments()] if segments])
+    half = 100 * scipy.stats.t.ppf(0.975, 1) * np.std([0.99, 0.91], ddof=1) / np.sqrt(2)
+    assert ends.max() == pytest.approx(100) and ends.min() == pytest.approx(95 - half)
 
 
 def test_the_equivalence_figure_shows_each_seed_and_a_median_that_one_seed_cannot_carry():
