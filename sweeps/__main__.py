@@ -4,5 +4,5 @@ import sys
 from sweeps import commands
 from sweeps.cli import main
 
-commands.started = ("sweeps.cli", "python -m sweeps")
+commands.started = ("run", "python -m sweeps")
 sys.exit(main())

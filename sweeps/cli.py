@@ -26,6 +26,8 @@ LIMITS = {
     "--n-trials": (1_000_000, "a budget beyond a million trials is a typo"),
 }
 LOG_MODELS = ("none", "best", "all")
+SET_HELP = "override any trainer field, e.g. --set weight_decay=5e-4 (repeatable)"
+TRACKING_HELP = "MLflow tracking URI (default: SQLite in mlruns/mlflow.db)"
 RUNS_CODE = ("An import path runs code: --study package.module:STUDY, --model and --dataset package.module:factory, "
              "--set loss=package.module:fn, and the same paths inside a study file import that module, which runs "
              "with your permissions. Name only code you trust (docs/security.md).")
@@ -40,12 +42,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--n-trials", type=int, help="run at most this many trials now (default: all that are left)")
     for name in CONFIG_FLAGS:
         p.add_argument("--" + name, help=f"set {name} for every trial")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
     p.add_argument("--seeds", type=int, help="repeat every point over this many seeds (from --seed); default: the "
                    "study's own (3 for accum_lr and bn_momentum)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any trainer field, e.g. --set weight_decay=5e-4 (repeatable)")
     p.add_argument("--storage", help="Optuna storage URL (default: SQLite in mlruns/optuna.db)")
-    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: SQLite in mlruns/mlflow.db)")
+    p.add_argument("--tracking-uri", help=TRACKING_HELP)
     p.add_argument("--study-name", help="Optuna study and MLflow experiment name (default: the study's id)")
     p.add_argument("--workers", type=int, help="worker processes on the same storage; default: the study's own "
                    "(2 for accum_lr and bn_momentum), at least one per visible GPU, at most the CPU cores. On GPUs "
@@ -69,10 +70,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="print the trials it would run (of a study the storage holds, with each one's status) and "
                         "exit; writes nothing")
     p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
-    p.add_argument("--plan", action="store_true", help="plan b and k for --target-batch within --memory-budget")
-    p.add_argument("--target-batch", type=int, help="with --plan: the effective batch to reach")
-    p.add_argument("--memory-budget", help="with --plan: e.g. 6GiB, 512MiB")
+    p.add_argument("--plan", action="store_true", help="plan b and k for --target-batch within --memory-budget "
+                   "(the flags of batchsweep plan)")
+    plan_flags(p)
     return p.parse_args(argv)
+
+
+def plan_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target-batch", type=int, help="the effective batch to reach")
+    p.add_argument("--memory-budget", help="the memory one training process may hold, e.g. 6GiB, 512MiB")
+
+
+def plan(argv: list[str] | None = None) -> int:
+    """`batchsweep plan`: run's --plan, with only the flags it reads."""
+    p = Parser("plan", description="Plan b and k: the largest physical batch b whose predicted peak memory fits "
+               "--memory-budget, and the accumulation steps k that reach --target-batch. The fit of memory against "
+               "b comes from a batch_memory study in the MLflow store, or else from a quick probe.")
+    plan_flags(p)
+    for name in ("model", "dataset", "device"):
+        p.add_argument("--" + name, help=f"the {name} to plan for (default: {FIELDS[name].default})")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
+    p.add_argument("--tracking-uri", help=TRACKING_HELP)
+    args = p.parse_args(argv)
+    try:
+        quiet_stores()
+        return memory_plan(args, "batchsweep plan")
+    except BatchsweepError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 def workers_and_gpus(args: argparse.Namespace, study) -> tuple[int, list]:
@@ -152,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.plan:
             quiet_stores()
-            return memory_plan(args)
+            return memory_plan(args, "--plan")
         inv = build_invocation(args)
         if args.dry_run:
             from .storage import peek
@@ -199,18 +224,18 @@ def quiet_stores() -> None:
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 
-def memory_plan(args: argparse.Namespace) -> int:
-    """Answer --plan: the largest physical batch within the budget and the steps to the target batch."""
+def memory_plan(args: argparse.Namespace, asked: str) -> int:
+    """Answer --plan (`asked`, as typed): the largest physical batch within the budget and the steps to the target
+    batch."""
     from trainers import preflight, train_size
 
     from .planner import check_target, parse_bytes, plan
     from .tracking import default_tracking_uri
 
     if args.target_batch is None or args.memory_budget is None:
-        asked = "batchsweep plan" if commands.started == ("sweeps.cli", "batchsweep plan") else "--plan"  # as typed
         raise ConfigError(f"{asked} needs --target-batch N and --memory-budget SIZE (e.g. 6GiB)")
     budget = parse_bytes(args.memory_budget)
-    flags = {name: parse_value(name, getattr(args, name)) for name in CONFIG_FLAGS if getattr(args, name)}
+    flags = {name: parse_value(name, getattr(args, name)) for name in CONFIG_FLAGS if getattr(args, name, None)}
     config = TrainConfig(**{**flags, **parse_overrides(args.set)})
     check_target(args.target_batch)
     preflight(config)  # the model and data that the probe would train, as for a study

@@ -6,20 +6,19 @@ import importlib
 import os
 import sys
 
-# name: (module whose main() takes the rest of the command line, arguments put first, what it does)
+# name: ("module:function" that takes the rest of the command line, what it does)
 COMMANDS = {
-    "run": ("sweeps.cli", [], "run a study (python sweeps/run.py)"),
-    "plan": ("sweeps.cli", ["--plan"], "plan b and k for a target batch within a memory budget"),
-    "report": ("analysis.cli", [], "write a study's report from MLflow (python analysis/report.py)"),
-    "train": ("trainers.cli", [], "train one configuration (python trainers/train.py)"),
-    "audit": ("sweeps.audit", [], "name the accumulation mistake of your own training script"),
+    "run": ("sweeps.cli:main", "run a study (python sweeps/run.py)"),
+    "plan": ("sweeps.cli:plan", "plan b and k for a target batch within a memory budget (python sweeps/run.py --plan)"),
+    "report": ("analysis.cli:main", "write a study's report from MLflow (python analysis/report.py)"),
+    "train": ("trainers.cli:main", "train one configuration (python trainers/train.py)"),
+    "audit": ("sweeps.audit:main", "name the accumulation mistake of your own training script"),
 }
 
 SCRIPTS = {"run": "sweeps/run.py", "report": "analysis/report.py", "train": "trainers/train.py"}
 # Set by the installed command for itself and the processes it starts (the report a study writes at its end).
 INVOKED = "BATCHSWEEP_COMMAND"
-# (module, command) this process was started as where its parser's own name would be another: `batchsweep plan`
-# (run's parser, with --plan first) and `python -m sweeps`.
+# (command, as typed) where this process's parser would name itself otherwise: `batchsweep run`, `python -m sweeps`.
 started: tuple[str, str] | None = None
 
 
@@ -34,11 +33,16 @@ class Parser(argparse.ArgumentParser):
     """A command's parser, named as the user started it; its bad input is one line instead of argparse's usage."""
 
     def __init__(self, name: str, **kwargs):
-        module = COMMANDS[name][0]
-        super().__init__(prog=started[1] if started and started[0] == module else command(name), **kwargs)
+        super().__init__(prog=started[1] if started and started[0] == name else command(name), **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"error: {message}: see {self.prog} --help\n")
+
+
+def entry(name: str):
+    """The function that runs a command, imported only when that command runs."""
+    module, function = COMMANDS[name][0].split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def invoked() -> bool:
@@ -47,7 +51,7 @@ def invoked() -> bool:
 
 def usage() -> str:
     lines = ["usage: batchsweep COMMAND [options]   (batchsweep COMMAND --help for its options)", ""]
-    lines += [f"  {name:<7} {what}" for name, (_, _, what) in COMMANDS.items()]
+    lines += [f"  {name:<7} {what}" for name, (_, what) in COMMANDS.items()]
     return "\n".join(lines)
 
 
@@ -57,11 +61,10 @@ def help_text(name: str) -> str:
     import io
     from unittest import mock  # patch.dict: the environment as it was afterwards, whatever --help raised
 
-    module, first, _ = COMMANDS[name]
     out = io.StringIO()
     with mock.patch.dict(os.environ, {"COLUMNS": "100", INVOKED: "batchsweep"}), \
             contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
-        importlib.import_module(module).main([*first, "--help"])
+        entry(name)(["--help"])
     return out.getvalue()
 
 
@@ -70,12 +73,7 @@ def markdown() -> str:
     parts = ["# Commands", "", "Every command's `--help`, as it prints it. Made with", "",
              "    python -c 'from sweeps.commands import markdown; print(markdown(), end=\"\")' > docs/cli.md", "",
              "```", usage(), "```"]
-    for name, (module, first, _) in COMMANDS.items():
-        if first:  # the same parser as another command, with a flag put first
-            twin = next(n for n, (m, f, _) in COMMANDS.items() if m == module and not f)
-            parts += ["", f"## batchsweep {name}", "", f"`batchsweep {name}` is `batchsweep {twin} {' '.join(first)}`: "
-                      f"its flags are those of `batchsweep {twin}`."]
-            continue
+    for name in COMMANDS:
         parts += ["", f"## batchsweep {name}", "", "```", help_text(name).rstrip(), "```"]
     return "\n".join(parts) + "\n"
 
@@ -89,10 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command {argv[0]!r}: use one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     global started
-    module, first, _ = COMMANDS[argv[0]]
     os.environ[INVOKED] = "batchsweep"
-    started = (module, f"batchsweep {argv[0]}")
+    started = (argv[0], f"batchsweep {argv[0]}")
     try:
-        return importlib.import_module(module).main(first + argv[1:])
+        return entry(argv[0])(argv[1:])
     finally:
         started = None

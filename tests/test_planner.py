@@ -1,3 +1,4 @@
+import re
 import weakref
 
 import pytest
@@ -65,6 +66,19 @@ def test_plan_from_a_batch_memory_study(tmp_path):
     bad = sweep(tmp_path, "--plan", "--target-batch", "512", "--memory-budget", "lots")
     assert bad.returncode == 2 and bad.stderr.strip() == \
         "error: memory budget 'lots' is not a size: write e.g. 6GiB, 512MiB or 2e9"
+
+
+def test_plan_help_lists_only_the_flags_a_plan_reads(capsys, monkeypatch):
+    from sweeps import commands
+
+    monkeypatch.setenv(commands.INVOKED, "")  # main() sets it for the process: put back afterwards
+    with pytest.raises(SystemExit) as exited:
+        commands.main(["plan", "--help"])
+    said = capsys.readouterr().out
+    assert exited.value.code == 0 and said.startswith("usage: batchsweep plan"), said
+    flags = set(re.findall(r"^  (--[a-z-]+)", said, re.MULTILINE))
+    assert flags == {"--target-batch", "--memory-budget", "--model", "--dataset", "--device", "--set",
+                     "--tracking-uri"}, flags  # not run's --study, --workers, --storage, ...
 
 
 @pytest.mark.parametrize("argv, asked", [(["plan"], "batchsweep plan"), (["run", "--plan", "--target-batch", "8"],
