@@ -8,7 +8,6 @@ from pathlib import Path
 
 from trainers import FIELDS, BatchsweepError, ConfigError, TrainConfig, format_bytes, parse_overrides, parse_value
 
-from . import commands
 from .commands import Parser, command
 from .studies import LAUNCHERS, check_name, check_size
 from .urls import REACH_ADVICE, check_storage, check_tracking_uri, redact, sqlite_path, unreachable
