@@ -107,11 +107,16 @@ def check_journal(path: str) -> None:
     lock = JournalFileSymlinkLock(path)
     lock.acquire()
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        with open(path, "rb") as f:  # its tail, back to the newline before the last line
+            size = start = f.seek(0, os.SEEK_END)
+            tail = b""
+            while start > 0 and tail.count(b"\n") < 2:
+                start = max(0, start - 65536)
+                f.seek(start)
+                tail = f.read(size - start)
     finally:
         lock.release()
-    last = data[data.rfind(b"\n", 0, len(data) - 1) + 1:]
+    last = tail[tail.rfind(b"\n", 0, len(tail) - 1) + 1:]
     if not last.endswith(b"\n") and last.startswith(b'{"op_code":'):
         raise StorageError(f"the Optuna journal {path} ends in a line cut short (a process stopped while writing "
                            f"it): remove that last line, then run the same command again")
