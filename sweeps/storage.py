@@ -105,7 +105,10 @@ def check_journal(path: str) -> None:
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
         return
     lock = JournalFileSymlinkLock(path)
-    lock.acquire()
+    try:
+        lock.acquire()
+    except OSError:  # a folder this process cannot write (a dry run's look): it reads without the lock
+        lock = None
     try:
         with open(path, "rb") as f:  # its tail, back to the newline before the last line
             size = start = f.seek(0, os.SEEK_END)
@@ -115,7 +118,8 @@ def check_journal(path: str) -> None:
                 f.seek(start)
                 tail = f.read(size - start)
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
     last = tail[tail.rfind(b"\n", 0, len(tail) - 1) + 1:]
     if not last.endswith(b"\n") and last.startswith(b'{"op_code":'):
         raise StorageError(f"the Optuna journal {path} ends in a line cut short (a process stopped while writing "

@@ -517,6 +517,24 @@ def test_a_damaged_journal_is_one_line_and_left_alone(tmp_path, damage, expected
         assert journal.read_bytes() == before
 
 
+def test_a_dry_run_reads_a_journal_in_a_folder_it_cannot_write(tmp_path):
+    """The journal check takes the journal's lock, a file beside it; where the folder cannot be written (immutable,
+    which root cannot write either) the dry run looks without it, as it did before the check."""
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    url = f"journal:{folder}/optuna.log"
+    assert sweep(tmp_path, *TINY, "--n-trials", "1", "--storage", url).returncode == 0
+    probe = subprocess.run(["chattr", "+i", str(folder)], capture_output=True)
+    if probe.returncode:
+        pytest.skip(f"this file system or sandbox refuses chattr +i ({probe.stderr.strip()})")
+    try:
+        proc = sweep(tmp_path, *TINY, "--storage", url, "--dry-run")
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)], check=True)
+    assert proc.returncode == 0, proc.stderr
+    assert f"study accum_lr in {url}: 1 trial done, 0 running," in proc.stdout, proc.stdout
+
+
 def test_store_folder_that_cannot_be_created(tmp_path):
     (tmp_path / "mlruns").write_text("a file where the store folder should be")
     proc = sweep(tmp_path, *TINY)
