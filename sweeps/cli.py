@@ -226,7 +226,7 @@ def quiet_stores() -> None:
 def memory_plan(args: argparse.Namespace, asked: str) -> int:
     """Answer --plan (`asked`, as typed): the largest physical batch within the budget and the steps to the target
     batch."""
-    from trainers import preflight, train_size
+    from trainers import load, preflight
 
     from .planner import check_target, parse_bytes, plan
     from .tracking import default_tracking_uri
@@ -237,11 +237,11 @@ def memory_plan(args: argparse.Namespace, asked: str) -> int:
     flags = {name: parse_value(name, getattr(args, name)) for name in CONFIG_FLAGS if getattr(args, name, None)}
     config = TrainConfig(**{**flags, **parse_overrides(args.set)})
     check_target(args.target_batch)
-    preflight(config)  # the model and data that the probe would train, as for a study
-    if args.target_batch > (n := train_size(config)):
+    data = preflight(config) or load(config)  # the model and data that the probe would train, as for a study
+    if args.target_batch > (n := data.n_train):
         raise ConfigError(f"--target-batch {args.target_batch} is larger than the training set of {config.dataset} "
                           f"({n} samples): a step holds each sample once at most; give at most {n}")
-    fitted = memory_fit(config, check_tracking_uri(args.tracking_uri or default_tracking_uri()))
+    fitted = memory_fit(config, check_tracking_uri(args.tracking_uri or default_tracking_uri()), data)
     answer = plan(fitted, args.target_batch, budget)
     print(f"{config.model} on {config.dataset}: peak memory ({fitted.memory_source}) = "
           f"{format_bytes(fitted.fixed)} + {format_bytes(fitted.per_sample)} x b, from the {fitted.source}")
@@ -257,8 +257,9 @@ def memory_plan(args: argparse.Namespace, asked: str) -> int:
     return 0
 
 
-def memory_fit(config: TrainConfig, uri: str):
-    """The fit of peak memory against b: from a batch_memory study in the store, or else from a probe."""
+def memory_fit(config: TrainConfig, uri: str, data):
+    """The fit of peak memory against b: from a batch_memory study in the store, or else from a probe of `data`
+    (`trainers.load(config)`'s)."""
     from trainers import memory_source, resolve_device
 
     from .planner import from_study, measure
@@ -274,7 +275,7 @@ def memory_fit(config: TrainConfig, uri: str):
         raise TrackingError(f"cannot read the MLflow store {redact(uri)} ({first_line(exc, uri)}): move a damaged "
                             f"store aside, or pass another --tracking-uri") from None
     try:
-        return fitted or measure(config)
+        return fitted or measure(config, data)
     except BatchsweepError:
         raise
     except Exception as exc:  # the user's model on the user's data: one line, as a trial would record it

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainers import MAX_COUNT, ConfigError, TrainConfig, format_bytes, resolve_device, train, train_size
+from trainers import MAX_COUNT, ConfigError, TrainConfig, format_bytes, load, resolve_device, train
 
 from .tracking import quote
 from .urls import redact, sqlite_path
@@ -79,16 +79,19 @@ def from_study(config: TrainConfig, tracking_uri: str, memory_source: str) -> Fi
     return fitted
 
 
-def measure(config: TrainConfig) -> Fit:
-    """Measure a few physical batches for a few steps each (none larger than the training set)."""
-    n = train_size(config)
+def measure(config: TrainConfig, data=None) -> Fit:
+    """Measure a few physical batches for a few steps each (none larger than the training set), on the config's
+    data loaded once (or on `data`, what `trainers.load(config)` gave)."""
+    data = data or load(config)
+    n = data.n_train
     batches = sorted({min(b, n) for b in PROBE_BATCHES})
     if len(batches) < 2:
         raise ConfigError(f"the training set of {config.dataset} holds {n} samples: too few to measure memory at "
                           f"two batch sizes")
     points, memory_source = [], "?"
     for b in batches:
-        result = train(dataclasses.replace(config, physical_batch=b, accum_steps=1, epochs=1, max_steps=PROBE_STEPS))
+        result = train(dataclasses.replace(config, physical_batch=b, accum_steps=1, epochs=1, max_steps=PROBE_STEPS),
+                       data=data)
         points.append((b, result.metrics["peak_memory_bytes"]))
         memory_source = result.memory_source
         del result  # it holds the model, which on a GPU would count in the next probe's peak

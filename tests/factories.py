@@ -81,6 +81,15 @@ def blobs1k(seed=0, **_):
     return _blobs(1024, 256, 11)
 
 
+LOADS: list[int] = []  # the seeds counted_blobs was called with, in this process
+
+
+def counted_blobs(seed=0, **_):
+    """blobs1k, counting its calls: a user's factory may tokenize for minutes, so a command loads it once."""
+    LOADS.append(seed)
+    return blobs1k(seed)
+
+
 class OutOfMemory(nn.Module):
     """Raises what a CUDA allocator raises when the batch does not fit, on any device."""
 

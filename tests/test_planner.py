@@ -37,6 +37,22 @@ def test_each_probe_trains_with_no_earlier_model_alive(data_dir, monkeypatch):
     assert alive == [0, 0, 0]
 
 
+@pytest.mark.parametrize("model", ["mlp", "tests.factories:zero_linear"])
+def test_a_plan_calls_the_dataset_factory_once(model, capsys, monkeypatch, tmp_path):
+    """The model check, the training set's size and the three probes share one load of the data (a built-in model
+    is checked against it; a model of the user's is not). They were five: minutes for a factory that tokenizes."""
+    from sweeps import commands
+    from tests import factories
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(commands.INVOKED, "")  # main() sets it for the process: put back afterwards
+    monkeypatch.setattr(factories, "LOADS", [])
+    assert commands.main(["plan", "--target-batch", "512", "--memory-budget", "1MiB", "--model", model,
+                          "--dataset", "tests.factories:counted_blobs"]) == 0
+    assert "from the probe of b = 8, 32, 128 (3 steps each)" in capsys.readouterr().out
+    assert factories.LOADS == [0]
+
+
 def test_plan_rounds_to_a_divisor_or_says_why():
     fit = Fit(fixed=1000.0, per_sample=100.0, source="test", memory_source="saved_tensors", points=[])
     assert (plan(fit, 1000, 1000 + 100 * 130).physical_batch, plan(fit, 1000, 1000 + 100 * 130).accum_steps) == \

@@ -104,6 +104,28 @@ def test_gradients_are_zeroed_once_per_window(data_dir):
     assert probe.grad_was_empty == [True, False, False] * 6
 
 
+def test_runs_that_share_one_load_of_the_data_train_as_runs_that_load_it_each(monkeypatch):
+    """train(config, data=load(config)), as the planner's probes share one load: the factory is called once, and
+    each run ends bitwise where a run that loads the data itself does."""
+    from tests import factories
+    from trainers import load
+
+    monkeypatch.setattr(factories, "LOADS", [])
+    config = TrainConfig(model="mlp", dataset="tests.factories:counted_blobs", physical_batch=16, epochs=2)
+    data = load(config)
+    shared = [train(replace(config, accum_steps=k), data=data) for k in (1, 4)]
+    assert factories.LOADS == [0]
+    timeless = lambda history: [{key: value for key, value in row.items()
+                                 if key not in ("epoch_time_s", "samples_per_s")} for row in history]
+    for k, run in zip((1, 4), shared):
+        alone = train(replace(config, accum_steps=k))
+        assert timeless(run.history) == timeless(alone.history)
+        weights = zip(run.model.state_dict().values(), alone.model.state_dict().values())
+        assert all(torch.equal(a, b) for a, b in weights)
+        assert run.dataset == alone.dataset
+    assert factories.LOADS == [0, 0, 0]
+
+
 def test_batchnorm_makes_accumulation_differ(data_dir):
     accum = TrainConfig(physical_batch=16, accum_steps=4, epochs=1, data_dir=data_dir)
     a, t = train(accum), train(replace(accum, physical_batch=64, accum_steps=1))

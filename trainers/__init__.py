@@ -19,8 +19,8 @@ _SURFACE = {
     "DataError": ("errors", "DataError"), "import_object": ("imports", "import_object"),
     "interrupt": ("interrupt", None), "METRICS": ("loop", "METRICS"), "TrainResult": ("loop", "TrainResult"),
     "device_name": ("loop", "device_name"), "memory_source": ("loop", "memory_source"),
-    "preflight": ("loop", "preflight"), "prepare": ("loop", "prepare"),
-    "resolve_device": ("loop", "resolve_device"), "train": ("loop", "train"), "train_size": ("loop", "train_size"),
+    "load": ("loop", "load"), "preflight": ("loop", "preflight"), "prepare": ("loop", "prepare"),
+    "resolve_device": ("loop", "resolve_device"), "train": ("loop", "train"),
 }
 __all__ = sorted(_SURFACE)
 

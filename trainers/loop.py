@@ -122,10 +122,11 @@ class Prepared:
     notes: list[str]
 
 
-def prepare(config: TrainConfig) -> Prepared:
+def prepare(config: TrainConfig, data: Data | None = None) -> Prepared:
+    """`data`: what `load(config)` gave for this dataset and seed, reused (none: it is loaded here)."""
     device = local_device(resolve_device(config.device))
     dtype = getattr(torch, config.dtype)
-    data = load_data(config.dataset, config.data_dir, config.seed, config.label_key).with_digest()
+    data = (data or load_data(config.dataset, config.data_dir, config.seed, config.label_key)).with_digest()
     n = data.n_train
     if config.effective_batch > n:
         ranks = f" x world_size {config.world_size}" if config.world_size > 1 else ""
@@ -160,25 +161,25 @@ def prepare(config: TrainConfig) -> Prepared:
     return Prepared(device, data, model, notes)
 
 
-def preflight(config: TrainConfig) -> None:
+def preflight(config: TrainConfig) -> Data | None:
     """What would make every trial of a study fail alike, checked once before it starts: its device is on this
     machine, each import path imports, and a built-in model can take the dataset's samples (the one check that
-    loads the dataset)."""
+    loads the dataset; the data it loaded is returned, for a caller that needs it, and None otherwise)."""
     resolve_device(config.device)
     load_metrics(config.metrics)
     for path, what in ((config.model, "model"), (config.dataset, "dataset"), (config.loss, "loss")):
         if ":" in path and not path.startswith("hf:"):
             load_factory(path, what)
-    if config.model in TAKES:
-        check_inputs(config.model, config.dataset, _loaded(config).example(1))
+    if config.model not in TAKES:
+        return None
+    data = load(config)
+    check_inputs(config.model, config.dataset, data.example(1))
+    return data
 
 
-def train_size(config: TrainConfig) -> int:
-    """The samples of the config's training set: no effective batch is larger."""
-    return _loaded(config).n_train
-
-
-def _loaded(config: TrainConfig) -> Data:
+def load(config: TrainConfig) -> Data:
+    """The config's data, as a trial loads it, for several `train(..., data=)` of the same dataset and seed (a
+    user's factory may tokenize for minutes); a factory that raises is one line, as a trial would record it."""
     try:
         return load_data(config.dataset, config.data_dir, config.seed, config.label_key)
     except BatchsweepError:
@@ -203,7 +204,8 @@ def around_forward(probes: list[Probe], step: int):
 
 
 def train(config: TrainConfig, on_epoch: EpochCallback | None = None, probes: list[Probe] = (),
-          diagnostics: bool = True, checkpoint: Checkpointing | None = None, no_sync: bool = True) -> TrainResult:
+          diagnostics: bool = True, checkpoint: Checkpointing | None = None, no_sync: bool = True,
+          data: Data | None = None) -> TrainResult:
     """Train `config`. `on_epoch(row)` is called after every epoch; an exception it raises stops the run.
     `probes` are measured beside the built-in diagnostics (trainers/probes.py); `diagnostics=False` leaves
     those out (the loss terms are always accounted). With `checkpoint`, the run is saved at the end of its
@@ -212,12 +214,15 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None, probes: li
 
     Under torchrun (world_size > 1) every process trains its shard of each window, and the gradients are
     all-reduced once per window (trainers/distributed.py); `no_sync=False` all-reduces them after every
-    micro-batch instead, a control that shows what that saves. Every rank returns the same result."""
+    micro-batch instead, a control that shows what that saves. Every rank returns the same result.
+
+    `data` is what `load(config)` returned for the same dataset, data_dir, seed and label_key: runs that differ
+    in anything else (b, k, the LR, the epochs) can share one load instead of calling the factory each."""
     checkpointer = Checkpointer(checkpoint, config, writes=launched_rank() == 0) if checkpoint else None
     # Read before preparing the data (a checkpoint of another configuration is refused at once); under torchrun,
     # once every rank has arrived (rank 0's last write, of a run before in this process, has landed).
     saved = checkpointer.load() if checkpointer and config.world_size == 1 else None
-    prepared = prepare(config)
+    prepared = prepare(config, data)
     parallel = setup(config, prepared.device)
     if checkpointer and parallel:
         saved = checkpointer.load()
