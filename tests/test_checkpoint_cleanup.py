@@ -99,10 +99,8 @@ def test_the_clean_up_keeps_what_running_trials_and_invocations_need(tmp_path, s
     from sweeps.checkpoints import folder_of, keep_models, spare
     from sweeps.invocation import Invocation
     from sweeps.storage import create_studies, open_storage
-    from sweeps.studyfile import parse
+    from sweeps.studyfile import parse, tomllib  # (tomli below Python 3.11)
     from sweeps.tracking import Tracker
-
-    import tomllib
 
     study = parse(tomllib.loads(STUDY), "cleanup.toml")
     storage_url = f"sqlite:///{tmp_path}/optuna.db" if storage_kind == "sqlite" else f"journal:{tmp_path}/optuna.log"
