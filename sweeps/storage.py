@@ -26,6 +26,7 @@ HEARTBEAT_GRACE_S = 120  # a trial whose process sent no heartbeat for this long
 PROTOCOL = "batchsweep.protocol"  # the Optuna study's user attribute that holds what its trials share
 NOT_A_JOURNAL = "pass a journal file to --storage journal:PATH, or move a damaged one aside"
 CREATOR_GRACE_S = 5  # how long a study without trials or settings waits for the machine that created it
+SCHEMA_RACE = ("already exists", "UNIQUE constraint failed", "duplicate key value violates unique constraint")
 # Fields that say where a trial runs and how fast, not what it measures: they may differ between invocations.
 WHERE = ("seed", "device", "data_dir", "eval_batch", "num_workers", "pin_memory", "prefetch_factor")
 
@@ -87,8 +88,9 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
                 return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": connect},
                                                   heartbeat_interval=30, grace_period=HEARTBEAT_GRACE_S)
         except Exception as exc:
-            # Two machines starting at once both create the schema; the slower one finds it there next time.
-            if "already exists" in str(exc) and attempt < 2:
+            # Two processes opening a new database at once (two machines, or a viewer of the new file) both create
+            # the schema: the one whose table or version row collided finds them made next time.
+            if any(race in str(exc) for race in SCHEMA_RACE) and attempt < 2:
                 time.sleep(0.5 + random.random())
                 continue
             raise StorageError(f"cannot open the Optuna storage {redact(url)} ({first_line(exc, url)}): check the "

@@ -2,6 +2,7 @@
 specially stays hidden, a malformed or unreachable store is one line within seconds, and a study too large to
 enumerate is refused from its axes' lengths."""
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -177,3 +178,38 @@ def test_two_machines_that_open_a_new_tracking_database_at_once_both_start(tmp_p
         for machine in machines:
             machine.join(timeout=60)
         assert said == ["ok", "ok"], said
+
+
+def test_a_new_storage_whose_schema_another_process_stamped_meanwhile_opens(tmp_path):
+    """Two processes that open a new SQLite storage at once (two machines, or a viewer such as a test's poll) both
+    stamp Optuna's schema version: the later insert hits the unique key, and the run stopped in one line ("check
+    the URL and that the server runs"). Here the other process's stamp lands, deterministically, just before this
+    one's: a trigger inserts the same row once, so SQLite's own constraint fails the insert. Tried again, the
+    storage finds the schema stamped and opens."""
+    import optuna
+    import sqlalchemy
+
+    from sweeps.storage import open_storage
+
+    url = f"sqlite:///{tmp_path}/optuna.db"
+    optuna.storages.RDBStorage(url).engine.dispose()  # the other process's tables, before its version row
+    stamped = []  # the other process stamps once: what it wrote is not rolled back with this one's insert
+
+    def first_time() -> int:
+        stamped.append(1)
+        return len(stamped) == 1
+
+    def other_process(connection, _):
+        connection.create_function("other_process_stamps", 0, first_time)
+
+    with sqlite3.connect(tmp_path / "optuna.db") as db:
+        db.execute("DELETE FROM alembic_version")
+        db.execute("CREATE TRIGGER other BEFORE INSERT ON alembic_version WHEN other_process_stamps() "
+                   "BEGIN INSERT INTO alembic_version VALUES (NEW.version_num); END")
+    sqlalchemy.event.listen(sqlalchemy.engine.Engine, "connect", other_process)
+    try:
+        storage = open_storage(url)
+    finally:
+        sqlalchemy.event.remove(sqlalchemy.engine.Engine, "connect", other_process)
+    assert len(stamped) == 2  # the collision, then the stamp that went through
+    assert optuna.create_study(storage=storage, study_name="after").study_name == "after"

@@ -1,9 +1,11 @@
+import contextlib
 import datetime
 import getpass
 import html
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -226,14 +228,22 @@ def test_a_dry_run_of_a_resumed_study_shows_each_trials_status_and_writes_nothin
 
 
 def wait_for_complete(storage, at_least, proc, timeout=120, study="accum_lr"):
-    """Poll an Optuna storage (a SQLite file's path, or a URL) until `at_least` trials are COMPLETE."""
-    url = storage if isinstance(storage, str) else f"sqlite:///{storage}"
+    """Poll an Optuna storage (a SQLite file's path, or a server's URL) until `at_least` trials are COMPLETE. A
+    file is read only: Optuna's own open would create the schema that the sweep is creating at that moment, and
+    the sweep's version row could then collide with the poller's."""
+    def complete() -> int:
+        if isinstance(storage, str):  # (a server creates its schema in one transaction)
+            trials = optuna.load_study(study_name=study, storage=storage).trials
+            return sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+        with contextlib.closing(sqlite3.connect(f"file:{storage}?mode=ro", uri=True)) as db:
+            return db.execute("SELECT count(*) FROM trials JOIN studies USING (study_id) WHERE study_name = ? AND "
+                              "state = 'COMPLETE'", (study,)).fetchone()[0]
+
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
         if isinstance(storage, str) or storage.exists():
             try:
-                trials = optuna.load_study(study_name=study, storage=url).trials
-                if sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials) >= at_least:
+                if complete() >= at_least:
                     return
             except Exception:  # not created yet, or its schema is being created
                 pass
