@@ -1,6 +1,7 @@
 """Models and data as they are: mapping samples batched by the dataset's own collate function, a model called
 with keyword arguments whose output carries `.logits`, a (sum, count) loss with nothing more, a test set read
 through a loader, metrics of the user's own, and transformers models built from a config."""
+import importlib.util
 from dataclasses import replace
 
 import pytest
@@ -154,8 +155,11 @@ metrics = ["val_token_margin"]
 
 
 @pytest.mark.parametrize("changes,message", [
+    # (without the hf extra, which README's install leaves out, the missing package is the one line)
     ({"model": "hf:gpt5-huge"}, r"model 'hf:gpt5-huge': 'gpt5-huge' is neither a named config \(gpt2-tiny, "
-                                r"llama-tiny\) nor a config.json or a folder holding one"),
+                                r"llama-tiny\) nor a config.json or a folder holding one"
+     if importlib.util.find_spec("transformers") else
+     r"model 'hf:gpt5-huge' needs the transformers package: pip install -e '\.\[hf\]'$"),
     ({"metrics": "margin"}, r"metrics 'margin' is not an import path: give package.module:fn"),
     ({"label_key": "target"}, r"a sample is a mapping without the label key 'target' \(it has input_ids, "
                               r"attention_mask, labels\): set label_key to the entry that holds the target"),
