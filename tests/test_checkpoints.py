@@ -192,6 +192,7 @@ def test_a_study_killed_mid_trial_resumes_it_bitwise(tmp_path):
 
 
 def test_models_chosen_and_logged(tmp_path):
+    import mlflow
     import optuna
     from mlflow import MlflowClient
 
@@ -206,7 +207,10 @@ def test_models_chosen_and_logged(tmp_path):
     assert chosen(trials[:3], ("maximize",), "best") == [trials[0]] and chosen(trials, ("minimize",), "none") == []
     assert chosen(trials, ("maximize",), "all") == trials
     tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "models")
-    for model, kind in (("mlp", "pytorch"), ("tests.factories:branchy", "state_dict")):
+    # MLflow's PyTorch flavour saves through torch.export from 3.16 on, which cannot trace branchy's branch on the
+    # data; before, it pickled the module, branch and all.
+    exports = tuple(int(n) for n in mlflow.__version__.split(".")[:2]) >= (3, 16)
+    for model, kind in (("mlp", "pytorch"), ("tests.factories:branchy", "state_dict" if exports else "pytorch")):
         config = TrainConfig(model=model, dataset="tests.factories:blobs", epochs=1, device="cpu")
         trained = train(config, checkpoint=Checkpointing(str(tmp_path / model)))
         run = tracker.client.create_run(tracker.experiment_id).info
