@@ -193,9 +193,9 @@ def test_a_new_storage_whose_schema_another_process_stamped_meanwhile_opens(tmp_
 
     url = f"sqlite:///{tmp_path}/optuna.db"
     optuna.storages.RDBStorage(url).engine.dispose()  # the other process's tables, before its version row
-    stamped = []  # the other process stamps once: what it wrote is not rolled back with this one's insert
+    stamped = []  # calls of the trigger's condition: SQLite rolls back the row with the failed insert, not this
 
-    def first_time() -> int:
+    def first_time() -> bool:
         stamped.append(1)
         return len(stamped) == 1
 
