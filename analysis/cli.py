@@ -50,8 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare and args.compare[0] == args.compare[1]:
         p.error(f"--compare names {args.compare[0]!r} twice: give two different studies, or --study "
                 f"{args.compare[0]} for one")
-    for library in ("mlflow", "alembic"):  # (MLflow before 3.17 lets alembic's INFO lines through)
-        logging.getLogger(library).setLevel(logging.WARNING)
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
     uri = args.tracking_uri or default_tracking_uri()
     names = args.compare or [args.study]
     from .render import folder_name, write_report
