@@ -3,6 +3,7 @@ import contextlib
 import glob
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -83,10 +84,13 @@ def mlflow_server(folder: Path):
     port = free_port()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     mlflow_cli = Path(sys.executable).parent / "mlflow"
+    log = open(folder / "server.log", "w")
+    # Its own process group, stopped whole: MLflow 3.10 serves through a uvicorn child, which a SIGKILL of the
+    # parent alone (when it does not stop in time) would leave running.
     proc = subprocess.Popen([str(mlflow_cli), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
                              "--backend-store-uri", f"sqlite:///{folder}/server.db",
                              "--artifacts-destination", str(folder / "artifacts")],
-                            env=env, stdout=subprocess.DEVNULL, stderr=open(folder / "server.log", "w"))
+                            env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 90
@@ -100,11 +104,13 @@ def mlflow_server(folder: Path):
                 time.sleep(0.5)
         yield url
     finally:
-        proc.terminate()
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
 
 
 @contextlib.contextmanager
