@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         check_out(Path(args.out), folder)  # before the store is read: a report is never made only to be lost
         why = urls.unreachable(uri)
         if why:
-            raise AnalysisError(f"{why}: {urls.REACH_ADVICE}")
+            raise AnalysisError(why)
         studies = load_studies(names, uri, urls.redact(uri))
     except AnalysisError as exc:
         for path in made:  # no empty folder is left for a report that was never written

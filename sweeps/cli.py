@@ -10,7 +10,7 @@ from trainers import FIELDS, BatchsweepError, ConfigError, TrainConfig, format_b
 
 from .commands import Parser, command
 from .studies import LAUNCHERS, check_name, check_size
-from .urls import REACH_ADVICE, check_storage, check_tracking_uri, redact, sqlite_path, unreachable
+from .urls import check_storage, check_tracking_uri, redact, sqlite_path, unreachable
 
 # Torch, MLflow and Optuna (seconds) are imported once the command line is parsed: --help and bad flags answer
 # at once.
@@ -268,7 +268,7 @@ def memory_fit(config: TrainConfig, uri: str, data):
     source = memory_source(resolve_device(config.device))
     no_local_store = sqlite_path(uri) is not None and not sqlite_path(uri).exists()
     if not no_local_store and (why := unreachable(uri)):
-        raise TrackingError(f"{why}: {REACH_ADVICE}")
+        raise TrackingError(why)
     try:
         fitted = None if no_local_store else from_study(config, uri, source)
     except Exception as exc:  # a store that answers but cannot be read: one line, as for any store

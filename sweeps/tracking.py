@@ -22,7 +22,7 @@ from mlflow.utils.mlflow_tags import (MLFLOW_DATASET_CONTEXT, MLFLOW_GIT_COMMIT,
 
 from trainers import BatchsweepError, pid_alive
 
-from .urls import REACH_ADVICE, redact, sqlite_path, unreachable
+from .urls import redact, sqlite_path, unreachable
 
 HOST = socket.gethostname()
 
@@ -194,7 +194,7 @@ class Tracker:
         self.uri = uri
         why = unreachable(uri)
         if why:
-            raise TrackingError(f"{why}: {REACH_ADVICE}")
+            raise TrackingError(why)
         if sqlite_path(uri) is not None:
             db = sqlite_path(uri)
             try:

@@ -27,8 +27,9 @@ STORAGE_SCHEMES = ("sqlite", "postgresql", "mysql")
 TRACKING_SCHEMES = ("sqlite", "postgresql", "mysql", "http", "https")
 DATABASES = ("postgresql", "mysql")
 REACH_TIMEOUT_S = 4.0  # a store that has not answered by then is refused, rather than waited for minutes
-# What to do about a store that `unreachable` refuses.
-REACH_ADVICE = "start its server, move a damaged file aside, or pass another --tracking-uri"
+# What to do about a store that `unreachable` refuses: a server, or a file.
+SERVER_ADVICE = "start its server, or pass another --tracking-uri"
+FILE_ADVICE = "move the file aside if it is damaged, or pass another --tracking-uri"
 
 # scheme://user:password@ — SQLAlchemy's own pattern for the user information (sqlalchemy/engine/url.py).
 USERINFO = re.compile(r"(?P<scheme>[\w+.-]+)://(?P<user>[^:/@]*)(?::(?P<password>[^@]*))?@")
@@ -136,8 +137,8 @@ def hand_over_credentials(url: str) -> str:
 
 def unreachable(url: str, timeout: float = REACH_TIMEOUT_S) -> str | None:
     """One quick look at a store before any work, so that a server that is down or hung is one line in seconds,
-    not minutes of a client's retries: why it cannot be used, or None. An http(s) URI here holds no credentials
-    (they went to MLflow's variables), so none go into a host-name lookup."""
+    not minutes of a client's retries: why it cannot be used and what to do, or None. An http(s) URI here holds no
+    credentials (they went to MLflow's variables), so none go into a host-name lookup."""
     scheme = _scheme(url)
     if scheme in ("http", "https"):
         try:
@@ -147,7 +148,8 @@ def unreachable(url: str, timeout: float = REACH_TIMEOUT_S) -> str | None:
             return None  # it answered
         except (OSError, ValueError) as exc:
             reason = getattr(exc, "reason", exc)
-            return f"cannot reach the MLflow tracking server {redact(url)} ({scrub(str(reason), url)})"
+            why = scrub(str(reason), url)
+            return f"cannot reach the MLflow tracking server {redact(url)} ({why}): {SERVER_ADVICE}"
         return None
     if scheme == "sqlite":
         path = sqlite_path(url)
@@ -161,7 +163,7 @@ def unreachable(url: str, timeout: float = REACH_TIMEOUT_S) -> str | None:
         except sqlite3.Error as exc:
             if "locked" in str(exc):  # another writer holds it: it is there, and the stores' clients wait
                 return None
-            return f"cannot read the SQLite database {path} ({exc})"
+            return f"cannot read the SQLite database {path} ({exc}): {FILE_ADVICE}"
         return None
     if scheme in DATABASES:
         return _database_unreachable(url, timeout)
@@ -178,7 +180,7 @@ def _database_unreachable(url: str, timeout: float) -> str | None:
             pass
     except Exception as exc:  # the driver's own errors: refused, timed out, no such database, wrong password
         text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        return f"cannot reach the database {redact(url)} ({scrub(text, url)})"
+        return f"cannot reach the database {redact(url)} ({scrub(text, url)}): {SERVER_ADVICE}"
     return None
 
 

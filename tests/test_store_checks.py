@@ -84,6 +84,7 @@ def batchsweep(cwd, *args, timeout=60):
 def test_an_unreachable_store_is_one_line_in_seconds(tmp_path, args, expected):
     proc, seconds = batchsweep(tmp_path, *args)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and expected in proc.stderr, proc.stderr
+    assert proc.stderr.endswith("): start its server, or pass another --tracking-uri\n"), proc.stderr  # no file
     assert DECODED not in proc.stdout + proc.stderr and WRITTEN not in proc.stdout + proc.stderr
     assert seconds < 30, seconds  # (about 5 s here; the clients' own retries took minutes)
 
@@ -94,6 +95,7 @@ def test_a_damaged_store_for_plan_is_one_line(tmp_path):
     proc, _ = batchsweep(tmp_path, "plan", "--target-batch", "64", "--memory-budget", "1GiB")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "cannot read the SQLite database" in proc.stderr and "mlflow.db" in proc.stderr
+    assert proc.stderr.endswith("): move the file aside if it is damaged, or pass another --tracking-uri\n")
 
 
 def test_a_grid_too_large_to_enumerate_is_refused_from_its_axes(tmp_path):
