@@ -11,13 +11,15 @@ from tests.conftest import ROOT, run_script
 from trainers.cli import main
 
 
-def one_line_error(capsys, argv) -> str:
+def one_line_error(capsys, argv, bar: bool = True) -> str:
     """The error line, and nothing else left on the terminal by this command (a bar that counted nothing clears
-    itself) but the line that says which checkpoint it tried to resume from."""
+    itself; with bar=False none was drawn at all) but the line that says which checkpoint it tried to resume
+    from."""
     capsys.readouterr()  # what earlier commands of the test printed
     code = main(argv)
     lines = [line for line in capsys.readouterr().err.strip().split("\n") if not line.startswith("resuming from ")]
     assert code == 2 and len(lines) == 1, lines
+    assert bar or "\r" not in lines[0], lines
     shown = lines[0].rsplit("\r", 1)[-1]
     assert shown.startswith("error:"), lines
     return shown
@@ -52,7 +54,10 @@ def one_line_error(capsys, argv) -> str:
      "your own model (--model package.module:factory)"),
 ])
 def test_bad_input_is_one_line(capsys, data_dir, argv, expected):
-    line = one_line_error(capsys, [*argv, "--data-dir", data_dir, "--epochs", "1"])
+    """Before the epochs' bar opens, so that a log holds the line alone, but for what only training finds: the
+    training set's size against the effective batch, and what a user's model factory returns."""
+    after_the_bar = "effective batch" in expected or "not a torch.nn.Module" in expected
+    line = one_line_error(capsys, [*argv, "--data-dir", data_dir, "--epochs", "1"], bar=after_the_bar)
     assert expected in line
 
 

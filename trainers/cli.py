@@ -160,7 +160,7 @@ def epoch_progress(total: int, jsonl: str | None = None):
         bar.update(1)
 
     def close() -> None:
-        bar.leave = bar.n > 0  # a bar that counted no epoch (data the model cannot take) leaves no line
+        bar.leave = bar.n > 0  # a bar that counted no epoch (a run that failed before its first) leaves no line
         bar.close()
         if rows:
             rows.close()
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .checkpoint import Checkpointing
     from .distributed import check_launch, launched_rank
-    from .loop import train
+    from .loop import preflight, train
 
     checkpoint, lead = None, launched_rank() == 0  # under torchrun, rank 0 alone reports
     try:
@@ -210,9 +210,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.checkpoint_dir not in (None, "none") else None  # 'none': off, as for sweeps/run.py
         if checkpoint and checkpoint.path.exists() and lead:
             print(f"resuming from {checkpoint.path}", file=sys.stderr)
+        data = preflight(config)  # a device, import path or model that cannot work is said before the bar opens
         on_epoch, close = epoch_progress(config.epochs, args.epochs_jsonl) if lead else (None, lambda: None)
         try:
-            result = train(config, on_epoch=on_epoch, checkpoint=checkpoint)
+            result = train(config, on_epoch=on_epoch, checkpoint=checkpoint, data=data)
         finally:
             close()
     except BatchsweepError as exc:
