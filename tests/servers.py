@@ -85,7 +85,7 @@ def mlflow_server(folder: Path):
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     mlflow_cli = Path(sys.executable).parent / "mlflow"
     log = open(folder / "server.log", "w")
-    # Its own process group, stopped whole: MLflow 3.10 serves through a uvicorn child, which a SIGKILL of the
+    # Its own process group, stopped whole: `mlflow server` serves through a uvicorn child, which a SIGKILL of the
     # parent alone (when it does not stop in time) would leave running.
     proc = subprocess.Popen([str(mlflow_cli), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
                              "--backend-store-uri", f"sqlite:///{folder}/server.db",
