@@ -161,7 +161,8 @@ def test_a_study_killed_mid_trial_resumes_it_bitwise(tmp_path):
         if run.data.tags["batchsweep.model"] == "pytorch":
             state = mlflow.pytorch.load_model(f"{run.info.artifact_uri}/model").state_dict()
         else:
-            state = torch.load(Path(run.info.artifact_uri.removeprefix("file://")) / "model/state_dict.pt")
+            state = torch.load(Path(run.info.artifact_uri.removeprefix("file://")) / "model/state_dict.pt",
+                               weights_only=True)
         return [state[k] for k in sorted(state)]
 
     assert study(tmp_path / "whole").returncode == 0
@@ -230,7 +231,6 @@ def test_models_chosen_and_logged(tmp_path):
 
 LOG_A_MODEL = """
 import sys
-from pathlib import Path
 from pathlib import Path
 from sweeps.checkpoints import log_model
 from sweeps.tracking import Tracker
