@@ -2,8 +2,9 @@
 study has no data for it."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import matplotlib
 
@@ -31,6 +32,9 @@ class Figure:
     figure: plt.Figure
     context: str  # which device, dataset, model, seeds and epochs stand behind it
     finding: str = ""  # the sentence it answers with, for the findings
+
+
+Draw = Callable[[], "Figure | None"]  # a figure of the report, drawn when called; None where the data has none
 
 
 def _values(trials: pd.DataFrame, column: str) -> str:
@@ -429,11 +433,15 @@ def warmup_curves(trials: pd.DataFrame, evals: pd.DataFrame | None) -> Figure | 
                   fig, context(t))
 
 
+def candidates(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None) -> list[Draw]:
+    """Each figure the report may draw, as a call that draws it, or gives None where the data does not support it
+    (the report counts them on its bar)."""
+    return [partial(make, trials, *args) for make, args in (
+        (accuracy_vs_batch, ()), (steps_vs_batch, (history, evals)), (warmup_curves, (evals,)), (memory_vs_batch, ()),
+        (throughput, ()), (learning_curves, (history,)), (lr_scaling, ()), (bn_rules, ()), (equivalence, ()),
+        (health, (history,)))]
+
+
 def all_figures(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None) -> Iterator[Figure]:
-    """Each figure the data supports, drawn as it is asked for (the report counts them on a bar)."""
-    for make, args in ((accuracy_vs_batch, ()), (steps_vs_batch, (history, evals)), (warmup_curves, (evals,)),
-                       (memory_vs_batch, ()), (throughput, ()), (learning_curves, (history,)), (lr_scaling, ()),
-                       (bn_rules, ()), (equivalence, ()), (health, (history,))):
-        figure = make(trials, *args)
-        if figure is not None:
-            yield figure
+    """Each figure the data supports, drawn as it is asked for."""
+    return (figure for figure in (draw() for draw in candidates(trials, history, evals)) if figure is not None)

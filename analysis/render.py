@@ -13,7 +13,7 @@ import re
 import shlex
 import sys
 import time
-from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import jinja2
@@ -25,10 +25,10 @@ from tqdm import tqdm
 from sweeps import commands
 
 from . import branching
-from .figures import Figure, all_figures, protocol
+from .figures import Draw, Figure, candidates, protocol
 from .findings import summarize
 from .runs import StudyRuns
-from .space import pareto_trials, space_figures
+from .space import pareto_trials, space_candidates
 
 MANIFEST = ".batchsweep-report"  # the files the last report wrote in this folder, one name a line
 # Columns of the trials table in the report, when the study has them.
@@ -249,12 +249,9 @@ def _markdown(studies, title: str, stamp: str, source: str, reproduce: str, summ
     return "\n".join(md_lines)
 
 
-def _figures(study: StudyRuns) -> Iterator[Figure]:
-    yield from all_figures(study.trials, study.history, study.evals)
-    yield from space_figures(study)
-    branched = branching.figure(study.trials, study.history)
-    if branched:
-        yield branched
+def _candidates(study: StudyRuns) -> list[Draw]:
+    return [*candidates(study.trials, study.history, study.evals), *space_candidates(study),
+            partial(branching.figure, study.trials, study.history)]
 
 
 def _shared_title(titles: list[str]) -> str:
@@ -283,14 +280,19 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
     for study in studies:
         prefix = f"{folder_name([study.name])}-" if len(studies) > 1 else ""
         figures = []
-        with tqdm(desc=f"drawing the figures of {study.name}", unit=" figures", file=sys.stderr, dynamic_ncols=True,
-                  leave=False) as bar:
-            for fig in _figures(study):
+        draws = _candidates(study)
+        # Over the kinds of figure the report knows: which the data supports is known once each is tried.
+        with tqdm(draws, desc=f"drawing the figures of {study.name}", unit=" kinds", file=sys.stderr,
+                  dynamic_ncols=True, leave=False) as bar:
+            for draw in bar:
+                fig = draw()
+                if fig is None:
+                    continue
                 path = _save(fig, folder, prefix)
                 written.append(path)
                 kinds.setdefault(fig.name, []).append((f"{study.name}: " if len(studies) > 1 else "", fig, path))
                 figures.append(fig)
-                bar.update()
+                bar.set_postfix(drawn=len(figures), refresh=False)
         findings = summarize(study.trials, study.history, study.evals) + [f.finding for f in figures if f.finding]
         summaries.append((study.name, findings or ["No finished trials yet."], protocol(study.trials)))
         csv = folder / f"{prefix}trials.csv"

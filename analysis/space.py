@@ -10,13 +10,13 @@ the top 10% of trials with the rest, a handful of trials in a study of 27 to 81.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from functools import partial
 
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from .figures import Figure, context, finished, in_order, log_scale
+from .figures import Draw, Figure, context, finished, in_order, log_scale
 from .runs import TARGET_SHARE, StudyRuns, ci95
 
 MIN_IMPORTANCE_TRIALS = 10  # fewer finished trials say nothing about which field mattered
@@ -363,9 +363,7 @@ def objectives_front(study: StudyRuns) -> Figure | None:
                   finding)
 
 
-def space_figures(study: StudyRuns) -> Iterator[Figure]:
-    """Each figure over the search space the study supports, drawn as it is asked for."""
-    for make in (importance, parallel_coordinates, memory_front, time_front, objectives_front):
-        figure = make(study)
-        if figure is not None:
-            yield figure
+def space_candidates(study: StudyRuns) -> list[Draw]:
+    """Each figure over the search space the report may draw (figures.candidates)."""
+    return [partial(make, study) for make in (importance, parallel_coordinates, memory_front, time_front,
+                                              objectives_front)]

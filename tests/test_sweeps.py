@@ -89,7 +89,9 @@ def test_tiny_study_end_to_end(tmp_path):
     reading = [line for line in after if line.startswith("reading the runs of accum_lr: ")]
     drawing = [line for line in after if line.startswith("drawing the figures of accum_lr: ")]
     assert reading and drawing and after == reading + drawing, after
-    assert " 0/3 [" in reading[0] and " 0 figures [" in drawing[0]
+    kinds = re.search(r" 0/(\d+) \[.* kinds/s\]", drawing[0])  # each kind of figure the report knows, in turn
+    drawn = len(list((tmp_path / "reports/accum_lr").glob("*.png")))
+    assert " 0/3 [" in reading[0] and kinds and int(kinds[1]) > drawn > 0, (drawing, drawn)
     started, ended = epoch_frames(proc.stderr, 1)  # the bar over epochs: each trial's own, from epoch 0
     assert len(started) == 3 and ended == started, (started, ended)
     storage, client = stores(tmp_path)
