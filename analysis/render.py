@@ -250,6 +250,8 @@ def _markdown(studies, title: str, stamp: str, source: str, reproduce: str, summ
 
 
 def _candidates(study: StudyRuns) -> list[Draw]:
+    """Every kind of figure the report knows (its bar's total): which ones the data supports is known as each is
+    tried."""
     return [*candidates(study.trials, study.history, study.evals), *space_candidates(study),
             partial(branching.figure, study.trials, study.history)]
 
@@ -280,9 +282,7 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
     for study in studies:
         prefix = f"{folder_name([study.name])}-" if len(studies) > 1 else ""
         figures = []
-        draws = _candidates(study)
-        # Over the kinds of figure the report knows: which the data supports is known once each is tried.
-        with tqdm(draws, desc=f"drawing the figures of {study.name}", unit=" kinds", file=sys.stderr,
+        with tqdm(_candidates(study), desc=f"drawing the figures of {study.name}", unit=" kinds", file=sys.stderr,
                   dynamic_ncols=True, leave=False) as bar:
             for draw in bar:
                 fig = draw()
