@@ -95,11 +95,16 @@ def _study(client: MlflowClient, name: str, runs, shown_uri: str) -> StudyRuns:
     # (the latest by start, and of two started in the same millisecond, as on two machines, always the same one)
     parents = sorted((r for r in runs if MLFLOW_PARENT_RUN_ID not in r.data.tags),
                      key=lambda r: (r.info.start_time, r.info.run_id))
+    # A script may log a metric under a param's name (the "lr" its schedule reached, beside the "lr" it was
+    # given): the metric's column is then MLflow's own name for it, metrics.<name>, in both frames.
+    taken = {k for run in children for k in run.data.params}
+    shown = {k: f"metrics.{k}" if k in taken else k for run in children for k in run.data.metrics}
     rows = []
     for run in children:
         rows.append({"run_id": run.info.run_id, "status": run.info.status,
                      **{f"param:{k}": v for k, v in run.data.params.items()},
-                     **run.data.metrics, **{t: run.data.tags.get(t) for t in TAGS}})
+                     **{shown[k]: v for k, v in run.data.metrics.items()},
+                     **{t: run.data.tags.get(t) for t in TAGS}})
     trials = pd.DataFrame(rows)
     params = [c for c in trials.columns if c.startswith("param:")]
     for c in params:
@@ -109,22 +114,24 @@ def _study(client: MlflowClient, name: str, runs, shown_uri: str) -> StudyRuns:
         trials["batch"] = trials["accum_steps"].map(lambda k: "accumulated" if k > 1 else "true batch")
     tags = parents[-1].data.tags if parents else {}
     names = [c.removeprefix("param:") for c in params]
-    history, evals = _history(client, children, name)
+    history, evals = _history(client, children, name, shown)
     return StudyRuns(name, trials, history, parents[-1].info.run_id if parents else None,
                      shown_uri, _varied(tags.get("batchsweep.varied"), trials, names),
                      _objectives(tags.get("batchsweep.objective")), evals)
 
 
-def _history(client: MlflowClient, runs, name: str) -> tuple[pd.DataFrame, pd.DataFrame | None]:
-    """The per-epoch rows, and the evaluations within epochs (step_* metrics, by optimizer step) if any. A request
-    per run and metric: most of a report's wait on a large study, and more over a tracking server, hence a bar."""
+def _history(client: MlflowClient, runs, name: str,
+             shown: dict[str, str]) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """The per-epoch rows, and the evaluations within epochs (step_* metrics, by optimizer step) if any, each metric
+    under its column's name in `shown`. A request per run and metric: most of a report's wait on a large study,
+    and more over a tracking server, hence a bar."""
     rows = []
     for run in tqdm(runs, desc=f"reading the runs of {name}", unit="run", file=sys.stderr, dynamic_ncols=True,
                     leave=False):
         for key in run.data.metrics:
             for m in client.get_metric_history(run.info.run_id, key):
                 if m.step >= 1:  # per-epoch values; run-level ones sit on the last epoch's step only
-                    rows.append((run.info.run_id, m.step, key, m.value))
+                    rows.append((run.info.run_id, m.step, shown[key], m.value))
     frame = pd.DataFrame(rows, columns=["run_id", "epoch", "key", "value"])
     within = frame["key"].str.startswith("step_")
     evals = frame[within].rename(columns={"epoch": "step"})

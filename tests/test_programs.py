@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import optuna
+import pandas as pd
 import psutil
 import pytest
 
@@ -106,6 +107,13 @@ accum_steps = [1, 2]
                 for t in complete for c in [t.user_attrs["config"]]}
     assert by_point[(8, 2, 0)] == pytest.approx(by_point[(16, 1, 0)], abs=1e-6)
     assert (tmp_path / "reports/script_grid/accuracy_vs_batch.png").exists()
+    # The "lr" the script logged keeps MLflow's name beside the param it was given: one column each.
+    csv = tmp_path / "reports/script_grid/trials.csv"
+    assert csv.read_text().splitlines()[0].split(",").count("lr") == 1  # (read_csv would call a second one "lr.1")
+    table = pd.read_csv(csv)
+    assert list(table["lr"]) == pytest.approx(list(0.1 * table["effective_batch"] / 16))
+    done = table[table["status"] == "FINISHED"]  # (the killed trial's run holds no metric)
+    assert len(done) == 4 and list(done["metrics.lr"]) == pytest.approx(list(done["lr"]))  # no schedule: the LR given
 
 
 def test_a_script_that_logs_through_mlflow_itself(tmp_path):

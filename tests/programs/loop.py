@@ -82,7 +82,7 @@ def main() -> int:
                 total += loss.item()
             opt.step()
             step += 1
-            log(run, {"step": step, "loss": total})
+            log(run, {"step": step, "loss": total, "lr": opt.param_groups[0]["lr"]})  # "lr": also a param's name
         with torch.no_grad():
             out = model(vx)
             acc = (out.argmax(1) == vy).float().mean().item() - args.handicap
