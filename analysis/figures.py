@@ -266,14 +266,21 @@ def learning_curves(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | Non
     return Figure("learning_curves", title, grid.figure, context(t))
 
 
+def trained_lr(trials: pd.DataFrame) -> str:
+    """The column of the LR each trial trained at: `lr`, after its LR rule. Under a rule other than `none` the
+    base LR is not it, and its exponent against B would leave out the rule's own."""
+    return "lr" if "lr" in trials else "base_lr"
+
+
 def best_lr(trials: pd.DataFrame) -> tuple[pd.DataFrame, float] | None:
-    """The best base LR per effective batch and the fitted exponent alpha of lr_opt ~ B^alpha."""
+    """The best LR (as trained at) per effective batch and the fitted exponent alpha of lr_opt ~ B^alpha, in a
+    frame of effective_batch, lr and val_acc."""
     t = finished(trials)
     if not _varies(t, "effective_batch") or not tuned(t):
         return None
-    best = t.loc[t.groupby("effective_batch")["val_acc"].idxmax(), ["effective_batch", "base_lr", "val_acc"]]
-    best = best.sort_values("effective_batch")
-    alpha = float(np.polyfit(np.log(best["effective_batch"]), np.log(best["base_lr"]), 1)[0]) if len(best) > 1 \
+    best = t.loc[t.groupby("effective_batch")["val_acc"].idxmax(), ["effective_batch", trained_lr(t), "val_acc"]]
+    best = best.set_axis(["effective_batch", "lr", "val_acc"], axis=1).sort_values("effective_batch")
+    alpha = float(np.polyfit(np.log(best["effective_batch"]), np.log(best["lr"]), 1)[0]) if len(best) > 1 \
         else float("nan")
     return best, alpha
 
@@ -284,10 +291,10 @@ def lr_scaling(trials: pd.DataFrame) -> Figure | None:
         return None
     best, alpha = found
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    ax.scatter(best["effective_batch"], best["base_lr"], zorder=3, label=f"best LR (fit: α = {alpha:.2f})")
-    b0, lr0 = best["effective_batch"].iloc[0], best["base_lr"].iloc[0]
+    ax.scatter(best["effective_batch"], best["lr"], zorder=3, label=f"best LR (fit: α = {alpha:.2f})")
+    b0, lr0 = best["effective_batch"].iloc[0], best["lr"].iloc[0]
     xs = np.array([best["effective_batch"].min(), best["effective_batch"].max()])
-    intercept = np.mean(np.log(best["base_lr"]) - alpha * np.log(best["effective_batch"]))
+    intercept = np.mean(np.log(best["lr"]) - alpha * np.log(best["effective_batch"]))
     ax.plot(xs, np.exp(intercept) * xs ** alpha, color="C0")
     ax.plot(xs, lr0 * xs / b0, "--", color="gray", label="linear (α = 1)")
     ax.plot(xs, lr0 * np.sqrt(xs / b0), ":", color="gray", label="square root (α = 0.5)")

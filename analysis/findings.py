@@ -14,7 +14,8 @@ import numpy as np
 import pandas as pd
 
 from . import branching
-from .figures import best_lr, critical_batch, finished, in_order, one_batch, reliable_noise, tuned
+from .figures import (best_lr, critical_batch, finished, in_order, one_batch, reliable_noise, trained_lr,
+                      tuned)
 from .runs import (TARGET_SHARE, Difference, aggregate, discoveries, knee, paired, reached, resolution,
                    steps_to_target)
 
@@ -325,7 +326,7 @@ def lr_exponent(trials: pd.DataFrame) -> list[str]:
     best, alpha = found
     t = finished(trials)
     rng = np.random.default_rng(0)
-    groups = [g[["base_lr", "val_acc"]].to_numpy() for _, g in t.groupby("effective_batch")]
+    groups = [g[[trained_lr(t), "val_acc"]].to_numpy() for _, g in t.groupby("effective_batch")]
     sizes = np.log(np.array(sorted(t["effective_batch"].unique()), float))
     draws = []
     for _ in range(BOOTSTRAPS):
@@ -336,8 +337,8 @@ def lr_exponent(trials: pd.DataFrame) -> list[str]:
         draws.append(np.polyfit(sizes, np.log(lrs), 1)[0])
     lo, hi = np.percentile(draws, [2.5, 97.5])
     shown = [f"{round(x, 2) + 0.0:.2f}" for x in (alpha, lo, hi)]  # + 0.0: an exponent of -0.001 reads 0.00
-    return [f"The best learning rate went from {best['base_lr'].iloc[0]:.3g} at B = {best['effective_batch'].iloc[0]} "
-            f"to {best['base_lr'].iloc[-1]:.3g} at B = {best['effective_batch'].iloc[-1]}: B^{shown[0]} fitted over "
+    return [f"The best learning rate went from {best['lr'].iloc[0]:.3g} at B = {best['effective_batch'].iloc[0]} "
+            f"to {best['lr'].iloc[-1]:.3g} at B = {best['effective_batch'].iloc[-1]}: B^{shown[0]} fitted over "
             f"every B (95% bootstrap interval {shown[1]} to {shown[2]}, {BOOTSTRAPS:,} resamples of the trials at "
             f"each B). {lr_rule_reading(lo, hi)}."]
 

@@ -435,10 +435,13 @@ def test_a_comparison_sets_the_studies_figures_of_one_kind_side_by_side(tmp_path
     assert md.count("![") == len(list(tmp_path.glob("*.png")))  # no figure lost to a heading two kinds share
 
 
-def test_lr_exponent_is_fitted():
-    rows = [dict(run_id=f"{b}-{lr}", status="FINISHED", effective_batch=b, base_lr=lr, physical_batch=32,
-                 accum_steps=b // 32, seed=0, epochs=2, model="mlp", dataset="d", device_name="cpu",
-                 val_acc=1 - abs(lr - 0.05 * (b / 32) ** 0.7) / 10, reason=None)
+@pytest.mark.parametrize("rule, power", [("none", 0.0), ("sqrt", 0.5)])
+def test_lr_exponent_is_fitted_to_the_lr_trained_at(rule, power):
+    """Under the sqrt rule the searched base LR is scaled by (B/32)^0.5 before training: the exponent is that of
+    the LR trained at (0.7 here), not of the base LR (0.2), or `none` would read as the rule the data prefer."""
+    rows = [dict(run_id=f"{b}-{lr}", status="FINISHED", effective_batch=b, base_lr=lr / (b / 32) ** power, lr=lr,
+                 lr_rule=rule, physical_batch=32, accum_steps=b // 32, seed=0, epochs=2, model="mlp", dataset="d",
+                 device_name="cpu", val_acc=1 - abs(lr - 0.05 * (b / 32) ** 0.7) / 10, reason=None)
             for b in (32, 64, 128, 256) for lr in [0.05 * (b / 32) ** 0.7 * f for f in (0.5, 1.0, 2.0)]]
     best, alpha = best_lr(pd.DataFrame(rows))
     assert alpha == pytest.approx(0.7, abs=1e-6)
