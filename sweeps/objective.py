@@ -184,7 +184,8 @@ class Script(Objective):
         if ended.peak_memory_bytes:
             metrics["peak_memory_bytes"] = float(ended.peak_memory_bytes)
         finite = all(math.isfinite(metrics[m]) for m in self.metrics if m in metrics)
-        return Trained(metrics, "ok" if finite else "diverged", ended.memory_source, {"exit_status": ended.code},
+        return Trained(metrics, "ok" if finite else "diverged", ended.memory_source,
+                       {"exit_status": ended.code, "warnings": " | ".join(output.notes()) or None},
                        in_run=tuple(k for k in in_run if k not in output.final))
 
 

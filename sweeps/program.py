@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import posixpath
 import re
 import selectors
 import shutil
@@ -113,9 +114,39 @@ class Output:
     lines: list[str] = field(default_factory=list)  # stdout and stderr, in the order they came
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))  # of stderr
     final: dict[str, float] = field(default_factory=dict)  # the last value of every metric it printed
+    renamed: dict[str, str] = field(default_factory=dict)  # a printed name MLflow refuses -> the name logged
+
+    def notes(self) -> list[str]:
+        return [f"the script's metric {name!r} is logged as {logged!r}: MLflow takes letters, digits and _ - . : / "
+                f"and spaces in a name of at most {NAME_LENGTH}" for name, logged in self.renamed.items()]
 
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
+
+
+# MLflow refuses a metric name with other characters than these, longer than 250, or that is not a plain relative
+# path ("a//b", "../a", "/a"): one such name in a batch fails the whole trial's record.
+REFUSED = re.compile(r"[^/\w.\- :]+")
+NAME_LENGTH = 250
+
+
+def _refused(name: str) -> bool:
+    norm = posixpath.normpath(name)
+    return bool(REFUSED.search(name)) or len(name) > NAME_LENGTH or norm != name or norm.startswith(("..", "/")) \
+        or norm == "."
+
+
+def storable(name: str) -> str:
+    """The name under which a script's metric is logged: its own where MLflow takes it; else each run of refused
+    characters as "_" ("acc(%)" is "acc_"), "/" too where the name would be a path, cut to 250 characters."""
+    if not _refused(name):
+        return name
+    fixed = REFUSED.sub("_", name)
+    if _refused(fixed[:NAME_LENGTH]):
+        fixed = fixed.replace("/", "_")
+    if _refused(fixed[:NAME_LENGTH]):  # "", "." or "..x"
+        fixed = "_" + fixed
+    return fixed[:NAME_LENGTH]
 
 
 def numbers(row: dict[str, Any]) -> dict[str, float]:
@@ -123,8 +154,9 @@ def numbers(row: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def parse_row(line: str) -> dict[str, float] | None:
-    """A line of stdout that is a JSON object with numbers in it; None for any other line."""
+def parse_row(line: str, renamed: dict[str, str] | None = None) -> dict[str, float] | None:
+    """A line of stdout that is a JSON object with numbers in it, under names MLflow takes (`renamed` gets each
+    name that had to change); None for any other line."""
     line = line.strip()
     if not line.startswith("{"):
         return None
@@ -132,7 +164,14 @@ def parse_row(line: str) -> dict[str, float] | None:
         row = json.loads(line)
     except ValueError:
         return None
-    return (numbers(row) or None) if isinstance(row, dict) else None
+    if not isinstance(row, dict):
+        return None
+    values = {}
+    for name, value in numbers(row).items():
+        values[storable(name)] = value
+        if storable(name) != name and renamed is not None:
+            renamed[name] = storable(name)
+    return values or None
 
 
 class Memory:
@@ -247,7 +286,7 @@ def run(argv: list[str], env: dict[str, str], cwd: str | None, timeout_s: float 
                         output.lines.append(line)
                         if key.data == "err":
                             output.tail.append(line)
-                        elif (row := parse_row(line)) is not None:
+                        elif (row := parse_row(line, output.renamed)) is not None:
                             output.final.update({k: v for k, v in row.items() if k not in ("step", "epoch")})
                             if "step" in row or "epoch" in row:
                                 on_row(row)

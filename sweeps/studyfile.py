@@ -16,7 +16,7 @@ from typing import Any
 from trainers import DERIVED, FIELDS, MAX_COUNT, ConfigError, import_object  # DERIVED: a constraint may name them
 
 from .commands import command
-from .program import PLACEHOLDER, Program, fill
+from .program import PLACEHOLDER, Program, fill, storable
 from .search import PRUNERS, SAMPLERS
 from .studies import (CONSTRAINT, DIRECTIONS, KINDS, LAUNCHERS, Constraint, Param, Study, check_name,
                       check_size)
@@ -199,6 +199,11 @@ def _objective(objective: dict, fail, program: bool) -> tuple[str, tuple[str, ..
                    if program else "\"program\" runs your script: add a [program] table with its command")
     default_metric = "param_rel_diff" if kind == "equivalence" else "val_acc"
     metrics = tuple(_strings(objective, "objective.metrics", "metrics", [default_metric], fail))
+    for name in metrics:
+        if storable(name) != name:
+            raise fail("objective.metrics", f"MLflow cannot hold a metric named {name!r} (it takes letters, digits "
+                                            f"and _ - . : / and spaces): a script's {name!r} is logged as "
+                                            f"{storable(name)!r}: put that name here")
     directions = tuple(_strings(objective, "objective.directions", "directions",
                                 ["minimize" if kind == "equivalence" else "maximize"] * len(metrics), fail))
     if len(directions) != len(metrics) or not metrics:

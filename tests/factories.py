@@ -545,6 +545,10 @@ def clashing(output, target):
     return {"acc": (torch.zeros(()), 1)}
 
 
+def recall_at(output, target):  # a name as retrieval writes it, which MLflow refuses
+    return {"recall@5": (torch.zeros(()), 1)}
+
+
 def four_parts(**_):
     train, test, collate = hf_shaped()
     return train, test, collate, None

@@ -1,4 +1,5 @@
 """[program] trials: the user's own script, swept with its own metrics, memory measured, every ending recorded."""
+import json
 import os
 import re
 import signal
@@ -152,6 +153,9 @@ mode = ["ok", "fail", "oom"]
     children, _ = child_runs(client, "script_outcomes")
     runs = {r.data.params["mode"]: r for r in children}  # the study's own field is a param
     assert trials["ok"].state == State.COMPLETE and runs["ok"].info.status == "FINISHED"
+    # A printed name that MLflow refuses would fail the whole record: it is logged under the name MLflow takes.
+    assert runs["ok"].data.metrics["recall_1"] == runs["ok"].data.metrics["val_acc"]
+    assert runs["ok"].data.tags["warnings"].startswith("the script's metric 'recall@1' is logged as 'recall_1'")
     assert trials["fail"].state == State.FAIL and runs["fail"].data.tags["reason"] == "error"
     assert runs["fail"].data.tags["error"] == ("ScriptFailed: the script ended with exit status 1: note: "
                                                "postgresql://me:***@db.example/runs / loading the data failed: no "
@@ -253,6 +257,9 @@ def test_ctrl_c_stops_the_scripts_process_group_and_records_the_trial_interrupte
                                                                             "[program] runs your script"),
     ("[fixed]\nwidth = [1, 2]", 'command = ["{python}", "t.py", "{width}"]', "fixed.width: must be text, a finite"),
     ("", 'command = ["pythn", "t.py"]', "program.command: 'pythn' is not a program it can start"),
+    ('[objective]\nmetrics = ["recall@1"]', 'command = ["{python}", "t.py"]',
+     "objective.metrics: MLflow cannot hold a metric named 'recall@1' (it takes letters, digits and _ - . : / and "
+     "spaces): a script's 'recall@1' is logged as 'recall_1': put that name here"),
 ])
 def test_a_bad_program_table_is_one_line_before_anything_runs(tmp_path, body, command, expected):
     path = study_file(tmp_path, "bad_program", body, command)
@@ -260,6 +267,21 @@ def test_a_bad_program_table_is_one_line_before_anything_runs(tmp_path, body, co
     assert proc.returncode == 2
     assert proc.stderr.startswith(f"error: {path}: {expected}"), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "mlruns").exists()
+
+
+@pytest.mark.parametrize("printed, logged", [
+    ("val_acc", "val_acc"), ("eval/f1 macro:5", "eval/f1 macro:5"), ("acc(%)", "acc_"), ("recall@1", "recall_1"),
+    ("a//b", "a__b"), ("/abs", "_abs"), ("../up", "_.._up"), ("", "_"), ("..", "_.."), ("x" * 300, "x" * 250),
+])
+def test_a_printed_metric_name_is_logged_under_one_that_mlflow_takes(printed, logged):
+    from mlflow.utils.validation import _validate_metric_name
+
+    from sweeps.program import parse_row
+
+    renamed = {}
+    assert parse_row(json.dumps({"epoch": 1, printed: 0.5}), renamed) == {"epoch": 1.0, logged: 0.5}
+    assert renamed == ({} if printed == logged else {printed: logged})
+    _validate_metric_name(logged)  # MLflow's own check, which raises on a name it refuses
 
 
 def test_dry_run_prints_each_command_with_passwords_redacted(tmp_path):

@@ -165,6 +165,8 @@ metrics = ["val_token_margin"]
                               r"attention_mask, labels\): set label_key to the entry that holds the target"),
     ({"metrics": "tests.factories:clashing"}, r"metric clashing returns 'acc', a name batchsweep logs itself: "
                                               r"rename it"),
+    ({"metrics": "tests.factories:recall_at"}, r"metric recall_at returns 'recall@5', a name MLflow cannot log: "
+                                               r"use letters, digits, spaces and _ - \. : \(at most 200\)$"),
     ({"dataset": "tests.factories:four_parts"}, r"dataset factory 'tests.factories:four_parts' must return "
                                                 r"\(train, test\) Datasets, or \(train, test, collate_fn\)"),
 ])

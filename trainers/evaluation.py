@@ -3,6 +3,7 @@ added up over the eval batches and divided once at the end."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Callable, Iterable
 
 import torch
@@ -15,6 +16,8 @@ from .losses import IGNORE_INDEX, Loss, builtin
 
 Metric = Callable[[Any, torch.Tensor], dict[str, tuple]]  # (output, target) -> {name: (sum, count)}
 OWN = ("acc", "top5", "loss", "perplexity")  # names a metric function may not take: batchsweep logs them
+# A metric function's names become MLflow metrics and report columns: MLflow takes no other characters.
+NAME = re.compile(r"\w[\w.\- :]{0,199}")
 
 
 @torch.inference_mode()
@@ -39,6 +42,10 @@ def evaluate(model: nn.Module, batches: Iterable[tuple[Any, torch.Tensor]], loss
             if clash:
                 raise ConfigError(f"metric {getattr(metric, '__name__', metric)} returns {clash.pop()!r}, a name "
                                   f"batchsweep logs itself: rename it")
+            odd = [name for name in own if not (isinstance(name, str) and NAME.fullmatch(name))]
+            if odd:
+                raise ConfigError(f"metric {getattr(metric, '__name__', metric)} returns {odd[0]!r}, a name MLflow "
+                                  f"cannot log: use letters, digits, spaces and _ - . : (at most 200)")
             measured.add(own)
     model.train(was_training)
     row = {"val_loss": sum(terms.means().values()), "val_acc": math.nan}
