@@ -143,7 +143,7 @@ def _fields(data: dict, fail, own: bool = False) -> tuple[dict[str, Any], dict[s
 
     def value_of(key: str, field: str, value: Any) -> Any:
         if own and field not in FIELDS and field not in DERIVED:
-            return _own_value(key, value, fail)
+            return _own_value(key, value, fail, field)
         if field != "effective_batch":
             return _field_value(key, field, value, fail)
         if not auto:
@@ -300,7 +300,9 @@ def _param(key: str, field: str, spec: Any, fail, own: bool = False) -> Param:
         _field_value(key, field, None, fail)  # names the unknown field
 
     def value_of(where: str, value: Any) -> Any:
-        return _field_value(where, field, value, fail) if field in FIELDS else _own_value(where, value, fail)
+        if field in FIELDS:
+            return _field_value(where, field, value, fail)
+        return _own_value(where, value, fail, field)
 
     if not isinstance(spec, dict):
         raise fail(key, f"must be a table ([{key}]) with type and low/high or choices, got {_kind(spec)}")
@@ -339,8 +341,12 @@ def _number(key: str, kind: type, value: Any, fail) -> float | int:
     return value
 
 
-def _own_value(key: str, value: Any, fail) -> Any:
-    """A value of a [program] study's own field: text, a number or true/false, passed to the script as text."""
+def _own_value(key: str, value: Any, fail, field: str) -> Any:
+    """A value of a [program] study's own field: text, a number or true/false, passed to the script as text. The
+    field's name is a placeholder's (it reaches the script only as one) and an MLflow param's."""
+    if not PLACEHOLDER.fullmatch(f"{{{field}}}"):
+        raise fail(key, f"{field!r} is not a name a field of your own can have: use letters, digits and _, "
+                        f"not a digit first, as a placeholder does ({{drop_rate}})")
     if type(value) not in (str, int, float, bool) or type(value) is float and not math.isfinite(value):
         raise fail(key, f"must be text, a finite number or true/false (a field of your own, passed to the "
                         f"[program]), got {_kind(value)} {value!r}")

@@ -257,6 +257,9 @@ def test_ctrl_c_stops_the_scripts_process_group_and_records_the_trial_interrupte
                                                                             "[program] runs your script"),
     ("[fixed]\nwidth = [1, 2]", 'command = ["{python}", "t.py", "{width}"]', "fixed.width: must be text, a finite"),
     ("", 'command = ["pythn", "t.py"]', "program.command: 'pythn' is not a program it can start"),
+    ('[fixed]\n"drop rate" = 0.1', 'command = ["{python}", "t.py"]',
+     "fixed.drop rate: 'drop rate' is not a name a field of your own can have: use letters, digits and _, not a "
+     "digit first, as a placeholder does ({drop_rate})"),
     ('[objective]\nmetrics = ["recall@1"]', 'command = ["{python}", "t.py"]',
      "objective.metrics: MLflow cannot hold a metric named 'recall@1' (it takes letters, digits and _ - . : / and "
      "spaces): a script's 'recall@1' is logged as 'recall_1': put that name here"),
