@@ -479,6 +479,11 @@ def shifted_ce(output, labels):
     return total, (targets != -100).sum()
 
 
+def shifted_ce_at(output, labels):
+    """shifted_ce as one named term, under a name MLflow refuses."""
+    return {"ce@1": shifted_ce(output, labels)}
+
+
 def margin(output, target):
     """A metric of the user's own: the mean logit margin of the true class over the best other one."""
     logits = output if torch.is_tensor(output) else output.logits

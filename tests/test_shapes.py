@@ -165,6 +165,9 @@ metrics = ["val_token_margin"]
                               r"attention_mask, labels\): set label_key to the entry that holds the target"),
     ({"metrics": "tests.factories:clashing"}, r"metric clashing returns 'acc', a name batchsweep logs itself: "
                                               r"rename it"),
+    ({"loss": "tests.factories:shifted_ce_at"}, r"loss tests.factories:shifted_ce_at names a term 'ce@1', a name "
+                                                r"MLflow cannot log: use letters, digits, spaces and _ - \. : "
+                                                r"\(at most 200\)$"),
     ({"metrics": "tests.factories:recall_at"}, r"metric recall_at returns 'recall@5', a name MLflow cannot log: "
                                                r"use letters, digits, spaces and _ - \. : \(at most 200\)$"),
     ({"dataset": "tests.factories:four_parts"}, r"dataset factory 'tests.factories:four_parts' must return "

@@ -3,7 +3,6 @@ added up over the eval batches and divided once at the end."""
 from __future__ import annotations
 
 import math
-import re
 from typing import Any, Callable, Iterable
 
 import torch
@@ -12,12 +11,10 @@ from torch import nn
 from .batches import aligned, forward
 from .errors import ConfigError
 from .imports import load_factory
-from .losses import IGNORE_INDEX, Loss, builtin
+from .losses import IGNORE_INDEX, NAME, Loss, builtin
 
 Metric = Callable[[Any, torch.Tensor], dict[str, tuple]]  # (output, target) -> {name: (sum, count)}
 OWN = ("acc", "top5", "loss", "perplexity")  # names a metric function may not take: batchsweep logs them
-# A metric function's names become MLflow metrics and report columns: MLflow takes no other characters.
-NAME = re.compile(r"\w[\w.\- :]{0,199}")
 
 
 @torch.inference_mode()

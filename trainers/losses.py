@@ -16,6 +16,7 @@ output and the target as they are.
 """
 from __future__ import annotations
 
+import re
 from typing import Callable, Union
 
 import torch
@@ -29,6 +30,9 @@ IGNORE_INDEX = -100  # a target that does not count (padding), as in torch's cro
 SUM = 2  # at::Reduction::Sum, for aten ops called directly
 Count = Union[int, torch.Tensor]
 Terms = dict[str, tuple[torch.Tensor, Count]]
+# A loss term's or a metric function's name becomes an MLflow metric's and a report column's: MLflow takes no
+# other characters.
+NAME = re.compile(r"\w[\w.\- :]{0,199}")
 
 
 def builtin(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Count]:
@@ -104,6 +108,10 @@ class Loss:
                               f"{type(value).__name__}")
         if not self.checked:
             self.checked = True
+            odd = [term for term in terms if not (isinstance(term, str) and NAME.fullmatch(term))]
+            if odd:
+                raise ConfigError(f"loss {self.name} names a term {odd[0]!r}, a name MLflow cannot log: use letters, "
+                                  f"digits, spaces and _ - . : (at most 200)")
             counted = {term: int(count) for term, (_, count) in terms.items()}
             if len(set(counted.values())) > 1:
                 raise ConfigError(
