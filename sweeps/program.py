@@ -168,9 +168,10 @@ def parse_row(line: str, renamed: dict[str, str] | None = None) -> dict[str, flo
         return None
     values = {}
     for name, value in numbers(row).items():
-        values[storable(name)] = value
-        if storable(name) != name and renamed is not None:
-            renamed[name] = storable(name)
+        logged = storable(name)
+        values[logged] = value
+        if logged != name and renamed is not None:
+            renamed[name] = logged
     return values or None
 
 

@@ -199,7 +199,7 @@ def _objective(objective: dict, fail, program: bool) -> tuple[str, tuple[str, ..
                    if program else "\"program\" runs your script: add a [program] table with its command")
     default_metric = "param_rel_diff" if kind == "equivalence" else "val_acc"
     metrics = tuple(_strings(objective, "objective.metrics", "metrics", [default_metric], fail))
-    for name in metrics:
+    for name in metrics if program else ():  # (the trainer's own names are checked where they are made)
         if storable(name) != name:
             raise fail("objective.metrics", f"MLflow cannot hold a metric named {name!r} (it takes letters, digits "
                                             f"and _ - . : / and spaces): a script's {name!r} is logged as "
