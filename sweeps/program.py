@@ -117,8 +117,10 @@ class Output:
     renamed: dict[str, str] = field(default_factory=dict)  # a printed name MLflow refuses -> the name logged
 
     def notes(self) -> list[str]:
-        return [f"the script's metric {name!r} is logged as {logged!r}: MLflow takes letters, digits and _ - . : / "
-                f"and spaces in a name of at most {NAME_LENGTH}" for name, logged in self.renamed.items()]
+        return [f"the script's metric {name!r} is logged as {logged!r}: " +
+                (f"batchsweep measures {name!r} itself" if name in MEASURED else
+                 f"MLflow takes letters, digits and _ - . : / and spaces in a name of at most {NAME_LENGTH}")
+                for name, logged in self.renamed.items()]
 
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
@@ -128,6 +130,7 @@ class Output:
 # path ("a//b", "../a", "/a"): one such name in a batch fails the whole trial's record.
 REFUSED = re.compile(r"[^/\w.\- :]+")
 NAME_LENGTH = 250
+MEASURED = ("wall_time_s", "peak_memory_bytes")  # what batchsweep measures of a script: its own go under script/
 
 
 def _refused(name: str) -> bool:
@@ -155,8 +158,8 @@ def numbers(row: dict[str, Any]) -> dict[str, float]:
 
 
 def parse_row(line: str, renamed: dict[str, str] | None = None) -> dict[str, float] | None:
-    """A line of stdout that is a JSON object with numbers in it, under names MLflow takes (`renamed` gets each
-    name that had to change); None for any other line."""
+    """A line of stdout that is a JSON object with numbers in it, under names MLflow takes and batchsweep's
+    measurements do not (`renamed` gets each name that had to change); None for any other line."""
     line = line.strip()
     if not line.startswith("{"):
         return None
@@ -168,7 +171,7 @@ def parse_row(line: str, renamed: dict[str, str] | None = None) -> dict[str, flo
         return None
     values = {}
     for name, value in numbers(row).items():
-        logged = storable(name)
+        logged = f"script/{name}" if name in MEASURED else storable(name)
         values[logged] = value
         if logged != name and renamed is not None:
             renamed[name] = logged

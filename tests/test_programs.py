@@ -275,6 +275,7 @@ def test_a_bad_program_table_is_one_line_before_anything_runs(tmp_path, body, co
 @pytest.mark.parametrize("printed, logged", [
     ("val_acc", "val_acc"), ("eval/f1 macro:5", "eval/f1 macro:5"), ("acc(%)", "acc_"), ("recall@1", "recall_1"),
     ("a//b", "a__b"), ("/abs", "_abs"), ("../up", "_.._up"), ("", "_"), ("..", "_.."), ("x" * 300, "x" * 250),
+    ("peak_memory_bytes", "script/peak_memory_bytes"),  # batchsweep's own measurement keeps its name
 ])
 def test_a_printed_metric_name_is_logged_under_one_that_mlflow_takes(printed, logged):
     from mlflow.utils.validation import _validate_metric_name
