@@ -132,6 +132,11 @@ def finished(trials: pd.DataFrame) -> pd.DataFrame:
     return trials[trials["status"] == "FINISHED"]
 
 
+def has_accuracy(trials: pd.DataFrame) -> bool:
+    """Whether any trial has a validation accuracy (float targets, as a regression has, give none)."""
+    return "val_acc" in trials and bool(np.isfinite(trials["val_acc"].astype(float)).any())
+
+
 def one_batch(trials: pd.DataFrame) -> pd.DataFrame:
     """The trials that trained at one B throughout (no batch_warmup, no branch): what a curve against B holds."""
     if "batch_warmup" not in trials:
@@ -163,7 +168,7 @@ def critical_batch(trials: pd.DataFrame) -> float | None:
 
 def accuracy_vs_batch(trials: pd.DataFrame) -> Figure | None:
     t = one_batch(finished(trials))
-    if not _varies(t, "effective_batch") or "val_acc" not in t or tuned(t):
+    if not _varies(t, "effective_batch") or not has_accuracy(t) or tuned(t):
         return None
     hue, palette = split(trials)
     hue = hue if _varies(t, hue) else None
@@ -276,8 +281,9 @@ def best_lr(trials: pd.DataFrame) -> tuple[pd.DataFrame, float] | None:
     """The best LR (as trained at) per effective batch and the fitted exponent alpha of lr_opt ~ B^alpha, in a
     frame of effective_batch, lr and val_acc."""
     t = finished(trials)
-    if not _varies(t, "effective_batch") or not tuned(t):
+    if not _varies(t, "effective_batch") or not tuned(t) or not has_accuracy(t):
         return None
+    t = t.dropna(subset=["val_acc"])
     best = t.loc[t.groupby("effective_batch")["val_acc"].idxmax(), ["effective_batch", trained_lr(t), "val_acc"]]
     best = best.set_axis(["effective_batch", "lr", "val_acc"], axis=1).sort_values("effective_batch")
     alpha = float(np.polyfit(np.log(best["effective_batch"]), np.log(best["lr"]), 1)[0]) if len(best) > 1 \
@@ -308,7 +314,7 @@ def lr_scaling(trials: pd.DataFrame) -> Figure | None:
 
 def bn_rules(trials: pd.DataFrame) -> Figure | None:
     t = finished(trials)
-    if not _varies(t, "bn_momentum_rule") or "accum_steps" not in t:
+    if not _varies(t, "bn_momentum_rule") or "accum_steps" not in t or not has_accuracy(t):
         return None
     t = t.assign(rule=np.where(t["accum_steps"] > 1, t["bn_momentum_rule"], "true batch"),
                  B=t["effective_batch"])

@@ -14,8 +14,8 @@ import numpy as np
 import pandas as pd
 
 from . import branching
-from .figures import (best_lr, critical_batch, finished, in_order, one_batch, reliable_noise, trained_lr,
-                      tuned)
+from .figures import (best_lr, critical_batch, finished, has_accuracy, in_order, one_batch, reliable_noise,
+                      trained_lr, tuned)
 from .runs import (TARGET_SHARE, Difference, aggregate, discoveries, knee, paired, reached, resolution,
                    steps_to_target)
 
@@ -501,6 +501,10 @@ def health(trials: pd.DataFrame) -> list[str]:
 
 
 def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None) -> list[str]:
+    if not has_accuracy(finished(trials)):  # these compare configurations in accuracy points
+        return ["No finished trial has an accuracy (val_acc), in which the comparisons of LR rules, twins, BN rules, "
+                "the best LR and steps to a target are stated: they are left out; the table holds each trial's "
+                "metrics.", *noise_scale(trials), *memory(trials)]
     return [*lr_rules(trials), *twins(trials), *bn(trials), *lr_exponent(trials), *noise_scale(trials),
             *steps(trials, history, evals), *warmup(trials, history, evals), *branching.finding(trials, history),
             *memory(trials)]

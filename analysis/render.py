@@ -52,7 +52,8 @@ th { text-align: left; } td.n { text-align: right; font-variant-numeric: tabular
 def _columns(study: StudyRuns) -> list[str]:
     """The trials table's columns: those of TABLE that the runs have, and the study's objectives."""
     trials = study.trials
-    columns = [c for c in TABLE if c in trials and not (c in UNLESS and (trials[c] == UNLESS[c]).all())]
+    columns = [c for c in TABLE if c in trials and not (c in UNLESS and (trials[c] == UNLESS[c]).all())
+               and not (c == "val_acc" and trials[c].isna().all())]  # (float targets have no accuracy)
     extra = [m for m, _ in study.objectives if m in trials and m not in columns]
     at = columns.index("samples_per_s") if "samples_per_s" in columns else len(columns)
     return columns[:at] + extra + columns[at:]

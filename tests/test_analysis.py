@@ -354,6 +354,22 @@ def test_figures_from_a_synthetic_frame(tmp_path):
     assert all((tmp_path / f"{n}.png").stat().st_size > 1000 for n in names)
 
 
+def test_a_study_without_accuracy_reports_what_it_has(tmp_path):
+    """Float targets (a regression) log val_loss and no accuracy: the report neither fails on comparisons stated in
+    accuracy points nor draws an empty accuracy figure or column, and says what it left out."""
+    trials = synthetic(flat).assign(val_acc=np.nan, val_loss=0.1, noise_scale=40.0)
+    history = pd.DataFrame([dict(run_id=r, epoch=e, val_loss=1.0 / e) for r in trials.run_id for e in (1, 2)])
+    sentences = " ".join(summarize(trials, history))
+    assert "No finished trial has an accuracy (val_acc), in which the comparisons of LR rules, twins, BN rules, " \
+           "the best LR and steps to a target are stated: they are left out" in sentences
+    assert "The gradient noise scale" in sentences and "peak memory" in sentences
+    assert [f.name for f in all_figures(trials, history)] == ["memory_vs_batch", "throughput"]
+    study = StudyRuns("regression", trials, history, None, "sqlite:///nowhere", objectives=(("val_loss", "minimize"),))
+    write_report([study], tmp_path)
+    assert tmp_path.joinpath("trials.csv").read_text().splitlines()[0].split(",")[:9] == [
+        "effective_batch", "physical_batch", "accum_steps", "lr_rule", "model", "seed", "status", "reason", "val_loss"]
+
+
 def test_a_rule_keeps_its_colour_and_place_in_every_figure():
     """The trials arrive in any order: each rule reads in its own order and keeps its colour across figures."""
     trials = synthetic(flat).iloc[::-1].reset_index(drop=True)  # sqrt's trials first, then linear's
