@@ -25,7 +25,7 @@ from tqdm import tqdm
 from sweeps import commands
 
 from . import branching
-from .figures import Draw, Figure, candidates, protocol
+from .figures import Draw, Figure, candidates, has_accuracy, protocol
 from .findings import summarize
 from .runs import StudyRuns
 from .space import pareto_trials, space_candidates
@@ -53,7 +53,7 @@ def _columns(study: StudyRuns) -> list[str]:
     """The trials table's columns: those of TABLE that the runs have, and the study's objectives."""
     trials = study.trials
     columns = [c for c in TABLE if c in trials and not (c in UNLESS and (trials[c] == UNLESS[c]).all())
-               and not (c == "val_acc" and trials[c].isna().all())]  # (float targets have no accuracy)
+               and not (c == "val_acc" and not has_accuracy(trials))]
     extra = [m for m, _ in study.objectives if m in trials and m not in columns]
     at = columns.index("samples_per_s") if "samples_per_s" in columns else len(columns)
     return columns[:at] + extra + columns[at:]

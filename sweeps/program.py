@@ -157,7 +157,7 @@ def numbers(row: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def parse_row(line: str, renamed: dict[str, str] | None = None) -> dict[str, float] | None:
+def parse_row(line: str, renamed: dict[str, str]) -> dict[str, float] | None:
     """A line of stdout that is a JSON object with numbers in it, under names MLflow takes and batchsweep's
     measurements do not (`renamed` gets each name that had to change); None for any other line."""
     line = line.strip()
@@ -173,7 +173,7 @@ def parse_row(line: str, renamed: dict[str, str] | None = None) -> dict[str, flo
     for name, value in numbers(row).items():
         logged = f"script/{name}" if name in MEASURED else storable(name)
         values[logged] = value
-        if logged != name and renamed is not None:
+        if logged != name:
             renamed[name] = logged
     return values or None
 
