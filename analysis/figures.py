@@ -2,6 +2,7 @@
 study has no data for it."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -14,7 +15,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from .runs import aggregate, knee, steps_to_target  # noqa: E402
+from .runs import Difference, aggregate, knee, steps_to_target  # noqa: E402
 
 # The fields a figure splits its trials by, the first that varies, with their values in the order they read (the
 # LR rules by their exponent of B, then Adam's whole rule; not the alphabet's). Each value keeps one colour in
@@ -137,6 +138,57 @@ def has_accuracy(trials: pd.DataFrame) -> bool:
     return "val_acc" in trials and bool(np.isfinite(trials["val_acc"].astype(float)).any())
 
 
+@dataclass(frozen=True)
+class Measure:
+    """What the report compares configurations in: accuracy in points, or a study's own metric (a regression's
+    val_loss) in its own units, two significant digits, where lower may be better."""
+
+    name: str = "val_acc"
+    maximize: bool = True
+
+    @property
+    def points(self) -> bool:
+        return self.name == "val_acc"
+
+    def scaled(self, x: float) -> float:
+        return 100 * x if self.points else x
+
+    def places(self, *xs: float) -> int:
+        """Decimals that give the largest of xs two significant digits (accuracy points: one decimal)."""
+        largest = max((abs(x) for x in xs if math.isfinite(x)), default=0.0)
+        return 1 if self.points else (max(0, 1 - math.floor(math.log10(largest))) if largest else 2)
+
+    def amount(self, x: float, places: int | None = None) -> str:
+        """An unsigned difference: '3.4 points', or 'val_loss 0.031'."""
+        places = self.places(x) if places is None else places
+        return f"{abs(self.scaled(x)):.{places}f} points" if self.points else f"{self.name} {abs(x):.{places}f}"
+
+    def level(self, x: float) -> str:
+        return f"{100 * x:.1f}%" if self.points else f"{self.name} {x:.3g}"
+
+    def worse(self, d: Difference) -> bool:
+        """Whether a separated difference a - b says that a did worse than b."""
+        return d.separated and (d.mean < 0) == self.maximize
+
+    def ranked(self, better: str, worse: str) -> tuple[str, str]:
+        """The words for a positive and a negative difference, from the words for a better and a worse one."""
+        return (better, worse) if self.maximize else (worse, better)
+
+
+ACCURACY = Measure()
+
+
+def measure(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> Measure | None:
+    """Accuracy where trials have one; else the study's first objective, or val_loss (to minimize)."""
+    t = finished(trials)
+    if has_accuracy(t):
+        return ACCURACY
+    for name, direction in (objective or ("val_loss", "minimize"), ("val_loss", "minimize")):
+        if name in t and np.isfinite(pd.to_numeric(t[name], errors="coerce")).any():
+            return Measure(name, direction == "maximize")
+    return None
+
+
 def one_batch(trials: pd.DataFrame) -> pd.DataFrame:
     """The trials that trained at one B throughout (no batch_warmup, no branch): what a curve against B holds."""
     if "batch_warmup" not in trials:
@@ -166,14 +218,16 @@ def critical_batch(trials: pd.DataFrame) -> float | None:
     return float(values.median()) if len(values) else None
 
 
-def accuracy_vs_batch(trials: pd.DataFrame) -> Figure | None:
+def accuracy_vs_batch(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> Figure | None:
+    """Accuracy against B, or for a study without one its objective (measure())."""
     t = one_batch(finished(trials))
-    if not _varies(t, "effective_batch") or not has_accuracy(t) or tuned(t):
+    m = measure(t, objective)
+    if not _varies(t, "effective_batch") or m is None or tuned(t):
         return None
     hue, palette = split(trials)
     hue = hue if _varies(t, hue) else None
     keys = [k for k in (hue, "batch") if k]
-    stats = aggregate(t, [*keys, "effective_batch"], "val_acc")
+    stats = aggregate(t, [*keys, "effective_batch"], m.name)
     b_crit = critical_batch(t)
     if b_crit is None:
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -193,9 +247,9 @@ def accuracy_vs_batch(trials: pd.DataFrame) -> Figure | None:
     for group, rows in groups:
         label = dict(zip(keys, group))
         rows = rows.sort_values("effective_batch")
-        half = rows["ci95"].fillna(0)  # cut at 0 and 100%: with 2 seeds the t-interval may pass them
-        below, above = half.clip(upper=rows["mean"]), half.clip(upper=1 - rows["mean"])
-        ax.errorbar(rows["effective_batch"], 100 * rows["mean"], yerr=[100 * below, 100 * above],
+        half = rows["ci95"].fillna(0)  # an accuracy's is cut at 0 and 100%: with 2 seeds the t-interval may pass them
+        below, above = (half.clip(upper=rows["mean"]), half.clip(upper=1 - rows["mean"])) if m.points else (half, half)
+        ax.errorbar(rows["effective_batch"], m.scaled(rows["mean"]), yerr=[m.scaled(below), m.scaled(above)],
                     color=palette[label[hue]] if hue else "C0",
                     marker="o" if label.get("batch") != "true batch" else "s",
                     linestyle="-" if label.get("batch") != "true batch" else "--", capsize=3,
@@ -207,10 +261,13 @@ def accuracy_vs_batch(trials: pd.DataFrame) -> Figure | None:
         ax.plot([], [], " ", label=f"predicted critical batch ≈ {b_crit:.0f}, {'below' if b_crit < low else 'above'} "
                                    f"every B run")
     _log2_axis(ax, stats["effective_batch"])
-    ax.set(xlabel="effective batch B = b·k", ylabel="final validation accuracy, %")
+    better = "" if m.points else f" ({'higher' if m.maximize else 'lower'} is better)"
+    ax.set(xlabel="effective batch B = b·k", ylabel="final validation accuracy, %" if m.points else
+           f"final {m.name}{better}")
     ax.legend(title=" / ".join(keys), fontsize=8)
     fig.tight_layout()
-    return Figure("accuracy_vs_batch", "Validation accuracy against effective batch"
+    name, title = ("accuracy_vs_batch", "Validation accuracy") if m.points else ("objective_vs_batch", m.name)
+    return Figure(name, f"{title} against effective batch{better}"
                   + (", beside the measured gradient noise scale" if b_crit is not None else ""), fig, context(t))
 
 
@@ -245,26 +302,30 @@ def throughput(trials: pd.DataFrame) -> Figure | None:
                   context(t))
 
 
-def learning_curves(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | None:
-    if history.empty or "val_acc" not in history:
-        return None
+def learning_curves(trials: pd.DataFrame, history: pd.DataFrame,
+                    objective: tuple[str, str] | None = None) -> Figure | None:
+    """Validation accuracy (or, without one, the objective: measure()) against epochs."""
     t = one_batch(finished(trials))  # a curve by B holds trials that trained at that B throughout
+    m = measure(t, objective)
+    if history.empty or m is None or m.name not in history:
+        return None
     facet, palette = split(trials)  # its values in reading order
-    best = tuned(t) and "val_acc" in t
+    best = tuned(t)
     if best:  # a mean over the searched LRs means little: the curve of the best of them at each B
-        t = t.dropna(subset=["val_acc"])
-        t = t.loc[t.groupby(["effective_batch", *([facet] if facet else [])])["val_acc"].idxmax()]
+        t = t.dropna(subset=[m.name])
+        by = t.groupby(["effective_batch", *([facet] if facet else [])])[m.name]
+        t = t.loc[by.idxmax() if m.maximize else by.idxmin()]
     cols = [c for c in ("run_id", "effective_batch", "batch", facet) if c and c in t]
     h = history.merge(t[cols], on="run_id")
     if h.empty:
         return None
-    grid = sns.relplot(data=h, x="epoch", y="val_acc", hue="effective_batch", style="batch" if "batch" in h else None,
+    grid = sns.relplot(data=h, x="epoch", y=m.name, hue="effective_batch", style="batch" if "batch" in h else None,
                        col=facet, col_order=[v for v in palette if v in set(h[facet])] if facet else None, kind="line",
                        palette="flare", hue_norm=matplotlib.colors.LogNorm(), errorbar=None, height=3.2, aspect=1.1,
                        facet_kws={"sharey": True})
     # A script's MLflow step is its own: the epoch of a JSON row, the global step of a Lightning logger.
     grid.set_axis_labels("epoch" if "model" in trials else "epoch, or the step the script logged at",
-                         "validation accuracy")
+                         "validation accuracy" if m.points else m.name)
     for ax in grid.axes.flat:  # epochs and steps are whole: no tick at 2.5 of a 3-epoch run
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     title = f"Learning curves{' of the best trial at each B' if best else ''}{f' by {facet}' if facet else ''}"
@@ -446,15 +507,18 @@ def warmup_curves(trials: pd.DataFrame, evals: pd.DataFrame | None) -> Figure | 
                   fig, context(t))
 
 
-def candidates(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None) -> list[Draw]:
+def candidates(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None,
+               objective: tuple[str, str] | None = None) -> list[Draw]:
     """Each figure the report may draw, as a call that draws it, or gives None where the data does not support it
-    (the report counts them on its bar)."""
+    (the report counts them on its bar). `objective` is the study's first (metric, direction)."""
     return [partial(make, trials, *args) for make, args in (
-        (accuracy_vs_batch, ()), (steps_vs_batch, (history, evals)), (warmup_curves, (evals,)), (memory_vs_batch, ()),
-        (throughput, ()), (learning_curves, (history,)), (lr_scaling, ()), (bn_rules, ()), (equivalence, ()),
+        (accuracy_vs_batch, (objective,)), (steps_vs_batch, (history, evals)), (warmup_curves, (evals,)),
+        (memory_vs_batch, ()), (throughput, ()), (learning_curves, (history, objective)), (lr_scaling, ()), (bn_rules, ()), (equivalence, ()),
         (health, (history,)))]
 
 
-def all_figures(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None) -> Iterator[Figure]:
+def all_figures(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None,
+                objective: tuple[str, str] | None = None) -> Iterator[Figure]:
     """Each figure the data supports, drawn as it is asked for."""
-    return (figure for figure in (draw() for draw in candidates(trials, history, evals)) if figure is not None)
+    return (figure for figure in (draw() for draw in candidates(trials, history, evals, objective))
+            if figure is not None)

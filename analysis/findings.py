@@ -14,8 +14,8 @@ import numpy as np
 import pandas as pd
 
 from . import branching
-from .figures import (best_lr, critical_batch, finished, has_accuracy, in_order, one_batch, reliable_noise,
-                      trained_lr, tuned)
+from .figures import (ACCURACY, Measure, best_lr, critical_batch, finished, in_order, measure, one_batch,
+                      reliable_noise, trained_lr, tuned)
 from .runs import (TARGET_SHARE, Difference, aggregate, discoveries, knee, paired, reached, resolution,
                    steps_to_target)
 
@@ -41,10 +41,6 @@ def _lowered(sentence: str) -> str:
     return sentence[0].lower() + sentence[1:] if sentence[1:2].islower() else sentence
 
 
-def _points(diff: float) -> str:
-    return f"{abs(100 * diff):.1f} points"
-
-
 def _end(x: float, places: int) -> str:
     """An end of a separated interval: `places` decimals, or two significant digits where those would round it to
     zero (it is not zero, and "-0.0" reads as if the interval reached it)."""
@@ -58,15 +54,18 @@ def _sig(x: float, sign: str = "") -> str:
     return f"{x:{sign}.{places}f}"
 
 
-def stated(d: Difference, ahead: str = "higher", behind: str = "lower") -> str:
-    """How a paired difference (in accuracy) reads: a stated difference only when its interval excludes 0."""
+def stated(d: Difference, ahead: str = "higher", behind: str = "lower", m: Measure = ACCURACY) -> str:
+    """How a paired difference reads: a stated difference only when its interval excludes 0."""
     if d.n < 2:
-        return f"{_points(d.mean)} {ahead if d.mean > 0 else behind} in one seed, which cannot be told from seed noise"
-    lo, hi = 100 * (d.mean - d.half), 100 * (d.mean + d.half)
+        return f"{m.amount(d.mean)} {ahead if d.mean > 0 else behind} in one seed, which cannot be told from seed noise"
+    places = m.places(d.mean, d.half)
+    lo, hi = m.scaled(d.mean - d.half), m.scaled(d.mean + d.half)
     if d.separated:
-        return (f"{_points(d.mean)} {ahead if d.mean > 0 else behind}, 95% CI {_end(lo, 1)} to {_end(hi, 1)} over "
-                f"{d.n} seeds")
-    return f"indistinguishable ({100 * d.mean:+.1f} ± {100 * d.half:.1f} points over {d.n} seeds)"
+        return (f"{m.amount(d.mean, places)} {ahead if d.mean > 0 else behind}, 95% CI {_end(lo, places)} to "
+                f"{_end(hi, places)} over {d.n} seeds")
+    label, unit = ("", " points") if m.points else (f"{m.name} ", "")
+    return (f"indistinguishable ({label}{m.scaled(d.mean):+.{places}f} ± {m.scaled(d.half):.{places}f}{unit} over "
+            f"{d.n} seeds)")
 
 
 def controlled(diffs: list[Difference], what: str) -> list[str]:
@@ -109,8 +108,8 @@ def _series_note(whole: pd.DataFrame, series: pd.DataFrame) -> list[str]:
             f"{int(left['effective_batch'].max())}) are in the figures and the table only."]
 
 
-def lr_rules(trials: pd.DataFrame) -> list[str]:
-    """Per LR rule: from which B accuracy fell below the smallest B, and the rules' ranking at the largest."""
+def lr_rules(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
+    """Per LR rule: from which B the measure fell behind the smallest B, and the rules' ranking at the largest."""
     t = one_batch(finished(trials))
     if "lr_rule" not in t or t["lr_rule"].nunique() < 2 or t["effective_batch"].nunique() < 2 or tuned(t):
         return []
@@ -123,35 +122,40 @@ def lr_rules(trials: pd.DataFrame) -> list[str]:
         if len(sizes) < 2:
             continue
         base = rows[rows["effective_batch"] == sizes[0]]
-        diffs = {b: paired(rows[rows["effective_batch"] == b], base, "val_acc") for b in sizes[1:]}
-        fell = next((b for b, d in diffs.items() if d and d.separated and d.mean < 0), None)
+        diffs = {b: paired(rows[rows["effective_batch"] == b], base, m.name) for b in sizes[1:]}
+        fell = next((b for b, d in diffs.items() if d and m.worse(d)), None)
         family += diffs.values()
         last = diffs[sizes[-1]]
+        side = "below" if m.points else "behind"  # (a lower loss is better: "below" would read as ahead)
+        if fell is None and last is None:
+            continue  # (no seed in common with the smallest B)
         if fell is None:
-            out.append(f"The {rule} LR rule did not fall measurably below B = {sizes[0]} up to B = {sizes[-1]}: "
-                       f"at B = {sizes[-1]} it was {stated(last)}.")
+            out.append(f"The {rule} LR rule did not fall measurably {side} B = {sizes[0]} up to B = {sizes[-1]}: "
+                       f"at B = {sizes[-1]} it was {stated(last, m=m)}.")
         else:
-            at_last = "" if fell == sizes[-1] else f"; at B = {sizes[-1]} it was {stated(last)}"
-            out.append(f"The {rule} LR rule fell below B = {sizes[0]} from B = {fell} ({stated(diffs[fell])})"
+            at_last = "" if fell == sizes[-1] or last is None else f"; at B = {sizes[-1]} it was {stated(last, m=m)}"
+            out.append(f"The {rule} LR rule fell {side} B = {sizes[0]} from B = {fell} ({stated(diffs[fell], m=m)})"
                        f"{at_last}.")
     largest = t[t["effective_batch"] == t["effective_batch"].max()]
-    means = largest.groupby("lr_rule")["val_acc"].mean().sort_values(ascending=False)
+    means = largest.groupby("lr_rule")[m.name].mean().sort_values(ascending=not m.maximize)
     same = "base_batch" in largest and (largest["effective_batch"] == largest["base_batch"]).all()
     if len(means) > 1 and not same:  # (at B = base_batch the rules are one configuration: none is best there)
         best = means.index[0]
-        stats = aggregate(largest, ["lr_rule"], "val_acc").set_index("lr_rule")
-        spread = "" if math.isnan(stats.loc[best, "ci95"]) else f" ± {100 * stats.loc[best, 'ci95']:.1f}"
+        stats = aggregate(largest, ["lr_rule"], m.name).set_index("lr_rule")
+        half = stats.loc[best, "ci95"]
+        spread = "" if math.isnan(half) else f" ± {m.scaled(half):.{m.places(half)}f}"
         others = []
         for rule in means.index[1:]:
-            d = paired(largest[largest["lr_rule"] == rule], largest[largest["lr_rule"] == best], "val_acc")
-            others.append(f"{rule} {stated(d)}" if d else f"{rule} {_pct(means[rule])}")
+            d = paired(largest[largest["lr_rule"] == rule], largest[largest["lr_rule"] == best], m.name)
+            others.append(f"{rule} {stated(d, m=m)}" if d else f"{rule} {m.level(means[rule])}")
         out.append(f"At the largest batch{' of that series' if note else ''}, B = "
-                   f"{int(largest['effective_batch'].iloc[0])}, the {best} rule had the highest mean "
-                   f"({_pct(means[best])}{spread}); against it, " + "; ".join(others) + ".")
+                   f"{int(largest['effective_batch'].iloc[0])}, the {best} rule had the "
+                   f"{'highest' if m.maximize else 'lowest'} mean ({m.level(means[best])}{spread}); against it, "
+                   + "; ".join(others) + ".")
     return out + controlled(family, "comparisons of a rule's B against its smallest B")
 
 
-def twins(trials: pd.DataFrame) -> list[str]:
+def twins(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
     """Accumulated points against their true-batch twins at the same B and rules, paired by seed."""
     t = finished(trials)
     if "batch" not in t or t["batch"].nunique() < 2:
@@ -161,7 +165,7 @@ def twins(trials: pd.DataFrame) -> list[str]:
     pairs = []
     for group, rows in t.groupby([*keys, "effective_batch"]):
         group = group if isinstance(group, tuple) else (group,)
-        d = paired(rows[rows["batch"] == "accumulated"], rows[rows["batch"] == "true batch"], "val_acc")
+        d = paired(rows[rows["batch"] == "accumulated"], rows[rows["batch"] == "true batch"], m.name)
         if d is not None:
             pairs.append((dict(zip([*keys, "effective_batch"], group)), d))
     if not pairs:
@@ -170,14 +174,15 @@ def twins(trials: pd.DataFrame) -> list[str]:
     median = float(np.median([abs(d.mean) for _, d in pairs]))
     n = min(d.n for _, d in pairs)
     if n < 2:
-        return [f"Accumulation and the true batch at the same B differed by a median of {_points(median)} over "
+        return [f"Accumulation and the true batch at the same B differed by a median of {m.amount(median)} over "
                 f"{len(pairs)} pairs, in one seed: no pair can be told from seed noise."]
     sentence = (f"Accumulation and its true-batch twin at the same B were indistinguishable in "
                 f"{len(pairs) - len(apart)} of {len(pairs)} pairs (paired 95% t-intervals over {n} seeds; median "
-                f"|difference| {_points(median)})")
+                f"|difference| {m.amount(median)})")
     if apart:
         named = "; ".join(f"{', '.join(f'{k} = {v}' for k, v in where.items())}: "
-                          f"{stated(d, 'accumulated ahead', 'true batch ahead')}" for where, d in apart)
+                          f"{stated(d, *m.ranked('accumulated ahead', 'true batch ahead'), m=m)}"
+                          for where, d in apart)
         sentence += f"; they differed at {named}"
     return [sentence + ".", *controlled([d for _, d in pairs], "twin pairs")]
 
@@ -210,8 +215,8 @@ def memory(trials: pd.DataFrame) -> list[str]:
     return [sentence + "."]
 
 
-def bn(trials: pd.DataFrame) -> list[str]:
-    """BN momentum rules: final accuracy (paired against the true batch) and, what a momentum rule changes,
+def bn(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
+    """BN momentum rules: the final measure (paired against the true batch) and, what a momentum rule changes,
     how far the running statistics are from the population statistics of the final weights."""
     t = finished(trials)
     if "bn_momentum_rule" not in t or t["bn_momentum_rule"].nunique() < 2:
@@ -244,10 +249,10 @@ def bn(trials: pd.DataFrame) -> list[str]:
             out.append(f"At k = {k} (B = {k * b}), the BN running means ended {listing} population standard "
                        f"deviations from the population means of the final weights (true batch: "
                        f"{_sig(float(true['bn_mean_error'].mean()))}); {verdict_text}.")
-        accuracy = "; ".join(f"{r} {stated(d, 'above', 'below')}" for r in rules
-                             if (d := paired(at_k[at_k["bn_momentum_rule"] == r], true, "val_acc")) is not None)
-        if accuracy:
-            out.append(f"Final accuracy at k = {k} against the true batch: {accuracy}.")
+        final = "; ".join(f"{r} {stated(d, 'above', 'below', m)}" for r in rules
+                          if (d := paired(at_k[at_k["bn_momentum_rule"] == r], true, m.name)) is not None)
+        if final:
+            out.append(f"Final {'accuracy' if m.points else m.name} at k = {k} against the true batch: {final}.")
     return out
 
 
@@ -500,19 +505,27 @@ def health(trials: pd.DataFrame) -> list[str]:
     return [f"{len(broken)} {were} not healthy ({counts}): see the training health table."]
 
 
-def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None) -> list[str]:
-    if not has_accuracy(finished(trials)):  # these compare configurations in accuracy points
-        return ["No finished trial has an accuracy (val_acc), in which the comparisons of LR rules, twins, BN rules, "
-                "the best LR and steps to a target are stated: they are left out; the table holds each trial's "
-                "metrics.", *noise_scale(trials), *memory(trials)]
+def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None,
+                 objective: tuple[str, str] | None) -> list[str]:
+    m = measure(trials, objective)
+    if m is None:
+        return ["No finished trial has an accuracy (val_acc) or a value of the study's objective, in which "
+                "configurations are compared: the comparisons are left out; the table holds each trial's metrics.",
+                *noise_scale(trials), *memory(trials)]
+    if m is not ACCURACY:  # the best LR, steps to a target and warmup need an accuracy to aim at
+        return [f"No finished trial has an accuracy (val_acc): configurations are compared in {m.name} "
+                f"({'higher' if m.maximize else 'lower'} is better), and the best LR, steps to a target accuracy "
+                f"and batch warmup are left out.", *lr_rules(trials, m), *twins(trials, m), *bn(trials, m),
+                *noise_scale(trials), *memory(trials)]
     return [*lr_rules(trials), *twins(trials), *bn(trials), *lr_exponent(trials), *noise_scale(trials),
             *steps(trials, history, evals), *warmup(trials, history, evals), *branching.finding(trials, history),
             *memory(trials)]
 
 
-def summarize(trials: pd.DataFrame, history: pd.DataFrame | None = None,
-              evals: pd.DataFrame | None = None) -> list[str]:
-    """The findings. Sentences that compare configurations hold one model and one dataset at a time."""
+def summarize(trials: pd.DataFrame, history: pd.DataFrame | None = None, evals: pd.DataFrame | None = None,
+              objective: tuple[str, str] | None = None) -> list[str]:
+    """The findings. Sentences that compare configurations hold one model and one dataset at a time, in accuracy
+    or, for a study without one, in its first objective (`objective`: metric and direction)."""
     history = pd.DataFrame() if history is None else history
     keys = [c for c in ("model", "dataset") if c in trials and trials[c].nunique() > 1]
     if keys:
@@ -520,8 +533,8 @@ def summarize(trials: pd.DataFrame, history: pd.DataFrame | None = None,
         for group, rows in trials.groupby(keys):
             label = " on ".join(map(str, group if isinstance(group, tuple) else (group,)))
             part = history[history["run_id"].isin(rows["run_id"])] if not history.empty else history
-            comparisons += [f"{label}: {_lowered(s)}" for s in _comparisons(rows, part, evals)]
+            comparisons += [f"{label}: {_lowered(s)}" for s in _comparisons(rows, part, evals, objective)]
     else:
-        comparisons = _comparisons(trials, history, evals)
+        comparisons = _comparisons(trials, history, evals, objective)
     return [*exactness(trials), *comparisons, *_seed_note(finished(trials)), *failures(trials), *health(trials),
             *script_note(trials)]

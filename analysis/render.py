@@ -253,7 +253,7 @@ def _markdown(studies, title: str, stamp: str, source: str, reproduce: str, summ
 def _candidates(study: StudyRuns) -> list[Draw]:
     """Every kind of figure the report knows (its bar's total): which ones the data supports is known as each is
     tried."""
-    return [*candidates(study.trials, study.history, study.evals), *space_candidates(study),
+    return [*candidates(study.trials, study.history, study.evals, study.objectives[0]), *space_candidates(study),
             partial(branching.figure, study.trials, study.history)]
 
 
@@ -294,7 +294,8 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
                 kinds.setdefault(fig.name, []).append((f"{study.name}: " if len(studies) > 1 else "", fig, path))
                 figures.append(fig)
                 bar.set_postfix(drawn=len(figures), refresh=False)
-        findings = summarize(study.trials, study.history, study.evals) + [f.finding for f in figures if f.finding]
+        findings = (summarize(study.trials, study.history, study.evals, study.objectives[0])
+                    + [f.finding for f in figures if f.finding])
         summaries.append((study.name, findings or ["No finished trials yet."], protocol(study.trials)))
         csv = folder / f"{prefix}trials.csv"
         _raw(study).to_csv(csv, index=False)
@@ -314,7 +315,6 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
         unhealthy = _unhealthy(study.trials)
         if unhealthy is not None:
             health.append((study.name, None if unhealthy.empty else unhealthy))
-
     models = [(s.name, table) for s in studies if (table := _models(s.trials, s.objectives[0])) is not None]
     (folder / "report.md").write_text(_markdown(studies, title, stamp, source, reproduce, summaries, sections,
                                                 health, models))

@@ -356,18 +356,43 @@ def test_figures_from_a_synthetic_frame(tmp_path):
 
 def test_a_study_without_accuracy_reports_what_it_has(tmp_path):
     """Float targets (a regression) log val_loss and no accuracy: the report neither fails on comparisons stated in
-    accuracy points nor draws an empty accuracy figure or column, and says what it left out."""
-    trials = synthetic(flat).assign(val_acc=np.nan, val_loss=0.1, noise_scale=40.0)
+    accuracy points nor draws an empty accuracy figure or column; it compares the configurations in the study's
+    objective, where lower is better, and says what it left out."""
+    def loss(rule, B, kind, seed):  # linear worse at B = 512; one twin pair where accumulation is ahead
+        return (0.1 + 0.001 * seed + (0.031 if rule == "linear" and B == 512 else 0.0)
+                - (0.0042 if rule == "sqrt" and B == 128 and kind == "accumulated" else 0.0))
+
+    trials = synthetic(loss).rename(columns={"val_acc": "val_loss"}).assign(val_acc=np.nan, noise_scale=40.0)
     history = pd.DataFrame([dict(run_id=r, epoch=e, val_loss=1.0 / e) for r in trials.run_id for e in (1, 2)])
-    sentences = " ".join(summarize(trials, history))
-    assert "No finished trial has an accuracy (val_acc), in which the comparisons of LR rules, twins, BN rules, " \
-           "the best LR and steps to a target are stated: they are left out" in sentences
+    sentences = " ".join(summarize(trials, history, objective=("val_loss", "minimize")))
+    assert "No finished trial has an accuracy (val_acc): configurations are compared in val_loss (lower is " \
+           "better), and the best LR, steps to a target accuracy and batch warmup are left out." in sentences
+    assert "The linear LR rule fell behind B = 32 from B = 512 (val_loss 0.031 higher, 95% CI +0.031 to +0.031 " \
+           "over 3 seeds)." in sentences
+    assert "The sqrt LR rule did not fall measurably behind B = 32 up to B = 512" in sentences
+    assert "At the largest batch, B = 512, the none rule had the lowest mean (val_loss 0.101 ± 0.0025); against " \
+           "it, sqrt indistinguishable (val_loss +0.00 ± 0.00 over 3 seeds); linear val_loss 0.031 higher" in sentences
+    assert "indistinguishable in 11 of 12 pairs" in sentences
+    assert "lr_rule = sqrt, effective_batch = 128: val_loss 0.0042 accumulated ahead" in sentences
     assert "The gradient noise scale" in sentences and "peak memory" in sentences
-    assert [f.name for f in all_figures(trials, history)] == ["memory_vs_batch", "throughput"]
+    # A lower loss is the better one whichever objective the study names; a higher "r2" is.
+    scored = trials.rename(columns={"val_loss": "r2"}).assign(r2=lambda t: 1 - t.r2)
+    assert "lr_rule = sqrt, effective_batch = 128: r2 0.0042 accumulated ahead" in \
+        " ".join(summarize(scored, objective=("r2", "maximize")))
+    assert "compared in" not in " ".join(summarize(trials.assign(val_loss=np.nan)))
+    figures = {f.name: f for f in all_figures(trials, history, objective=("val_loss", "minimize"))}
+    assert list(figures) == ["objective_vs_batch", "memory_vs_batch", "throughput", "learning_curves"]
+    assert figures["learning_curves"].figure.axes[0].get_ylabel() == "val_loss"
+    ax = figures["objective_vs_batch"].figure.axes[0]
+    assert ax.get_ylabel() == "final val_loss (lower is better)"
+    means = [y for line in ax.get_lines() if line.get_marker() in ("o", "s") for y in line.get_ydata()]
+    assert max(means) == pytest.approx(0.1 + 0.001 + 0.031)  # linear at B = 512, in the loss's own units
+    assert [f.name for f in all_figures(trials.assign(val_loss=np.nan), history)] == ["memory_vs_batch", "throughput"]
     study = StudyRuns("regression", trials, history, None, "sqlite:///nowhere", objectives=(("val_loss", "minimize"),))
     write_report([study], tmp_path)
     assert tmp_path.joinpath("trials.csv").read_text().splitlines()[0].split(",")[:9] == [
         "effective_batch", "physical_batch", "accum_steps", "lr_rule", "model", "seed", "status", "reason", "val_loss"]
+    assert "The linear LR rule fell behind B = 32" in tmp_path.joinpath("report.md").read_text()
 
 
 def test_a_rule_keeps_its_colour_and_place_in_every_figure():

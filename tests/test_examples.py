@@ -1,10 +1,12 @@
 """The worked examples of docs/programs.md, each swept at a small size: a transformers Trainer script that
 prints JSON lines, and a Lightning script that logs through its own MLFlowLogger; and docs/audit.md's real
 subjects (Lightning, transformers' Trainer, Accelerate's two loops), audited as it shows. They need the
-optional extra (pip install -e '.[scripts]'), which CI installs."""
+optional extra (pip install -e '.[scripts]'), which CI installs. And docs/report.md's regression, whose
+report compares in val_loss."""
 import importlib.util
 import json
 import math
+import shutil
 
 import optuna
 import pytest
@@ -103,3 +105,20 @@ def test_the_audit_of_accelerates_two_loops_says_what_docs_audit_says(tmp_path, 
     if verdict != "exact":
         assert finding["first_differing_update"] == 1 and finding["runs"] == 6
         assert finding["update_ratio"] == pytest.approx(1.01, abs=0.01) and 0.99 < finding["update_cosine"] < 1
+
+
+def test_the_regression_example_is_reported_in_its_own_metric(tmp_path):
+    """examples/regression, run from its folder as its study file says, at 2 seeds and 3 epochs: float targets
+    log no accuracy, and the report compares the LR rules and the twins in val_loss, where lower is better."""
+    for name in ("waves.py", "study.toml"):
+        shutil.copy(ROOT / "examples" / "regression" / name, tmp_path)
+    proc = sweep(tmp_path, "--study", "study.toml", "--seeds", "2", "--epochs", "3", "--workers", "1")
+    assert proc.returncode == 0, proc.stderr
+    report = (tmp_path / "reports" / "waves" / "report.md").read_text()
+    assert "configurations are compared in val_loss (lower is better)" in report, report
+    rules = [line for line in report.splitlines() if " LR rule " in line]
+    assert len(rules) == 3 and all("val_loss" in line and "points" not in line for line in rules), rules
+    assert "Accumulation and its true-batch twin at the same B were" in report
+    assert "rule had the lowest mean (val_loss " in report  # the best at the largest B is the lowest loss
+    figures = {p.name for p in (tmp_path / "reports" / "waves").glob("*.png")}
+    assert {"objective_vs_batch.png", "learning_curves.png"} <= figures and "accuracy_vs_batch.png" not in figures
