@@ -154,14 +154,21 @@ class Measure:
         return 100 * x if self.points else x
 
     def places(self, *xs: float) -> int:
-        """Decimals that give the largest of xs two significant digits (accuracy points: one decimal)."""
+        """Decimals that give the largest of xs two significant digits, at most 4 (accuracy points: one)."""
         largest = max((abs(x) for x in xs if math.isfinite(x)), default=0.0)
-        return 1 if self.points else (max(0, 1 - math.floor(math.log10(largest))) if largest else 2)
+        return 1 if self.points else (min(4, max(0, 1 - math.floor(math.log10(largest)))) if largest else 2)
+
+    def shown(self, x: float, places: int, sign: str = "") -> str:
+        """`places` decimals, or for a metric of its own two significant digits where those would round x to zero
+        (an exact twin's loss differs by 3e-08, not by 0.0000)."""
+        fixed = self.points or round(abs(x), places) or not x
+        return f"{x:{sign}.{places}f}" if fixed else f"{x:{sign}.2g}"
 
     def amount(self, x: float, places: int | None = None) -> str:
         """An unsigned difference: '3.4 points', or 'val_loss 0.031'."""
         places = self.places(x) if places is None else places
-        return f"{abs(self.scaled(x)):.{places}f} points" if self.points else f"{self.name} {abs(x):.{places}f}"
+        shown = self.shown(abs(self.scaled(x)), places)
+        return f"{shown} points" if self.points else f"{self.name} {shown}"
 
     def level(self, x: float) -> str:
         return f"{100 * x:.1f}%" if self.points else f"{self.name} {x:.3g}"

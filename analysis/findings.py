@@ -64,8 +64,8 @@ def stated(d: Difference, ahead: str = "higher", behind: str = "lower", m: Measu
         return (f"{m.amount(d.mean, places)} {ahead if d.mean > 0 else behind}, 95% CI {_end(lo, places)} to "
                 f"{_end(hi, places)} over {d.n} seeds")
     label, unit = ("", " points") if m.points else (f"{m.name} ", "")
-    return (f"indistinguishable ({label}{m.scaled(d.mean):+.{places}f} ± {m.scaled(d.half):.{places}f}{unit} over "
-            f"{d.n} seeds)")
+    return (f"indistinguishable ({label}{m.shown(m.scaled(d.mean), places, '+')} ± "
+            f"{m.shown(m.scaled(d.half), places)}{unit} over {d.n} seeds)")
 
 
 def controlled(diffs: list[Difference], what: str) -> list[str]:
@@ -143,7 +143,7 @@ def lr_rules(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
         best = means.index[0]
         stats = aggregate(largest, ["lr_rule"], m.name).set_index("lr_rule")
         half = stats.loc[best, "ci95"]
-        spread = "" if math.isnan(half) else f" ± {m.scaled(half):.{m.places(half)}f}"
+        spread = "" if math.isnan(half) else f" ± {m.shown(m.scaled(half), m.places(half))}"
         others = []
         for rule in means.index[1:]:
             d = paired(largest[largest["lr_rule"] == rule], largest[largest["lr_rule"] == best], m.name)

@@ -12,12 +12,12 @@ import pandas as pd
 import pytest
 import scipy.stats
 
-from analysis.figures import (accuracy_vs_batch, all_figures, best_lr, bn_rules, context, equivalence,
+from analysis.figures import (Measure, accuracy_vs_batch, all_figures, best_lr, bn_rules, context, equivalence,
                               learning_curves, log_scale, protocol, split, warmup_curves)
 from analysis import branching
-from analysis.findings import course, lr_rule_reading, memory, summarize
+from analysis.findings import course, lr_rule_reading, memory, stated, summarize
 from analysis.render import MIB, _display, _table, write_report
-from analysis.runs import StudyRuns, aggregate, knee, load_studies, steps_to_target
+from analysis.runs import Difference, StudyRuns, aggregate, knee, load_studies, steps_to_target
 from analysis.space import (MIN_IMPORTANCE_TRIALS, front, importance, label, memory_front, parallel_coordinates,
                             time_front)
 from tests.conftest import run_script
@@ -380,6 +380,9 @@ def test_a_study_without_accuracy_reports_what_it_has(tmp_path):
     assert "lr_rule = sqrt, effective_batch = 128: r2 0.0042 accumulated ahead" in \
         " ".join(summarize(scored, objective=("r2", "maximize")))
     assert "compared in" not in " ".join(summarize(trials.assign(val_loss=np.nan)))
+    # An exact twin's loss differs by rounding: two significant digits, not "+0.0000".
+    assert stated(Difference(3e-8, 1e-7, 3), m=Measure("val_loss", False)) == \
+        "indistinguishable (val_loss +3e-08 ± 1e-07 over 3 seeds)"
     figures = {f.name: f for f in all_figures(trials, history, objective=("val_loss", "minimize"))}
     assert list(figures) == ["objective_vs_batch", "memory_vs_batch", "throughput", "learning_curves"]
     assert figures["learning_curves"].figure.axes[0].get_ylabel() == "val_loss"
