@@ -345,22 +345,24 @@ def trained_lr(trials: pd.DataFrame) -> str:
     return "lr" if "lr" in trials else "base_lr"
 
 
-def best_lr(trials: pd.DataFrame) -> tuple[pd.DataFrame, float] | None:
-    """The best LR (as trained at) per effective batch and the fitted exponent alpha of lr_opt ~ B^alpha, in a
-    frame of effective_batch, lr and val_acc."""
+def best_lr(trials: pd.DataFrame, m: Measure | None = None) -> tuple[pd.DataFrame, float] | None:
+    """The best LR (as trained at) per effective batch, by the measure (measure()), and the fitted exponent alpha
+    of lr_opt ~ B^alpha, in a frame of effective_batch, lr and the measure's column."""
     t = finished(trials)
-    if not _varies(t, "effective_batch") or not tuned(t) or not has_accuracy(t):
+    m = m or measure(t)
+    if not _varies(t, "effective_batch") or not tuned(t) or m is None:
         return None
-    t = t.dropna(subset=["val_acc"])
-    best = t.loc[t.groupby("effective_batch")["val_acc"].idxmax(), ["effective_batch", trained_lr(t), "val_acc"]]
-    best = best.set_axis(["effective_batch", "lr", "val_acc"], axis=1).sort_values("effective_batch")
+    t = t.dropna(subset=[m.name])
+    by = t.groupby("effective_batch")[m.name]
+    best = t.loc[by.idxmax() if m.maximize else by.idxmin(), ["effective_batch", trained_lr(t), m.name]]
+    best = best.set_axis(["effective_batch", "lr", m.name], axis=1).sort_values("effective_batch")
     alpha = float(np.polyfit(np.log(best["effective_batch"]), np.log(best["lr"]), 1)[0]) if len(best) > 1 \
         else float("nan")
     return best, alpha
 
 
-def lr_scaling(trials: pd.DataFrame) -> Figure | None:
-    found = best_lr(trials)
+def lr_scaling(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> Figure | None:
+    found = best_lr(trials, measure(trials, objective))
     if found is None:
         return None
     best, alpha = found
@@ -380,9 +382,11 @@ def lr_scaling(trials: pd.DataFrame) -> Figure | None:
     return Figure("lr_scaling", "Best learning rate against effective batch (log–log)", fig, context(trials))
 
 
-def bn_rules(trials: pd.DataFrame) -> Figure | None:
+def bn_rules(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> Figure | None:
+    """The final accuracy (or, without one, the objective: measure()) by BN momentum rule at each B."""
     t = finished(trials)
-    if not _varies(t, "bn_momentum_rule") or "accum_steps" not in t or not has_accuracy(t):
+    m = measure(t, objective)
+    if not _varies(t, "bn_momentum_rule") or "accum_steps" not in t or m is None:
         return None
     t = t.assign(rule=np.where(t["accum_steps"] > 1, t["bn_momentum_rule"], "true batch"),
                  B=t["effective_batch"])
@@ -390,13 +394,15 @@ def bn_rules(trials: pd.DataFrame) -> Figure | None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     palette = {"k = 1": "0.8", "true batch": "0.45", **colors(trials, "bn_momentum_rule")}
     order = [r for r in palette if r in set(t["rule"])]
-    sns.barplot(data=t.assign(val_pct=100 * t["val_acc"]), x="B", y="val_pct", hue="rule", hue_order=order,
+    sns.barplot(data=t.assign(shown=m.scaled(t[m.name])), x="B", y="shown", hue="rule", hue_order=order,
                 palette=palette, errorbar=("ci", 95), ax=ax)
-    low = 100 * t["val_acc"].min()
-    ax.set_ylim(max(0, low - 5), 100)
+    if m.points:
+        ax.set_ylim(max(0, 100 * t["val_acc"].min() - 5), 100)
     ax.set(xlabel="effective batch B (accumulated: b = 32, k = B/32; true batch: b = B, k = 1)",
-           ylabel="final validation accuracy, %")
-    return Figure("bn_rules", "Accuracy by BatchNorm momentum rule, beside the true-batch twin", fig, context(t))
+           ylabel="final validation accuracy, %" if m.points else
+           f"final {m.name} ({'higher' if m.maximize else 'lower'} is better)")
+    return Figure("bn_rules", f"{'Accuracy' if m.points else m.name} by BatchNorm momentum rule, beside the "
+                  f"true-batch twin", fig, context(t))
 
 
 def equivalence(trials: pd.DataFrame) -> Figure | None:
@@ -520,7 +526,8 @@ def candidates(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame 
     (the report counts them on its bar). `objective` is the study's first (metric, direction)."""
     return [partial(make, trials, *args) for make, args in (
         (accuracy_vs_batch, (objective,)), (steps_vs_batch, (history, evals)), (warmup_curves, (evals,)),
-        (memory_vs_batch, ()), (throughput, ()), (learning_curves, (history, objective)), (lr_scaling, ()), (bn_rules, ()), (equivalence, ()),
+        (memory_vs_batch, ()), (throughput, ()), (learning_curves, (history, objective)),
+        (lr_scaling, (objective,)), (bn_rules, (objective,)), (equivalence, ()),
         (health, (history,)))]
 
 

@@ -323,15 +323,16 @@ def lr_rule_reading(lo: float, hi: float) -> str:
     return f"It singles out no rule: the interval holds none of {listed(LR_RULES)}"
 
 
-def lr_exponent(trials: pd.DataFrame) -> list[str]:
+def lr_exponent(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
     """The fitted exponent of lr_opt ~ B^alpha, with a bootstrap interval over the trials at each B."""
-    found = best_lr(trials)
+    found = best_lr(trials, m)
     if found is None:
         return []
     best, alpha = found
-    t = finished(trials)
+    t = finished(trials).dropna(subset=[m.name])
     rng = np.random.default_rng(0)
-    groups = [g[[trained_lr(t), "val_acc"]].to_numpy() for _, g in t.groupby("effective_batch")]
+    sign = 1 if m.maximize else -1  # the best is the largest of sign * value
+    groups = [g[[trained_lr(t), m.name]].to_numpy() * [1, sign] for _, g in t.groupby("effective_batch")]
     sizes = np.log(np.array(sorted(t["effective_batch"].unique()), float))
     draws = []
     for _ in range(BOOTSTRAPS):
@@ -512,11 +513,11 @@ def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFram
         return ["No finished trial has an accuracy (val_acc) or a value of the study's objective, in which "
                 "configurations are compared: the comparisons are left out; the table holds each trial's metrics.",
                 *noise_scale(trials), *memory(trials)]
-    if m is not ACCURACY:  # the best LR, steps to a target and warmup need an accuracy to aim at
+    if m is not ACCURACY:  # steps to a target and warmup need an accuracy to aim at
         return [f"No finished trial has an accuracy (val_acc): configurations are compared in {m.name} "
-                f"({'higher' if m.maximize else 'lower'} is better), and the best LR, steps to a target accuracy "
-                f"and batch warmup are left out.", *lr_rules(trials, m), *twins(trials, m), *bn(trials, m),
-                *noise_scale(trials), *memory(trials)]
+                f"({'higher' if m.maximize else 'lower'} is better), and steps to a target accuracy and batch "
+                f"warmup are left out.", *lr_rules(trials, m), *twins(trials, m), *bn(trials, m),
+                *lr_exponent(trials, m), *noise_scale(trials), *memory(trials)]
     return [*lr_rules(trials), *twins(trials), *bn(trials), *lr_exponent(trials), *noise_scale(trials),
             *steps(trials, history, evals), *warmup(trials, history, evals), *branching.finding(trials, history),
             *memory(trials)]

@@ -13,7 +13,7 @@ import pytest
 import scipy.stats
 
 from analysis.figures import (Measure, accuracy_vs_batch, all_figures, best_lr, bn_rules, context, equivalence,
-                              learning_curves, log_scale, protocol, split, warmup_curves)
+                              learning_curves, log_scale, lr_scaling, protocol, split, warmup_curves)
 from analysis import branching
 from analysis.findings import course, lr_rule_reading, memory, stated, summarize
 from analysis.render import MIB, _display, _table, write_report
@@ -366,7 +366,7 @@ def test_a_study_without_accuracy_reports_what_it_has(tmp_path):
     history = pd.DataFrame([dict(run_id=r, epoch=e, val_loss=1.0 / e) for r in trials.run_id for e in (1, 2)])
     sentences = " ".join(summarize(trials, history, objective=("val_loss", "minimize")))
     assert "No finished trial has an accuracy (val_acc): configurations are compared in val_loss (lower is " \
-           "better), and the best LR, steps to a target accuracy and batch warmup are left out." in sentences
+           "better), and steps to a target accuracy and batch warmup are left out." in sentences
     assert "The linear LR rule fell behind B = 32 from B = 512 (val_loss 0.031 higher, 95% CI +0.031 to +0.031 " \
            "over 3 seeds)." in sentences
     assert "The sqrt LR rule did not fall measurably behind B = 32 up to B = 512" in sentences
@@ -391,6 +391,10 @@ def test_a_study_without_accuracy_reports_what_it_has(tmp_path):
     means = [y for line in ax.get_lines() if line.get_marker() in ("o", "s") for y in line.get_ydata()]
     assert max(means) == pytest.approx(0.1 + 0.001 + 0.031)  # linear at B = 512, in the loss's own units
     assert [f.name for f in all_figures(trials.assign(val_loss=np.nan), history)] == ["memory_vs_batch", "throughput"]
+    rules = trials.assign(bn_momentum_rule=np.resize(["default", "scaled", "matched"], len(trials)))
+    assert "Final val_loss at k = 2 against the true batch: scaled indistinguishable (val_loss " in \
+        " ".join(summarize(rules))
+    assert bn_rules(rules, ("val_loss", "minimize")).figure.axes[0].get_ylabel() == "final val_loss (lower is better)"
     study = StudyRuns("regression", trials, history, None, "sqlite:///nowhere", objectives=(("val_loss", "minimize"),))
     write_report([study], tmp_path)
     assert tmp_path.joinpath("trials.csv").read_text().splitlines()[0].split(",")[:9] == [
@@ -493,6 +497,12 @@ def test_lr_exponent_is_fitted_to_the_lr_trained_at(rule, power):
     assert "to 0.214 at B = 256: B^0.70 fitted over every B (95% bootstrap interval" in sentence
     # Each B has 3 trials: resampling them moves the best LR by a factor of 2, so no rule is singled out.
     assert "resamples of the trials at each B). It singles out no rule: the interval holds" in sentence
+    # A regression's best LR is the one of the lowest loss, not of the highest.
+    losses = pd.DataFrame(rows).assign(val_loss=lambda t: 1 - t.val_acc, val_acc=np.nan)
+    sentence = " ".join(summarize(losses, objective=("val_loss", "minimize")))
+    assert "to 0.214 at B = 256: B^0.70 fitted over every B" in sentence
+    assert best_lr(losses, Measure("val_loss", False))[0]["lr"].tolist() == best["lr"].tolist()
+    assert lr_scaling(losses, ("val_loss", "minimize")) is not None
 
 
 def test_the_learning_curves_of_a_search_are_its_best_finished_trial_at_each_b():
