@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from .runs import Difference, aggregate, knee, steps_to_target  # noqa: E402
+from .runs import Difference, aggregate, ci95, knee, steps_to_target  # noqa: E402
 
 # The fields a figure splits its trials by, the first that varies, with their values in the order they read (the
 # LR rules by their exponent of B, then Adam's whole rule; not the alphabet's). Each value keeps one colour in
@@ -173,6 +173,15 @@ class Measure:
     def level(self, x: float) -> str:
         return f"{100 * x:.1f}%" if self.points else f"{self.name} {x:.3g}"
 
+    @property
+    def better(self) -> str:
+        """' (lower is better)' for a metric of its own; accuracy goes without saying."""
+        return "" if self.points else f" ({'higher' if self.maximize else 'lower'} is better)"
+
+    @property
+    def axis(self) -> str:
+        return "final validation accuracy, %" if self.points else f"final {self.name}{self.better}"
+
     def worse(self, d: Difference) -> bool:
         """Whether a separated difference a - b says that a did worse than b."""
         return d.separated and (d.mean < 0) == self.maximize
@@ -254,7 +263,7 @@ def accuracy_vs_batch(trials: pd.DataFrame, objective: tuple[str, str] | None = 
     for group, rows in groups:
         label = dict(zip(keys, group))
         rows = rows.sort_values("effective_batch")
-        half = rows["ci95"].fillna(0)  # an accuracy's is cut at 0 and 100%: with 2 seeds the t-interval may pass them
+        half = rows["ci95"].fillna(0)  # accuracy's cut at 0 and 100%: with 2 seeds the t-interval may pass them
         below, above = (half.clip(upper=rows["mean"]), half.clip(upper=1 - rows["mean"])) if m.points else (half, half)
         ax.errorbar(rows["effective_batch"], m.scaled(rows["mean"]), yerr=[m.scaled(below), m.scaled(above)],
                     color=palette[label[hue]] if hue else "C0",
@@ -268,13 +277,11 @@ def accuracy_vs_batch(trials: pd.DataFrame, objective: tuple[str, str] | None = 
         ax.plot([], [], " ", label=f"predicted critical batch ≈ {b_crit:.0f}, {'below' if b_crit < low else 'above'} "
                                    f"every B run")
     _log2_axis(ax, stats["effective_batch"])
-    better = "" if m.points else f" ({'higher' if m.maximize else 'lower'} is better)"
-    ax.set(xlabel="effective batch B = b·k", ylabel="final validation accuracy, %" if m.points else
-           f"final {m.name}{better}")
+    ax.set(xlabel="effective batch B = b·k", ylabel=m.axis)
     ax.legend(title=" / ".join(keys), fontsize=8)
     fig.tight_layout()
     name, title = ("accuracy_vs_batch", "Validation accuracy") if m.points else ("objective_vs_batch", m.name)
-    return Figure(name, f"{title} against effective batch{better}"
+    return Figure(name, f"{title} against effective batch{m.better}"
                   + (", beside the measured gradient noise scale" if b_crit is not None else ""), fig, context(t))
 
 
@@ -382,6 +389,13 @@ def lr_scaling(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -
     return Figure("lr_scaling", "Best learning rate against effective batch (log–log)", fig, context(trials))
 
 
+def _t_interval(values) -> tuple[float, float]:
+    """The 95% t-interval over the seeds, as the findings and the accuracy figure state it (seaborn's own 95%
+    bootstrap over 3 seeds is about their range)."""
+    mean, half = float(np.mean(values)), ci95(pd.Series(values))
+    return (mean, mean) if math.isnan(half) else (mean - half, mean + half)
+
+
 def bn_rules(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> Figure | None:
     """The final accuracy (or, without one, the objective: measure()) by BN momentum rule at each B."""
     t = finished(trials)
@@ -395,12 +409,11 @@ def bn_rules(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> 
     palette = {"k = 1": "0.8", "true batch": "0.45", **colors(trials, "bn_momentum_rule")}
     order = [r for r in palette if r in set(t["rule"])]
     sns.barplot(data=t.assign(shown=m.scaled(t[m.name])), x="B", y="shown", hue="rule", hue_order=order,
-                palette=palette, errorbar=("ci", 95), ax=ax)
+                palette=palette, errorbar=_t_interval, ax=ax)
     if m.points:
         ax.set_ylim(max(0, 100 * t["val_acc"].min() - 5), 100)
     ax.set(xlabel="effective batch B (accumulated: b = 32, k = B/32; true batch: b = B, k = 1)",
-           ylabel="final validation accuracy, %" if m.points else
-           f"final {m.name} ({'higher' if m.maximize else 'lower'} is better)")
+           ylabel=m.axis)
     return Figure("bn_rules", f"{'Accuracy' if m.points else m.name} by BatchNorm momentum rule, beside the "
                   f"true-batch twin", fig, context(t))
 

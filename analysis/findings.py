@@ -514,10 +514,9 @@ def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFram
                 "configurations are compared: the comparisons are left out; the table holds each trial's metrics.",
                 *noise_scale(trials), *memory(trials)]
     if m is not ACCURACY:  # steps to a target and warmup need an accuracy to aim at
-        return [f"No finished trial has an accuracy (val_acc): configurations are compared in {m.name} "
-                f"({'higher' if m.maximize else 'lower'} is better), and steps to a target accuracy and batch "
-                f"warmup are left out.", *lr_rules(trials, m), *twins(trials, m), *bn(trials, m),
-                *lr_exponent(trials, m), *noise_scale(trials), *memory(trials)]
+        return [f"No finished trial has an accuracy (val_acc): configurations are compared in {m.name}{m.better}, "
+                f"and steps to a target accuracy and batch warmup are left out.", *lr_rules(trials, m),
+                *twins(trials, m), *bn(trials, m), *lr_exponent(trials, m), *noise_scale(trials), *memory(trials)]
     return [*lr_rules(trials), *twins(trials), *bn(trials), *lr_exponent(trials), *noise_scale(trials),
             *steps(trials, history, evals), *warmup(trials, history, evals), *branching.finding(trials, history),
             *memory(trials)]

@@ -17,7 +17,7 @@ from analysis.figures import (Measure, accuracy_vs_batch, all_figures, best_lr, 
 from analysis import branching
 from analysis.findings import course, lr_rule_reading, memory, stated, summarize
 from analysis.render import MIB, _display, _table, write_report
-from analysis.runs import Difference, StudyRuns, aggregate, knee, load_studies, steps_to_target
+from analysis.runs import Difference, StudyRuns, aggregate, ci95, knee, load_studies, steps_to_target
 from analysis.space import (MIN_IMPORTANCE_TRIALS, front, importance, label, memory_front, parallel_coordinates,
                             time_front)
 from tests.conftest import run_script
@@ -426,8 +426,11 @@ def test_a_rule_keeps_its_colour_and_place_in_every_figure():
     # With the LR rule varied too, the BN rules' bars keep their own colours.
     both = trials.assign(bn_momentum_rule=["default", "scaled", "matched"] * (len(trials) // 3) +
                          ["default"] * (len(trials) % 3))
-    legend = bn_rules(both).figure.axes[0].get_legend()
-    assert [t.get_text() for t in legend.get_texts()] == ["k = 1", "true batch", "default", "scaled", "matched"]
+    ax = bn_rules(both).figure.axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["k = 1", "true batch", "default", "scaled", "matched"]
+    # Its bars' intervals are the findings' t-intervals over the seeds, not seaborn's bootstrap (about their range).
+    low, high = ax.get_lines()[0].get_ydata()  # k = 1, at B = 32
+    assert high - low == pytest.approx(2 * 100 * ci95(both.loc[both.effective_batch == 32, "val_acc"]))
 
 
 @pytest.mark.parametrize("noise, said", [(4.0, "predicted critical batch ≈ 4, below every B run"),
