@@ -375,7 +375,7 @@ def test_a_study_without_accuracy_reports_what_it_has(tmp_path):
     assert "indistinguishable in 11 of 12 pairs" in sentences
     assert "lr_rule = sqrt, effective_batch = 128: val_loss 0.0042 accumulated ahead" in sentences
     assert "The gradient noise scale" in sentences and "peak memory" in sentences
-    # A lower loss is the better one whichever objective the study names; a higher "r2" is.
+    # Which way is better follows the objective's direction: a higher r2 is.
     scored = trials.rename(columns={"val_loss": "r2"}).assign(r2=lambda t: 1 - t.r2)
     assert "lr_rule = sqrt, effective_batch = 128: r2 0.0042 accumulated ahead" in \
         " ".join(summarize(scored, objective=("r2", "maximize")))
