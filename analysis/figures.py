@@ -138,6 +138,11 @@ def has_accuracy(trials: pd.DataFrame) -> bool:
     return "val_acc" in trials and bool(np.isfinite(trials["val_acc"].astype(float)).any())
 
 
+def not_rounded_away(x: float, places: int, sign: str = "") -> str:
+    """`places` decimals, or two significant digits where those would show a non-zero x as zero."""
+    return f"{x:{sign}.{places}f}" if round(abs(x), places) or not x else f"{x:{sign}.2g}"
+
+
 @dataclass(frozen=True)
 class Measure:
     """What the report compares configurations in: accuracy in points, or a study's own metric (a regression's
@@ -161,8 +166,7 @@ class Measure:
     def shown(self, x: float, places: int, sign: str = "") -> str:
         """`places` decimals, or for a metric of its own two significant digits where those would round x to zero
         (an exact twin's loss differs by 3e-08, not by 0.0000)."""
-        fixed = self.points or round(abs(x), places) or not x
-        return f"{x:{sign}.{places}f}" if fixed else f"{x:{sign}.2g}"
+        return f"{x:{sign}.{places}f}" if self.points else not_rounded_away(x, places, sign)
 
     def amount(self, x: float, places: int | None = None) -> str:
         """An unsigned difference: '3.4 points', or 'val_loss 0.031'."""

@@ -14,8 +14,8 @@ import numpy as np
 import pandas as pd
 
 from . import branching
-from .figures import (ACCURACY, Measure, best_lr, critical_batch, finished, in_order, measure, one_batch,
-                      reliable_noise, trained_lr, tuned)
+from .figures import (ACCURACY, Measure, best_lr, critical_batch, finished, in_order, measure, not_rounded_away,
+                      one_batch, reliable_noise, trained_lr, tuned)
 from .runs import (TARGET_SHARE, Difference, aggregate, discoveries, knee, paired, reached, resolution,
                    steps_to_target)
 
@@ -42,9 +42,8 @@ def _lowered(sentence: str) -> str:
 
 
 def _end(x: float, places: int) -> str:
-    """An end of a separated interval: `places` decimals, or two significant digits where those would round it to
-    zero (it is not zero, and "-0.0" reads as if the interval reached it)."""
-    return f"{x:+,.{places}f}" if round(abs(x), places) else f"{x:+.2g}"
+    """An end of a separated interval, signed: it is not zero, and "-0.0" would read as if the interval reached it."""
+    return not_rounded_away(x, places, "+,")
 
 
 def _sig(x: float, sign: str = "") -> str:

@@ -11,7 +11,7 @@ from torch import nn
 from .batches import aligned, forward
 from .errors import ConfigError
 from .imports import load_factory
-from .losses import IGNORE_INDEX, NAME, Loss, builtin
+from .losses import IGNORE_INDEX, Loss, builtin, unloggable
 
 Metric = Callable[[Any, torch.Tensor], dict[str, tuple]]  # (output, target) -> {name: (sum, count)}
 OWN = ("acc", "top5", "loss", "perplexity")  # names a metric function may not take: batchsweep logs them
@@ -39,10 +39,9 @@ def evaluate(model: nn.Module, batches: Iterable[tuple[Any, torch.Tensor]], loss
             if clash:
                 raise ConfigError(f"metric {getattr(metric, '__name__', metric)} returns {clash.pop()!r}, a name "
                                   f"batchsweep logs itself: rename it")
-            odd = [name for name in own if not (isinstance(name, str) and NAME.fullmatch(name))]
+            odd = unloggable(own)
             if odd:
-                raise ConfigError(f"metric {getattr(metric, '__name__', metric)} returns {odd[0]!r}, a name MLflow "
-                                  f"cannot log: use letters, digits, spaces and _ - . : (at most 200)")
+                raise ConfigError(f"metric {getattr(metric, '__name__', metric)} returns {odd}")
             measured.add(own)
     model.train(was_training)
     row = {"val_loss": sum(terms.means().values()), "val_acc": math.nan}

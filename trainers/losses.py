@@ -35,6 +35,13 @@ Terms = dict[str, tuple[torch.Tensor, Count]]
 NAME = re.compile(r"\w[\w.\- :]{0,199}")
 
 
+def unloggable(names) -> str | None:
+    """What to say of the first of `names` that MLflow cannot log, or None where it takes them all."""
+    odd = next((name for name in names if not (isinstance(name, str) and NAME.fullmatch(name))), None)
+    return None if odd is None else (f"{odd!r}, a name MLflow cannot log: use letters, digits, spaces and _ - . : "
+                                     f"(at most 200)")
+
+
 def builtin(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Count]:
     """Cross-entropy for integer targets (one class per sample, or per token with IGNORE_INDEX for padding),
     squared error for float targets (per sample)."""
@@ -108,10 +115,9 @@ class Loss:
                               f"{type(value).__name__}")
         if not self.checked:
             self.checked = True
-            odd = [term for term in terms if not (isinstance(term, str) and NAME.fullmatch(term))]
+            odd = unloggable(terms)
             if odd:
-                raise ConfigError(f"loss {self.name} names a term {odd[0]!r}, a name MLflow cannot log: use letters, "
-                                  f"digits, spaces and _ - . : (at most 200)")
+                raise ConfigError(f"loss {self.name} names a term {odd}")
             counted = {term: int(count) for term, (_, count) in terms.items()}
             if len(set(counted.values())) > 1:
                 raise ConfigError(
