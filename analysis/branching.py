@@ -3,7 +3,7 @@
 A branch is a trial whose batch_warmup repeats the reference's B₀ for its first t epochs and then trains on
 at a larger B (a larger k at the same b): with the same seed and a constant schedule after the warmup, its
 first t epochs are the reference run's, bitwise, so it continues the reference from epoch t. It keeps up when,
-after the same further epochs (the same samples), its validation loss is within TOLERANCE of the reference's
+after the same further epochs (the same samples), its validation loss is within KEEPS_UP_WITHIN of the reference's
 at that epoch. The critical batch at t is the largest B that kept up: below it a larger batch trains as well
 per sample, in fewer steps."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pandas as pd
 
 from .figures import Figure, context, finished
 
-TOLERANCE = 0.02  # a branch keeps up when its validation loss is at most 2% above the reference's
+KEEPS_UP_WITHIN = 0.02  # a branch keeps up when its validation loss is at most 2% above the reference's
 
 
 @dataclass
@@ -55,7 +55,7 @@ def branches(trials: pd.DataFrame, history: pd.DataFrame) -> Branches | None:
     if not rows:
         return None
     table = pd.DataFrame(rows).groupby(["t", "B"])["ratio"].agg(ratio="mean", seeds="count").reset_index()
-    kept = table[table["ratio"] <= 1 + TOLERANCE]
+    kept = table[table["ratio"] <= 1 + KEEPS_UP_WITHIN]
     critical = pd.DataFrame({"t": sorted(table["t"].unique())})
     critical["B"] = critical["t"].map(lambda at: int(kept.loc[kept["t"] == at, "B"].max()) if (kept["t"] == at).any()
                                       else b0)
@@ -83,7 +83,7 @@ def finding(trials: pd.DataFrame, history: pd.DataFrame) -> list[str]:
 
     said = ", ".join(f"{bound(b)} after epoch {t}" for t, b in zip(c["t"], c["B"]))
     out = (f"Branched from the reference at B = {found.b0} into larger batches (the same samples after the branch; "
-           f"a branch kept up when its validation loss came within {100 * TOLERANCE:.0f}% of the reference's), the "
+           f"a branch kept up when its validation loss came within {100 * KEEPS_UP_WITHIN:.0f}% of the reference's), the "
            f"critical batch measured was {said} (Merrill et al. 2025).")
     at = [(t, b, noise[t]) for t, b in zip(c["t"], c["B"]) if t in noise.index]
     if at:
@@ -108,7 +108,7 @@ def figure(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | None:
         return None
     fig, ax = plt.subplots(figsize=(8, 4.5))
     c, tops = found.critical, found.table["B"].max()
-    ax.plot(c["t"], c["B"], "o-", label=f"critical batch by branching (loss within {100 * TOLERANCE:.0f}% of the "
+    ax.plot(c["t"], c["B"], "o-", label=f"critical batch by branching (loss within {100 * KEEPS_UP_WITHIN:.0f}% of the "
             f"reference's)")
     for bound, marker, what in ((c["B"] == tops, "^", "at least (the largest B branched to kept up)"),
                                 (c["B"] == found.b0, "v", "below the smallest B branched to")):

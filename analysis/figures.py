@@ -130,7 +130,11 @@ def log_scale(ax, axis: str, values) -> None:
 
 
 def finished(trials: pd.DataFrame) -> pd.DataFrame:
-    return trials[trials["status"] == "FINISHED"]
+    """The trials that finished as they were asked to: a script that did not (config_mismatch) compares nothing."""
+    done = trials["status"] == "FINISHED"
+    if "config_mismatch" in trials:
+        done &= trials["config_mismatch"].isna()
+    return trials[done]
 
 
 def has_accuracy(trials: pd.DataFrame) -> bool:

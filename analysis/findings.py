@@ -20,10 +20,10 @@ from .runs import (TARGET_SHARE, Difference, aggregate, discoveries, knee, paire
                    steps_to_target)
 
 EXACT = 1e-4  # relative parameter difference below which accumulation is float rounding, not a change
-ROUNDING = 1e-10  # in float64, a ghost twin this close shows that what is left in float32 is rounding
+FLOAT64_ROUNDING = 1e-10  # in float64, a ghost twin this close shows that what is left in float32 is rounding
 BOOTSTRAPS = 2000
 # The LR rules as exponents of lr ~ B^alpha, and what the report calls the scaling each one is.
-LR_RULES = ((0.0, "LR unchanged", "no scaling"), (0.5, "square root", "square-root scaling"),
+RULE_EXPONENTS = ((0.0, "LR unchanged", "no scaling"), (0.5, "square root", "square-root scaling"),
             (1.0, "linear", "linear scaling"))
 
 
@@ -276,7 +276,7 @@ def exactness(trials: pd.DataFrame) -> list[str]:
         if worst < EXACT:
             out.append(f"{model}: accumulation is exactly the true batch, up to float rounding (largest relative "
                        f"parameter difference {worst:.1e}; {gaps}).")
-        elif not has_bn and len(parted) and parted.notna().all() and parted.max() < ROUNDING:
+        elif not has_bn and len(parted) and parted.notna().all() and parted.max() < FLOAT64_ROUNDING:
             out.append(f"{model}: accumulation is exactly the true batch, up to float rounding that training "
                        f"amplified: {len(parted)} of {len(rows)} pairs parted by up to {worst:.2g} in float32, and "
                        f"agreed to {parted.max():.1e} in float64 ({gaps}).")
@@ -294,7 +294,7 @@ def exactness(trials: pd.DataFrame) -> list[str]:
                          f"accumulation in {rows['dtype'].iloc[0] if 'dtype' in rows else 'float32'}, against "
                          f"{worst:.2g} without it")
                 f64 = rows["ghost_rel_diff_fp64"].max() if "ghost_rel_diff_fp64" in rows else math.nan
-                if f64 < ROUNDING:
+                if f64 < FLOAT64_ROUNDING:
                     ghost += (f"; in float64 the same pair agreed to {f64:.1e}, so what remains in float32 is "
                               f"rounding, amplified by training.")
                 elif math.isfinite(f64):
@@ -309,17 +309,17 @@ def exactness(trials: pd.DataFrame) -> list[str]:
 def lr_rule_reading(lo: float, hi: float) -> str:
     """Which LR rule an interval of the exponent singles out: one only when it holds that rule's exponent and no
     other's (an interval that holds 0 cannot tell a rule from leaving the LR as it is)."""
-    held = [rule for rule in LR_RULES if lo <= rule[0] <= hi]
+    held = [rule for rule in RULE_EXPONENTS if lo <= rule[0] <= hi]
 
     def listed(rules) -> str:
         return _listed([f"{value:g} ({name})" for value, name, _ in rules])
 
     if len(held) == 1:
-        return (f"It reads as {held[0][2]}: of the exponents {listed(LR_RULES)}, the interval holds "
+        return (f"It reads as {held[0][2]}: of the exponents {listed(RULE_EXPONENTS)}, the interval holds "
                 f"{held[0][0]:g} alone")
     if held:
         return f"It singles out no rule: the interval holds {listed(held)}"
-    return f"It singles out no rule: the interval holds none of {listed(LR_RULES)}"
+    return f"It singles out no rule: the interval holds none of {listed(RULE_EXPONENTS)}"
 
 
 def lr_exponent(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
@@ -483,6 +483,19 @@ def script_note(trials: pd.DataFrame) -> list[str]:
             f"batchsweep's trainer measures them."] if missing else []
 
 
+def mismatches(trials: pd.DataFrame) -> list[str]:
+    """The trials whose script did not run as it was asked to, as the tracer saw it: left out of every comparison."""
+    if "config_mismatch" not in trials:
+        return []
+    off = trials[trials["config_mismatch"].notna()]
+    if off.empty:
+        return []
+    first = off["config_mismatch"].iloc[0]
+    they = "it is" if len(off) == 1 else "they are"
+    return [f"{len(off)} of {len(trials)} trials did not run as they were asked to (as batchsweep saw the script: "
+            f"{first}); {they} left out of every comparison."]
+
+
 def failures(trials: pd.DataFrame) -> list[str]:
     bad = trials[trials["status"] != "FINISHED"]
     if bad.empty:
@@ -535,5 +548,5 @@ def summarize(trials: pd.DataFrame, history: pd.DataFrame | None = None, evals: 
             comparisons += [f"{label}: {_lowered(s)}" for s in _comparisons(rows, part, evals, objective)]
     else:
         comparisons = _comparisons(trials, history, evals, objective)
-    return [*exactness(trials), *comparisons, *_seed_note(finished(trials)), *failures(trials), *health(trials),
-            *script_note(trials)]
+    return [*exactness(trials), *comparisons, *_seed_note(finished(trials)), *mismatches(trials), *failures(trials),
+            *health(trials), *script_note(trials)]

@@ -16,7 +16,8 @@ from sweeps import commands
 
 # Run-level tags worth a column; the rest stay in MLflow.
 TAGS = ("state", "reason", "device_name", "memory_source", "torch_version", "optuna.trial_number", "health",
-        "health_epoch", "warnings", "batchsweep.model", "batchsweep.program")
+        "health_epoch", "warnings", "batchsweep.model", "batchsweep.program", "config_mismatch",
+        "observed_accum_steps")
 
 
 class AnalysisError(Exception):
@@ -35,7 +36,9 @@ class StudyRuns:
     evals: pd.DataFrame | None = None  # evaluations within epochs (eval_every_steps): one row per (run_id, step)
 
 
-DERIVED = ("effective_batch", "lr")  # params computed from others: never counted as varied on their own
+# Params the trainer computes from others (trainers/config.py's DERIVED, which analysis/ may not import; a test
+# holds the two equal): never counted as varied on their own.
+DERIVED = ("effective_batch", "lr", "bn_momentum", "beta1", "beta2", "eps", "decay")
 
 
 def _varied(tag: str | None, trials: pd.DataFrame, params: list[str]) -> tuple[str, ...]:
@@ -129,6 +132,8 @@ def _history(client: MlflowClient, runs, name: str,
     for run in tqdm(runs, desc=f"reading the runs of {name}", unit="run", file=sys.stderr, dynamic_ncols=True,
                     leave=False):
         for key in run.data.metrics:
+            if key in ("run_id", "epoch"):  # (a logger's own epoch counter, Lightning's: the index says it already)
+                continue
             for m in client.get_metric_history(run.info.run_id, key):
                 if m.step >= 1:  # per-epoch values; run-level ones sit on the last epoch's step only
                     rows.append((run.info.run_id, m.step, shown[key], m.value))

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import difflib
@@ -14,7 +16,7 @@ from mlflow import MlflowClient
 
 from trainers import METRICS, BatchsweepError, Checkpointing, ConfigError, TrainConfig, train
 
-from . import program, torchrun
+from . import observed, program, torchrun
 from .studies import Study
 from .urls import scrub
 
@@ -163,14 +165,18 @@ class Script(Objective):
         timeout = self.program.timeout_minutes * 60 if self.program.timeout_minutes else None
         output, client = program.Output(), MlflowClient(link.tracking_uri)
         watch = RunWatch(client, link, self.metrics[0]) if self.prunes else None
-        try:
-            ended = program.run(self.program.argv(values), env, self.program.cwd, timeout, output, on_epoch,
-                                every=watch.poll if watch else lambda: None)
-        finally:
+        with tempfile.TemporaryDirectory(prefix="batchsweep-trace-") as folder:
+            env.update(observed.environment(Path(folder), noise=config.accum_steps > 1,
+                                            pythonpath=env.get("PYTHONPATH")))
             try:
-                client.log_text(link.run_id, scrub(output.text(), *link.secrets), "log.txt")
-            except Exception:  # the store failed: recording the trial's outcome fails next and says why
-                pass
+                ended = program.run(self.program.argv(values), env, self.program.cwd, timeout, output, on_epoch,
+                                    every=watch.poll if watch else lambda: None)
+            finally:
+                try:
+                    client.log_text(link.run_id, scrub(output.text(), *link.secrets), "log.txt")
+                except Exception:  # the store failed: recording the trial's outcome fails next and says why
+                    pass
+            trace = observed.read(Path(folder))
         if ended.stopped == "timeout":
             raise ScriptFailed(f"timeout: ran past timeout_minutes = {self.program.timeout_minutes:g} and was "
                                f"stopped")
@@ -183,10 +189,48 @@ class Script(Objective):
         metrics = {**in_run, **output.final, "wall_time_s": ended.wall_time_s}
         if ended.peak_memory_bytes:
             metrics["peak_memory_bytes"] = float(ended.peak_memory_bytes)
+        source = ended.memory_source
+        if trace is not None and trace.peak_allocated_bytes:  # on a GPU: the trainer's measure, the process's beside
+            metrics["process_peak_memory_bytes"] = metrics.get("peak_memory_bytes", 0.0)
+            metrics["peak_memory_bytes"], source = float(trace.peak_allocated_bytes), "cuda_allocator"
+        seen, notes = as_observed(trace, config), output.notes()
+        for name, value in (("samples_per_s", trace and trace.samples_per_s()),
+                            ("tokens_per_s", trace and trace.tokens_per_s())):
+            if value and name not in metrics:  # (what the script logged itself stays)
+                metrics[name] = value
+        if trace is None:
+            notes.append(observed.UNSEEN)
+        elif config.accum_steps > 1 and "noise_scale" not in metrics:
+            scale = observed.noise_scale(trace)
+            if isinstance(scale, str):
+                notes.append(f"the noise scale is not measured: {scale}")
+            else:
+                metrics.update(noise_scale=scale[0], noise_scale_reliable=float(scale[1]))
         finite = all(math.isfinite(metrics[m]) for m in self.metrics if m in metrics)
-        return Trained(metrics, "ok" if finite else "diverged", ended.memory_source,
-                       {"exit_status": ended.code, "warnings": " | ".join(output.notes()) or None},
+        return Trained(metrics, "ok" if finite else "diverged", source,
+                       {"exit_status": ended.code, "warnings": " | ".join(notes) or None, **seen},
                        in_run=tuple(k for k in in_run if k not in output.final))
+
+
+def as_observed(trace: observed.Trace | None, config: TrainConfig) -> dict[str, Any]:
+    """The tags of what a script did, as the tracer saw it: b and k of its steps after the first, and where
+    either is not what the trial passed, `config_mismatch` in one sentence. b is the first dimension of the
+    model's first input; a layout with the batch elsewhere (sequence first) is no mismatch where b is one of the
+    input's dimensions."""
+    if trace is None:
+        return {}
+    b, k = trace.observed()
+    tags = {"observed_physical_batch": b, "observed_accum_steps": k, "observed_effective_batch": b * k}
+    wrong = []
+    if k != config.accum_steps:
+        wrong.append(f"accum_steps {config.accum_steps} passed, {k} observed: the script does not accumulate as asked")
+    shapes = [s.shape for s in trace.steps[1:] or trace.steps if s.shape]
+    if b != config.physical_batch and not any(config.physical_batch in shape for shape in shapes):
+        wrong.append(f"physical_batch {config.physical_batch} passed, {b} observed (the first dimension of the "
+                     f"model's input): the script does not use the micro-batch it is given")
+    if wrong:
+        tags["config_mismatch"] = "; ".join(wrong)
+    return tags
 
 
 class RunWatch:

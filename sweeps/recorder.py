@@ -17,7 +17,8 @@ from .checkpoints import claim, folder_of, resumes
 from .objective import TrialLink, Trained
 from .outcomes import OUTCOMES
 from .studies import Point, describe
-from .tracking import first_line, standard_tags, system_metrics
+from .placement import system_metrics
+from .tracking import first_line, standard_tags
 
 
 class TrialFailed(Exception):
@@ -156,6 +157,8 @@ class TrialRun:
                 trial.set_user_attr("metrics", {k: v for k, v in metrics.items() if math.isfinite(v)})
             if extra.get("health"):
                 trial.set_user_attr("health", extra["health"])
+            if extra.get("config_mismatch"):  # a script that did not run as asked: the table marks it
+                trial.set_user_attr("config_mismatch", extra["config_mismatch"])
             if extra.get("error"):  # (as the MLflow tag: also where Optuna's own tools show a trial)
                 trial.set_user_attr("error", extra["error"])
         finally:

@@ -130,7 +130,8 @@ def results_table(inv, storage) -> str:
         used = [f"{m['physical_batch_used']:.0f} ({m['oom_retries']:.0f})" if "oom_retries" in m else "-"]
         rows.append([str(t.number), *(_fmt(config.get(k)) for k in varied), str(derived.effective_batch),
                      *(used if shrunk else []),
-                     f"{derived.lr:.4g}", outcome_of(t).name, t.user_attrs.get("health", "-"),
+                     f"{derived.lr:.4g}", outcome_of(t).name,
+                     "config mismatch" if "config_mismatch" in t.user_attrs else t.user_attrs.get("health", "-"),
                      *(_metric(metric, m.get(metric)) for metric in metrics),
                      f"{m['samples_per_s']:,.0f}" if "samples_per_s" in m else "-",
                      format_bytes(m["peak_memory_bytes"]) if "peak_memory_bytes" in m else "-",

@@ -616,6 +616,7 @@ def test_the_protocol_line_counts_one_epoch_as_one():
     assert protocol(trials).startswith("adamw, sgd;")
 
 
+@pytest.mark.slow
 def test_report_command_and_compare(tiny_study):
     uri = f"sqlite:///{tiny_study}/mlruns/mlflow.db"
     proc = run_script("analysis/report.py", "--study", "accum_lr", "--tracking-uri", uri, cwd=tiny_study)
@@ -841,3 +842,22 @@ def test_the_table_shows_the_studys_objectives_and_marks_their_front():
     assert table["front"].tolist() == ["★", "★", "", ""]
     study.objectives = (("val_loss", "minimize"),)
     assert _table(study)["best"].tolist() == ["★", "", "", ""]  # the lowest loss, at the lowest val_acc
+
+
+def test_a_loggers_own_epoch_metric_does_not_break_the_history(tmp_path):
+    """Lightning's MLFlowLogger logs an `epoch` metric of its own into a [program] trial's run: the history is
+    indexed by epoch already, and the report read it as a second `epoch` column and failed with a traceback."""
+    from mlflow import MlflowClient
+
+    from analysis.runs import load_studies
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("logged")
+    parent = client.create_run(experiment).info.run_id
+    child = client.create_run(experiment, tags={"mlflow.parentRunId": parent}).info.run_id
+    for epoch in (1, 2):
+        client.log_metric(child, "val_acc", 0.5 + epoch / 10, step=epoch)
+        client.log_metric(child, "epoch", epoch - 1, step=epoch)  # the logger's, counted from 0
+    [study] = load_studies(["logged"], uri)
+    assert list(study.history["epoch"]) == [1, 2] and list(study.history["val_acc"]) == [0.6, 0.7]

@@ -51,6 +51,7 @@ def held(path: Path, proc: subprocess.Popen, timeout: float = 180) -> list[int]:
     return [int(x) for x in path.read_text().split()]
 
 
+@pytest.mark.slow
 def test_a_script_swept_by_two_workers_killed_and_rerun_completes_every_point_once(tmp_path):
     hold = tmp_path / "hold"
     path = study_file(tmp_path, "script_grid", """seeds = 1
@@ -137,6 +138,7 @@ accum_steps = 2
     assert run.data.metrics["peak_memory_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_crash_out_of_memory_and_a_clean_script_end_in_their_outcomes(tmp_path):
     path = study_file(tmp_path, "script_outcomes", """[fixed]
 epochs = 2
@@ -193,6 +195,7 @@ pruner = "median"
     return proc, pruned
 
 
+@pytest.mark.slow
 def test_a_median_pruner_stops_a_script_mid_run(tmp_path):
     proc, pruned = pruned_sweep(tmp_path, "script_pruned", 6, COMMAND + ', "--handicap", "{handicap}"]')
     assert max(pruned.intermediate_values) < 6  # stopped before its last epoch
@@ -204,6 +207,7 @@ def test_a_median_pruner_stops_a_script_mid_run(tmp_path):
     assert " 6/6 [" in proc.stderr  # the bar over a trial's epochs counts to the 6 the script is given
 
 
+@pytest.mark.slow
 def test_a_script_not_given_its_epochs_has_a_bar_of_no_total_and_is_pruned_at_any_epoch(tmp_path):
     """loop.py is told 4 epochs in the command, not by {epochs}: the study's 2 are not its last. A bar over them
     would stop at 4/2, and a pruner that spared epochs from the 2nd on would never stop the handicapped one."""
@@ -321,10 +325,11 @@ physical_batch = [8, 16]
     assert shared["grid.physical_batch"] == "[8, 16]" and shared["search.metrics"] == "('val_acc',)"
 
 
-def test_scripts_on_postgresql_and_a_tracking_server_log_into_their_trials_runs(tmp_path):
+@pytest.mark.slow
+def test_scripts_on_postgresql_and_a_tracking_server_log_into_their_trials_runs(tmp_path, postgres):
     from mlflow import MlflowClient
 
-    from tests.servers import mlflow_server, postgres_server
+    from tests.servers import mlflow_server
 
     path = study_file(tmp_path, "script_served", """workers = 2
 [fixed]
@@ -333,7 +338,8 @@ physical_batch = 16
 [grid]
 mode = ["ok", "mlflow"]
 """, COMMAND + ', "--mode", "{mode}"]')
-    with postgres_server() as server, mlflow_server(tmp_path) as tracking:
+    server = postgres
+    with mlflow_server(tmp_path) as tracking:
         proc = sweep(tmp_path, "--study", str(path), "--storage", server.url, "--tracking-uri", tracking,
                      "--no-report")
         assert proc.returncode == 0, proc.stderr
@@ -344,3 +350,67 @@ mode = ["ok", "mlflow"]
             assert run.info.status == "FINISHED"
             history = MlflowClient(tracking).get_metric_history(run.info.run_id, "val_acc")
             assert [m.step for m in history] == [1, 2]
+
+
+LOADER_LOOP = (f'command = ["{{python}}", "{ROOT / "tests" / "programs" / "loader_loop.py"}", "--batch-size", '
+               f'"{{physical_batch}}", "--accum", "{{accum_steps}}", "--lr", "{{lr}}", "--seed", "{{seed}}", '
+               f'"--epochs", "{{epochs}}"')
+LOADER_ENV = f'\nenv = {{PYTHONPATH = "{ROOT}"}}'  # (it loads the data as the trainer does: tests.factories)
+
+
+@pytest.mark.parametrize("ignores", [False, True])
+def test_a_script_is_recorded_as_it_ran_and_one_that_ignores_accum_steps_is_left_out(tmp_path, ignores):
+    """The tracer inside the script sees its windows: an honest script's k = 4 trial carries
+    observed_accum_steps 4 and a noise scale; one that takes --accum and steps per micro-batch anyway carries
+    config_mismatch, is marked in the table, and the report leaves it out of every comparison and says why."""
+    path = study_file(tmp_path, "honesty", """[fixed]
+epochs = 2
+physical_batch = 16
+[grid]
+accum_steps = [1, 4]
+""", LOADER_LOOP + (', "--ignore-accum"]' if ignores else "]") + LOADER_ENV)
+    proc = sweep(tmp_path, "--study", str(path))
+    assert proc.returncode == 0, proc.stderr
+    _, client = stores(tmp_path)
+    runs, _ = child_runs(client, "honesty")
+    by_k = {int(r.data.params["accum_steps"]): r for r in runs}
+    assert set(by_k) == {1, 4}
+    for k, run in by_k.items():
+        tags = run.data.tags
+        assert tags["observed_physical_batch"] == "16", tags
+        assert tags["observed_accum_steps"] == str(1 if ignores else k)
+        assert run.data.metrics["samples_per_s"] > 0
+        assert ("config_mismatch" in tags) == (ignores and k == 4)
+    # The noise scale needs windows of 2 micro-batches or more: the honest k = 4 trial's, not the one that ignored k.
+    assert ("noise_scale" in by_k[4].data.metrics) == (not ignores)
+    report = (tmp_path / "reports" / "honesty" / "report.md").read_text()
+    if ignores:
+        assert by_k[4].data.tags["config_mismatch"] == ("accum_steps 4 passed, 1 observed: the script does not "
+                                                       "accumulate as asked")
+        assert "config mismatch" in proc.stdout  # the results table marks the trial
+        assert ("1 of 2 trials did not run as they were asked to (as batchsweep saw the script: accum_steps 4 "
+                "passed, 1 observed") in report, report
+    else:
+        assert "did not run as they were asked to" not in report
+
+
+def test_a_scripts_noise_scale_is_measured_from_inside_it(tmp_path):
+    """A user's loop over a DataLoader, with the weights held still (lr 1e-9) at k = 16: the noise scale the
+    tracer measures from each micro-batch's own gradient comes within a quarter of tr(Sigma) / |G|^2 from every
+    sample's gradient, as the trainer's does (tests/test_trainer.py), and is logged as the trainer logs it."""
+    from tests.factories import noise_truth
+
+    path = study_file(tmp_path, "noisy", """[fixed]
+epochs = 6
+physical_batch = 4
+accum_steps = 16
+base_lr = 1e-9
+lr_rule = "none"
+""", LOADER_LOOP + "]" + LOADER_ENV)
+    proc = sweep(tmp_path, "--study", str(path), "--no-report")
+    assert proc.returncode == 0, proc.stderr
+    _, client = stores(tmp_path)
+    [run], _ = child_runs(client, "noisy")
+    assert run.data.tags["observed_accum_steps"] == "16"
+    assert run.data.metrics["noise_scale"] == pytest.approx(noise_truth("tests.factories:blobs1k", ""), rel=0.25)
+    assert run.data.metrics["noise_scale_reliable"] == 1.0

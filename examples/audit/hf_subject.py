@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=0)
     args = p.parse_args()
     torch.manual_seed(args.seed)
+    torch.set_default_dtype(torch.float64)  # (transformers before 4.46 builds GPT-2's masks in the default dtype)
     config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0)
     model = GPT2LMHeadModel(config).double()

@@ -66,18 +66,20 @@ def counted(y, weighted: bool) -> float:
     return float(torch.tensor(CLASS_WEIGHTS)[y].sum()) if weighted else int((y != -100).sum())
 
 
-class SGD:
-    """SGD, as torch.optim.SGD steps (whose first step imports torch._dynamo: 1.5 s of each short run), with
-    momentum and weight decay as it keeps them (buffer = momentum * buffer + gradient + weight_decay * weights),
-    and an exponential decay of its LR, as ExponentialLR(gamma=0.9) schedules it. Weight decay on the matrices
-    only leaves biases undecayed, as nanoGPT's param groups do."""
+class SGD(torch.optim.Optimizer):
+    """SGD, as torch.optim.SGD steps, with momentum and weight decay as it keeps them (buffer = momentum * buffer
+    + gradient + weight_decay * weights), and an exponential decay of its LR, as ExponentialLR(gamma=0.9)
+    schedules it, written into its param group as a scheduler does. Weight decay on the matrices only leaves
+    biases undecayed, as nanoGPT's param groups do."""
 
     def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, decay: str = "all",
                  warmup: int = 0, total: int = 0):
-        self.params, self.decayed, self.momentum, self.weight_decay = list(params), lr, momentum, weight_decay
+        super().__init__(params, {"lr": lr})
+        self.params = self.param_groups[0]["params"]
+        self.decayed, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.decay, self.warmup, self.steps, self.base, self.total = decay, warmup, 0, lr, total
         self.buffers = [torch.zeros_like(p) for p in self.params]
-        self.param_groups = [{"params": self.params}]  # (what a GradScaler unscales)
+        self.param_groups[0]["lr"] = self.lr
 
     @property
     def lr(self) -> float:
@@ -87,25 +89,25 @@ class SGD:
     def schedule(self) -> None:
         self.steps += 1
         self.decayed = self.base * cosine(self.steps, self.total) if self.total else self.decayed * 0.9
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
+        self.param_groups[0]["lr"] = self.lr
 
     @torch.no_grad()
     def step(self) -> None:
+        lr = self.param_groups[0]["lr"]
         for p, buffer in zip(self.params, self.buffers):
             decay = self.weight_decay if self.decay == "all" or p.dim() >= 2 else 0.0
             buffer.mul_(self.momentum).add_(p.grad + decay * p)
-            p -= self.lr * buffer
+            p -= lr * buffer
 
 
 def cosine(step: int, total: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * step / total))
 
 
-def row(step: int, loss: float, lr: float, args) -> dict:
-    return {"step": step, "loss": loss, **({"lr": lr} if args.print_lr == "yes" else {})}
+def report(step: int, loss: float, lr: float, args) -> None:
+    """The step's row as the script prints it: nothing under --self-report no."""
+    if args.self_report == "yes":
+        print(json.dumps({"step": step, "loss": loss, **({"lr": lr} if args.print_lr == "yes" else {})}), flush=True)
 
 
 def main() -> int:
@@ -132,17 +134,27 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=0, help="SGD's LR rises from 0 over this many steps")
     p.add_argument("--print-lr", default="yes", choices=["yes", "no"])
     p.add_argument("--schedule", default="exponential", choices=["exponential", "cosine"])
+    p.add_argument("--sampler", default="shuffle", choices=["shuffle", "random"],
+                   help="random: each micro-batch drawn by torch.randint from the global generator, as minimal GPT "
+                        "trainers draw theirs")
+    p.add_argument("--self-report", default="yes", choices=["yes", "no"],
+                   help="no: print no rows and save no weights (what batchsweep observes needs neither)")
+    p.add_argument("--rows", default="step", choices=["step", "window"],
+                   help="window: print one row per window, whatever steps (a row that is not a step)")
+    p.add_argument("--estimate", default="no", choices=["yes", "no"],
+                   help="before training, a loss estimate over 10 random batches of b (draws in proportion to b)")
     args = p.parse_args()
     args.tokens = args.loss == "token"
+    mistakes = set(args.mistake.split(","))  # one or more, comma-separated
     weighted = args.class_weights == "yes"
     torch.set_default_dtype(getattr(torch, args.dtype))
     torch.set_num_threads(1)
     x, y = data(1234, args.tokens)
     torch.manual_seed(args.seed)
-    model = model_for(args.tokens, args.mistake == "batchnorm" or args.frozen_bn == "yes")
+    model = model_for(args.tokens, "batchnorm" in mistakes or args.frozen_bn == "yes")
     if args.frozen_bn == "yes":
         model[1].eval()  # normalizes by its running statistics, which stay as they are
-    lr = args.lr * args.accum if args.mistake == "lr_times_k" else args.lr  # the mistake: the script scales it
+    lr = args.lr * args.accum if "lr_times_k" in mistakes else args.lr  # the mistake: the script scales it
     windows = args.epochs * -(-N // (args.batch_size * args.accum)) if args.schedule == "cosine" else 0
     if args.optimizer == "sgd":
         opt = SGD(model.parameters(), lr, args.momentum, args.weight_decay, args.decay, args.warmup, windows)
@@ -153,14 +165,22 @@ def main() -> int:
         schedule, lr_now = steps.step, lambda: steps.get_last_lr()[0]
     scaler = torch.amp.GradScaler("cpu", init_scale=args.loss_scale, enabled=args.autocast == "fp16")
     b, k, step = args.batch_size, args.accum, 0
+    if args.estimate == "yes":  # a loss estimate before training, as minimal GPT trainers make at step 0
+        model.eval()
+        with torch.no_grad():
+            for _ in range(10):
+                model(x[torch.randint(N, (b,))])
+        model.train()
     for epoch in range(args.epochs):
         shuffle = torch.Generator()
-        if args.mistake == "unseeded":
+        if "unseeded" in mistakes:
             shuffle.seed()  # the mistake: an order that differs from run to run
         else:
             shuffle.manual_seed(args.seed * 1000 + epoch)
         order = torch.randperm(N, generator=shuffle)
-        if args.mistake == "drop_last":  # a loader's drop_last=True: the batches of b are full ones only
+        if args.sampler == "random":  # micro-batches of b drawn with replacement, one torch.randint each
+            order = torch.cat([torch.randint(N, (b,)) for _ in range(-(-N // b))])[:N]
+        if "drop_last" in mistakes:  # a loader's drop_last=True: the batches of b are full ones only
             order = order[:N - N % b]
         for start in range(0, len(order), b * k):
             window = order[start:start + b * k]
@@ -170,53 +190,56 @@ def main() -> int:
             shown = 0.0
             for m in micro:
                 s, count = loss_sum(model, x[m], y[m], args.tokens, args.autocast, weighted)
-                if args.mistake == "zero_grad":
+                if "zero_grad" in mistakes:
                     opt.zero_grad()  # the mistake: only the last micro-batch's gradient reaches the step
-                if args.mistake == "not_divided":
+                if "not_divided" in mistakes:
                     loss = s / count  # each micro-batch's mean, never divided by k
-                elif args.mistake == "short_window":
+                elif "short_window" in mistakes:
                     loss = s / count / k  # each micro-batch's mean over k, also in a window of fewer
-                elif args.mistake == "mean_of_means":
+                elif "mean_of_means" in mistakes:
                     loss = s / count / len(micro)  # the mean of the micro-batches' means
                 else:
                     loss = s / total  # the window's sum over the window's count: the true batch's mean
-                if args.mistake == "penalty_per_micro":  # the mistake: added to every micro-batch, k times a window
+                if "penalty_per_micro" in mistakes:  # the mistake: added to every micro-batch, k times a window
                     loss = loss + PENALTY * sum((p ** 2).sum() for p in model.parameters())
                 scaler.scale(loss).backward()
-                if args.mistake == "clip_per_micro":  # the mistake: each partial sum is clipped (needs --clip)
+                if "clip_per_micro" in mistakes:  # the mistake: each partial sum is clipped (needs --clip)
                     nn.utils.clip_grad_norm_(model.parameters(), args.clip)
                 shown += loss.item()
-                if args.mistake == "schedule_per_micro":
+                if "schedule_per_micro" in mistakes:
                     schedule()  # the mistake: the schedule advances k times a window
-                if args.mistake == "step_per_micro":
+                if "step_per_micro" in mistakes:
                     lr = lr_now()
                     scaler.step(opt)
                     scaler.update()
                     opt.zero_grad()
                     schedule()
                     step += 1
-                    print(json.dumps(row(step, shown, lr, args)), flush=True)
-                    shown = 0.0
+                    if args.rows == "step":
+                        report(step, shown, lr, args)
+                        shown = 0.0
                     if step == args.max_steps:
                         break
-            if args.mistake == "skip_short_window" and len(micro) < k:
+            if "step_per_micro" in mistakes and args.rows == "window":
+                report(start // (b * k) + 1, shown, lr, args)
+            if "skip_short_window" in mistakes and len(micro) < k:
                 continue  # the mistake: a step only when (i + 1) % k == 0, so the short last window has none
-            if args.mistake != "step_per_micro":
-                if args.clip and args.mistake != "clip_per_micro":
+            if "step_per_micro" not in mistakes:
+                if args.clip and "clip_per_micro" not in mistakes:
                     scaler.unscale_(opt)  # clip the true gradient, not the scaled one (a no-op without fp16)
                     nn.utils.clip_grad_norm_(model.parameters(), args.clip)
                 lr = lr_now()
                 scaler.step(opt)  # opt.step(), unless the GradScaler found inf or NaN in the gradients
                 scaler.update()
-                if args.mistake != "schedule_per_micro":
+                if "schedule_per_micro" not in mistakes:
                     schedule()
                 step += 1
-                print(json.dumps(row(step, shown, lr, args)), flush=True)
+                report(step, shown, lr, args)
             if step == args.max_steps:
                 break
         if step == args.max_steps:
             break
-    if os.environ.get("BATCHSWEEP_STATE"):
+    if os.environ.get("BATCHSWEEP_STATE") and args.self_report == "yes":
         torch.save(model.state_dict(), os.environ["BATCHSWEEP_STATE"])
     return 0
 

@@ -1,0 +1,106 @@
+"""The tracer inside a script's own process: what it sees of an unmodified loop, how it stops one, and that it
+keeps the environment's own sitecustomize."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sweeps import observed
+from tests.conftest import ROOT
+
+CATALOG = ROOT / "tests" / "programs" / "catalog.py"
+
+
+def traced(folder, args, stop=0, grads=(), pythonpath=None, save=True):
+    folder.mkdir(exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **observed.environment(folder, stop=stop, save=save, grads=grads,
+                                                                         losses=True, data=True,
+                                                                         pythonpath=pythonpath)}
+    env.pop("BATCHSWEEP_STATE", None)
+    proc = subprocess.run([sys.executable, str(CATALOG), *args], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return observed.read(folder), proc
+
+
+def test_the_tracer_sees_each_window_of_an_unmodified_loop_and_stops_it(tmp_path):
+    """The catalog at b = 8, k = 4 over 240 samples: 7 windows of 4 micro-batches and one of 2; stopped after 3
+    steps, the process ends there (its own rows stop at 2: the third is printed after the step)."""
+    trace, proc = traced(tmp_path / "a", ["--batch-size", "8", "--accum", "4", "--lr", "0.1", "--clip", "5"])
+    assert [s.micro_batches for s in trace.steps] == [4] * 7 + [2]
+    assert trace.steps[0].events == "ZFBFBFBFBCS" and trace.observed() == (8, 4)
+    assert [s.samples for s in trace.steps][-1] == [8, 8] and trace.steps[0].clip == 5.0
+    assert trace.steps[1].lrs == [0.1 * 0.9] and not any(s.zero_grad_within() for s in trace.steps)
+    assert all(s.grad_norm > 0 for s in trace.steps) and trace.samples_per_s() > 0
+    own = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["loss"] for r in own] == [s.loss for s in trace.steps]  # its rows: the window's summed loss
+    stopped, proc = traced(tmp_path / "b", ["--batch-size", "8", "--accum", "4", "--lr", "0.1"], stop=3, grads=(1,))
+    assert len(stopped.steps) == 3 and len(proc.stdout.splitlines()) == 2
+    start = torch.load(tmp_path / "b" / "start.pt")
+    end = torch.load(tmp_path / "b" / "state.pt")
+    assert set(start) == set(end) and not torch.equal(start["0.weight"], end["0.weight"])
+    grad = torch.load(tmp_path / "b" / "grad-1.pt")
+    assert set(grad) == set(end) and grad["0.weight"].shape == end["0.weight"].shape
+
+
+def test_a_zero_grad_inside_the_window_and_a_step_per_micro_batch_are_seen(tmp_path):
+    trace, _ = traced(tmp_path / "z", ["--batch-size", "8", "--accum", "4", "--lr", "0.1", "--mistake", "zero_grad"],
+                      stop=2)
+    assert all(s.zero_grad_within() for s in trace.steps)
+    trace, _ = traced(tmp_path / "s", ["--batch-size", "8", "--accum", "4", "--lr", "0.1", "--mistake",
+                                       "step_per_micro", "--rows", "window"], stop=5)
+    assert [s.micro_batches for s in trace.steps] == [1] * 5 and trace.observed() == (8, 1)
+
+
+def test_the_environments_own_sitecustomize_still_runs(tmp_path):
+    """A sitecustomize that was on the path before batchsweep's runs first, as it would without batchsweep."""
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "sitecustomize.py").write_text("import os\nos.environ['OWN_SITE'] = 'ran'\n")
+    (tmp_path / "check.py").write_text("import os, sys\nprint(os.environ.get('OWN_SITE'), "
+                                       "sys.modules['sitecustomize'].__file__)\n")
+    env = {**os.environ, **observed.environment(tmp_path, pythonpath=str(own))}
+    out = subprocess.run([sys.executable, str(tmp_path / "check.py")], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    ran, ours = out.stdout.split()
+    assert ran == "ran" and ours.endswith("tracer/sitecustomize.py")
+
+
+def test_a_script_without_torch_leaves_no_trace(tmp_path):
+    (tmp_path / "plain.py").write_text("print('no torch here')\n")
+    env = {**os.environ, **observed.environment(tmp_path)}
+    out = subprocess.run([sys.executable, str(tmp_path / "plain.py")], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout == "no torch here\n"
+    assert observed.read(tmp_path) is None
+
+
+DDP_LOOP = '''import contextlib, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = DistributedDataParallel(torch.nn.Linear(4, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for window in range(3):
+    for micro in range(4):  # k = 4 micro-batches of 8, the gradient all-reduced at the last one only
+        with model.no_sync() if micro < 3 else contextlib.nullcontext():
+            (model(torch.randn(8, 4)).pow(2).mean() / 4).backward()
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+def test_every_rank_of_a_torchrun_command_is_observed_and_rank_0_read(tmp_path):
+    """torchrun's workers inherit PYTHONPATH: each rank writes its own trace; what is read back is rank 0's."""
+    (tmp_path / "ddp.py").write_text(DDP_LOOP)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **observed.environment(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "--log-dir", str(tmp_path / "logs"), str(tmp_path / "ddp.py")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(p.name.split("-")[1] for p in tmp_path.glob("trace-r*.jsonl")) == ["r0", "r1"]
+    trace = observed.read(tmp_path)
+    assert len(trace.steps) == 3 and trace.observed() == (8, 4)
