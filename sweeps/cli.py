@@ -6,7 +6,8 @@ import os
 import sys
 from pathlib import Path
 
-from trainers import FIELDS, BatchsweepError, ConfigError, TrainConfig, format_bytes, parse_overrides, parse_value
+from trainers import (FIELDS, BatchsweepError, ConfigError, TrainConfig, format_bytes, interrupt, parse_overrides,
+                      parse_value)
 
 from .commands import Parser, command
 from .studies import LAUNCHERS, check_name, check_size
@@ -187,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         quiet_stores()
         from .driver import run_invocation, write_report
 
-        code = run_invocation(inv, args.workers, args.gpus)
+        with interrupt.trapped():  # SIGTERM and SIGINT stop a study as Ctrl-C does, however it was started
+            code = run_invocation(inv, args.workers, args.gpus)
     except BatchsweepError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

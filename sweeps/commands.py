@@ -1,10 +1,11 @@
 """The installed `batchsweep` command: `batchsweep run|plan|report|train ...`, each the same as its script."""
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import sys
+
+from trainers import INVOKED, OneLineParser
 
 # name: ("module:function" that takes the rest of the command line, what it does)
 COMMANDS = {
@@ -16,8 +17,6 @@ COMMANDS = {
 }
 
 SCRIPTS = {"run": "sweeps/run.py", "report": "analysis/report.py", "train": "trainers/train.py"}
-# Set by the installed command for itself and the processes it starts (the report a study writes at its end).
-INVOKED = "BATCHSWEEP_COMMAND"
 # (command, as typed) where this process's parser would name itself otherwise: `batchsweep run`, `python -m sweeps`.
 started: tuple[str, str] | None = None
 
@@ -29,14 +28,11 @@ def command(name: str) -> str:
     return f"batchsweep {name}" if invoked() or name not in SCRIPTS else f"python {SCRIPTS[name]}"
 
 
-class Parser(argparse.ArgumentParser):
+class Parser(OneLineParser):
     """A command's parser, named as the user started it; its bad input is one line instead of argparse's usage."""
 
     def __init__(self, name: str, **kwargs):
         super().__init__(prog=started[1] if started and started[0] == name else command(name), **kwargs)
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message}: see {self.prog} --help\n")
 
 
 def entry(name: str):
@@ -69,7 +65,7 @@ def help_text(name: str) -> str:
 
 
 def markdown() -> str:
-    """docs/cli.md: every command's flags, from their --help (tests/test_docs.py keeps the file equal to this)."""
+    """docs/cli.md: every command's flags, from their --help (tests/test_house.py keeps the file equal to this)."""
     parts = ["# Commands", "", "Every command's `--help`, as it prints it. Made with", "",
              "    python -c 'from sweeps.commands import markdown; print(markdown(), end=\"\")' > docs/cli.md", "",
              "```", usage(), "```"]

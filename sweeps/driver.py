@@ -14,6 +14,7 @@ from trainers import BatchsweepError, interrupt, make_writable_folder
 
 from .commands import command
 from .outcomes import OUTCOMES, outcome_of
+from .program import die_with_parent
 from .studies import describe
 from .tables import results_table
 from .tracking import HOST, Tracker, TrackingError, first_line, git_commit, quiet_library_logs, standard_tags
@@ -24,6 +25,7 @@ from .urls import redact
 # epochs moves by ("start", worker, trial name, epochs, time) and ("epoch", worker, metrics, time), each at
 # the time.time() that the worker sent it.
 TRIAL_DONE = "\0trial done"
+STOP_GRACE_S = 30  # how long a stopped worker may take to record its trial before it is killed
 
 
 def epoch_bar(position: int):
@@ -62,21 +64,29 @@ def shown(inv, row: dict) -> dict[str, str]:
     return {m: f"{row[m]:.3f}" for m in inv.study.metrics if m in row}
 
 
-def _worker_process(inv, parent_run_id: str, index: int, budget: int | None, messages, placement=None) -> None:
+def _worker_process(inv, parent_run_id: str, index: int, budget: int | None, messages, placement=None,
+                    parent: int = 0) -> None:
     """One of --workers N: one torch thread (several multi-threaded workers thrash a small CPU); its lines go
     to the main process, which prints them above the bars. A fatal error is its last line, and exit status 2.
-    With a placement it sees one GPU (its CUDA_VISIBLE_DEVICES was set when it started)."""
+    With a placement it sees one GPU (its CUDA_VISIBLE_DEVICES was set when it started). It never outlives the
+    main process: the kernel sends it SIGTERM when the main process dies, however (SIGKILL included), and it
+    records its trial as interrupted."""
+    interrupt.trap(once=True)  # a second stop is the main process's to act on
+    ask = die_with_parent()
+    if ask is not None:
+        ask()
+    if parent and os.getppid() != parent:  # the main process died before the request
+        return
     import optuna
     import torch
 
-    from .worker import Hooks, Worker
+    from .worker import Progress, Worker
 
     torch.set_num_threads(1)
-    interrupt.trap()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     quiet_library_logs()
     try:
-        hooks = Hooks(say=messages.put, trial_done=lambda t: messages.put(TRIAL_DONE),
+        hooks = Progress(say=messages.put, trial_done=lambda t: messages.put(TRIAL_DONE),
                       trial_start=lambda name, epochs: messages.put(("start", index, name, epochs, time.time())),
                       epoch_done=lambda row: messages.put(("epoch", index, shown(inv, row), time.time())))
         Worker(inv, parent_run_id, index, hooks, placement).run(budget)
@@ -97,22 +107,25 @@ def run_workers(inv, parent_run_id: str, workers: int, total: int, placements: l
     ctx = multiprocessing.get_context("spawn")
     messages = ctx.Queue()
     placements = placements or [None] * workers
-    procs = [ctx.Process(target=_worker_process, args=(inv, parent_run_id, i, b, messages, placements[i]))
-             for i, b in enumerate(budgets)]
+    procs = [ctx.Process(target=_worker_process, args=(inv, parent_run_id, i, b, messages, placements[i],
+                                                       os.getpid())) for i, b in enumerate(budgets)]
     for proc, placement in zip(procs, placements):
         start_on(proc, placement)
     fatal = []
 
-    def drain(bar, epochs: list) -> None:
+    def drain(bar=None, epochs: list | None = None) -> None:
+        """The workers' messages: their lines above the bars, and the bars moved (none once they are closed)."""
         while True:
             try:
                 line = messages.get_nowait()
             except queue.Empty:
                 return
             if isinstance(line, tuple):
-                show_epoch(epochs, line)
+                if epochs:
+                    show_epoch(epochs, line)
             elif line == TRIAL_DONE:
-                bar.update(1)
+                if bar is not None:
+                    bar.update(1)
             elif line.startswith("error: "):
                 fatal.append(line.removeprefix("error: "))
             else:
@@ -134,7 +147,7 @@ def run_workers(inv, parent_run_id: str, workers: int, total: int, placements: l
                 for epoch in reversed(epochs):
                     epoch.close()
     except KeyboardInterrupt:
-        stop_workers(procs)
+        stop_workers(procs, drain)
         raise
     if fatal:
         raise BatchsweepError(fatal[0])
@@ -144,18 +157,27 @@ def run_workers(inv, parent_run_id: str, workers: int, total: int, placements: l
                   f"failed, and its point runs again (in this invocation, or the next)", file=sys.stderr)
 
 
-def stop_workers(procs) -> None:
-    """After a Ctrl-C. From a terminal the workers got the signal too: let them mark their trials."""
-    deadline = time.monotonic() + 5
+def stop_workers(procs, drain=lambda: None) -> None:
+    """After a stop signal (Ctrl-C, SIGINT to this process alone, SIGTERM): each worker gets SIGTERM, records its
+    trial as interrupted and ends (from a terminal it got SIGINT too; a worker acts on the first signal alone). A
+    second signal to this process ends them at once, as does a worker that is not done in STOP_GRACE_S. Their
+    lines are read meanwhile (`drain`): a worker whose queue is full would not end."""
     for proc in procs:
-        proc.join(timeout=max(0.0, deadline - time.monotonic()))
-    for proc in procs:  # a signal to this process alone (kill -INT): pass it on, or they would run on
         if proc.is_alive():
-            os.kill(proc.pid, signal.SIGINT)
-    for proc in procs:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.terminate()
+            os.kill(proc.pid, signal.SIGTERM)
+    try:
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline:
+            alive = [p for p in procs if p.is_alive()]
+            if not alive:
+                break
+            drain()
+            alive[0].join(timeout=0.1)
+    finally:  # (a second signal lands here as KeyboardInterrupt)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
 
 
 def start_on(proc, placement) -> None:
@@ -176,11 +198,11 @@ def start_on(proc, placement) -> None:
 def run_in_process(inv, parent_run_id: str, total: int, placement=None) -> None:
     from tqdm import tqdm
 
-    from .worker import Hooks, Worker
+    from .worker import Progress, Worker
 
     trials = tqdm(total=total, unit="trial", file=sys.stderr, dynamic_ncols=True, position=0)
     epochs = epoch_bar(1)
-    hooks = Hooks(trial_done=lambda t: trials.update(1),
+    hooks = Progress(trial_done=lambda t: trials.update(1),
                   trial_start=lambda name, n: start_trial(epochs, name, n),
                   epoch_done=lambda row: end_epoch(epochs, shown(inv, row)),
                   say=lambda line: tqdm.write(line, file=sys.stderr))
@@ -252,10 +274,10 @@ def run_invocation(inv, workers: int, gpus: list | tuple = ()) -> int:
             except Exception:  # the storage went away: the next invocation ends them before it counts
                 pass
     except KeyboardInterrupt:
-        interrupt.handled()
         status = "KILLED"
-        print(f"\ninterrupted: finished trials are kept; run the same command again to resume "
+        print(f"\n{interrupt.received()}: finished trials are kept; run the same command again to resume "
               f"study {inv.study_name}", file=sys.stderr)
+        interrupt.handled()
         return 130
     except BaseException:
         status = "FAILED"
@@ -300,10 +322,10 @@ def start_parent(inv, tracker: Tracker, workers: int) -> str:
 
 def finish(inv, tracker: Tracker, parent: str, storage, left: int | None) -> int:
     """After the workers: the models kept, the checkpoints cleaned up, the table of trials."""
-    from .checkpoints import keep_models
+    from .checkpoints import Cleanup
 
     try:
-        keep_models(inv, tracker, parent, storage, lambda line: print(line, file=sys.stderr))
+        Cleanup(inv, storage, tracker).keep_models(parent, lambda line: print(line, file=sys.stderr))
     except Exception as exc:  # the trials are recorded; the models and the clean-up are a convenience
         print(f"warning: the models were not logged ({first_line(exc, inv.storage)}); the trials are kept",
               file=sys.stderr)

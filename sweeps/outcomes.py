@@ -37,6 +37,9 @@ OUTCOMES = {o.name: o for o in [
 ]}
 
 
+INTERRUPTED = OUTCOMES["interrupted"]  # also what the runs of a process that died end as, whatever killed it
+
+
 def outcome_of(trial: FrozenTrial) -> Outcome | None:
     """A finished trial's outcome; None while it runs."""
     reason = trial.user_attrs.get("reason")

@@ -168,15 +168,23 @@ def epoch_progress(total: int, jsonl: str | None = None):
     return on_epoch, close
 
 
+# Set by the installed `batchsweep` command for itself and the processes it starts, so that each names itself as
+# the user started it (`batchsweep train`, not `python trainers/train.py`).
+INVOKED = "BATCHSWEEP_COMMAND"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A command's parser whose bad input is one line that names the problem and --help, not argparse's usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message}: see {self.prog} --help\n")
+
+
 def make_parser() -> argparse.ArgumentParser:
-    # Named as the user started it (`batchsweep train` sets BATCHSWEEP_COMMAND, as sweeps/commands.py does for all).
-    prog = "batchsweep train" if os.environ.get("BATCHSWEEP_COMMAND") == "batchsweep" else "python trainers/train.py"
-    parser = argparse.ArgumentParser(prog=prog, description=
-                                     "Train one configuration with exact gradient accumulation.", epilog=
-                                     "An import path runs code: --model, --dataset and --loss package.module:name "
-                                     "import that module, which runs with your permissions. Name only code you "
-                                     "trust (docs/security.md).")
-    parser.error = lambda message: parser.exit(2, f"error: {message}: see {prog} --help\n")  # one line, no usage
+    prog = "batchsweep train" if os.environ.get(INVOKED) == "batchsweep" else "python trainers/train.py"
+    parser = OneLineParser(prog=prog, description="Train one configuration with exact gradient accumulation.", epilog=
+                           "An import path runs code: --model, --dataset and --loss package.module:name import that "
+                           "module, which runs with your permissions. Name only code you trust (docs/security.md).")
     add_config_flags(parser)
     parser.add_argument("--effective-batch", metavar="B", help="samples per optimizer step: sets accum_steps, or with "
                         "--physical-batch auto the target that b shrinks under on out-of-memory")
@@ -206,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         check_launch(config)
         for flag, path in (("--json", args.json), ("--epochs-jsonl", args.epochs_jsonl)) if lead else ():
             check_output(flag, path)  # before training: a result that cannot be written would be lost (rank 0 writes)
-        checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every, args.checkpoint_minutes) \
-            if args.checkpoint_dir not in (None, "none") else None  # 'none': off, as for sweeps/run.py
+        # Checked also without a folder: a bad value is a mistake, whether or not checkpoints are on.
+        checkpoint = Checkpointing(args.checkpoint_dir or "none", args.checkpoint_every, args.checkpoint_minutes)
+        checkpoint = checkpoint if args.checkpoint_dir not in (None, "none") else None  # 'none': off, as for a study
         if checkpoint and checkpoint.path.exists() and lead:
             print(f"resuming from {checkpoint.path}", file=sys.stderr)
         data = preflight(config)  # a device, import path or model that cannot work is said before the bar opens
