@@ -116,16 +116,6 @@ def _config_of(inv, trial) -> TrainConfig:
     return inv.config(values, values.pop("seed"))
 
 
-def _folder(inv, trial) -> Path:
-    return folder_of(inv, _config_of(inv, trial), trial.number)
-
-
-def _trials(inv, storage) -> list[optuna.trial.FrozenTrial]:
-    """Every trial of the study that chose a point (a trial that yielded its point to another one chose none)."""
-    return [t for name in inv.study_names() for t in optuna.load_study(study_name=name, storage=storage)
-            .get_trials(deepcopy=False) if "config" in t.user_attrs and outcome_of(t) != OUTCOMES["duplicate"]]
-
-
 def _ended(inv, trials: list) -> list[optuna.trial.FrozenTrial]:
     """The trials whose point will not run again: complete or pruned, and failed ones of a sampler's search
     (it draws new values rather than repeat them); a failed or killed grid point resumes from its checkpoint."""
@@ -139,63 +129,90 @@ def _candidates(inv, ended: list, invocation: str) -> list:
     return chosen(mine, inv.study.directions, inv.log_models)
 
 
-def _needed(inv, trials: list, invocations: set[str]) -> set[Path]:
-    """The folders that must stay: those of running trials (a point claimed twice shares one), and of the models
-    that `invocations` may still log."""
-    ended = _ended(inv, trials)
-    keep = [t for t in trials if t.state == TrialState.RUNNING]
-    keep += [t for i in invocations for t in _candidates(inv, ended, i)]
-    return {_folder(inv, t) for t in keep}
+class Cleanup:
+    """A study's checkpoint folders, as one process sees them: which still serve and which go. A finished
+    trial's folder, a folder removed for a finished trial, and an invocation that ended never change, so each
+    is worked out once: what a trial costs here does not grow with the study."""
 
+    def __init__(self, inv, storage, tracker):
+        self.inv, self.storage, self.tracker = inv, storage, tracker
+        self.folders: dict[int, Path] = {}  # trial id -> its folder
+        self.removed: set[int] = set()  # ended trials whose folder is gone
+        self.ended_invocations: set[str] = set()
 
-def _live_invocations(tracker, trials: list) -> set[str]:
-    """The invocations (parent runs) still running: on other machines that share the checkpoint folder too."""
-    ids = {t.user_attrs["invocation"] for t in trials
-           if t.state == TrialState.COMPLETE and "invocation" in t.user_attrs}
-    live = set()
-    for run_id in ids:
-        try:
-            if tracker.client.get_run(run_id).info.status == "RUNNING":
-                live.add(run_id)
-        except Exception:  # a run deleted from the store: nothing to log for it
-            pass
-    return live
+    def spare(self, invocation: str, trials: list | None = None) -> None:
+        """After a trial: remove the checkpoints that no longer serve, so that a study holds about as many as it
+        runs trials at once, plus each running invocation's best so far (for --log-models best; all for all).
+        `trials`: those of the study's one Optuna study, as the worker just read them (None: read them)."""
+        if self.inv.checkpoint_dir is None:
+            return
+        trials = self._trials(trials)
+        self._remove(trials, self._needed(trials, self._live(trials, invocation) | {invocation}))
 
+    def keep_models(self, invocation: str, say) -> None:
+        """At the end of an invocation: log the models of its best (or all) complete trials from their last
+        checkpoints, then remove the checkpoints of every trial whose point will not run again, but those that
+        running trials and other running invocations still need."""
+        inv = self.inv
+        if inv.checkpoint_dir is None:
+            return
+        trials = self._trials()
+        kept = _candidates(inv, _ended(inv, trials), invocation)
+        if kept:
+            say(f"logging the models of {len(kept)} trial{'s' * (len(kept) > 1)} to MLflow ({inv.log_models})")
+        for trial in kept:
+            folder = self.folder(trial)
+            if not (folder / FILE).exists():
+                say(f"warning: the model of trial {trial.number} was not logged: its checkpoint {folder / FILE} is "
+                    f"gone")
+                continue
+            try:
+                kind = log_model(self.tracker, trial.user_attrs["mlflow_run_id"], _config_of(inv, trial), folder)
+                self.tracker.log(trial.user_attrs["mlflow_run_id"], tags={"batchsweep.model": kind})
+            except Exception as exc:
+                say(f"warning: the model of trial {trial.number} was not logged ({type(exc).__name__}: {exc})")
+        self._remove(trials, self._needed(trials, self._live(trials, invocation)))
 
-def _remove(inv, trials: list, needed: set[Path]) -> None:
-    for trial in _ended(inv, trials):
-        folder = _folder(inv, trial)
-        if folder not in needed:
-            shutil.rmtree(folder, ignore_errors=True)
+    def folder(self, trial) -> Path:
+        if trial._trial_id not in self.folders or not trial.state.is_finished():
+            self.folders[trial._trial_id] = folder_of(self.inv, _config_of(self.inv, trial), trial.number)
+        return self.folders[trial._trial_id]
 
+    def _trials(self, read: list | None = None) -> list[optuna.trial.FrozenTrial]:
+        """Every trial of the study that chose a point (a trial that yielded its point to another one chose
+        none)."""
+        if read is None:
+            read = [t for name in self.inv.study_names()
+                    for t in optuna.load_study(study_name=name, storage=self.storage).get_trials(deepcopy=False)]
+        return [t for t in read if "config" in t.user_attrs and outcome_of(t) != OUTCOMES["duplicate"]]
 
-def spare(inv, invocation: str, storage, tracker) -> None:
-    """After a trial: remove the checkpoints that no longer serve, so that a study holds about as many as it
-    runs trials at once, plus each running invocation's best so far (for --log-models best; all for all)."""
-    if inv.checkpoint_dir is None:
-        return
-    trials = _trials(inv, storage)
-    _remove(inv, trials, _needed(inv, trials, _live_invocations(tracker, trials) | {invocation}))
+    def _needed(self, trials: list, invocations: set[str]) -> set[Path]:
+        """The folders that must stay: those of running trials (a point claimed twice shares one), and of the
+        models that `invocations` may still log."""
+        ended = _ended(self.inv, trials)
+        keep = [t for t in trials if t.state == TrialState.RUNNING]
+        keep += [t for i in invocations for t in _candidates(self.inv, ended, i)]
+        return {self.folder(t) for t in keep}
 
+    def _live(self, trials: list, mine: str) -> set[str]:
+        """The invocations (parent runs) other than `mine` still running: on other machines that share the
+        checkpoint folder too."""
+        ids = {t.user_attrs["invocation"] for t in trials
+               if t.state == TrialState.COMPLETE and "invocation" in t.user_attrs} - self.ended_invocations - {mine}
+        live = set()
+        for run_id in ids:
+            try:
+                running = self.tracker.client.get_run(run_id).info.status == "RUNNING"
+            except Exception:  # deleted from the store, or the store failed: not live now, asked again next time
+                continue
+            (live.add if running else self.ended_invocations.add)(run_id)
+        return live
 
-def keep_models(inv, tracker, invocation: str, storage, say) -> None:
-    """At the end of an invocation: log the models of its best (or all) complete trials from their last
-    checkpoints, then remove the checkpoints of every trial whose point will not run again, but those that
-    running trials and other running invocations still need."""
-    if inv.checkpoint_dir is None:
-        return
-    trials = _trials(inv, storage)
-    kept = _candidates(inv, _ended(inv, trials), invocation)
-    if kept:
-        say(f"logging the models of {len(kept)} trial{'s' * (len(kept) > 1)} to MLflow ({inv.log_models})")
-    for trial in kept:
-        folder = _folder(inv, trial)
-        if not (folder / FILE).exists():
-            say(f"warning: the model of trial {trial.number} was not logged: its checkpoint {folder / FILE} is gone")
-            continue
-        try:
-            kind = log_model(tracker, trial.user_attrs["mlflow_run_id"], _config_of(inv, trial), folder)
-            tracker.log(trial.user_attrs["mlflow_run_id"], tags={"batchsweep.model": kind})
-        except Exception as exc:
-            say(f"warning: the model of trial {trial.number} was not logged ({type(exc).__name__}: {exc})")
-    _remove(inv, trials, _needed(inv, trials, _live_invocations(tracker, trials) - {invocation}))
+    def _remove(self, trials: list, needed: set[Path]) -> None:
+        for trial in _ended(self.inv, trials):
+            if trial._trial_id in self.removed:
+                continue
+            folder = self.folder(trial)
+            if folder not in needed:
+                shutil.rmtree(folder, ignore_errors=True)
+                self.removed.add(trial._trial_id)

@@ -19,14 +19,13 @@ from optuna.trial import TrialState
 from trainers import BatchsweepError, ConfigError
 
 from .program import redacted
-from .tracking import HOST, PROCESSES, first_line, pid_alive
+from .tracking import HOST, PROCESSES, TABLES_RACE, first_line, pid_alive
 from .urls import check_storage, redact, sqlite_path
 
 HEARTBEAT_GRACE_S = 120  # a trial whose process sent no heartbeat for this long is dead
 PROTOCOL = "batchsweep.protocol"  # the Optuna study's user attribute that holds what its trials share
 NOT_A_JOURNAL = "pass a journal file to --storage journal:PATH, or move a damaged one aside"
 CREATOR_GRACE_S = 5  # how long a study without trials or settings waits for the machine that created it
-SCHEMA_RACE = ("already exists", "UNIQUE constraint failed", "duplicate key value violates unique constraint")
 # Fields that say where a trial runs and how fast, not what it measures: they may differ between invocations.
 WHERE = ("seed", "device", "data_dir", "eval_batch", "num_workers", "pin_memory", "prefetch_factor")
 
@@ -85,17 +84,27 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
             with warnings.catch_warnings():  # heartbeats are marked experimental; they have worked since Optuna 2.9
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 # Heartbeats let any worker fail a trial whose process died on another machine.
-                return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": connect},
-                                                  heartbeat_interval=30, grace_period=HEARTBEAT_GRACE_S)
+                rdb = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": connect},
+                                                 heartbeat_interval=30, grace_period=HEARTBEAT_GRACE_S)
+            return cached(rdb)
         except Exception as exc:
             # Two processes opening a new database at once (two machines, or a viewer of the new file) both create
             # the schema: the one whose table or version row collided finds them made next time.
-            if any(race in str(exc) for race in SCHEMA_RACE) and attempt < 2:
+            if any(race in str(exc) for race in TABLES_RACE) and attempt < 2:
                 time.sleep(0.5 + random.random())
                 continue
             raise StorageError(f"cannot open the Optuna storage {redact(url)} ({first_line(exc, url)}): check the "
                                f"URL and that the server runs") from None
     raise AssertionError("unreachable")
+
+
+def cached(rdb: optuna.storages.RDBStorage) -> optuna.storages.BaseStorage:
+    """One cache of finished trials for every study this process loads from the storage. Optuna wraps an
+    RDBStorage in its _CachedStorage anew at each load_study, which then reads every trial of the study again:
+    a cost per trial that grew with the study. Wrapped once here, a read fetches only the trials that were
+    running or are new since the last one (finished trials never change)."""
+    wrapper = getattr(optuna.storages, "_CachedStorage", None)
+    return wrapper(rdb) if wrapper is not None else rdb
 
 
 def check_journal(path: str) -> None:

@@ -22,6 +22,7 @@ from mlflow.utils.mlflow_tags import (MLFLOW_DATASET_CONTEXT, MLFLOW_GIT_COMMIT,
 
 from trainers import BatchsweepError, pid_alive
 
+from .outcomes import INTERRUPTED
 from .urls import redact, sqlite_path, unreachable
 
 HOST = socket.gethostname()
@@ -72,9 +73,6 @@ def _processes() -> str:
 PROCESSES = _processes()
 # History keys logged with their epoch as step; throughput and memory are logged once, for the whole run.
 RUN_LEVEL = ("samples_per_s", "peak_memory_bytes", "wall_time_s")
-# With --system-metrics, MLflow samples CPU, memory, disk, network (and GPU) this often during a trial; its
-# environment variable MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL overrides it.
-SYSTEM_METRICS_INTERVAL_S = 1.0
 T = TypeVar("T")
 
 
@@ -90,8 +88,8 @@ def default_tracking_uri(root: str = "mlruns") -> str:
 # writes an experiment's tag or a dataset by SELECT then INSERT, so the slower one hits the unique key; tried
 # again, it finds the row).
 TRANSIENT = ("locked", "UNIQUE constraint failed", "duplicate key value violates unique constraint")
-# Two machines that open a new tracking database at once both create MLflow's tables: the one whose CREATE
-# collided finds them made (in one transaction, on PostgreSQL) when it tries again.
+# Two machines that open a new database at once (MLflow's tracking store, Optuna's storage) both create its
+# tables: the one whose CREATE collided finds them made (in one transaction, on PostgreSQL) when it tries again.
 TABLES_RACE = (*TRANSIENT, "already exists")
 
 
@@ -126,33 +124,6 @@ def standard_tags(commit: str | None) -> dict[str, str]:
     if commit:
         tags[MLFLOW_GIT_COMMIT] = commit
     return tags
-
-
-def system_metrics(run_id: str, uri: str, gpu_uuid: str = ""):
-    """Start MLflow's own system-metrics monitor for one run (a thread); call .finish() when the trial ends.
-    With `gpu_uuid` (a worker placed on a GPU), its GPU metrics are those of that GPU alone."""
-    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-    monitor = SystemMetricsMonitor(run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S, tracking_uri=uri)
-    if gpu_uuid:
-        own_gpu(monitor, gpu_uuid)
-    monitor.start()
-    return monitor
-
-
-def own_gpu(monitor, uuid: str) -> None:
-    """Narrow MLflow's NVIDIA monitor, when it started, to the GPU of CUDA's `uuid`: it reads every GPU of the
-    machine through NVML, which ignores CUDA_VISIBLE_DEVICES. Its metrics are then `system/gpu_0_*`, the GPU
-    as the trial's process numbers it. One that NVML does not know by that UUID keeps MLflow's every GPU."""
-    from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
-
-    from .placement import nvml_handle
-
-    for gpus in getattr(monitor, "monitors", []):
-        if isinstance(gpus, GPUMonitor):  # (it exists only where pynvml imported and found a GPU)
-            handle = nvml_handle(uuid)
-            if handle is not None:
-                gpus.gpu_handles = [handle]
 
 
 def first_line(exc: BaseException, *urls: str) -> str:
@@ -335,8 +306,13 @@ class Tracker:
         uri = self.artifact_uris.get(run_id) or self.client.get_run(run_id).info.artifact_uri
         return get_artifact_repository(uri, tracking_uri=self.uri)
 
-    def end_open_runs(self, status: str) -> None:
+    def end_open_runs(self, status: str, reason: str | None = None) -> None:
         for run_id in list(self.open_runs):
+            if reason:
+                try:
+                    retry(lambda: self.client.set_tag(run_id, "reason", reason))
+                except Exception:  # the store refuses: the run still ends, or close_orphans ends it later
+                    pass
             self.end(run_id, status)
 
     def _log_history_csv(self, run_id: str, history: list[dict[str, float]]) -> None:
@@ -366,7 +342,7 @@ class Tracker:
                 if run.info.run_id in complete:
                     retry(lambda: self.client.set_terminated(run.info.run_id, "FINISHED"))
                 else:
-                    retry(lambda: self.client.set_tag(run.info.run_id, "reason", "interrupted"))
-                    retry(lambda: self.client.set_terminated(run.info.run_id, "KILLED"))
+                    retry(lambda: self.client.set_tag(run.info.run_id, "reason", INTERRUPTED.name))
+                    retry(lambda: self.client.set_terminated(run.info.run_id, INTERRUPTED.status))
                 closed += 1
         return closed

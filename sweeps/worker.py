@@ -11,10 +11,10 @@ from optuna.trial import TrialState
 
 from trainers import BatchsweepError, device_name, interrupt, resolve_device
 
-from .checkpoints import spare
+from .checkpoints import Cleanup
 from .invocation import Invocation
 from .objective import make_objective
-from .outcomes import OUTCOMES, outcome_of
+from .outcomes import INTERRUPTED, OUTCOMES, outcome_of
 from .placement import Placement
 from .program import machine
 from .recorder import TrialFailed, TrialRun
@@ -31,7 +31,7 @@ STORAGE_FAILURES = 3
 
 
 @dataclass
-class Hooks:
+class Progress:
     """How a worker reports progress; the defaults stay silent."""
 
     trial_done: Callable[[optuna.trial.FrozenTrial], None] = lambda t: None
@@ -43,10 +43,10 @@ class Hooks:
 class Worker:
     """One process's loop: claim a trial, train it, record it, until the budget or the study is done."""
 
-    def __init__(self, inv: Invocation, parent_run_id: str, index: int = 0, hooks: Hooks | None = None,
+    def __init__(self, inv: Invocation, parent_run_id: str, index: int = 0, hooks: Progress | None = None,
                  placement: Placement | None = None):
         self.inv, self.parent_run_id, self.index = inv, parent_run_id, index
-        self.hooks = hooks or Hooks()
+        self.hooks = hooks or Progress()
         self.placement = placement  # its GPU and the ledger of the machine's GPUs; None: trains where it is
         self.objective = make_objective(inv.study, inv.launcher)
         self.storage = open_storage(inv.storage)
@@ -60,6 +60,7 @@ class Worker:
         self.failed_here: set[str] = set()  # keys of the trials that failed in this process: not retried now
         self.storage_failures: list[str] = []  # consecutive failures of the storage, latest last
         self.datasets_logged: set[str] = set()  # digests logged as inputs of the parent run
+        self.cleanup = Cleanup(inv, self.storage, self.tracker)
 
     def run(self, budget: int | None) -> int:
         """Run at most `budget` trials (None: until nothing is left); returns how many ran. Every MLflow run
@@ -88,14 +89,14 @@ class Worker:
             trial = self._study.get_trials(deepcopy=False)[self._last_number]
             if trial.state != TrialState.RUNNING:
                 return
-            self.storage.set_trial_user_attr(trial._trial_id, "reason", "interrupted")
-            self._study.tell(trial.number, state=TrialState.FAIL)
+            self.storage.set_trial_user_attr(trial._trial_id, "reason", INTERRUPTED.name)
+            self._study.tell(trial.number, state=INTERRUPTED.state)
         except Exception:  # the storage went away: the next invocation fails the trial as its owner's is gone
             return
         run_id = trial.user_attrs.get("mlflow_run_id")
         if run_id in self.tracker.open_runs:
-            self.tracker.finish(run_id, OUTCOMES["interrupted"].status,
-                                tags={"reason": "interrupted", "state": TrialState.FAIL.name})
+            self.tracker.finish(run_id, INTERRUPTED.status,
+                                tags={"reason": INTERRUPTED.name, "state": INTERRUPTED.state.name})
 
     def _end_recorded(self, trials: list[optuna.trial.FrozenTrial]) -> None:
         """End the open runs of trials that Optuna has recorded finished: their end is skipped where reading the
@@ -115,55 +116,71 @@ class Worker:
             mine = [u for u in units if u.study_name == name]
             self.failed_here = set()
             self._study = study
+            trials = None  # as read after the last trial: the next one starts from that read
             while budget is None or ran < budget:
                 interrupt.check()  # one that something caught and turned into another error: no next trial
                 try:
-                    trials = study.get_trials(deepcopy=False)
+                    trials = study.get_trials(deepcopy=False) if trials is None else trials
                     if fail_orphans(study, trials):  # their points are free now
                         trials = study.get_trials(deepcopy=False)
                 except Exception as exc:
+                    trials = None
                     self._storage_failed(exc)
                     continue
                 self._end_recorded(trials)
                 if not search.left(trials, mine, self.failed_here):
                     break
-                self._last_number = -1
+                trials = None
+                if not self._one_trial(study, mine):
+                    continue
                 try:
-                    # optimize() (not ask/tell) so that the RDB storage's heartbeat covers the trial;
-                    # it marks a trial that raises as FAIL before passing the exception on.
-                    study.optimize(lambda trial: self.trial(trial, mine), n_trials=1)
-                except StudyChanged:
-                    raise  # every next trial would fail the same way: the study stops with one line
-                except Exception as exc:
-                    if interrupt.pending():  # Ctrl-C landed where Optuna turned it into another error
-                        raise KeyboardInterrupt from None
-                    if is_storage_failure(exc) and not isinstance(exc, TrialFailed):
-                        self._storage_failed(exc)
-                        continue
-                    cause = exc.__cause__ if isinstance(exc, TrialFailed) else exc
-                    line = f"trial {self._last_number} failed: {first_line(cause, self.inv.storage)}"
-                    if self.inv.fail_fast:
-                        raise BatchsweepError(f"{line} (stopped by --fail-fast)") from None
-                    self.hooks.say(line)
-                try:
-                    last = study.get_trials(deepcopy=False)[self._last_number] if self._last_number >= 0 else None
+                    trials = study.get_trials(deepcopy=False)
                 except Exception as exc:
                     self._storage_failed(exc)
                     continue
-                self.storage_failures = []
-                if last is None:
-                    continue
-                self._end_recorded([last])  # a trained trial, now recorded: its run ends
-                if last.state == TrialState.FAIL:
-                    self.failed_here.add(config_key(last.user_attrs.get("config", {})))
-                if outcome_of(last) != OUTCOMES["duplicate"]:
-                    ran += 1
-                    self.hooks.trial_done(last)
-                    try:
-                        spare(self.inv, self.parent_run_id, self.storage, self.tracker)
-                    except Exception as exc:  # checkpoints are removed at the end of the invocation anyway
-                        self._storage_failed(exc)
+                ran += self._recorded(trials)
         return ran
+
+    def _one_trial(self, study: optuna.Study, mine: list[Unit]) -> bool:
+        """Claim, train and record one trial; False where the storage failed and nothing is to be read back."""
+        self._last_number = -1
+        try:
+            # optimize() (not ask/tell) so that the RDB storage's heartbeat covers the trial;
+            # it marks a trial that raises as FAIL before passing the exception on.
+            study.optimize(lambda trial: self.trial(trial, mine), n_trials=1)
+        except StudyChanged:
+            raise  # every next trial would fail the same way: the study stops with one line
+        except Exception as exc:
+            if interrupt.pending():  # Ctrl-C landed where Optuna turned it into another error
+                raise KeyboardInterrupt from None
+            if is_storage_failure(exc) and not isinstance(exc, TrialFailed):
+                self._storage_failed(exc)
+                return False
+            cause = exc.__cause__ if isinstance(exc, TrialFailed) else exc
+            line = f"trial {self._last_number} failed: {first_line(cause, self.inv.storage)}"
+            if self.inv.fail_fast:
+                raise BatchsweepError(f"{line} (stopped by --fail-fast)") from None
+            self.hooks.say(line)
+        return True
+
+    def _recorded(self, trials: list[optuna.trial.FrozenTrial]) -> int:
+        """After a trial, with the study's trials read back: end its run, count it (1) unless it yielded its
+        point to another trial (0), and remove the checkpoints that no longer serve."""
+        self.storage_failures = []
+        if self._last_number < 0:
+            return 0
+        last = trials[self._last_number]
+        self._end_recorded([last])  # a trained trial, now recorded: its run ends
+        if last.state == TrialState.FAIL:
+            self.failed_here.add(config_key(last.user_attrs.get("config", {})))
+        if outcome_of(last) == OUTCOMES["duplicate"]:
+            return 0
+        self.hooks.trial_done(last)
+        try:
+            self.cleanup.spare(self.parent_run_id, trials if len(self.inv.search.study_names()) == 1 else None)
+        except Exception as exc:  # checkpoints are removed at the end of the invocation anyway
+            self._storage_failed(exc)
+        return 1
 
     def _storage_failed(self, exc: Exception) -> None:
         """Count a failure to read, create or record a trial; give up after a few in a row."""
@@ -177,16 +194,22 @@ class Worker:
         time.sleep(0.5 * len(self.storage_failures))
 
     def trial(self, trial: optuna.Trial, mine: list[Unit]) -> float | list[float]:
-        """Optuna's objective: take a point, train it, return the objective's values."""
+        """Optuna's objective: take a point, train it, return the objective's values. A stop that lands before the
+        trial's run exists leaves Optuna to fail the trial: its reason says it was interrupted, not an error."""
         self._last_number = trial.number
-        trial.set_user_attr("owner", owner())
-        trial.set_user_attr("owner_processes", PROCESSES)  # a container that shares the host name sees others
         try:
-            point, seed = self.inv.search.next_point(trial, mine, self.failed_here, self.index)
-        except Duplicate as exc:
-            trial.set_user_attr("reason", "duplicate")
-            raise optuna.TrialPruned(str(exc)) from None
-        return TrialRun(self, trial, point, seed).run()
+            trial.set_user_attr("owner", owner())
+            trial.set_user_attr("owner_processes", PROCESSES)  # a container that shares the host name sees others
+            try:
+                point, seed = self.inv.search.next_point(trial, mine, self.failed_here, self.index)
+            except Duplicate as exc:
+                trial.set_user_attr("reason", "duplicate")
+                raise optuna.TrialPruned(str(exc)) from None
+            return TrialRun(self, trial, point, seed).run()
+        except KeyboardInterrupt:
+            if "reason" not in trial.user_attrs:  # (once its run exists, the trial's record says it)
+                trial.set_user_attr("reason", INTERRUPTED.name)
+            raise
 
     def log_dataset(self, dataset: dict[str, Any]) -> None:
         """The parent run (the row the UI shows first) names the data its trials trained on, too: once each."""

@@ -96,7 +96,7 @@ physical_batch = [8, 16, 32]
 def test_the_clean_up_keeps_what_running_trials_and_invocations_need(tmp_path, storage_kind):
     """Planted trials, as a race and a second machine leave them: a duplicate of a point that another trial
     trains, and the best trial of another invocation that still runs."""
-    from sweeps.checkpoints import folder_of, keep_models, spare
+    from sweeps.checkpoints import Cleanup, folder_of
     from sweeps.invocation import Invocation
     from sweeps.storage import create_studies, open_storage
     from sweeps.studyfile import parse, tomllib  # (tomli below Python 3.11)
@@ -130,18 +130,18 @@ def test_the_clean_up_keeps_what_running_trials_and_invocations_need(tmp_path, s
         optuna_study.add_trial(optuna.trial.create_trial(value=value, user_attrs={
             "config": config, "invocation": invocation, "mlflow_run_id": run}))
     live_folder, done_folder, other_folder = folder(live, 0), folder(done, 2), folder(other_best, 3)
-    spare(inv, mine, storage, tracker)
+    Cleanup(inv, storage, tracker).spare(mine)
     assert live_folder.exists() and other_folder.exists()  # a running trial's, the other invocation's best
     assert done_folder.exists()  # this invocation's best so far
     said = []
     tracker.finish(mine, "FINISHED")
     (done_folder / "checkpoint.pt").unlink()  # gone: the model cannot be logged, and it says so
-    keep_models(inv, tracker, mine, storage, said.append)
+    Cleanup(inv, storage, tracker).keep_models(mine, said.append)
     assert any("checkpoint" in line and "is gone" in line for line in said), said
     assert live_folder.exists() and other_folder.exists() and not done_folder.exists()
     tracker.finish(theirs, "FINISHED")
     optuna_study.tell(running, 0.7)
-    keep_models(inv, tracker, theirs, storage, said.append)
+    Cleanup(inv, storage, tracker).keep_models(theirs, said.append)
     assert not any(p.exists() for p in (live_folder, other_folder))
 
 
@@ -159,6 +159,7 @@ epochs = [8, 2]
 """
 
 
+@pytest.mark.slow
 def test_a_race_for_a_point_and_a_kill_leave_the_live_trials_checkpoint(tmp_path):
     """Two workers: one trains the 8-epoch point, the other the 2-epoch one, with the trial that lost a race for
     the 8-epoch point already in the storage (as two machines starting together leave it). The short trial's

@@ -58,6 +58,7 @@ def outcome(folder):
     return history, metrics, result["status"], result["health"], state["model"], state["optimizer"]["state"]
 
 
+@pytest.mark.slow
 def test_a_run_killed_anywhere_resumes_bitwise(tmp_path):
     done = train_once(tmp_path / "whole")
     assert done.returncode == 0, done.stderr
@@ -134,6 +135,7 @@ accum_steps = [2]
 """
 
 
+@pytest.mark.slow
 def test_a_study_killed_mid_trial_resumes_it_bitwise(tmp_path):
     import mlflow.pytorch
     from mlflow import MlflowClient
@@ -247,6 +249,7 @@ print(pytorch_lightning.LightningModule.__name__)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("pytorch_lightning") is None, reason="Lightning is not installed")
 def test_a_model_is_logged_without_importing_lightning_which_stays_importable(tmp_path):
     """mlflow.pytorch imports Lightning, where it is installed, for a callback batchsweep never uses: seconds
