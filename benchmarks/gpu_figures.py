@@ -15,6 +15,8 @@ The steps, in order (--only picks groups):
     study       sweeps/run.py --study accum_lr on the GPU, with its report
     metrics     a placed trial with --system-metrics: MLflow's GPU metrics of its own GPU, found in NVML by
                 UUID, and NVML's free memory of that GPU, which the placement offers
+    program     a [program] trial of a script of its own on the GPU: the tracer's allocator peak as
+                peak_memory_bytes (memory_source cuda_allocator) beside the process's, and what it observed
 
     python benchmarks/gpu_figures.py --out gpu-figures [--budget 540] [--only memory,throughput]
 
@@ -44,7 +46,7 @@ from trainers.cli import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
-GROUPS = ("context", "memory", "throughput", "workers", "study", "metrics")
+GROUPS = ("context", "memory", "throughput", "workers", "study", "metrics", "program")
 LEAST_S = 20  # a step is not started with less time left than this
 
 # Measured after a real training step, so that every library the trainer loads (cuBLAS, cuDNN, their
@@ -73,7 +75,7 @@ METRICS = """
 from mlflow import MlflowClient
 from sweeps.cli import main
 from sweeps.placement import visible_gpus
-from sweeps.tracking import own_gpu
+from sweeps.placement import own_gpu
 assert main(["--study", "accum_lr", "--study-name", "system_metrics", "--device", DEVICE, "--n-trials", "1",
              "--epochs", "3", "--seeds", "1", "--workers", "1", "--system-metrics", "--no-report",
              "--log-models", "none", "--set", "data_dir=" + DATA]) == 0  # in this process, placed on GPU 0
@@ -94,6 +96,48 @@ if DEVICE == "cuda":
     print(f"torch's UUID {gpu.uuid}; NVML's:", [pynvml.nvmlDeviceGetUUID(h) for h in handles])
     assert len(handles) == 1 and gpu.uuid in pynvml.nvmlDeviceGetUUID(handles[0]) and gpu.free_bytes
 print(f"own_gpu_metrics={len(keys)}")
+"""
+
+
+# A [program] trial of a script that knows nothing of batchsweep, on DEVICE: the tracer inside it reports the
+# CUDA allocator's peak from the first training forward (the trainer's measure) and what it saw (b, k).
+PROGRAM = """
+import pathlib
+from mlflow import MlflowClient
+from sweeps.cli import main
+pathlib.Path("own.py").write_text('''import sys, torch
+b, k, device = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 10)).to(device)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for window in range(20):
+    for micro in range(k):
+        x, y = torch.randn(b, 512, device=device), torch.randint(0, 10, (b,), device=device)
+        (torch.nn.functional.cross_entropy(model(x), y) / k).backward()
+    opt.step()
+    opt.zero_grad()
+print('{"epoch": 1, "val_acc": 0.5}')
+''')
+pathlib.Path("own.toml").write_text('''name = "own_program"
+[program]
+command = ["{python}", "own.py", "{physical_batch}", "{accum_steps}", "DEVICE"]
+[fixed]
+physical_batch = 256
+accum_steps = 4
+''')
+assert main(["--study", "own.toml", "--no-report", "--workers", "1"]) == 0
+client = MlflowClient("sqlite:///mlruns/mlflow.db")
+[run] = client.search_runs([client.get_experiment_by_name("own_program").experiment_id], "tags.state = 'COMPLETE'")
+m, t = run.data.metrics, run.data.tags
+print("observed b, k:", t["observed_physical_batch"], t["observed_accum_steps"], "; memory_source:", t["memory_source"])
+assert (t["observed_physical_batch"], t["observed_accum_steps"]) == ("256", "4"), t
+if "DEVICE" != "cpu":
+    assert t["memory_source"] == "cuda_allocator", t
+    peak, process = m["peak_memory_bytes"], m["process_peak_memory_bytes"]
+    print(f"allocator peak {peak / 2**20:.0f} MiB; the process's {process / 2**20:.0f} MiB")
+    print(f"allocator_share={peak / process:.3f}")
+else:  # (--tiny: no GPU; the process tree's memory, and the tracer's observations)
+    print(f"allocator_share={float(t['memory_source'] == 'rss'):.3f}")
 """
 
 
@@ -138,6 +182,8 @@ def steps(device: str, tiny: bool, data: str) -> list[Step]:
         "--set", f"data_dir={data}"], "", 300))
     out.append(Step("metrics", "system metrics of a placed trial", [
         "-c", METRICS.replace("DEVICE", repr(device)).replace("DATA", repr(data))], "own_gpu_metrics", 120))
+    out.append(Step("program", "a [program] trial observed on the GPU", ["-c", PROGRAM.replace("DEVICE", device)],
+                    "allocator_share", 120))
     return out
 
 

@@ -12,7 +12,8 @@ import statistics
 import tempfile
 import time
 
-from sweeps.tracking import Tracker, system_metrics
+from sweeps.placement import system_metrics
+from sweeps.tracking import Tracker
 from trainers import TrainConfig, train
 from trainers.cli import run_script
 

@@ -76,6 +76,36 @@ def free_now(uuid: str) -> int | None:
         return None
 
 
+# With --system-metrics, MLflow samples CPU, memory, disk, network (and GPU) this often during a trial; its
+# environment variable MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL overrides it.
+SYSTEM_METRICS_INTERVAL_S = 1.0
+
+
+def system_metrics(run_id: str, uri: str, gpu_uuid: str = ""):
+    """Start MLflow's own system-metrics monitor for one run (a thread); call .finish() when the trial ends.
+    With `gpu_uuid` (a worker placed on a GPU), its GPU metrics are those of that GPU alone."""
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S, tracking_uri=uri)
+    if gpu_uuid:
+        own_gpu(monitor, gpu_uuid)
+    monitor.start()
+    return monitor
+
+
+def own_gpu(monitor, uuid: str) -> None:
+    """Narrow MLflow's NVIDIA monitor, when it started, to the GPU of CUDA's `uuid`: it reads every GPU of the
+    machine through NVML, which ignores CUDA_VISIBLE_DEVICES. Its metrics are then `system/gpu_0_*`, the GPU
+    as the trial's process numbers it. One that NVML does not know by that UUID keeps MLflow's every GPU."""
+    from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
+
+    for gpus in getattr(monitor, "monitors", []):
+        if isinstance(gpus, GPUMonitor):  # (it exists only where pynvml imported and found a GPU)
+            handle = nvml_handle(uuid)
+            if handle is not None:
+                gpus.gpu_handles = [handle]
+
+
 def nvml_handle(uuid: str):
     """NVML's handle of the GPU of this CUDA UUID (torch gives it without NVML's "GPU-"), or None where NVML
     cannot say: no NVIDIA driver library, or a device it does not know by that UUID."""

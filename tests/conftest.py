@@ -61,3 +61,29 @@ def in_process(main, cwd, *args: str) -> subprocess.CompletedProcess:
         os.environ.clear()
         os.environ.update(environ)
     return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+
+
+def pytest_collection_modifyitems(items):
+    """A test that uses the PostgreSQL server is slow: the full suite runs it, `-m "not slow"` leaves it out."""
+    for item in items:
+        if "postgres" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def postgres_cluster():
+    """One throw-away PostgreSQL cluster for the session (for each of pytest-xdist's processes)."""
+    from tests.servers import postgres_server
+
+    with postgres_server() as server:
+        yield server
+
+
+@pytest.fixture
+def postgres(postgres_cluster, request):
+    """A new database in the session's cluster: `.url` names it."""
+    import re as _re
+
+    from tests.servers import Database
+
+    return Database(postgres_cluster, "t_" + _re.sub(r"\W", "_", request.node.name.lower())[:40] + f"_{os.getpid()}")

@@ -352,6 +352,51 @@ def holds(input_shape, num_classes, **_):
     return Holds(input_shape, num_classes)
 
 
+class HoldsEach(nn.Module):
+    """A linear model whose every instance, at its n-th forward in eval mode while BATCHSWEEP_TEST_HOLD_EACH is
+    `folder:n`, lets the last checkpoint land, writes `folder/<pid>.held` and waits there until a signal stops
+    it: a test stops a study once each of its workers is inside a trial, at a point it knows. With
+    `folder:n:stubborn` it swallows the stop, writes `folder/<pid>.stopping` and waits on, as a worker that is
+    slow to record its trial would."""
+
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.linear = nn.Linear(int(np.prod(input_shape)), num_classes)
+        self.evals = 0
+
+    def forward(self, x):
+        import threading
+        import time
+
+        folder, _, rest = os.environ.get("BATCHSWEEP_TEST_HOLD_EACH", "").partition(":")
+        n, _, stubborn = rest.partition(":")
+        self.evals += not self.training
+        if folder and not self.training and self.evals == int(n):
+            for thread in threading.enumerate():
+                if thread.name == "checkpoint":
+                    thread.join()
+            self._mark(folder, "held")
+            while True:
+                try:
+                    time.sleep(0.05)
+                except KeyboardInterrupt:
+                    if not stubborn:
+                        raise
+                    self._mark(folder, "stopping")
+        return self.linear(x.flatten(1))
+
+    @staticmethod
+    def _mark(folder: str, what: str) -> None:
+        path = os.path.join(folder, f"{os.getpid()}.{what}")
+        with open(f"{path}.tmp", "w"):
+            pass
+        os.replace(f"{path}.tmp", path)  # whole when it appears
+
+
+def holds_each(input_shape, num_classes, **_):
+    return HoldsEach(input_shape, num_classes)
+
+
 class Branchy(nn.Module):
     """A forward whose control flow depends on the data: torch.export cannot trace it."""
 
@@ -557,3 +602,26 @@ def recall_at(output, target):  # a name as retrieval writes it, which MLflow re
 def four_parts(**_):
     train, test, collate = hf_shaped()
     return train, test, collate, None
+
+
+def noise_truth(dataset: str, data_dir: str, seed: int = 0) -> float:
+    """tr(Sigma) / |G|^2 of `mlp` at its initial weights (built as the trainer builds it for `seed`), from every
+    training sample's own gradient: what a noise scale measured with the weights held still must come near."""
+    import torch.nn.functional as F
+    from torch.func import functional_call, grad, vmap
+
+    from trainers.data import load_data
+    from trainers.models import build_model
+
+    data = load_data(dataset, data_dir, 0)
+    torch.manual_seed(seed)
+    model = build_model("mlp", data.input_shape, data.num_classes, "batch")
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, x, y):
+        return F.cross_entropy(functional_call(model, p, (x[None],)), y[None])
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, data.x_train, data.y_train)
+    flat = torch.cat([g.reshape(len(data.x_train), -1) for g in per_sample.values()], 1)
+    mean = flat.mean(0)
+    return (((flat - mean) ** 2).sum() / (len(flat) - 1) / mean.pow(2).sum()).item()

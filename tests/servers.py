@@ -72,10 +72,22 @@ def postgres_server():
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def pg_dump(server: Postgres) -> str:
-    """Everything the cluster's database holds, as SQL text."""
+class Database:
+    """A database of its own in a cluster that a test session shares (`.url`, `.port`, `.name`): a test starts
+    no cluster of its own unless it stops the server."""
+
+    def __init__(self, cluster: Postgres, name: str):
+        self.cluster, self.name, self.port, self.as_postgres = cluster, name, cluster.port, cluster.as_postgres
+        self.url = f"postgresql://postgres@127.0.0.1:{self.port}/{name}"
+        subprocess.run([*self.as_postgres, _pg_bin("psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
+                        "-c", f"CREATE DATABASE {name}"], check=True, capture_output=True)
+
+
+def pg_dump(server: Postgres | Database) -> str:
+    """Everything the database holds, as SQL text."""
     return subprocess.run([*server.as_postgres, _pg_bin("pg_dump"), "-h", "127.0.0.1", "-p", str(server.port),
-                           "-U", "postgres", "postgres"], check=True, capture_output=True, text=True).stdout
+                           "-U", "postgres", getattr(server, "name", "postgres")], check=True, capture_output=True,
+                          text=True).stdout
 
 
 @contextlib.contextmanager

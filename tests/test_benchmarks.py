@@ -29,10 +29,11 @@ RUNS = {
     "sweep_overhead.py": ([], ["--trials", "2", "--epochs", "3"], "overhead"),
     "trial_scaling.py": ([], ["--seeds", "1", "--window", "5"], "ratio"),
     "program_overhead.py": ([], ["--trials", "2", "--seconds", "0.3"], "overhead_s"),
+    "tracer_overhead.py": ([], ["--pairs", "1", "--iters", "3"], "overhead"),
     "gpu_workers.py": ([], ["--simulate-gpu", "8GiB", "--trials", "2", "--workers", "2", *TINY[:4], "--epochs", "1",
                             "--seeds", "1", "--set", "warmup_epochs=0"], "speedup"),
     # a step of each kind but the context (CUDA only) and those run above as they are (memory.py, gpu_workers.py)
-    "gpu_figures.py": ([], ["--tiny", "--only", "throughput,study,metrics", "--out", "figures"], "measured"),
+    "gpu_figures.py": ([], ["--tiny", "--only", "throughput,study,metrics,program", "--out", "figures"], "measured"),
     "ddp_sync.py": (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
                     [*TINY, "--pairs", "1", "--accum-steps", "2", "--physical-batch", "32"], "epoch_time_ratio"),
 }
@@ -43,6 +44,7 @@ def test_every_benchmark_has_a_tiny_run():
     assert scripts == {run.split()[0] for run in RUNS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(RUNS))
 def test_a_benchmark_prints_its_figure(tmp_path, data_dir, script):
     launcher, args, figure = RUNS[script]

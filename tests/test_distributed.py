@@ -43,6 +43,7 @@ def windows_and_micro_batches(n: int, B: int, b: int, world: int) -> tuple[int, 
     return len(sizes), sum(max(1, -(-(-(-size // world)) // b)) for size in sizes)
 
 
+@pytest.mark.slow
 def test_data_parallel_equals_one_process_and_syncs_once_per_window(tmp_path, data_dir):
     mlp = dict(model="mlp", dataset="mnist1d", data_dir=data_dir, dtype="float64", device="cpu", epochs=1,
                physical_batch=16, accum_steps=4, world_size=2)
@@ -119,6 +120,7 @@ def test_micro_batches_shrink_on_out_of_memory_to_what_fits(data_dir):
     assert auto.metrics["val_acc"] == direct.metrics["val_acc"]
 
 
+@pytest.mark.slow
 def test_physical_batch_auto_on_the_command_line(data_dir, tmp_path):
     done = run_script("trainers/train.py", "--model", "tests.factories:fits_16", "--data-dir", data_dir,
                       "--physical-batch", "auto", "--effective-batch", "48", "--epochs", "1", "--max-steps", "3")
@@ -150,6 +152,7 @@ schedule = "cosine"
 """
 
 
+@pytest.mark.slow
 def test_a_torchrun_study_killed_mid_trial_resumes_without_losing_or_repeating_a_point(tmp_path):
     import time
 
@@ -234,6 +237,7 @@ effective_batch = [16, 64]
 """
 
 
+@pytest.mark.slow
 def test_a_study_with_physical_batch_auto_and_a_planner_that_learns_from_it(tmp_path):
     from mlflow import MlflowClient
 
@@ -262,6 +266,7 @@ def test_a_study_with_physical_batch_auto_and_a_planner_that_learns_from_it(tmp_
     assert "plan: physical batch 16 x 32 accumulation steps = 512" in plan.stdout
 
 
+@pytest.mark.slow
 def test_a_torchrun_job_that_runs_out_of_memory_or_gets_bad_input_says_which(data_dir):
     from sweeps import torchrun
 

@@ -3,6 +3,7 @@ command's --help, no function is longer than a screen, and sweeps/ uses the trai
 import ast
 import re
 import subprocess
+import tempfile
 
 from tests.conftest import ROOT
 
@@ -56,3 +57,113 @@ def test_sweeps_and_analysis_use_the_trainer_through_its_surface_only():
                     past += [f"{path.relative_to(ROOT)}: {n}" for n in names
                              if n == "trainers" or (n.startswith("sweeps") and n != "sweeps")]
     assert not past, past
+
+
+PACKAGES = ("trainers", "sweeps", "analysis")
+# What each floor may import of the others: imports go one way (docs/architecture.md). analysis/ reads MLflow and
+# shares two small modules of the sweeps (URLs and their redaction; a command's name and its one-line errors).
+MAY_IMPORT = {"trainers": set(), "sweeps": {"trainers"}, "analysis": {"sweeps.urls", "sweeps.commands"}}
+
+
+def _imports() -> dict[str, set[str]]:
+    """Every module of the three packages and the modules of theirs it imports, however spelled: `import a.b`,
+    `from a import b`, relative, and inside functions (lazy) alike."""
+    paths = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                module = ".".join(base[:len(base) - node.level + 1] + [node.module or ""]).strip(".") \
+                    if node.level else node.module
+                found |= {module} | {f"{module}.{a.name}" for a in node.names}
+        graph[name] = {m for m in found if m in paths and m != name}
+    return graph
+
+
+def test_no_import_circle_and_no_import_that_runs_back_up():
+    graph = _imports()
+    assert len(graph) > 50 and "sweeps.worker" in graph["sweeps.driver"]  # it sees lazy imports
+    circles, index, low, stack = [], {}, {}, []
+
+    def visit(v):  # Tarjan's strongly connected components: each of more than one module is a circle
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not circles, circles
+    upward = [f"{m} -> {i}" for m, found in graph.items() for i in found
+              if i.split(".")[0] != m.split(".")[0] and not any(
+                  i == allowed or i.startswith(allowed + ".") or allowed.startswith(i + ".")  # (its package)
+                  for allowed in MAY_IMPORT[m.split(".")[0]])]
+    assert not upward, upward
+
+
+def test_each_copy_of_a_fact_agrees_with_its_source():
+    """analysis/ may not import the trainer or the sweeps' logic, so it keeps its own copy of a few names."""
+    import analysis.figures
+    import analysis.runs
+    import trainers
+    from trainers.config import BN_RULES, LR_RULES
+
+    assert analysis.runs.DERIVED == trainers.DERIVED
+    # the rules a figure splits by, in the order they read: every rule the trainer knows, and no other
+    assert sorted(analysis.figures.SPLITS["lr_rule"]) == sorted(LR_RULES)
+    assert sorted(analysis.figures.SPLITS["bn_momentum_rule"]) == sorted(BN_RULES)
+
+
+def test_the_benchmarks_page_is_a_reference_that_names_every_benchmark():
+    """docs/benchmarks.md gives each benchmark's command and latest figure; the runs behind them are in
+    docs/results/."""
+    text = (ROOT / "docs/benchmarks.md").read_text()
+    assert len(text.splitlines()) <= 250
+    scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py") if "def main" in p.read_text()}
+    missing = [s for s in scripts if f"benchmarks/{s}" not in text]
+    assert not missing, missing
+    linked = re.findall(r"`(docs/results/[\w.-]+\.md)`", text)
+    assert linked and all((ROOT / path).exists() for path in linked)
+
+
+def test_the_messages_that_docs_reliability_quotes_are_the_commands():
+    """Each row of docs/reliability.md's bad-input table whose input is a `sweeps/run.py` flag: the command's
+    line is the message quoted there (… stands for what varies)."""
+    import shlex
+
+    from sweeps.cli import main as run
+    from tests.conftest import in_process
+    from trainers.cli import main as train
+
+    rows = [line.split(" | ") for line in (ROOT / "docs/reliability.md").read_text().splitlines()
+            if line.startswith("| `--")]
+    checked = []
+    for cells in rows:
+        flags = shlex.split(re.match(r"\| `(--[^`]+)`", cells[0]).group(1))
+        quoted = re.match(r"`(error: [^`]+)`", cells[1])
+        # (--plan, --workers-per-gpu and --device say what they say after a probe, or where there is no GPU)
+        if quoted is None or flags[0] in ("--plan", "--workers-per-gpu", "--device"):
+            continue
+        pattern = ".*".join(re.escape(part) for part in quoted.group(1).split("…"))
+        with tempfile.TemporaryDirectory() as folder:
+            said = in_process(run, folder, "--study", "accum_lr", *flags, "--dry-run").stderr.strip()
+            if "unrecognized arguments" in said:  # a flag of `python trainers/train.py`
+                said = in_process(train, folder, *flags).stderr.strip()
+        assert re.fullmatch(pattern, said.splitlines()[-1] if said else ""), (flags, said, quoted.group(1))
+        checked.append(flags[0])
+    assert {"--model", "--dataset", "--set", "--storage", "--study-name", "--sync-bn"} <= set(checked), checked

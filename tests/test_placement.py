@@ -221,6 +221,7 @@ def test_workers_per_gpu_without_a_gpu_is_one_line(tmp_path, monkeypatch, capsys
                                        "on a machine where torch sees a GPU (none is visible here: use --workers)\n")
 
 
+@pytest.mark.slow
 def test_a_study_on_simulated_gpus_places_each_trial_and_tags_its_placement(tmp_path, monkeypatch):
     """Two worker processes on one simulated GPU: every point runs once, and every trial's run says where it
     ran, the memory held for it and whether it shared the GPU."""
@@ -282,7 +283,7 @@ def test_a_placed_trials_gpu_metrics_are_those_of_its_own_gpu(tmp_path, monkeypa
     from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-    from sweeps.tracking import own_gpu
+    from sweeps.placement import own_gpu
 
     nvml = {"GPU-aaaa": "handle 0", "GPU-bbbb": "handle 1", "GPU-cccc": "handle 2"}  # NVML prefixes its UUIDs
 

@@ -53,6 +53,7 @@ def test_a_refused_write_ends_the_run_and_says_why(tmp_path):
     assert tracker.client.get_run(parent).info.status == "KILLED" and tracker.open_runs == set()
 
 
+@pytest.mark.slow
 def test_failures_in_worker_processes_reach_the_terminal(tmp_path):
     proc = sweep(tmp_path, *TINY, "--model", "tests.factories:broken_model", "--workers", "2", "--n-trials", "4",
                  process=True)  # what the workers print
@@ -106,6 +107,7 @@ def test_a_study_whose_every_trial_failed_says_how_many(tmp_path, monkeypatch, c
     assert capsys.readouterr().err == ("" if said is None else said + "\n")
 
 
+@pytest.mark.slow
 def test_a_storage_server_that_goes_down_stops_the_study_in_one_line(tmp_path):
     from tests.servers import postgres_server
 
@@ -158,6 +160,7 @@ def test_a_corrupt_mlflow_store_is_one_line_and_left_alone(tmp_path, script):
     assert (tmp_path / "mlruns/mlflow.db").read_bytes() == garbage
 
 
+@pytest.mark.slow
 def test_a_deleted_experiment_is_one_line_that_says_how_to_restore_it(tmp_path):
     """Deleting the experiment in the MLflow UI moves it to the trash, where no run can start: the next
     invocation says so, and after the restore it names, the study goes on."""
@@ -219,6 +222,7 @@ def test_plan_bad_input_is_one_line(tmp_path, args, expected):
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and expected in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_a_storage_folder_that_turns_read_only_stops_the_study_in_one_line(tmp_path):
     # Mid-study the folder becomes immutable (chattr +i): no file can be created in it, root included (who
     # writes through mere permissions), so SQLite cannot open the journal that every write needs.
@@ -282,6 +286,7 @@ def test_a_heartbeat_the_storage_refuses_is_one_line(tmp_path, capsys):
         err.endswith("); the trial goes on\n") and err.count("\n") == 1, err
 
 
+@pytest.mark.slow
 def test_two_machines_that_write_the_experiment_at_once_both_go_on(tmp_path):
     """Two machines that start together on a fresh experiment both set its description and both log the same
     dataset with their first trial. MLflow writes either by SELECT then INSERT, so both INSERT and the slower

@@ -73,11 +73,13 @@ SPECIAL = "Zq7/pl#nt?d@S%cret"
 SPECIAL_IN_URL = "Zq7/pl#nt?d%40S%25cret"
 
 
-def test_a_planted_password_appears_nowhere(tmp_path):
-    from tests.servers import mlflow_server, pg_dump, postgres_server
+@pytest.mark.slow
+def test_a_planted_password_appears_nowhere(tmp_path, postgres):
+    from tests.servers import mlflow_server, pg_dump
 
     (tmp_path / "server").mkdir()
-    with postgres_server() as server, mlflow_server(tmp_path / "server") as tracking:
+    server = postgres
+    with mlflow_server(tmp_path / "server") as tracking:
         storage = server.url.replace("postgres@", f"postgres:{SPECIAL_IN_URL}@")  # trust auth: any password works
         tracking = tracking.replace("http://", f"http://alice:{SPECIAL_IN_URL}@")
         (tmp_path / "work").mkdir()
@@ -131,6 +133,7 @@ def named_study(tmp_path_factory):
     return folder, name
 
 
+@pytest.mark.slow
 def test_a_name_from_the_data_never_becomes_a_path(named_study):
     folder, name = named_study
     out = folder / "out"
@@ -172,24 +175,20 @@ def test_markup_from_the_data_is_escaped_in_html_and_markdown(named_study, tmp_p
     assert "python analysis/report.py --study &#39;../&lt;img src=x" in page  # the reproduce line: quoted, escaped
 
 
-def test_plan_shows_its_store_without_the_password(tmp_path):
+def test_plan_shows_its_store_without_the_password(tmp_path, postgres):
     """A batch_memory study in a PostgreSQL-backed MLflow store: the plan names the store it learned from."""
-    from tests.servers import postgres_server
-
-    with postgres_server() as server:
-        subprocess.run([*server.as_postgres, "psql", "-h", "127.0.0.1", "-p", str(server.port), "-U", "postgres",
-                        "-c", "CREATE DATABASE tracking"], check=True, capture_output=True)
-        uri = server.url.replace("postgres@", f"postgres:{SPECIAL_IN_URL}@").removesuffix("/postgres") + "/tracking"
-        client = MlflowClient(uri)
-        experiment = client.create_experiment("batch_memory")
-        for b, peak in ((8, 1000.0), (32, 3000.0)):
-            run = client.create_run(experiment, tags={"memory_source": "saved_tensors"}).info.run_id
-            for key, value in (("model", "mlp"), ("dataset", "mnist1d"), ("physical_batch", b)):
-                client.log_param(run, key, value)
-            client.log_metric(run, "peak_memory_bytes", peak)
-            client.set_terminated(run, "FINISHED")
-        proc = sweep(tmp_path, "--plan", "--model", "mlp", "--target-batch", "64", "--memory-budget", "1MiB",
-                     "--tracking-uri", uri, timeout=120, process=True)
+    server = postgres
+    uri = server.url.replace("postgres@", f"postgres:{SPECIAL_IN_URL}@")  # (a database of its own)
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("batch_memory")
+    for b, peak in ((8, 1000.0), (32, 3000.0)):
+        run = client.create_run(experiment, tags={"memory_source": "saved_tensors"}).info.run_id
+        for key, value in (("model", "mlp"), ("dataset", "mnist1d"), ("physical_batch", b)):
+            client.log_param(run, key, value)
+        client.log_metric(run, "peak_memory_bytes", peak)
+        client.set_terminated(run, "FINISHED")
+    proc = sweep(tmp_path, "--plan", "--model", "mlp", "--target-batch", "64", "--memory-budget", "1MiB",
+                 "--tracking-uri", uri, timeout=120, process=True)
     assert proc.returncode == 0, proc.stderr
     assert "from the batch_memory study in postgresql://postgres:***@127.0.0.1" in proc.stdout, proc.stdout
     for form in (SPECIAL, SPECIAL_IN_URL, "pl#nt?d"):

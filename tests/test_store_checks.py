@@ -161,25 +161,23 @@ def open_tracker_together(uri: str, together, results) -> None:
         results.put(str(exc)[:300])
 
 
-def test_two_machines_that_open_a_new_tracking_database_at_once_both_start(tmp_path):
+def test_two_machines_that_open_a_new_tracking_database_at_once_both_start(tmp_path, postgres):
     """Each creates MLflow's tables, and on PostgreSQL the one whose CREATE collides fails with a unique
     violation in the catalog: it tries again and finds them made. Both open the database at the same instant
     (without the retry, one of them failed in each of 7 tries here; a start apart passes either way)."""
     import multiprocessing
 
-    from tests.servers import postgres_server
-
-    with postgres_server() as server:
-        context = multiprocessing.get_context("spawn")
-        results, together = context.Queue(), context.Barrier(2)
-        machines = [context.Process(target=open_tracker_together, args=(server.url, together, results))
-                    for _ in range(2)]
-        for machine in machines:
-            machine.start()
-        said = [results.get(timeout=180) for _ in machines]
-        for machine in machines:
-            machine.join(timeout=60)
-        assert said == ["ok", "ok"], said
+    server = postgres
+    context = multiprocessing.get_context("spawn")
+    results, together = context.Queue(), context.Barrier(2)
+    machines = [context.Process(target=open_tracker_together, args=(server.url, together, results))
+                for _ in range(2)]
+    for machine in machines:
+        machine.start()
+    said = [results.get(timeout=180) for _ in machines]
+    for machine in machines:
+        machine.join(timeout=60)
+    assert said == ["ok", "ok"], said
 
 
 def test_a_new_storage_whose_schema_another_process_stamped_meanwhile_opens(tmp_path):

@@ -269,6 +269,7 @@ def run_cmd(cwd, *args):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+@pytest.mark.slow
 def test_own_study_file_with_tpe_resumes_after_a_kill(tmp_path):
     write_project(tmp_path)
     (tmp_path / "study.toml").write_text(f'name = "own_tpe"\n{FIXED}' + textwrap.dedent("""
@@ -341,6 +342,7 @@ def test_the_table_of_a_study_of_searches_keeps_each_searchs_trials_together(tmp
         ("0", "128", False)]
 
 
+@pytest.mark.slow
 def test_own_study_file_with_nsga2_marks_the_pareto_front(tmp_path):
     write_project(tmp_path)
     (tmp_path / "study.toml").write_text(f'name = "own_pareto"\n{FIXED}' + textwrap.dedent("""
@@ -399,6 +401,7 @@ def test_a_study_built_in_python(tmp_path, monkeypatch, capsys):
     assert "module 'userstudy' has no Study or dict named 'OTHER'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_installed_command_runs_from_any_folder(tmp_path):
     command = [str(Path(sys.executable).parent / "batchsweep")]
     usage = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)

@@ -77,6 +77,7 @@ def child_runs(client, name="accum_lr"):
     return [r for r in runs if "mlflow.parentRunId" in r.data.tags], [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
 
 
+@pytest.mark.slow
 def test_tiny_study_end_to_end(tmp_path):
     proc = sweep(tmp_path, *TINY[:-1], "--n-trials", "3", "--seed", "3", "--log-models", "best",  # and its report
                  process=True)
@@ -252,6 +253,7 @@ def wait_for_complete(storage, at_least, proc, timeout=120, study="accum_lr"):
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_runs_every_point_once(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     # 3 epochs make a trial last a few hundred ms: the delays land in training, in tracking, between trials.
@@ -293,6 +295,7 @@ def test_resume_after_sigkill_runs_every_point_once(tmp_path):
     assert len([r for r in children if r.info.status == "FINISHED"]) == 12
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_study_is_reported_and_its_trial_ended(tmp_path):
     """A worker that the kernel kills (its out-of-memory killer, say) leaves its trial RUNNING and its run open.
     The invocation says so in one line and ends both, so that no run stays RUNNING and the count of trials left
@@ -339,6 +342,7 @@ def test_ownerless_trial_fails_after_grace(tmp_path):
     assert [t.state.name for t in study.get_trials()] == ["FAIL", "RUNNING"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers,storage", [(4, "sqlite"), (2, "journal")])
 def test_workers_cover_the_grid_once(tmp_path, workers, storage):
     url = f"sqlite:///{tmp_path}/mlruns/optuna.db" if storage == "sqlite" else f"journal:{tmp_path}/optuna.log"
@@ -429,10 +433,12 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, expected):
         assert optuna.get_all_study_names(f"sqlite:///{tmp_path}/elsewhere/optuna.db") == []
 
 
-def test_distributed_study_on_postgresql_and_a_tracking_server(tmp_path):
-    from tests.servers import mlflow_server, postgres_server
+@pytest.mark.slow
+def test_distributed_study_on_postgresql_and_a_tracking_server(tmp_path, postgres):
+    from tests.servers import mlflow_server
 
-    with postgres_server() as server, mlflow_server(tmp_path) as tracking:
+    server = postgres
+    with mlflow_server(tmp_path) as tracking:
         pg = server.url
         dry = sweep(tmp_path, *TINY, "--storage", pg, "--dry-run")  # a server without the study: no status column
         assert dry.returncode == 0 and dry.stdout.splitlines()[0].split()[-1] == "seed", dry.stderr
@@ -583,6 +589,7 @@ def test_points_larger_than_the_training_set_are_recorded_and_skipped(tmp_path):
     assert sorted(r.data.tags.get("reason", "") for r in children if r.info.status == "FAILED") == ["invalid"] * 2
 
 
+@pytest.mark.slow
 def test_system_metrics_are_logged_for_each_trial(tmp_path):
     env_interval = {"MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.1"}  # trials of a second (30 epochs) get several
     proc = subprocess.run([sys.executable, str(ROOT / "sweeps/run.py"), *TINY, "--epochs", "30", "--n-trials", "2",

@@ -167,6 +167,7 @@ def test_settings_without_effect_are_warnings(capsys, data_dir):
     assert "warning: label_key='target' has no effect: the samples of 'mnist1d' are (input, target) pairs" in err
 
 
+@pytest.mark.slow
 def test_script_trains_and_writes_json(tmp_path, data_dir):
     out = tmp_path / "result.json"
     proc = run_script("trainers/train.py", "--physical-batch", "16", "--accum-steps", "4", "--lr-rule", "linear",

@@ -17,6 +17,7 @@ from trainers.loop import lr_at, warmup_steps
 from trainers.order import permutation, windows
 from trainers.models import build_model
 from trainers.probes import Probe
+from tests.factories import noise_truth
 
 
 def max_rel_diff(a: nn.Module, b: nn.Module) -> float:
@@ -442,25 +443,11 @@ def test_ghost_batch_true_batch_matches_accumulated_bn(data_dir):
 def test_noise_scale_matches_per_sample_gradients(data_dir):
     # With the weights held still (lr 1e-9) the truth is computable: tr(Sigma) / |G|^2 from every
     # training sample's own gradient, at the initial weights.
-    from torch.func import functional_call, grad, vmap
-
     # k = 16: every window is measured (below that, every ceil(16/k)-th).
     config = TrainConfig(model="mlp", dataset="tests.factories:blobs1k", base_lr=1e-9, momentum=0.0,
                          physical_batch=4, accum_steps=16, epochs=6, data_dir=data_dir)
     estimates = [row["noise_scale"] for row in train(config).history]
-    data = load_data(config.dataset, data_dir, 0)
-    torch.manual_seed(config.seed)
-    model = build_model("mlp", data.input_shape, data.num_classes, "batch")
-    params = {k: v.detach() for k, v in model.named_parameters()}
-
-    def loss(p, x, y):
-        return F.cross_entropy(functional_call(model, p, (x[None],)), y[None])
-
-    per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, data.x_train, data.y_train)
-    flat = torch.cat([g.reshape(len(data.x_train), -1) for g in per_sample.values()], 1)
-    mean = flat.mean(0)
-    truth = ((flat - mean) ** 2).sum() / (len(flat) - 1) / mean.pow(2).sum()
-    assert estimates[-1] == pytest.approx(truth.item(), rel=0.25)
+    assert estimates[-1] == pytest.approx(noise_truth(config.dataset, data_dir, config.seed), rel=0.25)
 
 
 def test_noise_scale_is_not_a_number_for_k_1(data_dir):

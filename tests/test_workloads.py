@@ -191,6 +191,7 @@ def test_the_trainers_modules_import_each_other_without_a_circle():
     assert [m for m in graph if reaches(m, m)] == []
 
 
+@pytest.mark.slow
 def test_gpt_learns_pytext():
     # A real protocol at small size: warmup and cosine over 3 epochs of 1,000 steps' worth of text.
     config = TrainConfig(model="gpt", dataset="pytext", optimizer="adamw", base_lr=3e-3, physical_batch=16,

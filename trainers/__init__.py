@@ -1,8 +1,9 @@
 """batchsweep's trainer: one configuration, trained with exact gradient accumulation and measured.
 
-Imports torch, torchvision and mnist1d only, so it runs on a bare GPU machine. This is its whole surface:
-sweeps/ and the benchmarks use nothing else of it. Each name is imported where it is first used (PEP 562), so
-that `from trainers import ConfigError` does not import torch: the commands' --help and bad flags answer at once.
+Imports torch, torchvision and mnist1d only, so it runs on a bare GPU machine. This is its whole surface for
+sweeps/ (tests/test_house.py holds it to that); the benchmarks and tests also reach into its modules. Each name
+is imported where it is first used (PEP 562), so that `from trainers import ConfigError` does not import torch:
+the commands' --help and bad flags answer at once.
 """
 import importlib
 
@@ -11,6 +12,7 @@ _SURFACE = {
     "CHECKPOINT_FILE": ("checkpoint", "FILE"), "HOW_NOT_WHAT": ("checkpoint", "HOW_NOT_WHAT"),
     "Checkpointing": ("checkpoint", "Checkpointing"), "make_writable_folder": ("checkpoint", "make_writable_folder"),
     "pid_alive": ("checkpoint", "pid_alive"), "check_output": ("cli", "check_output"),
+    "INVOKED": ("cli", "INVOKED"), "OneLineParser": ("cli", "OneLineParser"),
     "format_bytes": ("cli", "format_bytes"),
     "DERIVED": ("config", "DERIVED"), "FIELDS": ("config", "FIELDS"), "MAX_COUNT": ("config", "MAX_COUNT"),
     "TrainConfig": ("config", "TrainConfig"),
@@ -21,6 +23,7 @@ _SURFACE = {
     "device_name": ("loop", "device_name"), "memory_source": ("loop", "memory_source"),
     "load": ("loop", "load"), "preflight": ("loop", "preflight"), "prepare": ("loop", "prepare"),
     "resolve_device": ("loop", "resolve_device"), "train": ("loop", "train"),
+    "fold_noise": ("noise", "fold"), "noise_scale": ("noise", "value"),
 }
 __all__ = sorted(_SURFACE)
 

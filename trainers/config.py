@@ -50,7 +50,7 @@ class TrainConfig:
     shrink_on_oom: bool = False  # on out-of-memory, halve b and double k (B stays) and run the window again
     drop_last: bool = False  # drop the short last window of an epoch
     shuffle: bool = True  # one seeded permutation per epoch
-    lr_rule: str = "none"  # none | linear | sqrt, relative to base_batch
+    lr_rule: str = "none"  # none | linear | sqrt | adam_sqrt (LR_RULES), relative to base_batch
     base_lr: float = 0.05
     base_batch: int = 32
     warmup_epochs: float = 0.0  # linear warmup (Goyal et al. 2017)

@@ -24,7 +24,7 @@ from .health import coverage_warnings, verdict
 from .imports import load_factory
 from .interrupt import check as check_interrupt
 from .losses import Loss, load_loss
-from .models import (TAKES, bn_population_error, build_model, check_inputs, has_conv2d, set_bn_momentum,
+from .models import (MODELS, bn_population_error, build_model, check_inputs, has_conv2d, set_bn_momentum,
                      use_ghost_batch)
 from .probes import Hooks, LossTerms, Micro, Probe, Run
 from .probes import diagnostics as builtin_diagnostics
@@ -48,7 +48,7 @@ class TrainResult:
     history: list[dict[str, float]]  # one dict per epoch
     model: nn.Module
     device_name: str
-    memory_source: str  # "cuda_allocator" or "saved_tensors"; see peak memory in the README
+    memory_source: str  # "cuda_allocator" or "saved_tensors" (docs/trainer.md: peak memory)
     warnings: list[str] = field(default_factory=list)
     health: str = "ok"  # ok, diverged, exploding, dead or stalled: see trainers/health.py
     health_epoch: int | None = None  # the first epoch where it showed
@@ -170,7 +170,7 @@ def preflight(config: TrainConfig) -> Data | None:
     for path, what in ((config.model, "model"), (config.dataset, "dataset"), (config.loss, "loss")):
         if ":" in path and not path.startswith("hf:"):
             load_factory(path, what)
-    if config.model not in TAKES:
+    if config.model not in MODELS:
         return None
     data = load(config)
     check_inputs(config.model, config.dataset, data.example(1))

@@ -1,7 +1,8 @@
 """Model registry: built-in networks by name, user networks by `package.module:factory`."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -53,22 +54,32 @@ def resnet18(input_shape, num_classes, **_) -> nn.Module:
     return net
 
 
-MODELS = {"cnn1d": cnn1d, "mlp": mlp, "resnet18": resnet18, "gpt": gpt}
-# What each built-in model takes: the rank of one sample (None: any), whether it is token ids, in words.
-TAKES = {"cnn1d": (2, False, "signals of shape (channels, length)"), "mlp": (None, False, "floats of any shape"),
-         "resnet18": (3, False, "images of shape (channels, height, width)"),
-         "gpt": (1, True, "token ids of shape (length,)")}
+@dataclass(frozen=True)
+class Builtin:
+    """A built-in model: its factory and what it takes."""
+
+    build: Callable[..., nn.Module]
+    rank: int | None  # of one sample (None: any)
+    tokens: bool  # token ids, not floats
+    takes: str  # in words
+
+
+MODELS = {"cnn1d": Builtin(cnn1d, 2, False, "signals of shape (channels, length)"),
+          "mlp": Builtin(mlp, None, False, "floats of any shape"),
+          "resnet18": Builtin(resnet18, 3, False, "images of shape (channels, height, width)"),
+          "gpt": Builtin(gpt, 1, True, "token ids of shape (length,)")}
 
 
 def _takes(name: str, inputs) -> bool:
-    rank, tokens, _ = TAKES[name]
-    return torch.is_tensor(inputs) and rank in (None, inputs.dim() - 1) and inputs.is_floating_point() != tokens
+    model = MODELS[name]
+    return torch.is_tensor(inputs) and model.rank in (None, inputs.dim() - 1) and \
+        inputs.is_floating_point() != model.tokens
 
 
 def check_inputs(name: str, dataset: str, inputs) -> None:
     """A built-in model and samples it cannot take: one line before training, not a traceback from inside it.
     `inputs`: a batch of the dataset's inputs."""
-    if name not in TAKES or _takes(name, inputs):
+    if name not in MODELS or _takes(name, inputs):
         return
     if isinstance(inputs, Mapping):
         got = f"mappings of {', '.join(inputs)}"
@@ -76,10 +87,10 @@ def check_inputs(name: str, dataset: str, inputs) -> None:
     else:
         got = (f"{'floats' if inputs.is_floating_point() else 'integers'} of shape {tuple(inputs.shape[1:])}"
                if torch.is_tensor(inputs) else type(inputs).__name__)
-        fitting = [n for n in TAKES if _takes(n, inputs)]
+        fitting = [n for n in MODELS if _takes(n, inputs)]
         hint = (f"use --model {' or '.join(fitting)}" if fitting else
                 "use your own model (--model package.module:factory)")
-    raise ConfigError(f"model {name!r} takes {TAKES[name][2]}, and dataset {dataset!r} gives {got}", hint)
+    raise ConfigError(f"model {name!r} takes {MODELS[name].takes}, and dataset {dataset!r} gives {got}", hint)
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, norm: str) -> nn.Module:
@@ -92,7 +103,7 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, norm:
         return model
     if name != "cnn1d" and norm != "batch":
         raise ConfigError(f"norm={norm!r} applies to cnn1d only, not {name!r}")
-    return MODELS[name](input_shape=input_shape, num_classes=num_classes, norm=norm)
+    return MODELS[name].build(input_shape=input_shape, num_classes=num_classes, norm=norm)
 
 
 def batchnorm_layers(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:

@@ -67,15 +67,9 @@ class NoiseScale:
         """Fold the measured windows into the EMAs, in order."""
         if not self.big:
             return
-        b, B = self.b, self.B
         windows = len(self.big)
-        big = torch.stack(self.big).double() ** 2
-        # A micro-batch's increment is b/B of its own mean gradient.
-        small = (torch.stack(self.small).double().view(windows, -1) * (B / b)).pow(2).mean(1)  # mean |G_b|^2
-        estimates = torch.stack([(B * big - b * small) / (B - b), (small - big) / (1 / b - 1 / B)], 1)
-        age = torch.arange(windows - 1, -1, -1, device=estimates.device, dtype=torch.float64)
-        self.ema = self.ema * EMA_DECAY ** windows + (1 - EMA_DECAY) * (EMA_DECAY ** age) @ estimates
-        self.weight = self.weight * EMA_DECAY ** windows + 1 - EMA_DECAY ** windows
+        small = torch.stack(self.small).double().view(windows, -1).pow(2).mean(1)
+        self.ema, self.weight = fold(self.ema, self.weight, small, torch.stack(self.big).double() ** 2, self.b, self.B)
         self.small, self.big = [], []
 
     def value(self) -> tuple[float, bool] | None:
@@ -89,13 +83,33 @@ class NoiseScale:
         marked unreliable (see RELIABLE below).
         """
         self._fold()
-        if not self.weight:
-            return None
-        measured, s = (self.ema / self.weight).tolist()
-        g2, s = measured + s / self.N, s * (self.N - 1) / self.N
-        if g2 <= 0:
-            return None
-        return s / g2, reliable(measured, s, self.N)
+        return value(self.ema, self.weight, self.N)
+
+
+def fold(ema: torch.Tensor, weight: float, small: torch.Tensor, big: torch.Tensor, b: int,
+         B: int) -> tuple[torch.Tensor, float]:
+    """The EMAs of (|G|^2, tr(S)) after the windows given in order: `small`, each window's mean squared
+    micro-batch increment, `big`, its squared gradient. An increment is b/B of its micro-batch's mean gradient
+    where the loss is the window's mean; under any other common factor c the estimates scale by c^2 alike, and
+    B_simple, their ratio, does not change."""
+    small = small * (B / b) ** 2  # mean |G_b|^2
+    estimates = torch.stack([(B * big - b * small) / (B - b), (small - big) / (1 / b - 1 / B)], 1)
+    windows = len(big)
+    age = torch.arange(windows - 1, -1, -1, device=estimates.device, dtype=torch.float64)
+    ema = ema * EMA_DECAY ** windows + (1 - EMA_DECAY) * (EMA_DECAY ** age) @ estimates
+    return ema, weight * EMA_DECAY ** windows + 1 - EMA_DECAY ** windows
+
+
+def value(ema: torch.Tensor, weight: float, n: int) -> tuple[float, bool] | None:
+    """(B_simple, reliable) from the EMAs, corrected for windows drawn without replacement from n samples (see
+    NoiseScale.value); None while |G|^2 is not positive."""
+    if not weight:
+        return None
+    measured, s = (ema / weight).tolist()
+    g2, s = measured + s / n, s * (n - 1) / n
+    if g2 <= 0:
+        return None
+    return s / g2, reliable(measured, s, n)
 
 
 def reliable(measured_g2: float, trace: float, n: int) -> bool:
