@@ -6,7 +6,8 @@ import os
 import sys
 from pathlib import Path
 
-from sweeps import commands, urls  # standard library only: no sweep logic
+from batchsweep.sweeps import commands  # standard library only: no sweep logic
+from batchsweep.sweeps.stores import urls
 
 # MLflow, SciPy and matplotlib (seconds) are imported once the command line is parsed: --help and bad flags
 # answer at once.

@@ -270,7 +270,7 @@ def exactness(trials: pd.DataFrame) -> list[str]:
         gaps = f"accuracy gap {100 * rows['acc_gap'].min():+.1f} to {100 * rows['acc_gap'].max():+.1f} points"
         # The equivalence objective trains a ghost-batch twin only for a model with BatchNorm: its metric says so.
         has_bn = "ghost_rel_diff" in rows and rows["ghost_rel_diff"].notna().any()
-        # Without BatchNorm, a pair that parts in float32 is trained again in float64 (sweeps/objective.py).
+        # Without BatchNorm, a pair that parts in float32 is trained again in float64 (sweeps/trials/objective.py).
         parted = rows.loc[rows["param_rel_diff"] >= EXACT, "param_rel_diff_fp64"] \
             if "param_rel_diff_fp64" in rows else pd.Series(dtype=float)
         if worst < EXACT:

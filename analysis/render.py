@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from tqdm import tqdm
 
-from sweeps import commands
+from batchsweep.sweeps import commands
 
 from . import branching
 from .figures import Draw, Figure, candidates, has_accuracy, protocol

@@ -12,7 +12,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from scipy import stats
 from tqdm import tqdm
 
-from sweeps import commands
+from batchsweep.sweeps import commands
 
 # Run-level tags worth a column; the rest stay in MLflow.
 TAGS = ("state", "reason", "device_name", "memory_source", "torch_version", "optuna.trial_number", "health",

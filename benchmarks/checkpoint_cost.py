@@ -18,10 +18,10 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from trainers import train
-from trainers.checkpoint import FILE, Checkpointing
-from trainers.cli import add_config_flags, config_from_args, format_bytes, run_script
-from trainers.probes import Probe
+from batchsweep.trainers import train
+from batchsweep.trainers.checkpoint import FILE, Checkpointing
+from batchsweep.trainers.cli import add_config_flags, config_from_args, format_bytes, run_script
+from batchsweep.trainers.probes import Probe
 
 
 class Gaps(Probe):

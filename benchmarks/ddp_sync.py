@@ -19,8 +19,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from trainers import train
-from trainers.cli import add_config_flags, config_from_args, format_bytes, run_script
+from batchsweep.trainers import train
+from batchsweep.trainers.cli import add_config_flags, config_from_args, format_bytes, run_script
 
 DEFAULTS = ["--model", "cnn1d", "--physical-batch", "32", "--accum-steps", "8", "--epochs", "3", "--device", "cpu"]
 

@@ -19,10 +19,10 @@ from contextlib import contextmanager
 
 import torch
 
-from trainers import TrainConfig, train
-from trainers.cli import add_config_flags, config_from_args, run_script
-from trainers.data import load_data
-from trainers.probes import Probe, diagnostics
+from batchsweep.trainers import TrainConfig, train
+from batchsweep.trainers.cli import add_config_flags, config_from_args, run_script
+from batchsweep.trainers.data import load_data
+from batchsweep.trainers.probes import Probe, diagnostics
 
 SYNC = torch.cuda.is_available()
 spent: dict[str, float] = defaultdict(float)

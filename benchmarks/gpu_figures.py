@@ -39,10 +39,10 @@ from pathlib import Path
 
 import torch
 
-from sweeps.program import stop_group
-from sweeps.tables import format_table
-from trainers import BatchsweepError
-from trainers.cli import run_script
+from batchsweep.sweeps.launch.program import stop_group
+from batchsweep.sweeps.trials.tables import format_table
+from batchsweep.trainers import BatchsweepError
+from batchsweep.trainers.cli import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
@@ -53,8 +53,8 @@ LEAST_S = 20  # a step is not started with less time left than this
 # workspaces, the kernels used) is in the figure. Nothing else may hold the GPU meanwhile.
 CONTEXT = """
 import torch
-from sweeps.placement import CONTEXT_BYTES, MARGIN
-from trainers import TrainConfig, train
+from batchsweep.sweeps.gpus.placement import CONTEXT_BYTES, MARGIN
+from batchsweep.trainers import TrainConfig, train
 for model, dataset in (("cnn1d", "mnist1d"), ("resnet18", "synthetic:cifar_shaped")):
     train(TrainConfig(model=model, dataset=dataset, device="cuda", precision="bf16", epochs=1, max_steps=3,
                       data_dir=DATA))
@@ -73,9 +73,9 @@ print(f"context_share={outside / CONTEXT_BYTES:.3f}")
 # the placement offers). On the CPU (--tiny): no GPU metrics.
 METRICS = """
 from mlflow import MlflowClient
-from sweeps.cli import main
-from sweeps.placement import visible_gpus
-from sweeps.placement import own_gpu
+from batchsweep.sweeps.cli import main
+from batchsweep.sweeps.gpus.placement import visible_gpus
+from batchsweep.sweeps.gpus.placement import own_gpu
 assert main(["--study", "accum_lr", "--study-name", "system_metrics", "--device", DEVICE, "--n-trials", "1",
              "--epochs", "3", "--seeds", "1", "--workers", "1", "--system-metrics", "--no-report",
              "--log-models", "none", "--set", "data_dir=" + DATA]) == 0  # in this process, placed on GPU 0
@@ -104,7 +104,7 @@ print(f"own_gpu_metrics={len(keys)}")
 PROGRAM = """
 import pathlib
 from mlflow import MlflowClient
-from sweeps.cli import main
+from batchsweep.sweeps.cli import main
 pathlib.Path("own.py").write_text('''import sys, torch
 b, k, device = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Trials per hour of a study with 1, 2 and 4 workers on one GPU, placed by memory (sweeps/placement.py), and
+"""Trials per hour of a study with 1, 2 and 4 workers on one GPU, placed by memory (sweeps/gpus/placement.py), and
 the memory each trial held.
 
 Runs the first --trials trials of the study into a fresh temporary SQLite store for each number of workers,
@@ -23,13 +23,13 @@ import optuna
 from mlflow import MlflowClient
 
 from sweep_overhead import check_complete
-from sweeps.cli import build_invocation, parse_args
-from sweeps.driver import run_invocation
-from sweeps.placement import Gpu, visible_gpus
-from sweeps.planner import parse_bytes
-from sweeps.storage import open_storage
-from trainers import BatchsweepError, format_bytes
-from trainers.cli import run_script
+from batchsweep.sweeps.cli import build_invocation, parse_args
+from batchsweep.sweeps.trials.driver import run_invocation
+from batchsweep.sweeps.gpus.placement import Gpu, visible_gpus
+from batchsweep.sweeps.gpus.planner import parse_bytes
+from batchsweep.sweeps.stores.optuna_store import open_storage
+from batchsweep.trainers import BatchsweepError, format_bytes
+from batchsweep.trainers.cli import run_script
 
 
 def measure(args, workers: int, gpu: Gpu, folder: str) -> dict:

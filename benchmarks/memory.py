@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from trainers import TrainConfig, train
-from trainers.cli import add_config_flags, config_from_args, format_bytes, run_script
+from batchsweep.trainers import TrainConfig, train
+from batchsweep.trainers.cli import add_config_flags, config_from_args, format_bytes, run_script
 
 
 def main() -> None:

@@ -17,12 +17,12 @@ import time
 
 import optuna
 
-import sweeps.objective as objective
-from sweeps.cli import build_invocation, parse_args
-from sweeps.storage import create_studies, open_storage
-from sweeps.worker import Worker
-from sweeps.tracking import Tracker
-from trainers.cli import run_script
+import batchsweep.sweeps.trials.objective as objective
+from batchsweep.sweeps.cli import build_invocation, parse_args
+from batchsweep.sweeps.stores.optuna_store import create_studies, open_storage
+from batchsweep.sweeps.trials.worker import Worker
+from batchsweep.sweeps.stores.mlflow_store import Tracker
+from batchsweep.trainers.cli import run_script
 
 
 def timed_trainer() -> list[float]:

@@ -12,10 +12,10 @@ import statistics
 import tempfile
 import time
 
-from sweeps.placement import system_metrics
-from sweeps.tracking import Tracker
-from trainers import TrainConfig, train
-from trainers.cli import run_script
+from batchsweep.sweeps.gpus.placement import system_metrics
+from batchsweep.sweeps.stores.mlflow_store import Tracker
+from batchsweep.trainers import TrainConfig, train
+from batchsweep.trainers.cli import run_script
 
 
 def main() -> None:

@@ -52,12 +52,12 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
-from trainers import ConfigError, TrainConfig, train
-from trainers.batches import aligned, apply, forward, label_shift, split
-from trainers.cli import add_config_flags, config_from_args, run_script
-from trainers.loop import make_optimizer, prepare
-from trainers.order import permutation
-from trainers.probes import Probe
+from batchsweep.trainers import ConfigError, TrainConfig, train
+from batchsweep.trainers.batches import aligned, apply, forward, label_shift, split
+from batchsweep.trainers.cli import add_config_flags, config_from_args, run_script
+from batchsweep.trainers.loop import make_optimizer, prepare
+from batchsweep.trainers.order import permutation
+from batchsweep.trainers.probes import Probe
 
 
 class HandWritten:

@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sweeps import observed  # noqa: E402
+from batchsweep.sweeps.launch import observed  # noqa: E402
 
 # The child: the example's model and batches, its loop body, timed after WARMUP windows.
 CHILD = '''import sys, time, torch

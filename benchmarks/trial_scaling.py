@@ -22,12 +22,12 @@ import time
 import optuna
 
 from sweep_overhead import check_complete, timed_trainer
-from sweeps.cli import build_invocation, parse_args
-from sweeps.storage import create_studies, open_storage
-from sweeps.urls import redact
-from sweeps.worker import Progress, Worker
-from sweeps.tracking import Tracker
-from trainers.cli import run_script
+from batchsweep.sweeps.cli import build_invocation, parse_args
+from batchsweep.sweeps.stores.optuna_store import create_studies, open_storage
+from batchsweep.sweeps.stores.urls import redact
+from batchsweep.sweeps.trials.worker import Progress, Worker
+from batchsweep.sweeps.stores.mlflow_store import Tracker
+from batchsweep.trainers.cli import run_script
 
 
 def work(inv, parent: str, index: int, out) -> None:

@@ -1,8 +1,8 @@
-"""`python -m sweeps ...`: the same as `python sweeps/run.py ...`."""
+"""`python -m batchsweep.sweeps ...`: the same as `python sweeps/run.py ...`."""
 import sys
 
-from sweeps import commands
-from sweeps.cli import main
+from batchsweep.sweeps import commands
+from batchsweep.sweeps.cli import main
 
-commands.started = ("run", "python -m sweeps")
+commands.started = ("run", "python -m batchsweep.sweeps")
 sys.exit(main())

@@ -1,4 +1,4 @@
-"""Command line of `python sweeps/run.py` (and `batchsweep run`): parse, validate, print; sweeps/driver.py runs."""
+"""Command line of `python sweeps/run.py` (and `batchsweep run`): parse, validate, print; sweeps/trials/driver.py runs."""
 from __future__ import annotations
 
 import argparse
@@ -6,12 +6,12 @@ import os
 import sys
 from pathlib import Path
 
-from trainers import (FIELDS, BatchsweepError, ConfigError, TrainConfig, format_bytes, interrupt, parse_overrides,
+from batchsweep.trainers import (FIELDS, BatchsweepError, ConfigError, TrainConfig, format_bytes, interrupt, parse_overrides,
                       parse_value)
 
 from .commands import Parser, command
-from .studies import LAUNCHERS, check_name, check_size
-from .urls import check_storage, check_tracking_uri, redact, sqlite_path, unreachable
+from .study.spec import LAUNCHERS, check_name, check_size
+from .stores.urls import check_storage, check_tracking_uri, redact, sqlite_path, unreachable
 
 # Torch, MLflow and Optuna (seconds) are imported once the command line is parsed: --help and bad flags answer
 # at once.
@@ -102,7 +102,7 @@ def plan(argv: list[str] | None = None) -> int:
 
 def workers_and_gpus(args: argparse.Namespace, study) -> tuple[int, list]:
     """How many worker processes, and the GPUs they are placed on (none under torchrun, which places its own)."""
-    from .placement import visible_gpus
+    from .gpus.placement import visible_gpus
 
     gpus = visible_gpus() if (args.launcher or study.launcher) == "process" else []
     if args.workers_per_gpu is not None:
@@ -116,13 +116,13 @@ def workers_and_gpus(args: argparse.Namespace, study) -> tuple[int, list]:
 
 
 def build_invocation(args: argparse.Namespace):
-    from .studyfile import load
+    from .study.files import load
 
     study = load(args.study)  # before torch and MLflow are imported: a study file's mistake answers at once
-    from .invocation import Invocation
-    from .objective import make_objective
-    from .storage import default_storage
-    from .tracking import default_tracking_uri
+    from .trials.invocation import Invocation
+    from .trials.objective import make_objective
+    from .stores.optuna_store import default_storage
+    from .stores.mlflow_store import default_tracking_uri
 
     make_objective(study)  # its metrics are checked before anything runs
     if args.seeds is None:
@@ -169,7 +169,7 @@ def build_invocation(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from .tables import dry_run_table, list_studies
+    from .trials.tables import dry_run_table, list_studies
 
     try:
         if args.list:  # the study files only: no torch or MLflow
@@ -180,13 +180,13 @@ def main(argv: list[str] | None = None) -> int:
             return memory_plan(args, "--plan")
         inv = build_invocation(args)
         if args.dry_run:
-            from .storage import peek
+            from .stores.optuna_store import peek
 
             print(dry_run_table(inv, peek(inv)))
             return 0
         preflight_study(inv)
         quiet_stores()
-        from .driver import run_invocation, write_report
+        from .trials.driver import run_invocation, write_report
 
         with interrupt.trapped():  # SIGTERM and SIGINT stop a study as Ctrl-C does, however it was started
             code = run_invocation(inv, args.workers, args.gpus)
@@ -202,7 +202,7 @@ def preflight_study(inv) -> None:
     """Before the study is written to, once for each model and data of its trials: what would make every one of
     them invalid alike (an import path that does not import, a built-in model given data it cannot take). A
     [program] trains in the user's script, which the trainer does not check."""
-    from trainers import preflight
+    from batchsweep.trainers import preflight
 
     if inv.study.program:
         return
@@ -219,7 +219,7 @@ def preflight_study(inv) -> None:
 def quiet_stores() -> None:
     """Before a store opens: its libraries' INFO lines stay out of the bars, and MLflow's "View run … at
     http://…" line for every run a tracking server ends out of the results table."""
-    from .tracking import quiet_library_logs
+    from .stores.mlflow_store import quiet_library_logs
 
     quiet_library_logs()
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
@@ -228,10 +228,10 @@ def quiet_stores() -> None:
 def memory_plan(args: argparse.Namespace, asked: str) -> int:
     """Answer --plan (`asked`, as typed): the largest physical batch within the budget and the steps to the target
     batch."""
-    from trainers import load, preflight
+    from batchsweep.trainers import load, preflight
 
-    from .planner import check_target, parse_bytes, plan
-    from .tracking import default_tracking_uri
+    from .gpus.planner import check_target, parse_bytes, plan
+    from .stores.mlflow_store import default_tracking_uri
 
     if args.target_batch is None or args.memory_budget is None:
         raise ConfigError(f"{asked} needs --target-batch N and --memory-budget SIZE (e.g. 6GiB)")
@@ -261,11 +261,11 @@ def memory_plan(args: argparse.Namespace, asked: str) -> int:
 
 def memory_fit(config: TrainConfig, uri: str, data):
     """The fit of peak memory against b: from a batch_memory study in the store, or else from a probe of `data`
-    (`trainers.load(config)`'s)."""
-    from trainers import memory_source, resolve_device
+    (`batchsweep.trainers.load(config)`'s)."""
+    from batchsweep.trainers import memory_source, resolve_device
 
-    from .planner import from_study, measure
-    from .tracking import TrackingError, first_line
+    from .gpus.planner import from_study, measure
+    from .stores.mlflow_store import TrackingError, first_line
 
     source = memory_source(resolve_device(config.device))
     no_local_store = sqlite_path(uri) is not None and not sqlite_path(uri).exists()

@@ -5,19 +5,19 @@ import importlib
 import os
 import sys
 
-from trainers import INVOKED, OneLineParser
+from batchsweep.trainers import INVOKED, OneLineParser
 
 # name: ("module:function" that takes the rest of the command line, what it does)
 COMMANDS = {
-    "run": ("sweeps.cli:main", "run a study (python sweeps/run.py)"),
-    "plan": ("sweeps.cli:plan", "plan b and k for a target batch within a memory budget (python sweeps/run.py --plan)"),
-    "report": ("analysis.cli:main", "write a study's report from MLflow (python analysis/report.py)"),
-    "train": ("trainers.cli:main", "train one configuration (python trainers/train.py)"),
-    "audit": ("sweeps.audit:main", "name the accumulation mistake of your own training script"),
+    "run": ("batchsweep.sweeps.cli:main", "run a study (python sweeps/run.py)"),
+    "plan": ("batchsweep.sweeps.cli:plan", "plan b and k for a target batch within a memory budget (python sweeps/run.py --plan)"),
+    "report": ("batchsweep.analysis.cli:main", "write a study's report from MLflow (python analysis/report.py)"),
+    "train": ("batchsweep.trainers.cli:main", "train one configuration (python trainers/train.py)"),
+    "audit": ("batchsweep.sweeps.audit.command:main", "name the accumulation mistake of your own training script"),
 }
 
 SCRIPTS = {"run": "sweeps/run.py", "report": "analysis/report.py", "train": "trainers/train.py"}
-# (command, as typed) where this process's parser would name itself otherwise: `batchsweep run`, `python -m sweeps`.
+# (command, as typed) where this process's parser would name itself otherwise: `batchsweep run`, `python -m batchsweep.sweeps`.
 started: tuple[str, str] | None = None
 
 
@@ -67,7 +67,7 @@ def help_text(name: str) -> str:
 def markdown() -> str:
     """docs/cli.md: every command's flags, from their --help (tests/test_house.py keeps the file equal to this)."""
     parts = ["# Commands", "", "Every command's `--help`, as it prints it. Made with", "",
-             "    python -c 'from sweeps.commands import markdown; print(markdown(), end=\"\")' > docs/cli.md", "",
+             "    python -c 'from batchsweep.sweeps.commands import markdown; print(markdown(), end=\"\")' > docs/cli.md", "",
              "```", usage(), "```"]
     for name in COMMANDS:
         parts += ["", f"## batchsweep {name}", "", "```", help_text(name).rstrip(), "```"]

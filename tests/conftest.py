@@ -29,7 +29,7 @@ def close_figures():
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory) -> str:
     """One MNIST-1D cache for the whole session."""
-    from trainers.data import mnist1d
+    from batchsweep.trainers.data import mnist1d
 
     path = tmp_path_factory.mktemp("data")
     mnist1d(str(path))

@@ -8,8 +8,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from trainers import TrainConfig, train
-from trainers.checkpoint import Checkpointing
+from batchsweep.trainers import TrainConfig, train
+from batchsweep.trainers.checkpoint import Checkpointing
 
 
 class Stop(Exception):

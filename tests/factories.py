@@ -504,7 +504,7 @@ class KeywordLM(nn.Module):
 
     def __init__(self, vocab=20, context=16):
         super().__init__()
-        from trainers.lm import GPT
+        from batchsweep.trainers.lm import GPT
 
         self.gpt = GPT(vocab, context, width=32, layers=1, heads=2)
 
@@ -551,7 +551,7 @@ class Held(torch.utils.data.Dataset):
 
 
 def _mnist1d_split(data_dir, loader: bool):
-    from trainers.data import mnist1d
+    from batchsweep.trainers.data import mnist1d
 
     data = mnist1d(data_dir)
     # 500 training samples and a test set twice as large (the 1,000 test series)
@@ -610,8 +610,8 @@ def noise_truth(dataset: str, data_dir: str, seed: int = 0) -> float:
     import torch.nn.functional as F
     from torch.func import functional_call, grad, vmap
 
-    from trainers.data import load_data
-    from trainers.models import build_model
+    from batchsweep.trainers.data import load_data
+    from batchsweep.trainers.models import build_model
 
     data = load_data(dataset, data_dir, 0)
     torch.manual_seed(seed)

@@ -12,13 +12,13 @@ import pandas as pd
 import pytest
 import scipy.stats
 
-from analysis.figures import (Measure, accuracy_vs_batch, all_figures, best_lr, bn_rules, context, equivalence,
+from batchsweep.analysis.figures import (Measure, accuracy_vs_batch, all_figures, best_lr, bn_rules, context, equivalence,
                               learning_curves, log_scale, lr_scaling, protocol, split, warmup_curves)
-from analysis import branching
-from analysis.findings import course, lr_rule_reading, memory, stated, summarize
-from analysis.render import MIB, _display, _table, write_report
-from analysis.runs import Difference, StudyRuns, aggregate, ci95, knee, load_studies, steps_to_target
-from analysis.space import (MIN_IMPORTANCE_TRIALS, front, importance, label, memory_front, parallel_coordinates,
+from batchsweep.analysis import branching
+from batchsweep.analysis.findings import course, lr_rule_reading, memory, stated, summarize
+from batchsweep.analysis.render import MIB, _display, _table, write_report
+from batchsweep.analysis.runs import Difference, StudyRuns, aggregate, ci95, knee, load_studies, steps_to_target
+from batchsweep.analysis.space import (MIN_IMPORTANCE_TRIALS, front, importance, label, memory_front, parallel_coordinates,
                             time_front)
 from tests.conftest import run_script
 from tests.test_sweeps import TINY, sweep
@@ -141,7 +141,7 @@ def test_many_pairs_are_put_under_false_discovery_control():
 ])
 def test_a_pair_without_batchnorm_that_parts_in_float32_is_judged_by_its_float64_pair(fp64, reading):
     """As one seed of three did (mlp, k = 4, 3 epochs): float32 rounding that training amplified to 3e-3."""
-    from analysis.findings import exactness
+    from batchsweep.analysis.findings import exactness
 
     rows = [dict(status="FINISHED", model="mlp", accum_steps=k, seed=s, param_rel_diff=d, acc_gap=g)
             for k, s, d, g in ((4, 0, 2.4e-7, 0.0), (4, 1, 3.1e-3, -0.001), (4, 2, 6.2e-7, 0.0))]
@@ -549,8 +549,8 @@ def test_the_learning_curves_leave_out_trials_whose_b_changed_in_training():
 
 
 def test_an_interval_that_excludes_zero_never_reads_as_reaching_it():
-    from analysis.findings import stated
-    from analysis.runs import Difference
+    from batchsweep.analysis.findings import stated
+    from batchsweep.analysis.runs import Difference
 
     # adam_lr's linear rule at B = 128 on a 2-core CPU: 1.3 points lower, the interval ending 0.04 below zero
     assert stated(Difference(-0.0130, 0.0126, 3)) == "1.3 points lower, 95% CI -2.6 to -0.04 over 3 seeds"
@@ -849,7 +849,7 @@ def test_a_loggers_own_epoch_metric_does_not_break_the_history(tmp_path):
     indexed by epoch already, and the report read it as a second `epoch` column and failed with a traceback."""
     from mlflow import MlflowClient
 
-    from analysis.runs import load_studies
+    from batchsweep.analysis.runs import load_studies
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(uri)

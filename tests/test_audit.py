@@ -8,7 +8,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from sweeps.audit import SHORT_WINDOW, ScriptRun, first_parting, main
+from batchsweep.sweeps.audit.command import SHORT_WINDOW, ScriptRun, first_parting, main
 from tests.conftest import ROOT
 
 CATALOG = ROOT / "tests" / "programs" / "catalog.py"
@@ -322,7 +322,7 @@ def test_clipping_is_one_length_with_other_sizes_where_adam_and_a_small_differen
     """Figures of real audits of the catalog (float64 but the first): a clip per micro-batch (float32), zero_grad
     on tokens under Adam (one length, signs differ), and an L2 penalty added to every micro-batch's loss,
     k times a window (no clipping; its length 1 + 8.2e-4)."""
-    from sweeps.audit import Update
+    from batchsweep.sweeps.audit.command import Update
 
     assert Update(0.98691, 0.98691, 0.16180, 0.9999991, 0.15827, None).clipped
     assert not Update(0.95436, 0.95453, 0.30153, 0.99982, 0.00327, None).clipped
@@ -333,7 +333,7 @@ def test_a_mistake_of_every_window_is_never_named_for_a_later_update():
     """zero_grad per micro-batch and an undivided loss part the runs at step 1. Where they part later (Adam
     hiding a short window's scale, say), the update's figures may look like them, and the verdict says it is
     unexplained rather than name a mistake the loop cannot have."""
-    from sweeps.audit import classify
+    from batchsweep.sweeps.audit.command import classify
 
     assert classify(0.6111, 0.9106, 4, first=True, last=False) == "zero_grad_per_micro_batch"
     assert classify(0.6111, 0.9106, 4, first=False, last=True) == "unexplained"

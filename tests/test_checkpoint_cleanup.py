@@ -33,7 +33,7 @@ def saved(folder):
                                                              "epoch 1 of 2)"),
 ])
 def test_a_checkpoint_that_is_not_this_runs_is_one_line_that_names_it(capsys, tmp_path, change, expected):
-    from trainers.cli import main
+    from batchsweep.trainers.cli import main
 
     folder = tmp_path / "run"
     args = [*ARGS, "--checkpoint-dir", str(folder)]
@@ -48,7 +48,7 @@ def test_a_checkpoint_that_is_not_this_runs_is_one_line_that_names_it(capsys, tm
 
 def test_a_finished_run_asked_for_more_epochs_is_told_which_field_differs(capsys, tmp_path):
     """Its schedule was of 2 epochs: the checkpoint is of another configuration, not a damaged one of this run."""
-    from trainers.cli import main
+    from batchsweep.trainers.cli import main
 
     args = [*ARGS, "--checkpoint-dir", str(tmp_path / "run")]
     assert main(args) == 0
@@ -59,8 +59,8 @@ def test_a_finished_run_asked_for_more_epochs_is_told_which_field_differs(capsys
 def test_a_trainer_error_under_a_launcher_says_its_kind(tmp_path):
     """Under torchrun the launcher cannot see a rank's exit status: the trainer writes its error's kind beside the
     epochs' rows, and only a configuration error makes a point invalid for good."""
-    from sweeps.torchrun import _failure
-    from trainers import ConfigError
+    from batchsweep.sweeps.launch.torchrun import _failure
+    from batchsweep.trainers import ConfigError
 
     folder, rows = tmp_path / "run", tmp_path / "rows.jsonl"
     args = [*ARGS, "--checkpoint-dir", str(folder), "--epochs-jsonl", str(rows)]
@@ -96,11 +96,11 @@ physical_batch = [8, 16, 32]
 def test_the_clean_up_keeps_what_running_trials_and_invocations_need(tmp_path, storage_kind):
     """Planted trials, as a race and a second machine leave them: a duplicate of a point that another trial
     trains, and the best trial of another invocation that still runs."""
-    from sweeps.checkpoints import Cleanup, folder_of
-    from sweeps.invocation import Invocation
-    from sweeps.storage import create_studies, open_storage
-    from sweeps.studyfile import parse, tomllib  # (tomli below Python 3.11)
-    from sweeps.tracking import Tracker
+    from batchsweep.sweeps.trials.checkpoints import Cleanup, folder_of
+    from batchsweep.sweeps.trials.invocation import Invocation
+    from batchsweep.sweeps.stores.optuna_store import create_studies, open_storage
+    from batchsweep.sweeps.study.files import parse, tomllib  # (tomli below Python 3.11)
+    from batchsweep.sweeps.stores.mlflow_store import Tracker
 
     study = parse(tomllib.loads(STUDY), "cleanup.toml")
     storage_url = f"sqlite:///{tmp_path}/optuna.db" if storage_kind == "sqlite" else f"journal:{tmp_path}/optuna.log"

@@ -33,7 +33,7 @@ def fsync(fd):
         os.kill(os.getpid(), signal.SIGKILL)
     real(fd)
 os.fsync = fsync
-from trainers.cli import main
+from batchsweep.trainers.cli import main
 sys.exit(main(sys.argv[2:]))
 """
 
@@ -89,7 +89,7 @@ def test_bad_checkpoints_are_one_line(capsys, tmp_path):
     folder = tmp_path / "run"
     args = ["--model", "mlp", "--dataset", "tests.factories:blobs", "--epochs", "2", "--device", "cpu",
             "--checkpoint-dir", str(folder)]
-    from trainers.cli import main
+    from batchsweep.trainers.cli import main
 
     assert main(args) == 0
     line = one_line_error(capsys, [*args, "--accum-steps", "3", "--base-lr", "0.1"])
@@ -112,8 +112,8 @@ def test_bad_checkpoints_are_one_line(capsys, tmp_path):
 @pytest.mark.parametrize("every,minutes,written", [(1, 0, [1, 2, 3, 4]), (3, 0, [3, 4]), (0, 0, [4]),
                                                    (0, 1e-9, [1, 2, 3, 4])])
 def test_checkpoint_interval(tmp_path, every, minutes, written):
-    from trainers import TrainConfig
-    from trainers.checkpoint import Checkpointer, Checkpointing, Progress
+    from batchsweep.trainers import TrainConfig
+    from batchsweep.trainers.checkpoint import Checkpointer, Checkpointing, Progress
 
     checkpointer = Checkpointer(Checkpointing(str(tmp_path), every, minutes), TrainConfig())
     assert [e for e in range(1, 5) if checkpointer.due(Progress(epoch=e, finished=e == 4))] == written
@@ -140,8 +140,8 @@ def test_a_study_killed_mid_trial_resumes_it_bitwise(tmp_path):
     import mlflow.pytorch
     from mlflow import MlflowClient
 
-    import analysis.cli
-    import sweeps.cli
+    from batchsweep.analysis import cli as report_cli
+    from batchsweep.sweeps import cli
 
     def study(cwd, env=None):
         """The study from `cwd`: killed as `env` says in a process of its own, or to its end in this one."""
@@ -149,7 +149,7 @@ def test_a_study_killed_mid_trial_resumes_it_bitwise(tmp_path):
         (cwd / "study.toml").write_text(STUDY)
         args = ["--study", "study.toml", "--seeds", "1", "--no-report", "--log-models", "all"]
         if env is None:
-            return in_process(sweeps.cli.main, cwd, *args)
+            return in_process(cli.main, cwd, *args)
         return subprocess.run([sys.executable, str(ROOT / "sweeps/run.py"), *args], capture_output=True, text=True,
                               cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env})
 
@@ -186,7 +186,7 @@ def test_a_study_killed_mid_trial_resumes_it_bitwise(tmp_path):
         assert ours == theirs and len({step for step, _ in ours}) == len(ours), key
     assert all(torch.equal(a, b) for a, b in zip(weights(done), weights(whole)))  # the final weights, bitwise
     assert not list((tmp_path / "killed/mlruns/checkpoints").rglob("checkpoint.pt"))  # done: removed
-    report = in_process(analysis.cli.main, tmp_path / "killed", "--study", "resume")
+    report = in_process(report_cli.main, tmp_path / "killed", "--study", "resume")
     assert report.returncode == 0, report.stderr
     text = (tmp_path / "killed/reports/resume/report.md").read_text()
     load = f"mlflow.pytorch.load_model('runs:/{done.info.run_id}/model')" if \
@@ -199,10 +199,10 @@ def test_models_chosen_and_logged(tmp_path):
     import optuna
     from mlflow import MlflowClient
 
-    from sweeps.checkpoints import chosen, log_model
-    from sweeps.tracking import Tracker
-    from trainers import TrainConfig, train
-    from trainers.checkpoint import Checkpointing
+    from batchsweep.sweeps.trials.checkpoints import chosen, log_model
+    from batchsweep.sweeps.stores.mlflow_store import Tracker
+    from batchsweep.trainers import TrainConfig, train
+    from batchsweep.trainers.checkpoint import Checkpointing
 
     trials = [optuna.trial.create_trial(values=v) for v in ([0.9, 5.0], [0.8, 1.0], [0.7, 2.0], [0.95, 9.0])]
     assert [t.values for t in chosen(trials, ("maximize", "minimize"), "best")] == [[0.9, 5.0], [0.8, 1.0],
@@ -234,10 +234,10 @@ def test_models_chosen_and_logged(tmp_path):
 LOG_A_MODEL = """
 import sys
 from pathlib import Path
-from sweeps.checkpoints import log_model
-from sweeps.tracking import Tracker
-from trainers import TrainConfig, train
-from trainers.checkpoint import Checkpointing
+from batchsweep.sweeps.trials.checkpoints import log_model
+from batchsweep.sweeps.stores.mlflow_store import Tracker
+from batchsweep.trainers import TrainConfig, train
+from batchsweep.trainers.checkpoint import Checkpointing
 config = TrainConfig(model="mlp", dataset="tests.factories:blobs", epochs=1, device="cpu")
 train(config, checkpoint=Checkpointing(str(Path(sys.argv[1]) / "mlp")))
 tracker = Tracker(f"sqlite:///{sys.argv[1]}/mlflow.db", "models")

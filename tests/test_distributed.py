@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from trainers import ConfigError, TrainConfig, train
+from batchsweep.trainers import ConfigError, TrainConfig, train
 
 from .conftest import ROOT, run_script
 from .test_shapes import SHAPED
@@ -30,7 +30,7 @@ def torchrun(tmp_path, jobs: list[dict]) -> list[dict]:
 
 
 def model_of(config: TrainConfig, state: dict) -> torch.nn.Module:
-    from trainers.loop import prepare
+    from batchsweep.trainers.loop import prepare
 
     model = prepare(replace(config, world_size=1, physical_batch=1, accum_steps=1)).model
     model.load_state_dict(state)
@@ -96,7 +96,7 @@ def test_a_world_size_that_is_not_the_processes_is_refused(data_dir, monkeypatch
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         "error: world_size is 2 but 1 processes run: start `torchrun --nproc-per-node 2 trainers/train.py ...`, "
         "or set world_size to the number of processes"]
-    from trainers.distributed import check_launch
+    from batchsweep.trainers.distributed import check_launch
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it
     with pytest.raises(ConfigError, match="--sync-bn needs GPUs"):
@@ -211,7 +211,7 @@ def test_a_torchrun_study_killed_mid_trial_resumes_without_losing_or_repeating_a
 
 
 def test_a_study_that_needs_torchrun_or_cannot_use_it_says_so(tmp_path, capsys):
-    from sweeps.cli import main
+    from batchsweep.sweeps.cli import main
 
     study = tmp_path / "study.toml"
     storage = ["--storage", f"sqlite:///{tmp_path}/o.db"]
@@ -268,7 +268,7 @@ def test_a_study_with_physical_batch_auto_and_a_planner_that_learns_from_it(tmp_
 
 @pytest.mark.slow
 def test_a_torchrun_job_that_runs_out_of_memory_or_gets_bad_input_says_which(data_dir):
-    from sweeps import torchrun
+    from batchsweep.sweeps.launch import torchrun
 
     rows = []
     with pytest.raises(torch.OutOfMemoryError, match="out of memory: lower --physical-batch"):

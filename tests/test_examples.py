@@ -59,7 +59,7 @@ def test_a_lightning_script_logging_through_its_mlflow_logger(tmp_path):
 
 def audited(tmp_path, capsys, monkeypatch, study: str, b: int, k: int) -> dict:
     """`batchsweep audit` on one of examples/audit/, as docs/audit.md runs it: what its --json says."""
-    from sweeps.audit import main
+    from batchsweep.sweeps.audit.command import main
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # its scripts' own threads, beside the other test process
     code = main(["--study", str(ROOT / "examples" / "audit" / study), "--physical-batch", str(b), "--accum-steps",
@@ -133,7 +133,7 @@ def test_the_audit_of_a_minimal_gpt_loop_unmodified_says_what_docs_audit_says(tm
     """Random batches by torch.randint, no epochs, AdamW and a clip at 1.0, run as it is: its loss estimate before
     training draws 10·b samples, so the runs train on other data (that read as zero_grad_per_micro_batch); without
     the estimate it is exact; with its loss undivided, the gradients before the clip are k times the true batch's."""
-    from sweeps.audit import main
+    from batchsweep.sweeps.audit.command import main
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     code = main(["--study", str(ROOT / "examples" / "audit" / study), "--physical-batch", "4", "--accum-steps", "4",

@@ -9,7 +9,7 @@ from tests.conftest import ROOT
 
 
 def test_docs_cli_md_is_every_commands_help():
-    from sweeps.commands import markdown
+    from batchsweep.sweeps.commands import markdown
 
     assert (ROOT / "docs/cli.md").read_text() == markdown(), (
         "docs/cli.md is not the commands' --help: remake it with the command at its top")
@@ -34,10 +34,15 @@ def test_the_repository_tracks_no_store_report_or_data():
     assert not kept, kept
 
 
+def modules(folder: str) -> list:
+    """The modules of one floor, its rooms' included (the tracer's files are the script's, not batchsweep's)."""
+    return sorted(p for p in (ROOT / folder).rglob("*.py") if "tracer" not in p.parts)
+
+
 def test_no_function_is_longer_than_60_lines():
     long = []
     for folder in ("trainers", "sweeps", "analysis"):
-        for path in sorted((ROOT / folder).glob("*.py")):
+        for path in modules(folder):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
                         node.end_lineno - node.lineno + 1 > 60:
@@ -48,28 +53,29 @@ def test_no_function_is_longer_than_60_lines():
 def test_sweeps_and_analysis_use_the_trainer_through_its_surface_only():
     past = []
     for folder in ("sweeps", "analysis"):
-        for path in sorted((ROOT / folder).glob("*.py")):
+        for path in modules(folder):
             for node in ast.walk(ast.parse(path.read_text())):
                 names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
                     [a.name for a in node.names] if isinstance(node, ast.Import) else []
-                past += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.startswith("trainers.")]
+                past += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.startswith("batchsweep.trainers.")]
                 if folder == "analysis":  # it reads MLflow, never the trainer or the sweep's logic
-                    past += [f"{path.relative_to(ROOT)}: {n}" for n in names
-                             if n == "trainers" or (n.startswith("sweeps") and n != "sweeps")]
+                    past += [f"{path.relative_to(ROOT)}: {n}" for n in names if n == "batchsweep.trainers" or (
+                        n.startswith("batchsweep.sweeps") and n not in ("batchsweep.sweeps", "batchsweep.sweeps.stores"))]
     assert not past, past
 
 
 PACKAGES = ("trainers", "sweeps", "analysis")
 # What each floor may import of the others: imports go one way (docs/architecture.md). analysis/ reads MLflow and
 # shares two small modules of the sweeps (URLs and their redaction; a command's name and its one-line errors).
-MAY_IMPORT = {"trainers": set(), "sweeps": {"trainers"}, "analysis": {"sweeps.urls", "sweeps.commands"}}
+MAY_IMPORT = {"trainers": set(), "sweeps": {"batchsweep.trainers"},
+              "analysis": {"batchsweep.sweeps.stores.urls", "batchsweep.sweeps.commands"}}
 
 
 def _imports() -> dict[str, set[str]]:
-    """Every module of the three packages and the modules of theirs it imports, however spelled: `import a.b`,
-    `from a import b`, relative, and inside functions (lazy) alike."""
-    paths = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
-             for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
+    """Every module of the three floors (as installed: batchsweep.<floor>...) and the modules of theirs it
+    imports, however spelled: `import a.b`, `from a import b`, relative, and inside functions (lazy) alike."""
+    paths = {"batchsweep." + ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for package in PACKAGES for p in modules(package)}
     graph = {}
     for name, path in paths.items():
         base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
@@ -87,7 +93,7 @@ def _imports() -> dict[str, set[str]]:
 
 def test_no_import_circle_and_no_import_that_runs_back_up():
     graph = _imports()
-    assert len(graph) > 50 and "sweeps.worker" in graph["sweeps.driver"]  # it sees lazy imports
+    assert len(graph) > 50 and "batchsweep.sweeps.trials.worker" in graph["batchsweep.sweeps.trials.driver"]  # lazy
     circles, index, low, stack = [], {}, {}, []
 
     def visit(v):  # Tarjan's strongly connected components: each of more than one module is a circle
@@ -110,23 +116,22 @@ def test_no_import_circle_and_no_import_that_runs_back_up():
             visit(v)
     assert not circles, circles
     upward = [f"{m} -> {i}" for m, found in graph.items() for i in found
-              if i.split(".")[0] != m.split(".")[0] and not any(
+              if i.split(".")[1] != m.split(".")[1] and not any(
                   i == allowed or i.startswith(allowed + ".") or allowed.startswith(i + ".")  # (its package)
-                  for allowed in MAY_IMPORT[m.split(".")[0]])]
+                  for allowed in MAY_IMPORT[m.split(".")[1]])]
     assert not upward, upward
 
 
 def test_each_copy_of_a_fact_agrees_with_its_source():
     """analysis/ may not import the trainer or the sweeps' logic, so it keeps its own copy of a few names."""
-    import analysis.figures
-    import analysis.runs
-    import trainers
-    from trainers.config import BN_RULES, LR_RULES
+    from batchsweep import trainers
+    from batchsweep.analysis import figures, runs
+    from batchsweep.trainers.config import BN_RULES, LR_RULES
 
-    assert analysis.runs.DERIVED == trainers.DERIVED
+    assert runs.DERIVED == trainers.DERIVED
     # the rules a figure splits by, in the order they read: every rule the trainer knows, and no other
-    assert sorted(analysis.figures.SPLITS["lr_rule"]) == sorted(LR_RULES)
-    assert sorted(analysis.figures.SPLITS["bn_momentum_rule"]) == sorted(BN_RULES)
+    assert sorted(figures.SPLITS["lr_rule"]) == sorted(LR_RULES)
+    assert sorted(figures.SPLITS["bn_momentum_rule"]) == sorted(BN_RULES)
 
 
 def test_the_benchmarks_page_is_a_reference_that_names_every_benchmark():
@@ -146,9 +151,9 @@ def test_the_messages_that_docs_reliability_quotes_are_the_commands():
     line is the message quoted there (… stands for what varies)."""
     import shlex
 
-    from sweeps.cli import main as run
+    from batchsweep.sweeps.cli import main as run
     from tests.conftest import in_process
-    from trainers.cli import main as train
+    from batchsweep.trainers.cli import main as train
 
     rows = [line.split(" | ") for line in (ROOT / "docs/reliability.md").read_text().splitlines()
             if line.startswith("| `--")]
@@ -167,3 +172,38 @@ def test_the_messages_that_docs_reliability_quotes_are_the_commands():
         assert re.fullmatch(pattern, said.splitlines()[-1] if said else ""), (flags, said, quoted.group(1))
         checked.append(flags[0])
     assert {"--model", "--dataset", "--set", "--storage", "--study-name", "--sync-bn"} <= set(checked), checked
+
+
+def test_sweeps_keeps_its_entry_points_at_its_root_and_its_concepts_in_rooms():
+    root = sorted(p.name for p in (ROOT / "sweeps").glob("*.py"))
+    assert root == ["__init__.py", "__main__.py", "cli.py", "commands.py", "run.py"], root
+    rooms = sorted(p.parent.name for p in (ROOT / "sweeps").glob("*/__init__.py"))
+    assert rooms == ["audit", "gpus", "launch", "stores", "study", "trials"], rooms
+
+
+def test_the_tracer_imports_nothing_of_batchsweep():
+    """It runs inside the user's script, in whatever interpreter the command names: torch is all it may need."""
+    for path in (ROOT / "sweeps/launch/tracer").glob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                assert not any(n.split(".")[0] in ("batchsweep", *PACKAGES) for n in names), (path.name, names)
+
+
+def test_an_installed_batchsweep_claims_one_top_level_name():
+    """From a folder outside the checkout, with nothing on PYTHONPATH: the floors are batchsweep.trainers,
+    batchsweep.sweeps and batchsweep.analysis, and their folder names are not importable on their own."""
+    import os
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = ("import importlib.util as u, batchsweep.trainers, batchsweep.sweeps.cli, batchsweep.analysis.cli\n"
+            "from batchsweep.trainers import TrainConfig, train\n"
+            "print([n for n in ('trainers', 'sweeps', 'analysis') if u.find_spec(n) is not None])")
+    with tempfile.TemporaryDirectory() as outside:
+        out = subprocess.run([sys.executable, "-c", code], cwd=outside, env=env, capture_output=True, text=True,
+                             timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

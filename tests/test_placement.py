@@ -1,4 +1,4 @@
-"""Trials placed on GPUs by memory (sweeps/placement.py), on simulated GPUs: a list of devices and their memory
+"""Trials placed on GPUs by memory (sweeps/gpus/placement.py), on simulated GPUs: a list of devices and their memory
 sizes, shared by threads and by worker processes as the GPUs of one machine would be. No GPU is needed."""
 import dataclasses
 import logging
@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from sweeps.placement import CONTEXT_BYTES, SHAPE, Gpu, Ledger, Placement, place
-from sweeps.planner import Fit
-from trainers import TrainConfig
+from batchsweep.sweeps.gpus.placement import CONTEXT_BYTES, SHAPE, Gpu, Ledger, Placement, place
+from batchsweep.sweeps.gpus.planner import Fit
+from batchsweep.trainers import TrainConfig
 
 GIB = 2 ** 30
 
@@ -51,7 +51,7 @@ def test_workers_are_placed_round_robin_and_each_gpu_keeps_room_for_its_workers_
 
 
 def test_a_gpu_offers_what_other_processes_left_free_and_a_full_one_runs_a_trial_at_a_time():
-    from sweeps.placement import free_now, nvml_handle
+    from batchsweep.sweeps.gpus.placement import free_now, nvml_handle
 
     busy = Gpu("0", "simulated, half used by another process", 16 * GIB, "uuid", free_bytes=8 * GIB)
     full = Gpu("1", "simulated, smaller than its workers' contexts", 2 * GIB)
@@ -213,7 +213,7 @@ def test_a_trial_holds_its_predicted_peak_and_a_programs_trial_its_gpu_alone():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the flag is valid here")
 def test_workers_per_gpu_without_a_gpu_is_one_line(tmp_path, monkeypatch, capsys):
-    from sweeps.cli import main
+    from batchsweep.sweeps.cli import main
 
     monkeypatch.chdir(tmp_path)
     assert main(["--workers-per-gpu", "2", "--dry-run"]) == 2
@@ -228,8 +228,8 @@ def test_a_study_on_simulated_gpus_places_each_trial_and_tags_its_placement(tmp_
     import optuna
     from mlflow import MlflowClient
 
-    from sweeps.cli import build_invocation, parse_args
-    from sweeps.driver import run_invocation
+    from batchsweep.sweeps.cli import build_invocation, parse_args
+    from batchsweep.sweeps.trials.driver import run_invocation
 
     monkeypatch.chdir(tmp_path)  # the workers import tests.factories from the path they inherit
     args = parse_args(["--model", "mlp", "--dataset", "tests.factories:blobs1k", "--epochs", "1", "--seeds", "1",
@@ -253,7 +253,7 @@ def test_a_study_on_simulated_gpus_places_each_trial_and_tags_its_placement(tmp_
 def test_the_workers_of_a_gpu_share_one_probe(monkeypatch, data_dir, tmp_path):
     """A probe holds its GPU alone, so the GPU's other workers take its fit instead of each probing in turn;
     another GPU, or another shape of memory, is probed for itself."""
-    import sweeps.planner as planner
+    import batchsweep.sweeps.gpus.planner as planner
 
     probed = []
 
@@ -283,7 +283,7 @@ def test_a_placed_trials_gpu_metrics_are_those_of_its_own_gpu(tmp_path, monkeypa
     from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-    from sweeps.placement import own_gpu
+    from batchsweep.sweeps.gpus.placement import own_gpu
 
     nvml = {"GPU-aaaa": "handle 0", "GPU-bbbb": "handle 1", "GPU-cccc": "handle 2"}  # NVML prefixes its UUIDs
 
@@ -310,7 +310,7 @@ def test_a_gpu_metric_nvml_cannot_read_is_warned_once_not_every_second(monkeypat
     from mlflow.system_metrics.metrics.base_metrics_monitor import BaseMetricsMonitor
     from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
 
-    from sweeps.tracking import quiet_library_logs
+    from batchsweep.sweeps.stores.mlflow_store import quiet_library_logs
 
     def unsupported(handle):
         raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)

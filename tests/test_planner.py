@@ -4,10 +4,10 @@ import weakref
 import pytest
 import torch
 
-import sweeps.planner
-from sweeps.planner import Fit, measure, parse_bytes, plan
+from batchsweep.sweeps.gpus import planner
+from batchsweep.sweeps.gpus.planner import Fit, measure, parse_bytes, plan
 from tests.test_sweeps import TINY, sweep
-from trainers import ConfigError, TrainConfig, train
+from batchsweep.trainers import ConfigError, TrainConfig, train
 
 
 def test_planned_batch_runs_within_the_budget(data_dir):
@@ -32,7 +32,7 @@ def test_each_probe_trains_with_no_earlier_model_alive(data_dir, monkeypatch):
         models.append(weakref.ref(result.model))
         return result
 
-    monkeypatch.setattr(sweeps.planner, "train", probe)
+    monkeypatch.setattr(planner, "train", probe)
     measure(TrainConfig(model="mlp", data_dir=data_dir))
     assert alive == [0, 0, 0]
 
@@ -41,7 +41,7 @@ def test_each_probe_trains_with_no_earlier_model_alive(data_dir, monkeypatch):
 def test_a_plan_calls_the_dataset_factory_once(model, capsys, monkeypatch, tmp_path):
     """The model check, the training set's size and the three probes share one load of the data (a built-in model
     is checked against it; a model of the user's is not). They were five: minutes for a factory that tokenizes."""
-    from sweeps import commands
+    from batchsweep.sweeps import commands
     from tests import factories
 
     monkeypatch.chdir(tmp_path)
@@ -85,7 +85,7 @@ def test_plan_from_a_batch_memory_study(tmp_path):
 
 
 def test_plan_help_lists_only_the_flags_a_plan_reads(capsys, monkeypatch):
-    from sweeps import commands
+    from batchsweep.sweeps import commands
 
     monkeypatch.setenv(commands.INVOKED, "")  # main() sets it for the process: put back afterwards
     with pytest.raises(SystemExit) as exited:
@@ -100,7 +100,7 @@ def test_plan_help_lists_only_the_flags_a_plan_reads(capsys, monkeypatch):
 @pytest.mark.parametrize("argv, asked", [(["plan"], "batchsweep plan"), (["run", "--plan", "--target-batch", "8"],
                                                                         "--plan")])
 def test_a_plan_without_its_target_or_budget_names_what_was_typed(capsys, monkeypatch, tmp_path, argv, asked):
-    from sweeps import commands
+    from batchsweep.sweeps import commands
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(commands.INVOKED, "")  # main() sets it for the process: put back afterwards

@@ -284,7 +284,7 @@ def test_a_bad_program_table_is_one_line_before_anything_runs(tmp_path, body, co
 def test_a_printed_metric_name_is_logged_under_one_that_mlflow_takes(printed, logged):
     from mlflow.utils.validation import _validate_metric_name
 
-    from sweeps.program import parse_row
+    from batchsweep.sweeps.launch.program import parse_row
 
     renamed = {}
     assert parse_row(json.dumps({"epoch": 1, printed: 0.5}), renamed) == {"epoch": 1.0, logged: 0.5}
@@ -309,8 +309,8 @@ def test_a_scripts_recorded_settings_are_its_command_and_own_values_without_a_pa
     """What a resumed [program] study is held to (a change is refused: tests/test_sweeps.py): its command as
     written, its own [fixed] values, its grid and objective, and the fields no point sets; not the values a
     point sets, nor where it runs."""
-    from sweeps.cli import build_invocation, parse_args
-    from sweeps.storage import protocol
+    from batchsweep.sweeps.cli import build_invocation, parse_args
+    from batchsweep.sweeps.stores.optuna_store import protocol
 
     path = study_file(tmp_path, "script_protocol", """[fixed]
 db = "postgresql://me:s3cr3t@db.example/runs"

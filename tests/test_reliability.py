@@ -9,10 +9,10 @@ import optuna
 import pytest
 from mlflow import MlflowClient
 
-from sweeps.tracking import Tracker
+from batchsweep.sweeps.stores.mlflow_store import Tracker
 from tests.conftest import ROOT
 from tests.test_sweeps import TINY, child_runs, grid_trials, stores, sweep, wait_for_complete
-from trainers import TrainConfig, train
+from batchsweep.trainers import TrainConfig, train
 
 State = optuna.trial.TrialState
 
@@ -87,8 +87,8 @@ def test_failures_in_worker_processes_reach_the_terminal(tmp_path):
 def test_a_study_whose_every_trial_failed_says_how_many(tmp_path, monkeypatch, capsys, failed, invalid, said):
     """A study that measured nothing fails as a command; one trial that measured something is enough. Where the
     trials recorded their errors, the line quotes the last (a study resumed with nothing left to run printed none)."""
-    from sweeps.cli import build_invocation, parse_args
-    from sweeps.driver import all_failed
+    from batchsweep.sweeps.cli import build_invocation, parse_args
+    from batchsweep.sweeps.trials.driver import all_failed
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mlruns").mkdir()
@@ -203,7 +203,7 @@ def test_a_deleted_experiment_is_one_line_that_says_how_to_restore_it(tmp_path):
 ])
 def test_bad_values_are_one_line_and_write_nothing(tmp_path, monkeypatch, capsys, args, expected):
     # In-process (the subprocess cases are in test_sweeps.py): these fail before anything is opened.
-    from sweeps.cli import main
+    from batchsweep.sweeps.cli import main
 
     monkeypatch.chdir(tmp_path)
     assert main([*TINY, *args]) == 2
@@ -262,7 +262,7 @@ def test_a_heartbeat_the_storage_refuses_is_one_line(tmp_path, capsys):
 
     from optuna.storages._heartbeat import HeartbeatThread
 
-    from sweeps.storage import heartbeat_failed, open_storage
+    from batchsweep.sweeps.stores.optuna_store import heartbeat_failed, open_storage
 
     store = tmp_path / "optuna"
     store.mkdir()
@@ -327,8 +327,8 @@ def test_a_trial_of_another_container_with_the_same_host_name_is_left_running(tm
     where its process could be seen (same boot, same PID namespace)."""
     import warnings
 
-    from sweeps.storage import fail_orphans
-    from sweeps.tracking import HOST, PROCESSES
+    from batchsweep.sweeps.stores.optuna_store import fail_orphans
+    from batchsweep.sweeps.stores.mlflow_store import HOST, PROCESSES
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     study = optuna.create_study(storage=f"sqlite:///{tmp_path}/o.db")

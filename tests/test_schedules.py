@@ -5,10 +5,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from trainers import Checkpointing, TrainConfig, train
-from trainers.errors import ConfigError
-from trainers.loop import lr_at, warmup_steps
-from trainers.probes import Probe
+from batchsweep.trainers import Checkpointing, TrainConfig, train
+from batchsweep.trainers.errors import ConfigError
+from batchsweep.trainers.loop import lr_at, warmup_steps
+from batchsweep.trainers.probes import Probe
 
 # 90 samples: windows of 4, 8 and 16 give 23, 12 and 6 steps an epoch (each with a short last window).
 BASE = TrainConfig(model="mlp", dataset="tests.factories:blobs", dtype="float64",

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from analysis.render import folder_name
-from sweeps.urls import redact, scrub
+from batchsweep.analysis.render import folder_name
+from batchsweep.sweeps.stores.urls import redact, scrub
 from tests.conftest import run_script
 from tests.test_analysis import PROBE, probe_in_chromium
 from tests.test_sweeps import TINY, sweep
@@ -219,7 +219,7 @@ def test_a_report_folder_that_cannot_exist_is_one_line(named_study, tmp_path, ou
 
 
 def test_markdown_escapes_line_breaks_and_bare_links():
-    from analysis.render import md
+    from batchsweep.analysis.render import md
 
     text = md("see https://evil.example/x and www.evil.example\r\n# heading\rnext")
     assert "\r" not in text and "\n" not in text

@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from trainers import TrainConfig, train
-from trainers.loop import prepare
-from trainers.probes import Probe
+from batchsweep.trainers import TrainConfig, train
+from batchsweep.trainers.loop import prepare
+from batchsweep.trainers.probes import Probe
 
 from .test_workloads import rel_diff
 
@@ -108,7 +108,7 @@ def test_a_gpt2_from_transformers_built_from_a_config_is_exact():
 def test_the_token_loss_counts_only_the_labels_that_count():
     # Padded to 64, pytext's sequences hold 8 to 64 tokens: the loss is the mean over those, not over the
     # padded positions, in training and in evaluation alike.
-    from trainers.losses import builtin
+    from batchsweep.trainers.losses import builtin
 
     logits = torch.zeros(2, 5, 7)  # uniform: every counted token costs ln 7
     target = torch.tensor([[1, 2, -100, -100, -100], [3, 4, 5, -100, -100]])
@@ -174,7 +174,7 @@ metrics = ["val_token_margin"]
                                                 r"\(train, test\) Datasets, or \(train, test, collate_fn\)"),
 ])
 def test_models_and_data_that_do_not_fit_are_one_line(changes, message):
-    from trainers import ConfigError
+    from batchsweep.trainers import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         train(TrainConfig(**{**SHAPED, "epochs": 1, **changes}))

@@ -15,7 +15,7 @@ from mlflow import MlflowClient
 
 from tests.conftest import ROOT
 from tests.test_sweeps import child_runs, stores
-from trainers import interrupt
+from batchsweep.trainers import interrupt
 
 pytestmark = pytest.mark.slow
 State = optuna.trial.TrialState
@@ -172,7 +172,7 @@ def test_a_stopped_audit_stops_its_script_and_ends_its_runs(tmp_path, how):
     pids = tmp_path / "pids"
     (tmp_path / "study.toml").write_text(AUDIT.format(pids=pids, python=sys.executable))
     (tmp_path / "sleeps.py").write_text(SLEEPS)
-    argv = [sys.executable, "-c", "import sys; from sweeps.commands import main; sys.exit(main())", "audit",
+    argv = [sys.executable, "-c", "import sys; from batchsweep.sweeps.commands import main; sys.exit(main())", "audit",
             "--study", "study.toml", "--physical-batch", "4", "--accum-steps", "2", "--steps", "2"]
     client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
 

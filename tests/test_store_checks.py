@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from sweeps.urls import check_storage, check_tracking_uri, redact, scrub
+from batchsweep.sweeps.stores.urls import check_storage, check_tracking_uri, redact, scrub
 from tests.conftest import ROOT
 from tests.test_sweeps import TINY
 
@@ -56,7 +56,7 @@ def test_http_credentials_with_special_characters_move_to_mlflows_variables(monk
     (check_storage, "sqlite:////tmp", "e.g. sqlite:////tmp/optuna.db"),
 ])
 def test_malformed_urls_are_one_line_that_hides_the_password(check, url, expected):
-    from trainers import ConfigError
+    from batchsweep.trainers import ConfigError
 
     with pytest.raises(ConfigError) as info:
         check(url)
@@ -67,7 +67,7 @@ def test_malformed_urls_are_one_line_that_hides_the_password(check, url, expecte
 def batchsweep(cwd, *args, timeout=60):
     """The installed command, timed."""
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", "import sys; from sweeps.commands import main; sys.exit(main())",
+    proc = subprocess.run([sys.executable, "-c", "import sys; from batchsweep.sweeps.commands import main; sys.exit(main())",
                            *args], capture_output=True, text=True, cwd=cwd,
                           timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     return proc, time.monotonic() - start
@@ -111,7 +111,7 @@ def test_a_grid_too_large_to_enumerate_is_refused_from_its_axes(tmp_path):
 
 
 def test_more_seeds_on_the_command_line_are_counted_before_enumerating(tmp_path, monkeypatch, capsys):
-    from sweeps.cli import main
+    from batchsweep.sweeps.cli import main
 
     axis = ", ".join(str(i) for i in range(1, 201))
     study = tmp_path / "wide.toml"
@@ -126,7 +126,7 @@ def test_a_store_left_by_a_killed_writer_is_reachable(tmp_path):
     quick look at the store must not take it for a damaged one (a read-only look cannot roll it back)."""
     import sqlite3
 
-    from sweeps.urls import unreachable
+    from batchsweep.sweeps.stores.urls import unreachable
 
     db = tmp_path / "mlflow.db"
     with sqlite3.connect(db) as setup:
@@ -151,7 +151,7 @@ time.sleep(600)
 
 
 def open_tracker_together(uri: str, together, results) -> None:
-    from sweeps.tracking import Tracker
+    from batchsweep.sweeps.stores.mlflow_store import Tracker
 
     together.wait()  # both have imported MLflow
     try:
@@ -189,7 +189,7 @@ def test_a_new_storage_whose_schema_another_process_stamped_meanwhile_opens(tmp_
     import optuna
     import sqlalchemy
 
-    from sweeps.storage import open_storage
+    from batchsweep.sweeps.stores.optuna_store import open_storage
 
     url = f"sqlite:///{tmp_path}/optuna.db"
     optuna.storages.RDBStorage(url).engine.dispose()  # the other process's tables, before its version row

@@ -9,15 +9,15 @@ import optuna
 import pytest
 from mlflow import MlflowClient
 
-from analysis.runs import load_studies
-from analysis.space import objectives_front
-from sweeps.cli import main
-from sweeps.outcomes import OUTCOMES, holds
-from sweeps.search import GridSearch, SamplerSearch, make_search
-from sweeps.studies import point_key
-from sweeps.studyfile import builtin_names, load, parse
+from batchsweep.analysis.runs import load_studies
+from batchsweep.analysis.space import objectives_front
+from batchsweep.sweeps.cli import main
+from batchsweep.sweeps.stores.outcomes import OUTCOMES, holds
+from batchsweep.sweeps.study.search import GridSearch, SamplerSearch, make_search
+from batchsweep.sweeps.study.spec import point_key
+from batchsweep.sweeps.study.files import builtin_names, load, parse
 from tests.test_sweeps import child_runs, stores, wait_for_complete
-from trainers import DERIVED, TrainConfig
+from batchsweep.trainers import DERIVED, TrainConfig
 
 State = optuna.trial.TrialState
 K = (1, 2, 4, 8, 16)
@@ -36,7 +36,7 @@ def old_twins(points):
     return out
 
 
-# The points of the built-in studies as sweeps/studies.py wrote them in Python before they became files.
+# The points of the built-in studies as sweeps/study/spec.py wrote them in Python before they became files.
 BEFORE = {
     "accum_lr": old_twins([dict(physical_batch=32, accum_steps=k, lr_rule=r) for k in K
                            for r in ("none", "linear", "sqrt")]),
@@ -61,9 +61,9 @@ def test_the_derived_values_a_study_may_name_are_the_trainers():
 
 
 def test_each_kind_a_study_file_may_name_has_its_objective():
-    """Named in sweeps/studies.py, so that reading a study file imports no torch or MLflow."""
-    from sweeps.objective import OBJECTIVES
-    from sweeps.studies import KINDS
+    """Named in sweeps/study/spec.py, so that reading a study file imports no torch or MLflow."""
+    from batchsweep.sweeps.trials.objective import OBJECTIVES
+    from batchsweep.sweeps.study.spec import KINDS
 
     assert tuple(OBJECTIVES) == KINDS
 
@@ -199,7 +199,7 @@ def test_grid_search_yields_a_point_that_another_trial_holds():
     study = optuna.create_study(sampler=search.sampler(0, 0))
     study.optimize(objective_for(search, search.units()), n_trials=1)
     # A second worker whose only unit is the point already done gets Duplicate, not a second run.
-    from sweeps.search import Duplicate
+    from batchsweep.sweeps.study.search import Duplicate
 
     trial = study.ask()
     with pytest.raises(Duplicate):
@@ -265,7 +265,7 @@ def write_project(folder):
 
 def run_cmd(cwd, *args):
     # No PYTHONPATH: the installed package, and the user's modules from the current folder.
-    return subprocess.Popen([sys.executable, "-m", "sweeps", *args, "--no-report"], cwd=cwd, text=True,
+    return subprocess.Popen([sys.executable, "-m", "batchsweep.sweeps", *args, "--no-report"], cwd=cwd, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -321,9 +321,9 @@ def test_own_study_file_with_tpe_resumes_after_a_kill(tmp_path):
 def test_the_table_of_a_study_of_searches_keeps_each_searchs_trials_together(tmp_path):
     """lr_search numbers its trials per B (one TPE search each): its table lists each search's trials together,
     best first, so that '#' names one trial, and marks each search's best."""
-    from sweeps.invocation import Invocation
-    from sweeps.storage import create_studies, open_storage
-    from sweeps.tables import results_table
+    from batchsweep.sweeps.trials.invocation import Invocation
+    from batchsweep.sweeps.stores.optuna_store import create_studies, open_storage
+    from batchsweep.sweeps.trials.tables import results_table
 
     study = load("lr_search")
     inv = Invocation(study=study, base=TrainConfig(**study.fixed), seeds=(0,), study_name="lr_search",
@@ -376,7 +376,7 @@ def test_own_study_file_with_nsga2_marks_the_pareto_front(tmp_path):
     assert {r.info.run_id for r in children if "batchsweep.model" in r.data.tags} == on_front  # their models
     assert not list((tmp_path / "mlruns/checkpoints").rglob("checkpoint.pt"))
     # The report, from MLflow alone, draws the same front as Optuna's and says so.
-    report = subprocess.run([sys.executable, "-m", "analysis.report", "--study", "own_pareto", "--no-log"], cwd=tmp_path,
+    report = subprocess.run([sys.executable, "-m", "batchsweep.analysis.report", "--study", "own_pareto", "--no-log"], cwd=tmp_path,
                             capture_output=True, text=True, timeout=300)
     assert report.returncode == 0, report.stderr
     md = (tmp_path / "reports/own_pareto/report.md").read_text()
@@ -427,7 +427,7 @@ def test_the_installed_command_runs_from_any_folder(tmp_path):
 
 
 def test_objective_values_and_pruners_follow_the_file():
-    from sweeps.objective import MetricMissing, make_objective
+    from batchsweep.sweeps.trials.objective import MetricMissing, make_objective
 
     study_def = parse({"name": "o", "grid": {"accum_steps": [1]}, "objective": {
         "metrics": ["val_acc", "peak_memory_bytes"], "directions": ["maximize", "minimize"]}}, "test")
@@ -466,7 +466,7 @@ def test_hyperband_counts_a_scripts_own_epochs_or_steps_from_its_first_completed
 
 
 def test_a_grid_changed_under_a_running_study_stops_it_in_one_line():
-    from sweeps.search import StudyChanged
+    from batchsweep.sweeps.study.search import StudyChanged
 
     first = parse({"name": "g", "grid": {"accum_steps": [1, 2]}}, "test")
     search = make_search(first, "g", list(first.points), (0,))
@@ -482,7 +482,7 @@ def test_a_grid_changed_under_a_running_study_stops_it_in_one_line():
 
 def test_a_trials_name_says_which_field_a_number_is():
     """A run name like critical_batch's 'k2 fixed B 10' read as B = 10 where 10 was its epochs."""
-    from sweeps.studies import describe
+    from batchsweep.sweeps.study.spec import describe
 
     assert describe({"accum_steps": 2, "batch_warmup": "", "epochs": 10}) == "k2 fixed B epochs=10"
     assert describe({"physical_batch": 32, "lr_rule": "sqrt", "base_lr": 0.031623, "channels_last": True}) == \

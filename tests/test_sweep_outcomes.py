@@ -132,8 +132,8 @@ dataset = "tests.factories:blobs1k"
 
 def main_with_its_sigint_handler(args: list[str]) -> int:
     """sweeps/run.py's main, in this process, with the SIGINT handler that the script installs."""
-    from sweeps.cli import main
-    from trainers import interrupt
+    from batchsweep.sweeps.cli import main
+    from batchsweep.trainers import interrupt
 
     interrupt.trap()
     try:
@@ -156,8 +156,8 @@ def the_one_trial_interrupted(tmp_path, capsys):
 def test_a_ctrl_c_while_a_complete_trial_is_recorded_ends_its_run_as_interrupted(tmp_path, monkeypatch, capsys):
     """Training is over and the result is being written when Ctrl-C lands. The objective then raised, so Optuna
     fails the trial: its run must end KILLED as interrupted too, not stay open for the worker to close FAILED."""
-    from sweeps.cli import main
-    from sweeps.tracking import Tracker
+    from batchsweep.sweeps.cli import main
+    from batchsweep.sweeps.stores.mlflow_store import Tracker
 
     record = Tracker.finish
 
@@ -178,7 +178,7 @@ def test_a_ctrl_c_inside_optunas_tell_stops_the_study_and_records_the_trial(tmp_
     """Optuna records a trial after its objective returned; a Ctrl-C that lands there comes out of optimize() as
     an UnboundLocalError (its `finally` reads a variable the interrupted tell never set) and leaves the trial
     RUNNING. The study must stop there, as for any Ctrl-C, and record that trial as interrupted."""
-    from trainers import interrupt
+    from batchsweep.trainers import interrupt
 
     tell = optuna.storages.RDBStorage.set_trial_state_values
 
@@ -236,9 +236,9 @@ def test_equivalence_study_separates_bn_from_no_bn(tmp_path, data_dir):
 def test_a_pair_without_batchnorm_that_parts_is_trained_again_in_float64(monkeypatch, data_dir):
     """Where float32 parts the pair by the report's line or more, float64 says whether it is rounding: this
     one's is (the line is lowered to 0 here, so that a pair of a few steps crosses it)."""
-    from sweeps.objective import Equivalence
-    from sweeps.studyfile import load
-    from trainers import TrainConfig
+    from batchsweep.sweeps.trials.objective import Equivalence
+    from batchsweep.sweeps.study.files import load
+    from batchsweep.trainers import TrainConfig
 
     objective = Equivalence(load("equivalence"))
     config = TrainConfig(model="mlp", dataset="mnist1d", physical_batch=32, accum_steps=4, epochs=1, max_steps=3,

@@ -18,8 +18,8 @@ import torch
 from mlflow import MlflowClient
 
 from tests.conftest import ROOT, in_process
-from sweeps.studies import config_key, point_key
-from sweeps.studyfile import builtin_names, load
+from batchsweep.sweeps.study.spec import config_key, point_key
+from batchsweep.sweeps.study.files import builtin_names, load
 
 # One seed, one worker, no warmup: the studies' own protocol (3 seeds, 2 workers, 2 warmup epochs) is for users.
 TINY = ["--model", "mlp", "--dataset", "tests.factories:blobs1k", "--epochs", "1", "--seeds", "1", "--workers", "1",
@@ -54,7 +54,7 @@ def sweep(cwd, *args, timeout=300, process=False):
     """`sweeps/run.py` with these arguments from `cwd`: in this test process (tests.conftest.in_process), or
     as a process of its own where a test needs one: what its children print, its exit as a script."""
     if not process:
-        from sweeps.cli import main
+        from batchsweep.sweeps.cli import main
 
         return in_process(main, cwd, *args)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -166,9 +166,9 @@ def test_a_machine_that_finds_a_new_study_without_settings_waits_for_its_creator
     creator was killed before recording) is given the waiting invocation's after a grace."""
     from types import SimpleNamespace
 
-    from sweeps import storage as stored
-    from sweeps.cli import build_invocation, parse_args
-    from trainers import ConfigError
+    from batchsweep.sweeps.stores import optuna_store as stored
+    from batchsweep.sweeps.cli import build_invocation, parse_args
+    from batchsweep.trainers import ConfigError
 
     url, refused = f"sqlite:///{tmp_path}/optuna.db", []
     creator, other = (build_invocation(parse_args([*TINY, "--storage", url, "--epochs", e])) for e in ("1", "2"))
@@ -201,8 +201,8 @@ def test_a_machine_that_finds_a_new_study_without_settings_waits_for_its_creator
 def test_a_dry_run_of_a_resumed_study_shows_each_trials_status_and_writes_nothing(tmp_path):
     """What the run would do next: a point done, one a live process runs, one whose process is gone (it runs
     again), the rest to run; settings the study did not run with are refused as the run refuses them."""
-    from sweeps.cli import build_invocation, parse_args
-    from sweeps.tracking import HOST
+    from batchsweep.sweeps.cli import build_invocation, parse_args
+    from batchsweep.sweeps.stores.mlflow_store import HOST
 
     assert sweep(tmp_path, *TINY, "--n-trials", "1").returncode == 0
     storage, _ = stores(tmp_path)
@@ -330,7 +330,7 @@ def test_a_worker_killed_mid_study_is_reported_and_its_trial_ended(tmp_path):
 
 
 def test_ownerless_trial_fails_after_grace(tmp_path):
-    from sweeps.storage import HEARTBEAT_GRACE_S, fail_orphans
+    from batchsweep.sweeps.stores.optuna_store import HEARTBEAT_GRACE_S, fail_orphans
 
     study = optuna.create_study(storage=f"sqlite:///{tmp_path}/optuna.db")
     now = datetime.datetime.now()
@@ -379,7 +379,7 @@ def epoch_frames(stderr: str, epochs: int) -> tuple[set[str], set[str]]:
 def test_a_workers_bar_over_epochs_is_timed_by_when_the_worker_sent_each_epoch(capsys):
     """The main process shows a second's messages together: a 0.5 s epoch is 2 epoch/s all the same, not the
     thousands that its own clock would read between two messages shown at once."""
-    from sweeps.driver import epoch_bar, show_epoch
+    from batchsweep.sweeps.trials.driver import epoch_bar, show_epoch
 
     bars = [epoch_bar(1), epoch_bar(2)]
     try:

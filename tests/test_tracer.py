@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from sweeps import observed
+from batchsweep.sweeps.launch import observed
 from tests.conftest import ROOT
 
 CATALOG = ROOT / "tests" / "programs" / "catalog.py"

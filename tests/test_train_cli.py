@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, run_script
-from trainers.cli import main
+from batchsweep.trainers.cli import main
 
 
 def one_line_error(capsys, argv, bar: bool = True) -> str:
@@ -62,16 +62,16 @@ def test_bad_input_is_one_line(capsys, data_dir, argv, expected):
 
 
 @pytest.mark.parametrize("module,argv,started,start,end", [
-    ("sweeps.cli", ["--bogus"], "batchsweep", "unrecognized arguments: --bogus", "batchsweep run"),
-    ("sweeps.cli", ["--log-models", "x"], "", "argument --log-models: invalid choice: ", "python sweeps/run.py"),
-    ("analysis.cli", [], "batchsweep", "one of the arguments --study --compare is required", "batchsweep report"),
-    ("analysis.cli", ["--study"], "", "argument --study: expected one argument", "python analysis/report.py"),
-    ("sweeps.audit", ["--study", "x"], "", "the following arguments are required: --physical-batch",
+    ("batchsweep.sweeps.cli", ["--bogus"], "batchsweep", "unrecognized arguments: --bogus", "batchsweep run"),
+    ("batchsweep.sweeps.cli", ["--log-models", "x"], "", "argument --log-models: invalid choice: ", "python sweeps/run.py"),
+    ("batchsweep.analysis.cli", [], "batchsweep", "one of the arguments --study --compare is required", "batchsweep report"),
+    ("batchsweep.analysis.cli", ["--study"], "", "argument --study: expected one argument", "python analysis/report.py"),
+    ("batchsweep.sweeps.audit.command", ["--study", "x"], "", "the following arguments are required: --physical-batch",
      "batchsweep audit"),
-    ("trainers.cli", ["--bogus"], "batchsweep", "unrecognized arguments: --bogus", "batchsweep train"),
-    ("trainers.cli", ["--epochs"], "", "argument --epochs: expected one argument", "python trainers/train.py"),
-    ("sweeps.commands", ["plan", "--bogus"], "", "unrecognized arguments: --bogus", "batchsweep plan"),
-    ("sweeps.commands", ["run", "--bogus"], "", "unrecognized arguments: --bogus", "batchsweep run"),
+    ("batchsweep.trainers.cli", ["--bogus"], "batchsweep", "unrecognized arguments: --bogus", "batchsweep train"),
+    ("batchsweep.trainers.cli", ["--epochs"], "", "argument --epochs: expected one argument", "python trainers/train.py"),
+    ("batchsweep.sweeps.commands", ["plan", "--bogus"], "", "unrecognized arguments: --bogus", "batchsweep plan"),
+    ("batchsweep.sweeps.commands", ["run", "--bogus"], "", "unrecognized arguments: --bogus", "batchsweep run"),
 ])
 def test_a_flag_argparse_refuses_is_one_line_naming_the_help_as_the_user_started_it(capsys, monkeypatch, module,
                                                                                     argv, started, start, end):
@@ -89,20 +89,20 @@ def test_a_flag_argparse_refuses_is_one_line_naming_the_help_as_the_user_started
 def test_python_m_sweeps_is_named_as_typed(capsys, monkeypatch):
     import runpy
 
-    from sweeps import commands
+    from batchsweep.sweeps import commands
 
     monkeypatch.setattr(commands, "started", None)  # __main__ sets it for the process: put back afterwards
     monkeypatch.setattr("sys.argv", ["sweeps", "--bogus"])
     with pytest.raises(SystemExit) as exited:
         runpy.run_module("sweeps", run_name="__main__")
     assert exited.value.code == 2
-    assert capsys.readouterr().err == "error: unrecognized arguments: --bogus: see python -m sweeps --help\n"
+    assert capsys.readouterr().err == "error: unrecognized arguments: --bogus: see python -m batchsweep.sweeps --help\n"
 
 
-INSTALLED = ["-c", "import sys; from sweeps.commands import main; sys.exit(main())"]  # what `batchsweep` runs
+INSTALLED = ["-c", "import sys; from batchsweep.sweeps.commands import main; sys.exit(main())"]  # what `batchsweep` runs
 
 
-@pytest.mark.parametrize("command", [["sweeps/run.py"], ["-m", "sweeps"], ["analysis/report.py"],
+@pytest.mark.parametrize("command", [["sweeps/run.py"], ["-m", "batchsweep.sweeps"], ["analysis/report.py"],
                                      ["trainers/train.py"], [*INSTALLED, "audit"], [*INSTALLED, "plan"]])
 @pytest.mark.parametrize("flag, code", [("--help", 0), ("--bogus", 2)])
 def test_help_and_a_bad_flag_answer_before_torch_mlflow_or_optuna_is_imported(command, flag, code):
@@ -228,7 +228,7 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_training(capsys
 
 def test_every_metric_a_run_logs_is_known_before_it_runs():
     """METRICS lets a study's objective be checked before anything runs: it must name all that a run logs."""
-    from trainers import METRICS, TrainConfig, train
+    from batchsweep.trainers import METRICS, TrainConfig, train
 
     logged = set()
     for config in (TrainConfig(model="mlp", dataset="tests.factories:blobs", epochs=2, accum_steps=2, device="cpu"),
@@ -251,7 +251,7 @@ def test_checkpoint_dir_none_turns_checkpoints_off(tmp_path, monkeypatch):
 
 
 def test_the_bar_over_epochs_draws_each_epoch_with_its_own_metrics(capsys):
-    from trainers.cli import epoch_progress
+    from batchsweep.trainers.cli import epoch_progress
 
     on_epoch, close = epoch_progress(3)
     for epoch in (1, 2, 3):  # faster than tqdm's default 0.1 s between frames
@@ -264,7 +264,7 @@ def test_the_bar_over_epochs_draws_each_epoch_with_its_own_metrics(capsys):
 
 
 def test_the_cpu_is_named_with_its_threads():
-    from trainers.loop import device_name
+    from batchsweep.trainers.loop import device_name
 
     before = torch.get_num_threads()
     try:

@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainers import ConfigError, TrainConfig, interrupt, train
-from trainers.data import load_data, mnist1d
-from trainers.evaluation import evaluate
-from trainers.loop import lr_at, warmup_steps
-from trainers.order import permutation, windows
-from trainers.models import build_model
-from trainers.probes import Probe
+from batchsweep.trainers import ConfigError, TrainConfig, interrupt, train
+from batchsweep.trainers.data import load_data, mnist1d
+from batchsweep.trainers.evaluation import evaluate
+from batchsweep.trainers.loop import lr_at, warmup_steps
+from batchsweep.trainers.order import permutation, windows
+from batchsweep.trainers.models import build_model
+from batchsweep.trainers.probes import Probe
 from tests.factories import noise_truth
 
 
@@ -109,7 +109,7 @@ def test_runs_that_share_one_load_of_the_data_train_as_runs_that_load_it_each(mo
     """train(config, data=load(config)), as the planner's probes share one load: the factory is called once, and
     each run ends bitwise where a run that loads the data itself does."""
     from tests import factories
-    from trainers import load
+    from batchsweep.trainers import load
 
     monkeypatch.setattr(factories, "LOADS", [])
     config = TrainConfig(model="mlp", dataset="tests.factories:counted_blobs", physical_batch=16, epochs=2)
@@ -190,7 +190,7 @@ def test_lr_rules():
 
 def test_adam_full_square_root_rule_scales_betas_and_eps_as_the_formula_says():
     # Malladi et al. 2022: with kappa = B / B0, lr * sqrt(kappa), 1 - beta * kappa, eps / sqrt(kappa).
-    from trainers.loop import make_optimizer
+    from batchsweep.trainers.loop import make_optimizer
 
     base = TrainConfig(optimizer="adamw", lr_rule="adam_sqrt", base_lr=1e-3, base_batch=32, adam_beta1=0.9,
                        adam_beta2=0.999, adam_eps=1e-8, physical_batch=32, accum_steps=4)  # kappa = 4
@@ -304,7 +304,7 @@ def test_config_validates_itself(bad, message):
 
 
 def test_saved_tensor_measure_sees_graphs_kept_alive():
-    from trainers.probes import SavedTensorBytes
+    from batchsweep.trainers.probes import SavedTensorBytes
 
     model = nn.Sequential(nn.Linear(40, 256), nn.ReLU(), nn.Linear(256, 10))
     peaks = {}
@@ -366,7 +366,7 @@ def test_far_too_large_learning_rates_are_flagged(data_dir):
 
 
 def test_step_statistics_match_a_direct_computation():
-    from trainers.health import StepStats
+    from batchsweep.trainers.health import StepStats
 
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(5)), nn.Parameter(torch.randn(2))]
@@ -404,7 +404,7 @@ def test_measuring_changes_nothing(data_dir):
 
 
 def test_exploding_and_dead_verdicts_from_their_thresholds():
-    from trainers.health import verdict
+    from batchsweep.trainers.health import verdict
 
     row = dict(epoch=1, train_loss=2.3, val_acc=0.5, grad_norm=1.0, update_ratio=1e-3, dead_fraction=0.0)
     assert verdict("ok", [row, {**row, "epoch": 2, "train_loss": 1.0}], chance=0.1, classes=10) == ("ok", None)
@@ -463,7 +463,7 @@ def test_the_noise_scale_takes_each_increment_from_one_flat_copy_of_the_gradient
     # that size would be a second copy, as a cat or a difference is; one kept would be held at the evaluation).
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from trainers.noise import NoiseScale
+    from batchsweep.trainers.noise import NoiseScale
 
     class NewFlat(TorchDispatchMode):
         def __init__(self, size: int):

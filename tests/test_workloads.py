@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainers import ConfigError, TrainConfig, train
-from trainers.data import load_data
-from trainers.models import build_model
-from trainers.probes import LossTerms, Probe
+from batchsweep.trainers import ConfigError, TrainConfig, train
+from batchsweep.trainers.data import load_data
+from batchsweep.trainers.models import build_model
+from batchsweep.trainers.probes import LossTerms, Probe
 
 from .conftest import ROOT
 
@@ -204,7 +204,7 @@ def test_gpt_learns_pytext():
 
 
 def test_a_loss_that_returns_a_number_is_one_line(capsys):
-    from trainers.cli import main
+    from batchsweep.trainers.cli import main
 
     assert main(["--model", "mlp", "--dataset", "tests.factories:blobs", "--loss", "tests.factories:a_number",
                  "--epochs", "1"]) == 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 import time
 
@@ -41,6 +42,21 @@ def trap(once: bool = False) -> None:
     for sig in STOPS:
         if signal.getsignal(sig) in (signal.SIG_DFL, signal.SIG_IGN, signal.default_int_handler, None):
             signal.signal(sig, _handler)
+    if sys.unraisablehook is not _unraisable:
+        _unraisable.default = sys.unraisablehook
+        sys.unraisablehook = _unraisable
+
+
+def _unraisable(unraisable) -> None:
+    """A stop that landed in a finalizer (SQLAlchemy's and the memory counter's weakref callbacks): Python would
+    print it as "Exception ignored" with a traceback. The flag holds it (check() raises it at the next step), so
+    it is not printed; any other unraisable exception is, as before."""
+    if issubclass(unraisable.exc_type, KeyboardInterrupt) and _interrupted:
+        return
+    _unraisable.default(unraisable)
+
+
+_unraisable.default = sys.unraisablehook
 
 
 @contextlib.contextmanager

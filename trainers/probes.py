@@ -29,7 +29,7 @@ class Run:
     params: list[nn.Parameter]  # the optimizer's, in order
     device: torch.device
     n_train: int
-    parallel: Any = None  # a trainers.distributed.Parallel under torchrun
+    parallel: Any = None  # a batchsweep.trainers.distributed.Parallel under torchrun
     divide_after: bool = False  # a loss without counts(): micro-batch gradients are sums until the step
 
 

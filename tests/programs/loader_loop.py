@@ -9,8 +9,8 @@ import json
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainers.data import load_data
-from trainers.models import build_model
+from batchsweep.trainers.data import load_data
+from batchsweep.trainers.models import build_model
 
 
 def main() -> None:

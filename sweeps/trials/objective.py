@@ -14,11 +14,11 @@ import difflib
 import torch
 from mlflow import MlflowClient
 
-from trainers import METRICS, BatchsweepError, Checkpointing, ConfigError, TrainConfig, train
+from batchsweep.trainers import METRICS, BatchsweepError, Checkpointing, ConfigError, TrainConfig, train
 
-from . import observed, program, torchrun
-from .studies import Study
-from .urls import scrub
+from ..launch import observed, program, torchrun
+from ..study.spec import Study
+from ..stores.urls import scrub
 
 
 class MetricMissing(BatchsweepError):

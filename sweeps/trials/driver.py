@@ -10,15 +10,15 @@ import sys
 import time
 from pathlib import Path
 
-from trainers import BatchsweepError, interrupt, make_writable_folder
+from batchsweep.trainers import BatchsweepError, interrupt, make_writable_folder
 
-from .commands import command
-from .outcomes import OUTCOMES, outcome_of
-from .program import die_with_parent
-from .studies import describe
+from ..commands import command
+from ..stores.outcomes import OUTCOMES, outcome_of
+from ..launch.program import die_with_parent
+from ..study.spec import describe
 from .tables import results_table
-from .tracking import HOST, Tracker, TrackingError, first_line, git_commit, quiet_library_logs, standard_tags
-from .urls import redact
+from ..stores.mlflow_store import HOST, Tracker, TrackingError, first_line, git_commit, quiet_library_logs, standard_tags
+from ..stores.urls import redact
 
 # A worker's message that moves the bar: counting this invocation's trials, not the study's, keeps the bar
 # right when another machine's workers share the study or a point claimed twice is given back. Its bar over
@@ -216,7 +216,7 @@ def run_in_process(inv, parent_run_id: str, total: int, placement=None) -> None:
 def write_report(inv) -> int:
     """Run `analysis/report.py` as its own command: the analysis reads MLflow, never the sweep code. The
     tracking URI goes through the environment (MLFLOW_TRACKING_URI), never on a command line that `ps` shows."""
-    script = Path(__file__).resolve().parents[1] / "analysis" / "report.py"
+    script = Path(__file__).resolve().parents[2] / "analysis" / "report.py"
     # The table of trials is out; the report reads every run's history and draws its figures (20 s for the
     # default study on 2 cores): a line, so that the wait is not taken for a hang.
     sys.stdout.flush()  # the table, before the report's own "report: ..." line
@@ -231,12 +231,12 @@ def write_report(inv) -> int:
 
 def run_invocation(inv, workers: int, gpus: list | tuple = ()) -> int:
     """Run what is left of the study (at most --n-trials of it) in `workers` processes, placed round-robin on
-    `gpus` where there are any (sweeps/placement.py); 0, or 1 when every trial failed or was invalid, or 130 on
+    `gpus` where there are any (sweeps/gpus/placement.py); 0, or 1 when every trial failed or was invalid, or 130 on
     Ctrl-C."""
     import optuna
 
-    from .placement import place
-    from .storage import check_protocol, create_studies, open_storage, remaining
+    from ..gpus.placement import place
+    from ..stores.optuna_store import check_protocol, create_studies, open_storage, remaining
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # trial failures are reported in one line each
     storage = open_storage(inv.storage)
@@ -340,7 +340,7 @@ def end_dead(inv, storage, tracker: Tracker) -> int:
     trial was recorded complete ends FINISHED, the others KILLED. Returns how many runs it ended."""
     import optuna
 
-    from .storage import free_dead_trials
+    from ..stores.optuna_store import free_dead_trials
 
     complete = {t.user_attrs["mlflow_run_id"] for name in inv.study_names()
                 for t in optuna.load_study(study_name=name, storage=storage).get_trials(

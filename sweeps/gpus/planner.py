@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainers import MAX_COUNT, ConfigError, TrainConfig, format_bytes, load, resolve_device, train
+from batchsweep.trainers import MAX_COUNT, ConfigError, TrainConfig, format_bytes, load, resolve_device, train
 
-from .tracking import quote
-from .urls import redact, sqlite_path
+from ..stores.mlflow_store import quote
+from ..stores.urls import redact, sqlite_path
 
 UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}
 PROBE_BATCHES = (8, 32, 128)
@@ -81,7 +81,7 @@ def from_study(config: TrainConfig, tracking_uri: str, memory_source: str) -> Fi
 
 def measure(config: TrainConfig, data=None) -> Fit:
     """Measure a few physical batches for a few steps each (none larger than the training set), on the config's
-    data loaded once (or on `data`, what `trainers.load(config)` gave)."""
+    data loaded once (or on `data`, what `batchsweep.trainers.load(config)` gave)."""
     data = data or load(config)
     n = data.n_train
     batches = sorted({min(b, n) for b in PROBE_BATCHES})

@@ -5,7 +5,7 @@ angle of single updates, where in an epoch the runs part, the step counts and th
     batchsweep audit --study study.toml --physical-batch 8 --accum-steps 4 [--steps N] [--json PATH]
 
 The study file's [program] is the script, unmodified: its command passes {physical_batch} and {accum_steps} (and
-{seed} where it takes one). The tracer (sweeps/tracer) runs inside its processes: it counts each window's calls,
+{seed} where it takes one). The tracer (sweeps/launch/tracer) runs inside its processes: it counts each window's calls,
 stops a run after N optimizer steps, and saves the weights and the window's gradient before any clipping; the
 script's own rows and saved weights are not read. Runs are of one epoch where the command takes {epochs} (and
 where their LR decayed by its end, of the study's {epochs} too: `stretch`), else as long as the script trains.
@@ -21,17 +21,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainers import FIELDS, BatchsweepError, ConfigError, TrainConfig, check_output, interrupt
+from batchsweep.trainers import FIELDS, BatchsweepError, ConfigError, TrainConfig, check_output, interrupt
 
-from . import observed, program
-from .commands import Parser
-from .urls import check_tracking_uri, scrub
+from ..launch import observed, program
+from ..commands import Parser
+from ..stores.urls import check_tracking_uri, scrub
 
 if TYPE_CHECKING:
     import torch
 
-    from .observed import Step
-    from .tracking import Tracker
+    from ..launch.observed import Step
+    from ..stores.mlflow_store import Tracker
 
 # Torch and MLflow (seconds) are imported where they are used, so that --help and bad flags answer at once.
 
@@ -252,7 +252,7 @@ class Auditor:
 
     def started(self, record: ScriptRun) -> None:
         """One frame: the run's number, what it is, at step 0 of its max_steps (of an epoch: a count)."""
-        from .driver import start_trial
+        from ..trials.driver import start_trial
 
         steps = f"to step {record.max_steps}" if record.max_steps else "an epoch"
         start_trial(self.bar, f"run {len(self.runs) + 1}: {record.name} b{record.b} k{record.k}, {steps}",
@@ -260,7 +260,7 @@ class Auditor:
 
     def read(self, row: dict[str, float]) -> None:
         """A row the script printed: shown on the bar (what the audit compares comes from the tracer)."""
-        from .driver import end_epoch
+        from ..trials.driver import end_epoch
 
         if "loss" in row:
             end_epoch(self.bar, {"loss": f"{row['loss']:.4g}"})
@@ -805,7 +805,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from .tracking import quiet_library_logs
+    from ..stores.mlflow_store import quiet_library_logs
 
     quiet_library_logs()
     try:
@@ -823,8 +823,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _auditor(args: argparse.Namespace, folder: Path) -> Auditor:
     """The study's script at the audit's point: [fixed], the first value of every other [grid] axis, LR rule none."""
-    from .studyfile import load
-    from .tracking import Tracker, default_tracking_uri
+    from ..study.files import load
+    from ..stores.mlflow_store import Tracker, default_tracking_uri
 
     study = load(args.study)
     if study.program is None:
@@ -853,8 +853,8 @@ def _auditor(args: argparse.Namespace, folder: Path) -> Auditor:
 def _main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from .tables import format_table
-    from .tracking import first_line
+    from ..trials.tables import format_table
+    from ..stores.mlflow_store import first_line
 
     b, k = args.physical_batch, args.accum_steps
     with tempfile.TemporaryDirectory(prefix="batchsweep-audit-") as folder:
@@ -863,7 +863,7 @@ def _main(args: argparse.Namespace) -> int:
             try:
                 finding = audit(auditor, b, k, args.steps)
             except KeyboardInterrupt:  # a stop signal: the script's group is stopped by now (program.run)
-                from .outcomes import INTERRUPTED  # (Optuna's import, which --help does without)
+                from ..stores.outcomes import INTERRUPTED  # (Optuna's import, which --help does without)
 
                 auditor.tracker.end_open_runs(INTERRUPTED.status, reason=INTERRUPTED.name)
                 raise

@@ -1,5 +1,5 @@
 """A study is data: fixed trainer fields, a grid of points, the fields a sampler searches, and the objective.
-Study files (sweeps/studyfile.py) are read into it; the built-in studies are such files in sweeps/builtin/."""
+Study files (sweeps/study/files.py) are read into it; the built-in studies are such files in sweeps/study/builtin/."""
 from __future__ import annotations
 
 import itertools
@@ -9,14 +9,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainers import ConfigError, TrainConfig
+from batchsweep.trainers import ConfigError, TrainConfig
 
-from .program import Program
+from ..launch.program import Program
 
 Point = dict[str, Any]  # the fields that vary between trials: TrainConfig's, and a [program] study's own
 
 LAUNCHERS = ("process", "torchrun")  # where a trial trains: in the worker, or as a torchrun job
-KINDS = ("train", "equivalence", "program")  # what a trial is: sweeps/objective.py has a class for each
+KINDS = ("train", "equivalence", "program")  # what a trial is: sweeps/trials/objective.py has a class for each
 DIRECTIONS = ("maximize", "minimize")
 OPERATORS = {"<=": operator.le, ">=": operator.ge, "==": operator.eq, "!=": operator.ne, "<": operator.lt,
              ">": operator.gt}

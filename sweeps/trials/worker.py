@@ -9,20 +9,20 @@ from typing import Any, Callable
 import optuna
 from optuna.trial import TrialState
 
-from trainers import BatchsweepError, device_name, interrupt, resolve_device
+from batchsweep.trainers import BatchsweepError, device_name, interrupt, resolve_device
 
 from .checkpoints import Cleanup
 from .invocation import Invocation
 from .objective import make_objective
-from .outcomes import INTERRUPTED, OUTCOMES, outcome_of
-from .placement import Placement
-from .program import machine
-from .recorder import TrialFailed, TrialRun
-from .search import Duplicate, StudyChanged, Unit
-from .storage import StorageError, fail_orphans, heartbeat_failed, is_storage_failure, open_storage, owner
-from .studies import config_key
-from .tracking import PROCESSES, Tracker, first_line, git_commit
-from .urls import redact
+from ..stores.outcomes import INTERRUPTED, OUTCOMES, outcome_of
+from ..gpus.placement import Placement
+from ..launch.program import machine
+from .record import TrialFailed, TrialRun
+from ..study.search import Duplicate, StudyChanged, Unit
+from ..stores.optuna_store import StorageError, fail_orphans, heartbeat_failed, is_storage_failure, open_storage, owner
+from ..study.spec import config_key
+from ..stores.mlflow_store import PROCESSES, Tracker, first_line, git_commit
+from ..stores.urls import redact
 
 # Consecutive failures to read, create or record a trial in the Optuna storage before a worker gives up: a
 # storage that stopped accepting writes (a folder turned read-only, a database server that went down) would

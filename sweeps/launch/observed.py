@@ -1,4 +1,4 @@
-"""What the tracer saw a script do (sweeps/tracer/batchsweep_trace.py writes it): its optimizer steps, each
+"""What the tracer saw a script do (sweeps/launch/tracer/batchsweep_trace.py writes it): its optimizer steps, each
 window's micro-batches, zero_grad, clip and scheduler calls, LRs and gradient norms, read back as dataclasses.
 batchsweep reads a script's behaviour from here, never from what the script prints about itself."""
 from __future__ import annotations
@@ -132,7 +132,7 @@ def noise_scale(trace: Trace) -> tuple[float, bool] | str:
     from the DataLoader of batch size b, which the finite-set correction needs."""
     import torch
 
-    from trainers import fold_noise, noise_scale as scale_of
+    from batchsweep.trainers import fold_noise, noise_scale as scale_of
 
     b, k = trace.observed() or (0, 0)
     if k < 2:

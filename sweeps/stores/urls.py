@@ -99,7 +99,7 @@ def problem(url: str, flag: str, schemes: tuple[str, ...]) -> str | None:
 
 
 def _config_error(message: str) -> Exception:
-    from trainers import ConfigError  # here, not above: analysis/ imports this module without torch
+    from batchsweep.trainers import ConfigError  # here, not above: analysis/ imports this module without torch
 
     return ConfigError(message)
 

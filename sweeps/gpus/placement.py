@@ -2,7 +2,7 @@
 share one never promise more than it has.
 
 Each worker process sees one GPU (CUDA_VISIBLE_DEVICES, set before it starts), round-robin over the visible ones.
-Before a trial trains, its peak memory is predicted (sweeps/planner.py: the fit of a batch_memory study in the
+Before a trial trains, its peak memory is predicted (sweeps/gpus/planner.py: the fit of a batch_memory study in the
 tracking store, else a quick probe, one for all the workers of a GPU) and the trial waits, in the order the
 trials of that GPU asked, until the GPU has room for it. A trial that runs out of memory while it shared the
 GPU runs again alone; only then is it an out-of-memory trial.
@@ -20,7 +20,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-from trainers import TrainConfig, interrupt, pid_alive
+from batchsweep.trainers import TrainConfig, interrupt, pid_alive
 
 T = TypeVar("T")
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from trainers import BatchsweepError, ConfigError
+from batchsweep.trainers import BatchsweepError, ConfigError
 
-from .program import redacted
-from .tracking import HOST, PROCESSES, TABLES_RACE, first_line, pid_alive
+from ..launch.program import redacted
+from .mlflow_store import HOST, PROCESSES, TABLES_RACE, first_line, pid_alive
 from .urls import check_storage, redact, sqlite_path
 
 HEARTBEAT_GRACE_S = 120  # a trial whose process sent no heartbeat for this long is dead

@@ -2,7 +2,7 @@
 
     python sweeps/run.py --study path/to/study.toml
     python sweeps/run.py --study package.module:STUDY     # a Study, or a dict shaped like the file
-    python sweeps/run.py --study accum_lr                 # a built-in, one of sweeps/builtin/*.toml
+    python sweeps/run.py --study accum_lr                 # a built-in, one of sweeps/study/builtin/*.toml
 
 Every problem is one ConfigError naming the file, the key and what to change.
 """
@@ -13,12 +13,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from trainers import DERIVED, FIELDS, MAX_COUNT, ConfigError, import_object  # DERIVED: a constraint may name them
+from batchsweep.trainers import DERIVED, FIELDS, MAX_COUNT, ConfigError, import_object  # DERIVED: a constraint may name them
 
-from .commands import command
-from .program import PLACEHOLDER, Program, fill, storable
+from ..commands import command
+from ..launch.program import PLACEHOLDER, Program, fill, storable
 from .search import PRUNERS, SAMPLERS
-from .studies import (CONSTRAINT, DIRECTIONS, KINDS, LAUNCHERS, Constraint, Param, Study, check_name,
+from .spec import (CONSTRAINT, DIRECTIONS, KINDS, LAUNCHERS, Constraint, Param, Study, check_name,
                       check_size)
 
 try:

@@ -16,10 +16,10 @@ import optuna
 import torch
 from optuna.trial import TrialState
 
-from trainers import CHECKPOINT_FILE as FILE
-from trainers import HOW_NOT_WHAT, TrainConfig, prepare
+from batchsweep.trainers import CHECKPOINT_FILE as FILE
+from batchsweep.trainers import HOW_NOT_WHAT, TrainConfig, prepare
 
-from .outcomes import OUTCOMES, outcome_of
+from ..stores.outcomes import OUTCOMES, outcome_of
 
 RUN_ID_FILE = "mlflow_run_id"  # the run of the trial that last trained in the folder
 
@@ -104,7 +104,7 @@ def log_model(tracker, run_id: str, config: TrainConfig, folder: Path) -> str:
             target.mkdir()
             torch.save(model.state_dict(), target / "state_dict.pt")
             (target / "model.json").write_text(json.dumps({
-                "model": config.model, "build": "trainers.loop.prepare(TrainConfig(**config)).model, then "
+                "model": config.model, "build": "batchsweep.trainers.loop.prepare(TrainConfig(**config)).model, then "
                 "load_state_dict(torch.load('state_dict.pt'))", "config": dataclasses.asdict(config)}, indent=2))
             kind = "state_dict"
         tracker.log_artifacts(run_id, str(target), "model")

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 from typing import Any
 
-from trainers import DERIVED, FIELDS, TrainConfig
+from batchsweep.trainers import DERIVED, FIELDS, TrainConfig
 
-from .planner import start_batch
-from .search import Search, Unit, make_search
-from .studies import Point, Study
+from ..gpus.planner import start_batch
+from ..study.search import Search, Unit, make_search
+from ..study.spec import Point, Study
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import psutil
 
-from .urls import USERINFO, redact
+from ..stores.urls import USERINFO, redact
 
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # What a [program] trial records as params besides the fields its study names and its command uses: the

@@ -17,10 +17,10 @@ from typing import Any, Callable
 import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution
 
-from .outcomes import holds
-from trainers import BatchsweepError
+from ..stores.outcomes import holds
+from batchsweep.trainers import BatchsweepError
 
-from .studies import Param, Point, Study, config_key, point_key
+from .spec import Param, Point, Study, config_key, point_key
 
 
 @dataclass(frozen=True)

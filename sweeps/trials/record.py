@@ -1,6 +1,6 @@
 """One trial from its point to its outcome: its MLflow run and checkpoint folder, its training, and how it ended,
 recorded in Optuna first (Optuna decides whether the point runs again), then in MLflow, by the row of
-sweeps/outcomes.py that the ending maps to."""
+sweeps/stores/outcomes.py that the ending maps to."""
 from __future__ import annotations
 
 import gc
@@ -11,14 +11,14 @@ from typing import Any
 import optuna
 import torch
 
-from trainers import Checkpointing, ConfigError, interrupt
+from batchsweep.trainers import Checkpointing, ConfigError, interrupt
 
 from .checkpoints import claim, folder_of, resumes
 from .objective import TrialLink, Trained
-from .outcomes import OUTCOMES
-from .studies import Point, describe
-from .placement import system_metrics
-from .tracking import first_line, standard_tags
+from ..stores.outcomes import OUTCOMES
+from ..study.spec import Point, describe
+from ..gpus.placement import system_metrics
+from ..stores.mlflow_store import first_line, standard_tags
 
 
 class TrialFailed(Exception):
@@ -46,7 +46,7 @@ class TrialRun:
                                                  worker.objective.params(self.config, self.own), tags)
         self.history: list[dict[str, float]] = []
         self.in_run: tuple[str, ...] = ()  # metrics the run holds already (a script logged them itself)
-        self.placed: dict[str, Any] = {}  # on a GPU: its placement (sweeps/placement.py), as tags
+        self.placed: dict[str, Any] = {}  # on a GPU: its placement (sweeps/gpus/placement.py), as tags
 
     def run(self) -> float | list[float]:
         worker = self.worker

@@ -5,13 +5,13 @@ import shlex
 
 from optuna.trial import TrialState
 
-from trainers import format_bytes
+from batchsweep.trainers import format_bytes
 
-from .outcomes import OUTCOMES, holds, outcome_of
-from .studies import config_key, describe, point_key
-from .studyfile import BUILTIN, builtin_names, load
-from .program import redacted
-from .urls import redact, scrub
+from ..stores.outcomes import OUTCOMES, holds, outcome_of
+from ..study.spec import config_key, describe, point_key
+from ..study.files import BUILTIN, builtin_names, load
+from ..launch.program import redacted
+from ..stores.urls import redact, scrub
 
 
 def format_table(headers: list[str], rows: list[list[str]]) -> str:
@@ -27,7 +27,7 @@ def list_studies() -> str:
     for name in builtin_names():
         s = load(name)
         rows.append([s.name, str(len(s.points) * s.trials_per_unit * s.seeds), str(s.seeds), s.sampler,
-                     s.summary, str((BUILTIN / f"{name}.toml").relative_to(BUILTIN.parents[1]))])
+                     s.summary, str((BUILTIN / f"{name}.toml").relative_to(BUILTIN.parents[2]))])
     return format_table(["study", "trials", "seeds", "search", "what it varies", "file"], rows) + \
         "\n\nyour own: --study path/to/study.toml (copy one of these files to start)"
 
@@ -68,7 +68,7 @@ def dry_run_table(inv, held: dict | None = None) -> str:
 def unit_statuses(inv, held: dict) -> tuple[tuple[int, int, int], list[str]]:
     """(trials done, running, to run) and a status per unit: a grid point's outcome ("complete", "oom", ...),
     "running", "interrupted" (its process is gone: it runs again) or "to run"; a search's "n/T done"."""
-    from .storage import orphaned
+    from ..stores.optuna_store import orphaned
 
     grid = inv.study.sampler == "grid"
     total = 1 if grid else inv.study.trials

@@ -20,7 +20,7 @@ from mlflow.store.artifact.artifact_repository_registry import get_artifact_repo
 from mlflow.utils.mlflow_tags import (MLFLOW_DATASET_CONTEXT, MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NOTE,
                                      MLFLOW_SOURCE_NAME, MLFLOW_SOURCE_TYPE, MLFLOW_USER)
 
-from trainers import BatchsweepError, pid_alive
+from batchsweep.trainers import BatchsweepError, pid_alive
 
 from .outcomes import INTERRUPTED
 from .urls import redact, sqlite_path, unreachable

@@ -1,0 +1,1 @@
+"""A study: its data (spec.py), study files and the built-in ones (files.py, builtin/), and its searches."""
