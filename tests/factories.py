@@ -276,6 +276,16 @@ class WithOwnLoss(nn.Module):
                 "l2": (output.pow(2).sum(), len(target))}
 
 
+
+def checkpoint_landed() -> None:
+    """Wait for the trainer's background checkpoint write, so that a process held or killed here leaves a whole
+    last checkpoint."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == "checkpoint":
+            thread.join()
+
 class Killable(nn.Module):
     """A small conv net with BatchNorm and dropout (so that a resumed run needs the buffers and torch's RNG
     state) that kills its own process with SIGKILL at its n-th forward in train or eval mode, when
@@ -290,7 +300,6 @@ class Killable(nn.Module):
 
     def forward(self, x):
         import signal
-        import threading
 
         mode = "train" if self.training else "eval"
         self.calls[mode] += 1
@@ -300,9 +309,7 @@ class Killable(nn.Module):
             os.unlink(marker)
             # The last epoch's checkpoint is written beside this epoch's training: let it land, so that the
             # resume point does not depend on the machine's load (a kill mid-write has a test of its own).
-            for thread in threading.enumerate():
-                if thread.name == "checkpoint":
-                    thread.join()
+            checkpoint_landed()
             os.kill(os.getpid(), signal.SIGKILL)
         return self.net(x)
 
@@ -323,15 +330,12 @@ class Holds(nn.Module):
         self.evals = 0
 
     def forward(self, x):
-        import threading
         import time
 
         marker, _, n = os.environ.get("BATCHSWEEP_TEST_HOLD", "").partition(":")
         self.evals += not self.training
         if marker and not self.training and self.evals == int(n) and self._claim(marker):
-            for thread in threading.enumerate():
-                if thread.name == "checkpoint":
-                    thread.join()
+            checkpoint_landed()
             with open(f"{marker}.pid", "w") as f:
                 f.write(str(os.getpid()))
             os.replace(f"{marker}.pid", f"{marker}.held")  # whole when it appears
@@ -365,16 +369,13 @@ class HoldsEach(nn.Module):
         self.evals = 0
 
     def forward(self, x):
-        import threading
         import time
 
         folder, _, rest = os.environ.get("BATCHSWEEP_TEST_HOLD_EACH", "").partition(":")
         n, _, stubborn = rest.partition(":")
         self.evals += not self.training
         if folder and not self.training and self.evals == int(n):
-            for thread in threading.enumerate():
-                if thread.name == "checkpoint":
-                    thread.join()
+            checkpoint_landed()
             self._mark(folder, "held")
             while True:
                 try:
