@@ -6,8 +6,8 @@ import os
 import sys
 from pathlib import Path
 
-from batchsweep.trainers import (FIELDS, BatchsweepError, ConfigError, TrainConfig, format_bytes, interrupt, parse_overrides,
-                      parse_value)
+from batchsweep.trainers import (FIELDS, BatchsweepError, ConfigError, TrainConfig, format_bytes, interrupt,
+                                 parse_overrides, parse_value)
 
 from .commands import Parser, command
 from .study.spec import LAUNCHERS, check_name, check_size

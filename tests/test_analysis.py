@@ -12,14 +12,15 @@ import pandas as pd
 import pytest
 import scipy.stats
 
-from batchsweep.analysis.figures import (Measure, accuracy_vs_batch, all_figures, best_lr, bn_rules, context, equivalence,
-                              learning_curves, log_scale, lr_scaling, protocol, split, warmup_curves)
+from batchsweep.analysis.figures import (Measure, accuracy_vs_batch, all_figures, best_lr, bn_rules, context,
+                                         equivalence, learning_curves, log_scale, lr_scaling, protocol, split,
+                                         warmup_curves)
 from batchsweep.analysis import branching
 from batchsweep.analysis.findings import course, lr_rule_reading, memory, stated, summarize
 from batchsweep.analysis.render import MIB, _display, _table, write_report
 from batchsweep.analysis.runs import Difference, StudyRuns, aggregate, ci95, knee, load_studies, steps_to_target
-from batchsweep.analysis.space import (MIN_IMPORTANCE_TRIALS, front, importance, label, memory_front, parallel_coordinates,
-                            time_front)
+from batchsweep.analysis.space import (MIN_IMPORTANCE_TRIALS, front, importance, label, memory_front,
+                                       parallel_coordinates, time_front)
 from tests.conftest import run_script
 from tests.test_sweeps import TINY, sweep
 

@@ -13,7 +13,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from batchsweep.trainers import DERIVED, FIELDS, MAX_COUNT, ConfigError, import_object  # DERIVED: a constraint may name them
+# DERIVED: a constraint may name them
+from batchsweep.trainers import DERIVED, FIELDS, MAX_COUNT, ConfigError, import_object
 
 from ..commands import command
 from ..launch.program import PLACEHOLDER, Program, fill, storable

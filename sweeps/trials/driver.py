@@ -17,7 +17,8 @@ from ..stores.outcomes import OUTCOMES, outcome_of
 from ..launch.program import die_with_parent
 from ..study.spec import describe
 from .tables import results_table
-from ..stores.mlflow_store import HOST, Tracker, TrackingError, first_line, git_commit, quiet_library_logs, standard_tags
+from ..stores.mlflow_store import (HOST, Tracker, TrackingError, first_line, git_commit, quiet_library_logs,
+                                   standard_tags)
 from ..stores.urls import redact
 
 # A worker's message that moves the bar: counting this invocation's trials, not the study's, keeps the bar
