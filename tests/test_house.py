@@ -1,6 +1,7 @@
 """The house stays walkable: the README is a front door whose links lead somewhere, docs/cli.md is every
 command's --help, no function is longer than a screen, and sweeps/ uses the trainer through its surface."""
 import ast
+import importlib.util
 import re
 import subprocess
 import tempfile
@@ -164,6 +165,8 @@ def test_the_messages_that_docs_reliability_quotes_are_the_commands():
         # (--plan, --workers-per-gpu and --device say what they say after a probe, or where there is no GPU)
         if quoted is None or flags[0] in ("--plan", "--workers-per-gpu", "--device"):
             continue
+        if any(f.startswith("hf:") for f in flags) and importlib.util.find_spec("transformers") is None:
+            continue  # (without the optional extra the line says to install it: tests/test_shapes.py)
         pattern = ".*".join(re.escape(part) for part in quoted.group(1).split("…"))
         with tempfile.TemporaryDirectory() as folder:
             said = in_process(run, folder, "--study", "accum_lr", *flags, "--dry-run").stderr.strip()
