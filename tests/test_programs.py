@@ -261,19 +261,36 @@ def test_ctrl_c_stops_the_scripts_process_group_and_records_the_trial_interrupte
                                                                             "[program] runs your script"),
     ("[fixed]\nwidth = [1, 2]", 'command = ["{python}", "t.py", "{width}"]', "fixed.width: must be text, a finite"),
     ("", 'command = ["pythn", "t.py"]', "program.command: 'pythn' is not a program it can start"),
+    ("", 'command = ["{python}", "t.py"', "not valid TOML"),
     ('[fixed]\n"drop rate" = 0.1', 'command = ["{python}", "t.py"]',
      "fixed.drop rate: 'drop rate' is not a name a field of your own can have: use letters, digits and _, not a "
      "digit first, as a placeholder does ({drop_rate})"),
+    ("", 'command = ["{python}", "t.py", "--accum", "{accum_steps"]',
+     "program.command: '{accum_steps' is no placeholder: write a placeholder as {name}, without spaces "
+     "({accum_steps}), and a literal brace as {{ or }}"),
+    ("", 'command = ["{python}", "t.py"]\nenv = {K = "{ accum_steps }"}',
+     "program.env.K: '{ accum_steps }' is no placeholder: write a placeholder as {name}, without spaces "
+     "({accum_steps})"),
     ('[objective]\nmetrics = ["recall@1"]', 'command = ["{python}", "t.py"]',
      "objective.metrics: MLflow cannot hold a metric named 'recall@1' (it takes letters, digits and _ - . : / and "
      "spaces): a script's 'recall@1' is logged as 'recall_1': put that name here"),
 ])
 def test_a_bad_program_table_is_one_line_before_anything_runs(tmp_path, body, command, expected):
     path = study_file(tmp_path, "bad_program", body, command)
-    proc = sweep(tmp_path, "--study", str(path))
-    assert proc.returncode == 2
-    assert proc.stderr.startswith(f"error: {path}: {expected}"), proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "mlruns").exists()
+    for dry in ([], ["--dry-run"]):  # a malformed placeholder is no command line to show either
+        proc = sweep(tmp_path, "--study", str(path), *dry)
+        assert proc.returncode == 2
+        assert proc.stderr.startswith(f"error: {path}: {expected}"), proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "mlruns").exists()
+        assert "Traceback" not in proc.stderr and not proc.stdout
+
+
+def test_a_doubled_brace_reaches_the_script_as_one():
+    from batchsweep.sweeps.launch.program import Program
+
+    program = Program(("{python}", "t.py", '--cfg={{"k": {accum_steps}}}'))
+    assert program.placeholders() == ["python", "accum_steps"]
+    assert program.argv({"accum_steps": 4})[2] == '--cfg={"k": 4}'
 
 
 @pytest.mark.parametrize("printed, logged", [

@@ -7,6 +7,7 @@ whatever it started too: SIGTERM to the group, SIGKILL after a grace period.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import posixpath
@@ -26,6 +27,9 @@ import psutil
 from ..stores.urls import USERINFO, redact
 
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+# What a command's text may hold between its plain characters: a placeholder, or {{ and }} for a literal brace (as
+# Python's str.format). Any other brace is a mistake ("{accum_steps", "{ lr }") that would reach the script as is.
+TOKEN = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # What a [program] trial records as params besides the fields its study names and its command uses: the
 # questions' own values. Trainer fields that a script does not read (model, dataset, ...) would only mislead.
 PARAMS = ("physical_batch", "accum_steps", "effective_batch", "lr_rule", "base_lr", "base_batch", "lr", "seed",
@@ -35,6 +39,7 @@ SAMPLE_S = 0.2  # how often the process tree's memory is read (and the output, a
 GPU_SAMPLE_S = 1.0  # nvidia-smi costs tens of milliseconds a call
 TAIL_LINES = 20  # of stderr, kept for the error tag
 PIPE_GRACE_S = 2.0  # how long output is still read after the script exited
+STRAY_WAIT_S = 5.0  # for what a script left running to end after SIGKILL (a process in the kernel may not)
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,7 @@ class Program:
 
     def placeholders(self) -> list[str]:
         texts = [*self.command, *self.env.values()]
-        return list(dict.fromkeys(name for text in texts for name in PLACEHOLDER.findall(text)))
+        return list(dict.fromkeys(m.group(1) for text in texts for m in TOKEN.finditer(text) if m.group(1)))
 
     def argv(self, values: dict[str, Any]) -> list[str]:
         return [fill(arg, values) for arg in self.command]
@@ -91,9 +96,20 @@ def machine() -> str:
 
 
 def fill(text: str, values: dict[str, Any]) -> str:
-    """`text` with each {name} replaced by its value ({python}: the interpreter batchsweep runs on)."""
+    """`text` with each {name} replaced by its value ({python}: the interpreter batchsweep runs on), {{ and }}
+    by one brace."""
     values = {"python": sys.executable, **values}
-    return PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), text)
+    return TOKEN.sub(lambda m: str(values[m.group(1)]) if m.group(1) else m.group(0)[0], text)
+
+
+def stray_brace(text: str) -> str | None:
+    """The first brace in `text` that is neither part of a {name} nor doubled, with what is around it; None."""
+    rest = TOKEN.sub(lambda m: "\0" * len(m.group(0)), text)  # (same length: a position in rest is one in text)
+    at = min((i for i in (rest.find("{"), rest.find("}")) if i >= 0), default=-1)
+    if at < 0:
+        return None
+    end = text.find("}", at) if text[at] == "{" else at
+    return text[at:end + 1] if 0 <= end - at < 40 else text[at:at + 20]
 
 
 @dataclass
@@ -105,6 +121,19 @@ class Ended:
     wall_time_s: float
     peak_memory_bytes: int
     memory_source: str  # "rss" (the process tree's resident memory) or "cuda" (device memory its processes held)
+    strays: list[str] = field(default_factory=list)  # processes it left outside its group, stopped: "pid (name)"
+    left: list[str] = field(default_factory=list)  # processes it left that could not be stopped
+
+    def notes(self) -> list[str]:
+        notes = []
+        if self.strays:
+            notes.append(f"the script left {len(self.strays)} process{'es' * (len(self.strays) > 1)} running outside "
+                         f"its process group ({', '.join(self.strays[:3])}): stopped at the trial's end")
+        if self.left:
+            them = "them" if len(self.left) > 1 else "it"
+            notes.append(f"{len(self.left)} process{'es' * (len(self.left) > 1)} the script started could not be "
+                         f"stopped ({', '.join(self.left[:3])}): stop {them} yourself")
+        return notes
 
 
 @dataclass
@@ -113,14 +142,55 @@ class Output:
 
     lines: list[str] = field(default_factory=list)  # stdout and stderr, in the order they came
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))  # of stderr
-    final: dict[str, float] = field(default_factory=dict)  # the last value of every metric it printed
+    # The final value of every metric it printed: the one at the latest MLflow step (as MLflow's own latest value
+    # is), a row without step or epoch taking the step of that metric's row before it.
+    final: dict[str, float] = field(default_factory=dict)
     renamed: dict[str, str] = field(default_factory=dict)  # a printed name MLflow refuses -> the name logged
+    watched: tuple[str, ...] = ()  # the objective's metrics: a row where one is no number is a warning
+    at: dict[str, float] = field(default_factory=dict)  # the step of each final value
+    highest: dict[str, float] = field(default_factory=dict)  # the highest epoch and step printed so far
+    problems: dict[str, list] = field(default_factory=dict)  # what is wrong with rows: [the first's sentence, count]
 
     def notes(self) -> list[str]:
-        return [f"the script's metric {name!r} is logged as {logged!r}: " +
-                (f"batchsweep measures {name!r} itself" if name in MEASURED else
-                 f"MLflow takes letters, digits and _ - . : / and spaces in a name of at most {NAME_LENGTH}")
-                for name, logged in self.renamed.items()]
+        renamed = [f"the script's metric {name!r} is logged as {logged!r}: " +
+                   (f"batchsweep measures {name!r} itself" if name in MEASURED else
+                    f"MLflow takes letters, digits and _ - . : / and spaces in a name of at most {NAME_LENGTH}")
+                   for name, logged in self.renamed.items()]
+        return renamed + [first + (f" ({n - 1} more row{'s' * (n > 2)} like it)" if n > 1 else "")
+                          for first, n in self.problems.values()]
+
+    def row(self, line: str) -> dict[str, float] | None:
+        """A printed line as a metric row (see parse_row), its values kept as final where they are the latest."""
+        raw = json_object(line)
+        if raw is None:
+            return None
+        shown = line.strip() if len(line.strip()) <= 120 else line.strip()[:117] + "..."
+        for name in (*self.watched, "epoch", "step"):
+            if name in raw and name not in numbers(raw):
+                self._problem(name, f"the script printed {name} as {raw[name]!r}, not a number, in the row {shown}: "
+                                    f"it is not logged; print {name} as a number")
+        row = parse_row(line, self.renamed)
+        if row is None:
+            return None
+        from ..stores.mlflow_store import step_of  # (here: a study file's checks need no MLflow)
+
+        step = step_of(row) if "step" in row or "epoch" in row else None
+        for index in ("epoch", "step"):
+            if index in row and row[index] < self.highest.get(index, -math.inf):
+                self._problem(f"{index} order", f"the script printed {index} {row[index]:g} after {index} "
+                                                f"{self.highest[index]:g} (the row {shown}): a metric's final value "
+                                                f"is its value at the latest {index}")
+            self.highest[index] = max(row.get(index, -math.inf), self.highest.get(index, -math.inf))
+        for name, value in row.items():
+            if name in ("epoch", "step"):
+                continue
+            at = self.at.get(name, -math.inf) if step is None else step
+            if at >= self.at.get(name, -math.inf):
+                self.final[name], self.at[name] = value, at
+        return row
+
+    def _problem(self, kind: str, sentence: str) -> None:
+        self.problems.setdefault(kind, [sentence, 0])[1] += 1
 
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
@@ -157,9 +227,8 @@ def numbers(row: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def parse_row(line: str, renamed: dict[str, str]) -> dict[str, float] | None:
-    """A line of stdout that is a JSON object with numbers in it, under names MLflow takes and batchsweep's
-    measurements do not (`renamed` gets each name that had to change); None for any other line."""
+def json_object(line: str) -> dict[str, Any] | None:
+    """A line that is a JSON object, as a dict; None for any other line."""
     line = line.strip()
     if not line.startswith("{"):
         return None
@@ -167,7 +236,14 @@ def parse_row(line: str, renamed: dict[str, str]) -> dict[str, float] | None:
         row = json.loads(line)
     except ValueError:
         return None
-    if not isinstance(row, dict):
+    return row if isinstance(row, dict) else None
+
+
+def parse_row(line: str, renamed: dict[str, str]) -> dict[str, float] | None:
+    """A line of stdout that is a JSON object with numbers in it, under names MLflow takes and batchsweep's
+    measurements do not (`renamed` gets each name that had to change); None for any other line."""
+    row = json_object(line)
+    if row is None:
         return None
     values = {}
     for name, value in numbers(row).items():
@@ -180,19 +256,17 @@ def parse_row(line: str, renamed: dict[str, str]) -> dict[str, float] | None:
 
 class Memory:
     """The peak memory of a process tree: resident memory summed over its processes, sampled; on a machine
-    with nvidia-smi, also the device memory those processes hold."""
+    with nvidia-smi, also the device memory those processes hold. The tree is every descendant of this process
+    that `before` does not hold: the script's, and those it double-forked away (re-parented here, the reaper)."""
 
-    def __init__(self, pid: int):
-        self.root = psutil.Process(pid)
+    def __init__(self, before: set[int] = frozenset()):
+        self.before = before
         self.rss = self.cuda = 0
         self.smi = shutil.which("nvidia-smi")
         self._next_gpu = 0.0
 
     def pids(self) -> list[psutil.Process]:
-        try:
-            return [self.root, *self.root.children(recursive=True)]
-        except psutil.Error:
-            return []
+        return descendants(self.before)
 
     def sample(self) -> None:
         procs, total = self.pids(), 0
@@ -236,6 +310,45 @@ def die_with_parent():
     return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def become_reaper() -> bool:
+    """Make this process the reaper of its descendants (Linux's PR_SET_CHILD_SUBREAPER): a process that a script
+    double-forks into a session of its own is re-parented here when its parent ends, instead of to PID 1, so that
+    it is found and stopped at the trial's end. False where there is no such prctl."""
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return False
+    return sys.platform.startswith("linux") and prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+
+
+def descendants(before: set[int] = frozenset()) -> list[psutil.Process]:
+    """This process's descendants, but those whose pids `before` holds."""
+    try:
+        return [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    except psutil.Error:
+        return []
+
+
+def stop_descendants(before: set[int], pgid: int) -> tuple[list[str], list[str]]:
+    """SIGKILL to every descendant of this process that `before` does not hold (what a script left running, in
+    its group or out of it), each reaped. Returns those outside the group `pgid` (a double-forked daemon), and
+    those still there after STRAY_WAIT_S, as 'pid (name)'."""
+    found = descendants(before)
+    strays, named = [], {}
+    for p in found:
+        try:
+            named[p.pid] = f"{p.pid} ({p.name()})"
+            if os.getpgid(p.pid) != pgid:
+                strays.append(named[p.pid])
+            p.kill()
+        except (psutil.Error, ProcessLookupError):  # ended meanwhile
+            pass
+    _, alive = psutil.wait_procs(found, timeout=STRAY_WAIT_S)  # (waits on the children here: reaps them)
+    return strays, [named.get(p.pid, str(p.pid)) for p in alive]
+
+
 def stop_group(pgid: int, proc: subprocess.Popen, grace: float = GRACE_S) -> None:
     """SIGTERM to the process group, SIGKILL to what is left of it after `grace` seconds."""
     _signal_group(pgid, signal.SIGTERM)
@@ -259,11 +372,13 @@ def run(argv: list[str], env: dict[str, str], cwd: str | None, timeout_s: float 
     """Run a script to its end, keeping what it prints in `output`. Each JSON row with `step` or `epoch` goes
     to `on_row` as it is printed; `every` is called between reads (at least every SAMPLE_S). An exception from
     either (a pruned trial, Ctrl-C) stops the script's process group and is raised again."""
+    become_reaper()
+    before = {p.pid for p in descendants()}  # (a worker's own children, where it has any)
     start = time.monotonic()
     proc = subprocess.Popen(argv, cwd=cwd, env={**os.environ, **env}, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                             preexec_fn=die_with_parent())
-    memory, stopped, exited = Memory(proc.pid), None, None
+    memory, stopped, exited = Memory(before), None, None
     try:
         with selectors.DefaultSelector() as sel:
             sel.register(proc.stdout, selectors.EVENT_READ, "out")
@@ -290,10 +405,8 @@ def run(argv: list[str], env: dict[str, str], cwd: str | None, timeout_s: float 
                         output.lines.append(line)
                         if key.data == "err":
                             output.tail.append(line)
-                        elif (row := parse_row(line, output.renamed)) is not None:
-                            output.final.update({k: v for k, v in row.items() if k not in ("step", "epoch")})
-                            if "step" in row or "epoch" in row:
-                                on_row(row)
+                        elif (row := output.row(line)) is not None and ("step" in row or "epoch" in row):
+                            on_row(row)
         if stopped:
             stop_group(proc.pid, proc)
         code = proc.wait()
@@ -303,9 +416,11 @@ def run(argv: list[str], env: dict[str, str], cwd: str | None, timeout_s: float 
     finally:
         proc.stdout.close()
         proc.stderr.close()
-    _signal_group(proc.pid, signal.SIGKILL)  # what the script left running in its group
+        # No process outlives its trial: what the script left in its group, and out of it.
+        _signal_group(proc.pid, signal.SIGKILL)
+        strays, left = stop_descendants(before, proc.pid)
     peak, source = memory.peak()
-    return Ended(code, stopped, time.monotonic() - start, peak, source)
+    return Ended(code, stopped, time.monotonic() - start, peak, source, strays, left)
 
 
 # How a script's out-of-memory reads on stderr: PyTorch's error on a GPU and on the CPU, and Python's own.

@@ -32,6 +32,8 @@ OUTCOMES = {o.name: o for o in [
     Outcome("invalid", TrialState.PRUNED, "FAILED", "never", True,
             "the configuration cannot run or breaks one of the study's constraints"),
     Outcome("error", TrialState.FAIL, "FAILED", "later", False, "raised an error"),
+    Outcome("clash", TrialState.FAIL, "FAILED", "later", False,
+            "wrote a file that a trial running at the same time wrote too: its result may be the other's"),
     Outcome("interrupted", TrialState.FAIL, "KILLED", "later", False, "stopped by Ctrl-C or a signal"),
     Outcome("duplicate", TrialState.PRUNED, None, "now", False, "another trial holds the same point"),
 ]}

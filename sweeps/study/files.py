@@ -9,6 +9,7 @@ Every problem is one ConfigError naming the file, the key and what to change.
 from __future__ import annotations
 
 import math
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 from batchsweep.trainers import DERIVED, FIELDS, MAX_COUNT, ConfigError, import_object
 
 from ..commands import command
-from ..launch.program import PLACEHOLDER, Program, fill, storable
+from ..launch.program import PLACEHOLDER, TOKEN, Program, fill, storable, stray_brace
 from .search import PRUNERS, SAMPLERS
 from .spec import (CONSTRAINT, DIRECTIONS, KINDS, LAUNCHERS, Constraint, Param, Study, check_name,
                       check_size)
@@ -379,13 +380,20 @@ def _program(data: dict, source: str, fail) -> Program:
 
 def _check_program(study: Study, fail) -> None:
     """What a [program] study cannot have: a placeholder with no value, and what only the trainer does."""
-    known = {*FIELDS, *DERIVED, *study.named, "python"}
+    known = {*FIELDS, *DERIVED, *study.named, "python", "trial_dir"}
+    for key, text in [*(("program.command", a) for a in study.program.command),
+                      *((f"program.env.{k}", v) for k, v in study.program.env.items())]:
+        brace = stray_brace(text)
+        if brace:
+            name = re.sub(r"\W", "", brace)
+            raise fail(key, f"{brace!r} is no placeholder: write a placeholder as {{name}}, without spaces"
+                            + (f" ({{{name}}})" if name else "") + ", and a literal brace as {{ or }}")
     for key, texts in (("program.command", study.program.command), ("program.env", study.program.env.values())):
-        for name in (n for text in texts for n in PLACEHOLDER.findall(text)):
+        for name in (m.group(1) for text in texts for m in TOKEN.finditer(text) if m.group(1)):
             if name not in known:
                 raise fail(key, f"{{{name}}} is not a placeholder: use a trainer field (physical_batch, "
                                 f"accum_steps, lr, seed, epochs, max_steps, ...), {', '.join(DERIVED)}, a field of "
-                                f"[fixed], [grid] or [tune], or {{python}}")
+                                f"[fixed], [grid] or [tune], {{trial_dir}} or {{python}}")
     first = fill(study.program.command[0], {})
     if not (Path(study.program.cwd, first).is_file() if "/" in first else shutil.which(first)):
         raise fail("program.command", f"{first!r} is not a program it can start: give a program on PATH, a path "

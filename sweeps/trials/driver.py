@@ -16,6 +16,7 @@ from ..commands import command
 from ..stores.outcomes import OUTCOMES, outcome_of
 from ..launch.program import die_with_parent
 from ..study.spec import describe
+from .places import FIX
 from .tables import results_table
 from ..stores.mlflow_store import (HOST, Tracker, TrackingError, first_line, git_commit, quiet_library_logs,
                                    standard_tags)
@@ -322,7 +323,10 @@ def start_parent(inv, tracker: Tracker, workers: int) -> str:
 
 
 def finish(inv, tracker: Tracker, parent: str, storage, left: int | None) -> int:
-    """After the workers: the models kept, the checkpoints cleaned up, the table of trials."""
+    """After the workers: the models kept, the checkpoints cleaned up, the table of trials, the files trials
+    clashed on."""
+    import optuna
+
     from .checkpoints import Cleanup
 
     try:
@@ -331,6 +335,13 @@ def finish(inv, tracker: Tracker, parent: str, storage, left: int | None) -> int
         print(f"warning: the models were not logged ({first_line(exc, inv.storage)}); the trials are kept",
               file=sys.stderr)
     print(results_table(inv, storage))
+    clashed = [t for name in inv.study_names() for t in optuna.load_study(study_name=name, storage=storage).get_trials(
+        deepcopy=False) if "clash" in t.user_attrs and t.user_attrs.get("invocation") == parent]
+    if clashed:
+        print(f"warning: {len(clashed)} trial{'s' * (len(clashed) > 1)} wrote a file that another trial wrote while "
+              f"both ran (trial {clashed[0].number}: {clashed[0].user_attrs['clash']}): their results may be each "
+              f"other's, so they are marked clash, left out of the report, and run again in the next invocation; "
+              f"{FIX}", file=sys.stderr)
     if left:
         print(f"{left} trials left: run the same command again to continue", file=sys.stderr)
     return 1 if all_failed(inv, storage) else 0

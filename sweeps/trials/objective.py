@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import difflib
@@ -17,6 +15,7 @@ from mlflow import MlflowClient
 from batchsweep.trainers import METRICS, BatchsweepError, Checkpointing, ConfigError, TrainConfig, train
 
 from ..launch import observed, program, torchrun
+from .places import Place, clash_sentence
 from ..study.spec import Study
 from ..stores.urls import scrub
 
@@ -47,6 +46,7 @@ class TrialLink:
     own: dict[str, Any]  # fields of the user's own ([program] studies): not trainer fields
     report: Callable[[dict[str, float]], None]  # a row for the pruner alone
     secrets: tuple[str, ...] = ()  # URLs whose passwords never reach a log
+    place: Place | None = None  # a [program] trial's own folder, and what it wrote elsewhere
 
 
 class Objective:
@@ -159,14 +159,16 @@ class Script(Objective):
 
     def train(self, config: TrainConfig, on_epoch: Callable[[dict[str, float]], None],
               checkpoint: Checkpointing | None = None, link: TrialLink | None = None) -> Trained:
-        values = {**config.to_dict(), **link.own}
+        place = link.place
+        values = {**config.to_dict(), **link.own, "trial_dir": str(place.folder)}
         env = {**program.handoff(link.tracking_uri, link.run_id, link.experiment_id),
-               **self.program.environment(values)}
+               "BATCHSWEEP_TRIAL_DIR": str(place.folder), **self.program.environment(values)}
         timeout = self.program.timeout_minutes * 60 if self.program.timeout_minutes else None
-        output, client = program.Output(), MlflowClient(link.tracking_uri)
+        output, client = program.Output(watched=self.metrics), MlflowClient(link.tracking_uri)
         watch = RunWatch(client, link, self.metrics[0]) if self.prunes else None
-        with tempfile.TemporaryDirectory(prefix="batchsweep-trace-") as folder:
-            env.update(observed.environment(Path(folder), noise=config.accum_steps > 1,
+        place.open()
+        try:
+            env.update(observed.environment(place.trace, noise=config.accum_steps > 1,
                                             pythonpath=env.get("PYTHONPATH")))
             try:
                 ended = program.run(self.program.argv(values), env, self.program.cwd, timeout, output, on_epoch,
@@ -176,24 +178,17 @@ class Script(Objective):
                     client.log_text(link.run_id, scrub(output.text(), *link.secrets), "log.txt")
                 except Exception:  # the store failed: recording the trial's outcome fails next and says why
                     pass
-            trace = observed.read(Path(folder))
-        if ended.stopped == "timeout":
-            raise ScriptFailed(f"timeout: ran past timeout_minutes = {self.program.timeout_minutes:g} and was "
-                               f"stopped")
-        if ended.code != 0:
-            why = program.out_of_memory(ended, output)
-            if why:
-                raise torch.OutOfMemoryError(scrub(why, *link.secrets))
-            raise ScriptFailed(scrub(program.failure(ended, output), *link.secrets))
+            trace = observed.read(place.trace)
+        finally:  # (a stopped trial's writes, too, for the trials that ran beside it)
+            clashes = place.close()
+        measured, tags = self.measured(ended, output, link, clashes)
         in_run = {k: v for k, v in client.get_run(link.run_id).data.metrics.items() if not k.startswith("system/")}
-        metrics = {**in_run, **output.final, "wall_time_s": ended.wall_time_s}
-        if ended.peak_memory_bytes:
-            metrics["peak_memory_bytes"] = float(ended.peak_memory_bytes)
+        metrics = {**in_run, **measured}
         source = ended.memory_source
         if trace is not None and trace.peak_allocated_bytes:  # on a GPU: the trainer's measure, the process's beside
             metrics["process_peak_memory_bytes"] = metrics.get("peak_memory_bytes", 0.0)
             metrics["peak_memory_bytes"], source = float(trace.peak_allocated_bytes), "cuda_allocator"
-        seen, notes = as_observed(trace, config), output.notes()
+        seen, notes = as_observed(trace, config), output.notes() + ended.notes()
         for name, value in (("samples_per_s", trace and trace.samples_per_s()),
                             ("tokens_per_s", trace and trace.tokens_per_s())):
             if value and name not in metrics:  # (what the script logged itself stays)
@@ -208,8 +203,29 @@ class Script(Objective):
                 metrics.update(noise_scale=scale[0], noise_scale_reliable=float(scale[1]))
         finite = all(math.isfinite(metrics[m]) for m in self.metrics if m in metrics)
         return Trained(metrics, "ok" if finite else "diverged", source,
-                       {"exit_status": ended.code, "warnings": " | ".join(notes) or None, **seen},
+                       {**tags, "warnings": " | ".join(notes) or None, **seen},
                        in_run=tuple(k for k in in_run if k not in output.final))
+
+    def measured(self, ended: program.Ended, output: program.Output, link: TrialLink,
+                 clashes: list[tuple[str, str]]) -> tuple[dict[str, float], dict[str, Any]]:
+        """What was measured of a script run, and its tags. A script that failed raises, its exception carrying
+        both (`exc.trained`): its record keeps its exit, time and memory."""
+        measured = {**output.final, "wall_time_s": ended.wall_time_s}
+        if ended.peak_memory_bytes:
+            measured["peak_memory_bytes"] = float(ended.peak_memory_bytes)
+        tags = {"exit_status": ended.code, "processes_left": ", ".join(ended.left) or None,
+                "clash": clash_sentence(clashes) if clashes else None}
+        if ended.stopped == "timeout":
+            exc = ScriptFailed(f"timeout: ran past timeout_minutes = {self.program.timeout_minutes:g} and was stopped")
+        elif ended.code != 0:
+            why = program.out_of_memory(ended, output)
+            exc = torch.OutOfMemoryError(scrub(why, *link.secrets)) if why else \
+                ScriptFailed(scrub(program.failure(ended, output), *link.secrets))
+        else:
+            return measured, tags
+        exc.trained = Trained(measured, "ok", ended.memory_source,
+                              {**tags, "warnings": " | ".join(output.notes() + ended.notes()) or None})
+        raise exc
 
 
 def as_observed(trace: observed.Trace | None, config: TrainConfig) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from batchsweep.trainers import Checkpointing, ConfigError, interrupt
 
 from .checkpoints import claim, folder_of, resumes
 from .objective import TrialLink, Trained
+from .places import FIX, Clash, Place, trials_folder
 from ..stores.outcomes import OUTCOMES
 from ..study.spec import Point, describe
 from ..gpus.placement import system_metrics
@@ -61,6 +62,11 @@ class TrialRun:
                 self.end("invalid", error=f"breaks the study's constraint {broken}")
                 raise optuna.TrialPruned(f"breaks the constraint {broken}")
             trained, values = self._train()
+            if trained.health.get("clash"):  # its result may be another trial's: recorded, not counted
+                self.end("clash", trained.metrics, trained.dataset, memory_source=trained.memory_source,
+                         error=f"Clash: {trained.health['clash']}: this trial's result may be the other's; {FIX}",
+                         **trained.health)
+                raise TrialFailed() from Clash(f"{trained.health['clash']}: its result may be the other's")
             if trained.status == "diverged":
                 self.end("diverged", trained.metrics, trained.dataset, **trained.health)
                 raise optuna.TrialPruned("diverged: non-finite training loss")
@@ -84,12 +90,13 @@ class TrialRun:
         monitor = system_metrics(self.run_id, inv.tracking_uri, placed_on) if inv.system_metrics else None
         urls = [v for v in self.own.values() if isinstance(v, str) and "://" in v]  # the study's own, too
         link = TrialLink(self.run_id, worker.tracker.experiment_id, inv.tracking_uri, self.own, self.report,
-                         (inv.storage, inv.tracking_uri, *urls))
+                         (inv.storage, inv.tracking_uri, *urls), self._place() if inv.study.program else None)
 
         def train() -> Trained:
             return worker.objective.train(self.config, self.on_epoch,
                                           Checkpointing(str(self.folder)) if self.folder else None, link)
 
+        trained = None
         try:
             try:
                 if worker.placement is None:
@@ -109,7 +116,8 @@ class TrialRun:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            self.end("oom", self._final(), error=first_line(exc, inv.storage, inv.tracking_uri))
+            metrics, tags = self._measured(trained or getattr(exc, "trained", None))
+            self.end("oom", metrics, error=first_line(exc, inv.storage, inv.tracking_uri), **tags)
             raise optuna.TrialPruned("out of memory") from None
         except ConfigError as exc:  # e.g. b*k larger than the training set: the point cannot run
             self.end("invalid", error=exc.problem)
@@ -118,7 +126,8 @@ class TrialRun:
         except Exception as exc:
             if interrupt.pending():  # a Ctrl-C that a library caught and replaced: the run was interrupted
                 raise KeyboardInterrupt from exc
-            self.end("error", error=f"{type(exc).__name__}: {exc}"[:5000])
+            metrics, tags = self._measured(trained or getattr(exc, "trained", None))  # (MetricMissing: trained)
+            self.end("error", metrics, error=f"{type(exc).__name__}: {exc}"[:5000], **tags)
             raise TrialFailed() from exc
 
     def on_epoch(self, row: dict[str, float]) -> None:
@@ -159,6 +168,8 @@ class TrialRun:
                 trial.set_user_attr("health", extra["health"])
             if extra.get("config_mismatch"):  # a script that did not run as asked: the table marks it
                 trial.set_user_attr("config_mismatch", extra["config_mismatch"])
+            if extra.get("clash"):  # the end of the study names the file
+                trial.set_user_attr("clash", extra["clash"])
             if extra.get("error"):  # (as the MLflow tag: also where Optuna's own tools show a trial)
                 trial.set_user_attr("error", extra["error"])
         finally:
@@ -174,5 +185,19 @@ class TrialRun:
                                   f"MLflow failed ({error}); its result is kept in Optuna and its run is marked "
                                   f"FAILED with reason record_error")
 
+    def _place(self) -> Place:
+        """A [program] trial's own folder: its number, under a study of several searches its search's too."""
+        names = self.worker.inv.study_names()
+        name = self.trial.study.study_name
+        number = f"{names.index(name)}-{self.trial.number}" if len(names) > 1 else str(self.trial.number)
+        return Place(trials_folder(self.worker.inv.tracking_uri, self.worker.inv.study_name), number)
+
     def _final(self) -> dict[str, float] | None:
         return dict(self.history[-1]) if self.history else None
+
+    def _measured(self, trained: Trained | None) -> tuple[dict[str, float] | None, dict[str, Any]]:
+        """A failed trial's metrics and tags: its last row, and what was measured of it where it trained."""
+        if trained is None:
+            return self._final(), {}
+        return {**(self._final() or {}), **trained.metrics}, {"memory_source": trained.memory_source,
+                                                              **trained.health}

@@ -11,6 +11,7 @@ from ..stores.outcomes import OUTCOMES, holds, outcome_of
 from ..study.spec import config_key, describe, point_key
 from ..study.files import BUILTIN, builtin_names, load
 from ..launch.program import redacted
+from .places import trials_folder
 from ..stores.urls import redact, scrub
 
 
@@ -93,7 +94,8 @@ def unit_statuses(inv, held: dict) -> tuple[tuple[int, int, int], list[str]]:
 def command_line(inv, point, seed: int) -> str:
     """A [program] trial's command as a shell would take it, passwords redacted; a searched field shows as
     <searched>."""
-    values = {**inv.config(point, seed).to_dict(), **inv.own(point), **{k: "<searched>" for k in inv.study.tune}}
+    values = {**inv.config(point, seed).to_dict(), **inv.own(point), **{k: "<searched>" for k in inv.study.tune},
+              "trial_dir": str(trials_folder(inv.tracking_uri, inv.study_name) / "<trial number>")}
     args = [redacted(a) for a in inv.study.program.argv(values)]
     return scrub(shlex.join(args), inv.storage, inv.tracking_uri)
 

@@ -128,6 +128,10 @@ class Worker:
                     self._storage_failed(exc)
                     continue
                 self._end_recorded(trials)
+                # A point that clashed in this invocation, in any worker, would clash again beside the same trials.
+                self.failed_here |= {config_key(t.user_attrs.get("config", {})) for t in trials
+                                     if t.user_attrs.get("reason") == "clash"
+                                     and t.user_attrs.get("invocation") == self.parent_run_id}
                 if not search.left(trials, mine, self.failed_here):
                     break
                 trials = None

@@ -420,10 +420,31 @@ class AfterTorch(importlib.abc.MetaPathFinder):
         return spec
 
 
+def watch_writes(folder: str) -> None:
+    """Each file this process opens for writing with open() (torch.save, numpy, json, logging), once, as a line of
+    writes-<pid>.txt, written at once: the sweep compares them between trials that run at the same time."""
+    seen, out = set(), []
+
+    def hook(event, args):
+        if event != "open" or not isinstance(args[1], str) or not any(c in args[1] for c in "wax+"):
+            return  # (os.open's mode is None: its own write below comes back here and stops)
+        name = os.fsdecode(args[0]) if isinstance(args[0], (str, bytes)) else None  # (not a file descriptor)
+        if name is None or "\n" in name or os.path.abspath(name) in seen:
+            return
+        seen.add(os.path.abspath(name))
+        if not out:
+            out.append(os.open(os.path.join(folder, f"writes-{os.getpid()}.txt"),
+                               os.O_WRONLY | os.O_CREAT | os.O_APPEND))
+        os.write(out[0], os.fsencode(os.path.abspath(name) + "\n"))
+
+    sys.addaudithook(hook)
+
+
 def start() -> None:
     folder = os.environ.get("BATCHSWEEP_TRACE")
     if not folder or not os.path.isdir(folder):
         return
+    watch_writes(folder)
     tracer = Tracer(folder)
     if "torch" in sys.modules:
         install_hooks(tracer)

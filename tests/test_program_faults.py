@@ -1,0 +1,148 @@
+"""[program] trials under faults a user's script brings: rows that are no numbers or out of order, a failed
+script's measurements, processes that outlive their script, and trials that write the same file."""
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.test_programs import State, child_runs, gone, stores, study_file, sweep, trials_of
+
+ROWS = ROOT / "tests" / "programs" / "rows.py"
+DAEMON = ROOT / "tests" / "programs" / "daemon.py"
+CLASH = ROOT / "tests" / "programs" / "clash.py"
+RUDE = ROOT / "tests" / "programs" / "rude.py"
+
+
+def test_an_objective_row_that_is_no_number_or_out_of_order_is_a_warning(tmp_path):
+    """A val_acc printed as text is not dropped without a word, and a row of an earlier epoch printed last does
+    not become the objective: the objective is the value at the latest epoch, as MLflow's latest value is."""
+    path = study_file(tmp_path, "rows", '[grid]\nmode = ["string", "backwards"]',
+                      f'command = ["{{python}}", "{ROWS}", "{{mode}}"]')
+    proc = sweep(tmp_path, "--study", str(path), "--no-report")
+    assert proc.returncode == 0, proc.stderr
+    storage, client = stores(tmp_path)
+    trials = {t.user_attrs["config"]["mode"]: t for t in trials_of(storage, "rows")}
+    runs = {r.data.params["mode"]: r for r in child_runs(client, "rows")[0]}
+    assert trials["string"].state == State.COMPLETE and trials["string"].value == pytest.approx(0.6)
+    assert runs["string"].data.tags["warnings"].split(" | ")[0] == (
+        "the script printed val_acc as '0.9', not a number, in the row " + json.dumps({"epoch": 3, "val_acc": "0.9"})
+        + ": it is not logged; print val_acc as a number")
+    assert trials["backwards"].value == pytest.approx(0.1) == runs["backwards"].data.metrics["val_acc"]
+    assert runs["backwards"].data.tags["warnings"].split(" | ")[0] == (
+        'the script printed epoch 2.5 after epoch 3 (the row {"epoch": 2.5, "val_acc": 0.4}): a metric\'s final '
+        "value is its value at the latest epoch")
+    assert [m.step for m in client.get_metric_history(runs["backwards"].info.run_id, "val_acc")] == [1, 2, 3]
+
+
+def test_a_failed_trial_keeps_what_was_measured_of_it(tmp_path):
+    """A script that exits 1, and one that exits 0 without the objective's metric (MetricMissing): both runs
+    carry the exit status, the wall time and the peak memory, as a complete trial's do."""
+    path = study_file(tmp_path, "failed", '[grid]\nmode = ["fail", "backwards"]\n[objective]\nmetrics = ["loss"]',
+                      f'command = ["{{python}}", "{ROWS}", "{{mode}}"]')
+    proc = sweep(tmp_path, "--study", str(path), "--no-report")
+    assert proc.returncode == 1, proc.stderr  # every trial failed
+    storage, client = stores(tmp_path)
+    runs = {r.data.params["mode"]: r for r in child_runs(client, "failed")[0]}
+    assert runs["fail"].data.tags["error"] == "ScriptFailed: the script ended with exit status 1: the data is gone"
+    assert runs["backwards"].data.tags["error"].startswith("MetricMissing: the objective's metric 'loss' was not "
+                                                           "logged; this trial logged peak_memory_bytes, val_acc, "
+                                                           "wall_time_s")
+    for mode, status in (("fail", "1"), ("backwards", "0")):
+        run = runs[mode]
+        assert run.info.status == "FAILED" and run.data.tags["reason"] == "error"
+        assert run.data.tags["exit_status"] == status and run.data.tags["memory_source"] == "rss"
+        assert run.data.metrics["wall_time_s"] > 0 and run.data.metrics["peak_memory_bytes"] > 2 ** 20
+    assert [t.state for t in trials_of(storage, "failed")] == [State.FAIL] * 2
+
+
+@pytest.mark.slow
+def test_no_process_a_script_double_forks_outlives_its_trial(tmp_path):
+    """Each trial's script leaves a daemon in a session of its own (double fork, setsid): the worker, the reaper of
+    its descendants, finds it and stops it at the trial's end, and the run says so."""
+    path = study_file(tmp_path, "daemons", "workers = 2\n[grid]\nn = [1, 2]",
+                      f'command = ["{{python}}", "{DAEMON}", "{tmp_path}/daemon-{{n}}"]')
+    proc = sweep(tmp_path, "--study", str(path), "--no-report")
+    assert proc.returncode == 0, proc.stderr
+    pids = {n: int((tmp_path / f"daemon-{n}").read_text()) for n in ("1", "2")}
+    assert all(gone(pid) for pid in pids.values())
+    storage, client = stores(tmp_path)
+    assert [t.state for t in trials_of(storage, "daemons")] == [State.COMPLETE] * 2
+    for run in child_runs(client, "daemons")[0]:
+        pid = pids[run.data.params["n"]]
+        assert run.data.tags["warnings"].split(" | ")[0] == (
+            f"the script left 1 process running outside its process group ({pid} (sleep)): stopped at the trial's end")
+        assert "processes_left" not in run.data.tags
+
+
+@pytest.mark.slow
+def test_trials_that_write_one_file_at_once_are_marked_and_left_out(tmp_path):
+    """Trials 1 and 2 write ./checkpoint.txt while both run (each waits for the other's write before it reads the
+    file back): both are marked clash, left out of the report's comparisons, and the end of the study names the
+    file and the fix. Trial 3 writes into its own folder ({trial_dir}) and completes."""
+    events = tmp_path / "events"
+    events.mkdir()
+    path = study_file(tmp_path, "clashing", 'workers = 2\n[grid]\n"value+shared" = [[1, true], [2, true], [3, false]]',
+                      f'command = ["{{python}}", "{CLASH}", "{{value}}", "{events}", "{{shared}}", "{{trial_dir}}"]')
+    proc = sweep(tmp_path, "--study", str(path))
+    assert proc.returncode == 0, proc.stderr
+    storage, client = stores(tmp_path)
+    trials = {t.user_attrs["config"]["value"]: t for t in trials_of(storage, "clashing")}
+    runs = {r.data.params["value"]: r for r in child_runs(client, "clashing")[0]}
+    checkpoint = tmp_path / "checkpoint.txt"
+    for mine, other in ((1, 2), (2, 1)):
+        t, run = trials[mine], runs[str(mine)]
+        assert t.state == State.FAIL and t.user_attrs["reason"] == "clash"
+        assert run.info.status == "FAILED" and run.data.tags["reason"] == "clash"
+        assert run.data.tags["clash"] == f"trial {trials[other].number} wrote {checkpoint} too while both ran"
+        assert run.data.tags["error"].startswith(f"Clash: trial {trials[other].number} wrote {checkpoint} too")
+    assert trials[3].state == State.COMPLETE and trials[3].value == pytest.approx(0.3)
+    own = tmp_path / "mlruns" / "trials" / "clashing" / str(trials[3].number)
+    assert (own / "checkpoint.txt").read_text() == "3" and "clash" not in runs["3"].data.tags
+    assert f"warning: 2 trials wrote a file that another trial wrote while both ran (trial " in proc.stderr
+    assert "write it under {trial_dir} (in the command) or $BATCHSWEEP_TRIAL_DIR" in proc.stderr
+    report = (tmp_path / "reports" / "clashing" / "report.md").read_text()
+    assert "2 of 3 trials did not finish (2 clash); they are left out of the figures" in report
+
+
+def test_bytes_that_are_no_utf8_a_line_of_10_mb_and_a_read_of_stdin_pass(tmp_path):
+    """Bytes that are no UTF-8 are shown as U+FFFD and a 10 MB line is kept whole in log.txt; a script that reads
+    its standard input gets /dev/null (an end at once), not the terminal's, and does not hang."""
+    path = study_file(tmp_path, "rude", '[grid]\nmode = ["bytes", "stdin"]',
+                      f'command = ["{{python}}", "{RUDE}", "{{mode}}"]')
+    proc = sweep(tmp_path, "--study", str(path), "--no-report")
+    assert proc.returncode == 0, proc.stderr
+    storage, client = stores(tmp_path)
+    assert [t.state for t in trials_of(storage, "rude")] == [State.COMPLETE] * 2
+    runs = {r.data.params["mode"]: r for r in child_runs(client, "rude")[0]}
+    log = Path(client.download_artifacts(runs["bytes"].info.run_id, "log.txt", str(tmp_path))).read_text()
+    assert log.splitlines()[:2] == ["caf\ufffd \ufffd\ufffd not UTF-8", "x" * 10 * 2 ** 20]
+    assert runs["bytes"].data.metrics["val_acc"] == 0.5
+    assert runs["stdin"].data.metrics["stdin_bytes"] == 0
+
+
+@pytest.mark.slow
+def test_a_script_that_ignores_sigterm_is_killed_past_its_time_with_its_child(tmp_path):
+    pids = tmp_path / "pids"
+    path = study_file(tmp_path, "deaf", "", f'command = ["{{python}}", "{RUDE}", "deaf", "{pids}"]\n'
+                                            f'timeout_minutes = 0.2')
+    proc = sweep(tmp_path, "--study", str(path), "--no-report")
+    assert proc.returncode == 1  # its only trial failed
+    storage, client = stores(tmp_path)
+    [trial] = trials_of(storage, "deaf")
+    assert trial.state == State.FAIL and trial.user_attrs["reason"] == "error"
+    [run], parents = child_runs(client, "deaf")
+    assert run.info.status == "FAILED" and all(p.info.status == "FINISHED" for p in parents)
+    assert run.data.tags["error"] == "ScriptFailed: timeout: ran past timeout_minutes = 0.2 and was stopped"
+    assert all(gone(int(pid)) for pid in pids.read_text().split())
+    # SIGTERM did not stop it: SIGKILL did, GRACE_S (10 s) after the timeout (12 s).
+    assert run.data.tags["exit_status"] == "-9" and run.data.metrics["wall_time_s"] >= 22
+
+
+def test_dry_run_shows_where_each_trial_has_its_own_folder(tmp_path):
+    path = study_file(tmp_path, "places", '[grid]\nn = [1, 2]', 'command = ["{python}", "t.py", "--out", "{trial_dir}"]')
+    (tmp_path / "t.py").write_text("")
+    proc = sweep(tmp_path, "--study", str(path), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    folder = tmp_path / "mlruns" / "trials" / "places"
+    assert proc.stdout.count(f"t.py --out '{folder}/<trial number>'") == 2
