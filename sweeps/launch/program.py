@@ -256,8 +256,8 @@ def parse_row(line: str, renamed: dict[str, str]) -> dict[str, float] | None:
 
 class Memory:
     """The peak memory of a process tree: resident memory summed over its processes, sampled; on a machine
-    with nvidia-smi, also the device memory those processes hold. The tree is every descendant of this process
-    that `before` does not hold: the script's, and those it double-forked away (re-parented here, the reaper)."""
+    with nvidia-smi, also the device memory those processes hold. The tree is the script's, and those of what it
+    double-forked away (re-parented here, the reaper): descendants(before)."""
 
     def __init__(self, before: set[int] = frozenset()):
         self.before = before
@@ -324,17 +324,22 @@ def become_reaper() -> bool:
 
 
 def descendants(before: set[int] = frozenset()) -> list[psutil.Process]:
-    """This process's descendants, but those whose pids `before` holds."""
-    try:
-        return [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-    except psutil.Error:
-        return []
+    """The trees of this process's children but those whose pids `before` holds: a script's, and those of what it
+    left (re-parented here, the reaper); not what a child that was there before starts meanwhile."""
+    found = []
+    for child in psutil.Process().children():
+        if child.pid not in before:
+            try:
+                found += [child, *child.children(recursive=True)]
+            except psutil.Error:  # ended meanwhile
+                pass
+    return found
 
 
 def stop_descendants(before: set[int], pgid: int) -> tuple[list[str], list[str]]:
-    """SIGKILL to every descendant of this process that `before` does not hold (what a script left running, in
-    its group or out of it), each reaped. Returns those outside the group `pgid` (a double-forked daemon), and
-    those still there after STRAY_WAIT_S, as 'pid (name)'."""
+    """SIGKILL to descendants(before) (what a script left running, in its group or out of it), each reaped.
+    Returns those outside the group `pgid` (a double-forked daemon), and those still there after STRAY_WAIT_S, as
+    'pid (name)'."""
     found = descendants(before)
     strays, named = [], {}
     for p in found:
@@ -373,7 +378,7 @@ def run(argv: list[str], env: dict[str, str], cwd: str | None, timeout_s: float 
     to `on_row` as it is printed; `every` is called between reads (at least every SAMPLE_S). An exception from
     either (a pruned trial, Ctrl-C) stops the script's process group and is raised again."""
     become_reaper()
-    before = {p.pid for p in descendants()}  # (a worker's own children, where it has any)
+    before = {p.pid for p in psutil.Process().children()}  # (a worker's own children, where it has any)
     start = time.monotonic()
     proc = subprocess.Popen(argv, cwd=cwd, env={**os.environ, **env}, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
