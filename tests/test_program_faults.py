@@ -146,3 +146,10 @@ def test_dry_run_shows_where_each_trial_has_its_own_folder(tmp_path):
     assert proc.returncode == 0, proc.stderr
     folder = tmp_path / "mlruns" / "trials" / "places"
     assert proc.stdout.count(f"t.py --out '{folder}/<trial number>'") == 2
+
+
+def test_a_first_word_made_of_a_trials_values_is_checked_when_it_runs(tmp_path):
+    path = study_file(tmp_path, "first_word", '[fixed]\ninterpreter = "python3"',
+                      'command = ["{interpreter}", "t.py", "--out", "{trial_dir}"]')
+    proc = sweep(tmp_path, "--study", str(path), "--dry-run")
+    assert proc.returncode == 0 and "python3 t.py --out " in proc.stdout, proc.stderr

@@ -394,10 +394,12 @@ def _check_program(study: Study, fail) -> None:
                 raise fail(key, f"{{{name}}} is not a placeholder: use a trainer field (physical_batch, "
                                 f"accum_steps, lr, seed, epochs, max_steps, ...), {', '.join(DERIVED)}, a field of "
                                 f"[fixed], [grid] or [tune], {{trial_dir}} or {{python}}")
-    first = fill(study.program.command[0], {})
-    if not (Path(study.program.cwd, first).is_file() if "/" in first else shutil.which(first)):
-        raise fail("program.command", f"{first!r} is not a program it can start: give a program on PATH, a path "
-                                      f"(relative to {study.program.cwd}), or {{python}}")
+    first = study.program.command[0]
+    if not {m.group(1) for m in TOKEN.finditer(first)} - {None, "python"}:  # ("{trial_dir}/run.sh": known later)
+        first = fill(first, {})
+        if not (Path(study.program.cwd, first).is_file() if "/" in first else shutil.which(first)):
+            raise fail("program.command", f"{first!r} is not a program it can start: give a program on PATH, a "
+                                          f"path (relative to {study.program.cwd}), or {{python}}")
     if study.launcher != "process":
         raise fail("launcher", "a [program] runs your command as it is: put torchrun into the command instead")
     if study.auto_batch:
