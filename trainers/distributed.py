@@ -20,6 +20,8 @@ from torch import nn
 from .config import TrainConfig
 from .errors import ConfigError
 
+NO_CONTEXT = nullcontext()  # (reusable: none is built per micro-batch)
+
 
 def launched_ranks() -> int:
     """The number of processes torchrun started (1 outside torchrun)."""
@@ -59,7 +61,39 @@ def _counted(counter, bucket):  # (no annotations: DDP checks them, and this mod
     return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
-class Parallel:
+class OneProcess:
+    """What the loop asks of data parallelism, for one process: nothing to synchronize (a Parallel under
+    torchrun). The loop calls the same methods either way."""
+
+    world, rank = 1, 0
+    ddp = None
+    all_reduces = AllReduces()  # (none: stays at zero)
+
+    def micro(self, last: bool):
+        """Around a micro-batch's forward and backward."""
+        return NO_CONTEXT
+
+    def backward(self, share: torch.Tensor) -> None:
+        """A micro-batch's share of its window's objective, backward."""
+        share.backward()
+
+    def sum_counts(self, counts: Any, device: torch.device) -> Any:
+        return counts
+
+    def every_rank(self, value: Any) -> list:
+        return [value]
+
+    def rank0(self, value: Any) -> Any:
+        return value
+
+    def close(self, finished: bool) -> None:
+        pass
+
+
+ONE_PROCESS = OneProcess()
+
+
+class Parallel(OneProcess):
     """This process's rank among `world` and what data parallelism adds to the loop."""
 
     def __init__(self, config: TrainConfig, device: torch.device):
@@ -87,8 +121,13 @@ class Parallel:
         return self.ddp
 
     def micro(self, last: bool):
-        """Around a micro-batch's forward and backward: gradients stay local until the window's last."""
-        return nullcontext() if last or not self.no_sync else self.ddp.no_sync()
+        """Around a micro-batch's forward and backward (DDP reads it in both): the gradients stay local until the
+        window's last."""
+        return NO_CONTEXT if last or not self.no_sync else self.ddp.no_sync()
+
+    def backward(self, share: torch.Tensor) -> None:
+        """DDP averages the ranks' gradients: the mean of `world` times each rank's share is their sum."""
+        (share * self.world).backward()
 
     def all_sum(self, values: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(values)
@@ -119,10 +158,10 @@ class Parallel:
             dist.destroy_process_group()
 
 
-def setup(config: TrainConfig, device: torch.device) -> Parallel | None:
-    """A Parallel for world_size > 1; None for one process (and refused when torchrun started several)."""
+def setup(config: TrainConfig, device: torch.device) -> OneProcess:
+    """A Parallel for world_size > 1; ONE_PROCESS for one process (and refused when torchrun started several)."""
     if config.world_size == 1 and launched_ranks() == 1:
-        return None
+        return ONE_PROCESS
     return Parallel(config, device)
 
 

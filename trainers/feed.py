@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from . import batches
 from .config import TrainConfig
 from .data import Data
+from .distributed import ONE_PROCESS, OneProcess
 from .losses import Loss, add_counts, counts_samples
 from .order import MicroBatches, permutation, sample_seed, shard, windows
 
@@ -89,9 +90,10 @@ class Seeded(Dataset):
 
 
 class Feed:
-    def __init__(self, data: Data, config: TrainConfig, device: torch.device, loss: Loss, parallel=None):
+    def __init__(self, data: Data, config: TrainConfig, device: torch.device, loss: Loss,
+                 parallel: OneProcess = ONE_PROCESS):
         self.data, self.config, self.device, self.loss, self.parallel = data, config, device, loss, parallel
-        self.rank = parallel.rank if parallel else 0
+        self.rank = parallel.rank
         self.dtype = getattr(torch, config.dtype)
         self.n = data.n_train
         self.loader, self.test_loader, self.per_sample, self.empty = None, None, None, None
@@ -153,7 +155,7 @@ class Feed:
                 total = add_counts(total, c)
             if self.per_sample:
                 total = len(window)
-            elif self.parallel:  # each rank read only its shard: the window's counts are the ranks' sum
+            else:  # under torchrun each rank read only its shard: the window's counts are the ranks' sum
                 total = self.parallel.sum_counts(total, self.device)
             yield Window(len(window), total, rows, lambda b_now, micro=micro: self._recut(micro, b, b_now))
 

@@ -1,11 +1,15 @@
-"""Train one configuration with exact gradient accumulation, and measure it."""
+"""Train one configuration with exact gradient accumulation, and measure it.
+
+Read from the top: the window step (one optimizer step over k micro-batches, nanoGPT's accumulation loop), then
+`train`, the setup of one run as one straight path (checkpoint, device, data and model, ranks, optimizer, loss,
+probes, feed, resume), the epochs that call the step, the end of an epoch and of the run; last, the helpers
+that the benchmarks and the sweeps also call (prepare, preflight, the schedule, the optimizer)."""
 from __future__ import annotations
 
 import math
 import platform
 import time
 from collections.abc import Mapping
-from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -16,19 +20,78 @@ from .batches import forward
 from .checkpoint import Checkpointer, Checkpointing, Progress, restore, rng_states
 from .config import TrainConfig
 from .data import Data, load_data
-from .distributed import Parallel, launched_rank, local_device, setup
+from .distributed import NO_CONTEXT, OneProcess, launched_rank, local_device, setup
 from .errors import BatchsweepError, ConfigError, DataError
-from .evaluation import Metric, evaluate, load_metrics
-from .feed import Feed
+from .evaluation import evaluate, load_metrics
+from .feed import Feed, Window
 from .health import coverage_warnings, verdict
 from .imports import load_factory
 from .interrupt import check as check_interrupt
 from .losses import Loss, load_loss
 from .models import (MODELS, bn_population_error, build_model, check_inputs, has_conv2d, set_bn_momentum,
                      use_ghost_batch)
-from .probes import Hooks, LossTerms, Micro, Probe, Run
+from .probes import LossTerms, Micro, Probe, Probes, Run
 from .probes import diagnostics as builtin_diagnostics
 from .shrink import Retry, at
+
+
+@dataclass
+class Trainee:
+    """What the window step works on: a model and what steps it (fused trials will give it a stack of members)."""
+
+    net: nn.Module  # what the forward calls: the model, or its DistributedDataParallel wrapper
+    loss: Loss
+    optimizer: torch.optim.Optimizer
+    params: list  # every parameter the optimizer steps
+    clip: float  # the gradient norm to clip to (0: none)
+    amp: Callable[[], Any]  # the autocast context of the precision, or none
+    parallel: OneProcess  # this rank's no_sync and all-reduces (nothing to do for one process)
+    probes: Probes
+    retry: Retry  # with shrink_on_oom, a micro-batch out of memory runs the window again at a smaller b
+    b: int  # the micro-batch size in use
+
+
+def window_step(t: Trainee, window: Window, step: int, lr: float) -> None:
+    """One optimizer step over one window, as nanoGPT accumulates: the micro-batches' gradients add up, each
+    loss term divided by its count over the whole window (never by k), so that the step takes the gradient of
+    the window's mean whatever b, k, padding or ranks. A loss without counts() backwards its sums, divided here
+    by the count they gave. Under DDP the gradients are all-reduced once, at the last micro-batch."""
+    for group in t.optimizer.param_groups:  # the schedule
+        group["lr"] = lr
+    while True:  # the one retry path
+        t.retry.mark()
+        try:
+            last, counted = window.parts(t.b) - 1, 0
+            for i, (x, y) in enumerate(window.cut(t.b)):
+                with t.parallel.micro(i == last):  # the rank's no_sync, but at the last micro-batch
+                    with t.probes.forward(step), t.amp():
+                        terms = t.loss.terms(forward(t.net, x), y)
+                    t.parallel.backward(t.loss.share(terms, window.counts))
+                if t.loss.divide_after:  # (its terms count alike: the first term's count is the window's)
+                    counted = counted + next(iter(terms.values()))[1]
+                t.probes.after_micro(Micro(step, window.size, x, y, terms))
+            break
+        except torch.OutOfMemoryError:  # without shrink_on_oom, raised as it is
+            failed, b = t.b, t.retry.smaller(t.b)
+        t.b = t.retry.again(failed, b, step)  # out of the handler: the failed micro-batch's memory is let go
+    if t.loss.divide_after:
+        divide(t.params, counted, t.parallel)
+    t.probes.before_step(step, window.size)
+    if t.clip:
+        nn.utils.clip_grad_norm_(t.params, t.clip)
+    t.optimizer.step()
+    t.probes.after_step(step)
+    t.optimizer.zero_grad(set_to_none=True)  # zero once: let go until the next window's first backward
+
+
+def divide(params: list, count: Any, parallel: OneProcess) -> None:
+    """The window's summed gradients divided by the items its micro-batches counted (over every rank)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    count = parallel.sum_counts(count, grads[0].device)
+    torch._foreach_div_(grads, torch.as_tensor(count, dtype=grads[0].dtype, device=grads[0].device))
+
 
 EpochCallback = Callable[[dict[str, float]], None]
 # Every metric a run of `train` can log (each epoch's row and the final metrics), so that a study that names
@@ -60,6 +123,202 @@ class TrainResult:
                 "config": self.config.to_dict(), "metrics": self.metrics, "history": self.history,
                 "device_name": self.device_name, "memory_source": self.memory_source, "warnings": self.warnings,
                 "dataset": self.dataset, "resumed_after": self.resumed_after}
+
+
+def train(config: TrainConfig, on_epoch: EpochCallback | None = None, probes: list[Probe] = (),
+          diagnostics: bool = True, checkpoint: Checkpointing | None = None, no_sync: bool = True,
+          data: Data | None = None) -> TrainResult:
+    """Train `config`. `on_epoch(row)` is called after every epoch; an exception it raises stops the run.
+    `probes` are measured beside the built-in diagnostics (trainers/probes.py); `diagnostics=False` leaves
+    those out (the loss terms are always accounted). With `checkpoint`, the run is saved at the end of its
+    epochs and goes on from the last checkpoint in that folder; `on_epoch` then first sees the restored
+    epochs' rows again, so that whoever records them has the whole history.
+
+    Under torchrun (world_size > 1) every process trains its shard of each window, and the gradients are
+    all-reduced once per window (trainers/distributed.py); `no_sync=False` all-reduces them after every
+    micro-batch instead, a control that shows what that saves. Every rank returns the same result.
+
+    `data` is what `load(config)` returned for the same dataset, data_dir, seed and label_key: runs that differ
+    in anything else (b, k, the LR, the epochs) can share one load instead of calling the factory each."""
+    checkpointer = Checkpointer(checkpoint, config, writes=launched_rank() == 0) if checkpoint else None
+    # Read before preparing the data (a checkpoint of another configuration is refused at once); under torchrun,
+    # once every rank has arrived (rank 0's last write, of a run before in this process, has landed).
+    saved = checkpointer.load() if checkpointer and config.world_size == 1 else None
+    prepared = prepare(config, data)  # the device, the data on it, the model
+    parallel = setup(config, prepared.device)
+    if checkpointer and parallel.world > 1:
+        saved = checkpointer.load()
+    finished = False
+    try:
+        result = _run(config, prepared, parallel, on_epoch, list(probes), diagnostics, checkpointer, saved, no_sync)
+        finished = True
+        return result
+    finally:
+        if checkpointer:  # stopped by on_epoch (pruned, say): the last write lands before anyone reads or removes it
+            checkpointer.join()
+        parallel.close(finished)
+
+
+def _run(config: TrainConfig, prepared: Prepared, parallel: OneProcess, on_epoch: EpochCallback | None,
+         probes: list[Probe], diagnostics: bool, checkpointer: Checkpointer | None, saved: dict | None,
+         no_sync: bool) -> TrainResult:
+    """The rest of the setup, in the order the run needs it, then its epochs and its result."""
+    model = net = prepared.model
+    model.train()
+    if parallel.world > 1:
+        net = parallel.wrap(model, prepared.device, no_sync)
+        model = net.module  # (with --sync-bn, its BatchNorm layers are now SyncBatchNorm)
+    optimizer = make_optimizer(config, optimizer_groups(model))
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    loss = load_loss(config.loss, model)
+    probes = Probes(LossTerms(), [*(builtin_diagnostics() if diagnostics else []), *probes])
+    probes.start(Run(config, model, optimizer, params, prepared.device, prepared.data.n_train,
+                     parallel if parallel.world > 1 else None, loss.divide_after))
+    metrics = load_metrics(config.metrics)
+    feed = Feed(prepared.data, config, prepared.device, loss, parallel)
+    notes = prepared.notes + coverage_warnings(model, optimizer)
+    progress = Progress()
+    if saved:  # the run goes on after its last finished epoch, at the b it had reached
+        progress = restore(saved, model, optimizer, probes, parallel.rank, checkpointer.spec.path)
+    b = progress.physical_batch or config.physical_batch
+    if b != config.physical_batch:  # resumed after shrinking
+        set_bn_momentum(model, at(config, b).bn_momentum)
+    device_type = prepared.device.type
+    # (a disabled torch.autocast still costs about 4 µs a micro-batch: none in fp32)
+    amp = (lambda: torch.autocast(device_type, torch.bfloat16)) if config.precision == "bf16" else lambda: NO_CONTEXT
+    t = Trainee(net, loss, optimizer, params, config.grad_clip, amp, parallel, probes,
+                Retry(model, config, optimizer, probes, progress), b)
+    resumed_after = progress.epoch
+    measure = lambda: evaluate(model, feed.test(), loss, config.precision, metrics)
+    _epochs(config, t, model, prepared.data, feed, progress, measure, on_epoch, checkpointer)
+    return _result(config, t, model, prepared.data, feed, progress, notes, prepared.device, resumed_after)
+
+
+def _epochs(config: TrainConfig, t: Trainee, model: nn.Module, data: Data, feed: Feed, progress: Progress,
+            measure: Callable[[], dict[str, float]], on_epoch: EpochCallback | None,
+            checkpointer: Checkpointer | None) -> None:
+    """The epochs not run yet: each window one `window_step` at the schedule's LR, then the epoch's row."""
+    for row in _replayed(progress) if on_epoch is not None else ():
+        on_epoch(row)
+    plan = [config.at_epoch(epoch) for epoch in range(1, config.epochs + 1)]  # one config unless batch_warmup
+    steps = [feed.steps_per_epoch(now) for now in plan]
+    total_steps, warmup, step, lr = sum(steps), warmup_steps(config, steps), progress.step, config.lr
+    for epoch in range(progress.epoch + 1, config.epochs + 1):
+        if progress.finished:
+            break
+        now = _settle(config, t, model, plan[epoch - 1])
+        start, samples, evaluating = time.perf_counter(), 0, 0.0
+        synced = (t.parallel.all_reduces.calls, t.parallel.all_reduces.bytes)
+        for window in feed.epoch(epoch, now):
+            lr = lr_at(now, step, total_steps, warmup)
+            window_step(t, window, step, lr)
+            step, samples = step + 1, samples + window.size
+            if config.eval_every_steps and step % config.eval_every_steps == 0:
+                evaluating += _evaluate_at(measure, progress, step, progress.samples + samples, on_epoch)
+            check_interrupt()
+            if step == config.max_steps:
+                break
+        elapsed = time.perf_counter() - start - evaluating
+        row = _end_epoch(config, t, data, progress, measure, epoch, step, lr, samples, start, elapsed, synced)
+        _save(t, model, progress, checkpointer)
+        if on_epoch is not None:
+            on_epoch(row)
+    if checkpointer:
+        checkpointer.wait()
+
+
+def _replayed(progress: Progress) -> list[dict[str, float]]:
+    """A resumed run's rows so far, in the order they came: each epoch's after the evaluations within it."""
+    return sorted(progress.history + progress.evals, key=lambda row: (row.get("steps", row.get("step")),
+                                                                      "epoch" in row))
+
+
+def _settle(config: TrainConfig, t: Trainee, model: nn.Module, now: TrainConfig) -> TrainConfig:
+    """An epoch's configuration in place: under batch_warmup its b, BatchNorm's momentum and AdamW's rules
+    follow the epoch's B (the learning rate follows it through lr_at)."""
+    if now is config and not config.batch_warmup:
+        return now
+    if not config.shrink_on_oom:
+        t.b = now.physical_batch
+    set_bn_momentum(model, now.bn_momentum)
+    for group in t.optimizer.param_groups:
+        if now.lr_rule == "adam_sqrt":
+            group.update(betas=(now.beta1, now.beta2), eps=now.eps)
+        if now.wd_rule == "timescale" and group["weight_decay"]:  # (a group of no decay keeps none)
+            group["weight_decay"] = now.decay
+    return now
+
+
+def _evaluate_at(measure: Callable[[], dict[str, float]], progress: Progress, step: int, samples: int,
+                 on_epoch: EpochCallback | None) -> float:
+    """An evaluation within the epoch (eval_every_steps), kept by step as step_val_* (and the samples trained
+    so far as step_samples); returns its time, which is not training time."""
+    start = time.perf_counter()
+    row = {"step": step, "step_samples": samples, **{f"step_{name}": value for name, value in measure().items()}}
+    progress.evals.append(row)
+    if on_epoch is not None:
+        on_epoch(row)
+    return time.perf_counter() - start
+
+
+def _end_epoch(config: TrainConfig, t: Trainee, data: Data, progress: Progress,
+               measure: Callable[[], dict[str, float]], epoch: int, step: int, lr: float, samples: int,
+               start: float, elapsed: float, synced: tuple[int, int]) -> dict[str, float]:
+    """The epoch's row (its one synchronization with the device), evaluated; the progress moves on. `elapsed`:
+    its training time (evaluations within it left out); `synced`: the all-reduce counters at its start."""
+    row = {"epoch": epoch, **t.probes.terms.epoch_end(epoch)}
+    if math.isfinite(row["train_loss"]):
+        row.update(measure())
+    else:
+        progress.status = "diverged"
+        row.update(val_loss=math.nan, val_acc=math.nan)
+    epoch_time = time.perf_counter() - start
+    row.update(current_lr=lr, steps=step, samples=progress.samples + samples, epoch_time_s=epoch_time,
+               samples_per_s=samples / elapsed)
+    if data.classification and data.y_test.dim() == 2:  # tokens
+        val_loss = row["val_loss"]
+        row["val_perplexity"] = math.exp(min(val_loss, 700.0)) if math.isfinite(val_loss) else math.nan
+    if config.shrink_on_oom:  # how often a micro-batch ran out of memory, and the smallest b that did
+        row.update(oom_retries=progress.oom_retries, oom_physical_batch=progress.oom_batch or math.nan)
+    if t.parallel.world > 1:  # the epoch's gradient all-reduces
+        row.update(allreduce_calls=t.parallel.all_reduces.calls - synced[0],
+                   allreduce_bytes=t.parallel.all_reduces.bytes - synced[1])
+    row.update(t.probes.epoch_end(epoch))
+    progress.history.append(row)
+    progress.epoch, progress.step = epoch, step
+    progress.train_time += elapsed
+    progress.wall_time += epoch_time
+    progress.samples += samples
+    progress.finished = progress.status == "diverged" or step == config.max_steps or epoch == config.epochs
+    return row
+
+
+def _save(t: Trainee, model: nn.Module, progress: Progress, checkpointer: Checkpointer | None) -> None:
+    """The epoch's checkpoint, when one is due (by rank 0's clock under torchrun, with every rank's RNG states)."""
+    if checkpointer and t.parallel.rank0(checkpointer.due(progress)):
+        checkpointer.save(progress, model, t.optimizer, t.probes, t.parallel.every_rank(rng_states()))
+
+
+def _result(config: TrainConfig, t: Trainee, model: nn.Module, data: Data, feed: Feed, progress: Progress,
+            notes: list[str], device: torch.device, resumed_after: int) -> TrainResult:
+    history = progress.history
+    metrics = {**history[-1], "samples_per_s": progress.samples / progress.train_time,
+               "wall_time_s": progress.wall_time}
+    if config.shrink_on_oom:
+        metrics["physical_batch_used"] = t.b
+    if "peak_memory_bytes" in metrics:
+        metrics["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in history)
+    if progress.status == "ok":
+        metrics.update(bn_population_error(model, feed.inputs(config.eval_batch)))
+    health, health_epoch = verdict(progress.status, history, data.chance,
+                                   data.num_classes if data.classification else None)
+    dataset = {"name": config.dataset, "digest": data.digest, "train_size": data.n_train,
+               "test_size": data.n_test}
+    return TrainResult(config=config, status=progress.status, metrics=metrics, history=history, model=model,
+                       device_name=device_name(device), dataset=dataset,
+                       memory_source=memory_source(device),
+                       warnings=notes + t.probes.notes(), health=health, health_epoch=health_epoch,
+                       resumed_after=resumed_after)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -186,303 +445,3 @@ def load(config: TrainConfig) -> Data:
         raise
     except Exception as exc:  # the user's factory: one line, as a trial would record it
         raise DataError(f"dataset {config.dataset!r} raised {type(exc).__name__}: {exc}") from None
-
-
-NO_CONTEXT = nullcontext()  # (reusable: none is built per micro-batch)
-
-
-def around_forward(probes: list[Probe], step: int):
-    """The probes' contexts around a micro-batch's forward (usually one or none: no ExitStack then)."""
-    if not probes:
-        return NO_CONTEXT
-    if len(probes) == 1:
-        return probes[0].forward(step)
-    stack = ExitStack()
-    for probe in probes:
-        stack.enter_context(probe.forward(step))
-    return stack
-
-
-def train(config: TrainConfig, on_epoch: EpochCallback | None = None, probes: list[Probe] = (),
-          diagnostics: bool = True, checkpoint: Checkpointing | None = None, no_sync: bool = True,
-          data: Data | None = None) -> TrainResult:
-    """Train `config`. `on_epoch(row)` is called after every epoch; an exception it raises stops the run.
-    `probes` are measured beside the built-in diagnostics (trainers/probes.py); `diagnostics=False` leaves
-    those out (the loss terms are always accounted). With `checkpoint`, the run is saved at the end of its
-    epochs and goes on from the last checkpoint in that folder; `on_epoch` then first sees the restored
-    epochs' rows again, so that whoever records them has the whole history.
-
-    Under torchrun (world_size > 1) every process trains its shard of each window, and the gradients are
-    all-reduced once per window (trainers/distributed.py); `no_sync=False` all-reduces them after every
-    micro-batch instead, a control that shows what that saves. Every rank returns the same result.
-
-    `data` is what `load(config)` returned for the same dataset, data_dir, seed and label_key: runs that differ
-    in anything else (b, k, the LR, the epochs) can share one load instead of calling the factory each."""
-    checkpointer = Checkpointer(checkpoint, config, writes=launched_rank() == 0) if checkpoint else None
-    # Read before preparing the data (a checkpoint of another configuration is refused at once); under torchrun,
-    # once every rank has arrived (rank 0's last write, of a run before in this process, has landed).
-    saved = checkpointer.load() if checkpointer and config.world_size == 1 else None
-    prepared = prepare(config, data)
-    parallel = setup(config, prepared.device)
-    if checkpointer and parallel:
-        saved = checkpointer.load()
-    finished = False
-    try:
-        result = _train(config, prepared, parallel, on_epoch, list(probes), diagnostics, checkpointer, saved, no_sync)
-        finished = True
-        return result
-    finally:
-        if checkpointer:  # stopped by on_epoch (pruned, say): the last write lands before anyone reads or removes it
-            checkpointer.join()
-        if parallel:
-            parallel.close(finished)
-
-
-@dataclass
-class Loop:
-    """What the loop carries from window to window, built once by `_start`."""
-
-    config: TrainConfig
-    data: Data
-    net: nn.Module  # the model, or its DistributedDataParallel wrapper
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    params: list  # every parameter the optimizer steps
-    loss: Loss
-    metrics: list[Metric]  # the config's own, beside the built-in accuracy
-    feed: Feed
-    terms: LossTerms  # the loss terms' sums: the training loss of the epoch
-    probes: list[Probe]  # terms first, then the diagnostics and the caller's
-    hooks: Hooks  # of those, the ones each per-micro-batch and per-step call reaches
-    amp: Callable[[], Any]  # the autocast context of the precision, or none
-    parallel: Parallel | None
-    retry: Retry | None  # with shrink_on_oom: what a window changed, to run it again at a smaller b
-    progress: Progress
-    notes: list[str]
-    b: int  # the micro-batch size in use
-    counted: Any = 0  # with a loss without counts(): the items the window's micro-batches counted so far
-    evaluating: float = 0.0  # seconds of the epoch spent in evaluations within it (eval_every_steps)
-
-
-def _start(config: TrainConfig, prepared: Prepared, parallel: Parallel | None, probes: list[Probe],
-           diagnostics: bool, no_sync: bool) -> Loop:
-    model = net = prepared.model
-    model.train()
-    if parallel:
-        net = parallel.wrap(model, prepared.device, no_sync)
-        model = net.module  # (with --sync-bn, its BatchNorm layers are now SyncBatchNorm)
-    optimizer = make_optimizer(config, optimizer_groups(model))
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    loss = load_loss(config.loss, model)
-    terms = LossTerms()
-    probes = [terms, *(builtin_diagnostics() if diagnostics else []), *probes]
-    run = Run(config, model, optimizer, params, prepared.device, prepared.data.n_train, parallel, loss.divide_after)
-    for probe in probes:
-        probe.start(run)
-    device_type = prepared.device.type
-    # (a disabled torch.autocast still costs about 4 µs a micro-batch: none in fp32)
-    amp = (lambda: torch.autocast(device_type, torch.bfloat16)) if config.precision == "bf16" else lambda: NO_CONTEXT
-    return Loop(config, prepared.data, net, model, optimizer, params, loss, load_metrics(config.metrics),
-                Feed(prepared.data, config, prepared.device, loss, parallel), terms, probes,
-                Hooks.of(probes), amp, parallel,
-                Retry(model, config, optimizer, probes) if config.shrink_on_oom else None, Progress(),
-                prepared.notes + coverage_warnings(model, optimizer), config.physical_batch)
-
-
-def _resume(loop: Loop, saved: dict | None, checkpointer: Checkpointer | None) -> None:
-    """Put a checkpoint back: the run goes on after its last finished epoch, at the b it had reached."""
-    if not saved:
-        return
-    rank = loop.parallel.rank if loop.parallel else 0
-    loop.progress = restore(saved, loop.model, loop.optimizer, loop.probes, rank, checkpointer.spec.path)
-    loop.b = loop.progress.physical_batch or loop.config.physical_batch
-    if loop.b != loop.config.physical_batch:  # resumed after shrinking
-        set_bn_momentum(loop.model, at(loop.config, loop.b).bn_momentum)
-
-
-def _train(config: TrainConfig, prepared: Prepared, parallel: Parallel | None, on_epoch: EpochCallback | None,
-           probes: list[Probe], diagnostics: bool, checkpointer: Checkpointer | None, saved: dict | None,
-           no_sync: bool) -> TrainResult:
-    loop = _start(config, prepared, parallel, probes, diagnostics, no_sync)
-    _resume(loop, saved, checkpointer)
-    progress, resumed_after = loop.progress, loop.progress.epoch
-    for row in _replayed(progress) if on_epoch is not None else ():
-        on_epoch(row)
-    plan = [config.at_epoch(epoch) for epoch in range(1, config.epochs + 1)]  # one config unless batch_warmup
-    steps = [loop.feed.steps_per_epoch(now) for now in plan]
-    total_steps, warmup, step, lr = sum(steps), warmup_steps(config, steps), progress.step, config.lr
-    for epoch in range(progress.epoch + 1, config.epochs + 1):
-        if progress.finished:
-            break
-        now = _settle(loop, plan[epoch - 1])
-        start, samples, loop.evaluating = time.perf_counter(), 0, 0.0
-        synced = (parallel.all_reduces.calls, parallel.all_reduces.bytes) if parallel else None
-        for window in loop.feed.epoch(epoch, now):
-            lr = lr_at(now, step, total_steps, warmup)
-            for group in loop.optimizer.param_groups:
-                group["lr"] = lr
-            if loop.retry:  # a micro-batch that runs out of memory: b shrinks, and the window runs again
-                loop.b = loop.retry.run(lambda b: _accumulate(loop, window, step, b), loop.b, step, progress)
-            else:
-                _accumulate(loop, window, step, loop.b)
-            _step(loop, step, window.size)
-            step, samples = step + 1, samples + window.size
-            if config.eval_every_steps and step % config.eval_every_steps == 0:
-                _evaluate_at(loop, step, progress.samples + samples, on_epoch)
-            check_interrupt()
-            if step == config.max_steps:
-                break
-        row = _end_epoch(loop, epoch, step, lr, samples, start, synced)
-        _save(loop, checkpointer)
-        if on_epoch is not None:
-            on_epoch(row)
-    if checkpointer:
-        checkpointer.wait()
-    return _result(loop, prepared.device, resumed_after)
-
-
-def _replayed(progress: Progress) -> list[dict[str, float]]:
-    """A resumed run's rows so far, in the order they came: each epoch's after the evaluations within it."""
-    return sorted(progress.history + progress.evals, key=lambda row: (row.get("steps", row.get("step")),
-                                                                      "epoch" in row))
-
-
-def _settle(loop: Loop, now: TrainConfig) -> TrainConfig:
-    """An epoch's configuration in place: under batch_warmup its b, BatchNorm's momentum and AdamW's rules
-    follow the epoch's B (the learning rate follows it through lr_at)."""
-    if now is loop.config and not loop.config.batch_warmup:
-        return now
-    if not loop.retry:
-        loop.b = now.physical_batch
-    set_bn_momentum(loop.model, now.bn_momentum)
-    for group in loop.optimizer.param_groups:
-        if now.lr_rule == "adam_sqrt":
-            group.update(betas=(now.beta1, now.beta2), eps=now.eps)
-        if now.wd_rule == "timescale" and group["weight_decay"]:  # (a group of no decay keeps none)
-            group["weight_decay"] = now.decay
-    return now
-
-
-def _evaluate_at(loop: Loop, step: int, samples: int, on_epoch: EpochCallback | None) -> None:
-    """An evaluation within the epoch (eval_every_steps), kept by step as step_val_* (and the samples trained
-    so far as step_samples); its time is not training time."""
-    start = time.perf_counter()
-    measured = evaluate(loop.model, loop.feed.test(), loop.loss, loop.config.precision, loop.metrics)
-    row = {"step": step, "step_samples": samples, **{f"step_{name}": value for name, value in measured.items()}}
-    loop.progress.evals.append(row)
-    if on_epoch is not None:
-        on_epoch(row)
-    loop.evaluating += time.perf_counter() - start
-
-
-def _accumulate(loop: Loop, window, step: int, b: int) -> None:
-    """The window's micro-batches of b: forward, each loss term divided by its count over the whole window
-    (never by k: exact for any split of the window, with padding, a short last window or ranks), backward.
-    The gradients add up; under DDP they are all-reduced once, at the last micro-batch. A loss without
-    counts() backwards its sums, and `_step` divides by the window's count."""
-    last, loop.counted = window.parts(b) - 1, 0
-    for i, (x, y) in enumerate(window.cut(b)):
-        with loop.parallel.micro(i == last) if loop.parallel else NO_CONTEXT:
-            with around_forward(loop.hooks.forward, step), loop.amp():
-                micro_terms = loop.loss.terms(forward(loop.net, x), y)
-            objective = loop.loss.share(micro_terms, window.counts)
-            if loop.parallel:  # DDP averages over the ranks: their mean of N x this is the sum
-                objective = objective * loop.parallel.world
-            objective.backward()
-        if loop.loss.divide_after:  # (the terms count alike: the first term's count is the window's)
-            loop.counted = loop.counted + next(iter(micro_terms.values()))[1]
-        micro = Micro(step, window.size, x, y, micro_terms)
-        for probe in loop.hooks.after_micro:
-            probe.after_micro(micro)
-
-
-def _step(loop: Loop, step: int, size: int) -> None:
-    """One optimizer step for the window, then its gradients are let go."""
-    if loop.loss.divide_after:
-        _divide_by_count(loop)
-    for probe in loop.hooks.before_step:
-        probe.before_step(step, size)
-    if loop.config.grad_clip:
-        nn.utils.clip_grad_norm_(loop.params, loop.config.grad_clip)
-    loop.optimizer.step()
-    for probe in loop.hooks.after_step:
-        probe.after_step(step)
-    loop.optimizer.zero_grad(set_to_none=True)
-
-
-def _divide_by_count(loop: Loop) -> None:
-    """The window's summed gradients divided by the items its micro-batches counted (over every rank)."""
-    grads = [p.grad for p in loop.params if p.grad is not None]
-    if not grads:
-        return
-    count = loop.counted
-    if loop.parallel:
-        count = loop.parallel.sum_counts(count, grads[0].device)
-    torch._foreach_div_(grads, torch.as_tensor(count, dtype=grads[0].dtype, device=grads[0].device))
-
-
-def _end_epoch(loop: Loop, epoch: int, step: int, lr: float, samples: int, start: float,
-               synced: tuple[int, int] | None) -> dict[str, float]:
-    """The epoch's row (its one synchronization with the device), evaluated; the progress moves on."""
-    config, progress, parallel = loop.config, loop.progress, loop.parallel
-    row = {"epoch": epoch, **loop.terms.epoch_end(epoch)}
-    elapsed = time.perf_counter() - start - loop.evaluating
-    if math.isfinite(row["train_loss"]):
-        row.update(evaluate(loop.model, loop.feed.test(), loop.loss, config.precision, loop.metrics))
-    else:
-        progress.status = "diverged"
-        row.update(val_loss=math.nan, val_acc=math.nan)
-    epoch_time = time.perf_counter() - start
-    row.update(current_lr=lr, steps=step, samples=progress.samples + samples, epoch_time_s=epoch_time,
-               samples_per_s=samples / elapsed)
-    if loop.data.classification and loop.data.y_test.dim() == 2:  # tokens
-        val_loss = row["val_loss"]
-        row["val_perplexity"] = math.exp(min(val_loss, 700.0)) if math.isfinite(val_loss) else math.nan
-    if loop.retry:  # how often a micro-batch ran out of memory, and the smallest b that did
-        row.update(oom_retries=progress.oom_retries, oom_physical_batch=progress.oom_batch or math.nan)
-    if parallel:  # the epoch's gradient all-reduces
-        row.update(allreduce_calls=parallel.all_reduces.calls - synced[0],
-                   allreduce_bytes=parallel.all_reduces.bytes - synced[1])
-    for probe in loop.probes[1:]:
-        row.update(probe.epoch_end(epoch))
-    progress.history.append(row)
-    progress.epoch, progress.step = epoch, step
-    progress.train_time += elapsed
-    progress.wall_time += epoch_time
-    progress.samples += samples
-    progress.finished = progress.status == "diverged" or step == config.max_steps or epoch == config.epochs
-    return row
-
-
-def _save(loop: Loop, checkpointer: Checkpointer | None) -> None:
-    """The epoch's checkpoint, when one is due (by rank 0's clock under torchrun, with every rank's RNG states)."""
-    if not checkpointer:
-        return
-    due = checkpointer.due(loop.progress)
-    if loop.parallel:
-        due = loop.parallel.rank0(due)
-    if due:
-        rng = loop.parallel.every_rank(rng_states()) if loop.parallel else [rng_states()]
-        checkpointer.save(loop.progress, loop.model, loop.optimizer, loop.probes, rng)
-
-
-def _result(loop: Loop, device: torch.device, resumed_after: int) -> TrainResult:
-    config, progress, data = loop.config, loop.progress, loop.data
-    history = progress.history
-    metrics = {**history[-1], "samples_per_s": progress.samples / progress.train_time,
-               "wall_time_s": progress.wall_time}
-    if loop.retry:
-        metrics["physical_batch_used"] = loop.b
-    if "peak_memory_bytes" in metrics:
-        metrics["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in history)
-    if progress.status == "ok":
-        metrics.update(bn_population_error(loop.model, loop.feed.inputs(config.eval_batch)))
-    notes = loop.notes + [note for probe in loop.probes for note in probe.notes()]
-    health, health_epoch = verdict(progress.status, history, data.chance,
-                                   data.num_classes if data.classification else None)
-    dataset = {"name": config.dataset, "digest": data.digest, "train_size": data.n_train,
-               "test_size": data.n_test}
-    return TrainResult(config=config, status=progress.status, metrics=metrics, history=history, model=loop.model,
-                       device_name=device_name(device), dataset=dataset,
-                       memory_source=memory_source(device),
-                       warnings=notes, health=health, health_epoch=health_epoch, resumed_after=resumed_after)

@@ -1,14 +1,14 @@
-"""What the loop measures, behind one seam. The loop calls every probe at fixed points: around a micro-batch's
-forward, after its backward, before and after the optimizer step, at the end of an epoch and of the run. Each
-probe keeps its own schedule (which steps it measures) and returns its epoch's values for the history row.
-`train(config, probes=[...])` adds a user's own."""
+"""What the loop measures, behind one seam. The loop calls one `Probes` object at fixed points (around a
+micro-batch's forward, after its backward, before and after the optimizer step, at the end of an epoch and of
+the run), and it calls each probe that acts there. Each probe keeps its own schedule (which steps it measures)
+and returns its epoch's values for the history row. `train(config, probes=[...])` adds a user's own."""
 from __future__ import annotations
 
 import math
 import weakref
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -17,6 +17,8 @@ from .config import TrainConfig
 from .health import StepStats, never_updated
 from .losses import Terms
 from .noise import NoiseScale
+
+NO_CONTEXT = nullcontext()  # (reusable: none is built per micro-batch)
 
 
 @dataclass
@@ -29,7 +31,7 @@ class Run:
     params: list[nn.Parameter]  # the optimizer's, in order
     device: torch.device
     n_train: int
-    parallel: Any = None  # a batchsweep.trainers.distributed.Parallel under torchrun
+    parallel: Any = None  # a batchsweep.trainers.distributed.Parallel under torchrun (None for one process)
     divide_after: bool = False  # a loss without counts(): micro-batch gradients are sums until the step
 
 
@@ -81,25 +83,6 @@ class Probe:
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Take back `state()` after start(), when a run resumes from a checkpoint."""
-
-
-@dataclass
-class Hooks:
-    """The probes that override each method the loop calls every micro-batch or step: it calls only those (a
-    call that does nothing still costs its Python, every micro-batch)."""
-
-    forward: list[Probe]
-    after_micro: list[Probe]
-    before_step: list[Probe]
-    after_step: list[Probe]
-
-    @classmethod
-    def of(cls, probes: list[Probe]) -> Hooks:
-        def acts(probe: Probe, name: str) -> bool:  # (its class's method, or one set on the probe itself)
-            return getattr(getattr(probe, name), "__func__", None) is not getattr(Probe, name)
-
-        return cls(*([p for p in probes if acts(p, name)] for name in ("forward", "after_micro", "before_step",
-                                                                        "after_step")))
 
 
 @dataclass
@@ -176,6 +159,65 @@ class LossTerms(Probe):
         if list(means) != ["loss"]:
             row.update({f"loss/{name}": value for name, value in means.items()})
         return row
+
+
+class Probes:
+    """The run's probes behind one object: the loop calls it at its fixed points, and it calls each probe that
+    overrides the method (a call that does nothing still costs its Python, every micro-batch). `terms` (the
+    loss terms, always there) comes first, then `more`; a checkpoint keeps them in that order."""
+
+    def __init__(self, terms: LossTerms, more: list[Probe]):
+        self.terms, self.all = terms, [terms, *more]
+
+        def acting(name: str) -> list[Probe]:  # (its class's method, or one set on the probe itself)
+            return [p for p in self.all if getattr(getattr(p, name), "__func__", None) is not getattr(Probe, name)]
+
+        self._forward, self._after_micro = acting("forward"), acting("after_micro")
+        self._before_step, self._after_step = acting("before_step"), acting("after_step")
+
+    def __iter__(self) -> Iterator[Probe]:
+        return iter(self.all)
+
+    def start(self, run: Run) -> None:
+        for probe in self.all:
+            probe.start(run)
+
+    def forward(self, step: int):
+        """The probes' contexts around a micro-batch's forward (usually one or none: no ExitStack then)."""
+        if not self._forward:
+            return NO_CONTEXT
+        if len(self._forward) == 1:
+            return self._forward[0].forward(step)
+        stack = ExitStack()
+        for probe in self._forward:
+            stack.enter_context(probe.forward(step))
+        return stack
+
+    def after_micro(self, micro: Micro) -> None:
+        for probe in self._after_micro:
+            probe.after_micro(micro)
+
+    def before_step(self, step: int, window: int) -> None:
+        for probe in self._before_step:
+            probe.before_step(step, window)
+
+    def after_step(self, step: int) -> None:
+        for probe in self._after_step:
+            probe.after_step(step)
+
+    def retry(self, step: int, b: int) -> None:
+        for probe in self.all:
+            probe.retry(step, b)
+
+    def epoch_end(self, epoch: int) -> dict[str, float]:
+        """The epoch's values of every probe but the loss terms (the row takes theirs first)."""
+        row = {}
+        for probe in self.all[1:]:
+            row.update(probe.epoch_end(epoch))
+        return row
+
+    def notes(self) -> list[str]:
+        return [note for probe in self.all for note in probe.notes()]
 
 
 class SavedTensorBytes:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import gc
 from dataclasses import replace
-from typing import Callable
-
 import torch
 from torch import nn
 
@@ -28,36 +26,33 @@ def at(config: TrainConfig, b: int) -> TrainConfig:
 
 
 class Retry:
-    """Runs a window's micro-batches until they fit: what a window changes before its step is kept at its start
+    """The loop's one retry path. With shrink_on_oom, what a window changes before its step is kept at its start
     (the buffers, such as BatchNorm's running statistics, and the RNG states, for dropout), so that after an
-    out-of-memory it runs again as if for the first time, its gradients zeroed, at a smaller b."""
+    out-of-memory it runs again as if for the first time, its gradients zeroed, at a smaller b. Without it, an
+    out-of-memory is raised as it is. `progress` counts the retries (a checkpoint keeps them)."""
 
-    def __init__(self, model: nn.Module, config: TrainConfig, optimizer: torch.optim.Optimizer, probes: list):
+    def __init__(self, model: nn.Module, config: TrainConfig, optimizer: torch.optim.Optimizer, probes, progress):
         self.model, self.config, self.optimizer, self.probes = model, config, optimizer, probes
-
-    def run(self, accumulate: Callable[[int], None], b: int, step: int, progress) -> int:
-        """`accumulate(b)` the window; returns the b it fitted at. `progress` counts the retries."""
-        while True:
-            self.mark()
-            try:
-                accumulate(b)
-                return b
-            except torch.OutOfMemoryError:
-                progress.oom_batch, b = b, smaller(b, self.config.effective_batch)
-            # Out of the handler, the failed micro-batch's frames are let go: now its memory can be freed.
-            self.rollback()
-            set_bn_momentum(self.model, at(self.config, b).bn_momentum)
-            progress.oom_retries += 1
-            progress.physical_batch = b
-            for probe in self.probes:
-                probe.retry(step, b)
+        self.progress, self.on = progress, config.shrink_on_oom
 
     def mark(self) -> None:
+        """At a window's start (or its next attempt)."""
+        if not self.on:
+            return
         self.buffers = [b.detach().clone() for b in self.model.buffers()]
         self.rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 
-    def rollback(self) -> None:
+    def smaller(self, b: int) -> int:
+        """In the handler of a micro-batch of b that ran out of memory: the b to run the window at next (without
+        shrink_on_oom, or at b = 1, the error is raised)."""
+        if not self.on:
+            raise  # the out-of-memory being handled, as it is
+        return smaller(b, self.config.effective_batch)
+
+    def again(self, failed: int, b: int, step: int) -> int:
+        """Out of the handler (the failed micro-batch's frames let go: now its memory can be freed), the window put
+        back as it was at its start, to run again at b; returns b."""
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             for live, kept in zip(self.model.buffers(), self.buffers):
@@ -68,3 +63,9 @@ class Retry:
         gc.collect()  # the failed micro-batch's activations
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        set_bn_momentum(self.model, at(self.config, b).bn_momentum)
+        progress = self.progress
+        progress.oom_batch, progress.physical_batch = failed, b
+        progress.oom_retries += 1
+        self.probes.retry(step, b)
+        return b
