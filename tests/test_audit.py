@@ -8,7 +8,10 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from batchsweep.sweeps.audit.command import SHORT_WINDOW, ScriptRun, first_parting, main
+from batchsweep.sweeps.audit.command import main
+from batchsweep.sweeps.audit.diagnose import first_parting
+from batchsweep.sweeps.audit.runs import ScriptRun
+from batchsweep.sweeps.audit.traces import SHORT_WINDOW
 from tests.conftest import ROOT
 
 CATALOG = ROOT / "tests" / "programs" / "catalog.py"
@@ -33,6 +36,16 @@ EXPECTED = {
 FLOAT32 = (("none", "token"), ("mean_of_means", "token"), ("short_window", "sample"))
 CASES = [(*case, floats) for case in sorted(EXPECTED) for floats in ("float64", "float32")
          if floats == "float64" or case in FLOAT32]
+# The catalog's line that each verdict names (where the tracer saw the call made): the loss's backward() for a
+# mistake of the loss.
+LINES = {"zero_grad_per_micro_batch": "opt.zero_grad()  # the mistake", "step_per_micro_batch": "scaler.step(opt)",
+         **dict.fromkeys(("loss_not_divided", "mean_of_micro_batch_means", "short_window_divided_by_k"),
+                         "scaler.scale(loss).backward()"),
+         "short_window_skipped": "scaler.step(opt)  # opt.step()"}
+
+
+def catalog_line(text: str) -> str:
+    return f"catalog.py:{next(i for i, line in enumerate(CATALOG.read_text().splitlines(), 1) if text in line)}"
 
 
 @pytest.fixture(scope="module")
@@ -322,7 +335,7 @@ def test_clipping_is_one_length_with_other_sizes_where_adam_and_a_small_differen
     """Figures of real audits of the catalog (float64 but the first): a clip per micro-batch (float32), zero_grad
     on tokens under Adam (one length, signs differ), and an L2 penalty added to every micro-batch's loss,
     k times a window (no clipping; its length 1 + 8.2e-4)."""
-    from batchsweep.sweeps.audit.command import Update
+    from batchsweep.sweeps.audit.compare import Update
 
     assert Update(0.98691, 0.98691, 0.16180, 0.9999991, 0.15827, None).clipped
     assert not Update(0.95436, 0.95453, 0.30153, 0.99982, 0.00327, None).clipped
@@ -333,7 +346,7 @@ def test_a_mistake_of_every_window_is_never_named_for_a_later_update():
     """zero_grad per micro-batch and an undivided loss part the runs at step 1. Where they part later (Adam
     hiding a short window's scale, say), the update's figures may look like them, and the verdict says it is
     unexplained rather than name a mistake the loop cannot have."""
-    from batchsweep.sweeps.audit.command import classify
+    from batchsweep.sweeps.audit.diagnose import classify
 
     assert classify(0.6111, 0.9106, 4, first=True, last=False) == "zero_grad_per_micro_batch"
     assert classify(0.6111, 0.9106, 4, first=False, last=True) == "unexplained"
@@ -353,6 +366,9 @@ def test_the_audit_names_each_mistake_of_the_catalog(tmp_path, store, capsys, mi
     assert_a_bar_over_each_runs_steps(out, err)
     found = json.loads((tmp_path / "audit.json").read_text())
     assert found["verdict"] == verdict and found["dtype"] == floats
+    assert "contradicted" not in found  # no verdict against what the trace recorded
+    if verdict in LINES:  # the verdict names the script's line
+        assert "Seen at: " in found["sentence"] and catalog_line(LINES[verdict]) in found["sentence"], found["sentence"]
     assert found["tolerance"] == {"float64": 1e-10, "float32": 1e-5}[floats]
     if verdict == "loss_not_divided":
         assert found["update_ratio"] == pytest.approx(4, rel=0.01)  # k

@@ -45,6 +45,18 @@ def test_the_tracer_sees_each_window_of_an_unmodified_loop_and_stops_it(tmp_path
     assert set(grad) == set(end) and grad["0.weight"].shape == end["0.weight"].shape
 
 
+def test_a_clip_by_its_total_norm_is_seen_as_clip_grad_norm_is(tmp_path):
+    """Accelerate (the Trainer's) clips by get_total_norm and clip_grads_with_norm_: the same clip, and the norm
+    before it, as clip_grad_norm_'s. At 0.01 every step is cut, so a norm read after the clip would be 0.01."""
+    args = ["--batch-size", "8", "--accum", "4", "--lr", "0.1", "--clip", "0.01"]
+    by_norm, _ = traced(tmp_path / "n", args, stop=3)
+    by_total, _ = traced(tmp_path / "t", [*args, "--clip-api", "total"], stop=3)
+    assert [s.events for s in by_total.steps] == [s.events for s in by_norm.steps] == ["ZFBFBFBFBCS"] * 3
+    assert [s.clip for s in by_total.steps] == [0.01] * 3
+    assert [s.grad_norm for s in by_total.steps] == pytest.approx([s.grad_norm for s in by_norm.steps], rel=1e-12)
+    assert all(s.grad_norm > 0.1 for s in by_total.steps)
+
+
 def test_a_zero_grad_inside_the_window_and_a_step_per_micro_batch_are_seen(tmp_path):
     trace, _ = traced(tmp_path / "z", ["--batch-size", "8", "--accum", "4", "--lr", "0.1", "--mistake", "zero_grad"],
                       stop=2)
@@ -104,3 +116,26 @@ def test_every_rank_of_a_torchrun_command_is_observed_and_rank_0_read(tmp_path):
     assert sorted(p.name.split("-")[1] for p in tmp_path.glob("trace-r*.jsonl")) == ["r0", "r1"]
     trace = observed.read(tmp_path)
     assert len(trace.steps) == 3 and trace.observed() == (8, 4)
+
+
+@pytest.mark.slow
+def test_ranks_started_by_mp_spawn_are_named_and_measure_no_noise_scale(tmp_path):
+    """PyTorch's tutorial pattern: torch.multiprocessing.spawn passes each rank as an argument, not in RANK. Each
+    rank's trace is named by its process group, so rank 0's is the one read, and neither measures a noise scale
+    (a micro-batch's gradient is the rank's own only until the window's all-reduce)."""
+    import socket
+
+    with socket.socket() as s:  # a free port for the ranks' rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    folder = tmp_path / "spawn"
+    folder.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **observed.environment(folder, noise=True)}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "programs" / "plain.py"), "--batch-size", "8",
+                           "--accum", "2", "--case", "spawn", "--epochs", "1", "--port", str(port)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    names = sorted(p.name.split("-")[1] for p in folder.glob("trace-*.jsonl"))
+    assert names == ["r0", "r1"], names
+    trace = observed.read(folder)
+    assert trace.observed() == (8, 2) and not any(s.micro_sq for s in trace.steps)

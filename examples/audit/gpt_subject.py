@@ -4,6 +4,7 @@ before training, AdamW, clip_grad_norm_ at 1.0, and the loss divided by the numb
 it is written for batchsweep: it prints its own log lines and saves nothing.
 
     python gpt_subject.py --batch-size 4 --accum 4 [--seed 0] [--max-iters 20] [--eval yes|no] [--divide yes|no]
+        [--lr 1e-3]
 
 The model is a small causal transformer on a synthetic token stream (no download), in float64.
 """
@@ -39,13 +40,14 @@ def main() -> None:
     p.add_argument("--max-iters", type=int, default=20)
     p.add_argument("--eval", default="yes", choices=["yes", "no"], help="estimate the loss before training")
     p.add_argument("--divide", default="yes", choices=["yes", "no"], help="divide each loss by --accum")
+    p.add_argument("--lr", type=float, default=1e-3)
     args = p.parse_args()
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
     torch.manual_seed(1337 + args.seed)
     stream = (torch.arange(20000) * 7 + torch.randint(0, 3, (20000,))) % VOCAB  # a pattern worth learning
     model = TinyGPT()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
     def get_batch():
         ix = torch.randint(len(stream) - BLOCK - 1, (args.batch_size,))

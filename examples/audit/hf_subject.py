@@ -54,11 +54,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=0)
+    p.add_argument("--dropout", default="off", choices=["off", "default"],
+                   help="default: GPT-2's config dropouts as transformers sets them (0.1 each)")
     args = p.parse_args()
     torch.manual_seed(args.seed)
     torch.set_default_dtype(torch.float64)  # (transformers before 4.46 builds GPT-2's masks in the default dtype)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0)
+    off = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} if args.dropout == "off" else {}
+    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2, **off)
     model = GPT2LMHeadModel(config).double()
     training = TrainingArguments(
         output_dir=os.path.join(tempfile.gettempdir(), "hf-audit-subject"), per_device_train_batch_size=args.batch_size,

@@ -2,7 +2,8 @@
 
 A small BERT classifier built from a config (random weights, no download) learns whether a sequence's first
 token is smaller than its last, on sequences of varying length padded per batch. The only lines for batchsweep are in
-JsonLines: the Trainer's evaluation and training logs printed as JSON lines.
+JsonLines: the Trainer's evaluation and training logs printed as JSON lines. `model` and `datasets` are the same
+model and data as factories that batchsweep's own trainer takes (noise_trainer.toml here), so the two can be compared.
 
     python train.py --batch-size 16 --accum 2 --lr 2e-3 --seed 0 --epochs 3
 """
@@ -49,6 +50,33 @@ class JsonLines(TrainerCallback):
                           "val_loss": metrics["eval_loss"]}), flush=True)
 
 
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, rows: list[dict]):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.rows[i]
+
+
+def model(**_) -> BertForSequenceClassification:
+    config = BertConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=32, num_labels=2)
+    return BertForSequenceClassification(config)
+
+
+def datasets(seed: int = 0, train_size: int = 512, **_) -> tuple:
+    """(train, test, collate) for batchsweep's trainer: `--dataset examples.hf_trainer.train:datasets`."""
+    return Rows(make_data(train_size, seed)), Rows(make_data(512, 10_000)), collate
+
+
+def noise_datasets(seed: int = 0, **_) -> tuple:
+    """The data of noise.toml's runs (`--train-size 4096`), for noise_trainer.toml."""
+    return datasets(seed, 4096)
+
+
 def accuracy(prediction) -> dict:
     return {"accuracy": float((prediction.predictions.argmax(-1) == prediction.label_ids).mean())}
 
@@ -63,17 +91,14 @@ def main() -> None:
     p.add_argument("--train-size", type=int, default=512)
     args = p.parse_args()
     torch.manual_seed(args.seed)
-    config = BertConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=32, num_labels=2)
-    model = BertForSequenceClassification(config)
     training = TrainingArguments(
         output_dir=os.path.join(tempfile.gettempdir(), "hf-trainer-example"),
         per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.accum, learning_rate=args.lr,
         num_train_epochs=args.epochs, seed=args.seed, eval_strategy="epoch", logging_steps=1, save_strategy="no",
         report_to="none", use_cpu=True, disable_tqdm=True, per_device_eval_batch_size=256)
-    trainer = Trainer(model=model, args=training, train_dataset=make_data(args.train_size, args.seed),
-                      eval_dataset=make_data(512, 10_000), data_collator=collate, compute_metrics=accuracy,
-                      callbacks=[JsonLines()])
+    train, test, _ = datasets(args.seed, args.train_size)
+    trainer = Trainer(model=model(), args=training, train_dataset=train, eval_dataset=test, data_collator=collate,
+                      compute_metrics=accuracy, callbacks=[JsonLines()])
     trainer.train()
 
 

@@ -58,16 +58,34 @@ class Step:
     losses: list[float] | None = None
     wall_s: float = 0.0
     micro_sq: list[float] | None = None  # each micro-batch's own gradient's squared norm, where measured
-    optimizers: int = 1  # that have stepped so far: with more than one, a window holds the others' calls too
+    opt: int = 0  # which optimizer stepped (by first step), where more than one did
+    at: list[int] | None = None  # per event but F: the index of the place in the script that made the call
 
     @property
     def micro_batches(self) -> int:
         return self.events.count("B")
 
+    @property
+    def stepped(self) -> int:
+        """The backward() calls whose gradients reached the step: those after the window's last zero_grad()."""
+        return self.events[self.events.rfind("Z") + 1:].count("B")
+
+    @property
+    def dropped(self) -> int:
+        """The backward() calls that a zero_grad() threw away before this step."""
+        return self.micro_batches - self.stepped
+
     def zero_grad_within(self) -> bool:
         """A zero_grad() between two backward() calls of the window: it throws away the ones before it."""
         first, last = self.events.find("B"), self.events.rfind("B")
         return "Z" in self.events[first + 1:last] if first >= 0 else False
+
+    def site(self, mark: str, sites: list[str], nth: int = 0) -> str | None:
+        """Where the script made the window's nth call of this kind ("file:line"), where the tracer recorded it."""
+        calls = [i for i, event in enumerate(e for e in self.events if e != "F") if event == mark]
+        if self.at is None or nth >= len(calls) or calls[nth] >= len(self.at) or self.at[calls[nth]] >= len(sites):
+            return None
+        return sites[self.at[calls[nth]]]
 
     @property
     def loss(self) -> float | None:
@@ -82,11 +100,25 @@ class Trace:
     folder: Path | None = None
     loaders: list[tuple[int, int]] = field(default_factory=list)  # (data set size, batch size) of its DataLoaders
     peak_allocated_bytes: int | None = None  # the CUDA allocator's peak from the first training forward on
+    trained: list[str] | None = None  # the names of the parameters the optimizer trains, in the saved state
+    random_modules: list[str] = field(default_factory=list)  # modules in training mode that draw (dropout)
+    random_draws: list[str] = field(default_factory=list)  # "forward", "step": where a default generator moved
+    random_fields: list[str] = field(default_factory=list)  # a transformers config's dropout fields above 0
+    sites: list[str] = field(default_factory=list)  # the places ("file:line") of the script's calls
+    dangling: str = ""  # the events after the last step: backward() calls that never stepped
+    drawn: dict[str, dict[int, int]] = field(default_factory=dict)  # torch.randint's first dims, randperm's sizes
+    compiled: bool = False  # a module compiled in place: its forwards are not seen
 
-    def observed(self) -> tuple[int, int] | None:
-        """(b, k) as the script ran them: the most common micro-batch size and count over the steps after the first
-        (a first window may differ: a warmup, a resumed run); None where no step was seen."""
-        later = self.steps[1:] or self.steps
+    def optimizers(self) -> list[int]:
+        """The optimizers that stepped, by first step (a GAN's two, say)."""
+        return sorted({s.opt for s in self.steps})
+
+    def observed(self, opt: int = 0) -> tuple[int, int] | None:
+        """(b, k) as the script ran them with optimizer `opt` (each optimizer's steps are its own windows): the most
+        common micro-batch size and count over the steps after the first (a first window may differ: a warmup, a
+        resumed run); None where no step was seen."""
+        steps = [s for s in self.steps if s.opt == opt]
+        later = steps[1:] or steps
         if not later:
             return None
         k = Counter(s.micro_batches for s in later).most_common(1)[0][0]
@@ -104,6 +136,12 @@ class Trace:
         return sum(s.tokens for s in timed) / wall if timed and wall > 0 else None
 
 
+def unobservable(folder: Path) -> str | None:
+    """Why the tracer could not install itself in a process of the command (an older torch), where it said so."""
+    said = sorted(folder.glob("unobservable-*.txt"))
+    return said[0].read_text().strip() if said else None
+
+
 def read(folder: Path) -> Trace | None:
     """The trace of the process that stepped: rank 0's where ranks ran, else the one with the most steps; None where
     no process of the command made an optimizer step that the tracer saw."""
@@ -118,6 +156,14 @@ def read(folder: Path) -> Trace | None:
                 trace.loaders = [tuple(pair) for pair in row["loaders"]]
             elif "peak_allocated_bytes" in row:
                 trace.peak_allocated_bytes = row["peak_allocated_bytes"]
+            elif "trained" in row:
+                trace.trained, trace.sites = row["trained"], row["sites"]
+                trace.random_modules, trace.random_draws = row["random_modules"], row["random_draws"]
+                trace.compiled, trace.random_fields = row.get("compiled", False), row.get("random_fields", [])
+            elif "dangling" in row:
+                trace.dangling = row["dangling"]
+            elif "drawn" in row:
+                trace.drawn = {kind: {int(n): c for n, c in counts.items()} for kind, counts in row["drawn"].items()}
             elif "step" in row:
                 trace.steps.append(Step(**{k: v for k, v in row.items() if k in Step.__dataclass_fields__}))
         if len(trace.steps) > len(best.steps):
@@ -128,8 +174,10 @@ def read(folder: Path) -> Trace | None:
 def noise_scale(trace: Trace) -> tuple[float, bool] | str:
     """The gradient noise scale from the windows the tracer measured, as the trainer estimates it
     (trainers/noise.py): (B_simple, reliable), or why it cannot be told. Full windows only (k micro-batches of b,
-    no zero_grad or clip between their backward calls, a step that was not skipped), and the training set's size
-    from the DataLoader of batch size b, which the finite-set correction needs."""
+    no zero_grad or clip between their backward calls, a step that was not skipped). How the micro-batches were
+    drawn decides the finite-set correction (DESIGN: windows without replacement from N samples read |G|^2 low by
+    tr(S)/(N-1)): from a DataLoader of batch size b over N samples, or an epoch over torch.randperm(N), with it;
+    drawn by torch.randint with replacement, independent samples, without it."""
     import torch
 
     from batchsweep.trainers import fold_noise, noise_scale as scale_of
@@ -137,11 +185,10 @@ def noise_scale(trace: Trace) -> tuple[float, bool] | str:
     b, k = trace.observed() or (0, 0)
     if k < 2:
         return "it needs windows of 2 micro-batches or more"
-    sizes = {n for n, batch in trace.loaders if batch == b}
-    if len(sizes) != 1:
-        return (f"the training set's size is not known: no DataLoader of batch size {b} was seen" if not sizes else
-                f"the training set's size is not known: DataLoaders of batch size {b} over {sorted(sizes)} samples")
-    full = [s for s in trace.steps if s.micro_sq and len(s.micro_sq) == k and s.samples == [b] * k
+    n = training_set(trace, b)
+    if isinstance(n, str):
+        return n
+    full = [s for s in trace.steps if s.opt == 0 and s.micro_sq and len(s.micro_sq) == k and s.samples == [b] * k
             and not s.skipped and not s.zero_grad_within() and "C" not in s.events[:s.events.rfind("B")]
             and s.grad_norm]
     if not full:
@@ -149,8 +196,44 @@ def noise_scale(trace: Trace) -> tuple[float, bool] | str:
     small = torch.tensor([sum(s.micro_sq) / k for s in full], dtype=torch.float64)
     big = torch.tensor([s.grad_norm ** 2 for s in full], dtype=torch.float64)
     ema, weight = fold_noise(torch.zeros(2, dtype=torch.float64), 0.0, small, big, b, b * k)
-    scale = scale_of(ema, weight, sizes.pop())
+    if n is None:  # independent draws: E|G_b|^2 = |G|^2 + tr(S)/b as it is
+        g2, trace_s = (ema / weight).tolist()
+        return (trace_s / g2, True) if g2 > 0 else "the measured |G|^2 is not positive yet"
+    scale = scale_of(ema, weight, n)
     return scale if scale is not None else "the measured |G|^2 is not positive yet"
+
+
+def training_set(trace: Trace, b: int) -> int | None | str:
+    """The N that windows were drawn from without replacement; None where micro-batches were drawn with replacement
+    (torch.randint of b, at least one a micro-batch); why, where the sampling is not known."""
+    sizes = {n for n, batch in trace.loaders if batch == b}
+    if len(sizes) == 1:
+        return sizes.pop()
+    if sizes:
+        return f"the training set's size is not known: DataLoaders of batch size {b} over {sorted(sizes)} samples"
+    perms = set(trace.drawn.get("randperm", {}))
+    micro = sum(s.micro_batches for s in trace.steps)
+    if trace.drawn.get("randint", {}).get(b, 0) >= micro:
+        return None
+    if len(perms) == 1:
+        return perms.pop()
+    if perms:
+        return f"the training set's size is not known: permutations of {sorted(perms)} samples were drawn"
+    return (f"the training set's size is not known: no DataLoader of batch size {b}, no torch.randperm and no "
+            f"torch.randint of {b} samples was seen")
+
+
+def window_losses(trace: Trace) -> list[tuple[int, float]]:
+    """(step, the sum of the losses backwarded in its window) for each step of the first optimizer: for a script
+    that divides by k or by the window's count, the window's mean loss."""
+    return [(s.step, s.loss) for s in trace.steps if s.opt == 0 and s.loss is not None and not s.skipped]
+
+
+def train_loss(losses: list[tuple[int, float]]) -> float:
+    """The loss at the end of training: the mean over the last tenth of the windows (at least 1, at most 50), not
+    one noisy window's."""
+    last = [loss for _, loss in losses[-min(50, max(1, len(losses) // 10)):]]
+    return sum(last) / len(last)
 
 
 def same_data(a: Step, t: Step) -> bool:

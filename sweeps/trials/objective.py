@@ -168,7 +168,7 @@ class Script(Objective):
         watch = RunWatch(client, link, self.metrics[0]) if self.prunes else None
         place.open()
         try:
-            env.update(observed.environment(place.trace, noise=config.accum_steps > 1,
+            env.update(observed.environment(place.trace, noise=config.accum_steps > 1, losses=True,
                                             pythonpath=env.get("PYTHONPATH")))
             try:
                 ended = program.run(self.program.argv(values), env, self.program.cwd, timeout, output, on_epoch,
@@ -201,6 +201,10 @@ class Script(Objective):
                 notes.append(f"the noise scale is not measured: {scale}")
             else:
                 metrics.update(noise_scale=scale[0], noise_scale_reliable=float(scale[1]))
+        losses = observed.window_losses(trace) if trace is not None and "train_loss" not in metrics else []
+        if losses:  # a script that reports no train_loss: the losses it backwarded, as the tracer saw them
+            metrics["train_loss"] = observed.train_loss(losses)
+            log_window_losses(client, link.run_id, losses)
         finite = all(math.isfinite(metrics[m]) for m in self.metrics if m in metrics)
         return Trained(metrics, "ok" if finite else "diverged", source,
                        {**tags, "warnings": " | ".join(notes) or None, **seen},
@@ -228,6 +232,16 @@ class Script(Objective):
         raise exc
 
 
+def log_window_losses(client: MlflowClient, run_id: str, losses: list[tuple[int, float]]) -> None:
+    """Each optimizer step's window loss, at its step (`window_loss`: train_loss is their end, over the last ones)."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    rows = [Metric("window_loss", loss, now, step) for step, loss in losses if math.isfinite(loss)]
+    for start in range(0, len(rows), 1000):  # MLflow takes at most 1000 metrics a call
+        client.log_batch(run_id, metrics=rows[start:start + 1000])
+
+
 def as_observed(trace: observed.Trace | None, config: TrainConfig) -> dict[str, Any]:
     """The tags of what a script did, as the tracer saw it: b and k of its steps after the first, and where
     either is not what the trial passed, `config_mismatch` in one sentence. b is the first dimension of the
@@ -235,7 +249,10 @@ def as_observed(trace: observed.Trace | None, config: TrainConfig) -> dict[str, 
     input's dimensions."""
     if trace is None:
         return {}
-    b, k = trace.observed()
+    # With several optimizers (a GAN's), each one's steps are its windows: the script accumulates as asked where any
+    # optimizer's windows hold k micro-batches (a discriminator that backwards real and fake apart holds 2k).
+    seen = [trace.observed(opt) for opt in trace.optimizers()]
+    b, k = next((pair for pair in seen if pair[1] == config.accum_steps), seen[0])
     tags = {"observed_physical_batch": b, "observed_accum_steps": k, "observed_effective_batch": b * k}
     wrong = []
     if k != config.accum_steps:

@@ -8,7 +8,7 @@ what `batchsweep audit` must name. A plain PyTorch loop, as people write them.
         [--loss sample|token] [--dtype float64|float32] [--optimizer sgd|adam] [--momentum M]
         [--weight-decay WD] [--decay all|matrices] [--autocast no|bf16|fp16] [--loss-scale S] [--clip NORM]
         [--frozen-bn yes|no] [--class-weights yes|no] [--warmup STEPS] [--print-lr yes|no]
-        [--schedule exponential|cosine]
+        [--schedule exponential|cosine] [--clip-api norm|total]
 
 It prints {"step": s, "loss": l, "lr": the step's LR} per optimizer step and saves model.state_dict() to
 $BATCHSWEEP_STATE at the end. With SGD the LR decays by 0.9 a step; with --schedule cosine (either optimizer)
@@ -129,6 +129,8 @@ def main() -> int:
                    help="fp16: with a GradScaler of initial scale --loss-scale, as PyTorch's AMP recipe")
     p.add_argument("--loss-scale", type=float, default=2.0 ** 16)
     p.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm_ to NORM before each step (0: none)")
+    p.add_argument("--clip-api", default="norm", choices=["norm", "total"],
+                   help="total: get_total_norm, then clip_grads_with_norm_, as Accelerate clips (the Trainer's)")
     p.add_argument("--frozen-bn", default="no", choices=["yes", "no"], help="a BatchNorm in eval mode (fine-tuning)")
     p.add_argument("--class-weights", default="no", choices=["yes", "no"], help="per-sample loss only")
     p.add_argument("--warmup", type=int, default=0, help="SGD's LR rises from 0 over this many steps")
@@ -227,7 +229,11 @@ def main() -> int:
             if "step_per_micro" not in mistakes:
                 if args.clip and "clip_per_micro" not in mistakes:
                     scaler.unscale_(opt)  # clip the true gradient, not the scaled one (a no-op without fp16)
-                    nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+                    if args.clip_api == "total":
+                        total = nn.utils.get_total_norm([q.grad for q in model.parameters() if q.grad is not None])
+                        nn.utils.clip_grads_with_norm_(model.parameters(), args.clip, total)
+                    else:
+                        nn.utils.clip_grad_norm_(model.parameters(), args.clip)
                 lr = lr_now()
                 scaler.step(opt)  # opt.step(), unless the GradScaler found inf or NaN in the gradients
                 scaler.update()

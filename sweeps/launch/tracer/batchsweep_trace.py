@@ -6,15 +6,21 @@ runs in whatever interpreter the command names.
 It writes one JSON line per optimizer step into $BATCHSWEEP_TRACE/trace-<pid>.jsonl:
     {"step": 3, "events": "ZFBFBCS", "samples": [8, 8], "fingerprint": [s, s2], "lrs": [0.1],
      "grad_norm": 1.7, "clip": 1.0, "skipped": false, "wall_s": 0.012, ...}
-(steps of the first optimizer that steps; a second one's, a GAN's say, are not windows), and at the process's end
-the DataLoaders it iterated ({"loaders": [[size, batch], ...]}) and on a GPU the allocator's peak.
+(the steps of every optimizer, each window holding what happened since the step before, whichever optimizer made
+it; "opt" numbers them where more than one stepped), and at the process's end the model ({"trained": [...],
+"random_modules": [...], "random_draws": [...]}), the DataLoaders it iterated ({"loaders": [[size, batch], ...]}),
+the places of its calls ({"sites": [...]}) and on a GPU the allocator's peak.
 `events` are what happened since the step before, in order: F a training forward of a model (a root module call
 with parameters, in training mode, with grad enabled), B backward(), Z zero_grad(), C clip_grad_norm_(), L a
-scheduler step, S the optimizer step (K: a step that a GradScaler skipped). `samples` are the first dimension of
-the model's first tensor input at each micro-batch (the forwards before each backward), `fingerprint` the sum and
-the sum of squares of those inputs over the window, in float64: the same samples give the same two numbers. The
-model is the first module called in training mode with grad enabled and parameters, outside any other module's
-call (global hooks find it; then a hook of its own follows it, so that no other module pays for a hook).
+scheduler step (a scheduler's own construction, and the steps a SequentialLR or ChainedScheduler makes of its
+children, are not the script's), S the optimizer step (K: a step that a GradScaler skipped); `at` names, for each
+event but F, the place in the script that made the call (an index into "sites": the caller's file and line outside
+torch). `samples` are the first dimension of the first model's first tensor input at each micro-batch (the forwards
+before each backward), `fingerprint` the sum and the sum of squares of those inputs over the window, in float64: the
+same samples give the same two numbers. The first model is the first module called in training mode with grad
+enabled and parameters, outside any other module's call; the models whose weights are saved are those of the modules
+so called whose parameters the optimizer trains (a frozen encoder called first is not one), chosen at the first step
+(global hooks find them until then; then a hook of the first one's own follows it, so that no other module pays).
 
 Variables (all optional but the first):
     BATCHSWEEP_TRACE        the folder it writes into
@@ -36,19 +42,21 @@ import json
 import os
 import sys
 import time
+import weakref
 
 FLUSH_EVERY = 32  # steps held before their figures are read (a .item() on a GPU waits for the step's kernels)
 # The noise scale's windows: one in this many. A measured micro-batch costs a copy of the gradient and two passes
 # over it (three foreach operations), as the trainer's (trainers/noise.py): about 15% of a micro-batch of the
 # example GPT loop, so a few windows are measured, as the trainer does (about 2% a micro-batch on average).
 NOISE_EVERY = 8
+TORCH = os.sep + "torch" + os.sep  # torch's folder, once it is imported: calls from inside it are not the script's
+RANDOM_WINDOWS = 3  # windows over which the default generators are watched for draws in a forward or before a step
 
 
 class Tracer:
     def __init__(self, folder: str):
         self.folder = folder
-        rank = os.environ.get("RANK")  # torchrun's, accelerate's
-        self.path = os.path.join(folder, f"trace-{'r' + rank + '-' if rank else ''}{os.getpid()}.jsonl")
+        self.path = None  # trace-[r<rank>-]<pid>.jsonl, named at the first step, once any process group is up
         self.stop = int(os.environ.get("BATCHSWEEP_TRACE_STOP") or 0)
         self.save = os.environ.get("BATCHSWEEP_TRACE_SAVE") == "1"
         wanted = [s.strip() for s in os.environ.get("BATCHSWEEP_TRACE_GRADS", "").split(",") if s.strip()]
@@ -62,12 +70,28 @@ class Tracer:
         self.noise = os.environ.get("BATCHSWEEP_TRACE_NOISE") == "1" and int(os.environ.get("WORLD_SIZE", "1")) == 1
         self.before = None  # in a measured window: the accumulated gradient as of the backward before
         self.loaders: set = set()  # (len(dataset), batch_size) of each DataLoader iterated
+        # With the noise scale: how a loop without a DataLoader samples. The first dimensions of torch.randint's
+        # draws (batches drawn with replacement, as minimal GPT trainers draw them) and torch.randperm's sizes (an
+        # epoch over a permutation of N samples), each with its count.
+        self.drawn: dict[str, dict[int, int]] = {"randint": {}, "randperm": {}}
         self.cuda = None  # the model's GPU, where it trains on one
         self.global_hooks: list = []  # removed once the model is found
         self.depth = 0  # nesting of module calls: 0 outside any
-        self.model = None  # the first module seen training: its state dict is what is saved
-        self.optimizers: list = []  # by first step: the index is a step's "opt"
-        self.steps = 0  # of the first optimizer
+        self.model = None  # the first module seen training: its inputs are the windows' samples
+        self.roots: list = []  # every module called outermost in training, until the models are chosen
+        self.models = None  # chosen at the first step: the roots whose parameters the optimizer trains
+        self.trained: list[str] = []  # the names of the parameters it trains (what the audit compares)
+        self.random_modules: list[str] = []
+        self.random_fields: list[str] = []  # a transformers config's dropout fields above 0
+        self.draws: set = set()  # where a default generator moved: "forward", "step"
+        self.generators = None  # their states before the forward (or after the last backward) being watched
+        self.optimizers = weakref.WeakKeyDictionary()  # index by first step; an optimizer let go is not kept alive
+        self.stepped = 0  # optimizers that have stepped: the next one's index
+        self.opt = 0  # the index of the optimizer stepping now
+        self.scheduling = 0  # inside a scheduler's construction or step: its children's steps are not the script's
+        self.sites: dict[str, int] = {}  # "file:line" of a call: its index
+        self.steps = 0  # of every optimizer
+        self.compiled = False  # a module compiled in place (module.compile()), whose hooks run in its graph
         self.pending: list[dict] = []
         self.ended = False
         self._window()
@@ -75,6 +99,7 @@ class Tracer:
 
     def _window(self) -> None:
         self.events: list[str] = []
+        self.at: list[int] = []  # per event but F: the index of its site
         self.samples: list[int] = []
         self.forward_samples = None  # of the current micro-batch: its first training forward's
         self.shape = None  # of the window's first input
@@ -87,10 +112,14 @@ class Tracer:
 
     # -- the hooks ------------------------------------------------------------------------------------------------
     def before_forward(self, module, args) -> None:
+        if compiling():
+            return
         self.depth += 1
 
     def after_forward(self, module, args, kwargs, output) -> None:
         """A global hook, until the model is found: every module's call, of which the outermost count."""
+        if compiling():  # (a module compiled in place runs its hooks inside the graph: they are left out there)
+            return
         self.depth -= 1
         if self.depth or not module.training:
             return
@@ -98,26 +127,80 @@ class Tracer:
 
         if not torch.is_grad_enabled() or next(module.parameters(), None) is None:
             return  # evaluation, or a loss module
-        self.model = module  # its weights before any update: the first training forward comes before it
-        if self.save:
-            self._save_state("start.pt")
+        if module is self.model or any(module is root for root in self.roots):
+            return  # (the first model's own hook has it)
+        self.roots.append(module)
+        if self.model is not None:
+            return
+        self.model = module
         device = next(module.parameters()).device
         if device.type == "cuda":  # the allocator's peak from here on: training's, as the trainer measures it
             self.cuda = device
             torch.cuda.reset_peak_memory_stats(device)
-        # From here on the model's own hook: global ones would put every submodule's call through them.
+        # The first model's own hook: once the models are chosen, the global ones go.
+        module.register_forward_hook(self.model_forward, with_kwargs=True)
+        self.watching = module.register_forward_pre_hook(self.watch_forward)
+        self.model_forward(module, args, kwargs, output)
+
+    def watch_forward(self, module, args) -> None:
+        """In the first windows: the generators' states before a training forward, to see whether it draws."""
+        import torch
+
+        if compiling():
+            return
+        if self.steps >= RANDOM_WINDOWS:
+            self.watching.remove()
+        elif module.training and torch.is_grad_enabled():
+            self.generators = generator_states(self.cuda)
+
+    def drew(self, where: str) -> None:
+        """Whether a default generator moved since the states were taken (dropout, a random augmentation)."""
+        if self.generators is not None and generator_states(self.cuda) != self.generators:
+            self.draws.add(where)
+        self.generators = None
+
+    def choose(self, params) -> None:
+        """The models: the roots whose parameters the optimizer (or a clip) is given; the weights before any update."""
+        import torch
+
+        ids = {id(p) for p in params}
+        self.models = [m for m in self.roots if any(id(p) in ids for p in m.parameters())] or self.roots[:1]
         for handle in self.global_hooks:
             handle.remove()
-        module.register_forward_hook(self.model_forward, with_kwargs=True)
-        self.model_forward(module, args, kwargs, output)
+        self.global_hooks = []
+        # (every name a tied weight has in the state dict: GPT-2's lm_head.weight is its wte.weight)
+        self.trained = [name for name, p in self.named_parameters(aliases=True) if p.requires_grad and id(p) in ids]
+        dropout = torch.nn.modules.dropout._DropoutNd
+        self.random_modules = [f"{name or 'model'}: {type(sub).__name__}(p={getattr(sub, 'p', None) or sub.drop_prob})"
+                               for i, model in enumerate(self.models) for name, sub in model.named_modules(
+                                   prefix=f"{i}" if len(self.models) > 1 else "")
+                               if sub.training and (isinstance(sub, dropout) and sub.p > 0 or
+                                                    "DropPath" in type(sub).__name__ and getattr(sub, "drop_prob", 0))]
+        # A transformers model's config names the fields that set them (resid_pdrop, hidden_dropout_prob, ...).
+        configs = [getattr(model, "config", None) for model in self.models]
+        self.random_fields = sorted({f"{key}={value}" for config in configs if hasattr(config, "to_dict")
+                                     for key, value in config.to_dict().items() if ("dropout" in key or "pdrop" in key)
+                                     and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0})
+        if self.save:
+            self._save_state("start.pt")
+
+    def named_parameters(self, aliases: bool = False):
+        """The models' parameters, named as in their state dicts (numbered where there are several models);
+        `aliases`: a parameter shared by several modules under each of its names."""
+        many = len(self.models or ()) > 1
+        for i, model in enumerate(self.models or ()):
+            for name, p in model.named_parameters(remove_duplicate=not aliases):
+                yield (f"{i}.{name}" if many else name), p
 
     def model_forward(self, module, args, kwargs, output) -> None:
         import torch
 
-        if not module.training or not torch.is_grad_enabled():
+        if compiling() or not module.training or not torch.is_grad_enabled():
             return
         if self.last is None:
             self.last = time.perf_counter()
+        if self.steps < RANDOM_WINDOWS:
+            self.drew("forward")
         x = first_tensor(args, kwargs)
         self.events.append("F")
         if x is None:
@@ -136,10 +219,23 @@ class Tracer:
             counted = (labels != -100).sum()
             self.tokens = counted if self.tokens is None else self.tokens + counted
 
+    def event(self, mark: str) -> None:
+        self.events.append(mark)
+        self.at.append(self.site())
+
+    def site(self) -> int:
+        """The index of the caller's place outside torch and this file: "file:line"."""
+        frame = sys._getframe(2)
+        while frame is not None and (frame.f_code.co_filename.startswith(TORCH) or
+                                     frame.f_code.co_filename == __file__):
+            frame = frame.f_back
+        where = "?" if frame is None else f"{relative(frame.f_code.co_filename)}:{frame.f_lineno}"
+        return self.sites.setdefault(where, len(self.sites))
+
     def backward(self, tensors) -> None:
         import torch
 
-        self.events.append("B")
+        self.event("B")
         self.samples.append(self.forward_samples or 0)
         self.forward_samples = None
         if self.losses and isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
@@ -147,17 +243,21 @@ class Tracer:
 
     def after_backward(self) -> None:
         """In a measured window: this micro-batch's own gradient, the accumulated one less the one before."""
+        if self.steps < RANDOM_WINDOWS and self.model is not None:
+            self.generators = generator_states(self.cuda)  # (a draw before the step: noise added to gradients)
         if not self.noise or self.model is None or (self.steps + 1) % NOISE_EVERY:
             return
         import torch
 
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        models = self.models or [self.model]
+        grads = [p.grad for m in models for p in m.parameters() if p.grad is not None]
         if not grads or (self.before is not None and len(self.before) != len(grads)):
             self.micro_sq.append(None)  # (a tensor that got its first gradient now: this window is not measured)
             return
         with torch.no_grad():
             own = grads if self.before is None else torch._foreach_sub(grads, self.before)
-            self.micro_sq.append(torch.stack([n.double() for n in torch._foreach_norm(own)]).pow(2).sum())
+            norms = torch._foreach_norm(own)  # (a model spread over devices: each norm on its tensor's device)
+            self.micro_sq.append(torch.stack([n.double().to(norms[0].device) for n in norms]).pow(2).sum())
             if self.before is None:
                 self.before = [g.clone() for g in grads]
             else:
@@ -173,25 +273,40 @@ class Tracer:
             pass
 
     def zero_grad(self) -> None:
-        self.events.append("Z")
+        self.event("Z")
 
     def scheduler_step(self) -> None:
-        self.events.append("L")
+        if not self.scheduling:
+            self.event("L")
 
     def clipping(self, parameters, max_norm) -> None:
         """Before clip_grad_norm_ runs: the gradient it is about to cut is the window's."""
-        self.events.append("C")
+        self.event("C")
+        if self.models is None:
+            self.choose([parameters] if isinstance(parameters, __import__("torch").Tensor) else parameters)
         self._gradient()
 
     def clipped(self, max_norm, total) -> None:
         self.clip = (float(max_norm), total)
 
+    def ranked(self) -> None:
+        """The trace's file, named by the rank: torchrun's and accelerate's RANK, or the process group's where the
+        ranks were started otherwise (mp.spawn passes them as arguments). Across ranks no noise scale is measured:
+        a micro-batch's gradient is the rank's own only until the window's all-reduce."""
+        import torch
+
+        rank, world = os.environ.get("RANK"), int(os.environ.get("WORLD_SIZE", "1"))
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if distributed:
+            rank, world = str(torch.distributed.get_rank()), torch.distributed.get_world_size()
+        self.noise = self.noise and world == 1
+        self.path = os.path.join(self.folder, f"trace-{'r' + rank + '-' if rank else ''}{os.getpid()}.jsonl")
+
     def before_step(self, optimizer, args, kwargs) -> None:
-        if optimizer not in self.optimizers:
-            self.optimizers.append(optimizer)
-        if self.optimizers.index(optimizer):
-            return  # another optimizer's (a GAN's second, say): the first one's steps are the windows
-        self.lrs = [group.get("lr") for group in optimizer.param_groups]
+        if self.path is None:
+            self.ranked()
+        self.known(optimizer)
+        self.lrs = [value(group.get("lr")) for group in optimizer.param_groups]
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # (args[0] is the optimizer)
         if closure is None:
             self._at_step(optimizer)
@@ -208,33 +323,44 @@ class Tracer:
 
     def _at_step(self, optimizer) -> None:
         """The window's gradient is complete: kept where asked for, and its norm (unless a clip took both)."""
+        if self.models is None:
+            self.choose([p for group in optimizer.param_groups for p in group["params"]])
+        if self.steps < RANDOM_WINDOWS:
+            self.drew("step")
         if "C" not in self.events:
             self._gradient()
         self.norm = None if "C" in self.events else grad_norm(optimizer)
 
     def after_step(self, optimizer, args, kwargs) -> None:
-        if self.optimizers.index(optimizer):
-            return
         self._end_window("S")
 
+    def known(self, optimizer) -> None:
+        if optimizer not in self.optimizers:
+            self.optimizers[optimizer] = self.stepped
+            self.stepped += 1
+        self.opt = self.optimizers[optimizer]
+
     def scaler_skipped(self, optimizer) -> None:
-        self.lrs = [group.get("lr") for group in optimizer.param_groups]
+        self.known(optimizer)
+        if self.models is None:  # (a first step skipped: the weights are still the start's)
+            self.choose([p for group in optimizer.param_groups for p in group["params"]])
+        self.lrs = [value(group.get("lr")) for group in optimizer.param_groups]
         self.norm = None if "C" in self.events else grad_norm(optimizer)
         self._end_window("K")
 
     # -- records --------------------------------------------------------------------------------------------------
     def _end_window(self, mark: str) -> None:
         self.steps += 1
-        self.events.append(mark)
+        self.event(mark)
         now = time.perf_counter()
-        row = {"step": self.steps, "events": "".join(self.events), "samples": self.samples,
+        row = {"step": self.steps, "events": "".join(self.events), "at": self.at, "samples": self.samples,
                "fingerprint": self.sums, "tokens": self.tokens, "shape": self.shape, "lrs": self.lrs,
                "skipped": mark == "K",
                "grad_norm": self.clip[1] if self.clip else self.norm, "clip": self.clip[0] if self.clip else None,
                "losses": self.loss_values or None, "wall_s": now - (self.last or now),
                "micro_sq": self.micro_sq if len(self.micro_sq) == len(self.samples) and None not in self.micro_sq
                else None,
-               "optimizers": len(self.optimizers) if len(self.optimizers) > 1 else None}
+               "opt": self.opt if self.stepped > 1 else None}
         self.last = now
         self.pending.append(row)
         self._window()
@@ -247,6 +373,8 @@ class Tracer:
     def flush(self) -> None:
         if not self.pending:
             return
+        if self.path is None:
+            self.ranked()
         with open(self.path, "a") as f:
             for row in self.pending:
                 f.write(json.dumps({key: plain(value) for key, value in row.items() if value is not None}) + "\n")
@@ -256,8 +384,17 @@ class Tracer:
         if self.ended:
             return
         self.ended = True
+        if self.steps and "B" in self.events:  # backward calls after the last step, which no step took
+            self.pending.append({"dangling": "".join(self.events)})
+        if self.steps:
+            self.pending.append({"trained": self.trained, "random_modules": self.random_modules,
+                                 "random_fields": self.random_fields,
+                                 "random_draws": sorted(self.draws), "sites": list(self.sites),
+                                 "compiled": self.compiled})
         if self.loaders and self.steps:
             self.pending.append({"loaders": sorted(self.loaders, key=str)})
+        if self.noise and self.steps:
+            self.pending.append({"drawn": self.drawn})
         if self.cuda is not None and self.steps:
             import torch
 
@@ -273,8 +410,10 @@ class Tracer:
     def _save_state(self, name: str) -> None:
         import torch
 
-        if self.model is not None:
-            state = {key: value.detach().cpu().clone() for key, value in self.model.state_dict().items()}
+        many = len(self.models or ()) > 1
+        state = {(f"{i}.{key}" if many else key): value.detach().cpu().clone()
+                 for i, model in enumerate(self.models or ()) for key, value in model.state_dict().items()}
+        if state:
             torch.save(state, os.path.join(self.folder, name))
 
     def _gradient(self) -> None:
@@ -282,10 +421,9 @@ class Tracer:
         import torch
 
         step = self.steps + 1
-        if self.model is None or not (step in self.grads or self.last_grads):
+        if not self.models or not (step in self.grads or self.last_grads):
             return
-        grads = {name: p.grad.detach().cpu().clone() for name, p in self.model.named_parameters()
-                 if p.grad is not None}
+        grads = {name: p.grad.detach().cpu().clone() for name, p in self.named_parameters() if p.grad is not None}
         if step in self.grads:
             torch.save(grads, os.path.join(self.folder, f"grad-{step}.pt"))
         if self.last_grads:
@@ -300,6 +438,32 @@ def first_tensor(args, kwargs):
         if isinstance(value, torch.Tensor):
             return value
     return None
+
+
+def compiling() -> bool:
+    """Whether Dynamo is tracing the call (set to torch's own test once torch is imported)."""
+    return False
+
+
+def value(lr):
+    """An LR as it is now: one held in a tensor, which a scheduler changes in place, copied (on its device)."""
+    return lr.detach().clone() if hasattr(lr, "detach") else lr
+
+
+def generator_states(cuda) -> tuple:
+    """The default generators' states: the CPU's, and the GPU's where the model trains on one."""
+    import torch
+
+    states = [torch.random.get_rng_state()]
+    if cuda is not None:
+        states.append(torch.cuda.get_rng_state(cuda))
+    return tuple(bytes(state.numpy()) for state in states)
+
+
+def relative(path: str) -> str:
+    """A script's path as the user knows it: from the current folder where it is inside it."""
+    here = os.getcwd() + os.sep
+    return path[len(here):] if path.startswith(here) else path
 
 
 def grad_norm(optimizer):
@@ -330,6 +494,15 @@ def install_hooks(tracer: Tracer) -> None:
     from torch.nn.modules import module as modules
     from torch.optim import lr_scheduler, optimizer as optimizers
 
+    global TORCH, compiling
+    TORCH = os.path.dirname(torch.__file__) + os.sep
+    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or torch._dynamo.is_compiling
+
+    def compiled_in_place(*args, **kwargs):
+        tracer.compiled = True
+
+    wrap(torch.nn.Module, "compile", compiled_in_place)
+
     tracer.global_hooks = [modules.register_module_forward_pre_hook(tracer.before_forward),
                            modules.register_module_forward_hook(tracer.after_forward, with_kwargs=True,
                                                                 always_call=True)]
@@ -349,8 +522,14 @@ def install_hooks(tracer: Tracer) -> None:
 
     for cls in (torch.optim.Optimizer, torch.nn.Module):
         wrap(cls, "zero_grad", lambda *a, **k: tracer.zero_grad())
-    for cls in (lr_scheduler.LRScheduler, lr_scheduler.ReduceLROnPlateau):
-        wrap(cls, "step", lambda *a, **k: tracer.scheduler_step())
+    # A scheduler's constructor steps it once (_initial_step), and SequentialLR and ChainedScheduler step their
+    # children: only the outermost step that the script calls is one of its own.
+    schedulers = [cls for cls in vars(lr_scheduler).values() if isinstance(cls, type) and
+                  issubclass(cls, (lr_scheduler.LRScheduler, lr_scheduler.ReduceLROnPlateau))]
+    for cls in schedulers:
+        for name in ("__init__", "_initial_step", "step"):
+            if name in vars(cls):
+                quieted(cls, name, tracer, announce=name == "step")
 
     clip = torch.nn.utils.clip_grad.clip_grad_norm_
 
@@ -363,18 +542,67 @@ def install_hooks(tracer: Tracer) -> None:
 
     torch.nn.utils.clip_grad_norm_ = torch.nn.utils.clip_grad.clip_grad_norm_ = traced_clip
 
-    scaler_step = torch.amp.GradScaler.step
+    # Accelerate's clip (the Trainer's) takes the norm by get_total_norm and scales by clip_grads_with_norm_, the
+    # public name only: clip_grad_norm_ itself calls the private one, so one clip is not seen twice.
+    scale = getattr(torch.nn.utils, "clip_grads_with_norm_", None)
+
+    def traced_scale(parameters, max_norm, total_norm, *args, **kwargs):
+        parameters = list(parameters) if not isinstance(parameters, torch.Tensor) else parameters
+        tracer.clipping(parameters, max_norm)
+        scale(parameters, max_norm, total_norm, *args, **kwargs)
+        tracer.clipped(max_norm, total_norm.detach() if isinstance(total_norm, torch.Tensor) else total_norm)
+
+    if scale is not None:  # (torch 2.6 on)
+        torch.nn.utils.clip_grads_with_norm_ = traced_scale
+
+    scaler = getattr(torch.amp, "GradScaler", None) or torch.cuda.amp.GradScaler  # (torch.amp's from 2.3 on)
+    scaler_step = scaler.step
 
     def traced_scaler_step(self, optimizer, *args, **kwargs):
         before = tracer.steps
         result = scaler_step(self, optimizer, *args, **kwargs)
-        if tracer.steps == before and (not tracer.optimizers or tracer.optimizers[0] is optimizer):
+        if tracer.steps == before:
             tracer.scaler_skipped(optimizer)
         return result
 
-    torch.amp.GradScaler.step = traced_scaler_step
+    scaler.step = traced_scaler_step
     wrap(torch.utils.data.DataLoader, "__iter__", tracer.loader)
+    if tracer.noise:
+        sizes = (tuple, list, torch.Size)
+        counted(torch, "randint", lambda a, k: next((x[0] for x in (k.get("size"), *a) if isinstance(x, sizes) and x),
+                                                   None), tracer.drawn["randint"])
+        counted(torch, "randperm", lambda a, k: k.get("n", a[0] if a else None), tracer.drawn["randperm"])
     atexit.register(tracer.end)
+
+
+def counted(module, name: str, size, counts: dict) -> None:
+    """module.name counts the sizes `size(args, kwargs)` gives of its calls."""
+    original = getattr(module, name)
+
+    def traced(*args, **kwargs):
+        n = size(args, kwargs)
+        if isinstance(n, int):
+            counts[n] = counts.get(n, 0) + 1
+        return original(*args, **kwargs)
+
+    setattr(module, name, traced)
+
+
+def quieted(cls, name: str, tracer: Tracer, announce: bool) -> None:
+    """cls.name with the scheduler steps inside it left out; `announce`: it is a step, counted where outermost."""
+    original = getattr(cls, name)
+
+    def traced(*args, **kwargs):
+        if announce:
+            tracer.scheduler_step()
+        tracer.scheduling += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            tracer.scheduling -= 1
+
+    traced.__wrapped__ = original
+    setattr(cls, name, traced)
 
 
 def wrap(cls, name: str, before) -> None:
@@ -447,6 +675,18 @@ def start() -> None:
     watch_writes(folder)
     tracer = Tracer(folder)
     if "torch" in sys.modules:
-        install_hooks(tracer)
+        installed(tracer)
     else:
-        sys.meta_path.insert(0, AfterTorch(lambda: install_hooks(tracer)))
+        sys.meta_path.insert(0, AfterTorch(lambda: installed(tracer)))
+
+
+def installed(tracer: Tracer) -> None:
+    """The hooks, or where this torch lacks what they need, one line saying why in the trace folder: the script
+    runs unobserved rather than fail inside its own `import torch`."""
+    try:
+        install_hooks(tracer)
+    except Exception as exc:  # (an older torch: a hook API it does not have)
+        import torch
+
+        with open(os.path.join(tracer.folder, f"unobservable-{os.getpid()}.txt"), "w") as f:
+            f.write(f"the tracer cannot observe torch {torch.__version__}: {type(exc).__name__}: {exc}\n")

@@ -1,0 +1,156 @@
+"""The audit's runs of the script: each one launched with the tracer inside, stopped after N optimizer steps, and
+what it left (its trace and its weights) read back."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from batchsweep.trainers import BatchsweepError, TrainConfig
+
+from ..launch import observed, program
+from ..stores.urls import scrub
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..launch.observed import Step
+    from ..stores.mlflow_store import Tracker
+
+BATCHNORM = ("running_mean", "running_var", "num_batches_tracked")  # its statistics, not weights
+REUSED = ("accumulated", "true batch")  # made once, whichever step of the audit asks for them again
+
+
+class AuditError(BatchsweepError):
+    """A script run of the audit that failed, or a study the audit cannot use."""
+
+
+@dataclass
+class ScriptRun:
+    """One run of the script: where it stopped and what it left."""
+
+    name: str
+    b: int
+    k: int
+    max_steps: int
+    lr: float
+    epochs: int  # the {epochs} it was given: 1, or the study's where its schedule follows them
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # the parameters the optimizer trains
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # the rest of the state (BatchNorm's statistics)
+    trace: observed.Trace | None = None
+    steps: list[Step] = field(default_factory=list)  # the optimizer steps the tracer saw, in order
+    folder: Path | None = None  # what the tracer wrote: start.pt, state.pt, grad-<s>.pt
+
+    @property
+    def losses(self) -> list[float]:
+        """Each step's loss: the sum of its backward() calls' losses (nan where a backward had no scalar)."""
+        return [s.loss if s.loss is not None else float("nan") for s in self.steps]
+
+    @property
+    def lrs(self) -> list[float]:
+        """Each step's LR (of the first param group); none where a group had no "lr"."""
+        lrs = [s.lrs[0] if s.lrs else None for s in self.steps]
+        return [] if None in lrs else lrs
+
+
+class Auditor:
+    """Runs the script with the study's values, one MLflow run each under the audit's parent run."""
+
+    def __init__(self, study, config: TrainConfig, own: dict[str, Any], tracker: Tracker, parent: str,
+                 folder: Path, epochs: int):
+        self.study, self.config, self.own, self.tracker, self.parent, self.folder = (
+            study, config, own, tracker, parent, folder)
+        self.epochs = epochs  # the study's: what a schedule over {epochs} spans in its training
+        self.bar = None  # _main's bar over the steps of the run being made (how many runs is not known ahead)
+        self.runs: list[ScriptRun] = []
+
+    def run(self, name: str, b: int, k: int, max_steps: int) -> ScriptRun:
+        """The script at (b, k), stopped by the tracer after `max_steps` optimizer steps (0: an epoch, or the
+        script's own length where its command takes no {epochs}); an accumulated or true-batch run made already
+        with the config's epochs is not made again; a "repeat" run is made again on purpose."""
+        done = next((r for r in self.runs if name == r.name and name in REUSED and (r.b, r.k) == (b, k) and
+                     r.epochs == self.config.epochs and
+                     (r.max_steps == max_steps or r.max_steps == 0 and len(r.steps) == max_steps)), None)
+        if done:
+            return done
+        config = dataclasses.replace(self.config, physical_batch=b, accum_steps=k, max_steps=max_steps)
+        values = {**config.to_dict(), **self.own}
+        record = ScriptRun(name, b, k, max_steps, values["lr"], config.epochs, folder=self.folder / str(len(self.runs)))
+        record.folder.mkdir()
+        state = record.folder / "own.pt"  # where a script that saves its weights for batchsweep puts them (unread)
+        over = f" of {config.epochs} epochs" if config.epochs > 1 else ""
+        run_id = self.tracker.start_trial(self.parent, f"{name}: b{b} k{k} steps {max_steps}{over}",
+                                          {"physical_batch": b, "accum_steps": k, "max_steps": max_steps,
+                                           "epochs": config.epochs, "lr": values["lr"], "seed": config.seed},
+                                          {"audit.role": name})
+        env = {"BATCHSWEEP_STATE": str(state), **program.handoff(self.tracker.uri, run_id, self.tracker.experiment_id),
+               **self.study.program.environment(values)}
+        env.update(observed.environment(record.folder, stop=max_steps, save=True, grads=(max_steps or "last",),
+                                        losses=True, data=True, pythonpath=env.get("PYTHONPATH")))
+        output = program.Output()
+        self.started(record)
+        try:
+            ended = program.run(self.study.program.argv(values), env, self.study.program.cwd, None, output,
+                                lambda row: self.read(row))
+        finally:
+            self.tracker.client.log_text(run_id, scrub(output.text(), self.tracker.uri), "log.txt")
+            self.bar.refresh()  # the run's last step, however soon the next run starts
+        if ended.code != 0:
+            self.tracker.end(run_id, "FAILED")
+            raise AuditError(f"the {name} run failed: {scrub(program.failure(ended, output), self.tracker.uri)}")
+        trace = observed.read(record.folder)
+        if trace is None or not (record.folder / "state.pt").exists():
+            self.tracker.end(run_id, "FAILED")
+            raise AuditError(f"the {name} run: {observed.unobservable(record.folder) or observed.UNSEEN}"
+                             if trace is None else
+                             f"the {name} run: the tracer saw optimizer steps but no module train (a model "
+                             f"called in training mode with grad enabled), so it has no weights to compare" +
+                             ("; the model is compiled in place (module.compile()), whose forwards run inside "
+                              "the compiled graph where the tracer cannot see them: audit it without compiling, "
+                              "or with torch.compile(model)" if trace.compiled else ""))
+        import torch
+
+        record.steps, record.trace = trace.steps, trace
+        self.bar.n = len(record.steps)  # the rows a script prints (if any) stop one short where the tracer stopped it
+        self.bar.refresh()
+        record.state, record.buffers = split(torch.load(record.folder / "state.pt", map_location="cpu",
+                                                        weights_only=True), trace.trained)
+        self.tracker.finish(run_id, "FINISHED", metrics={"steps": float(len(record.steps))})
+        self.runs.append(record)
+        return record
+
+    def started(self, record: ScriptRun) -> None:
+        """One frame: the run's number, what it is, at step 0 of its max_steps (of an epoch: a count)."""
+        from ..trials.driver import start_trial
+
+        steps = f"to step {record.max_steps}" if record.max_steps else "an epoch"
+        start_trial(self.bar, f"run {len(self.runs) + 1}: {record.name} b{record.b} k{record.k}, {steps}",
+                    record.max_steps or None)
+
+    def read(self, row: dict[str, float]) -> None:
+        """A row the script printed: shown on the bar (what the audit compares comes from the tracer)."""
+        from ..trials.driver import end_epoch
+
+        if "loss" in row:
+            end_epoch(self.bar, {"loss": f"{row['loss']:.4g}"})
+
+    def start(self) -> ScriptRun:
+        """The weights before the first update, as the tracer saved them in the first run (every run starts from
+        them: the script is seeded alike, which the repeat run checks)."""
+        import torch
+
+        first = self.runs[0]
+        state, buffers = split(torch.load(first.folder / "start.pt", map_location="cpu", weights_only=True),
+                               first.trace.trained)
+        return ScriptRun("start", first.b, first.k, 0, first.lr, first.epochs, state=state, buffers=buffers)
+
+
+def split(state: dict[str, torch.Tensor], trained: list[str] | None) -> tuple[dict, dict]:
+    """(the weights: the parameters the optimizer trains, the rest): buffers are not weights, nor are frozen
+    parameters. Without the tracer's list, every floating-point tensor but BatchNorm's statistics is a weight."""
+    if trained is None:
+        trained = [key for key, t in state.items() if t.is_floating_point() and not key.endswith(BATCHNORM)]
+    keep = set(trained)
+    return ({key: t for key, t in state.items() if key in keep},
+            {key: t for key, t in state.items() if key not in keep})

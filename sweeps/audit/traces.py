@@ -1,0 +1,129 @@
+"""What the two runs' traces say, before any weight is compared: the loop's calls within a window, the samples of
+each window, the LRs, the gradient norms and the loss rows."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..launch import observed
+from .compare import LOW_PRECISION_ROUNDING
+from .runs import ScriptRun
+
+SHORT_WINDOW = ("short_window_skipped", "short_window_extra")  # faults of the last window alone
+
+
+def seen_in_loop(a: ScriptRun, t: ScriptRun, k: int, figures: dict[str, Any]) -> list[str]:
+    """The faults the tracer saw in the accumulated run's calls: a zero_grad between two backward calls of a window
+    that steps, a step per micro-batch, a scheduler stepped or a gradient clipped more than once a window. Each
+    optimizer's steps are its own windows. Where each was made in the script goes into the figures (`<verdict>_at`)."""
+    faults = []
+    sites = a.trace.sites if a.trace else []
+    if a.steps:
+        at(figures, "backward", a.steps[0].site("B", sites))  # where the loss is backwarded: a mistake of the loss
+    # Per micro-batch, a zero_grad leaves fewer than k backward calls to the step, in a window of k or more; one that
+    # drops the backward calls of a window that never stepped, before a full window, is a skipped window.
+    zeroed = next((s for s in a.steps if s.dropped and s.stepped < min(k, s.micro_batches)), None)
+    if zeroed:
+        figures["zero_grad_step"] = zeroed.step
+        at(figures, "zero_grad_per_micro_batch", zeroed.site("Z", sites, zeroed.events[:zeroed.events.find("B")]
+                                                             .count("Z")))
+        faults.append("zero_grad_per_micro_batch")
+    if len(a.steps) >= 1.5 * len(t.steps):
+        at(figures, "step_per_micro_batch", a.steps[0].site("S", sites))
+        faults.append("step_per_micro_batch")
+    scheduled = next((s for s in a.steps if s.events.count("L") > 1), None)
+    if scheduled and "step_per_micro_batch" not in faults:
+        figures.setdefault("lr_step", scheduled.step)
+        figures.setdefault("lr_a", scheduled.lrs[0] if scheduled.lrs else float("nan"))
+        figures.setdefault("lr_t", t.steps[min(scheduled.step, len(t.steps)) - 1].lrs[0] if t.steps[0].lrs else
+                           float("nan"))
+        at(figures, "schedule_per_micro_batch", scheduled.site("L", sites))
+        faults.append("schedule_per_micro_batch")
+    clipped = next((s for s in a.steps if s.events.count("C") > 1), None)
+    if clipped and "step_per_micro_batch" not in faults:
+        figures["clip_step"] = clipped.step
+        at(figures, "clip_per_micro_batch", clipped.site("C", sites))
+        faults.append("clip_per_micro_batch")
+    return faults
+
+
+def skipped_windows(a: ScriptRun, k: int, figures: dict[str, Any]) -> list[int]:
+    """The steps before which the accumulated run left a window unstepped: its backward calls dropped by the next
+    zero_grad before a full window, or carried into the next window (more than k of them, no zero_grad between),
+    and a last one backwarded after the run's last step. Each is a window the true batch stepped and this run did
+    not (an epoch's short window, whichever epoch it ends)."""
+    sites = a.trace.sites if a.trace else []
+    skips = []
+    for s in a.steps:
+        if s.dropped and s.stepped >= k:
+            skips.append(s.step)
+            at(figures, "short_window_skipped", s.site("Z", sites, s.events.count("Z") - 1),
+               "zero_grad() at {} drops it")
+        elif s.micro_batches > k and "Z" not in s.events[s.events.find("B"):]:
+            skips.append(s.step)
+            at(figures, "short_window_skipped", s.site("S", sites), "step() at {} is not called for it")
+    if a.trace and "B" in a.trace.dangling:
+        skips.append(len(a.steps) + 1)
+        at(figures, "short_window_skipped", a.steps[-1].site("S", sites),
+           "step() at {} is not called for the run's last window")
+    return skips
+
+
+def refutes(verdict: str, a: ScriptRun, t: ScriptRun, k: int, figures: dict[str, Any]) -> bool:
+    """Whether what the tracer recorded of the two runs (their first epochs' runs) rules the verdict out."""
+    steps = a.steps
+    if verdict == "zero_grad_per_micro_batch":  # needs backward calls that a zero_grad dropped
+        return not any(s.dropped for s in steps)
+    if verdict == "step_per_micro_batch":  # needs windows of fewer micro-batches than k
+        return not any(s.micro_batches < k for s in steps)
+    if verdict == "schedule_per_micro_batch":  # needs a scheduler stepped twice in a window, or LRs that part
+        return not any(s.events.count("L") > 1 for s in steps) and "lr_step" not in figures
+    if verdict == "clip_per_micro_batch":
+        return not any(s.events.count("C") > 1 for s in steps)
+    if verdict == "short_window_skipped":
+        return len(steps) >= len(t.steps)
+    if verdict == "short_window_extra":
+        return len(steps) <= len(t.steps)
+    if verdict == "short_window_divided_by_k":  # needs a window of fewer micro-batches, seen or at the epoch's end
+        return all(s.micro_batches == k for s in steps) and not (a.trace and "B" in a.trace.dangling) and \
+            len(steps) == len(t.steps) and sum(sum(s.samples) for s in steps) == sum(sum(s.samples) for s in t.steps) \
+            and all(sum(s.samples) == sum(steps[0].samples) for s in steps)
+    if verdict == "random_forward":
+        return not (a.trace and a.trace.random_draws)
+    return False
+
+
+def at(figures: dict[str, Any], verdict: str, site: str | None, phrase: str = "{}") -> None:
+    """Where the script made the call a verdict concerns, the first time it is seen."""
+    if site:
+        figures.setdefault(f"{verdict}_at", phrase.format(site))
+
+
+def data_parting(a: ScriptRun, t: ScriptRun, upto: int | None = None) -> int | None:
+    """The first window (step) whose samples differ between the runs, over the steps both made (and up to `upto`);
+    None where none."""
+    return next((s.step for s, u in zip(a.steps[:upto], t.steps) if not observed.same_data(s, u)), None)
+
+
+def lr_parting(a: ScriptRun, t: ScriptRun) -> int | None:
+    """The first step at which the LRs that both runs printed differ; None where they agree or were not printed."""
+    if not a.lrs or len(a.lrs) != len(a.losses) or len(t.lrs) != len(t.losses):
+        return None
+    return next((step for step, (x, y) in enumerate(zip(a.lrs, t.lrs), 1)
+                 if abs(x - y) > 1e-9 * max(abs(x), abs(y))), None)
+
+
+def norm_parting(a: ScriptRun, t: ScriptRun, dtype: str, upto: int | None = None) -> int | None:
+    """The first step whose window gradients, before any clipping, differ in norm between runs whose weights
+    agree: clip_grad_norm_ cuts both to one length, and Adam's update hides a gradient's scale, so the weights
+    alone would read exact. Below float64, weights that agree within the tolerance (1e-5 in float32) may give
+    gradients a little further apart at a later step, so only a difference beyond what rounding makes between
+    two batch shapes counts (the mistakes this finds differ by factors: 4, 2/3)."""
+    within = 1e-6 if dtype == "float64" else LOW_PRECISION_ROUNDING
+    return next((s.step for s, u in zip(a.steps, t.steps) if s.grad_norm is not None and u.grad_norm is not None
+                 and abs(s.grad_norm - u.grad_norm) > within * abs(u.grad_norm) and s.step <= (upto or s.step)), None)
+
+
+def rows_part(a: ScriptRun, t: ScriptRun, tol: float) -> int | None:
+    """The first step whose loss rows differ; None where they agree throughout."""
+    return next((step for step, (x, y) in enumerate(zip(a.losses, t.losses), 1)
+                 if abs(x - y) > tol * max(abs(x), abs(y))), None)

@@ -1,0 +1,234 @@
+"""The verdicts: each one's exit status and sentence, and a finding (the verdicts of one audit with their figures)
+turned into what the audit prints."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .compare import CLIPPED
+
+# An epoch's last LR below this share of its largest, in a schedule the study's epochs do not stretch: `exact` says
+# that the last window was checked at that size (transformers' linear schedule over 13 steps ends at 1/13).
+TAIL = 0.1
+
+
+# name: (exit status: 0 right, 1 a mistake, 2 cannot be audited; what it means and what to do)
+VERDICTS = {
+    "exact": (0, "(b, k) equals (b*k, 1) within the tolerance of {dtype}: the accumulation is exact."),
+    "zero_grad_per_micro_batch": (1, "zero_grad() runs inside the micro-batch loop, so only the last micro-batch "
+                                     "of each window reaches the step: zero the gradients once per window, "
+                                     "after step()."),
+    "loss_not_divided": (1, "each window's update is k times the true batch's: the micro-batch losses are added "
+                            "up undivided. Divide each micro-batch's summed loss by the window's number of items "
+                            "(or its mean loss by k). The windows' gradients, before any clipping and before the "
+                            "optimizer, say it: Adam's update and clip_grad_norm_ hide the scale, the gradient does "
+                            "not."),
+    "short_window_divided_by_k": (1, "full windows agree, but the short last window of an epoch is scaled by (its "
+                                     "micro-batches)/k: it is divided by k instead of by its own count. Divide "
+                                     "by the number of items in each window (Lightning's accumulate_grad_batches, "
+                                     "#19987, and Accelerate's accumulate() do this)."),
+    "mean_of_micro_batch_means": (1, "windows whose micro-batches hold different numbers of counted items (tokens "
+                                     "with padding, or a loss weighted by class, whose mean divides by the "
+                                     "micro-batch's sum of weights) differ: the loss is a mean of micro-batch "
+                                     "means. Sum the per-item losses and divide by the window's total count of "
+                                     "items (its sum of weights). Where every micro-batch counts alike, look for a "
+                                     "term that the loss adds once per micro-batch (a router's auxiliary loss, "
+                                     "say): a window adds it k times, the true batch once; divide it by k."),
+    "step_per_micro_batch": (1, "the optimizer steps once per micro-batch ({steps_accumulated} steps an epoch "
+                                "against {steps_true_batch}): step() and zero_grad() belong after the last "
+                                "micro-batch of a window."),
+    "short_window_skipped": (1, "the accumulated run made {steps_accumulated} optimizer steps against the "
+                                "true batch's {steps_true_batch}: an epoch's last window, shorter than k "
+                                "micro-batches, never steps (a step only when (i + 1) % k == 0), so its samples "
+                                "are lost, or their gradient is added to the next epoch's first window. Step after "
+                                "the epoch's last micro-batch too, dividing by that window's own count of items."),
+    "short_window_extra": (1, "the accumulated run made {steps_accumulated} optimizer steps an epoch against the "
+                              "true batch's {steps_true_batch}: its micro-batches fill a short last window from "
+                              "samples that the true batch drops (a loader with drop_last=True drops fewer samples "
+                              "in batches of b than of b*k), so the two cannot agree. Keep the last batch "
+                              "(drop_last=False), or drop the short window at (b, k) too."),
+    "nothing_accumulated": (2, "an epoch at this --physical-batch is a single micro-batch (the run at (b, 1) made "
+                               "one step): the accumulated run's one window held that micro-batch alone, and "
+                               "equals the true batch whatever the loop does, so nothing was tested. Audit with a "
+                               "--physical-batch of at most 1/k of the training set, so that a window holds k "
+                               "micro-batches."),
+    "batchnorm": (0, "the model has BatchNorm in training mode, and the first step differs: (b, k) normalizes "
+                     "each micro-batch of b, which (b*k, 1) cannot equal, and updates its running statistics k "
+                     "times a step. Compare against a ghost-batch twin (BatchNorm over chunks of b), or use "
+                     "GroupNorm or LayerNorm where the two must agree."),
+    "schedule_per_micro_batch": (1, "the learning-rate schedule does not follow the optimizer steps: at step "
+                                    "{lr_step} the accumulated run's LR is {lr_a:.4g} against the true batch's "
+                                    "{lr_t:.4g}. It counts micro-batches (a scheduler.step() per micro-batch, or a "
+                                    "length of len(loader)): step it once per window, after optimizer.step(), "
+                                    "over a length in windows."),
+    "lr_differs": (1, "the script sets another learning rate at (b, k) than at (b*k, 1), {lr_a:.4g} against "
+                      "{lr_t:.4g} from step {lr_step} on: it scales the LR it is given by k or b itself. Use the LR it "
+                      "is given (a study's lr_rule scales it), and the audit compares like with like."),
+    "weight_penalty_per_micro_batch": (1, "the accumulated update differs from the true batch's by "
+                                          "{weight_penalty_share:.3g} of the {penalized}, a multiple of them: "
+                                          "a penalty on the weights in the loss (λ‖w‖²) or a decay of them, "
+                                          "applied once per micro-batch, which a window applies k times and the "
+                                          "true batch once. Apply it once per window (or divide it by k), or leave "
+                                          "it to the optimizer's weight_decay."),
+    "update_scaled": (1, "the accumulated update has exactly the true batch's direction but {update_ratio:.7g} "
+                         "times its length: the learning rate differs (a schedule stepped per micro-batch? print "
+                         "\"lr\" in each row and the audit tells) or the loss is divided by another number than "
+                         "the window's count of items."),
+    "differs_under_clipping": (1, "the accumulated update has the true batch's length (|Δa| / |Δt| = "
+                                  "{update_length_ratio:.7f}) but not its direction (cosine {update_cosine:.4g}): "
+                                  "gradient clipping (clip_grad_norm_; transformers' max_grad_norm is 1.0 by "
+                                  "default) cut both to its threshold, and what it cut differed. Clipping inside "
+                                  "the micro-batch loop does this (each micro-batch's partial sum is cut: clip "
+                                  "once per window, after its last backward() and before step()), and so does a "
+                                  "mistake in how the loss is divided beneath the clip. Audit with clipping off: "
+                                  "exact then, the clip is in the wrong place; otherwise the mistake of the loss "
+                                  "is named."),
+    "within_rounding": (2, "the runs part at update {first_differing_update} by {update_difference:.2g} of the true "
+                           "batch's update: no more than reduced-precision arithmetic makes by itself between two "
+                           "batch shapes (autocast to bf16 or fp16, and TF32, which GPUs use for convolutions by "
+                           "default, keep about 3 significant digits), so in {dtype} a mistake cannot be told from "
+                           "rounding. Audit in float64, or in float32 with autocast off and TF32 off "
+                           "(torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False)."),
+    "accumulated_step_skipped": (1, "the accumulated run's update {first_differing_update} left every weight as it "
+                                    "was, where the true batch's moved them: its step was skipped, as a GradScaler "
+                                    "(fp16) skips a step whose gradients overflowed. A correct loop's micro-batches, "
+                                    "each a sum over fewer samples than the true batch's, overflow no sooner than it: "
+                                    "these gradients were larger than the true batch's, as a loss not divided by k "
+                                    "makes them. Audit with the GradScaler off (bf16 autocast, or float32), where the "
+                                    "mistake is named."),
+    "true_batch_step_skipped": (2, "the true batch's update {first_differing_update} left every weight as it was, "
+                                   "where the accumulated run's moved them: a GradScaler (fp16) skips a step whose "
+                                   "gradients overflowed, and the true batch's fp16 sums over b*k samples overflow "
+                                   "sooner than a micro-batch's over b. That is no mistake of the loop, and the runs "
+                                   "part there whatever the loop does: audit with the GradScaler off (bf16 "
+                                   "autocast, or float32), or with a lower init_scale."),
+    "clip_per_micro_batch": (1, "clip_grad_norm_ runs more than once a window (first at step {clip_step}): it cuts "
+                                "each micro-batch's partial sum of the gradient, not the window's. Clip once per "
+                                "window, after its last backward() and before step()."),
+    "data_differs": (2, "the two runs' window {data_window} did not hold the same samples (their count or the sums "
+                        "of their inputs differ), so (b, k) cannot be compared with (b*k, 1) there, whatever the "
+                        "loop does; the script repeats itself at (b*k, 1), so this is no unseeded randomness in "
+                        "general. Usually it is random draws before training whose number depends on b (an "
+                        "evaluation over random batches of b samples, torch.randint(..., (b,))) that move the "
+                        "generator the training data are drawn from. Draw the training batches from a generator "
+                        "of their own, seeded from {{seed}}, or switch such an evaluation off for the audit."),
+    "random_forward": (2, "the training {random_draws} drew random numbers ({random_modules}), and the runs part: "
+                          "at (b, k) the micro-batches draw them in another order than (b*k, 1) does (two dropout "
+                          "layers: layer 1 then layer 2 for each micro-batch, against layer 1 for all samples then "
+                          "layer 2), so the two trained on other random numbers and cannot be compared. That is no "
+                          "mistake of the loop. Set them to 0 for the audit (this model's config: {random_fields}; "
+                          "transformers' configs: every *dropout* and *pdrop* field; timm: drop_rate and "
+                          "drop_path_rate), or draw them from a generator of "
+                          "their own that each sample seeds alike."),
+    "stateful_forward": (2, "buffers that the model's training forward updates ({stateful_buffers}) differ between "
+                            "the runs where they part: at (b, k) each micro-batch's forward updates them, k times a "
+                            "window, against once at (b*k, 1) (spectral_norm's power iteration, a running average), "
+                            "and where the forward reads them the runs differ whatever the loop does, as BatchNorm "
+                            "makes them. A mistake of the loop cannot be told apart from it: audit with those modules "
+                            "removed or in eval mode."),
+    "unexplained": (1, "the runs differ, and the difference matches none of the known mistakes: see the figures."),
+    "not_reproducible": (2, "two runs of (b*k, 1) with the same values differ by {repeat_rel_diff:.3g}: the "
+                            "script is not deterministic (an unseeded shuffle or augmentation, randomness drawn "
+                            "from an unseeded generator, nondeterministic GPU kernels), so no difference between "
+                            "(b, k) and (b*k, 1) can be told from it. Seed everything from {{seed}} (or call "
+                            "torch.use_deterministic_algorithms(True)) and audit again."),
+}
+
+
+@dataclass
+class Finding:
+    verdicts: list[str]  # every fault found, in the order met (or the one verdict of a loop without any)
+    figures: dict[str, Any]
+    compared: list[tuple[str, float]]  # (what, relative weight difference)
+    notes: list[str] = field(default_factory=list)  # what the trace saw that the measurements did not bear out
+
+    @property
+    def verdict(self) -> str:
+        return self.verdicts[0]
+
+    @property
+    def status(self) -> int:
+        """The worst of the verdicts' exit statuses: 2 (cannot be audited) over 1 (a mistake) over 0."""
+        return max(VERDICTS[v][0] for v in self.verdicts)
+
+
+# The call each verdict concerns, named with the place in the script where the tracer saw it made.
+CALLS = {"zero_grad_per_micro_batch": "zero_grad()", "step_per_micro_batch": "step()",
+         "schedule_per_micro_batch": "the scheduler's step()", "clip_per_micro_batch": "clip_grad_norm_()"}
+BACKWARD = ("loss_not_divided", "short_window_divided_by_k", "mean_of_micro_batch_means",
+            "weight_penalty_per_micro_batch", "update_scaled")  # a mistake of the loss: its backward()'s place
+
+
+def site(verdict: str, figures: dict[str, Any]) -> str:
+    """Where the script makes the call a verdict concerns ("zero_grad() at train.py:212"), or "" where unknown."""
+    where = figures.get(f"{verdict}_at") or (figures.get("backward_at") if verdict in BACKWARD else None)
+    if not where:
+        return ""
+    if verdict == "short_window_skipped":  # (its figure says which call leaves the window)
+        return where
+    return f"{CALLS.get(verdict, 'backward()')} at {where}"
+
+
+def sentence(verdict: str, figures: dict[str, Any]) -> str:
+    """The verdict's sentence; for an unexplained difference at the epoch's last update only, where to look; for
+    a scaled update of the true batch's length, or an unexplained one in the signs of its steps, what hides the
+    scale. Where the windows' gradients were compared, the figures it cites are theirs."""
+    f = dict(figures)
+    gradient = "gradient_ratio" in f and verdict in GRADIENT_FIGURES
+    if gradient:
+        f.update({key: f[key.replace("update", "gradient")] for key in GRADIENT_FIGURES[verdict]})
+    sentence = VERDICTS[verdict][1].format(**f)
+    if gradient:
+        sentence = sentence.replace("update", "gradient (before clipping)", 1)
+    where = site(verdict, f)
+    if where:
+        sentence += f" Seen at: {where}."
+    finding = Finding([verdict], f, [])
+    if finding.verdict == "unexplained" and 1 < f.get("first_differing_update", 0) == f["steps_true_batch"]:
+        sentence += (" Only the epoch's last update differs: look at its last window, the short one where the "
+                     "epoch's micro-batches are not a multiple of k. Adam, and SGD with Nesterov's momentum, hide how "
+                     "it was scaled: audit with SGD without Nesterov (its momentum and weight decay are taken out) "
+                     "to have it named. Where the training set is not a multiple of b, that window also ends in a "
+                     "short micro-batch, which a mean of micro-batch means (each one's mean loss over k, or over the "
+                     "window's micro-batches) weights as a full one: that turns the update, under SGD too.")
+    sizes = f["update_magnitude_difference"] / f["update_difference"] if "update_difference" in f else 1.0
+    if finding.verdict == "unexplained" and sizes < 0.5:  # sign-like updates
+        sentence += (f" The updates differ in the signs of the weights' steps more than in their sizes ({sizes:.2g} "
+                     "of the difference): Adam's first update is about the LR on every weight whatever the gradient "
+                     "(Lion's every update is), which hides the scale that names a mistake: audit with SGD to have "
+                     "it named.")
+    if finding.verdict == "exact" and f.get("last_lr_share", 1.0) < TAIL:
+        sentence += (f" The epoch's last update ran at {f['last_lr_share']:.2g} of its largest LR, and the schedule "
+                     "does not follow {epochs} (it decays per step, or over {max_steps}, as transformers' Trainer "
+                     "builds it): a mistake of the epoch's last window moves the weights that much less there. "
+                     "Audit with a constant LR (transformers: lr_scheduler_type=\"constant\") to check that window "
+                     "at full size.")
+    if finding.verdict == "update_scaled" and abs(f["update_ratio"] - 1) < CLIPPED and not gradient:
+        sentence += (f" Both updates have the same length to within {abs(f['update_ratio'] - 1):.2g}: gradient "
+                     "clipping (clip_grad_norm_; transformers' max_grad_norm is 1.0 by default) cuts both to its "
+                     "threshold, and Adam's first update is about the LR on every weight whatever the gradient "
+                     "(Lion's every update is), which hides how the loss was divided: audit with clipping off and "
+                     "with SGD to have the mistake named.")
+    return sentence
+
+
+# The verdicts whose sentence cites the figures of the compared updates: the gradients' where they were compared.
+GRADIENT_FIGURES = {"update_scaled": ("update_ratio",), "weight_penalty_per_micro_batch": (),
+                    "differs_under_clipping": ("update_length_ratio", "update_cosine")}
+
+
+# weight decay's shares in the figures: (of what, where it was on one kind of tensor only: what else)
+DECAYED = {"weight_decay_share": ("weights", ""),
+           "weight_decay_2d_share": ("matrices", "; none measurable on the 1-D tensors"),
+           "weight_decay_1d_share": ("1-D tensors", "; none measurable on the matrices")}
+
+
+def taken_out(f: dict[str, Any]) -> str:
+    parts = [f"{f['momentum_share']:.3g} of the update before (momentum)"] if "momentum_share" in f else []
+    decayed = [key for key in DECAYED if key in f]
+    if decayed:
+        alone = DECAYED[decayed[0]][1] if len(decayed) == 1 else ""
+        parts.append(f"{' and '.join(f'{-f[key]:.3g} of the {DECAYED[key][0]}' for key in decayed)} "
+                     f"(weight decay{alone})")
+    return f", once what both updates hold besides this step's gradient is taken out: {' and '.join(parts)}" \
+        if parts else ""

@@ -1,0 +1,145 @@
+"""`batchsweep audit` on plain loops that fooled it (tests/programs/plain.py): correct code it called wrong, a
+mistake behind a frozen encoder it called exact, randomness in the forward, and short windows over several epochs
+of a loop without a DataLoader. Each verdict is held against the trace, and names the script's line."""
+import json
+
+import pytest
+
+from batchsweep.sweeps.audit.command import main
+from tests.conftest import ROOT
+
+PLAIN = ROOT / "tests" / "programs" / "plain.py"
+SOURCE = PLAIN.read_text().splitlines()
+
+
+def line_of(text: str) -> str:
+    """plain.py:N of the first line that holds `text`."""
+    return f"plain.py:{next(i for i, line in enumerate(SOURCE, 1) if text in line)}"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return f"sqlite:///{tmp_path_factory.mktemp('plain')}/mlflow.db"
+
+
+def audited(tmp_path, store, capsys, *args: str) -> tuple[int, str, dict]:
+    path = tmp_path / "plain.toml"
+    words = ", ".join(f'"{a}"' for a in args)
+    path.write_text(f'''name = "plain"
+[program]
+command = ["{{python}}", "{PLAIN}", "--batch-size", "{{physical_batch}}", "--accum", "{{accum_steps}}",
+           "--seed", "{{seed}}", {words}]
+''')
+    code = main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store,
+                 "--json", str(tmp_path / "audit.json")])
+    out = capsys.readouterr().out
+    found = json.loads((tmp_path / "audit.json").read_text())
+    assert "contradicted" not in found, out  # no verdict against what the trace recorded
+    return code, out, found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["sequential", "chained", "lr_tensor", "two_phase"])
+def test_correct_schedules_tensors_and_a_second_optimizer_are_exact(case, tmp_path, store, capsys):
+    """A warmup then a cosine through SequentialLR, and a ChainedScheduler, construct and step their children (the
+    tracer counted them as the script's steps: `schedule_per_micro_batch` on a correct loop); an LR held in a
+    tensor was read after the scheduler had changed it (a false `lr_differs`); a second optimizer went unseen. The
+    run is 2 epochs of 8 windows, so a stop after N steps must count the second optimizer's too, and the first
+    optimizer must be let go once the script drops it (it exits 3 where the tracer kept it alive)."""
+    code, out, found = audited(tmp_path, store, capsys, "--case", case)
+    assert code == 0 and found["verdicts"] == ["exact"], out
+    assert found["steps_accumulated"] == found["steps_true_batch"] == 16
+    assert not found["notes"], out
+
+
+@pytest.mark.slow
+def test_a_buffer_that_is_no_weight_is_a_note_beside_exact(tmp_path, store, capsys):
+    """A float buffer counting training forwards moves k times a window at (b, k) and once at (b*k, 1): that is no
+    weight, so the weights agree (`exact`) and the buffer is named beside it (it read as `update_scaled`, ratio 1)."""
+    code, out, found = audited(tmp_path, store, capsys, "--case", "counter")
+    assert code == 0 and found["verdicts"] == ["exact"], out
+    assert len(found["notes"]) == 1 and "(2.seen)" in found["notes"][0], out
+
+
+@pytest.mark.slow
+def test_spectral_norms_vectors_are_a_stateful_forward_not_a_mistake(tmp_path, store, capsys):
+    """spectral_norm's power iteration runs at each training forward: 4 times a window at (b, k), once at (b*k, 1),
+    and the forward reads its vectors, so the runs part whatever the loop does: `stateful_forward`, exit 2."""
+    code, out, found = audited(tmp_path, store, capsys, "--case", "spectral")
+    assert code == 2 and found["verdicts"] == ["stateful_forward"], out
+    assert found["stateful_buffers"] == "0.weight_u, 0.weight_v"
+
+
+@pytest.mark.slow
+def test_a_frozen_encoder_called_first_is_not_taken_for_the_model(tmp_path, store, capsys):
+    """head(encoder(x)) with the encoder frozen: the weights compared are the head's, which the optimizer trains, so
+    the L2 penalty on it in every micro-batch's loss is named (it was `exact`: the encoder's weights never move)."""
+    code, out, found = audited(tmp_path, store, capsys, "--case", "probe")
+    assert code == 1 and found["verdicts"] == ["weight_penalty_per_micro_batch"], out
+    assert "Seen at: backward() at " in out and line_of("loss.backward()") in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drops, p, verdicts, code, noted", [(2, "0.1", ["random_forward"], 2, False),
+                                                              (1, "0.1", ["exact"], 0, True),
+                                                              (2, "0", ["exact"], 0, False)])
+def test_dropout_is_seen_and_said_never_called_a_mistake(drops, p, verdicts, code, noted, tmp_path, store, capsys):
+    """Two dropout layers draw their masks in another order at (b, k) than at (b*k, 1): the runs part, and the
+    audit says why (`random_forward`, naming the layers) instead of `unexplained`. One layer draws them in the same
+    order: `exact`, with a note that the forward was random. At p = 0 nothing is drawn: `exact`, no note."""
+    c, out, found = audited(tmp_path, store, capsys, "--case", "dropout", "--drops", str(drops), "--dropout", p)
+    assert c == code and found["verdicts"] == verdicts, out
+    if verdicts == ["random_forward"]:
+        assert found["random_modules"] == "2: Dropout(p=0.1), 3: Dropout(p=0.1)" and "Set them to 0" in out
+    assert bool(found["notes"]) == noted and ("drew random numbers" in out) == (noted or code == 2), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_window_dropped_each_epoch_and_a_mean_of_means_are_both_named(dtype, tmp_path, store, capsys):
+    """Two epochs over indexed tensors, no {epochs}: each epoch's short window is backwarded and never stepped (the
+    next window's zero_grad drops it), and each micro-batch's token mean is divided by k. It read as
+    `zero_grad_per_micro_batch`, the one call the trace shows never happened in a window that steps; 14 steps
+    against 16 is one short per epoch."""
+    code, out, found = audited(tmp_path, store, capsys, "--case", "skip_tokens", "--dtype", dtype)
+    assert code == 1 and found["verdicts"] == ["short_window_skipped", "mean_of_micro_batch_means"], out
+    assert (found["steps_accumulated"], found["steps_true_batch"], found["skipped_windows"]) == (14, 16, 2)
+    assert "zero_grad() at " in out and line_of("opt.zero_grad()") + " drops it" in out, out
+    assert found["first_differing_update"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_short_window_mid_run_is_named_as_one(dtype, tmp_path, store, capsys):
+    """200 samples: 6 windows of 32 and one of a single micro-batch, each micro-batch's mean over k. The runs part
+    at update 7 of 14, the first epoch's short window, where the tracer saw 1 micro-batch of 4: a quarter of the
+    true batch's update is a short window divided by k (it read as `update_scaled`)."""
+    code, out, found = audited(tmp_path, store, capsys, "--case", "short_mean", "--n", "200", "--dtype", dtype)
+    assert code == 1 and found["verdicts"] == ["short_window_divided_by_k"], out
+    assert found["first_differing_update"] == 7 and found["update_ratio"] == pytest.approx(0.25, rel=1e-4)
+    assert line_of("loss.backward()") in out
+
+
+@pytest.mark.slow
+def test_a_model_compiled_with_fullgraph_is_audited_and_one_compiled_in_place_is_one_line(tmp_path, store, capsys):
+    """torch.compile(model, fullgraph=True) ran the tracer's hooks through Dynamo, which refused them: the
+    script crashed. Its hooks now run outside the graph (the compiled module is called as any module), and the
+    loop is `exact`. A module compiled in place runs its hooks inside its graph, where the tracer leaves them
+    out: the audit cannot see the model, and says why in one line."""
+    code, out, found = audited(tmp_path, store, capsys, "--case", "plain", "--compile", "function")
+    assert code == 0 and found["verdicts"] == ["exact"], out
+    path = tmp_path / "plain.toml"
+    path.write_text(path.read_text().replace('"function"', '"module"'))
+    assert main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "compiled in place (module.compile())" in err, err
+
+
+@pytest.mark.slow
+def test_noise_added_to_the_gradients_is_seen_as_randomness_in_the_step(tmp_path, store, capsys):
+    """Gaussian noise added to the gradients before each step draws as many numbers at (b, k) as at (b*k, 1), so
+    the runs agree: `exact`, with a note that the step drew random numbers."""
+    code, out, found = audited(tmp_path, store, capsys, "--case", "grad_noise")
+    assert code == 0 and found["verdicts"] == ["exact"], out
+    assert found["notes"] == ["the training step drew random numbers (no module random by kind), and the two runs "
+                              "agreed all the same: they drew them in the same order"], out
