@@ -15,7 +15,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from .runs import Difference, aggregate, ci95, knee, steps_to_target  # noqa: E402
+from .critical import fit  # noqa: E402
+from .runs import Difference, aggregate, ci95, reached, steps_to_target  # noqa: E402
 
 # The fields a figure splits its trials by, the first that varies, with their values in the order they read (the
 # LR rules by their exponent of B, then Adam's whole rule; not the alphabet's). Each value keeps one colour in
@@ -154,6 +155,12 @@ class Measure:
 
     name: str = "val_acc"
     maximize: bool = True
+    margin: float = 0.01  # equivalence margin: 1 accuracy point; for a metric of its own, 1% of its median
+
+    @property
+    def margin_text(self) -> str:
+        return f"{100 * self.margin:g} point{'s' * (self.margin != 0.01)}" if self.points else \
+            f"{_two_digits(self.margin)} in {self.name}"
 
     @property
     def points(self) -> bool:
@@ -199,6 +206,10 @@ class Measure:
         return (better, worse) if self.maximize else (worse, better)
 
 
+def _two_digits(x: float) -> str:
+    return f"{x:.2g}"
+
+
 ACCURACY = Measure()
 
 
@@ -208,8 +219,9 @@ def measure(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> M
     if has_accuracy(t):
         return ACCURACY
     for name, direction in (objective or ("val_loss", "minimize"), ("val_loss", "minimize")):
-        if name in t and np.isfinite(pd.to_numeric(t[name], errors="coerce")).any():
-            return Measure(name, direction == "maximize")
+        values = pd.to_numeric(t[name], errors="coerce") if name in t else pd.Series(dtype=float)
+        if np.isfinite(values).any():
+            return Measure(name, direction == "maximize", 0.01 * float(values[np.isfinite(values)].abs().median()))
     return None
 
 
@@ -236,8 +248,9 @@ def reliable_noise(trials: pd.DataFrame) -> pd.Series:
     return trials.loc[ok, "noise_scale"]
 
 
-def critical_batch(trials: pd.DataFrame) -> float | None:
-    """The predicted critical batch: the median of the reliable noise scales at the end of the finished trials."""
+def last_noise(trials: pd.DataFrame) -> float | None:
+    """The median of the reliable noise scales at the end of the finished trials (not the critical batch at the
+    target: the noise scale grows as training goes; critical.py reads it where the target was reached)."""
     values = reliable_noise(finished(trials))
     return float(values.median()) if len(values) else None
 
@@ -252,19 +265,19 @@ def accuracy_vs_batch(trials: pd.DataFrame, objective: tuple[str, str] | None = 
     hue = hue if _varies(t, hue) else None
     keys = [k for k in (hue, "batch") if k]
     stats = aggregate(t, [*keys, "effective_batch"], m.name)
-    b_crit = critical_batch(t)
-    if b_crit is None:
+    noise = last_noise(t)
+    if noise is None:
         fig, ax = plt.subplots(figsize=(7, 4.5))
     else:  # the measured noise scale beside the accuracy curve
         fig, (ax, noise_ax) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
         measured = t.loc[reliable_noise(t).index]
         sns.scatterplot(data=measured, x="effective_batch", y="noise_scale", hue=hue, palette=palette if hue else None,
                         ax=noise_ax, legend=False)
-        noise_ax.axhline(b_crit, color="gray", linestyle="--", linewidth=1)
+        noise_ax.axhline(noise, color="gray", linestyle="--", linewidth=1)
         _log2_axis(noise_ax, measured["effective_batch"])
-        log_scale(noise_ax, "y", [*measured["noise_scale"], b_crit])
+        log_scale(noise_ax, "y", [*measured["noise_scale"], noise])
         noise_ax.set(xlabel="effective batch B (trials with k ≥ 2)",
-                     ylabel="gradient noise scale at the last epoch", title=f"median {b_crit:.0f}")
+                     ylabel="gradient noise scale at the last epoch", title=f"median {noise:.0f}")
     groups = list(stats.groupby(keys)) if keys else [((), stats)]
     if hue:  # the split's own order
         groups.sort(key=lambda g: list(palette).index(g[0][0]))
@@ -279,18 +292,18 @@ def accuracy_vs_batch(trials: pd.DataFrame, objective: tuple[str, str] | None = 
                     linestyle="-" if label.get("batch") != "true batch" else "--", capsize=3,
                     label=" / ".join(str(v) for v in group))
     low, high = stats["effective_batch"].min(), stats["effective_batch"].max()
-    if b_crit is not None and low / 2 <= b_crit <= 2 * high:
-        ax.axvline(b_crit, color="gray", linestyle="--", linewidth=1, label=f"predicted critical batch ≈ {b_crit:.0f}")
-    elif b_crit is not None:  # a line far off the Bs run would squeeze them to one side: the legend says it
-        ax.plot([], [], " ", label=f"predicted critical batch ≈ {b_crit:.0f}, {'below' if b_crit < low else 'above'} "
-                                   f"every B run")
+    said = f"noise scale at the last epoch ≈ {noise:.0f} (median)" if noise is not None else ""
+    if noise is not None and low / 2 <= noise <= 2 * high:
+        ax.axvline(noise, color="gray", linestyle="--", linewidth=1, label=said)
+    elif noise is not None:  # a line far off the Bs run would squeeze them to one side: the legend says it
+        ax.plot([], [], " ", label=f"{said}, {'below' if noise < low else 'above'} every B run")
     _log2_axis(ax, stats["effective_batch"])
     ax.set(xlabel="effective batch B = b·k", ylabel=m.axis)
     ax.legend(title=" / ".join(keys), fontsize=8)
     fig.tight_layout()
     name, title = ("accuracy_vs_batch", "Validation accuracy") if m.points else ("objective_vs_batch", m.name)
     return Figure(name, f"{title} against effective batch{m.better}"
-                  + (", beside the measured gradient noise scale" if b_crit is not None else ""), fig, context(t))
+                  + (", beside the measured gradient noise scale" if noise is not None else ""), fig, context(t))
 
 
 def memory_vs_batch(trials: pd.DataFrame) -> Figure | None:
@@ -476,10 +489,8 @@ def steps_vs_batch(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFr
     t = one_batch(finished(trials))
     if tuned(t) or "effective_batch" not in t or t["effective_batch"].nunique() < 3:
         return None
-    if "accum_steps" in t and (t["accum_steps"] > 1).any():
-        t = t[t["physical_batch"] == t.loc[t["accum_steps"] > 1, "physical_batch"].mode().iloc[0]]
     keys = [c for c in ("lr_rule", "bn_momentum_rule") if c in t and t[c].nunique() > 1]
-    found = steps_to_target(t, history, keys, evals)
+    found = steps_to_target(t, history, keys, evals)  # every run at a B: accumulated and true batch alike
     if found is None or found[0]["steps"].notna().sum() < 2:
         return None
     table, target = found
@@ -490,16 +501,21 @@ def steps_vs_batch(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFr
     if keys == [field]:  # the split's own order and colours
         groups.sort(key=lambda g: list(palette).index(g[0][0]))
         lines = [palette[g[0]] for g, _ in groups]
+    runs = t[["run_id", *keys, "effective_batch"]].merge(reached(t, history, target, evals), on="run_id")
     for color, (group, rows) in zip(lines, groups):
         rows = rows.dropna(subset=["steps"]).sort_values("effective_batch")
         for ax, column in ((left, "steps"), (right, "samples")):
             ax.plot(rows["effective_batch"], rows[column], "o-", color=color, label=" / ".join(map(str, group)))
-        b = knee(rows)
-        if b:
-            left.axvline(b, color=color, linestyle=":", linewidth=1)
-    reached = table.dropna(subset=["steps"]).sort_values("effective_batch")
-    b0 = reached["effective_batch"].iloc[0]
-    first = reached[reached["effective_batch"] == b0]["steps"].min()
+        mine = runs[runs["effective_batch"].isin(rows["effective_batch"]) & runs["steps"].notna()]
+        for key, value in zip(keys, group if isinstance(group, tuple) else (group,)):
+            mine = mine[mine[key] == value]
+        fitted = fit(mine["effective_batch"], mine["steps"])  # the findings' fit, over every run that reached it
+        if fitted and rows["effective_batch"].min() <= fitted[0] <= rows["effective_batch"].max():
+            xs = np.geomspace(rows["effective_batch"].min(), rows["effective_batch"].max(), 50)
+            left.plot(xs, fitted[1] * (1 + fitted[0] / xs), ":", color=color, linewidth=1)
+    got = table.dropna(subset=["steps"]).sort_values("effective_batch")
+    b0 = got["effective_batch"].iloc[0]
+    first = got[got["effective_batch"] == b0]["steps"].min()
     xs = np.array(sorted(table["effective_batch"].unique()), float)
     left.plot(xs, first * b0 / xs, "--", color="gray", label="perfect scaling (steps ∝ 1/B)")
     right.plot(xs, np.full_like(xs, first * b0), "--", color="gray", label="perfect scaling (samples constant)")
@@ -512,7 +528,8 @@ def steps_vs_batch(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFr
     left.legend(title=" / ".join(keys) or None, fontsize=8)
     every = "once an epoch" if evals is None else "every eval_every_steps"
     fig.suptitle(f"target: {100 * target:.1f}% validation accuracy (95% of the best mean), evaluated {every}; "
-                 f"dotted: where steps stopped halving; no point: most seeds never reached the target", fontsize=9)
+                 f"lines: medians over every run at a B; dotted: S = S_min (1 + B_crit / B) fitted to the runs, where B_crit "
+                 f"lies within the Bs run; no point: most runs never reached the target", fontsize=9)
     fig.tight_layout()
     return Figure("steps_to_target", "Steps and samples to the target accuracy against effective batch (log–log)",
                   fig, context(t))

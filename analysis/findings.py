@@ -1,10 +1,11 @@
 """The report's summary: plain sentences computed from the trials frame.
 
 Every comparison (rule against rule, accumulated against its true-batch twin, a batch against the smallest
-one) is decided against the seed-to-seed spread: the difference of the same seeds (same initial weights,
-same sample order) is averaged, and it is stated as a difference only when its 95% t-interval over the
-seeds excludes zero; otherwise it is "indistinguishable (± the interval's half-width)". With one seed no
-difference can be separated from seed noise, and the sentences say so.
+one) pairs the trials of the same seed (same initial weights, same sample order) and reads as its verdict
+(verdicts.py): a difference only where its 95% t-interval excludes 0 and Benjamini-Hochberg over the
+sentence's comparisons keeps it, "equivalent within ±margin" only where the interval lies inside the
+margin, else "not resolved with N seeds", with the seeds that would resolve it. With one seed no difference
+can be separated from seed noise, and the sentences say so.
 """
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import math
 import numpy as np
 import pandas as pd
 
-from . import branching
-from .figures import (ACCURACY, Measure, best_lr, critical_batch, finished, in_order, measure, not_rounded_away,
+from . import branching, critical
+from .figures import (ACCURACY, Measure, best_lr, finished, in_order, measure, not_rounded_away,
                       one_batch, reliable_noise, trained_lr, tuned)
-from .runs import (TARGET_SHARE, Difference, aggregate, discoveries, knee, paired, reached, resolution,
-                   steps_to_target)
+from .runs import TARGET_SHARE, Difference, aggregate, paired, quantum, reached, resolution
+from .verdicts import Verdict, control, judge, needed
 
 EXACT = 1e-4  # relative parameter difference below which accumulation is float rounding, not a change
 FLOAT64_ROUNDING = 1e-10  # in float64, a ghost twin this close shows that what is left in float32 is rounding
@@ -53,29 +54,45 @@ def _sig(x: float, sign: str = "") -> str:
     return f"{x:{sign}.{places}f}"
 
 
-def stated(d: Difference, ahead: str = "higher", behind: str = "lower", m: Measure = ACCURACY) -> str:
-    """How a paired difference reads: a stated difference only when its interval excludes 0."""
+def _spread(d: Difference, m: Measure, places: int) -> str:
+    label, unit = ("", " points") if m.points else (f"{m.name} ", "")
+    return f"{label}{m.shown(m.scaled(d.mean), places, '+')} ± {m.shown(m.scaled(d.half), places)}{unit}"
+
+
+def stated(d: Difference, ahead: str = "higher", behind: str = "lower", m: Measure = ACCURACY,
+           v: Verdict | None = None) -> str:
+    """How a paired difference reads (verdicts): a difference only where it is resolved, and with the control
+    that kept it; equivalence only inside the margin; else not resolved, with the seeds that would resolve it.
+    `v` is its verdict within its sentence's family; alone, it is a family of one."""
     if d.n < 2:
         return f"{m.amount(d.mean)} {ahead if d.mean > 0 else behind} in one seed, which cannot be told from seed noise"
+    v = v or judge([d], m.margin)[0]
     places = m.places(d.mean, d.half)
-    lo, hi = m.scaled(d.mean - d.half), m.scaled(d.mean + d.half)
-    if d.separated:
+    if v.resolved:
+        lo, hi = m.scaled(d.mean - d.half), m.scaled(d.mean + d.half)
+        inside = f", inside the ±{m.margin_text} equivalence margin" if v.equivalent else ""
         return (f"{m.amount(d.mean, places)} {ahead if d.mean > 0 else behind}, 95% CI {_end(lo, places)} to "
-                f"{_end(hi, places)} over {d.n} seeds")
-    label, unit = ("", " points") if m.points else (f"{m.name} ", "")
-    return (f"indistinguishable ({label}{m.shown(m.scaled(d.mean), places, '+')} ± "
-            f"{m.shown(m.scaled(d.half), places)}{unit} over {d.n} seeds)")
+                f"{_end(hi, places)} over {d.n} seeds; {control(v)}{inside}")
+    if v.equivalent:
+        return f"equivalent within ±{m.margin_text} ({_spread(d, m, places)} over {d.n} seeds)"
+    why = f"; its own interval excludes 0, but it is {control(v)}" if d.separated else ""
+    return f"not resolved with {d.n} seeds ({_spread(d, m, places)}{why}; {needed(v)})"
 
 
-def controlled(diffs: list[Difference], what: str) -> list[str]:
-    """With many comparisons, how many differences survive false-discovery control beside their own intervals."""
-    diffs = [d for d in diffs if d is not None and d.n >= 2]
-    if len(diffs) < 4:
+def controlled(labelled: list[tuple[str, Difference | None]], what: str) -> list[str]:
+    """With many comparisons, how many differences survive false-discovery control beside their own intervals,
+    and which."""
+    labelled = [(name, d) for name, d in labelled if d is not None and d.n >= 2]
+    if len(labelled) < 4:
         return []
-    apart, kept = sum(d.separated for d in diffs), discoveries(diffs)
+    verdicts = judge([d for _, d in labelled], math.inf)
+    apart = sum(d.separated for _, d in labelled)
+    kept = [name for (name, _), v in zip(labelled, verdicts) if v.resolved]
     differ = "differs by its" if apart == 1 else "differ by their"
-    return [f"Of the {len(diffs)} {what}, {apart} {differ} own 95% interval and {kept} survive{'s' * (kept == 1)} "
-            f"false-discovery control (Benjamini-Hochberg at 5%, paired t-tests over the seeds)."]
+    named = f": {_listed(kept)}" if kept else ""
+    return [f"Of the {len(labelled)} {what}, {apart} {differ} own 95% interval and {len(kept)} "
+            f"survive{'s' * (len(kept) == 1)} false-discovery control (Benjamini-Hochberg at 5%, paired t-tests over "
+            f"the seeds){named}."]
 
 
 def _seed_note(t: pd.DataFrame) -> list[str]:
@@ -85,73 +102,89 @@ def _seed_note(t: pd.DataFrame) -> list[str]:
     return []
 
 
-def _series(t: pd.DataFrame) -> pd.DataFrame:
-    """The accumulated series (one physical batch, growing k) when the study has one; else everything."""
-    if "accum_steps" in t and (t["accum_steps"] > 1).any():
-        b = t.loc[t["accum_steps"] > 1, "physical_batch"].mode().iloc[0]
-        return t[t["physical_batch"] == b]
-    return t
-
-
-def _series_note(whole: pd.DataFrame, series: pd.DataFrame) -> list[str]:
-    """Which series the LR rules' sentences follow, where trials left out of it reach a B beyond its range (else
-    "the largest batch" would not be the study's)."""
-    left = whole[~whole.index.isin(series.index)]
-    sizes = series["effective_batch"]
-    if left.empty or left["effective_batch"].between(sizes.min(), sizes.max()).all():
+def _halves_note(t: pd.DataFrame) -> list[str]:
+    """Where a B is made by several (b, k), as an accumulated run and its true-batch twin make it, every one of
+    them counts: a seed's runs at that B are averaged before they are paired."""
+    if not {"physical_batch", "accum_steps"} <= set(t):
         return []
-    others = ", ".join(str(int(b)) for b in sorted(left["physical_batch"].unique()))
-    return [f"These comparisons of the LR rules follow b = {int(series['physical_batch'].iloc[0])} with k from "
-            f"{int(series['accum_steps'].min())} to {int(series['accum_steps'].max())} (B = {int(sizes.min())} to "
-            f"{int(sizes.max())}); the trials at b = {others} (B = {int(left['effective_batch'].min())} to "
-            f"{int(left['effective_batch'].max())}) are in the figures and the table only."]
+    made = t.groupby("effective_batch")[["physical_batch", "accum_steps"]].apply(lambda g: len(g.drop_duplicates()))
+    mixed = sorted(int(b) for b in made[made > 1].index)
+    if not mixed:
+        return []
+    at = f"B = {mixed[0]}" if len(mixed) == 1 else f"B = {_listed([str(b) for b in mixed])}"
+    return [f"The LR rules are compared over every trial at a B: at {at}, each seed's runs at the (b, k) that "
+            f"make that B (accumulated and true batch) are averaged, then paired by seed; the sentence on "
+            f"accumulation compares the two."]
+
+
+def _where(b: int, **names) -> str:
+    """'none at B = 256', or 'B = 256' alone."""
+    return " at ".join([", ".join(str(v) for v in names.values()), f"B = {b}"]) if names else f"B = {b}"
 
 
 def lr_rules(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
-    """Per LR rule: from which B the measure fell behind the smallest B, and the rules' ranking at the largest."""
+    """Per LR rule, each B against the smallest, every trial at a B counted; then the rules at the largest B."""
     t = one_batch(finished(trials))
     if "lr_rule" not in t or t["lr_rule"].nunique() < 2 or t["effective_batch"].nunique() < 2 or tuned(t):
         return []
-    whole, t = t, _series(t)
-    note = _series_note(whole, t)
-    out, family = list(note), []
-    for rule in in_order("lr_rule", t["lr_rule"]):
+    step = quantum(t[m.name])
+    rules = in_order("lr_rule", t["lr_rule"])
+    compared = []  # (rule, B, smallest B, difference), the family of the false-discovery control
+    for rule in rules:
         rows = t[t["lr_rule"] == rule]
-        sizes = sorted(rows["effective_batch"].unique())
-        if len(sizes) < 2:
-            continue
+        sizes = sorted(int(b) for b in rows["effective_batch"].unique())
         base = rows[rows["effective_batch"] == sizes[0]]
-        diffs = {b: paired(rows[rows["effective_batch"] == b], base, m.name) for b in sizes[1:]}
-        fell = next((b for b, d in diffs.items() if d and m.worse(d)), None)
-        family += diffs.values()
-        last = diffs[sizes[-1]]
-        side = "below" if m.points else "behind"  # (a lower loss is better: "below" would read as ahead)
-        if fell is None and last is None:
-            continue  # (no seed in common with the smallest B)
-        if fell is None:
-            out.append(f"The {rule} LR rule did not fall measurably {side} B = {sizes[0]} up to B = {sizes[-1]}: "
-                       f"at B = {sizes[-1]} it was {stated(last, m=m)}.")
-        else:
-            at_last = "" if fell == sizes[-1] or last is None else f"; at B = {sizes[-1]} it was {stated(last, m=m)}"
-            out.append(f"The {rule} LR rule fell {side} B = {sizes[0]} from B = {fell} ({stated(diffs[fell], m=m)})"
-                       f"{at_last}.")
+        compared += [(rule, b, sizes[0], paired(rows[rows["effective_batch"] == b], base, m.name, step))
+                     for b in sizes[1:]]
+    verdicts = judge([d for *_, d in compared], m.margin)
+    out = _halves_note(t)
+    side = ("fell", "rose") if m.maximize else ("rose", "fell")  # (a loss that rose did worse)
+    for rule in rules:
+        mine = [(b, base, v) for (r, b, base, _), v in zip(compared, verdicts) if r == rule and v is not None]
+        if not mine:
+            continue  # (no seed in common with the smallest B, or one B only)
+        said, alike = [], []  # (Bs in a row that are equivalent are said once)
+        for i, (b, base, v) in enumerate(mine):
+            if v.equivalent and not v.resolved:
+                alike.append(f"{b} ({_spread(v.d, m, m.places(v.d.mean, v.d.half))})")
+                if i + 1 < len(mine) and mine[i + 1][2].equivalent and not mine[i + 1][2].resolved:
+                    continue
+                said.append(f"equivalent within ±{m.margin_text} at B = {_listed(alike)}")
+                alike = []
+            elif v.resolved:
+                said.append(f"at B = {b} {side[0] if (v.d.mean < 0) == m.maximize else side[1]} "
+                            f"({stated(v.d, m=m, v=v)})")
+            else:
+                said.append(f"at B = {b} {stated(v.d, m=m, v=v)}")
+        n = mine[0][2].d.n
+        out.append(f"The {rule} LR rule against B = {mine[0][1]} over {n} seed{'s' * (n != 1)}: " + "; ".join(said)
+                   + ".")
+    out += _at_largest(t, m, step)
+    return out + controlled([(_where(b, rule=r), d) for r, b, _, d in compared],
+                            "comparisons of a rule's B against its smallest B")
+
+
+def _at_largest(t: pd.DataFrame, m: Measure, step: float) -> list[str]:
+    """The rules at the largest B against the one of the best mean: a contrast is said only where it is resolved."""
     largest = t[t["effective_batch"] == t["effective_batch"].max()]
-    means = largest.groupby("lr_rule")[m.name].mean().sort_values(ascending=not m.maximize)
+    per_seed = largest.groupby(["lr_rule", "seed"])[m.name].mean().groupby("lr_rule").mean()
+    means = per_seed.reindex(in_order("lr_rule", per_seed.index)).sort_values(ascending=not m.maximize, kind="stable")
     same = "base_batch" in largest and (largest["effective_batch"] == largest["base_batch"]).all()
-    if len(means) > 1 and not same:  # (at B = base_batch the rules are one configuration: none is best there)
-        best = means.index[0]
-        stats = aggregate(largest, ["lr_rule"], m.name).set_index("lr_rule")
-        half = stats.loc[best, "ci95"]
-        spread = "" if math.isnan(half) else f" ± {m.shown(m.scaled(half), m.places(half))}"
-        others = []
-        for rule in means.index[1:]:
-            d = paired(largest[largest["lr_rule"] == rule], largest[largest["lr_rule"] == best], m.name)
-            others.append(f"{rule} {stated(d, m=m)}" if d else f"{rule} {m.level(means[rule])}")
-        out.append(f"At the largest batch{' of that series' if note else ''}, B = "
-                   f"{int(largest['effective_batch'].iloc[0])}, the {best} rule had the "
-                   f"{'highest' if m.maximize else 'lowest'} mean ({m.level(means[best])}{spread}); against it, "
-                   + "; ".join(others) + ".")
-    return out + controlled(family, "comparisons of a rule's B against its smallest B")
+    if len(means) < 2 or same:  # (at B = base_batch the rules are one configuration: none is best there)
+        return []
+    best = means.index[0]
+    others = list(means.index[1:])
+    diffs = [paired(largest[largest["lr_rule"] == r], largest[largest["lr_rule"] == best], m.name, step)
+             for r in others]
+    verdicts = judge(diffs, m.margin)
+    against = [f"{r} {stated(v.d, m=m, v=v)}" if v else f"{r} {m.level(means[r])}" for r, v in zip(others, verdicts)]
+    ties = [r for r, v in zip(others, verdicts) if v is None or not v.resolved]
+    verdict = (f"{best} is resolved as the best there" if not ties else
+               f"the best there is one of {_listed([best, *ties])}: no contrast between them is resolved")
+    level = ", ".join(f"{r} {m.level(means[r])}" for r in others)
+    return [f"At the largest batch, B = {int(largest['effective_batch'].iloc[0])}, the {best} rule had the "
+            f"{'highest' if m.maximize else 'lowest'} mean ({m.level(means[best])}; {level}); against it: "
+            + "; ".join(against) + f"; {verdict}."]
 
 
 def twins(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
@@ -159,31 +192,38 @@ def twins(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
     t = finished(trials)
     if "batch" not in t or t["batch"].nunique() < 2:
         return []
+    step = quantum(t[m.name]) if m.name in t else None
     keys = [c for c in ("lr_rule", "bn_momentum_rule") if c in t and t[c].nunique() > 1]
     t = t[t["effective_batch"] > t["physical_batch"].min()]
     pairs = []
     for group, rows in t.groupby([*keys, "effective_batch"]):
         group = group if isinstance(group, tuple) else (group,)
-        d = paired(rows[rows["batch"] == "accumulated"], rows[rows["batch"] == "true batch"], m.name)
+        d = paired(rows[rows["batch"] == "accumulated"], rows[rows["batch"] == "true batch"], m.name, step)
         if d is not None:
-            pairs.append((dict(zip([*keys, "effective_batch"], group)), d))
+            pairs.append((_where(int(group[-1]), **dict(zip(keys, group[:-1]))), d))
     if not pairs:
         return []
-    apart = [(where, d) for where, d in pairs if d.separated]
-    median = float(np.median([abs(d.mean) for _, d in pairs]))
     n = min(d.n for _, d in pairs)
     if n < 2:
+        median = float(np.median([abs(d.mean) for _, d in pairs]))
         return [f"Accumulation and the true batch at the same B differed by a median of {m.amount(median)} over "
                 f"{len(pairs)} pairs, in one seed: no pair can be told from seed noise."]
-    sentence = (f"Accumulation and its true-batch twin at the same B were indistinguishable in "
-                f"{len(pairs) - len(apart)} of {len(pairs)} pairs (paired 95% t-intervals over {n} seeds; median "
-                f"|difference| {m.amount(median)})")
-    if apart:
-        named = "; ".join(f"{', '.join(f'{k} = {v}' for k, v in where.items())}: "
-                          f"{stated(d, *m.ranked('accumulated ahead', 'true batch ahead'), m=m)}"
-                          for where, d in apart)
-        sentence += f"; they differed at {named}"
-    return [sentence + ".", *controlled([d for _, d in pairs], "twin pairs")]
+    verdicts = judge([d for _, d in pairs], m.margin)
+    ahead = m.ranked("accumulated ahead", "true batch ahead")
+    resolved = [(w, v) for (w, _), v in zip(pairs, verdicts) if v.resolved]
+    equivalent = [w for (w, _), v in zip(pairs, verdicts) if v.equivalent and not v.resolved]
+    open_ = [(w, v) for (w, _), v in zip(pairs, verdicts) if not v.resolved and not v.equivalent]
+    halves = [v.d.half for v in verdicts]
+    parts = [f"equivalent within ±{m.margin_text} in {len(equivalent)}"]
+    if open_:
+        parts.append(f"not resolved in {len(open_)} (" + "; ".join(
+            f"{w}: {_spread(v.d, m, m.places(v.d.mean, v.d.half))}" for w, v in open_) + ")")
+    parts.append(f"resolved in {len(resolved)}" + (": " + "; ".join(f"{w}: {stated(v.d, *ahead, m=m, v=v)}"
+                                                                     for w, v in resolved) if resolved else ""))
+    return [f"Accumulation and its true-batch twin at the same B were compared in {len(pairs)} pairs, paired by seed "
+            f"over {n} seeds (95% t-intervals, median half-width {m.amount(float(np.median(halves)))}): "
+            + "; ".join(parts)
+            + ".", *controlled(pairs, "twin pairs")]
 
 
 def memory(trials: pd.DataFrame) -> list[str]:
@@ -230,16 +270,17 @@ def bn(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
             errors = at_k.groupby("bn_momentum_rule")["bn_mean_error"].mean()
             listing = ", ".join(f"{r} {_sig(errors[r])}" for r in rules)
             apart, alike = [], []
-            for r in rules:
-                d = paired(at_k[at_k["bn_momentum_rule"] == r], true, "bn_mean_error")
-                if d is not None and d.separated:
+            diffs = [paired(at_k[at_k["bn_momentum_rule"] == r], true, "bn_mean_error") for r in rules]
+            for r, v in zip(rules, judge(diffs, 0.0)):  # (no margin: any difference in tracking is the question)
+                d = v.d if v else None
+                if v is not None and v.resolved:
                     apart.append(f"{r} {'further from' if d.mean > 0 else 'closer to'} it than the true batch "
                                  f"({_sig(d.mean, '+')}, 95% CI {_sig(d.mean - d.half, '+')} to "
-                                 f"{_sig(d.mean + d.half, '+')})")
-                elif d is not None:
+                                 f"{_sig(d.mean + d.half, '+')}; {control(v)})")
+                elif v is not None:
                     alike.append(r)
             n = int(true["seed"].nunique()) if "seed" in true else 1
-            verdict_text = (f"indistinguishable from the true batch's over {n} seeds: {', '.join(alike)}"
+            verdict_text = (f"not resolved from the true batch's with {n} seeds: {', '.join(alike)}"
                             if alike else "")
             if n < 2:
                 verdict_text = "with one seed no rule can be told from the true batch"
@@ -248,8 +289,10 @@ def bn(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
             out.append(f"At k = {k} (B = {k * b}), the BN running means ended {listing} population standard "
                        f"deviations from the population means of the final weights (true batch: "
                        f"{_sig(float(true['bn_mean_error'].mean()))}); {verdict_text}.")
-        final = "; ".join(f"{r} {stated(d, 'above', 'below', m)}" for r in rules
-                          if (d := paired(at_k[at_k["bn_momentum_rule"] == r], true, m.name)) is not None)
+        step = quantum(t[m.name])
+        diffs = [paired(at_k[at_k["bn_momentum_rule"] == r], true, m.name, step) for r in rules]
+        final = "; ".join(f"{r} {stated(v.d, 'above', 'below', m, v)}" for r, v in zip(rules, judge(diffs, m.margin))
+                          if v is not None)
         if final:
             out.append(f"Final {'accuracy' if m.points else m.name} at k = {k} against the true batch: {final}.")
     return out
@@ -349,72 +392,50 @@ def lr_exponent(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
 
 
 def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None) -> list[str]:
-    """Steps to the target accuracy against B (Shallue et al. 2018), the knee, and the noise scale's prediction."""
+    """Steps to the target accuracy against B, every run at a B one point, fitted for the critical batch beside
+    the noise scale at the target (critical.py)."""
     t = one_batch(finished(trials))
-    if tuned(t) or "effective_batch" not in t or t["effective_batch"].nunique() < 3:
+    if "effective_batch" not in t or t["effective_batch"].nunique() < 3:
+        return []
+    if history.empty or not {"steps", "val_acc"} <= set(history) or "seed" not in t:
         return []
     keys = [c for c in ("lr_rule", "bn_momentum_rule") if c in t and t[c].nunique() > 1]
-    found = steps_to_target(_series(t), history, keys, evals)
-    if found is None:
+    searched = ["base_lr"] if tuned(t) else []
+    finals = aggregate(t, [*keys, "effective_batch", *searched], "val_acc")
+    if finals.empty:
         return []
-    table, target = found
-    out = []
-    knees, courses = {}, {}
-    groups = list(table.groupby(keys)) if keys else [(("",), table)]
+    target = TARGET_SHARE * float(finals["mean"].max())
+    runs = t[["run_id", "seed", *keys, "effective_batch", *searched]].merge(reached(t, history, target, evals),
+                                                                          on="run_id")
+    tuned_note = ""
+    if searched:  # Shallue et al.: at each B, the LR that reached the target in the fewest steps
+        fastest = runs.groupby([*keys, "effective_batch", "base_lr"])["steps"].median().dropna()
+        best = fastest.groupby(level=list(range(len(keys) + 1))).idxmin()
+        runs = runs[runs.set_index([*keys, "effective_batch", "base_lr"]).index.isin(best.values)]
+        tuned_note = (f"; at each B the base_lr whose runs reached it in the fewest steps (Shallue et al. 2018: the "
+                      f"LR tuned per B, {runs['base_lr'].nunique()} of the {t['base_lr'].nunique()} searched)")
+    noise = critical.noise_at_target(t, history, target)
+    groups = list(runs.groupby(keys)) if keys else [(("",), runs)]
     if len(keys) == 1:  # the rules in their own order, as the figures draw them
-        order = in_order(keys[0], table[keys[0]])
+        order = in_order(keys[0], runs[keys[0]])
         groups.sort(key=lambda g: order.index(g[0][0]))
+    out = [f"Steps to reach {_pct(target)} validation accuracy ({100 * TARGET_SHARE:.0f}% of the best "
+           f"configuration's mean; {resolution(t, evals)}{tuned_note}), each run that reached it one point, "
+           f"accumulated and true "
+           f"batch alike, fitted by S = S_min (1 + B_crit / B) (McCandlish et al. 2018; least squares on log steps), "
+           f"beside the gradient noise scale at the end of the epoch in which each run reached it."]
     for group, rows in groups:
-        group = group[0] if len(group) == 1 else group
-        knees[group] = knee(rows)
-        courses[group] = course(rows, knees[group])
-    reached_at = f"Steps to reach {_pct(target)} validation accuracy ({100 * TARGET_SHARE:.0f}% of the best " \
-                 f"configuration's mean)"
-    if len(set(courses.values())) == 1:
-        every = f", for every {' and '.join(keys)}," if len(courses) > 1 else ""
-        out.append(f"{reached_at}{every} {next(iter(courses.values()))}. Accuracy is {resolution(t, evals)}.")
-    else:
-        alike: dict[str, list[str]] = {}  # the groups that read the same, said once
-        for g, c in courses.items():
-            alike.setdefault(c, []).append(str(g))
-        out.append(f"{reached_at}: " + "; ".join(f"for {_listed(gs)}, {c}" for c, gs in alike.items()) +
-                   f". Accuracy is {resolution(t, evals)}.")
-    b_crit = critical_batch(t)
-    measured = {g: b for g, b in knees.items() if b}
-    if b_crit is not None and measured:
-        lo, hi = min(measured.values()), max(measured.values())
-        where = "within a factor of 2 of" if any(b / 2 <= b_crit <= b * 2 for b in measured.values()) else \
-            "below" if b_crit < lo else "above" if b_crit > hi else "between"
-        at = {}  # where the series differ, each B with the series that stopped there
-        for g, b in sorted(measured.items(), key=lambda item: item[1]):
-            at.setdefault(b, []).append(str(g))
-        span = f"B = {lo}" if len(at) == 1 else "B = " + ", ".join(f"{b} for {_listed(gs)}" for b, gs in at.items())
-        out.append(f"The measured gradient noise scale predicts a critical batch of about {b_crit:.0f} "
-                   f"(McCandlish et al. 2018): {where} where steps-to-target stopped halving ({span}).")
+        name = f"For {_listed([str(g) for g in group])}" if keys else "Over every run"
+        counted = rows.groupby("effective_batch")["steps"].apply(lambda s: s.notna().sum() * 2 > len(s))
+        kept = rows[rows["effective_batch"].isin(counted[counted].index) & rows["steps"].notna()]
+        lost = sorted(int(b) for b in counted[~counted].index)
+        left = (f" (at B = {_listed([str(b) for b in lost])} most runs never reached it: left out of the fit)"
+                if lost else "")
+        if kept.empty:
+            out.append(f"{name}, no B had most of its runs reach it{left}.")
+            continue
+        out.append(f"{name}{left}, {critical.reading(kept, noise[noise['run_id'].isin(rows['run_id'])])}.")
     return out
-
-
-def course(rows: pd.DataFrame, b: int | None) -> str:
-    """How one series' steps-to-target followed B: where they stopped halving, that they never did, or that
-    there is nothing to follow (one B, or a smallest B that never reached the target)."""
-    s = rows.sort_values("effective_batch")
-
-    def never(row: pd.Series) -> str:
-        who = "its one run" if row.get("seeds") == 1 else "most seeds"
-        return f"{who} never reached it at B = {int(row['effective_batch'])}"
-
-    if b:
-        after = s[s["effective_batch"] > b]
-        if math.isnan(after["steps"].iloc[0]):  # the knee is where the target stopped being reached at all
-            return f"stopped halving beyond B = {b}: {never(after.iloc[0])}"
-        return (f"stopped halving with each doubling of B (a doubling saved less than a quarter of them) beyond "
-                f"B = {b}")
-    if len(s) < 2:
-        return f"could not be compared across B: only B = {s['effective_batch'].iloc[0]} was run"
-    if math.isnan(s["steps"].iloc[0]):
-        return f"could not be compared across B: {never(s.iloc[0])}"
-    return (f"kept halving with each doubling of B (each doubling saved at least a quarter of them) up to "
-            f"B = {s['effective_batch'].iloc[-1]}, the largest measured")
 
 
 def _counted(d: Difference | None, unit: str) -> str:
@@ -422,7 +443,7 @@ def _counted(d: Difference | None, unit: str) -> str:
     if d is None:
         return f"no seed reached the target in both, so no {unit} to compare"
     if not d.separated:
-        return f"indistinguishable ({d.mean:+,.0f} ± {d.half:,.0f} {unit} over {d.n} seed{'s' * (d.n > 1)})"
+        return f"not resolved ({d.mean:+,.0f} ± {d.half:,.0f} {unit} over {d.n} seed{'s' * (d.n > 1)})"
     return f"{d.mean:+,.0f} {unit}, 95% CI {_end(d.mean - d.half, 0)} to {_end(d.mean + d.half, 0)} over {d.n} seeds"
 
 

@@ -172,42 +172,50 @@ class Difference:
     half: float  # half-width of the 95% t-interval of the paired differences; NaN for one seed
     n: int
     p: float = math.nan  # the paired t-test's two-sided p-value (NaN for one seed)
+    sd: float = math.nan  # the differences' sd, at least what the metric's rounding leaves unknown
+
+    def __post_init__(self):  # a difference given by its interval alone: its sd and p follow from it
+        if self.n >= 2 and math.isfinite(self.half) and not math.isfinite(self.sd):
+            self.sd = self.half * math.sqrt(self.n) / float(stats.t.ppf(0.975, self.n - 1))
+        if self.n >= 2 and math.isfinite(self.sd) and not math.isfinite(self.p):
+            self.p = 1.0 if self.sd == 0 else float(2 * stats.t.sf(abs(self.mean) / (self.sd / math.sqrt(self.n)),
+                                                                      self.n - 1))
 
     @property
     def separated(self) -> bool:
-        """Whether the interval excludes zero: only then is it stated as a difference."""
+        """Whether the interval excludes zero (resolved only when false-discovery control keeps it too)."""
         return self.n >= 2 and abs(self.mean) > self.half
 
 
-def paired(a: pd.DataFrame, b: pd.DataFrame, value: str) -> Difference | None:
-    """The paired difference of `value` between two configurations' trials (one row per seed each)."""
+def quantum(values) -> float:
+    """The step a metric is recorded in, as the values show it: the smallest gap between two distinct values
+    (val_acc over 1,000 samples moves in steps of 0.001); 0 where every value is the same."""
+    v = np.asarray(pd.Series(values).dropna(), dtype=float)
+    v = np.unique(np.round(v[np.isfinite(v)], 12))  # (0.951 - 0.950 is 0.000999... in floats)
+    gaps = np.diff(v)
+    gaps = gaps[gaps > 1e-9 * max(1.0, float(np.abs(v).max(initial=0.0)))]
+    return float(gaps.min()) if len(gaps) else 0.0
+
+
+def paired(a: pd.DataFrame, b: pd.DataFrame, value: str, step: float | None = None) -> Difference | None:
+    """The paired difference of `value` between two configurations' trials. A seed's several trials on one side
+    (an accumulated run and its true-batch twin at one B) are averaged first. `step` is the metric's recording
+    step (quantum(); by default that of these trials' values): per-seed differences that agree to it are known
+    only to it, so the sd is never taken below that of the rounding of a difference of two rounded values
+    (step / sqrt(6)), and no interval has zero width, no p is 0."""
     if "seed" not in a or "seed" not in b:
         return None
     merged = (a.groupby("seed")[value].mean().rename("a").to_frame()
               .join(b.groupby("seed")[value].mean().rename("b"), how="inner").dropna())
     if merged.empty:
         return None
+    step = quantum(pd.concat([a[value], b[value]])) if step is None else step
     d = merged["a"] - merged["b"]
-    return Difference(float(d.mean()), ci95(d), len(d), _p_value(d))
-
-
-def _p_value(d: pd.Series) -> float:
-    """The paired t-test's two-sided p; differences alike in every seed (to rounding) give 0, or 1 at zero."""
-    n, mean, sd = len(d), float(d.mean()), float(d.std(ddof=1)) if len(d) > 1 else math.nan
+    n, mean = len(d), float(d.mean())
     if n < 2:
-        return math.nan
-    if sd <= 1e-9 * abs(mean) or sd == 0:
-        return 0.0 if mean != 0 else 1.0
-    return float(2 * stats.t.sf(abs(mean) / (sd / math.sqrt(n)), n - 1))
-
-
-def discoveries(diffs: list[Difference], rate: float = 0.05) -> int:
-    """How many of a family of paired comparisons stay different under Benjamini-Hochberg false-discovery
-    control at `rate` (comparisons of one seed cannot: their p is NaN, counted as 1)."""
-    if not diffs:
-        return 0
-    p = np.nan_to_num(np.array([d.p for d in diffs], dtype=float), nan=1.0)
-    return int((stats.false_discovery_control(p, method="bh") <= rate).sum())
+        return Difference(mean, math.nan, 1)
+    sd = max(float(d.std(ddof=1)), step / math.sqrt(6))
+    return Difference(mean, float(stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n)), n, sd=sd)
 
 
 TARGET_SHARE = 0.95  # the target accuracy is this share of the best configuration's mean final accuracy
@@ -260,20 +268,3 @@ def resolution(trials: pd.DataFrame, evals: pd.DataFrame | None) -> str:
         n = int(every[every > 0].max())
         return f"evaluated every {n} optimizer steps (eval_every_steps), so steps are known to within {n}"
     return "evaluated once an epoch, so steps are known to within one epoch's steps"
-
-
-def knee(series: pd.DataFrame) -> int | None:
-    """The effective batch beyond which steps-to-target stopped halving: the first doubling of B (in the
-    series, sorted by B) that cut the steps by less than a quarter (perfect scaling halves them), or after
-    which most seeds no longer reached the target at all."""
-    s = series.sort_values("effective_batch")
-    sizes, steps = list(s["effective_batch"]), list(s["steps"])
-    for i in range(1, len(sizes)):
-        if math.isnan(steps[i - 1]):
-            return None  # not reached at a smaller B: no scaling to speak of
-        if math.isnan(steps[i]):
-            return int(sizes[i - 1])
-        per_doubling = (steps[i] / steps[i - 1]) ** (1 / math.log2(sizes[i] / sizes[i - 1]))
-        if per_doubling > 0.75:
-            return int(sizes[i - 1])
-    return None

@@ -17,7 +17,8 @@ import numpy as np
 import pandas as pd
 
 from .figures import Draw, Figure, context, finished, in_order, log_scale
-from .runs import TARGET_SHARE, StudyRuns, ci95
+from .runs import TARGET_SHARE, StudyRuns, ci95, paired, quantum
+from .verdicts import judge
 
 MIN_IMPORTANCE_TRIALS = 10  # fewer finished trials say nothing about which field mattered
 SHORT = {"physical_batch": "b", "accum_steps": "k"}
@@ -91,6 +92,27 @@ def shown(mean: float, half: float = math.nan, percent: bool = False) -> str:
     return text + unit
 
 
+def independent(t: pd.DataFrame, fields: list[str]) -> tuple[list[str], str]:
+    """The fields whose variance can be split apart, and what the sentence says of them. Where b and k were not
+    run in every combination (a study of accumulated points and their true-batch twins: b and k move only with
+    B), a forest would split B's effect between them by guessing the missing cells: they count as one field,
+    effective_batch."""
+    note = ""
+    if {"physical_batch", "accum_steps"} <= set(fields) and "effective_batch" in t:
+        cells = len(t[["physical_batch", "accum_steps"]].drop_duplicates())
+        every = t["physical_batch"].nunique() * t["accum_steps"].nunique()
+        if cells < every:
+            fields = ["effective_batch", *(f for f in fields if f not in ("physical_batch", "accum_steps",
+                                                                          "effective_batch"))]
+            note = (f"; b and k ran in {cells} of their {every} combinations, moving with B, so they count as "
+                    f"effective_batch; accumulated against true batch is the twins' sentence")
+    cells = len(t[fields].drop_duplicates())
+    every = int(np.prod([t[f].nunique() for f in fields])) if fields else 0
+    if cells < every:
+        note += f"; {cells} of the {every} combinations of these fields ran, the forest fills in the rest"
+    return fields, note
+
+
 def importance(study: StudyRuns) -> Figure | None:
     """fANOVA importance of each varied field for each objective."""
     import optuna
@@ -98,7 +120,7 @@ def importance(study: StudyRuns) -> Figure | None:
     from optuna.importance import FanovaImportanceEvaluator, get_param_importances
 
     t = _objective_trials(study)
-    fields = _fields(study, t)
+    fields, note = independent(t, _fields(study, t))
     if len(t) < MIN_IMPORTANCE_TRIALS or not fields:
         return None
     distributions = {}
@@ -133,7 +155,7 @@ def importance(study: StudyRuns) -> Figure | None:
     ranked = "; then ".join(f"{f} ({share:.0%})" for f, share in first[1:3])
     finding = (f"Of the varied fields, {first[0][0]} mattered most for {metrics[0]}: {first[0][1]:.0%} of the "
                f"variance fANOVA attributes to single fields" + (f"; then {ranked}" if ranked else "")
-               + f" (from {len(t)} finished trials).")
+               + f" (from {len(t)} finished trials{note}).")
     return Figure("importance", f"Which field mattered: fANOVA importance, from {len(t)} finished trials", fig,
                   context(t), finding)
 
@@ -205,24 +227,29 @@ EVERY_RULE = "every LR rule (B = base_batch)"
 
 def one_at_base(t: pd.DataFrame, fields: list[str]) -> pd.DataFrame:
     """At B = base_batch every LR rule gives the same learning rate: one configuration run once per rule. Its
-    runs are kept once (the first rule's), under a label that names no rule, so that none is called best
-    there and its seeds are not counted thrice."""
+    runs are labelled with no rule, so that none is called best there; each seed's copies are averaged later
+    (_per_seed), so its seeds are counted once, and no copy is chosen over another."""
     if "lr_rule" not in fields or not {"base_batch", "effective_batch"} <= set(t):
         return t
     at_base = pd.to_numeric(t["effective_batch"]) == pd.to_numeric(t["base_batch"])
     if not at_base.any():
         return t
-    first = sorted(t.loc[at_base, "lr_rule"].astype(str))[0]
-    t = t[~at_base | (t["lr_rule"].astype(str) == first)].copy()
-    t.loc[pd.to_numeric(t["effective_batch"]) == pd.to_numeric(t["base_batch"]), "lr_rule"] = EVERY_RULE
+    t = t.copy()
+    t["lr_rule"] = t["lr_rule"].astype(object)
+    t.loc[at_base, "lr_rule"] = EVERY_RULE
     return t
 
 
-def _per_configuration(t: pd.DataFrame, fields: list[str], value: str, cost: str) -> pd.DataFrame:
+def _per_seed(t: pd.DataFrame, fields: list[str], columns: list[str]) -> pd.DataFrame:
+    """Each configuration's seeds, one row each: a seed's copies of one configuration averaged."""
+    t = t if "seed" in t else t.assign(seed=range(len(t)))
+    return t.groupby([*fields, "seed"], dropna=False)[columns].mean().reset_index()
+
+
+def _per_configuration(seeds: pd.DataFrame, fields: list[str], value: str, cost: str) -> pd.DataFrame:
     """Mean and 95% interval of `value` over each configuration's seeds, and its mean `cost`."""
-    t = one_at_base(t, fields)
     rows = []
-    for key, g in t.groupby(fields, dropna=False):
+    for key, g in seeds.groupby(fields, dropna=False):
         key = key if isinstance(key, tuple) else (key,)
         rows.append({**dict(zip(fields, key)), value: g[value].mean(), "half": ci95(g[value]), cost: g[cost].mean(),
                      "n": len(g)})
@@ -249,21 +276,47 @@ def _front_figure(points: pd.DataFrame, fields: list[str], cost: str, value: str
     return Figure(name, title, fig, context(trials), finding)
 
 
-def _budget_sentence(points: pd.DataFrame, fields: list[str], cost: str, value: str, percent: bool,
-                     maximize: bool, unit, against: str) -> str:
-    """The best configuration within half the cost of the overall best, and the overall best. `against` names
-    the cost, so that the memory and time sentences, often about the same best, read apart in the findings."""
-    def best_of(frame: pd.DataFrame) -> pd.Series:  # the best value; of equal values, the cheapest
-        return frame.sort_values([value, cost], ascending=[not maximize, True]).iloc[0]
+def _of(seeds: pd.DataFrame, fields: list[str], row: pd.Series) -> pd.Series:
+    """Which rows of `seeds` are the configuration `row`."""
+    at = pd.Series(True, index=seeds.index)
+    for f in fields:
+        at &= (seeds[f] == row[f]) | (seeds[f].isna() & pd.isna(row[f]))
+    return at
 
-    top = best_of(points)
-    within = points[points[cost] <= top[cost] / 2]
-    best = f"the best overall was {label(top, fields)} ({shown(top[value], top['half'], percent)}) at {unit(top[cost])}"
-    if within.empty:
-        return f"Against {against}, {best}; no configuration needed half of that or less."
-    cheap = best_of(within)
-    return (f"Against {against}, within {unit(top[cost] / 2)}, the best was {label(cheap, fields)} "
-            f"({shown(cheap[value], cheap['half'], percent)}); {best}.")
+
+def _ties(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], value: str, maximize: bool) -> pd.DataFrame:
+    """The configurations that cannot be told from the one of the best mean: each compared with it, paired by
+    seed, under Benjamini-Hochberg over those comparisons (the best is picked from all of them, so its own mean is
+    biased upward by the pick). The best is the first row."""
+    sign = 1 if maximize else -1
+    points = points.assign(_order=sign * -points[value]).sort_values("_order", kind="stable").drop(columns="_order")
+    top = seeds[_of(seeds, fields, points.iloc[0])]
+    step = quantum(seeds[value])
+    diffs = [paired(top, seeds[_of(seeds, fields, row)], value, step) for _, row in points.iloc[1:].iterrows()]
+    tied = [True] + [v is None or not (v.resolved and sign * v.d.mean > 0) for v in judge(diffs, 0.0)]
+    return points[tied]
+
+
+def _budget_sentence(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], cost: str, value: str,
+                     percent: bool, maximize: bool, unit, against: str) -> str:
+    """The configuration of the best mean, the set that cannot be told from it, and the cheapest of that set.
+    `against` names the cost, so that the memory and time sentences read apart in the findings."""
+    ties = _ties(seeds, points, fields, value, maximize)
+    top, n = ties.iloc[0], int(seeds.groupby(fields, dropna=False).size().min())
+    cheap = ties.sort_values([cost, value], ascending=[True, not maximize]).iloc[0]
+    control = (f"paired by seed over {n} seeds, Benjamini-Hochberg at 5% over {len(points) - 1} "
+               f"comparison{'s' * (len(points) > 2)}" if n > 1 else "one seed: none can be told apart")
+    said = (f"Against {against}, the best mean of the {len(points)} configurations was {label(top, fields)} "
+            f"({shown(top[value], percent=percent)}, at {unit(top[cost])}; picked as the highest, so biased upward)")
+    if len(ties) == 1:
+        return said + f"; every other configuration was resolved below it ({control})."
+    named = (": " + "; ".join(label(row, fields) for _, row in ties.iloc[1:].iterrows())) if len(ties) <= 5 else ""
+    said += f"; {len(ties) - 1} other{'s' * (len(ties) > 2)} cannot be told from it ({control}){named}"
+    what = against.removeprefix("peak ")
+    if cheap[cost] < top[cost]:
+        return said + (f"; the least {what} among them: {label(cheap, fields)} ({shown(cheap[value], percent=percent)})"
+                       f" at {unit(cheap[cost])}.")
+    return said + f"; none of them needed less {what}."
 
 
 def memory_front(study: StudyRuns) -> Figure | None:
@@ -274,11 +327,13 @@ def memory_front(study: StudyRuns) -> Figure | None:
     if "peak_memory_bytes" not in t or not fields or len(t) < 2:
         return None
     t = t.dropna(subset=["peak_memory_bytes"])
-    points = _per_configuration(t.assign(memory_mib=t["peak_memory_bytes"] / MIB), fields, value, "memory_mib")
+    seeds = _per_seed(one_at_base(t.assign(memory_mib=t["peak_memory_bytes"] / MIB), fields), fields,
+                      [value, "memory_mib"])
+    points = _per_configuration(seeds, fields, value, "memory_mib")
     if len(points) < 2:
         return None
     percent, maximize = _percent(value, t[value]), direction == "maximize"
-    finding = _budget_sentence(points, fields, "memory_mib", value, percent, maximize,
+    finding = _budget_sentence(seeds, points, fields, "memory_mib", value, percent, maximize,
                                lambda mib: f"{mib:,.1f} MiB of peak memory", "peak memory")
     return _front_figure(points, fields, "memory_mib", value, "peak memory, MiB", percent, maximize, "memory_front",
                          f"Pareto front: {value} against peak memory", t, finding)
@@ -292,6 +347,21 @@ def time_to_target(trials: pd.DataFrame, history: pd.DataFrame, metric: str, tar
     h = h.assign(elapsed=h.groupby("run_id")["epoch_time_s"].cumsum())
     reached = h[h[metric] >= target].groupby("run_id")["elapsed"].min()
     return trials["run_id"].map(reached)
+
+
+def _timing_note(t: pd.DataFrame, fields: list[str], saving: float) -> str:
+    """Times are one wall-clock measurement per run; identical runs (B = base_batch under each LR rule) show
+    how far two measurements of one configuration lie apart, against which a saving is read."""
+    said = " Each time is one wall-clock measurement of one run (a configuration's: the median over its seeds)"
+    if "lr_rule" in fields and {"base_batch", "seed"} <= set(t):
+        copies = t[(t["lr_rule"] == EVERY_RULE) & t["seconds"].notna()].groupby("seed")["seconds"]
+        spread = (copies.max() - copies.min())[copies.size() > 1]
+        if len(spread):
+            said += (f"; identical runs (B = base_batch under each LR rule, one seed) took times up to "
+                     f"{spread.max():,.1f} s apart")
+            if 0 < saving <= spread.max():
+                said += f", more than the {saving:,.1f} s saved, so that saving is not resolved"
+    return said + "."
 
 
 def time_front(study: StudyRuns) -> Figure | None:
@@ -308,8 +378,9 @@ def time_front(study: StudyRuns) -> Figure | None:
         return None
     t = one_at_base(t.assign(seconds=seconds.values), fields)
     # A configuration counts when most of its seeds reached the target; its time is their median.
+    seeds = _per_seed(t, fields, [value, "seconds"])
     rows = []
-    for key, g in t.groupby(fields, dropna=False):
+    for key, g in seeds.groupby(fields, dropna=False):
         key = key if isinstance(key, tuple) else (key,)
         if g["seconds"].notna().sum() * 2 > len(g):
             rows.append({**dict(zip(fields, key)), value: g[value].mean(), "half": ci95(g[value]),
@@ -317,10 +388,16 @@ def time_front(study: StudyRuns) -> Figure | None:
     points = pd.DataFrame(rows)
     if len(points) < 2:
         return None
+    kept = pd.Series(False, index=seeds.index)
+    for _, row in points.iterrows():
+        kept |= _of(seeds, fields, row)
     percent = _percent(value, t[value])
     target_text = shown(target, percent=percent)
-    finding = _budget_sentence(points, fields, "seconds", value, percent, True,
+    finding = _budget_sentence(seeds[kept], points, fields, "seconds", value, percent, True,
                                lambda s: f"{s:,.1f} s to reach {value} {target_text}", "time to the target")
+    ties = _ties(seeds[kept], points, fields, value, True)
+    saving = float(ties["seconds"].iloc[0] - ties["seconds"].min())
+    finding += _timing_note(t, fields, saving)
     return _front_figure(points, fields, "seconds", value, f"seconds to reach {value} {target_text} (median over seeds)",
                          percent, True, "time_front", f"Pareto front: {value} against time to the target", t, finding)
 

@@ -1,0 +1,125 @@
+"""The critical batch from steps to a target accuracy, as McCandlish et al. (2018) and Shallue et al. (2018)
+define it: S = S_min (1 + B_crit / B) fitted to the optimizer steps each run took to reach the target against its
+B, beside the gradient noise scale measured at the epoch the target was reached (B_noise, which McCandlish et al.
+find close to B_crit). Both intervals are bootstraps over the seeds; a B_crit the Bs run do not bound is said so.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+from scipy.optimize import least_squares
+
+BOOTSTRAPS = 1000
+FEWEST_SEEDS = 3  # below this a bootstrap over the seeds has almost nothing to draw from: no interval is said
+FAR = 64  # the fit searches B_crit within this factor of the Bs run; beyond the range it is not bounded anyway
+
+
+@dataclass
+class Fit:
+    b_crit: float
+    s_min: float
+    lo: float  # 95% bootstrap interval of b_crit over the seeds (NaN where fewer than half the resamples fit)
+    hi: float
+    sizes: list[int]  # the Bs the fit used
+    runs: int
+
+
+def fit(sizes, steps) -> tuple[float, float] | None:
+    """(B_crit, S_min) by least squares on log steps (the steps span a decade over B: on the steps themselves the
+    smallest B would carry the fit alone); None with fewer than 3 Bs."""
+    b, s = np.asarray(sizes, float), np.asarray(steps, float)
+    if len(np.unique(b)) < 3:
+        return None
+
+    def residuals(theta):
+        return theta[0] + np.log1p(np.exp(theta[1]) / b) - np.log(s)
+
+    bounds = ([-np.inf, math.log(b.min() / FAR)], [np.inf, math.log(b.max() * FAR)])
+    r = least_squares(residuals, [math.log(s.min()), math.log(float(np.median(b)))], bounds=bounds)
+    return float(math.exp(r.x[1])), float(math.exp(r.x[0]))
+
+
+def _resamples(points: pd.DataFrame, statistic) -> list[float]:
+    """`statistic` of the points of seeds drawn with replacement, BOOTSTRAPS times (each distinct draw once)."""
+    seeds = sorted(points["seed"].unique())
+    rng, cache, out = np.random.default_rng(0), {}, []
+    for _ in range(BOOTSTRAPS):
+        draw = tuple(sorted(rng.choice(seeds, len(seeds))))
+        if draw not in cache:
+            cache[draw] = statistic(pd.concat([points[points["seed"] == s] for s in draw]))
+        if cache[draw] is not None and math.isfinite(cache[draw]):
+            out.append(cache[draw])
+    return out
+
+
+def _interval(draws: list[float]) -> tuple[float, float]:
+    if len(draws) < BOOTSTRAPS / 2:
+        return math.nan, math.nan
+    lo, hi = np.percentile(draws, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def critical(points: pd.DataFrame) -> Fit | None:
+    """The fit over every run that reached the target (columns seed, effective_batch, steps)."""
+    found = fit(points["effective_batch"], points["steps"])
+    if found is None:
+        return None
+    draws = _resamples(points, lambda p: (fit(p["effective_batch"], p["steps"]) or (math.nan,))[0])
+    return Fit(*found, *_interval(draws), sorted(int(b) for b in points["effective_batch"].unique()), len(points))
+
+
+def noise_at_target(trials: pd.DataFrame, history: pd.DataFrame, target: float) -> pd.DataFrame:
+    """Per run: the reliable noise scale at the end of the first epoch whose validation accuracy reached the
+    target (columns run_id, seed, noise); runs without one are left out."""
+    if history.empty or not {"noise_scale", "val_acc"} <= set(history):
+        return pd.DataFrame(columns=["run_id", "seed", "noise"])
+    h = history[history["run_id"].isin(trials["run_id"]) & (history["val_acc"] >= target)]
+    first = h.sort_values("epoch").groupby("run_id").first()
+    ok = first["noise_scale"].notna()
+    if "noise_scale_reliable" in first:
+        ok &= first["noise_scale_reliable"].fillna(1.0) > 0
+    noise = first.loc[ok, "noise_scale"].rename("noise").reset_index()
+    return noise.merge(trials[["run_id", "seed"]], on="run_id")
+
+
+def _n(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def reading(points: pd.DataFrame, noise: pd.DataFrame) -> str:
+    """One series' steps per doubling, its fitted B_crit, and the noise scale at the target, in words."""
+    medians = points.groupby("effective_batch")["steps"].median().sort_index()
+    sizes = list(medians.index)
+    ratios = [(medians.iloc[i] / medians.iloc[i - 1]) ** (1 / math.log2(sizes[i] / sizes[i - 1]))
+              for i in range(1, len(sizes))]
+    said = (f"each doubling of B took the median steps to {', '.join(f'{r:.2f}' for r in ratios)} of the B before"
+            if ratios else f"only B = {sizes[0]} reached it")
+    f = critical(points)
+    if f is None:
+        said += "; B_crit could not be fitted (fewer than 3 Bs reached the target)"
+    elif f.b_crit > max(f.sizes):
+        said += (f"; B_crit is above the largest B run ({max(f.sizes)}): the steps kept falling close to 1/B, so the "
+                 f"fit cannot bound it")
+    elif f.b_crit < min(f.sizes):
+        said += f"; B_crit is below the smallest B run ({min(f.sizes)}): the fit cannot bound it"
+    else:
+        seeds = points["seed"].nunique()
+        if seeds < FEWEST_SEEDS:
+            spread = f"no interval: {seeds} seed{'s' * (seeds != 1)}, too few to resample"
+        elif math.isnan(f.lo):
+            spread = "no bootstrap interval: too few resamples of the seeds could be fitted"
+        else:
+            hi = f"above {max(f.sizes)}, the largest B run" if f.hi > max(f.sizes) else _n(f.hi)
+            spread = f"95% bootstrap interval over the {points['seed'].nunique()} seeds {_n(f.lo)} to {hi}"
+        said += (f"; B_crit ≈ {_n(f.b_crit)} ({spread}; S_min ≈ {_n(f.s_min)} steps; from {f.runs} runs at "
+                 f"B = {f.sizes[0]} to {f.sizes[-1]})")
+    if noise.empty:
+        return said + "; no reliable noise scale was measured at the epoch the target was reached"
+    lo, hi = _interval(_resamples(noise, lambda p: float(p["noise"].median())))
+    spread = "" if math.isnan(lo) or noise["seed"].nunique() < FEWEST_SEEDS else \
+        f", 95% bootstrap interval over the seeds {_n(lo)} to {_n(hi)}"
+    return (said + f"; the gradient noise scale at the epoch the target was reached was {_n(noise['noise'].median())}"
+            f" (median of the {len(noise)} runs that measured it there{spread})")

@@ -1,0 +1,282 @@
+"""The default study's findings recomputed by an independent path, and one test per defect of issue 100.
+
+TABLE is the default study (`python sweeps/run.py --study accum_lr`, cnn1d on MNIST-1D, 12 epochs, 3 seeds) as
+it ran on a 2-core CPU: per trial its seed, LR rule, b, k, final val_acc, and, read from its history, the optimizer
+steps at the end of the first epoch at or above the target (95% of the best (rule, B) mean, 92.2%) with the
+reliable noise scale there. The test feeds the table to the report and recomputes every number of the LR-rule,
+twin and critical-batch sentences with scipy.stats and scipy.optimize directly (paired t by seed, Benjamini-Hochberg
+written out by hand, the fit by curve_fit), then finds each number in the sentences as the report prints it.
+"""
+import io
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.optimize
+import scipy.stats
+
+from batchsweep.analysis.findings import summarize, twins
+from batchsweep.analysis.runs import Difference, paired
+from batchsweep.analysis.verdicts import judge
+
+TABLE = """\
+seed,lr_rule,physical_batch,accum_steps,val_acc,steps,noise
+0,linear,32,1,0.969,500,
+0,linear,32,2,0.964,378,122.327
+0,linear,32,4,0.967,160,160.729
+0,linear,32,8,0.949,112,190.453
+0,linear,32,16,0.902,,
+0,linear,64,1,0.963,378,
+0,linear,128,1,0.962,224,
+0,linear,256,1,0.945,112,
+0,linear,512,1,0.902,,
+0,none,32,1,0.969,500,
+0,none,32,2,0.962,378,163.774
+0,none,32,4,0.96,192,126.867
+0,none,32,8,0.936,144,353.912
+0,none,32,16,0.868,,
+0,none,64,1,0.969,252,
+0,none,128,1,0.961,192,
+0,none,256,1,0.933,144,
+0,none,512,1,0.862,,
+0,sqrt,32,1,0.969,500,
+0,sqrt,32,2,0.966,378,231.778
+0,sqrt,32,4,0.956,192,164.519
+0,sqrt,32,8,0.95,112,183.037
+0,sqrt,32,16,0.908,,
+0,sqrt,64,1,0.96,378,
+0,sqrt,128,1,0.96,192,
+0,sqrt,256,1,0.947,112,
+0,sqrt,512,1,0.934,64,
+1,linear,32,1,0.971,625,
+1,linear,32,2,0.971,315,87.4018
+1,linear,32,4,0.965,160,244.279
+1,linear,32,8,0.955,112,140.627
+1,linear,32,16,0.929,80,225.92
+1,linear,64,1,0.973,315,
+1,linear,128,1,0.96,224,
+1,linear,256,1,0.955,128,
+1,linear,512,1,0.929,88,
+1,none,32,1,0.971,625,
+1,none,32,2,0.971,315,202.397
+1,none,32,4,0.961,224,212.857
+1,none,32,8,0.935,144,299.488
+1,none,32,16,0.817,,
+1,none,64,1,0.974,315,
+1,none,128,1,0.961,256,
+1,none,256,1,0.934,144,
+1,none,512,1,0.829,,
+1,sqrt,32,1,0.971,625,
+1,sqrt,32,2,0.967,315,91.0836
+1,sqrt,32,4,0.97,192,141.208
+1,sqrt,32,8,0.963,112,213.443
+1,sqrt,32,16,0.936,72,273.368
+1,sqrt,64,1,0.965,378,
+1,sqrt,128,1,0.96,192,
+1,sqrt,256,1,0.964,144,
+1,sqrt,512,1,0.913,,
+2,linear,32,1,0.97,625,
+2,linear,32,2,0.965,378,195.772
+2,linear,32,4,0.964,224,170.128
+2,linear,32,8,0.966,112,185.895
+2,linear,32,16,0.839,,
+2,linear,64,1,0.961,315,
+2,linear,128,1,0.957,224,
+2,linear,256,1,0.949,144,
+2,linear,512,1,0.815,,
+2,none,32,1,0.97,625,
+2,none,32,2,0.963,315,159.721
+2,none,32,4,0.952,192,315.888
+2,none,32,8,0.929,160,406.951
+2,none,32,16,0.823,,
+2,none,64,1,0.965,315,
+2,none,128,1,0.956,224,
+2,none,256,1,0.924,160,
+2,none,512,1,0.813,,
+2,sqrt,32,1,0.97,625,
+2,sqrt,32,2,0.966,315,190.414
+2,sqrt,32,4,0.956,160,223.992
+2,sqrt,32,8,0.962,112,307.223
+2,sqrt,32,16,0.916,,
+2,sqrt,64,1,0.966,315,
+2,sqrt,128,1,0.961,224,
+2,sqrt,256,1,0.94,128,
+2,sqrt,512,1,0.931,80,
+"""
+STEP = 0.001  # val_acc over 1,000 validation samples
+RULES = ("none", "sqrt", "linear")
+
+
+def default_study() -> tuple[pd.DataFrame, pd.DataFrame]:
+    t = pd.read_csv(io.StringIO(TABLE))
+    t = t.assign(effective_batch=t.physical_batch * t.accum_steps, status="FINISHED", model="cnn1d",
+                 dataset="mnist1d", epochs=12, run_id=[f"r{i}" for i in range(len(t))],
+                 batch=np.where(t.accum_steps > 1, "accumulated", "true batch"))
+    reached = t.steps.notna()
+    history = pd.DataFrame({"run_id": t.run_id, "epoch": 1, "steps": t.steps.fillna(10_000),
+                            "val_acc": np.where(reached, 1.0, 0.0), "noise_scale": t.noise,
+                            "noise_scale_reliable": 1.0})
+    return t.drop(columns=["steps", "noise"]), history
+
+
+def ttest(a: pd.Series, b: pd.Series) -> tuple[float, float, float, float]:
+    """mean, half-width, p and sd of a - b paired by seed; the sd no lower than the rounding of two values."""
+    a, b = a.sort_index(), b.sort_index()
+    d = (a - b).to_numpy()
+    n, sd = len(d), max(np.std(d, ddof=1), STEP / math.sqrt(6))
+    if np.std(d, ddof=1) >= STEP / math.sqrt(6):
+        p = scipy.stats.ttest_rel(a.to_numpy(), b.to_numpy()).pvalue
+    else:
+        p = 2 * scipy.stats.t.sf(abs(d.mean()) / (sd / math.sqrt(n)), n - 1)
+    return d.mean(), scipy.stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n), p, sd
+
+
+def bh(p: list[float]) -> list[float]:
+    """Benjamini-Hochberg adjusted p-values, written out: p * m / rank, the running minimum from the largest."""
+    m, order = len(p), np.argsort(p)
+    adjusted, running = [0.0] * m, 1.0
+    for rank in range(m, 0, -1):
+        i = order[rank - 1]
+        running = min(running, p[i] * m / rank)
+        adjusted[i] = running
+    return adjusted
+
+
+def seeds_for(mean: float, sd: float, family: int) -> int:
+    level = 0.05 / family
+    return next(n for n in range(2, 1002)
+                if scipy.stats.t.ppf(1 - level / 2, n - 1) * sd / math.sqrt(n) < abs(mean))
+
+
+def per_seed(t: pd.DataFrame, **at) -> pd.Series:
+    rows = t
+    for key, value in at.items():
+        rows = rows[rows[key] == value]
+    return rows.groupby("seed")["val_acc"].mean()
+
+
+def clause(mean, half, p, sd, adjusted, family) -> str:
+    """How the report must word one comparison of accuracy, by the rules of docs/report.md."""
+    lo, hi = 100 * (mean - half), 100 * (mean + half)
+    if abs(mean) > half and adjusted <= 0.05:
+        return (f"({100 * abs(mean):.1f} points {'lower' if mean < 0 else 'higher'}, 95% CI {lo:+.1f} to {hi:+.1f} "
+                f"over 3 seeds; kept by Benjamini-Hochberg at 5% over {family} comparisons, adjusted p "
+                f"{adjusted:.2g}")
+    if abs(mean) + half < 0.01:
+        return f"({100 * mean:+.1f} ± {100 * half:.1f} points"
+    why = (f"; its own interval excludes 0, but it is not kept by Benjamini-Hochberg at 5% over {family} comparisons, "
+           f"adjusted p {adjusted:.2g}" if abs(mean) > half else "")
+    return (f"not resolved with 3 seeds ({100 * mean:+.1f} ± {100 * half:.1f} points{why}; about "
+            f"{seeds_for(mean, sd, family)} seeds would resolve")
+
+
+def test_the_default_studys_sentences_recomputed_by_an_independent_path():
+    trials, history = default_study()
+    sentences = summarize(trials, history)
+    said = " ".join(sentences)
+    # Each rule's B against B = 32: every trial at a B (both halves averaged per seed), one family of 12.
+    rows = [(rule, b, *ttest(per_seed(trials, lr_rule=rule, effective_batch=b),
+                             per_seed(trials, lr_rule=rule, effective_batch=32)))
+            for rule in RULES for b in (64, 128, 256, 512)]
+    adjusted = bh([r[4] for r in rows])
+    for (rule, b, mean, half, p, sd), adj in zip(rows, adjusted):
+        sentence = next(s for s in sentences if s.startswith(f"The {rule} LR rule against B = 32"))
+        assert clause(mean, half, p, sd, adj, 12) in sentence, (rule, b, sentence)
+        if abs(mean) > half and adj <= 0.05:
+            assert f"at B = {b} fell (" in sentence
+    kept = [f"{rule} at B = {b}" for (rule, b, *_), adj in zip(rows, adjusted) if adj <= 0.05 and abs(_[0]) > _[1]]
+    apart = sum(abs(r[2]) > r[3] for r in rows)
+    assert (f"Of the 12 comparisons of a rule's B against its smallest B, {apart} differ by their own 95% interval and "
+            f"{len(kept)} survive") in said
+    assert ", ".join(kept[:-1]) in said and kept[-1] in said
+    # The rules at B = 512, against the best mean: the means, and each contrast.
+    means = {rule: per_seed(trials, lr_rule=rule, effective_batch=512).mean() for rule in RULES}
+    best = max(means, key=means.get)
+    ranked = sorted(RULES, key=lambda r: -means[r])
+    assert (f"the {best} rule had the highest mean ({100 * means[best]:.1f}%; "
+            + ", ".join(f"{r} {100 * means[r]:.1f}%" for r in ranked[1:]) + "); against it: ") in said
+    contrasts = [(r, *ttest(per_seed(trials, lr_rule=r, effective_batch=512),
+                            per_seed(trials, lr_rule=best, effective_batch=512))) for r in RULES if r != best]
+    for (r, mean, half, p, sd), adj in zip(contrasts, bh([c[3] for c in contrasts])):
+        assert f"{r} " + clause(mean, half, p, sd, adj, 2) in said, r
+    # The twins: accumulated against true batch at each rule and B > 32, one family of 12.
+    pairs = [(f"{rule} at B = {b}", *ttest(per_seed(trials, lr_rule=rule, effective_batch=b, batch="accumulated"),
+                                          per_seed(trials, lr_rule=rule, effective_batch=b, batch="true batch")))
+             for rule in sorted(RULES) for b in (64, 128, 256, 512)]
+    twin_adjusted = bh([pr[3] for pr in pairs])
+    equivalent = [pr for pr, adj in zip(pairs, twin_adjusted) if abs(pr[1]) + pr[2] < 0.01]
+    resolved = [pr for pr, adj in zip(pairs, twin_adjusted) if abs(pr[1]) > pr[2] and adj <= 0.05]
+    open_ = [pr for pr in pairs if pr not in equivalent and pr not in resolved]
+    assert (f"(95% t-intervals, median half-width {100 * np.median([pr[2] for pr in pairs]):.1f} points): equivalent "
+            f"within ±1 point in {len(equivalent)}; not resolved in {len(open_)} (") in said
+    for where, mean, half, *_ in open_:
+        assert f"{where}: {100 * mean:+.1f} ± {100 * half:.1f} points" in said
+    assert f"resolved in {len(resolved)}" in said
+    # The critical batch: S = S_min (1 + B_crit / B) by curve_fit on log steps, per rule, over the runs that
+    # reached the target at the Bs where most did; the noise scale there, its median.
+    runs = pd.read_csv(io.StringIO(TABLE)).assign(B=lambda t: t.physical_batch * t.accum_steps)
+    for rule in RULES:
+        mine = runs[runs.lr_rule == rule]
+        most = mine.groupby("B").steps.apply(lambda s: s.notna().sum() * 2 > len(s))
+        points = mine[mine.B.isin(most[most].index) & mine.steps.notna()]
+        (log_s, log_b), _ = scipy.optimize.curve_fit(lambda b, ls, lb: ls + np.log1p(np.exp(lb) / b), points.B,
+                                                     np.log(points.steps), p0=(4.0, 5.0), maxfev=20_000)
+        sentence = next(s for s in sentences if s.startswith(f"For {rule}"))
+        b_crit = math.exp(log_b)
+        if b_crit > points.B.max():
+            assert f"B_crit is above the largest B run ({points.B.max()})" in sentence
+        else:
+            assert f"B_crit ≈ {b_crit:,.0f} " in sentence and f"S_min ≈ {math.exp(log_s):,.0f} steps" in sentence
+        assert f"was {mine.noise.median():,.0f} (median of the {mine.noise.notna().sum()} runs" in sentence
+    assert "factor of 2" not in said
+
+
+def test_every_trial_at_a_b_enters_the_lr_rule_comparisons():
+    """Issue 100, defect 1: the true-batch twins at a B were dropped. The comparison of none at B = 512 against
+    B = 32 is the mean of both halves per seed, not the accumulated half alone."""
+    trials, history = default_study()
+    both = paired(trials[(trials.lr_rule == "none") & (trials.effective_batch == 512)],
+                  trials[(trials.lr_rule == "none") & (trials.effective_batch == 32)], "val_acc", STEP)
+    acc = paired(trials[(trials.lr_rule == "none") & (trials.effective_batch == 512) & (trials.accum_steps > 1)],
+                 trials[(trials.lr_rule == "none") & (trials.effective_batch == 32)], "val_acc", STEP)
+    assert both.mean != pytest.approx(acc.mean)
+    sentence = next(s for s in summarize(trials, history) if s.startswith("The none LR rule"))
+    assert f"{100 * abs(both.mean):.1f} points lower" in sentence
+
+
+def test_constant_per_seed_differences_keep_the_metrics_resolution():
+    """Defect 7: three equal per-seed differences gave an interval of zero width and p = 0, counted as a
+    discovery. At val_acc's step of 0.001 the interval is as wide as the step (t(2) * 0.001 / sqrt(6) * sqrt(3)
+    is 1.01 steps), and p is positive."""
+    a = pd.DataFrame({"seed": [0, 1, 2], "val_acc": [0.952, 0.948, 0.950]})
+    b = a.assign(val_acc=a.val_acc - 0.002)
+    d = paired(a, b, "val_acc", STEP)
+    assert d.mean == pytest.approx(0.002) and d.half >= STEP and 0 < d.p < 1
+    assert d.half == pytest.approx(scipy.stats.t.ppf(0.975, 2) * STEP / math.sqrt(6) / math.sqrt(3))
+    # Inferred from the values themselves where no step is given (their smallest gap here is 0.002): never narrower.
+    assert paired(a, b, "val_acc").half == pytest.approx(2 * d.half)
+
+
+def test_a_fall_needs_its_interval_and_the_false_discovery_control():
+    """Defects 2 and 3: a difference whose own interval excludes 0 but that Benjamini-Hochberg does not keep is
+    not a fall; one inside the margin is equivalence; the rest is not resolved, with the seeds it would take."""
+    strong, weak = Difference(-0.05, 0.01, 3), Difference(-0.02, 0.018, 3)
+    [s, w, *_] = judge([strong, weak, *[Difference(0.0, 0.02, 3)] * 10], 0.01)
+    assert s.resolved and weak.separated and not w.resolved and w.adjusted > 0.05
+    tight = judge([Difference(0.001, 0.004, 3)], 0.01)[0]
+    assert tight.equivalent and not tight.resolved
+    wide = judge([Difference(-0.01, 0.03, 3)], 0.01)[0]
+    assert not wide.equivalent and not wide.resolved and wide.seeds_needed > 3
+
+
+def test_the_twins_sentence_says_equivalence_only_inside_the_margin():
+    """Defect 2: "indistinguishable in 11 of 12 pairs" quoted point estimates. Pairs whose intervals reach past
+    ±1 point are counted as not resolved, with their half-widths."""
+    trials, _ = default_study()
+    [sentence, _] = twins(trials)
+    assert "indistinguishable" not in sentence and "median |difference|" not in sentence
+    counts = [int(x) for x in (sentence.split("equivalent within ±1 point in ")[1].split(";")[0],
+                               sentence.split("not resolved in ")[1].split(" ")[0],
+                               sentence.split("resolved in ")[-1].split(".")[0].split(":")[0])]
+    assert sum(counts) == 12 and counts[1] > 0
