@@ -1,90 +1,114 @@
-"""The tracer's cost when it only counts (what a [program] trial runs under): the time of a micro-batch of the
-example GPT loop (examples/audit/gpt_subject.py: forward, backward, and a step per window with a clip) with the
-tracer in the process and without it, in alternating child processes, each timing its own training loop after a
-warm-up. Prints each pair, `overhead_share_median=...` and, on the last line, `overhead=<share of a micro-batch>`
-(the goal: at most 0.03).
+"""The tracer's cost when it only counts (what a [program] trial runs under), measured in one process: the example GPT
+loop (examples/audit/gpt_subject.py: forward, backward, a clip and a step per window) runs blocks of windows with
+the tracer's hooks installed and taken out again in turn (on, off, off, on, ...), so that each pair of blocks is
+timed under the same conditions; two processes differ from each other by more than the tracer costs. A block of
+--windows windows holds one of the tracer's writes (it flushes every 32 steps), as a long run does.
 
-    python benchmarks/tracer_overhead.py [--pairs 5] [--iters 30] [--batch-size 4] [--accum 4] [--noise]
+Prints each pair's ratio, then the median ratio's overhead with its 95% interval (the order statistics of the
+pairs' ratios: no assumption on their distribution) and, on the last line, `overhead=<share of a micro-batch>`.
+Exits 1 where the interval is wider than the goal it judges (3%): more pairs then.
 
---noise: with the noise scale's measurement too (a hook on each parameter), as a [program] trial at k >= 2 runs.
+    python benchmarks/tracer_overhead.py [--pairs 40] [--windows 32] [--batch-size 4] [--accum 4] [--noise]
+
+--noise: with the noise scale's measurement too, as a [program] trial at k >= 2 runs.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from batchsweep.sweeps.launch import observed  # noqa: E402
-
-# The child: the example's model and batches, its loop body, timed after WARMUP windows.
-CHILD = '''import sys, time, torch
-sys.path.insert(0, sys.argv[1])
-import gpt_subject as g
-torch.set_default_dtype(torch.float64); torch.set_num_threads(1); torch.manual_seed(0)
-b, k, iters = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-stream = torch.randint(0, g.VOCAB, (20000,))
-model = g.TinyGPT()
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-def batch():
-    ix = torch.randint(len(stream) - g.BLOCK - 1, (b,))
-    return torch.stack([stream[i:i + g.BLOCK] for i in ix]), torch.stack([stream[i + 1:i + 1 + g.BLOCK] for i in ix])
-def window():
-    for _ in range(k):
-        loss = model(*batch())[1] / k
-        loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-for _ in range(5):
-    window()
-start = time.perf_counter()
-for _ in range(iters):
-    window()
-print((time.perf_counter() - start) / (iters * k))
-'''
 
 
-def micro_batch_s(traced: bool, args: argparse.Namespace, folder: Path) -> float:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("BATCHSWEEP_TRACE", None)
-    if traced:
-        env.update(observed.environment(folder, noise=args.noise))
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(ROOT / "examples" / "audit"), str(args.batch_size),
-                           str(args.accum), str(args.iters)], env=env, capture_output=True, text=True, check=True)
-    if traced and observed.read(folder) is None:
-        raise SystemExit("the tracer saw nothing: no figure")
-    return float(proc.stdout.strip().splitlines()[-1])
+def interval(ratios: list[float], level: float = 0.95) -> tuple[float, float]:
+    """The distribution-free interval of the median: order statistics j and n - 1 - j, the widest pair whose
+    binomial coverage is at least `level` (for 40 pairs, the 14th and 27th)."""
+    from scipy.stats import binom
+
+    ordered, n = sorted(ratios), len(ratios)
+    j = max([i for i in range(n // 2) if binom.cdf(n - 1 - i, n, 0.5) - binom.cdf(i, n, 0.5) >= level] or [0])
+    return ordered[j], ordered[n - 1 - j]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--pairs", type=int, default=40)
+    parser.add_argument("--windows", type=int, default=32, help="windows a block (the tracer writes every 32 steps)")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--accum", type=int, default=4)
     parser.add_argument("--noise", action="store_true")
+    parser.add_argument("--goal", type=float, default=0.03, help="the tracer's budget: a share of a micro-batch")
     args = parser.parse_args()
-    shares = []
+    sys.path[:0] = [str(ROOT / "examples" / "audit"), str(ROOT / "sweeps" / "launch" / "tracer")]
+    import torch
+
+    import batchsweep_trace as tracing
+    import gpt_subject as g
+
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    b, k = args.batch_size, args.accum
+    stream = torch.randint(0, g.VOCAB, (20000,))
+    model = g.TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def window():
+        for _ in range(k):
+            ix = torch.randint(len(stream) - g.BLOCK - 1, (b,))
+            x = torch.stack([stream[i:i + g.BLOCK] for i in ix])
+            loss = model(x, torch.stack([stream[i + 1:i + 1 + g.BLOCK] for i in ix]))[1] / k
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def block(traced: bool, folder: str) -> float:
+        """Seconds a micro-batch over a block, after one window untimed (where a new tracer finds the model)."""
+        tracer = None
+        if traced:
+            tracer = tracing.Tracer(folder)
+            tracing.install_hooks(tracer)
+        window()
+        start = time.perf_counter()
+        for _ in range(args.windows):
+            window()
+        seconds = (time.perf_counter() - start) / (args.windows * k)
+        if tracer is not None:
+            steps = tracer.steps
+            tracing.uninstall(tracer)
+            if steps != args.windows + 1:
+                sys.exit(f"the tracer saw {steps} of {args.windows + 1} steps: no figure")
+        return seconds
+
+    if args.noise:
+        os.environ["BATCHSWEEP_TRACE_NOISE"] = "1"
+    for _ in range(3):  # warm-up
+        window()
+    ratios = []
     with tempfile.TemporaryDirectory() as folder:
         for pair in range(args.pairs):
-            plain = micro_batch_s(False, args, Path(folder))
-            traces = Path(folder) / str(pair)  # each traced run's own, so that its trace is its alone
-            traces.mkdir()
-            traced = micro_batch_s(True, args, traces)
-            shares.append(traced / plain - 1)
-            print(f"pair {pair + 1}: {plain * 1e3:.2f} ms a micro-batch plain, {traced * 1e3:.2f} ms traced "
-                  f"({shares[-1]:+.1%})", flush=True)
-    if not shares:
+            first_traced = pair % 2 == 0  # on, off, then off, on: a drift within a pair cancels over two
+            times = {first_traced: block(first_traced, folder), not first_traced: block(not first_traced, folder)}
+            ratios.append(times[True] / times[False])
+            print(f"pair {pair + 1}: {times[False] * 1e3:.3f} ms a micro-batch plain, {times[True] * 1e3:.3f} ms "
+                  f"traced ({ratios[-1] - 1:+.2%})", flush=True)
+    if not ratios:
         sys.exit("measured nothing")
-    print(f"overhead_share_median={statistics.median(shares):.4f}")
-    print(f"overhead={statistics.median(shares):.4f}")
+    low, high = interval(ratios)
+    median = statistics.median(ratios)
+    print(f"overhead {median - 1:+.2%} of a micro-batch, 95% interval {low - 1:+.2%} to {high - 1:+.2%} over "
+          f"{len(ratios)} pairs of {args.windows} windows (goal: at most {args.goal:.0%})")
+    print(f"overhead={median - 1:.4f}")
+    if high - low > args.goal:
+        print(f"the interval is {high - low:.1%} wide, wider than the {args.goal:.0%} it judges: run more --pairs on a "
+              f"quieter machine", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

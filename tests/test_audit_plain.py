@@ -143,3 +143,10 @@ def test_noise_added_to_the_gradients_is_seen_as_randomness_in_the_step(tmp_path
     assert code == 0 and found["verdicts"] == ["exact"], out
     assert found["notes"] == ["the training step drew random numbers (no module random by kind), and the two runs "
                               "agreed all the same: they drew them in the same order"], out
+
+
+@pytest.mark.slow
+def test_a_command_that_saves_into_its_trial_dir_is_audited(tmp_path, store, capsys):
+    """{trial_dir}, a trial's own folder, is each audit run's own too (it was a KeyError traceback)."""
+    code, out, found = audited(tmp_path, store, capsys, "--case", "plain", "--epochs", "1", "--out", "{trial_dir}")
+    assert code == 0 and found["verdicts"] == ["exact"], out

@@ -29,7 +29,7 @@ RUNS = {
     "sweep_overhead.py": ([], ["--trials", "2", "--epochs", "3"], "overhead"),
     "trial_scaling.py": ([], ["--seeds", "1", "--window", "5"], "ratio"),
     "program_overhead.py": ([], ["--trials", "2", "--seconds", "0.3"], "overhead_s"),
-    "tracer_overhead.py": ([], ["--pairs", "1", "--iters", "3"], "overhead"),
+    "tracer_overhead.py": ([], ["--pairs", "2", "--windows", "2", "--goal", "10"], "overhead"),
     "gpu_workers.py": ([], ["--simulate-gpu", "8GiB", "--trials", "2", "--workers", "2", *TINY[:4], "--epochs", "1",
                             "--seeds", "1", "--set", "warmup_epochs=0"], "speedup"),
     # a step of each kind but the context (CUDA only) and those run above as they are (memory.py, gpu_workers.py)

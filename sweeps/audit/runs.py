@@ -79,12 +79,16 @@ class Auditor:
         record = ScriptRun(name, b, k, max_steps, values["lr"], config.epochs, folder=self.folder / str(len(self.runs)))
         record.folder.mkdir()
         state = record.folder / "own.pt"  # where a script that saves its weights for batchsweep puts them (unread)
+        trial = record.folder / "trial"  # {trial_dir}: each run's own, as a trial's
+        trial.mkdir()
+        values["trial_dir"] = str(trial)
         over = f" of {config.epochs} epochs" if config.epochs > 1 else ""
         run_id = self.tracker.start_trial(self.parent, f"{name}: b{b} k{k} steps {max_steps}{over}",
                                           {"physical_batch": b, "accum_steps": k, "max_steps": max_steps,
                                            "epochs": config.epochs, "lr": values["lr"], "seed": config.seed},
                                           {"audit.role": name})
-        env = {"BATCHSWEEP_STATE": str(state), **program.handoff(self.tracker.uri, run_id, self.tracker.experiment_id),
+        env = {"BATCHSWEEP_STATE": str(state), "BATCHSWEEP_TRIAL_DIR": str(trial),
+               **program.handoff(self.tracker.uri, run_id, self.tracker.experiment_id),
                **self.study.program.environment(values)}
         env.update(observed.environment(record.folder, stop=max_steps, save=True, grads=(max_steps or "last",),
                                         losses=True, data=True, pythonpath=env.get("PYTHONPATH")))

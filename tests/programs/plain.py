@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import sys
 import weakref
 
@@ -100,6 +101,7 @@ def main() -> int:
     p.add_argument("--text", default="no", choices=["yes", "no"], help="rows as text, not JSON")
     p.add_argument("--compile", default="no", choices=["no", "function", "module"])
     p.add_argument("--port", type=int, default=29517, help="spawn: the ranks' rendezvous on 127.0.0.1")
+    p.add_argument("--out", default="", help="a folder to save the weights into at the end, as out/ckpt.pt")
     args = p.parse_args()
     if args.case == "spawn":
         import torch.multiprocessing as mp
@@ -181,6 +183,8 @@ def train(args, rank: int | None = None) -> int:
             if args.rows == "yes":
                 print(f"step {step}: loss {shown:.4f}" if args.text == "yes" else
                       json.dumps({"step": step, "loss": shown}), flush=True)
+    if args.out:
+        torch.save(trained.state_dict(), os.path.join(args.out, "ckpt.pt"))
     return 0
 
 

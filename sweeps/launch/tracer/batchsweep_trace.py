@@ -76,6 +76,8 @@ class Tracer:
         self.drawn: dict[str, dict[int, int]] = {"randint": {}, "randperm": {}}
         self.cuda = None  # the model's GPU, where it trains on one
         self.global_hooks: list = []  # removed once the model is found
+        self.own_hooks: list = []  # the first model's own
+        self.undo: list = []  # what puts each patch of install_hooks back (uninstall)
         self.depth = 0  # nesting of module calls: 0 outside any
         self.model = None  # the first module seen training: its inputs are the windows' samples
         self.roots: list = []  # every module called outermost in training, until the models are chosen
@@ -138,8 +140,8 @@ class Tracer:
             self.cuda = device
             torch.cuda.reset_peak_memory_stats(device)
         # The first model's own hook: once the models are chosen, the global ones go.
-        module.register_forward_hook(self.model_forward, with_kwargs=True)
         self.watching = module.register_forward_pre_hook(self.watch_forward)
+        self.own_hooks = [module.register_forward_hook(self.model_forward, with_kwargs=True), self.watching]
         self.model_forward(module, args, kwargs, output)
 
     def watch_forward(self, module, args) -> None:
@@ -501,13 +503,14 @@ def install_hooks(tracer: Tracer) -> None:
     def compiled_in_place(*args, **kwargs):
         tracer.compiled = True
 
-    wrap(torch.nn.Module, "compile", compiled_in_place)
+    undo = tracer.undo
+    wrap(torch.nn.Module, "compile", compiled_in_place, undo)
 
     tracer.global_hooks = [modules.register_module_forward_pre_hook(tracer.before_forward),
                            modules.register_module_forward_hook(tracer.after_forward, with_kwargs=True,
                                                                 always_call=True)]
-    optimizers.register_optimizer_step_pre_hook(tracer.before_step)
-    optimizers.register_optimizer_step_post_hook(tracer.after_step)
+    undo += [optimizers.register_optimizer_step_pre_hook(tracer.before_step).remove,
+             optimizers.register_optimizer_step_post_hook(tracer.after_step).remove]
 
     backward = torch.autograd.backward
 
@@ -518,10 +521,10 @@ def install_hooks(tracer: Tracer) -> None:
         finally:
             tracer.after_backward()
 
-    torch.autograd.backward = traced_backward  # Tensor.backward calls it through the module
+    patch(torch.autograd, "backward", traced_backward, undo)  # Tensor.backward calls it through the module
 
     for cls in (torch.optim.Optimizer, torch.nn.Module):
-        wrap(cls, "zero_grad", lambda *a, **k: tracer.zero_grad())
+        wrap(cls, "zero_grad", lambda *a, **k: tracer.zero_grad(), undo)
     # A scheduler's constructor steps it once (_initial_step), and SequentialLR and ChainedScheduler step their
     # children: only the outermost step that the script calls is one of its own.
     schedulers = [cls for cls in vars(lr_scheduler).values() if isinstance(cls, type) and
@@ -540,7 +543,8 @@ def install_hooks(tracer: Tracer) -> None:
         tracer.clipped(max_norm, total.detach() if isinstance(total, torch.Tensor) else total)
         return total
 
-    torch.nn.utils.clip_grad_norm_ = torch.nn.utils.clip_grad.clip_grad_norm_ = traced_clip
+    patch(torch.nn.utils, "clip_grad_norm_", traced_clip, undo)
+    patch(torch.nn.utils.clip_grad, "clip_grad_norm_", traced_clip, undo)
 
     # Accelerate's clip (the Trainer's) takes the norm by get_total_norm and scales by clip_grads_with_norm_, the
     # public name only: clip_grad_norm_ itself calls the private one, so one clip is not seen twice.
@@ -553,7 +557,7 @@ def install_hooks(tracer: Tracer) -> None:
         tracer.clipped(max_norm, total_norm.detach() if isinstance(total_norm, torch.Tensor) else total_norm)
 
     if scale is not None:  # (torch 2.6 on)
-        torch.nn.utils.clip_grads_with_norm_ = traced_scale
+        patch(torch.nn.utils, "clip_grads_with_norm_", traced_scale, undo)
 
     scaler = getattr(torch.amp, "GradScaler", None) or torch.cuda.amp.GradScaler  # (torch.amp's from 2.3 on)
     scaler_step = scaler.step
@@ -565,17 +569,35 @@ def install_hooks(tracer: Tracer) -> None:
             tracer.scaler_skipped(optimizer)
         return result
 
-    scaler.step = traced_scaler_step
-    wrap(torch.utils.data.DataLoader, "__iter__", tracer.loader)
+    patch(scaler, "step", traced_scaler_step, undo)
+    wrap(torch.utils.data.DataLoader, "__iter__", tracer.loader, undo)
     if tracer.noise:
         sizes = (tuple, list, torch.Size)
         counted(torch, "randint", lambda a, k: next((x[0] for x in (k.get("size"), *a) if isinstance(x, sizes) and x),
-                                                   None), tracer.drawn["randint"])
-        counted(torch, "randperm", lambda a, k: k.get("n", a[0] if a else None), tracer.drawn["randperm"])
+                                                   None), tracer.drawn["randint"], undo)
+        counted(torch, "randperm", lambda a, k: k.get("n", a[0] if a else None), tracer.drawn["randperm"], undo)
     atexit.register(tracer.end)
+    undo.append(lambda: atexit.unregister(tracer.end))
 
 
-def counted(module, name: str, size, counts: dict) -> None:
+def uninstall(tracer: Tracer) -> None:
+    """Every hook and patch of install_hooks taken out again, last first (benchmarks/tracer_overhead.py switches the
+    tracer on and off between blocks of windows of one process)."""
+    for handle in tracer.global_hooks + tracer.own_hooks:
+        handle.remove()
+    tracer.global_hooks, tracer.own_hooks = [], []
+    while tracer.undo:
+        tracer.undo.pop()()
+
+
+def patch(owner, name: str, value, undo: list) -> None:
+    """owner.name = value, with how to put the original back."""
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    undo.append(lambda: setattr(owner, name, original))
+
+
+def counted(module, name: str, size, counts: dict, undo: list) -> None:
     """module.name counts the sizes `size(args, kwargs)` gives of its calls."""
     original = getattr(module, name)
 
@@ -585,7 +607,7 @@ def counted(module, name: str, size, counts: dict) -> None:
             counts[n] = counts.get(n, 0) + 1
         return original(*args, **kwargs)
 
-    setattr(module, name, traced)
+    patch(module, name, traced, undo)
 
 
 def quieted(cls, name: str, tracer: Tracer, announce: bool) -> None:
@@ -602,10 +624,10 @@ def quieted(cls, name: str, tracer: Tracer, announce: bool) -> None:
             tracer.scheduling -= 1
 
     traced.__wrapped__ = original
-    setattr(cls, name, traced)
+    patch(cls, name, traced, tracer.undo)
 
 
-def wrap(cls, name: str, before) -> None:
+def wrap(cls, name: str, before, undo: list) -> None:
     """cls.name calls `before` first, with the same arguments."""
     original = getattr(cls, name)
 
@@ -614,7 +636,7 @@ def wrap(cls, name: str, before) -> None:
         return original(*args, **kwargs)
 
     traced.__wrapped__ = original
-    setattr(cls, name, traced)
+    patch(cls, name, traced, undo)
 
 
 class AfterTorch(importlib.abc.MetaPathFinder):
