@@ -65,25 +65,14 @@ def diagnose(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
     notes = randomness(ea, compared[0][1] <= tol)
     if "step_per_micro_batch" in seen:  # windows that do not line up
         return Finding(seen, figures, compared, notes)
-    skips = skipped_windows(ea, k, figures)
-    limit = None  # the steps both runs made over the same windows, where they part in their counts
-    if na != nt:
-        if skips and nt - na == len(skips):  # every step short is a window seen left unstepped
-            seen.append("short_window_skipped")
-            figures["skipped_windows"] = len(skips)
-            limit = skips[0] - 1
-        elif abs(na - nt) == 1:  # (an update past the shorter run's last compared with none would read as a mistake)
-            seen.append({-1: "short_window_skipped", 1: "short_window_extra"}[na - nt])
-        else:
-            return Finding(seen or ["unexplained"], figures, compared, notes)
+    limit = counted(ea, et, k, seen, figures)  # the steps both runs made over the same windows
+    if limit is False:
+        return Finding(seen or ["unexplained"], figures, compared, notes)
     parted = data_parting(ea, et, limit)
     if parted:
         figures["data_window"] = parted
-        again = auditor.run("repeat", B, 1, steps)
-        verdict = "data_differs" if not data_parting(again, et) else "not_reproducible"
-        if verdict == "not_reproducible":
-            figures["repeat_rel_diff"] = rel(again, et)
-        return Finding([*seen, verdict], figures, compared, notes)
+        return Finding([*seen, same_samples(auditor.run("repeat", B, 1, steps), et, figures)], figures, compared,
+                       notes)
     lr_step = lr_parting(ea, et)
     if lr_step and na == nt:  # a constant factor is the script's own scaling; one that changes, a schedule out of step
         figures.update(lr_step=lr_step, lr_a=ea.lrs[lr_step - 1], lr_t=et.lrs[lr_step - 1])
@@ -120,6 +109,32 @@ def diagnose(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
     return Finding([*seen, *weighed(auditor, ea, et, b, k, tol, dtype, figures, compared)], figures, compared, notes)
 
 
+def counted(ea: ScriptRun, et: ScriptRun, k: int, seen: list[str], figures: dict[str, Any]) -> int | None | bool:
+    """Where the step counts part: the short-window verdict their difference supports (added to `seen`) and the
+    steps made over the same windows (None: all both made), or False where nothing explains the difference."""
+    na, nt = len(ea.steps), len(et.steps)
+    skips = skipped_windows(ea, k, figures)
+    if na == nt:
+        return None
+    if skips and nt - na == len(skips):  # every step short is a window seen left unstepped
+        seen.append("short_window_skipped")
+        figures["skipped_windows"] = len(skips)
+        return skips[0] - 1
+    if abs(na - nt) == 1:  # (an update past the shorter run's last compared with none would read as a mistake)
+        seen.append({-1: "short_window_skipped", 1: "short_window_extra"}[na - nt])
+        return None
+    return False
+
+
+def same_samples(again: ScriptRun, et: ScriptRun, figures: dict[str, Any]) -> str:
+    """Windows that held other samples: the script's doing at b (data_differs) where the true batch repeats its own
+    samples, else a script that differs from itself."""
+    if not data_parting(again, et):
+        return "data_differs"
+    figures["repeat_rel_diff"] = rel(again, et)
+    return "not_reproducible"
+
+
 def randomness(a: ScriptRun, agree: bool) -> list[str]:
     """Where the forward drew random numbers and the runs agree all the same: a note (one dropout layer draws its
     masks in the same order at (b, k) as at (b*k, 1); two do not)."""
@@ -144,7 +159,7 @@ def common_windows(auditor: Auditor, ea: ScriptRun, et: ScriptRun, b: int, k: in
     compared only up to the step before the LRs part, and gradients up to that step, whose weights agreed. A window
     left unstepped mid-run puts the runs' later windows on other samples: they are compared up to the step before
     it (`aligned` steps)."""
-    n = min(len(ea.steps), len(et.steps), aligned or len(ea.steps))
+    n = min(len(ea.steps), len(et.steps), len(ea.steps) if aligned is None else aligned)
     comparable = min(n, lr_step) if lr_step else n  # gradients: of weights made at the same LRs
     if lr_step:
         figures["lr_step"] = lr_step
