@@ -218,8 +218,7 @@ def _epochs(config: TrainConfig, t: Trainee, model: nn.Module, data: Data, feed:
             check_interrupt()
             if step == config.max_steps:
                 break
-        elapsed = time.perf_counter() - start - evaluating
-        row = _end_epoch(config, t, data, progress, measure, epoch, step, lr, samples, start, elapsed, synced)
+        row = _end_epoch(config, t, data, progress, measure, epoch, step, lr, samples, start, evaluating, synced)
         _save(t, model, progress, checkpointer)
         if on_epoch is not None:
             on_epoch(row)
@@ -263,10 +262,11 @@ def _evaluate_at(measure: Callable[[], dict[str, float]], progress: Progress, st
 
 def _end_epoch(config: TrainConfig, t: Trainee, data: Data, progress: Progress,
                measure: Callable[[], dict[str, float]], epoch: int, step: int, lr: float, samples: int,
-               start: float, elapsed: float, synced: tuple[int, int]) -> dict[str, float]:
-    """The epoch's row (its one synchronization with the device), evaluated; the progress moves on. `elapsed`:
-    its training time (evaluations within it left out); `synced`: the all-reduce counters at its start."""
+               start: float, evaluating: float, synced: tuple[int, int]) -> dict[str, float]:
+    """The epoch's row (its one synchronization with the device), evaluated; the progress moves on. `evaluating`:
+    the seconds of the evaluations within it (not training time); `synced`: the all-reduce counters at its start."""
     row = {"epoch": epoch, **t.probes.terms.epoch_end(epoch)}
+    elapsed = time.perf_counter() - start - evaluating  # (after the synchronization: every kernel has run)
     if math.isfinite(row["train_loss"]):
         row.update(measure())
     else:
