@@ -438,18 +438,22 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
     return out
 
 
-def _counted(d: Difference | None, unit: str) -> str:
-    """A paired difference of counts (steps, samples), stated only beyond the noise."""
-    if d is None:
+def _counted(v: Verdict | None, unit: str) -> str:
+    """A paired difference of counts (steps, samples), stated only where it is resolved (verdicts.py)."""
+    if v is None:
         return f"no seed reached the target in both, so no {unit} to compare"
-    if not d.separated:
-        return f"not resolved ({d.mean:+,.0f} ± {d.half:,.0f} {unit} over {d.n} seed{'s' * (d.n > 1)})"
-    return f"{d.mean:+,.0f} {unit}, 95% CI {_end(d.mean - d.half, 0)} to {_end(d.mean + d.half, 0)} over {d.n} seeds"
+    d = v.d
+    if not v.resolved:
+        why = f"; its own interval excludes 0, but it is {control(v)}" if d.separated else ""
+        return f"not resolved ({d.mean:+,.0f} ± {d.half:,.0f} {unit} over {d.n} seed{'s' * (d.n > 1)}{why})"
+    return (f"{d.mean:+,.0f} {unit}, 95% CI {_end(d.mean - d.half, 0)} to {_end(d.mean + d.half, 0)} over {d.n} "
+            f"seeds")
 
 
 def warmup(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None) -> list[str]:
     """Each batch-size warmup against a fixed B, paired by seed: the B it grows to and, when the study has it,
-    the B it starts from; steps and samples to the target accuracy, and the final accuracy."""
+    the B it starts from; steps and samples to the target accuracy (one family for the false-discovery
+    control, named once), and the final accuracy."""
     t = finished(trials)
     if "batch_warmup" not in t or history.empty:
         return []
@@ -459,18 +463,24 @@ def warmup(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | No
     target = TARGET_SHARE * float(aggregate(t, ["batch_warmup", "effective_batch"], "val_acc")["mean"].max())
     t = t.drop(columns=["steps", "samples"], errors="ignore").merge(reached(t, history, target, evals), on="run_id")
     fixed = {int(b): rows for b, rows in t[t["batch_warmup"] == ""].groupby("effective_batch")}
-    out = []
     growing = t["batch_warmup"].map(lambda w: len(set(w.split(","))) > 1)  # (a repeated B is a branch)
-    for arm, rows in t[growing].groupby("batch_warmup"):
-        start, end = int(arm.split(",")[0]), int(rows["effective_batch"].iloc[0])
-        against = [f"against a fixed B = {b}: {_counted(paired(rows, fixed[b], 'steps'), 'steps')}; "
-                   f"{_counted(paired(rows, fixed[b], 'samples'), 'samples')}; final accuracy "
-                   f"{stated(paired(rows, fixed[b], 'val_acc'), 'higher with warmup', 'lower with warmup')}"
-                   for b in dict.fromkeys((end, start)) if b in fixed]
-        if against:
+    arms = [(arm, rows, int(rows["effective_batch"].iloc[0]),
+             [b for b in dict.fromkeys((int(rows["effective_batch"].iloc[0]), int(arm.split(",")[0]))) if b in fixed])
+            for arm, rows in t[growing].groupby("batch_warmup")]
+    counts = [paired(rows, fixed[b], unit) for _, rows, _, against in arms for b in against
+              for unit in ("steps", "samples")]
+    verdicts = iter(judge(counts, 0.0))
+    kept = (f" (steps and samples stated where Benjamini-Hochberg at 5% over their {len(counts)} comparisons "
+            f"keeps them)") if len(counts) > 1 else ""
+    out = []
+    for arm, rows, end, against in arms:
+        said = [f"against a fixed B = {b}: {_counted(next(verdicts), 'steps')}; {_counted(next(verdicts), 'samples')}; "
+                f"final accuracy {stated(paired(rows, fixed[b], 'val_acc'), 'higher with warmup', 'lower with warmup')}"
+                for b in against]
+        if said:
             out.append(f"Batch-size warmup (B = {arm.replace(',', ', ')} in the first epochs, then {end}), to "
                        f"{_pct(target)} validation accuracy ({100 * TARGET_SHARE:.0f}% of the best mean; "
-                       f"{resolution(t, evals)}), " + "; and ".join(against) + ".")
+                       f"{resolution(t, evals)}){kept}, " + "; and ".join(said) + ".")
     return out
 
 

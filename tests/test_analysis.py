@@ -196,6 +196,7 @@ def test_a_batch_warmup_is_paired_with_the_fixed_batches_it_grows_from_and_to():
     trials, history, evals = pd.DataFrame(trials), pd.DataFrame(history), pd.DataFrame(evals)
     sentences = " ".join(summarize(trials, history, evals))
     assert "Batch-size warmup (B = 32, 64 in the first epochs, then 256), to 90.3% validation accuracy" in sentences
+    assert "(steps and samples stated where Benjamini-Hochberg at 5% over their 4 comparisons keeps them)" in sentences
     # The same 20 steps in every seed, counted every 4 steps: an interval as wide as that step, never zero.
     assert ("against a fixed B = 256: +20 steps, 95% CI +16 to +24 over 3 seeds; -3,944 samples, 95% CI -5,991 to "
             "-1,897 over 3 seeds; final accuracy equivalent within ±1 point (+0.0 ± 0.1 points over 3 seeds); and "
