@@ -45,7 +45,23 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
     if refuted:
         finding.figures["contradicted"] = ", ".join(refuted)
         finding.verdicts = list(dict.fromkeys(v if v not in refuted else "unexplained" for v in finding.verdicts))
+    trace = ea.trace
+    if (trace.random_draws or trace.random_modules) and finding.compared[0][1] > finding.figures["tolerance"]:
+        # The runs drew random numbers and part: a verdict that other draws could make (a turned update) is not
+        # given; one of a factor (k, m/k), a call seen, or the step counts, random numbers do not make.
+        seen = finding.figures.get("zero_grad_step")
+        guesses = [v for v in finding.verdicts if v in GUESSES or v == "zero_grad_per_micro_batch" and not seen]
+        if guesses:
+            finding.figures.update(random_modules=", ".join(trace.random_modules) or "none by kind",
+                                   random_draws=" and ".join(trace.random_draws) or "forward",
+                                   random_fields=", ".join(trace.random_fields) or "none")
+            finding.verdicts = list(dict.fromkeys(v if v not in guesses else "random_forward"
+                                                  for v in finding.verdicts))
     return finding
+
+
+# The verdicts that a difference of another kind (other random numbers, state the forward reads) can make too.
+GUESSES = ("mean_of_micro_batch_means", "update_scaled", "differs_under_clipping", "unexplained", "stateful_forward")
 
 
 def diagnose(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
@@ -79,11 +95,6 @@ def diagnose(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
         factors = {round(x / y, 9) for x, y in zip(ea.lrs, et.lrs) if y}
         scaled = "lr_differs" if len(factors) == 1 else "schedule_per_micro_batch"
         return Finding(list(dict.fromkeys([*seen, scaled])), figures, compared, notes)
-    if ea.trace.random_draws and compared[0][1] > tol:  # other random numbers in each run: nothing to compare
-        figures["random_modules"] = ", ".join(ea.trace.random_modules) or "none by kind"
-        figures["random_draws"] = " and ".join(ea.trace.random_draws)
-        figures["random_fields"] = ", ".join(ea.trace.random_fields) or "none"
-        return Finding([*seen, "random_forward"], figures, compared, notes)
     calls = [v for v in seen if v not in SHORT_WINDOW]
     if calls and na == nt and compared[0][1] <= tol and not norm_parting(ea, et, dtype):
         # The measurement wins: the weights, the windows' gradients and the LRs agree, so what the trace saw is a note.
@@ -92,7 +103,7 @@ def diagnose(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
         return Finding(["exact"], figures, compared, notes)
     if calls:  # a call in every window: what the weights show is its doing
         return Finding(seen, figures, compared, notes)
-    if na != nt:
+    if na != nt or limit is not None:  # (windows carried over leave the counts equal)
         return Finding([*seen, *common_windows(auditor, ea, et, b, k, lr_step, limit, tol, dtype, figures, compared)],
                        figures, compared, notes)
     if compared[0][1] <= tol:
@@ -114,12 +125,12 @@ def counted(ea: ScriptRun, et: ScriptRun, k: int, seen: list[str], figures: dict
     steps made over the same windows (None: all both made), or False where nothing explains the difference."""
     na, nt = len(ea.steps), len(et.steps)
     skips = skipped_windows(ea, k, figures)
-    if na == nt:
-        return None
-    if skips and nt - na == len(skips):  # every step short is a window seen left unstepped
+    if skips and (na == nt or nt - na == len(skips)):  # every step short is a window seen left unstepped (or carried)
         seen.append("short_window_skipped")
         figures["skipped_windows"] = len(skips)
         return skips[0] - 1
+    if na == nt:
+        return None
     if abs(na - nt) == 1:  # (an update past the shorter run's last compared with none would read as a mistake)
         seen.append({-1: "short_window_skipped", 1: "short_window_extra"}[na - nt])
         return None
@@ -138,11 +149,11 @@ def same_samples(again: ScriptRun, et: ScriptRun, figures: dict[str, Any]) -> st
 def randomness(a: ScriptRun, agree: bool) -> list[str]:
     """Where the forward drew random numbers and the runs agree all the same: a note (one dropout layer draws its
     masks in the same order at (b, k) as at (b*k, 1); two do not)."""
-    if not (a.trace and a.trace.random_draws and agree):
+    if not (a.trace and (a.trace.random_draws or a.trace.random_modules) and agree):
         return []
     modules = ", ".join(a.trace.random_modules) or "no module random by kind"
-    return [f"the training {' and '.join(a.trace.random_draws)} drew random numbers ({modules}), and the two runs "
-            f"agreed all the same: they drew them in the same order"]
+    return [f"the training {' and '.join(a.trace.random_draws) or 'forward'} drew random numbers ({modules}), and "
+            f"the two runs agreed all the same: they drew them in the same order"]
 
 
 def kept_apart(a: ScriptRun, t: ScriptRun, tol: float) -> list[str]:
@@ -208,10 +219,7 @@ def weighed(auditor: Auditor, ea: ScriptRun, et: ScriptRun, b: int, k: int, tol:
         return [still]
     if u == 1 and live_batchnorm(a, t):
         return ["batchnorm"]
-    stateful = buffers_differ(a, t, tol)
-    if stateful:  # the forward reads state that each micro-batch updates: what parts the runs cannot be told
-        figures.update(first_differing_update=u, stateful_buffers=", ".join(stateful[:5]))
-        return ["stateful_forward"]
+    stateful = buffers_differ(a, t, tol)  # state the forward may read, which each micro-batch updates
     measured = update(base, a, t, None, tol)
     if measured.shares is None and u > 1:  # no fit without a momentum's share: the weights before the update before u
         prior = auditor.run("true batch", B, 1, u - 2) if u > 2 else auditor.start()
@@ -224,7 +232,11 @@ def weighed(auditor: Auditor, ea: ScriptRun, et: ScriptRun, b: int, k: int, tol:
         measured = grads
     if dtype != "float64" and measured.difference < LOW_PRECISION_ROUNDING:
         return ["within_rounding"]
-    return [_named(auditor, measured, (base, a, t), et, u, k, tol, figures)]
+    verdict = _named(auditor, measured, (base, a, t), et, u, k, tol, figures)
+    if stateful and verdict in GUESSES:  # what parts the runs cannot be told from that state
+        figures["stateful_buffers"] = ", ".join(stateful[:5])
+        return ["stateful_forward"]
+    return [verdict]
 
 
 def stretch(auditor: Auditor, ea: ScriptRun, et: ScriptRun, tol: float, figures: dict[str, Any],

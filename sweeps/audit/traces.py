@@ -2,6 +2,7 @@
 each window, the LRs, the gradient norms and the loss rows."""
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from ..launch import observed
@@ -30,7 +31,7 @@ def seen_in_loop(a: ScriptRun, t: ScriptRun, k: int, figures: dict[str, Any]) ->
     if len(a.steps) >= 1.5 * len(t.steps):
         at(figures, "step_per_micro_batch", a.steps[0].site("S", sites))
         faults.append("step_per_micro_batch")
-    scheduled = next((s for s in a.steps if s.events.count("L") > 1), None)
+    scheduled = next((s for s in a.steps if s.repeated("L")), None)
     if scheduled and "step_per_micro_batch" not in faults:
         figures.setdefault("lr_step", scheduled.step)
         figures.setdefault("lr_a", scheduled.lrs[0] if scheduled.lrs else float("nan"))
@@ -38,7 +39,7 @@ def seen_in_loop(a: ScriptRun, t: ScriptRun, k: int, figures: dict[str, Any]) ->
                            float("nan"))
         at(figures, "schedule_per_micro_batch", scheduled.site("L", sites))
         faults.append("schedule_per_micro_batch")
-    clipped = next((s for s in a.steps if s.events.count("C") > 1), None)
+    clipped = next((s for s in a.steps if s.repeated("C")), None)
     if clipped and "step_per_micro_batch" not in faults:
         figures["clip_step"] = clipped.step
         at(figures, "clip_per_micro_batch", clipped.site("C", sites))
@@ -53,12 +54,13 @@ def skipped_windows(a: ScriptRun, k: int, figures: dict[str, Any]) -> list[int]:
     not (an epoch's short window, whichever epoch it ends)."""
     sites = a.trace.sites if a.trace else []
     skips = []
+    typical = max(k, Counter(s.micro_batches for s in a.steps).most_common(1)[0][0]) if a.steps else k
     for s in a.steps:
         if s.dropped and s.stepped >= k:
             skips.append(s.step)
             at(figures, "short_window_skipped", s.site("Z", sites, s.events.count("Z") - 1),
                "zero_grad() at {} drops it")
-        elif s.micro_batches > k and "Z" not in s.events[s.events.find("B"):]:
+        elif s.micro_batches > typical and "Z" not in s.events[s.events.find("B"):]:  # (two views: 2k a window)
             skips.append(s.step)
             at(figures, "short_window_skipped", s.site("S", sites), "step() at {} is not called for it")
     if a.trace and "B" in a.trace.dangling:
@@ -71,16 +73,14 @@ def skipped_windows(a: ScriptRun, k: int, figures: dict[str, Any]) -> list[int]:
 def refutes(verdict: str, a: ScriptRun, t: ScriptRun, k: int, figures: dict[str, Any]) -> bool:
     """Whether what the tracer recorded of the two runs (their first epochs' runs) rules the verdict out."""
     steps = a.steps
-    if verdict == "zero_grad_per_micro_batch":  # needs backward calls that a zero_grad dropped
-        return not any(s.dropped for s in steps)
     if verdict == "step_per_micro_batch":  # needs windows of fewer micro-batches than k
         return not any(s.micro_batches < k for s in steps)
     if verdict == "schedule_per_micro_batch":  # needs a scheduler stepped twice in a window, or LRs that part
-        return not any(s.events.count("L") > 1 for s in steps) and "lr_step" not in figures
+        return not any(s.repeated("L") for s in steps) and "lr_step" not in figures
     if verdict == "clip_per_micro_batch":
-        return not any(s.events.count("C") > 1 for s in steps)
-    if verdict == "short_window_skipped":
-        return len(steps) >= len(t.steps)
+        return not any(s.repeated("C") for s in steps)
+    if verdict == "short_window_skipped":  # needs fewer steps, or windows seen left unstepped
+        return len(steps) >= len(t.steps) and "skipped_windows" not in figures
     if verdict == "short_window_extra":
         return len(steps) <= len(t.steps)
     if verdict == "short_window_divided_by_k":  # needs a window of fewer micro-batches, seen or at the epoch's end
@@ -88,7 +88,7 @@ def refutes(verdict: str, a: ScriptRun, t: ScriptRun, k: int, figures: dict[str,
             len(steps) == len(t.steps) and sum(sum(s.samples) for s in steps) == sum(sum(s.samples) for s in t.steps) \
             and all(sum(s.samples) == sum(steps[0].samples) for s in steps)
     if verdict == "random_forward":
-        return not (a.trace and a.trace.random_draws)
+        return not (a.trace and (a.trace.random_draws or a.trace.random_modules))
     return False
 
 

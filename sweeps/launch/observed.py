@@ -75,6 +75,12 @@ class Step:
         """The backward() calls that a zero_grad() threw away before this step."""
         return self.micro_batches - self.stepped
 
+    def repeated(self, mark: str) -> bool:
+        """Whether one place in the script made this kind of call twice in the window: one scheduler stepped per
+        micro-batch, not two schedulers stepped once each (by count alone where no places were recorded)."""
+        places = [where for event, where in zip((e for e in self.events if e != "F"), self.at or []) if event == mark]
+        return len(places) != len(set(places)) if self.at else self.events.count(mark) > 1
+
     def zero_grad_within(self) -> bool:
         """A zero_grad() between two backward() calls of the window: it throws away the ones before it."""
         first, last = self.events.find("B"), self.events.rfind("B")
@@ -102,7 +108,7 @@ class Trace:
     peak_allocated_bytes: int | None = None  # the CUDA allocator's peak from the first training forward on
     trained: list[str] | None = None  # the names of the parameters the optimizer trains, in the saved state
     random_modules: list[str] = field(default_factory=list)  # modules in training mode that draw (dropout)
-    random_draws: list[str] = field(default_factory=list)  # "forward", "step": where a default generator moved
+    random_draws: list[str] = field(default_factory=list)  # "forward" where the first model's forward drew
     random_fields: list[str] = field(default_factory=list)  # a transformers config's dropout fields above 0
     sites: list[str] = field(default_factory=list)  # the places ("file:line") of the script's calls
     dangling: str = ""  # the events after the last step: backward() calls that never stepped

@@ -8,6 +8,7 @@ Cases, and [the verdict `batchsweep audit` must give]:
     plain        the correct loop: SGD, each micro-batch's summed loss over the window's count [exact]
     sequential   a LinearLR warmup then a cosine, through SequentialLR, stepped once a window [exact]
     chained      an ExponentialLR and a StepLR through ChainedScheduler [exact]
+    two_schedulers  an ExponentialLR and a StepLR, both stepped on one line once a window [exact]
     counter      a float buffer that counts training forwards (an EMA's or a warmup's counter) [exact]
     spectral     torch.nn.utils.spectral_norm on the first layer (its _u, _v move at each forward)
                  [stateful_forward]
@@ -17,7 +18,7 @@ Cases, and [the verdict `batchsweep audit` must give]:
     two_phase    a second optimizer (and schedule) from step 4 on, as two-phase fine-tuning; the first one must
                  be freed (exit status 3 where something still holds it) [exact]
     grad_noise   Gaussian noise added to the gradients before each step, drawn from the global generator
-                 [exact, with a note that the step drew random numbers]
+                 [exact: both runs draw alike]
     gan          a generator and a discriminator, each with its own optimizer, D's real and fake losses
                  backwarded apart (k micro-batches of each per window)
     dropout      --dropout P on --drops hidden layers [exact; 2 layers: random_forward]
@@ -28,6 +29,8 @@ Cases, and [the verdict `batchsweep audit` must give]:
     spawn        the plain loop under DDP on 2 gloo ranks started by torch.multiprocessing.spawn, the ranks
                  passed as arguments (PyTorch's tutorial pattern), no_sync() but at a window's last micro-batch
 
+--undivided yes: the mistake of each micro-batch's mean loss never divided by k, beside any case
+[loss_not_divided].
 --compile function|module compiles the model (fullgraph, Dynamo's eager backend): torch.compile(model), or
 model.compile() in place.
 
@@ -101,6 +104,7 @@ def main() -> int:
     p.add_argument("--text", default="no", choices=["yes", "no"], help="rows as text, not JSON")
     p.add_argument("--compile", default="no", choices=["no", "function", "module"])
     p.add_argument("--port", type=int, default=29517, help="spawn: the ranks' rendezvous on 127.0.0.1")
+    p.add_argument("--undivided", default="no", choices=["yes", "no"])
     p.add_argument("--out", default="", help="a folder to save the weights into at the end, as out/ckpt.pt")
     args = p.parse_args()
     if args.case == "spawn":
@@ -169,7 +173,9 @@ def train(args, rank: int | None = None) -> int:
                 for q in trained.parameters():
                     q.grad += 1e-3 * torch.randn_like(q.grad)
             opt.step()
-            if schedule is not None:
+            if args.case == "two_schedulers":
+                schedule[0].step(); schedule[1].step()  # noqa: E702 (one line, as people write it)
+            elif schedule is not None:
                 schedule.step()
             step += 1
             if args.case == "two_phase" and step == 4:  # phase two: a new optimizer and schedule
@@ -197,6 +203,8 @@ def backward(args, model, trained, x, y, count: int) -> float:
         loss = s / int((y != -100).sum()) / k  # the mistake: a token mean per micro-batch, over k
     elif args.case == "short_mean":
         loss = nn.functional.cross_entropy(out, y) / k  # the mistake: over k in a short window too
+    elif args.undivided == "yes":
+        loss = nn.functional.cross_entropy(out, y)  # the mistake: each micro-batch's mean, never divided by k
     else:
         loss = nn.functional.cross_entropy(out, y, reduction="sum") / count
     if args.case == "probe":  # the mistake: the penalty in every micro-batch's loss
@@ -212,6 +220,8 @@ def scheduler(case: str, opt):
                                         steps.CosineAnnealingLR(opt, T_max=10)], milestones=[3])
     if case == "chained":
         return steps.ChainedScheduler([steps.ExponentialLR(opt, 0.95), steps.StepLR(opt, 3, 0.5)])
+    if case == "two_schedulers":
+        return steps.ExponentialLR(opt, 0.95), steps.StepLR(opt, 3, 0.5)
     if case == "lr_tensor":
         return steps.ExponentialLR(opt, 0.5)
     return None

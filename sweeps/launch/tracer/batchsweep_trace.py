@@ -85,12 +85,13 @@ class Tracer:
         self.trained: list[str] = []  # the names of the parameters it trains (what the audit compares)
         self.random_modules: list[str] = []
         self.random_fields: list[str] = []  # a transformers config's dropout fields above 0
-        self.draws: set = set()  # where a default generator moved: "forward", "step"
+        self.draws: set = set()  # "forward" where a default generator moved in the first model's training forward
         self.generators = None  # their states before the forward (or after the last backward) being watched
         self.optimizers = weakref.WeakKeyDictionary()  # index by first step; an optimizer let go is not kept alive
         self.stepped = 0  # optimizers that have stepped: the next one's index
         self.opt = 0  # the index of the optimizer stepping now
         self.scheduling = 0  # inside a scheduler's construction or step: its children's steps are not the script's
+        self.schedulers = weakref.WeakKeyDictionary()  # by first step
         self.sites: dict[str, int] = {}  # "file:line" of a call: its index
         self.steps = 0  # of every optimizer
         self.compiled = False  # a module compiled in place (module.compile()), whose hooks run in its graph
@@ -161,17 +162,18 @@ class Tracer:
             self.draws.add(where)
         self.generators = None
 
-    def choose(self, params) -> None:
-        """The models: the roots whose parameters the optimizer (or a clip) is given; the weights before any update."""
+    def choose(self) -> None:
+        """At the first step (or clip): the models and their weights before any update. Every root's state is saved
+        (a frozen encoder's BatchNorm statistics say how it normalized); the weights compared are the parameters that
+        require grad, wherever they are (a frozen encoder's are not)."""
         import torch
 
-        ids = {id(p) for p in params}
-        self.models = [m for m in self.roots if any(id(p) in ids for p in m.parameters())] or self.roots[:1]
+        self.models = self.roots[:]
         for handle in self.global_hooks:
             handle.remove()
         self.global_hooks = []
         # (every name a tied weight has in the state dict: GPT-2's lm_head.weight is its wte.weight)
-        self.trained = [name for name, p in self.named_parameters(aliases=True) if p.requires_grad and id(p) in ids]
+        self.trained = [name for name, p in self.named_parameters(aliases=True) if p.requires_grad]
         dropout = torch.nn.modules.dropout._DropoutNd
         self.random_modules = [f"{name or 'model'}: {type(sub).__name__}(p={getattr(sub, 'p', None) or sub.drop_prob})"
                                for i, model in enumerate(self.models) for name, sub in model.named_modules(
@@ -225,13 +227,13 @@ class Tracer:
         self.events.append(mark)
         self.at.append(self.site())
 
-    def site(self) -> int:
+    def site(self, suffix: str = "") -> int:
         """The index of the caller's place outside torch and this file: "file:line"."""
         frame = sys._getframe(2)
         while frame is not None and (frame.f_code.co_filename.startswith(TORCH) or
                                      frame.f_code.co_filename == __file__):
             frame = frame.f_back
-        where = "?" if frame is None else f"{relative(frame.f_code.co_filename)}:{frame.f_lineno}"
+        where = "?" if frame is None else f"{relative(frame.f_code.co_filename)}:{frame.f_lineno}{suffix}"
         return self.sites.setdefault(where, len(self.sites))
 
     def backward(self, tensors) -> None:
@@ -245,8 +247,6 @@ class Tracer:
 
     def after_backward(self) -> None:
         """In a measured window: this micro-batch's own gradient, the accumulated one less the one before."""
-        if self.steps < RANDOM_WINDOWS and self.model is not None:
-            self.generators = generator_states(self.cuda)  # (a draw before the step: noise added to gradients)
         if not self.noise or self.model is None or (self.steps + 1) % NOISE_EVERY:
             return
         import torch
@@ -277,15 +277,22 @@ class Tracer:
     def zero_grad(self) -> None:
         self.event("Z")
 
-    def scheduler_step(self) -> None:
-        if not self.scheduling:
-            self.event("L")
+    def scheduler_step(self, scheduler) -> None:
+        """A scheduler's step, its place named with the scheduler where it is not the first one seen: two
+        schedulers stepped on one line once a window each are not one stepped twice."""
+        if self.scheduling:
+            return
+        if scheduler not in self.schedulers:
+            self.schedulers[scheduler] = len(self.schedulers)
+        self.events.append("L")
+        n = self.schedulers[scheduler]
+        self.at.append(self.site(f" (scheduler {n + 1})" if n else ""))
 
     def clipping(self, parameters, max_norm) -> None:
         """Before clip_grad_norm_ runs: the gradient it is about to cut is the window's."""
         self.event("C")
         if self.models is None:
-            self.choose([parameters] if isinstance(parameters, __import__("torch").Tensor) else parameters)
+            self.choose()
         self._gradient()
 
     def clipped(self, max_norm, total) -> None:
@@ -326,9 +333,7 @@ class Tracer:
     def _at_step(self, optimizer) -> None:
         """The window's gradient is complete: kept where asked for, and its norm (unless a clip took both)."""
         if self.models is None:
-            self.choose([p for group in optimizer.param_groups for p in group["params"]])
-        if self.steps < RANDOM_WINDOWS:
-            self.drew("step")
+            self.choose()
         if "C" not in self.events:
             self._gradient()
         self.norm = None if "C" in self.events else grad_norm(optimizer)
@@ -345,7 +350,7 @@ class Tracer:
     def scaler_skipped(self, optimizer) -> None:
         self.known(optimizer)
         if self.models is None:  # (a first step skipped: the weights are still the start's)
-            self.choose([p for group in optimizer.param_groups for p in group["params"]])
+            self.choose()
         self.lrs = [value(group.get("lr")) for group in optimizer.param_groups]
         self.norm = None if "C" in self.events else grad_norm(optimizer)
         self._end_window("K")
@@ -616,7 +621,7 @@ def quieted(cls, name: str, tracer: Tracer, announce: bool) -> None:
 
     def traced(*args, **kwargs):
         if announce:
-            tracer.scheduler_step()
+            tracer.scheduler_step(args[0])
         tracer.scheduling += 1
         try:
             return original(*args, **kwargs)
