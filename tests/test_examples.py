@@ -118,7 +118,7 @@ def test_the_regression_example_is_reported_in_its_own_metric(tmp_path):
     assert proc.returncode == 0, proc.stderr
     report = (tmp_path / "reports" / "waves" / "report.md").read_text()
     assert "configurations are compared in val_loss (lower is better)" in report, report
-    rules = [line for line in report.splitlines() if " LR rule " in line]
+    rules = [line for line in report.splitlines() if " LR rule against " in line]
     assert len(rules) == 3 and all("val_loss" in line and "points" not in line for line in rules), rules
     assert "Accumulation and its true-batch twin at the same B were" in report
     assert "rule had the lowest mean (val_loss " in report  # the best at the largest B is the lowest loss
