@@ -341,3 +341,29 @@ def test_a_trial_of_another_container_with_the_same_host_name_is_left_running(tm
     assert fail_orphans(study, study.get_trials(deepcopy=False)) == 1
     states = [t.state for t in study.get_trials(deepcopy=False)]
     assert states == [optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.FAIL]
+
+
+def test_a_trial_whose_worker_is_a_zombie_is_failed_as_an_orphan(tmp_path):
+    """A worker killed with its parent stays a zombie where nothing reaps it (a container's PID 1 that reaps
+    nothing, or a subreaper that waits only for its own children): it is dead, and its trial runs again."""
+    import time
+    import warnings
+
+    import psutil
+
+    from batchsweep.sweeps.stores.mlflow_store import HOST, PROCESSES
+    from batchsweep.sweeps.stores.optuna_store import fail_orphans
+
+    worker = subprocess.Popen([sys.executable, "-c", "pass"])  # not waited for: a zombie once it exits
+    try:
+        while psutil.Process(worker.pid).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.01)  # (until it has exited; Popen never reaps it behind our back)
+        study = optuna.create_study(storage=f"sqlite:///{tmp_path}/o.db")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trial = study.ask()
+        trial.set_user_attr("owner", f"{HOST}:{worker.pid}")
+        trial.set_user_attr("owner_processes", PROCESSES)
+        assert fail_orphans(study, study.get_trials(deepcopy=False)) == 1
+    finally:
+        worker.wait()

@@ -31,13 +31,17 @@ HOST = socket.gethostname()
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether a process runs. A zombie does not: a killed worker whose parent died too stays one where nothing
+    reaps it (a container's PID 1 that reaps nothing, or a subreaper that waits only for its own children), and
+    its trial must still be run again."""
+    import psutil
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
+    except psutil.AccessDenied:
         return True
-    return True
 
 
 @dataclass(frozen=True)
