@@ -25,6 +25,7 @@ from tqdm import tqdm
 from batchsweep.sweeps import commands
 
 from . import branching
+from .best import best_set
 from .figures import Draw, Figure, candidates, has_accuracy, protocol
 from .findings import summarize
 from .runs import StudyRuns
@@ -60,17 +61,20 @@ def _columns(study: StudyRuns) -> list[str]:
 
 
 def _table(study: StudyRuns) -> pd.DataFrame:
-    """The trials table, a first column marking with ★ the best finished trial, or with several objectives the
-    Pareto front of them (`front`, as the run's final table marks it)."""
+    """The trials table, a first column marking with ★ the trials of the best configuration and of every one
+    that cannot be told from it (best.py: the set the findings name; none where nothing can be told apart), or
+    with several objectives the Pareto front of them (`front`, as the run's final table marks it)."""
     trials, columns = study.trials, _columns(study)
     table = trials[columns].sort_values(columns[0]) if columns else trials
-    metric, direction = study.objectives[0]
+    metric, _ = study.objectives[0]
     if len(study.objectives) > 1:
         marked, name = set(pareto_trials(study)), "front"
     elif metric in trials:
         done = trials[(trials["status"] == "FINISHED") & trials[metric].notna()] if "status" in trials else trials
-        marked = set() if done.empty else {done[metric].idxmax() if direction == "maximize" else done[metric].idxmin()}
-        name = "best"
+        found = best_set(study, done)
+        if found is None:
+            return table
+        marked, name = set(found[0]), "best or tied"
     else:
         return table
     return table.assign(**{name: ["★" if i in marked else "" for i in table.index]})[[name, *table.columns]]

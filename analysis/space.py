@@ -17,8 +17,8 @@ import numpy as np
 import pandas as pd
 
 from .figures import Draw, Figure, context, finished, in_order, log_scale
-from .runs import TARGET_SHARE, StudyRuns, ci95, paired, quantum
-from .verdicts import judge
+from .best import EVERY_RULE, choices, of, one_at_base, per_configuration, per_seed, ties
+from .runs import TARGET_SHARE, StudyRuns, ci95
 
 MIN_IMPORTANCE_TRIALS = 10  # fewer finished trials say nothing about which field mattered
 SHORT = {"physical_batch": "b", "accum_steps": "k"}
@@ -92,27 +92,6 @@ def shown(mean: float, half: float = math.nan, percent: bool = False) -> str:
     return text + unit
 
 
-def independent(t: pd.DataFrame, fields: list[str]) -> tuple[list[str], str]:
-    """The fields whose variance can be split apart, and what the sentence says of them. Where b and k were not
-    run in every combination (a study of accumulated points and their true-batch twins: b and k move only with
-    B), a forest would split B's effect between them by guessing the missing cells: they count as one field,
-    effective_batch."""
-    note = ""
-    if {"physical_batch", "accum_steps"} <= set(fields) and "effective_batch" in t:
-        cells = len(t[["physical_batch", "accum_steps"]].drop_duplicates())
-        every = t["physical_batch"].nunique() * t["accum_steps"].nunique()
-        if cells < every:
-            fields = ["effective_batch", *(f for f in fields if f not in ("physical_batch", "accum_steps",
-                                                                          "effective_batch"))]
-            note = (f"; b and k ran in {cells} of their {every} combinations, moving with B, so they count as "
-                    f"effective_batch; accumulated against true batch is the twins' sentence")
-    cells = len(t[fields].drop_duplicates())
-    every = int(np.prod([t[f].nunique() for f in fields])) if fields else 0
-    if cells < every:
-        note += f"; {cells} of the {every} combinations of these fields ran, the forest fills in the rest"
-    return fields, note
-
-
 def importance(study: StudyRuns) -> Figure | None:
     """fANOVA importance of each varied field for each objective."""
     import optuna
@@ -120,7 +99,7 @@ def importance(study: StudyRuns) -> Figure | None:
     from optuna.importance import FanovaImportanceEvaluator, get_param_importances
 
     t = _objective_trials(study)
-    fields, note = independent(t, _fields(study, t))
+    fields, note = choices(study, t)
     if len(t) < MIN_IMPORTANCE_TRIALS or not fields:
         return None
     distributions = {}
@@ -163,7 +142,7 @@ def importance(study: StudyRuns) -> Figure | None:
 def parallel_coordinates(study: StudyRuns) -> Figure | None:
     """Every finished trial as a line over the varied fields and the objectives, coloured by the first one."""
     t = _objective_trials(study)
-    fields = _fields(study, t)
+    fields, _ = choices(study, t)
     metrics = [m for m, _ in study.objectives]
     if len(t) < 2 or not fields:
         return None
@@ -182,10 +161,10 @@ def parallel_coordinates(study: StudyRuns) -> Figure | None:
             ticks[name] = [(float(((np.log(v) if _log(values) else v) - low) / (high - low)) if high > low else 0.5,
                             _value(v) if name not in metrics else f"{v:.4g}") for v in shown_values]
         else:
-            choices = _choices(column)
-            step = 1 / (len(choices) - 1) if len(choices) > 1 else 0
-            positions[name] = column.astype(str).map({c: i * step for i, c in enumerate(choices)}).astype(float)
-            ticks[name] = [(i * step if step else 0.5, c) for i, c in enumerate(choices)]
+            names = _choices(column)
+            step = 1 / (len(names) - 1) if len(names) > 1 else 0
+            positions[name] = column.astype(str).map({c: i * step for i, c in enumerate(names)}).astype(float)
+            ticks[name] = [(i * step if step else 0.5, c) for i, c in enumerate(names)]
     first, direction = study.objectives[0]
     colour = t[first].astype(float)
     cmap = plt.get_cmap("viridis" if direction == "maximize" else "viridis_r")
@@ -222,40 +201,6 @@ def front(points: pd.DataFrame, cost: str, value: str, maximize: bool = True) ->
     return pd.Series(on, index=points.index)
 
 
-EVERY_RULE = "every LR rule (B = base_batch)"
-
-
-def one_at_base(t: pd.DataFrame, fields: list[str]) -> pd.DataFrame:
-    """At B = base_batch every LR rule gives the same learning rate: one configuration run once per rule. Its
-    runs are labelled with no rule, so that none is called best there; each seed's copies are averaged later
-    (_per_seed), so its seeds are counted once, and no copy is chosen over another."""
-    if "lr_rule" not in fields or not {"base_batch", "effective_batch"} <= set(t):
-        return t
-    at_base = pd.to_numeric(t["effective_batch"]) == pd.to_numeric(t["base_batch"])
-    if not at_base.any():
-        return t
-    t = t.copy()
-    t["lr_rule"] = t["lr_rule"].astype(object)
-    t.loc[at_base, "lr_rule"] = EVERY_RULE
-    return t
-
-
-def _per_seed(t: pd.DataFrame, fields: list[str], columns: list[str]) -> pd.DataFrame:
-    """Each configuration's seeds, one row each: a seed's copies of one configuration averaged."""
-    t = t if "seed" in t else t.assign(seed=range(len(t)))
-    return t.groupby([*fields, "seed"], dropna=False)[columns].mean().reset_index()
-
-
-def _per_configuration(seeds: pd.DataFrame, fields: list[str], value: str, cost: str) -> pd.DataFrame:
-    """Mean and 95% interval of `value` over each configuration's seeds, and its mean `cost`."""
-    rows = []
-    for key, g in seeds.groupby(fields, dropna=False):
-        key = key if isinstance(key, tuple) else (key,)
-        rows.append({**dict(zip(fields, key)), value: g[value].mean(), "half": ci95(g[value]), cost: g[cost].mean(),
-                     "n": len(g)})
-    return pd.DataFrame(rows)
-
-
 def _front_figure(points: pd.DataFrame, fields: list[str], cost: str, value: str, cost_label: str,
                   percent: bool, maximize: bool, name: str, title: str, trials: pd.DataFrame,
                   finding: str) -> Figure:
@@ -276,42 +221,21 @@ def _front_figure(points: pd.DataFrame, fields: list[str], cost: str, value: str
     return Figure(name, title, fig, context(trials), finding)
 
 
-def _of(seeds: pd.DataFrame, fields: list[str], row: pd.Series) -> pd.Series:
-    """Which rows of `seeds` are the configuration `row`."""
-    at = pd.Series(True, index=seeds.index)
-    for f in fields:
-        at &= (seeds[f] == row[f]) | (seeds[f].isna() & pd.isna(row[f]))
-    return at
-
-
-def _ties(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], value: str, maximize: bool) -> pd.DataFrame:
-    """The configurations that cannot be told from the one of the best mean: each compared with it, paired by
-    seed, under Benjamini-Hochberg over those comparisons (the best is picked from all of them, so its own mean is
-    biased upward by the pick). The best is the first row."""
-    sign = 1 if maximize else -1
-    points = points.assign(_order=sign * -points[value]).sort_values("_order", kind="stable").drop(columns="_order")
-    top = seeds[_of(seeds, fields, points.iloc[0])]
-    step = quantum(seeds[value])
-    diffs = [paired(top, seeds[_of(seeds, fields, row)], value, step) for _, row in points.iloc[1:].iterrows()]
-    tied = [True] + [v is None or not (v.resolved and sign * v.d.mean > 0) for v in judge(diffs, 0.0)]
-    return points[tied]
-
-
 def _budget_sentence(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], cost: str, value: str,
                      percent: bool, maximize: bool, unit, against: str) -> str:
     """The configuration of the best mean, the set that cannot be told from it, and the cheapest of that set.
     `against` names the cost, so that the memory and time sentences read apart in the findings."""
-    ties = _ties(seeds, points, fields, value, maximize)
-    top, n = ties.iloc[0], int(seeds.groupby(fields, dropna=False).size().min())
-    cheap = ties.sort_values([cost, value], ascending=[True, not maximize]).iloc[0]
+    tied = ties(seeds, points, fields, value, maximize)
+    top, n = tied.iloc[0], int(seeds.groupby(fields, dropna=False).size().min())
+    cheap = tied.sort_values([cost, value], ascending=[True, not maximize]).iloc[0]
     control = (f"paired by seed over {n} seeds, Benjamini-Hochberg at 5% over {len(points) - 1} "
                f"comparison{'s' * (len(points) > 2)}" if n > 1 else "one seed: none can be told apart")
     said = (f"Against {against}, the best mean of the {len(points)} configurations was {label(top, fields)} "
             f"({shown(top[value], percent=percent)}, at {unit(top[cost])}; picked as the highest, so biased upward)")
-    if len(ties) == 1:
+    if len(tied) == 1:
         return said + f"; every other configuration was resolved below it ({control})."
-    named = (": " + "; ".join(label(row, fields) for _, row in ties.iloc[1:].iterrows())) if len(ties) <= 5 else ""
-    said += f"; {len(ties) - 1} other{'s' * (len(ties) > 2)} cannot be told from it ({control}){named}"
+    named = (": " + "; ".join(label(row, fields) for _, row in tied.iloc[1:].iterrows())) if len(tied) <= 5 else ""
+    said += f"; {len(tied) - 1} other{'s' * (len(tied) > 2)} cannot be told from it ({control}){named}"
     what = against.removeprefix("peak ")
     if cheap[cost] < top[cost]:
         return said + (f"; the least {what} among them: {label(cheap, fields)} ({shown(cheap[value], percent=percent)})"
@@ -322,14 +246,14 @@ def _budget_sentence(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str
 def memory_front(study: StudyRuns) -> Figure | None:
     """The first objective against peak memory, per configuration."""
     t = _objective_trials(study)
-    fields = _fields(study, t)
+    fields, _ = choices(study, t, merge_batch=False)
     value, direction = study.objectives[0]
     if "peak_memory_bytes" not in t or not fields or len(t) < 2:
         return None
     t = t.dropna(subset=["peak_memory_bytes"])
-    seeds = _per_seed(one_at_base(t.assign(memory_mib=t["peak_memory_bytes"] / MIB), fields), fields,
+    seeds = per_seed(one_at_base(t.assign(memory_mib=t["peak_memory_bytes"] / MIB), fields), fields,
                       [value, "memory_mib"])
-    points = _per_configuration(seeds, fields, value, "memory_mib")
+    points = per_configuration(seeds, fields, value, "memory_mib")
     if len(points) < 2:
         return None
     percent, maximize = _percent(value, t[value]), direction == "maximize"
@@ -367,7 +291,7 @@ def _timing_note(t: pd.DataFrame, fields: list[str], saving: float) -> str:
 def time_front(study: StudyRuns) -> Figure | None:
     """The first objective (an accuracy to maximize) against the time to reach the target."""
     t = _objective_trials(study)
-    fields = _fields(study, t)
+    fields, _ = choices(study, t, merge_batch=False)
     value, direction = study.objectives[0]
     if direction != "maximize" or not fields or len(t) < 2:
         return None
@@ -378,7 +302,7 @@ def time_front(study: StudyRuns) -> Figure | None:
         return None
     t = one_at_base(t.assign(seconds=seconds.values), fields)
     # A configuration counts when most of its seeds reached the target; its time is their median.
-    seeds = _per_seed(t, fields, [value, "seconds"])
+    seeds = per_seed(t, fields, [value, "seconds"])
     rows = []
     for key, g in seeds.groupby(fields, dropna=False):
         key = key if isinstance(key, tuple) else (key,)
@@ -390,13 +314,13 @@ def time_front(study: StudyRuns) -> Figure | None:
         return None
     kept = pd.Series(False, index=seeds.index)
     for _, row in points.iterrows():
-        kept |= _of(seeds, fields, row)
+        kept |= of(seeds, fields, row)
     percent = _percent(value, t[value])
     target_text = shown(target, percent=percent)
     finding = _budget_sentence(seeds[kept], points, fields, "seconds", value, percent, True,
                                lambda s: f"{s:,.1f} s to reach {value} {target_text}", "time to the target")
-    ties = _ties(seeds[kept], points, fields, value, True)
-    saving = float(ties["seconds"].iloc[0] - ties["seconds"].min())
+    tied = ties(seeds[kept], points, fields, value, True)
+    saving = float(tied["seconds"].iloc[0] - tied["seconds"].min())
     finding += _timing_note(t, fields, saving)
     return _front_figure(points, fields, "seconds", value, f"seconds to reach {value} {target_text} (median over seeds)",
                          percent, True, "time_front", f"Pareto front: {value} against time to the target", t, finding)

@@ -1,0 +1,124 @@
+"""The fields a study varied as independent choices, and the best configuration over them with the set that
+cannot be told from it: what the importance, the Pareto fronts, the trials table's mark and the recommendation
+read.
+
+A field is a choice when the study ran it against every value of the other choices. Fields tied in the design
+(one grid axis "a+b", a branch's B and its length) are left out: a forest would split their joint effect
+among them by guessing the missing cells, and a "best" among them compares runs that differ in how long they
+trained. Physical batch and accumulation steps tied only by B (accumulated points and their true-batch twins)
+count as effective_batch where variance is split, and stay apart where a configuration is named (its memory
+is its b's).
+"""
+from __future__ import annotations
+
+import pandas as pd
+
+from .runs import StudyRuns, ci95, paired, quantum
+from .verdicts import judge
+
+LENGTHS = ("batch_warmup", "epochs")  # how long (and at which B) a run trained: not a choice compared at one budget
+CONTINUOUS = 12  # a numeric field with more values than this was searched, not gridded: no cells to cross
+EVERY_RULE = "every LR rule (B = base_batch)"
+
+
+def _crossed(t: pd.DataFrame, a: str, b: str) -> bool:
+    return len(t[[a, b]].drop_duplicates()) == t[a].nunique() * t[b].nunique()
+
+
+def _gridded(column: pd.Series) -> bool:
+    return not (pd.api.types.is_numeric_dtype(column) and column.nunique() > CONTINUOUS)
+
+
+def choices(study: StudyRuns, t: pd.DataFrame, merge_batch: bool = True) -> tuple[list[str], str]:
+    """The varied fields that are independent choices, and what a sentence says of the others."""
+    fields = [f for f in study.varied if f in t and t[f].nunique() > 1]
+    note = ""
+    batch = {"physical_batch", "accum_steps"} <= set(fields) and "effective_batch" in t
+    if batch and not _crossed(t, "physical_batch", "accum_steps"):
+        cells = len(t[["physical_batch", "accum_steps"]].drop_duplicates())
+        every = t["physical_batch"].nunique() * t["accum_steps"].nunique()
+        if merge_batch:
+            fields = ["effective_batch", *(f for f in fields if f not in ("physical_batch", "accum_steps",
+                                                                          "effective_batch"))]
+            note = (f"; b and k ran in {cells} of their {every} combinations, moving with B, so they count as "
+                    f"effective_batch; accumulated against true batch is the twins' sentence")
+    free = {"physical_batch", "accum_steps"} if batch and not merge_batch else set()
+    tied = {f for a in fields for f in fields if a != f and {a, f} - free and _gridded(t[a]) and _gridded(t[f])
+            and not _crossed(t, a, f)}
+    tied |= {f for f in fields if f in LENGTHS}
+    if tied:
+        note += (f"; {', '.join(sorted(tied))} left out: not run against every value of the other fields (tied in the "
+                 f"design) or a length of training, not a choice compared at one budget")
+    return [f for f in fields if f not in tied], note
+
+
+def one_at_base(t: pd.DataFrame, fields: list[str]) -> pd.DataFrame:
+    """At B = base_batch every LR rule gives the same learning rate: one configuration run once per rule. Its
+    runs are labelled with no rule, so that none is called best there; each seed's copies are averaged later
+    (per_seed), so its seeds are counted once, and no copy is chosen over another."""
+    if "lr_rule" not in fields or not {"base_batch", "effective_batch"} <= set(t):
+        return t
+    at_base = pd.to_numeric(t["effective_batch"]) == pd.to_numeric(t["base_batch"])
+    if not at_base.any():
+        return t
+    t = t.copy()
+    t["lr_rule"] = t["lr_rule"].astype(object)
+    t.loc[at_base, "lr_rule"] = EVERY_RULE
+    return t
+
+
+def per_seed(t: pd.DataFrame, fields: list[str], columns: list[str]) -> pd.DataFrame:
+    """Each configuration's seeds, one row each: a seed's copies of one configuration averaged."""
+    t = t if "seed" in t else t.assign(seed=range(len(t)))
+    return t.groupby([*fields, "seed"], dropna=False)[columns].mean().reset_index()
+
+
+def per_configuration(seeds: pd.DataFrame, fields: list[str], value: str, cost: str) -> pd.DataFrame:
+    """Mean and 95% interval of `value` over each configuration's seeds, and its mean `cost`."""
+    rows = []
+    for key, g in seeds.groupby(fields, dropna=False):
+        key = key if isinstance(key, tuple) else (key,)
+        rows.append({**dict(zip(fields, key)), value: g[value].mean(), "half": ci95(g[value]), cost: g[cost].mean(),
+                     "n": len(g)})
+    return pd.DataFrame(rows)
+
+
+def of(seeds: pd.DataFrame, fields: list[str], row: pd.Series) -> pd.Series:
+    """Which rows of `seeds` are the configuration `row`."""
+    at = pd.Series(True, index=seeds.index)
+    for f in fields:
+        at &= (seeds[f] == row[f]) | (seeds[f].isna() & pd.isna(row[f]))
+    return at
+
+
+def ties(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], value: str, maximize: bool) -> pd.DataFrame:
+    """The configurations that cannot be told from the one of the best mean: each compared with it, paired by
+    seed, under Benjamini-Hochberg over those comparisons (the best is picked from all of them, so its own mean is
+    biased upward by the pick). The best is the first row."""
+    sign = 1 if maximize else -1
+    points = points.assign(_order=sign * -points[value]).sort_values("_order", kind="stable").drop(columns="_order")
+    top = seeds[of(seeds, fields, points.iloc[0])]
+    step = quantum(seeds[value])
+    diffs = [paired(top, seeds[of(seeds, fields, row)], value, step) for _, row in points.iloc[1:].iterrows()]
+    tied = [True] + [v is None or not (v.resolved and sign * v.d.mean > 0) for v in judge(diffs, 0.0)]
+    return points[tied]
+
+
+def best_set(study: StudyRuns, t: pd.DataFrame) -> tuple[pd.Index, list[str], pd.DataFrame] | None:
+    """The trials (index of `t`, finished with finite objectives) of the best configuration and of those that
+    cannot be told from it, the fields that name a configuration, and the tied configurations (best first). None
+    where nothing can be told apart (one seed) or no field is an independent choice."""
+    fields, _ = choices(study, t, merge_batch=False)
+    value, direction = study.objectives[0]
+    if not fields or "seed" not in t or t["seed"].nunique() < 2 or value not in t:
+        return None
+    t = one_at_base(t, fields)
+    seeds = per_seed(t, fields, [value])
+    points = per_configuration(seeds.assign(_cost=0.0), fields, value, "_cost")
+    if len(points) < 2:
+        return None
+    tied = ties(seeds, points, fields, value, direction == "maximize")
+    marked = pd.Series(False, index=t.index)
+    for _, row in tied.iterrows():
+        marked |= of(t, fields, row)
+    return t.index[marked], fields, tied
