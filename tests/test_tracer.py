@@ -139,3 +139,145 @@ def test_ranks_started_by_mp_spawn_are_named_and_measure_no_noise_scale(tmp_path
     assert names == ["r0", "r1"], names
     trace = observed.read(folder)
     assert trace.observed() == (8, 2) and not any(s.micro_sq for s in trace.steps)
+
+
+# An environment's own sitecustomize that takes APIs out of torch as its import ends (before batchsweep's tracer
+# installs itself, inside the same import), so that this torch lacks them as an older one does.
+OLD_TORCH = '''import importlib.abc, sys
+GONE = {gone!r}
+
+class Older(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = next(s for s in (f.find_spec(name, path, target) for f in sys.meta_path if hasattr(f, "find_spec"))
+                    if s is not None)
+        real = spec.loader
+
+        class Loader(importlib.abc.Loader):
+            def create_module(self, spec):
+                return real.create_module(spec)
+
+            def exec_module(self, module):
+                spec.loader = module.__loader__ = real
+                real.exec_module(module)
+                for dotted in GONE:
+                    owner, name = dotted.rsplit(".", 1)
+                    delattr(sys.modules.get(owner) or eval(owner, {{"torch": module}}), name)
+
+        spec.loader = Loader()
+        return spec
+
+sys.meta_path.insert(0, Older())
+'''
+SMALL_LOOP = '''import torch
+from torch.nn.modules import module
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    opt.zero_grad()
+    for micro in range(2):
+        (model(torch.randn(8, 4)).pow(2).mean() / 2).backward()
+    opt.step()
+print("trained", len(module._global_forward_hooks), torch.autograd.backward.__module__)
+'''
+# What torch 2.2 lacks of what the tracer touches (torch.amp.GradScaler came in 2.3, get_total_norm and
+# clip_grads_with_norm_ in 2.6; torch.compiler.is_compiling, 2.3 too, stays: today's torch imports it itself), and
+# what torch 1.13 lacks: the optimizer's global hooks (2.0).
+TORCH_2_2 = ("torch.amp.GradScaler", "torch.nn.Module.compile", "torch.nn.utils.get_total_norm",
+             "torch.nn.utils.clip_grads_with_norm_")
+TORCH_1_13 = ("torch.optim.optimizer.register_optimizer_step_pre_hook",
+              "torch.optim.optimizer.register_optimizer_step_post_hook")
+
+
+def run_under_older_torch(tmp_path, gone: tuple[str, ...]):
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "sitecustomize.py").write_text(OLD_TORCH.format(gone=gone))
+    (tmp_path / "loop.py").write_text(SMALL_LOOP)
+    folder = tmp_path / "trace"
+    folder.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **observed.environment(folder, pythonpath=str(own))}
+    proc = subprocess.run([sys.executable, str(tmp_path / "loop.py")], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split(), folder
+
+
+def test_the_tracer_observes_a_torch_without_what_came_in_2_3(tmp_path):
+    """Installed inside the script's own `import torch`, where GradScaler lives in torch.cuda.amp only and
+    Module.compile does not exist: every window seen as on today's torch."""
+    said, folder = run_under_older_torch(tmp_path, TORCH_2_2)
+    assert said[:2] == ["trained", "0"]  # (the script's own view: the tracer's global forward hook is its own)
+    trace = observed.read(folder)
+    assert [s.events for s in trace.steps] == ["ZFBFBS"] * 3 and trace.observed() == (8, 2)
+    assert observed.unobservable(folder) is None
+
+
+def test_a_torch_without_the_optimizers_hooks_runs_the_script_unobserved_and_says_why(tmp_path):
+    """Where a hook API is missing (torch before 2.0), the script trains as it would without batchsweep, with none
+    of the hooks put in before the one that failed left behind (no global forward hook, torch's own backward),
+    and one line in the trace folder names the torch and what it lacks."""
+    said, folder = run_under_older_torch(tmp_path, TORCH_1_13)
+    assert said == ["trained", "0", "torch.autograd"]
+    assert observed.read(folder) is None
+    why = observed.unobservable(folder)
+    assert why.startswith(f"the tracer cannot observe torch {torch.__version__}: AttributeError") and \
+        "register_optimizer_step_pre_hook" in why
+
+
+def spread_model(device: str) -> torch.nn.Module:
+    """Two halves, the second on `device` (an offloaded half, as device_map="auto" places them), each with its own
+    loss term, in float64."""
+    class Spread(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.near = torch.nn.Linear(4, 3, dtype=torch.float64)
+            self.far = torch.nn.Linear(4, 2, dtype=torch.float64, device=device)
+
+        def forward(self, x):
+            return self.near(x).pow(2).mean(), self.far(x.to(device)).pow(2).mean()
+
+    torch.manual_seed(0)
+    return Spread()
+
+
+DEVICES = ["meta", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                   reason="no CUDA device"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_noise_scale_of_a_model_spread_over_two_devices_is_taken_per_device(device, monkeypatch, tmp_path):
+    """A measured window's micro-batches on a model with gradients on the CPU and on a second device (meta stands
+    in for a GPU on a machine without one: it runs every operation with no values): the tracer's work after each
+    backward() and before the step does not fail, as stacking one device's norms with another's did, and gives
+    one sum of squares per device, the CPU's exactly that micro-batch's own gradient's; on a GPU, the whole sum
+    is the one over every parameter."""
+    monkeypatch.syspath_prepend(str(observed.FOLDER))
+    import batchsweep_trace as tracing
+
+    monkeypatch.setenv("BATCHSWEEP_TRACE_NOISE", "1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    tracer = tracing.Tracer(str(tmp_path))
+    model = spread_model(device)
+    tracer.model, tracer.steps = model, tracing.NOISE_EVERY - 1  # the window of the next step is measured
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {}
+    for micro in range(3):
+        torch.autograd.backward(list(model(torch.randn(8, 4, dtype=torch.float64))))
+        tracer.after_backward()
+        own = [p.grad - before.get(name, 0) for name, p in model.named_parameters()]
+        before = {name: p.grad.clone() for name, p in model.named_parameters()}
+        parts = tracer.micro_sq[-1]
+        assert sorted(str(part.device) for part in parts) == sorted({"cpu", str(torch.device(device))})
+        cpu = next(part for part in parts if part.device.type == "cpu")
+        assert float(cpu) == pytest.approx(sum(float(g.pow(2).sum()) for g in own if g.device.type == "cpu"),
+                                           rel=1e-12)
+        if device != "meta":  # (meta holds no values to add up)
+            assert tracing.plain(parts) == pytest.approx(sum(float(g.pow(2).sum()) for g in own), rel=1e-12)
+    norm = tracing.grad_norm(opt)
+    assert len(norm) == 2 and norm.root
+    if device != "meta":
+        assert tracing.plain(norm) == pytest.approx(
+            float(sum(p.grad.pow(2).sum().cpu() for p in model.parameters())) ** 0.5, rel=1e-12)

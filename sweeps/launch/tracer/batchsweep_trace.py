@@ -258,8 +258,7 @@ class Tracer:
             return
         with torch.no_grad():
             own = grads if self.before is None else torch._foreach_sub(grads, self.before)
-            norms = torch._foreach_norm(own)  # (a model spread over devices: each norm on its tensor's device)
-            self.micro_sq.append(torch.stack([n.double().to(norms[0].device) for n in norms]).pow(2).sum())
+            self.micro_sq.append(squares(own))
             if self.before is None:
                 self.before = [g.clone() for g in grads]
             else:
@@ -474,19 +473,46 @@ def relative(path: str) -> str:
 
 
 def grad_norm(optimizer):
-    """The 2-norm of the gradients the optimizer is about to apply, as a tensor (read when written)."""
+    """The 2-norm of the gradients the optimizer is about to apply (read when written)."""
     import torch
 
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if not grads:
         return None
     with torch.no_grad():
-        norms = torch._foreach_norm([g.detach() for g in grads])
-        return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device).double() for n in norms]))
+        return Squares(squares([g.detach() for g in grads]), root=True)
+
+
+class Squares(list):
+    """Sums of squares, one 0-d float64 tensor per device, added up as Python floats when the row is written: a
+    model spread over devices (device_map="auto", an offloaded embedding) has gradients on each, and no tensor of
+    one device is stacked with another's inside the script's backward() or step(). `root`: the 2-norm."""
+
+    def __init__(self, parts, root: bool = False):
+        super().__init__(parts)
+        self.root = root
+
+    def read(self) -> float:
+        total = sum(float(part) for part in self)
+        return total ** 0.5 if self.root else total
+
+
+def squares(tensors) -> Squares:
+    """The tensors' total sum of squares, per device: one foreach norm over each device's tensors (a foreach norm
+    over tensors of several devices is not one: torch 2.14 returned 2e+36 for a CPU tensor of ones beside a meta
+    tensor)."""
+    import torch
+
+    by_device: dict = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    return Squares(torch.stack(torch._foreach_norm(group)).double().pow(2).sum() for group in by_device.values())
 
 
 def plain(value):
     """A row's value as JSON takes it: tensors read here, once per FLUSH_EVERY steps."""
+    if isinstance(value, Squares):
+        return value.read()
     if hasattr(value, "tolist"):
         return value.tolist()
     if isinstance(value, list):
@@ -503,13 +529,16 @@ def install_hooks(tracer: Tracer) -> None:
 
     global TORCH, compiling
     TORCH = os.path.dirname(torch.__file__) + os.sep
-    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or torch._dynamo.is_compiling
+    # (torch.compiler.is_compiling from torch 2.3 on; before, Dynamo's own, where Dynamo has been imported)
+    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (
+        lambda: "torch._dynamo" in sys.modules and sys.modules["torch._dynamo"].is_compiling())
 
     def compiled_in_place(*args, **kwargs):
         tracer.compiled = True
 
     undo = tracer.undo
-    wrap(torch.nn.Module, "compile", compiled_in_place, undo)
+    if hasattr(torch.nn.Module, "compile"):  # (torch 2.2 on)
+        wrap(torch.nn.Module, "compile", compiled_in_place, undo)
 
     tracer.global_hooks = [modules.register_module_forward_pre_hook(tracer.before_forward),
                            modules.register_module_forward_hook(tracer.after_forward, with_kwargs=True,
@@ -709,11 +738,13 @@ def start() -> None:
 
 def installed(tracer: Tracer) -> None:
     """The hooks, or where this torch lacks what they need, one line saying why in the trace folder: the script
-    runs unobserved rather than fail inside its own `import torch`."""
+    runs unobserved rather than fail inside its own `import torch`, and none of the hooks put in before the one
+    that failed stays (half a tracer would write windows that miss calls)."""
     try:
         install_hooks(tracer)
     except Exception as exc:  # (an older torch: a hook API it does not have)
         import torch
 
+        uninstall(tracer)
         with open(os.path.join(tracer.folder, f"unobservable-{os.getpid()}.txt"), "w") as f:
             f.write(f"the tracer cannot observe torch {torch.__version__}: {type(exc).__name__}: {exc}\n")
