@@ -21,8 +21,8 @@ from .runs import Difference, aggregate, ci95, reached, steps_to_target  # noqa:
 # The fields a figure splits its trials by, the first that varies, with their values in the order they read (the
 # LR rules by their exponent of B, then Adam's whole rule; not the alphabet's). Each value keeps one colour in
 # every figure, and in every report.
-SPLITS = {"lr_rule": ("none", "sqrt", "linear", "adam_sqrt"), "bn_momentum_rule": ("default", "scaled", "matched"),
-          "model": ()}
+SPLITS = {"lr_rule": ("none", "sqrt", "linear", "adam_sqrt", "adam_halflife"),
+          "bn_momentum_rule": ("default", "scaled", "matched"), "model": ()}
 MEMORY_LABELS = {"saved_tensors": "peak memory, MiB (saved-for-backward tensors + state, CPU)",
                  "cuda_allocator": "peak memory, MiB (CUDA allocator)"}
 

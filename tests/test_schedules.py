@@ -53,9 +53,11 @@ class Hyper(Probe):
         self.seen.append((window, group["betas"], group["eps"], group["weight_decay"]))
 
 
-def test_adams_rules_follow_the_epochs_batch():
-    config = replace(BASE, optimizer="adamw", lr_rule="adam_sqrt", wd_rule="timescale", weight_decay=0.01,
-                     base_lr=1e-3, physical_batch=4, accum_steps=4, batch_warmup="4,8", epochs=3)
+@pytest.mark.parametrize("rule,first", [("adam_sqrt", (1 - 0.25 * 0.1, 1 - 0.25 * 0.001)),
+                                        ("adam_halflife", (0.9 ** 0.25, 0.999 ** 0.25))])
+def test_adams_rules_follow_the_epochs_batch(rule, first):
+    config = replace(BASE, optimizer="adamw", lr_rule=rule, halflife_beta1=True, wd_rule="timescale",
+                     weight_decay=0.01, base_lr=1e-3, physical_batch=4, accum_steps=4, batch_warmup="4,8", epochs=3)
     probe = Hyper()
     train(config, probes=[probe])
     first_of = {1: 0, 2: 23, 3: 35}  # the first step of each epoch (23 and 12 steps before)
@@ -64,7 +66,7 @@ def test_adams_rules_follow_the_epochs_batch():
         window, betas, eps, decay = probe.seen[step]
         assert window == now.effective_batch == (4, 8, 16)[epoch - 1]
         assert betas == (now.beta1, now.beta2) and eps == now.eps and decay == now.decay
-    assert probe.seen[0][1] == pytest.approx((1 - 0.25 * 0.1, 1 - 0.25 * 0.001))  # kappa = 4 / 16
+    assert probe.seen[0][1] == pytest.approx(first)  # kappa = 4 / 16
     assert probe.seen[-1][1] == pytest.approx((0.9, 0.999)) and probe.seen[-1][2] == 1e-8  # kappa = 1
 
 

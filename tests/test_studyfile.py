@@ -43,8 +43,10 @@ BEFORE = {
     "bn_momentum": old_twins([dict(physical_batch=32, accum_steps=1, bn_momentum_rule="default")]
                              + [dict(physical_batch=32, accum_steps=k, bn_momentum_rule=r)
                                 for k in (4, 16) for r in ("default", "scaled", "matched")]),
-    "adam_lr": old_twins([dict(physical_batch=32, accum_steps=k, lr_rule=r) for k in (1, 4, 8)
-                          for r in ("none", "linear", "sqrt", "adam_sqrt")]),
+    "adam_lr": [dict(physical_batch=32, accum_steps=k, lr_rule=r) for k in (1, 4, 8)
+                for r in ("none", "linear", "sqrt", "adam_sqrt", "adam_halflife")],  # (no twins since issue 102)
+    "adam_lr_search": [dict(physical_batch=b, accum_steps=k, base_lr=lr) for b, k in ((8, 1), (8, 2), (32, 2), (128, 2))
+                       for lr in (5e-4, 1.4e-3, 4e-3, 1.1e-2, 3.2e-2)],
     "batch_warmup": [dict(accum_steps=k, batch_warmup=w) for k, w in ((8, ""), (8, "32,64,128"), (1, ""))],
     "critical_batch": [dict(accum_steps=2, batch_warmup="", epochs=10)]
     + [dict(accum_steps=k, batch_warmup=",".join(["32"] * t), epochs=t + 2) for t in (1, 2, 4, 8) for k in (4, 8, 16, 32)],
@@ -78,6 +80,37 @@ def test_builtin_study_files_give_the_same_trials_as_before():
     assert (load("lr_search").sampler, load("lr_search").trials, load("lr_search").pruner) == ("tpe", 8, "median")
     assert load("equivalence").metrics == ("param_rel_diff",) and load("equivalence").directions == ("minimize",)
     assert (load("accum_lr").seeds, load("accum_lr").workers, load("accum_lr").fixed["schedule"]) == (3, 2, "cosine")
+
+
+HALFLIFE = """
+name = "halflife"
+[fixed]
+model = "gpt"
+dataset = "pytext"
+optimizer = "adamw"
+adam_beta2 = 0.95
+halflife_beta1 = true
+[grid]
+physical_batch = [32]
+accum_steps = [1, 4]
+lr_rule = ["sqrt", "adam_halflife"]
+"""
+
+
+def test_a_study_file_asks_the_half_life_rule_for_beta1_in_one_field(tmp_path, capsys):
+    path = tmp_path / "study.toml"
+    path.write_text(HALFLIFE)
+    study = load(str(path))
+    betas = {(p["accum_steps"], p["lr_rule"], beta): getattr(TrainConfig(**study.fixed, **p), beta)
+             for p in study.points for beta in ("beta1", "beta2")}
+    assert betas == pytest.approx({(1, "sqrt", "beta1"): 0.9, (1, "sqrt", "beta2"): 0.95,
+                                   (1, "adam_halflife", "beta1"): 0.9, (1, "adam_halflife", "beta2"): 0.95,
+                                   (4, "sqrt", "beta1"): 0.9, (4, "sqrt", "beta2"): 0.95,
+                                   (4, "adam_halflife", "beta1"): 0.9 ** 4, (4, "adam_halflife", "beta2"): 0.95 ** 4})
+    path.write_text(HALFLIFE.replace('"adamw"', '"sgd"'))
+    assert main(["--study", str(path), "--dry-run", "--storage", f"sqlite:///{tmp_path}/o.db"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == ("error: lr_rule=adam_halflife is a rule for AdamW: "
+                                                                "set optimizer=adamw, or use lr_rule=sqrt with SGD")
 
 
 GOOD = """

@@ -36,6 +36,9 @@ def one_line_error(capsys, argv, bar: bool = True) -> str:
     (["--model", "vgg"], "unknown model 'vgg'"),
     (["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
     (["--lr-rule", "cube"], "unknown lr_rule 'cube'"),
+    (["--lr-rule", "adam_halflife"], "lr_rule=adam_halflife is a rule for AdamW: set optimizer=adamw"),
+    (["--optimizer", "adamw", "--lr-rule", "adam_halflife", "--base-batch", "1", "--physical-batch", "2048",
+      "--adam-beta2", "0.5"], "takes adam_beta2 = 0.5 to adam_beta2^kappa = 0, outside (0, 1)"),
     (["--bn-momentum-rule", "half"], "unknown bn_momentum_rule 'half'"),
     (["--model", "nosuchpkg.mod:make"], "does not import"),
     (["--model", "tests.factories:missing"], "has no callable 'missing'"),
@@ -182,6 +185,15 @@ def test_script_trains_and_writes_json(tmp_path, data_dir):
     assert result["status"] == "ok" and len(result["history"]) == 2
     assert result["config"]["effective_batch"] == 64 and result["config"]["lr"] == pytest.approx(0.1)
     assert result["config"]["bn_momentum"] == pytest.approx(1 - 0.9 ** 0.25)
+
+
+def test_the_half_life_rule_from_the_command_line(tmp_path, data_dir):
+    out = tmp_path / "result.json"
+    assert main(["--model", "mlp", "--optimizer", "adamw", "--lr-rule", "adam_halflife", "--halflife-beta1",
+                 "--adam-beta2", "0.95", "--base-lr", "1e-3", "--accum-steps", "4", "--max-steps", "1",
+                 "--data-dir", data_dir, "--json", str(out)]) == 0
+    config = json.loads(out.read_text())["config"]
+    assert (config["lr"], config["beta1"], config["beta2"]) == pytest.approx((2e-3, 0.9 ** 4, 0.95 ** 4))
 
 
 def test_script_bad_input_has_no_traceback(data_dir):

@@ -210,6 +210,49 @@ def test_adam_full_square_root_rule_scales_betas_and_eps_as_the_formula_says():
         replace(base, optimizer="sgd")
 
 
+def test_the_half_life_rule_keeps_beta2s_half_life_fixed_in_samples():
+    # Marek et al. 2025: beta2' = beta2 ** kappa; the learning rate as sqrt scales it; eps unchanged.
+    from batchsweep.trainers.loop import make_optimizer
+
+    base = TrainConfig(optimizer="adamw", lr_rule="adam_halflife", base_lr=1e-3, base_batch=32, adam_beta1=0.9,
+                       adam_beta2=0.95, adam_eps=1e-8, physical_batch=32)
+
+    def halflife_in_samples(config, beta):  # B * ln(1/2) / ln(beta): samples for the average to halve
+        return config.effective_batch * math.log(0.5) / math.log(beta)
+
+    for k in (1, 2, 4, 8, 16):
+        config = replace(base, accum_steps=k)
+        group = make_optimizer(config, [torch.nn.Parameter(torch.zeros(1))]).param_groups[0]
+        assert group["betas"][1] == pytest.approx(0.95 ** k) and group["betas"][0] == 0.9  # beta1 only if asked
+        assert group["lr"] == pytest.approx(1e-3 * math.sqrt(k)) and group["eps"] == 1e-8
+        assert halflife_in_samples(config, group["betas"][1]) == pytest.approx(halflife_in_samples(base, 0.95))
+    both = replace(base, halflife_beta1=True, accum_steps=4)
+    assert (both.beta1, both.beta2) == pytest.approx((0.9 ** 4, 0.95 ** 4))
+    assert {"beta1": 0.9 ** 4, "beta2": 0.95 ** 4} == pytest.approx({k: both.to_dict()[k] for k in ("beta1", "beta2")})
+    assert replace(base, halflife_beta1=True).beta1 == 0.9  # kappa = 1: exactly the base values
+    smaller = replace(base, base_batch=128)  # kappa = 1/4: a smaller B averages over more steps
+    assert smaller.beta2 == pytest.approx(0.95 ** 0.25) and smaller.lr == pytest.approx(5e-4)
+    # Where the two laws part (the figures docs/science.md gives): beta2 = 0.95 at kappa = 16.
+    malladi = replace(base, lr_rule="adam_sqrt", adam_beta1=0.95, accum_steps=16)
+    assert (malladi.beta2, replace(base, accum_steps=16).beta2) == pytest.approx((0.20, 0.4401), abs=1e-4)
+    assert replace(base, lr_rule="none", accum_steps=8).beta2 == 0.95  # halflife_beta1 alone moves nothing
+
+
+def test_the_half_life_rule_is_refused_where_beta_leaves_the_open_interval():
+    base = TrainConfig(optimizer="adamw", lr_rule="adam_halflife", base_batch=1, physical_batch=2048,
+                       adam_beta2=0.999, base_lr=1e-4)
+    assert base.beta2 == pytest.approx(0.999 ** 2048)  # inside (0, 1): kept
+    with pytest.raises(ConfigError, match=r"^adam_halflife at B = 2048 \(kappa = B / base_batch = 2048\) takes "
+                                          r"adam_beta2 = 0.5 to adam_beta2\^kappa = 0, outside \(0, 1\) in floating "
+                                          r"point: raise adam_beta2, or give a base_batch nearer B$"):
+        replace(base, adam_beta2=0.5)  # 0.5 ** 2048 underflows to 0
+    with pytest.raises(ConfigError, match=r"adam_beta1\^kappa = 1, outside \(0, 1\) in floating point: lower adam_beta1"):
+        TrainConfig(optimizer="adamw", lr_rule="adam_halflife", halflife_beta1=True, adam_beta1=1 - 2 ** -53,
+                    base_batch=64, physical_batch=1)  # kappa = 1/64 rounds beta1 ** kappa up to 1
+    with pytest.raises(ConfigError, match="lr_rule=adam_halflife is a rule for AdamW: set optimizer=adamw"):
+        replace(base, optimizer="sgd")
+
+
 def test_the_weight_decay_timescale_rule_keeps_adamw_decay_fixed_in_epochs():
     # Wang & Aitchison 2025: 1 / (lr * decay) steps, at N / B steps an epoch, is B / (lr * decay * N) epochs.
     base = TrainConfig(optimizer="adamw", base_lr=1e-3, base_batch=32, weight_decay=0.05, wd_rule="timescale",
@@ -218,7 +261,7 @@ def test_the_weight_decay_timescale_rule_keeps_adamw_decay_fixed_in_epochs():
     def epochs(config):
         return config.effective_batch / (config.lr * config.decay * 4000)
 
-    for rule in ("none", "linear", "sqrt", "adam_sqrt"):
+    for rule in ("none", "linear", "sqrt", "adam_sqrt", "adam_halflife"):
         for k in (1, 2, 4, 8):
             config = replace(base, lr_rule=rule, accum_steps=k)
             assert epochs(config) == pytest.approx(epochs(base)), (rule, k)

@@ -8,7 +8,8 @@ from typing import Any
 
 from .errors import BatchsweepError, ConfigError  # noqa: F401  (re-exported: callers import them from here)
 
-LR_RULES = ("none", "linear", "sqrt", "adam_sqrt")
+LR_RULES = ("none", "linear", "sqrt", "adam_sqrt", "adam_halflife")
+ADAM_RULES = ("adam_sqrt", "adam_halflife")  # rules that move AdamW's betas too
 WD_RULES = ("none", "timescale")
 BN_RULES = ("default", "scaled", "matched")
 OPTIMIZERS = ("sgd", "adamw")
@@ -50,7 +51,7 @@ class TrainConfig:
     shrink_on_oom: bool = False  # on out-of-memory, halve b and double k (B stays) and run the window again
     drop_last: bool = False  # drop the short last window of an epoch
     shuffle: bool = True  # one seeded permutation per epoch
-    lr_rule: str = "none"  # none | linear | sqrt | adam_sqrt (LR_RULES), relative to base_batch
+    lr_rule: str = "none"  # none | linear | sqrt | adam_sqrt | adam_halflife (LR_RULES), relative to base_batch
     base_lr: float = 0.05
     base_batch: int = 32
     warmup_epochs: float = 0.0  # linear warmup (Goyal et al. 2017)
@@ -61,8 +62,9 @@ class TrainConfig:
     optimizer: str = "sgd"  # sgd | adamw
     momentum: float = 0.9  # SGD momentum
     nesterov: bool = False
-    adam_beta1: float = 0.9  # AdamW's betas and eps at base_batch (adam_sqrt scales them with B)
+    adam_beta1: float = 0.9  # AdamW's betas and eps at base_batch (adam_sqrt, adam_halflife scale them with B)
     adam_beta2: float = 0.999
+    halflife_beta1: bool = False  # adam_halflife keeps beta1's half-life in samples too (beta2's always)
     adam_eps: float = 1e-8
     weight_decay: float = 0.0  # at base_batch and base_lr (wd_rule scales it with B)
     wd_rule: str = "none"  # none | timescale: AdamW's decay timescale 1/(lr * decay) kept fixed in epochs
@@ -149,18 +151,23 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not self.adam_eps > 0:
             raise ConfigError(f"adam_eps must be a positive number, got {self.adam_eps}")
-        for rule, value in (("lr_rule=adam_sqrt", self.lr_rule == "adam_sqrt"), ("wd_rule=timescale",
-                                                                                 self.wd_rule == "timescale")):
+        for rule, value in ((f"lr_rule={self.lr_rule}", self.lr_rule in ADAM_RULES),
+                            ("wd_rule=timescale", self.wd_rule == "timescale")):
             if value and self.optimizer != "adamw":
                 raise ConfigError(f"{rule} is a rule for AdamW: set optimizer=adamw, or use "
                                   f"{'lr_rule=sqrt' if rule.startswith('lr') else 'wd_rule=none'} with SGD")
         for name, base, scaled in (("adam_beta1", self.adam_beta1, self.beta1), ("adam_beta2", self.adam_beta2,
                                                                                  self.beta2)):
-            if scaled < 0:
+            if self.lr_rule == "adam_sqrt" and scaled < 0:
                 raise ConfigError(
                     f"adam_sqrt at B = {self.effective_batch} (kappa = B / base_batch = {self.kappa:g}) scales 1 - "
                     f"{name} = {1 - base:g} to {self.kappa * (1 - base):g}: beyond 1 the rule does not hold "
                     f"(Malladi et al. 2022); raise {name} to at least 1 - 1/kappa = {1 - 1 / self.kappa:g}, or base_batch")
+            if self.lr_rule == "adam_halflife" and scaled != base and not 0 < scaled < 1:
+                raise ConfigError(
+                    f"adam_halflife at B = {self.effective_batch} (kappa = B / base_batch = {self.kappa:g}) takes "
+                    f"{name} = {base:g} to {name}^kappa = {scaled:g}, outside (0, 1) in floating point: "
+                    f"{'raise' if scaled <= 0 else 'lower'} {name}, or give a base_batch nearer B")
 
     def _check_warmup(self) -> None:
         sizes = self.warmup_batches
@@ -205,12 +212,22 @@ class TrainConfig:
 
     @property
     def beta1(self) -> float:
-        """AdamW's beta1 used: with adam_sqrt, 1 - beta1 scales by kappa (Malladi et al. 2022)."""
+        """AdamW's beta1 used: adam_sqrt scales 1 - beta1 by kappa (Malladi et al. 2022); adam_halflife, where
+        halflife_beta1 asks, keeps its half-life in samples: beta1 ** kappa (Marek et al. 2025)."""
+        if self.lr_rule == "adam_halflife" and self.halflife_beta1:
+            return self._halflife(self.adam_beta1)
         return 1 - self.kappa * (1 - self.adam_beta1) if self.lr_rule == "adam_sqrt" else self.adam_beta1
 
     @property
     def beta2(self) -> float:
+        if self.lr_rule == "adam_halflife":
+            return self._halflife(self.adam_beta2)
         return 1 - self.kappa * (1 - self.adam_beta2) if self.lr_rule == "adam_sqrt" else self.adam_beta2
+
+    def _halflife(self, beta: float) -> float:
+        """beta ** kappa: a step of B samples decays the average as kappa steps of base_batch did. At kappa = 1
+        it is beta itself (no rounding through exp and log)."""
+        return beta if self.kappa == 1 else beta ** self.kappa
 
     @property
     def eps(self) -> float:
@@ -234,7 +251,7 @@ class TrainConfig:
     def lr(self) -> float:
         """The peak learning rate after the scaling rule."""
         ratio = self.kappa
-        scale = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio), "adam_sqrt": math.sqrt(ratio)}[self.lr_rule]
+        scale = {"none": 1.0, "linear": ratio}.get(self.lr_rule, math.sqrt(ratio))  # sqrt and both Adam rules
         return self.base_lr * scale
 
     @property

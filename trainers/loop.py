@@ -18,7 +18,7 @@ from torch import nn
 
 from .batches import forward
 from .checkpoint import Checkpointer, Checkpointing, Progress, restore, rng_states
-from .config import TrainConfig
+from .config import ADAM_RULES, TrainConfig
 from .data import Data, load_data
 from .distributed import NO_CONTEXT, OneProcess, launched_rank, local_device, setup
 from .errors import BatchsweepError, ConfigError, DataError
@@ -241,7 +241,7 @@ def _settle(config: TrainConfig, t: Trainee, model: nn.Module, now: TrainConfig)
         t.b = now.physical_batch
     set_bn_momentum(model, now.bn_momentum)
     for group in t.optimizer.param_groups:
-        if now.lr_rule == "adam_sqrt":
+        if now.lr_rule in ADAM_RULES:
             group.update(betas=(now.beta1, now.beta2), eps=now.eps)
         if now.wd_rule == "timescale" and group["weight_decay"]:  # (a group of no decay keeps none)
             group["weight_decay"] = now.decay
