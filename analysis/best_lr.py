@@ -1,0 +1,235 @@
+"""The best learning rate against the effective batch B, from a study's trials: at each B the LR each seed did
+best at, their geometric mean with a bootstrap interval over the seeds, and the curve's shape. Li et al. (2024)
+find that Adam's best LR rises and then falls with B, peaking near the gradient noise scale; for SGD it only
+rises (McCandlish et al. 2018). A shape is named only where the seeds resolve it.
+
+    python -m batchsweep.analysis.best_lr STUDY [--tracking-uri URI] [--figure best_lr.png]
+
+The report calls best_lr_against_b(trials, metric, direction) and figure(result, path).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+RESAMPLES = 2000  # bootstrap resamples of the seeds
+PEAKS = np.linspace(-4.0, 4.0, 801)  # candidate log2(peak / geometric middle of the Bs): 16x beyond either end
+
+
+@dataclass(frozen=True)
+class BestAt:
+    """The best LR at one B: the geometric mean over the seeds of each seed's best, and its 95% interval."""
+
+    batch: int
+    lr: float
+    low: float
+    high: float
+    seeds: tuple[float, ...]  # each seed's best LR, in seed order
+    at_edge: int  # seeds whose best was the lowest or highest LR they tried: the true best may lie beyond
+
+
+@dataclass(frozen=True)
+class BestLR:
+    metric: str
+    direction: str
+    points: tuple[BestAt, ...]  # by B
+    peak: float  # Li et al.'s fitted peak B (NaN: fewer than 3 Bs); named where the shape turns
+    peak_low: float  # its 95% bootstrap interval over the seeds
+    peak_high: float
+    slope: float  # of log best LR against log B, a line through every B
+    slope_low: float
+    slope_high: float
+    steps: tuple[tuple[int, int, float, float], ...]  # (B, next B, 95% interval of log(best there / best here))
+    noise_scale: float  # median over the best trials that measured it (NaN: none did)
+    noise_range: tuple[float, float]
+    noise_trials: int
+    # "rises then falls": the best LR at an inside B resolved above both ends; "only rises" ("only falls"): the
+    # slope's interval excludes 0 and no step against it is resolved; otherwise "not resolved"
+    shape: str
+
+    def sentence(self) -> str:
+        """What the seeds resolve, in one paragraph."""
+        n = min(len(p.seeds) for p in self.points)
+        lo, hi = self.points[0].batch, self.points[-1].batch
+        if self.shape == "rises then falls":
+            text = (f"The best LR rises and then falls with B: Li et al.'s curve peaks at B ≈ {self.peak:.0f} "
+                    f"(95% bootstrap interval over {n} seeds {self.peak_low:.0f} to {self.peak_high:.0f}).")
+        elif self.shape == "only rises":
+            text = (f"The best LR only rises with B from {lo} to {hi} (slope {self.slope:.2f} in log-log, 95% "
+                    f"interval {self.slope_low:.2f} to {self.slope_high:.2f}; no fall between neighbouring Bs is "
+                    f"resolved): no peak in the range.")
+        elif self.shape == "only falls":
+            text = (f"The best LR only falls with B from {lo} to {hi} (slope {self.slope:.2f}, 95% interval "
+                    f"{self.slope_low:.2f} to {self.slope_high:.2f}): no peak in the range; a peak, if any, lies "
+                    f"below B = {lo}.")
+        else:
+            text = (f"No peak is resolved between B = {lo} and {hi} with {n} seeds, nor a direction (slope "
+                    f"{self.slope:.2f}, 95% interval {self.slope_low:.2f} to {self.slope_high:.2f}).")
+        falls = [f"{a} to {b}" for a, b, _, high in self.steps if high < 0]
+        if falls and self.shape != "only falls":
+            text += f" It falls, beyond the seeds' spread, from B = {', '.join(falls)}."
+        edges = [p.batch for p in self.points if p.at_edge]
+        if edges:
+            text += (f" At B = {', '.join(map(str, edges))} some seed's best LR is the edge of the LRs tried: "
+                     f"the true best may lie beyond it.")
+        if math.isnan(self.noise_scale):
+            return text + " No trial measured the noise scale (it needs accum_steps >= 2)."
+        text += (f" The gradient noise scale measured by the best trials is {self.noise_scale:.0f} (median of "
+                 f"{self.noise_trials}, range {self.noise_range[0]:.0f} to {self.noise_range[1]:.0f})")
+        if self.shape == "rises then falls":
+            return text + f": the peak is {self.peak / self.noise_scale:.1f} times it."
+        return text + "."
+
+
+def best_lr_against_b(trials: pd.DataFrame, metric: str, direction: str, seed: int = 0) -> BestLR:
+    """From one row per trial (effective_batch, lr, seed, the metric; status FINISHED counts): at each B each
+    seed's best LR, refined by a parabola in log LR through its neighbours, then the shape over B."""
+    sign = 1.0 if direction == "maximize" else -1.0
+    done = trials[trials["status"] == "FINISHED"] if "status" in trials else trials
+    done = done.dropna(subset=[metric, "lr", "effective_batch"])
+    done = done[np.isfinite(done[metric])]
+    if done.empty:
+        raise ValueError(f"no finished trial has {metric}: nothing to find a best LR from")
+    best = {}  # (B, seed) -> (log best LR, at the edge, the best trial's index)
+    for (batch, s), group in done.groupby(["effective_batch", "seed"]):
+        best[int(batch), int(s)] = _best_of(group.sort_values("lr"), metric, sign)
+    batches = sorted({b for b, _ in best})
+    seeds = sorted({s for _, s in best if all((b, s) in best for b in batches)})
+    if len(seeds) < 1 or len(batches) < 2:
+        raise ValueError("the best LR against B needs at least 2 effective batches with the same seeds")
+    logs = np.array([[best[b, s][0] for s in seeds] for b in batches])  # (B, seed)
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(seeds), size=(RESAMPLES, len(seeds)))
+    means = logs[:, picks].mean(axis=2)  # (B, resample): the geometric mean's log for each resample
+    centre = logs.mean(axis=1)
+    x = np.log(np.array(batches, dtype=float))
+    points = tuple(BestAt(b, math.exp(c), *np.exp(np.percentile(m, [2.5, 97.5])), tuple(np.exp(row)),
+                          sum(best[b, s][1] for s in seeds)) for b, c, m, row in zip(batches, centre, means, logs))
+    peak = _peak(x, centre) if len(batches) >= 3 else math.nan
+    peaks = np.array([_peak(x, m) for m in means.T]) if len(batches) >= 3 else np.full(RESAMPLES, math.nan)
+    slopes = np.polyfit(x, means, 1)[0]
+    steps = tuple((a, b, *np.percentile(means[i + 1] - means[i], [2.5, 97.5]))
+                  for i, (a, b) in enumerate(zip(batches, batches[1:])))
+    noise = _noise(done, [best[b, s][2] for b in batches for s in seeds])
+    peak_low, peak_high = (np.percentile(peaks, [2.5, 97.5]) if len(batches) >= 3 else (math.nan, math.nan))
+    slope_low, slope_high = np.percentile(slopes, [2.5, 97.5])
+    steps = tuple((a, b, float(lo), float(hi)) for a, b, lo, hi in steps)
+    top = int(np.argmax(centre))  # a turn: the best LR at an inside B resolved above both ends
+    turned = 0 < top < len(batches) - 1 and all(np.percentile(means[top] - means[end], 2.5) > 0 for end in (0, -1))
+    if turned:
+        shape = "rises then falls"
+    elif slope_low > 0 and not any(high < 0 for *_, high in steps):
+        shape = "only rises"
+    elif slope_high < 0 and not any(low > 0 for _, _, low, _ in steps):
+        shape = "only falls"
+    else:
+        shape = "not resolved"
+    return BestLR(metric, direction, points, peak, float(peak_low), float(peak_high),
+                  float(np.polyfit(x, centre, 1)[0]), float(slope_low), float(slope_high), steps, *noise, shape)
+
+
+def _best_of(group: pd.DataFrame, metric: str, sign: float) -> tuple[float, bool, object]:
+    """The log of the LR one seed did best at, one B's trials sorted by LR. Between two neighbours the vertex of
+    the parabola through the three (in log LR) refines it, kept between them; at an end it is the end."""
+    values = sign * group[metric].to_numpy()
+    logs = np.log(group["lr"].to_numpy(dtype=float))
+    i = int(np.argmax(values))
+    if 0 < i < len(values) - 1:
+        a, b, c = np.polyfit(logs[i - 1:i + 2], values[i - 1:i + 2], 2)
+        vertex = -b / (2 * a) if a < 0 else logs[i]
+        return float(np.clip(vertex, logs[i - 1], logs[i + 1])), False, group.index[i]
+    return float(logs[i]), len(values) > 1, group.index[i]
+
+
+def _peak(x: np.ndarray, y: np.ndarray) -> float:
+    """Li et al.'s (2024) Adam curve, lr(B) = lr_max / (sqrt(P / B) + sqrt(B / P)) * 2, fitted in log-log by
+    least squares over P (lr_max in closed form). A best fit at the candidates' edge means no peak near the Bs:
+    it is returned as that edge, far outside them."""
+    middle = x.mean()
+    p = (middle + PEAKS * math.log(2))[:, None]  # log P candidates
+    shape = -np.logaddexp((p - x) / 2, (x - p) / 2)  # log of 1 / (sqrt(P/B) + sqrt(B/P))
+    resid = y - shape
+    resid -= resid.mean(axis=1, keepdims=True)
+    return float(math.exp(p[int(np.argmin((resid ** 2).sum(axis=1))), 0]))
+
+
+def _noise(done: pd.DataFrame, best_rows: list) -> tuple[float, tuple[float, float], int]:
+    if "noise_scale" not in done:
+        return math.nan, (math.nan, math.nan), 0
+    values = done.loc[best_rows, "noise_scale"].dropna()
+    values = values[values > 0]
+    if values.empty:
+        return math.nan, (math.nan, math.nan), 0
+    return float(values.median()), (float(values.min()), float(values.max())), len(values)
+
+
+def figure(result: BestLR, path: str) -> None:
+    """Each seed's best LR and their geometric mean with its interval against B (log-log), Li et al.'s fitted
+    curve where it peaks in the range, the peak's interval and the measured noise scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    batches = np.array([p.batch for p in result.points], dtype=float)
+    for p in result.points:
+        ax.scatter([p.batch] * len(p.seeds), p.seeds, color="0.6", s=12, zorder=2)
+    lrs = np.array([p.lr for p in result.points])
+    ax.errorbar(batches, lrs, yerr=[lrs - [p.low for p in result.points], [p.high for p in result.points] - lrs],
+                fmt="o-", color="C0", capsize=3, label="best LR (geometric mean over seeds, 95% bootstrap)")
+    if result.shape == "rises then falls":
+        grid = np.geomspace(batches[0], batches[-1], 100)
+        curve = 1 / (np.sqrt(result.peak / grid) + np.sqrt(grid / result.peak))
+        at = 1 / (np.sqrt(result.peak / batches) + np.sqrt(batches / result.peak))
+        scale = math.exp(np.mean(np.log(lrs) - np.log(at)))
+        ax.plot(grid, scale * curve, color="C1", label=f"Li et al.'s curve, peak B = {result.peak:.0f}")
+        ax.axvspan(result.peak_low, result.peak_high, color="C1", alpha=0.15)
+    if not math.isnan(result.noise_scale):
+        ax.axvline(result.noise_scale, color="C2", ls="--", label=f"noise scale {result.noise_scale:.0f} (median)")
+    ax.set(xscale="log", yscale="log", xlabel="effective batch B", ylabel="learning rate",
+           title=f"best LR by {result.metric}: {result.shape}")
+    ax.set_xticks(batches, [str(int(b)) for b in batches])
+    ax.minorticks_off()
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def table(result: BestLR) -> str:
+    rows = ["| B | best LR | 95% interval | each seed's best | at the edge |", "|---|---|---|---|---|"]
+    for p in result.points:
+        seeds = ", ".join(f"{v:.3g}" for v in p.seeds)
+        rows.append(f"| {p.batch} | {p.lr:.3g} | {p.low:.3g} to {p.high:.3g} | {seeds} | {p.at_edge} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m batchsweep.analysis.best_lr", description=__doc__.split("\n")[0])
+    parser.add_argument("study")
+    parser.add_argument("--tracking-uri", default="sqlite:///mlruns/mlflow.db")
+    parser.add_argument("--figure", default="", help="write the figure here (.png)")
+    args = parser.parse_args(argv)
+    from .runs import AnalysisError, load_studies
+
+    try:
+        runs = load_studies([args.study], args.tracking_uri)[0]
+        metric, direction = runs.objectives[0]
+        result = best_lr_against_b(runs.trials, metric, direction)
+    except (AnalysisError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(table(result), result.sentence(), sep="\n\n")
+    if args.figure:
+        figure(result, args.figure)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""The best LR against B (analysis/best_lr.py): on a real study's MLflow store, and its shapes on surfaces whose
+best LR is known."""
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from mlflow import MlflowClient
+
+from batchsweep.analysis import best_lr
+from batchsweep.analysis.runs import load_studies
+from tests.test_sweeps import sweep
+
+STUDY = """
+name = "lr_grid"
+seeds = 2
+[fixed]
+model = "mlp"
+dataset = "tests.factories:blobs1k"
+epochs = 1
+warmup_epochs = 0
+[grid]
+"physical_batch+accum_steps" = [[8, 2], [32, 2], [128, 2]]
+base_lr = [0.003, 0.03, 0.3, 3.0]
+"""
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A real study: 3 Bs x 4 LRs x 2 seeds, tracked in SQLite, read back as the report reads it."""
+    cwd = tmp_path_factory.mktemp("lr_grid")
+    (cwd / "study.toml").write_text(STUDY)
+    proc = sweep(cwd, "--study", "study.toml", "--workers", "1", "--log-models", "none", "--no-report")
+    assert proc.returncode == 0, proc.stderr
+    uri = f"sqlite:///{cwd}/mlruns/mlflow.db"
+    return uri, load_studies(["lr_grid"], uri)[0]
+
+
+@pytest.mark.slow
+def test_each_seeds_best_is_its_best_trial_refined_between_its_neighbours(store):
+    uri, runs = store
+    result = best_lr.best_lr_against_b(runs.trials, "val_acc", "maximize")
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("lr_grid")
+    trials = {}  # (B, seed) -> [(lr, val_acc)], read straight from MLflow
+    for run in client.search_runs([experiment.experiment_id], "attributes.status = 'FINISHED'"):
+        if "val_acc" in run.data.metrics and "effective_batch" in run.data.params:
+            key = int(run.data.params["effective_batch"]), int(run.data.params["seed"])
+            trials.setdefault(key, []).append((float(run.data.params["lr"]), run.data.metrics["val_acc"]))
+    assert [p.batch for p in result.points] == [16, 64, 256]
+    for point in result.points:
+        edges = 0
+        for seed, found in zip((0, 1), point.seeds):
+            tried = sorted(trials[point.batch, seed])
+            i = max(range(len(tried)), key=lambda j: tried[j][1])
+            if i in (0, len(tried) - 1):
+                edges += 1
+                assert found == pytest.approx(tried[i][0])
+            else:
+                assert tried[i - 1][0] <= found <= tried[i + 1][0]
+        assert point.at_edge == edges
+        assert point.lr == pytest.approx(math.exp(np.mean(np.log(point.seeds))))
+        assert point.low <= point.lr <= point.high
+    assert result == best_lr.best_lr_against_b(runs.trials, "val_acc", "maximize")  # the bootstrap is seeded
+    assert result.noise_trials == 6 and result.noise_range[0] <= result.noise_scale <= result.noise_range[1]
+    assert f"median of 6, range {result.noise_range[0]:.0f} to {result.noise_range[1]:.0f}" in result.sentence()
+
+
+@pytest.mark.slow
+def test_the_command_prints_the_table_and_draws_the_figure(store, tmp_path, capsys):
+    uri, _ = store
+    assert best_lr.main(["lr_grid", "--tracking-uri", uri, "--figure", str(tmp_path / "f.png")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| B | best LR | 95% interval |") and "\n| 256 | " in out
+    assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
+    assert best_lr.main(["nope", "--tracking-uri", uri]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: no study 'nope' in ")
+
+
+def surface(best_at, batches=(8, 16, 32, 64, 128, 256, 512), seeds=3, spread=0.05, noise=0.0):
+    """Trials whose metric is a parabola in log LR around best_at(B), each seed's optimum moved by `spread`
+    (in log LR, a fixed draw), on a grid of LRs a factor of 2 apart, with `noise` on each value."""
+    rng = np.random.default_rng(1)
+    lrs = 2.0 ** np.arange(-14, 2)
+    rows = []
+    for seed in range(seeds):
+        shift = rng.normal(0, spread)
+        for b in batches:
+            centre = math.log(best_at(b)) + shift
+            for lr in lrs:
+                rows.append(dict(effective_batch=b, seed=seed, lr=lr, status="FINISHED",
+                                 val_loss=(math.log(lr) - centre) ** 2 + rng.normal(0, noise)))
+    return pd.DataFrame(rows)
+
+
+def test_li_et_als_rise_and_fall_is_found_with_its_peak():
+    def adam(b, peak=64):  # Li et al. 2024: lr_max / (sqrt(P/B) + sqrt(B/P)) * 2
+        return 0.01 * 2 / (math.sqrt(peak / b) + math.sqrt(b / peak))
+
+    result = best_lr.best_lr_against_b(surface(adam), "val_loss", "minimize")
+    assert result.shape == "rises then falls"
+    assert result.peak_low <= result.peak <= result.peak_high and 48 < result.peak < 86
+    assert "rises and then falls with B: Li et al.'s curve peaks at B ≈ " in result.sentence()
+    assert [p.lr for p in result.points] == pytest.approx([adam(b) for b in (8, 16, 32, 64, 128, 256, 512)],
+                                                          rel=0.1)
+
+
+def test_sgds_rise_is_only_a_rise():
+    result = best_lr.best_lr_against_b(surface(lambda b: 0.5 / (1 + 100 / b)), "val_loss", "minimize")
+    assert result.shape == "only rises" and result.slope_low > 0
+    assert "only rises with B from 8 to 512" in result.sentence() and "no peak in the range" in result.sentence()
+
+
+def test_a_rise_that_levels_off_is_not_called_a_peak():
+    """Li et al.'s curve fitted to a rise and a plateau peaks inside the range; the shape still needs a fall."""
+    result = best_lr.best_lr_against_b(surface(lambda b: 0.5 / (1 + 64 / b), batches=(8, 32, 128, 512, 2048)),
+                                       "val_loss", "minimize")
+    assert 8 < result.peak < 2048 and result.shape != "rises then falls"
+
+
+def test_seeds_that_disagree_resolve_nothing():
+    result = best_lr.best_lr_against_b(surface(lambda b: 1e-3, spread=2.0, noise=3.0), "val_loss", "minimize")
+    assert result.shape == "not resolved"
+    assert result.sentence().startswith("No peak is resolved between B = 8 and 512 with 3 seeds")
+
+
+def test_a_best_at_the_edge_of_the_lrs_tried_is_said():
+    result = best_lr.best_lr_against_b(surface(lambda b: 10.0), "val_loss", "minimize")
+    assert all(p.at_edge == 3 for p in result.points)
+    assert "some seed's best LR is the edge of the LRs tried: the true best may lie beyond it" in result.sentence()
