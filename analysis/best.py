@@ -104,9 +104,10 @@ def ties(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], value: st
     return points[tied]
 
 
-def best_set(study: StudyRuns, t: pd.DataFrame) -> tuple[pd.Index, list[str], pd.DataFrame] | None:
+def best_set(study: StudyRuns, t: pd.DataFrame) -> tuple[pd.Index, list[str], pd.DataFrame, int] | None:
     """The trials (index of `t`, finished with finite objectives) of the best configuration and of those that
-    cannot be told from it, the fields that name a configuration, and the tied configurations (best first). None
+    cannot be told from it, the fields that name a configuration, the tied configurations (best first) and how
+    many configurations there were. None
     where nothing can be told apart (one seed) or no field is an independent choice."""
     fields, _ = choices(study, t, merge_batch=False)
     value, direction = study.objectives[0]
@@ -121,4 +122,4 @@ def best_set(study: StudyRuns, t: pd.DataFrame) -> tuple[pd.Index, list[str], pd
     marked = pd.Series(False, index=t.index)
     for _, row in tied.iterrows():
         marked |= of(t, fields, row)
-    return t.index[marked], fields, tied
+    return t.index[marked], fields, tied, len(points)

@@ -122,21 +122,31 @@ def _where(b: int, **names) -> str:
     return " at ".join([", ".join(str(v) for v in names.values()), f"B = {b}"]) if names else f"B = {b}"
 
 
-def lr_rules(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
-    """Per LR rule, each B against the smallest, every trial at a B counted; then the rules at the largest B."""
+def rule_comparisons(trials: pd.DataFrame, m: Measure = ACCURACY):
+    """Each LR rule's B against its smallest B, every trial at a B counted (a seed's runs there averaged), judged
+    as one family: (trials compared, [(rule, B, smallest B, difference)], verdicts); None where the study does
+    not compare LR rules over B (or searched the LR)."""
     t = one_batch(finished(trials))
     if "lr_rule" not in t or t["lr_rule"].nunique() < 2 or t["effective_batch"].nunique() < 2 or tuned(t):
-        return []
+        return None
     step = quantum(t[m.name])
-    rules = in_order("lr_rule", t["lr_rule"])
-    compared = []  # (rule, B, smallest B, difference), the family of the false-discovery control
-    for rule in rules:
+    compared = []  # the family of the false-discovery control
+    for rule in in_order("lr_rule", t["lr_rule"]):
         rows = t[t["lr_rule"] == rule]
         sizes = sorted(int(b) for b in rows["effective_batch"].unique())
         base = rows[rows["effective_batch"] == sizes[0]]
         compared += [(rule, b, sizes[0], paired(rows[rows["effective_batch"] == b], base, m.name, step))
                      for b in sizes[1:]]
-    verdicts = judge([d for *_, d in compared], m.margin)
+    return t, compared, judge([d for *_, d in compared], m.margin)
+
+
+def lr_rules(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
+    """Per LR rule, each B against the smallest, every trial at a B counted; then the rules at the largest B."""
+    found = rule_comparisons(trials, m)
+    if found is None:
+        return []
+    t, compared, verdicts = found
+    step, rules = quantum(t[m.name]), in_order("lr_rule", t["lr_rule"])
     out = _halves_note(t)
     side = ("fell", "rose") if m.maximize else ("rose", "fell")  # (a loss that rose did worse)
     for rule in rules:
@@ -164,21 +174,32 @@ def lr_rules(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
                             "comparisons of a rule's B against its smallest B")
 
 
+def rules_at(t: pd.DataFrame, b: int, m: Measure, step: float):
+    """The LR rules at B = b against the one of the best mean, paired by seed under Benjamini-Hochberg over these
+    comparisons: (means best first, verdicts of the others, the rules that cannot be told from the best, the best
+    among them); None where B is base_batch (every rule one configuration) or one rule ran."""
+    at = t[t["effective_batch"] == b]
+    per_seed = at.groupby(["lr_rule", "seed"])[m.name].mean().groupby("lr_rule").mean()
+    means = per_seed.reindex(in_order("lr_rule", per_seed.index)).sort_values(ascending=not m.maximize, kind="stable")
+    same = "base_batch" in at and (at["effective_batch"] == at["base_batch"]).all()
+    if len(means) < 2 or same:
+        return None
+    best = means.index[0]
+    verdicts = judge([paired(at[at["lr_rule"] == r], at[at["lr_rule"] == best], m.name, step)
+                      for r in means.index[1:]], m.margin)
+    ties = [r for r, v in zip(means.index[1:], verdicts) if v is None or not v.resolved]
+    return means, verdicts, ties, best
+
+
 def _at_largest(t: pd.DataFrame, m: Measure, step: float) -> list[str]:
     """The rules at the largest B against the one of the best mean: a contrast is said only where it is resolved."""
     largest = t[t["effective_batch"] == t["effective_batch"].max()]
-    per_seed = largest.groupby(["lr_rule", "seed"])[m.name].mean().groupby("lr_rule").mean()
-    means = per_seed.reindex(in_order("lr_rule", per_seed.index)).sort_values(ascending=not m.maximize, kind="stable")
-    same = "base_batch" in largest and (largest["effective_batch"] == largest["base_batch"]).all()
-    if len(means) < 2 or same:  # (at B = base_batch the rules are one configuration: none is best there)
+    found = rules_at(t, int(largest["effective_batch"].iloc[0]), m, step)
+    if found is None:  # (at B = base_batch the rules are one configuration: none is best there)
         return []
-    best = means.index[0]
+    means, verdicts, ties, best = found
     others = list(means.index[1:])
-    diffs = [paired(largest[largest["lr_rule"] == r], largest[largest["lr_rule"] == best], m.name, step)
-             for r in others]
-    verdicts = judge(diffs, m.margin)
     against = [f"{r} {stated(v.d, m=m, v=v)}" if v else f"{r} {m.level(means[r])}" for r, v in zip(others, verdicts)]
-    ties = [r for r, v in zip(others, verdicts) if v is None or not v.resolved]
     verdict = (f"{best} is resolved as the best there" if not ties else
                f"the best there is one of {_listed([best, *ties])}: no contrast between them is resolved")
     level = ", ".join(f"{r} {m.level(means[r])}" for r in others)
@@ -187,8 +208,9 @@ def _at_largest(t: pd.DataFrame, m: Measure, step: float) -> list[str]:
             + "; ".join(against) + f"; {verdict}."]
 
 
-def twins(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
-    """Accumulated points against their true-batch twins at the same B and rules, paired by seed."""
+def twin_pairs(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[tuple[dict, Difference]]:
+    """Accumulated against true batch at each B and rules, paired by seed: ({rule: value, effective_batch: B},
+    difference) per pair, the family of the twins' sentence."""
     t = finished(trials)
     if "batch" not in t or t["batch"].nunique() < 2:
         return []
@@ -200,7 +222,13 @@ def twins(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
         group = group if isinstance(group, tuple) else (group,)
         d = paired(rows[rows["batch"] == "accumulated"], rows[rows["batch"] == "true batch"], m.name, step)
         if d is not None:
-            pairs.append((_where(int(group[-1]), **dict(zip(keys, group[:-1]))), d))
+            pairs.append(({**dict(zip(keys, group[:-1])), "effective_batch": int(group[-1])}, d))
+    return pairs
+
+
+def twins(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
+    """Accumulated points against their true-batch twins at the same B and rules, paired by seed."""
+    pairs = [(_where(key.pop("effective_batch"), **key), d) for key, d in twin_pairs(trials, m)]
     if not pairs:
         return []
     n = min(d.n for _, d in pairs)

@@ -28,6 +28,7 @@ from . import branching
 from .best import best_set
 from .figures import Draw, Figure, candidates, has_accuracy, protocol
 from .findings import summarize
+from .recommend import recommend
 from .runs import StudyRuns
 from .space import pareto_trials, space_candidates
 
@@ -179,6 +180,11 @@ TEMPLATE = jinja2.Environment(autoescape=True).from_string("""<!DOCTYPE html>
 <body>
 <h1>batchsweep report: {{ title }}</h1>
 <p class='meta'>Made {{ stamp }} from {{ source }}. Reproduce with <code>{{ reproduce }}</code>.</p>
+{% for name, lines in advice %}
+<div class='summary'><h2>What to use: {{ name }}</h2><ul>
+{% for s in lines %}<li>{{ s }}</li>{% endfor %}
+</ul></div>
+{% endfor %}
 {% for name, sentences, how in summaries %}
 <div class='summary'><h2>Findings: {{ name }}</h2><p class='meta'>Protocol: {{ how }}.</p><ul>
 {% for s in sentences %}<li>{{ s }}</li>{% endfor %}
@@ -231,10 +237,12 @@ def _clear(folder: Path) -> None:
 
 
 def _markdown(studies, title: str, stamp: str, source: str, reproduce: str, summaries: list, sections: list,
-              health: list, models: list) -> str:
+              health: list, models: list, advice: list) -> str:
     """report.md: the same sections as the page, every string from the data escaped by md()."""
     md_lines = [f"# batchsweep report: {md(title)}", "", f"Made {stamp} from {md(source)}. Reproduce with: "
                 f"{md(reproduce)}", ""]
+    for name, lines in advice:
+        md_lines += [f"## What to use: {md(name)}", "", *(f"- {md(s)}" for s in lines), ""]
     for name, sentences, how in summaries:
         md_lines += [f"## Findings: {md(name)}", "", f"Protocol: {md(how)}.", "", *(f"- {md(s)}" for s in sentences),
                      ""]
@@ -320,12 +328,13 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
         if unhealthy is not None:
             health.append((study.name, None if unhealthy.empty else unhealthy))
     models = [(s.name, table) for s in studies if (table := _models(s.trials, s.objectives[0])) is not None]
+    advice = [(s.name, lines) for s in studies if (lines := recommend(s))]
     (folder / "report.md").write_text(_markdown(studies, title, stamp, source, reproduce, summaries, sections,
-                                                health, models))
+                                                health, models, advice))
 
     page = TEMPLATE.render(
         title=title, css=Markup(CSS), stamp=stamp, source=source, reproduce=reproduce,
-        summaries=summaries, health=health, html_table=_html_table, models=models,
+        advice=advice, summaries=summaries, health=health, html_table=_html_table, models=models,
         sections=[(t, [(label, fig, base64.b64encode(path.read_bytes()).decode(), caption)
                        for label, fig, path, caption in items]) for t, items in sections],
         trials=[(s.name, _table(s)) for s in studies])

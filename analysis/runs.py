@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import math
+import shlex
 import sys
 from dataclasses import dataclass
+from pathlib import PurePath
 
 import numpy as np
 import pandas as pd
@@ -34,6 +36,16 @@ class StudyRuns:
     varied: tuple[str, ...] = ()  # the fields the study varies (its grid axes and searched fields)
     objectives: tuple[tuple[str, str], ...] = (("val_acc", "maximize"),)  # (metric, direction) as Optuna saw them
     evals: pd.DataFrame | None = None  # evaluations within epochs (eval_every_steps): one row per (run_id, step)
+    run_as: str = ""  # the arguments of `run` that run this study again: --study (and --study-name where it differs)
+
+
+def _run_as(name: str, tags: dict) -> str:
+    """--study as the latest invocation named it (a built-in by its name, else its file or import path), and
+    --study-name where the experiment is not named as the study."""
+    source, defined = tags.get("study_file") or "", tags.get("study") or name
+    builtin = PurePath(source).parent.name == "builtin" and PurePath(source).stem == defined
+    said = f"--study {shlex.quote(defined if builtin or not source else source)}"
+    return said + (f" --study-name {shlex.quote(name)}" if defined != name else "")
 
 
 # Params the trainer computes from others (trainers/config.py's DERIVED, which analysis/ may not import; a test
@@ -120,7 +132,7 @@ def _study(client: MlflowClient, name: str, runs, shown_uri: str) -> StudyRuns:
     history, evals = _history(client, children, name, shown)
     return StudyRuns(name, trials, history, parents[-1].info.run_id if parents else None,
                      shown_uri, _varied(tags.get("batchsweep.varied"), trials, names),
-                     _objectives(tags.get("batchsweep.objective")), evals)
+                     _objectives(tags.get("batchsweep.objective")), evals, _run_as(name, tags))
 
 
 def _history(client: MlflowClient, runs, name: str,

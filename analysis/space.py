@@ -100,7 +100,7 @@ def importance(study: StudyRuns) -> Figure | None:
 
     t = _objective_trials(study)
     fields, note = choices(study, t)
-    if len(t) < MIN_IMPORTANCE_TRIALS or not fields:
+    if len(t) < MIN_IMPORTANCE_TRIALS or len(fields) < 2:  # (one field takes all the variance: nothing to rank)
         return None
     distributions = {}
     for f in fields:
@@ -273,23 +273,32 @@ def time_to_target(trials: pd.DataFrame, history: pd.DataFrame, metric: str, tar
     return trials["run_id"].map(reached)
 
 
+def identical_spread(t: pd.DataFrame, fields: list[str]) -> float | None:
+    """How far apart the times of identical runs (B = base_batch under each LR rule, one seed) came: what two
+    measurements of one configuration differ by. None where the study holds no such runs."""
+    if "lr_rule" not in fields or not {"base_batch", "seed"} <= set(t):
+        return None
+    copies = t[(t["lr_rule"] == EVERY_RULE) & t["seconds"].notna()].groupby("seed")["seconds"]
+    spread = (copies.max() - copies.min())[copies.size() > 1]
+    return float(spread.max()) if len(spread) else None
+
+
 def _timing_note(t: pd.DataFrame, fields: list[str], saving: float) -> str:
-    """Times are one wall-clock measurement per run; identical runs (B = base_batch under each LR rule) show
-    how far two measurements of one configuration lie apart, against which a saving is read."""
+    """Times are one wall-clock measurement per run; identical runs show how far two measurements of one
+    configuration lie apart, against which a saving is read."""
     said = " Each time is one wall-clock measurement of one run (a configuration's: the median over its seeds)"
-    if "lr_rule" in fields and {"base_batch", "seed"} <= set(t):
-        copies = t[(t["lr_rule"] == EVERY_RULE) & t["seconds"].notna()].groupby("seed")["seconds"]
-        spread = (copies.max() - copies.min())[copies.size() > 1]
-        if len(spread):
-            said += (f"; identical runs (B = base_batch under each LR rule, one seed) took times up to "
-                     f"{spread.max():,.1f} s apart")
-            if 0 < saving <= spread.max():
-                said += f", more than the {saving:,.1f} s saved, so that saving is not resolved"
+    spread = identical_spread(t, fields)
+    if spread is not None:
+        said += f"; identical runs (B = base_batch under each LR rule, one seed) took times up to {spread:,.1f} s apart"
+        if 0 < saving <= spread:
+            said += f", more than the {saving:,.1f} s saved, so that saving is not resolved"
     return said + "."
 
 
-def time_front(study: StudyRuns) -> Figure | None:
-    """The first objective (an accuracy to maximize) against the time to reach the target."""
+def times(study: StudyRuns):
+    """Each configuration's median seconds to the target over its seeds, where most of them reached it: (trials
+    with their seconds, per-seed rows, per-configuration points, fields, target); None where the study has no
+    accuracy to maximize, no epoch times or fewer than two configurations that got there."""
     t = _objective_trials(study)
     fields, _ = choices(study, t, merge_batch=False)
     value, direction = study.objectives[0]
@@ -310,8 +319,16 @@ def time_front(study: StudyRuns) -> Figure | None:
             rows.append({**dict(zip(fields, key)), value: g[value].mean(), "half": ci95(g[value]),
                          "seconds": g["seconds"].median()})
     points = pd.DataFrame(rows)
-    if len(points) < 2:
+    return None if len(points) < 2 else (t, seeds, points, fields, target)
+
+
+def time_front(study: StudyRuns) -> Figure | None:
+    """The first objective (an accuracy to maximize) against the time to reach the target."""
+    found = times(study)
+    if found is None:
         return None
+    t, seeds, points, fields, target = found
+    value = study.objectives[0][0]
     kept = pd.Series(False, index=seeds.index)
     for _, row in points.iterrows():
         kept |= of(seeds, fields, row)

@@ -1,0 +1,156 @@
+"""What to use: the block at the top of a report. It is made from the comparisons the findings state (findings.py:
+each LR rule's B against the smallest B, the rules at one B, the twins; best.py: the best configuration and its
+ties; space.py: the times to the target), with the same statistics, never from a second computation. Each line
+says how sure it is; where the study cannot support a pick (one seed, nothing separable), the block says so and
+gives the command that would.
+"""
+from __future__ import annotations
+
+import pandas as pd
+
+from batchsweep.sweeps import commands
+
+from .best import EVERY_RULE, best_set
+from .figures import Measure, finished, measure
+from .findings import _listed, rule_comparisons, rules_at, stated, twin_pairs
+from .runs import StudyRuns, quantum
+from .space import identical_spread, label, shown, times
+from .verdicts import judge
+
+MIB = 2 ** 20
+
+
+def _seed_command(study: StudyRuns) -> str:
+    return f"{commands.command('run')} {study.run_as or '--study ' + study.name} --seeds 3"
+
+
+def _memory(t: pd.DataFrame, b: int, k: int) -> str:
+    rows = t[(t["physical_batch"] == b) & (t["accum_steps"] == k)] if "peak_memory_bytes" in t else t.iloc[0:0]
+    return f", {rows['peak_memory_bytes'].mean() / MIB:,.2f} MiB" if len(rows) else ""
+
+
+def _batching(t: pd.DataFrame, rule: str, b: int, twins: dict, m: Measure) -> str:
+    """How to make B: accumulated or true batch, as the twins' verdict at (rule, B) reads, and what each cost in
+    memory."""
+    v = twins.get((rule, b))
+    small = int(t["physical_batch"].min())
+    if v is None or b % small:
+        return ""
+    made = (f"accumulating (b = {small}, k = {b // small}{_memory(t, small, b // small)}) against the true batch "
+            f"(b = {b}, k = 1{_memory(t, b, 1)}): {stated(v.d, 'higher', 'lower', m, v)}")
+    advice = "b: the largest that fits your memory" if not v.resolved else "they differ: the better one, where it fits"
+    return f"; {made}; {advice} (`{commands.command('plan')} --target-batch {b} --memory-budget SIZE`)"
+
+
+def per_batch(study: StudyRuns, m: Measure) -> list[str]:
+    """For each B the study reached above the smallest: the LR rule of the best mean there with those that cannot
+    be told from it, its cost against the smallest B (the findings' family), and how to make B."""
+    found = rule_comparisons(study.trials, m)
+    if found is None:
+        return []
+    t, compared, verdicts = found
+    cost = {(rule, b): (base, v) for (rule, b, base, _), v in zip(compared, verdicts)}
+    twins = {}
+    pairs = twin_pairs(study.trials, m)
+    for (key, _), v in zip(pairs, judge([d for _, d in pairs], m.margin)):
+        twins[(key.get("lr_rule"), key["effective_batch"])] = v
+    step, out = quantum(t[m.name]), []
+    for b in sorted(int(b) for b in t["effective_batch"].unique()):
+        at = rules_at(t, b, m, step)
+        if at is None:
+            continue
+        means, _, ties, best = at
+        if (best, b) not in cost:
+            continue
+        base, v = cost[(best, b)]
+        others = [r for r in means.index[1:] if r not in ties]
+        which = (f"the {best} LR rule ({m.level(means[best])}, the best mean"
+                 + (f"; {_listed(ties)} cannot be told from it" if ties else "; every other rule resolved below it")
+                 + (f"; {_listed(others)} resolved below it" if ties and others else "") + ")")
+        out.append(f"At B = {b}: {which}; against B = {base}: {stated(v.d, m=m, v=v)}"
+                   f"{_batching(t, best, b, twins, m)}.")
+    return out
+
+
+def largest_free(study: StudyRuns, m: Measure) -> list[str]:
+    """The largest B shown to cost nothing against the smallest B (equivalent within the margin there and at
+    every B below it, under one rule), or that none was, and which came nearest."""
+    found = rule_comparisons(study.trials, m)
+    if found is None:
+        return []
+    _, compared, verdicts = found
+    judged = [(r, b, base, v) for (r, b, base, _), v in zip(compared, verdicts) if v is not None and v.d.n >= 2]
+    shown_free = None
+    for rule in dict.fromkeys(r for r, *_ in judged):
+        mine = [x for x in judged if x[0] == rule]
+        free = [x for i, x in enumerate(mine) if all(v.equivalent and not v.resolved for *_, v in mine[:i + 1])]
+        if free and (shown_free is None or free[-1][1] > shown_free[1]):
+            shown_free = free[-1]
+    if shown_free:
+        rule, b, base, v = shown_free
+        return [f"The largest B shown to cost nothing: B = {b} under the {rule} LR rule, {stated(v.d, m=m, v=v)} "
+                f"against B = {base}, and every B between them too."]
+    if not judged:
+        return []
+    rule, b, base, v = min(judged, key=lambda x: abs(x[3].d.mean) + x[3].d.half)
+    return [f"No B above the smallest was shown to cost nothing (its whole 95% interval within ±{m.margin_text}); "
+            f"the nearest was B = {b} under the {rule} LR rule against B = {base}: {stated(v.d, m=m, v=v)}."]
+
+
+def best(study: StudyRuns, m: Measure) -> list[str]:
+    """The best configuration's mean and the set that cannot be told from it (best.py, as the trials table marks
+    it)."""
+    value, direction = study.objectives[0]  # (what best_set ranks by; the Measure only where it is that metric)
+    m = m if m.name == value else Measure(value, direction == "maximize")
+    t = finished(study.trials)
+    t = t[pd.to_numeric(t[value], errors="coerce").notna()] if value in t else t.iloc[0:0]
+    found = best_set(study, t)
+    if found is None:
+        return []
+    _, fields, tied, configurations = found
+    top, n = tied.iloc[0], int(t["seed"].nunique())
+    named = "; ".join(label(row, fields) for _, row in tied.iloc[1:6].iterrows()) + ("; …" if len(tied) > 6 else "")
+    what = "accuracy" if m.points else f"{m.name}{m.better}"
+    ties = (f"{len(tied) - 1} other{'s' * (len(tied) > 2)} cannot be told from it ({named})" if len(tied) > 1 else
+            "every other configuration was resolved below it")
+    return [f"The best {what}: {label(top, fields)} ({m.level(top[m.name])} over {n} seeds, the highest of "
+            f"{configurations} configurations, so biased upward by the pick); {ties}; paired by seed, "
+            f"Benjamini-Hochberg at 5% over {configurations - 1} comparisons."]
+
+
+def fastest(study: StudyRuns) -> list[str]:
+    """The least median time to the target, with every configuration within what identical runs differ by."""
+    found = times(study)
+    if found is None:
+        return []
+    t, _, points, fields, target = found
+    points = points.sort_values("seconds")
+    top = points.iloc[0]
+    value = study.objectives[0][0]
+    spread = identical_spread(t, fields)
+    said = (f"The shortest time to {value} {shown(target, percent=value == 'val_acc')}: {label(top, fields)} "
+            f"({top['seconds']:,.1f} s, the median over its seeds; each time is one wall-clock measurement")
+    if spread is None:
+        return [said + ", and no identical runs say how far two measurements of one configuration lie apart)."]
+    near = points[(points["seconds"] - top["seconds"] <= spread)].iloc[1:]
+    near_said = (f"; within that: {'; '.join(label(r, fields) for _, r in near.head(5).iterrows())}"
+                 f"{'; …' if len(near) > 5 else ''}" if len(near) else "")
+    return [said + f"; identical runs came up to {spread:,.1f} s apart{near_said})."]
+
+
+def recommend(study: StudyRuns) -> list[str]:
+    """The recommendation's lines: per B, then the pick for each goal the study can speak to."""
+    t = finished(study.trials)
+    m = measure(study.trials, study.objectives[0])
+    if m is None or t.empty:
+        return []
+    if ("seed" not in t or t["seed"].nunique() < 2) and len(t) > 1:
+        return [f"With one seed no configuration can be told from another, so nothing is recommended: run "
+                f"`{_seed_command(study)}` (it keeps these trials and adds seeds 1 and 2), then the report again."]
+    lines = [*per_batch(study, m), *best(study, m), *largest_free(study, m), *fastest(study)]
+    if not lines:
+        return ["Nothing here is a choice to recommend: the study varies no field as an independent choice (its "
+                "findings below answer its own question), or too few trials finished."]
+    if any(EVERY_RULE in line for line in lines):
+        lines.append(f"({EVERY_RULE}: at B = base_batch every LR rule gives the same learning rate.)")
+    return lines
