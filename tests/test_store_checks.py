@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from batchsweep.sweeps.stores.urls import check_storage, check_tracking_uri, redact, scrub
+from batchsweep.sweeps.stores.urls import check_storage, check_tracking_uri, redact, runs_address, scrub
 from tests.conftest import ROOT
 from tests.test_sweeps import TINY
 
@@ -213,3 +213,10 @@ def test_a_new_storage_whose_schema_another_process_stamped_meanwhile_opens(tmp_
         sqlalchemy.event.remove(sqlalchemy.engine.Engine, "connect", other_process)
     assert len(stamped) == 2  # the collision, then the stamp that went through
     assert optuna.create_study(storage=storage, study_name="after").study_name == "after"
+
+
+def test_the_runs_address_opens_the_runs_table_of_a_server_or_says_how_to_serve_a_local_store():
+    assert runs_address("http://u:secret@host:5000/", "7") == "http://u:***@host:5000/#/experiments/7/runs"
+    assert runs_address("sqlite:////tmp/my runs/mlflow.db", "1") == (
+        "mlflow ui --backend-store-uri 'sqlite:////tmp/my runs/mlflow.db', then "
+        "http://127.0.0.1:5000/#/experiments/1/runs")

@@ -101,6 +101,11 @@ def test_tiny_study_end_to_end(tmp_path):
     children, parents = child_runs(client)
     assert len(parents) == 1 and len(children) == 3
     parent = parents[0]
+    # The runs table in the UI, one address (MLflow 3.x opens an experiment on its overview), and the objective by
+    # its name in optuna-dashboard and Optuna's plots.
+    assert (f"MLflow runs: mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlruns/mlflow.db, then "
+            f"http://127.0.0.1:5000/#/experiments/{parent.info.experiment_id}/runs") in proc.stdout
+    assert optuna.load_study(study_name="accum_lr", storage=storage).metric_names == ["val_acc"]
     assert parent.info.status == "FINISHED" and parent.data.params["model"] == "mlp"
     report = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
     assert {"report/report.html", "report/report.md", "report/trials.csv"} <= report

@@ -159,6 +159,9 @@ def create_studies(inv, storage: optuna.storages.BaseStorage) -> None:
         except optuna.exceptions.DuplicatedStudyError:
             continue
         study.set_user_attr(PROTOCOL, protocol(inv))
+        with warnings.catch_warnings():  # (experimental since Optuna 3.2, unchanged since)
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study.set_metric_names(list(inv.study.metrics))  # optuna-dashboard and optuna's plots say val_acc
 
 
 def protocol(inv) -> dict[str, str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import sqlite3
 import urllib.error
 import urllib.parse
@@ -186,3 +187,12 @@ def _database_unreachable(url: str, timeout: float) -> str | None:
 
 def sqlite_path(url: str) -> Path | None:
     return Path(url.removeprefix("sqlite:///")) if url.startswith("sqlite:///") else None
+
+
+def runs_address(url: str, experiment_id: str) -> str:
+    """Where the MLflow UI shows a study's runs table (3.x opens an experiment on its overview, the runs one click
+    away): the tracking server's own page, or for a local store the command that serves it and the address."""
+    page = f"#/experiments/{experiment_id}/runs"
+    if url.startswith(("http://", "https://")):
+        return f"{redact(url).rstrip('/')}/{page}"
+    return f"mlflow ui --backend-store-uri {shlex.quote(redact(url))}, then http://127.0.0.1:5000/{page}"

@@ -20,7 +20,7 @@ from .places import FIX
 from .tables import results_table
 from ..stores.mlflow_store import (HOST, Tracker, TrackingError, first_line, git_commit, quiet_library_logs,
                                    standard_tags)
-from ..stores.urls import redact
+from ..stores.urls import redact, runs_address
 
 # A worker's message that moves the bar: counting this invocation's trials, not the study's, keeps the bar
 # right when another machine's workers share the study or a point claimed twice is given back. Its bar over
@@ -335,6 +335,7 @@ def finish(inv, tracker: Tracker, parent: str, storage, left: int | None) -> int
         print(f"warning: the models were not logged ({first_line(exc, inv.storage)}); the trials are kept",
               file=sys.stderr)
     print(results_table(inv, storage))
+    print(f"MLflow runs: {runs_address(inv.tracking_uri, tracker.experiment_id)}")
     clashed = [t for name in inv.study_names() for t in optuna.load_study(study_name=name, storage=storage).get_trials(
         deepcopy=False) if "clash" in t.user_attrs and t.user_attrs.get("invocation") == parent]
     if clashed:
