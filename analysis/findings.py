@@ -290,6 +290,7 @@ def bn(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
         return []
     out = []
     b = t["physical_batch"].min()
+    finals = {k: verdicts for k, _, _, verdicts in bn_against_true(trials, m)}  # (the same rules, in order)
     for k in sorted(t.loc[t["accum_steps"] > 1, "accum_steps"].unique()):
         at_k = t[(t["accum_steps"] == k) & (t["physical_batch"] == b)]
         true = t[(t["accum_steps"] == 1) & (t["effective_batch"] == k * b)]
@@ -317,12 +318,25 @@ def bn(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
             out.append(f"At k = {k} (B = {k * b}), the BN running means ended {listing} population standard "
                        f"deviations from the population means of the final weights (true batch: "
                        f"{_sig(float(true['bn_mean_error'].mean()))}); {verdict_text}.")
-        step = quantum(t[m.name])
-        diffs = [paired(at_k[at_k["bn_momentum_rule"] == r], true, m.name, step) for r in rules]
-        final = "; ".join(f"{r} {stated(v.d, 'above', 'below', m, v)}" for r, v in zip(rules, judge(diffs, m.margin))
+        final = "; ".join(f"{r} {stated(v.d, 'above', 'below', m, v)}" for r, v in zip(rules, finals[int(k)])
                           if v is not None)
         if final:
             out.append(f"Final {'accuracy' if m.points else m.name} at k = {k} against the true batch: {final}.")
+    return out
+
+
+def bn_against_true(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[tuple[int, int, list[str], list]]:
+    """Per k: (k, B, the BN rules, their verdicts against the true batch at B), paired by seed, one family per k."""
+    t = finished(trials)
+    if "bn_momentum_rule" not in t or t["bn_momentum_rule"].nunique() < 2:
+        return []
+    b, step, out = t["physical_batch"].min(), quantum(t[m.name]), []
+    for k in sorted(t.loc[t["accum_steps"] > 1, "accum_steps"].unique()):
+        at_k = t[(t["accum_steps"] == k) & (t["physical_batch"] == b)]
+        true = t[(t["accum_steps"] == 1) & (t["effective_batch"] == k * b)]
+        rules = in_order("bn_momentum_rule", at_k["bn_momentum_rule"])
+        diffs = [paired(at_k[at_k["bn_momentum_rule"] == r], true, m.name, step) for r in rules]
+        out.append((int(k), int(k * b), rules, judge(diffs, m.margin)))
     return out
 
 

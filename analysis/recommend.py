@@ -12,7 +12,7 @@ from batchsweep.sweeps import commands
 
 from .best import EVERY_RULE, best_set
 from .figures import Measure, finished, measure
-from .findings import _listed, rule_comparisons, rules_at, stated, twin_pairs
+from .findings import _listed, bn_against_true, rule_comparisons, rules_at, stated, twin_pairs
 from .runs import StudyRuns, quantum
 from .space import identical_spread, label, shown, times
 from .verdicts import judge
@@ -138,6 +138,26 @@ def fastest(study: StudyRuns) -> list[str]:
     return [said + f"; identical runs came up to {spread:,.1f} s apart{near_said})."]
 
 
+def bn_rules(study: StudyRuns, m: Measure) -> list[str]:
+    """Per k, the BN momentum rules shown to match the true batch's final accuracy (equivalent within the margin),
+    as the findings compare them; or that none was, and the nearest."""
+    out = []
+    for k, b, rules, verdicts in bn_against_true(study.trials, m):
+        judged = [(r, v) for r, v in zip(rules, verdicts) if v is not None and v.d.n >= 2]
+        if not judged:
+            continue
+        same = [r for r, v in judged if v.equivalent and not (v.resolved and m.worse(v.d))]
+        head = f"BN momentum at k = {k} (B = {b}), against the true batch's final accuracy"
+        if same:
+            out.append(f"{head}: {_listed(same)} shown to match it (" + "; ".join(
+                f"{r} {stated(v.d, 'above', 'below', m, v)}" for r, v in judged if r in same) + ").")
+        else:
+            r, v = min(judged, key=lambda x: abs(x[1].d.mean) + x[1].d.half)
+            out.append(f"{head}: no rule shown to match it within ±{m.margin_text}; the nearest, {r}: "
+                       f"{stated(v.d, 'above', 'below', m, v)}.")
+    return out
+
+
 def recommend(study: StudyRuns) -> list[str]:
     """The recommendation's lines: per B, then the pick for each goal the study can speak to."""
     t = finished(study.trials)
@@ -147,7 +167,7 @@ def recommend(study: StudyRuns) -> list[str]:
     if ("seed" not in t or t["seed"].nunique() < 2) and len(t) > 1:
         return [f"With one seed no configuration can be told from another, so nothing is recommended: run "
                 f"`{_seed_command(study)}` (it keeps these trials and adds seeds 1 and 2), then the report again."]
-    lines = [*per_batch(study, m), *best(study, m), *largest_free(study, m), *fastest(study)]
+    lines = [*per_batch(study, m), *best(study, m), *largest_free(study, m), *fastest(study), *bn_rules(study, m)]
     if not lines:
         return ["Nothing here is a choice to recommend: the study varies no field as an independent choice (its "
                 "findings below answer its own question), or too few trials finished."]

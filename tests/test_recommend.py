@@ -121,3 +121,22 @@ def test_each_built_in_study_shows_the_sections_its_design_supports(name):
     assert any(line.startswith("At B = ") for line in lines) == per_b, lines
     if not sections:  # no best overall anywhere: not in the block, not as a mark in the table
         assert not any(line.startswith("The best ") for line in lines) and "best or tied" not in _table(study)
+
+
+def test_a_batchnorm_study_names_the_momentum_rules_shown_to_match_the_true_batch():
+    """bn_momentum's question: at each k, which BN rule gives the true batch's accuracy. A rule within 0.1 point
+    of it in every seed is shown to match it (equivalent within ±1 point); one 3 points below is not named."""
+    rows = []
+    for seed, base in enumerate((0.950, 0.955, 0.948)):
+        rows += [{"physical_batch": 128, "accum_steps": 1, "bn_momentum_rule": "default", "val_acc": base},
+                 {"physical_batch": 32, "accum_steps": 4, "bn_momentum_rule": "default", "val_acc": base - 0.03},
+                 {"physical_batch": 32, "accum_steps": 4, "bn_momentum_rule": "scaled", "val_acc": base - 0.001 * seed}]
+        rows[-3:] = [{**r, "seed": seed, "status": "FINISHED", "effective_batch": r["physical_batch"] * r["accum_steps"]}
+                     for r in rows[-3:]]
+    trials = pd.DataFrame(rows)
+    trials["batch"] = np.where(trials["accum_steps"] > 1, "accumulated", "true batch")
+    study = StudyRuns("bn", trials, pd.DataFrame(), None, "", varied=VARIED[:2] + ("bn_momentum_rule",))
+    [line] = [line for line in recommend(study) if line.startswith("BN momentum")]
+    assert line.startswith("BN momentum at k = 4 (B = 128), against the true batch's final accuracy: scaled shown to "
+                           "match it (scaled equivalent within ±1 point (-0.1 ± ")
+    assert "default" not in line.split(": ", 1)[1]
