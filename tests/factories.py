@@ -626,3 +626,19 @@ def noise_truth(dataset: str, data_dir: str, seed: int = 0) -> float:
     flat = torch.cat([g.reshape(len(data.x_train), -1) for g in per_sample.values()], 1)
     mean = flat.mean(0)
     return (((flat - mean) ** 2).sum() / (len(flat) - 1) / mean.pow(2).sum()).item()
+
+
+def bn_mlp(input_shape, num_classes, **_):
+    """A small MLP with BatchNorm: running statistics that each accumulated micro-batch moves."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(int(np.prod(input_shape)), 16), nn.BatchNorm1d(16), nn.ReLU(),
+                         nn.Linear(16, num_classes))
+
+
+def dropout_mlp(input_shape, num_classes, **_):
+    return nn.Sequential(nn.Flatten(), nn.Linear(int(np.prod(input_shape)), 16), nn.Dropout(0.1), nn.ReLU(),
+                         nn.Linear(16, num_classes))
+
+
+def blobs300(seed=0, **_):
+    """300 train and 60 test points: 10 micro-batches of 32 an epoch, the last short (12)."""
+    return _blobs(300, 60, 11)

@@ -22,6 +22,8 @@ RUNS = {
                               "host_extra_us"),
     "throughput.py mappings": ([], ["--model", "tests.factories:keyword_lm", "--dataset", "tests.factories:hf_shaped",
                                     "--epochs", "3", "--physical-batch", "4", "--accum-steps", "2"], "ratio"),
+    "fused.py": ([], ["--model", "mlp", "--dataset", "synthetic:blobs", "--epochs", "1", "--repeats", "1",
+                      "--accum", "1", "2"], "speedup"),
     "memory.py": ([], ["--model", "mlp", "--dataset", "synthetic:blobs", "--physical-batch", "8"], "flat_ratio"),
     "diagnostics_overhead.py": ([], [*TINY, "--repeats", "1"], "overhead"),
     "checkpoint_cost.py": ([], [*TINY, "--pairs", "1"], "checkpoint_share"),

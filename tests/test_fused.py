@@ -1,0 +1,89 @@
+"""Fused members train exactly as they would alone: every member's weights after each of its steps, its history
+and its result, against its solo `train`; a member that diverges ends alone; what cannot be fused is refused
+before any step."""
+import math
+
+import pytest
+import torch
+
+from batchsweep.trainers import TrainConfig, train
+from batchsweep.trainers.fused import NotFusable, alone, group_key, train_fused
+from batchsweep.trainers.probes import Probe
+
+BASE = dict(model="tests.factories:bn_mlp", dataset="tests.factories:blobs300", physical_batch=32, epochs=2,
+            dtype="float64", device="cpu", warmup_epochs=1, base_lr=0.1, seed=3)
+# Every k (the epoch's last window short: 300 samples at b = 32 are 10 micro-batches, the last of 12), each LR
+# rule, a cosine schedule, clipping and AdamW among them.
+MEMBERS = [dict(accum_steps=1, lr_rule="none"), dict(accum_steps=2, lr_rule="linear"),
+           dict(accum_steps=4, lr_rule="sqrt", schedule="cosine"), dict(accum_steps=3, lr_rule="linear", grad_clip=0.5),
+           dict(accum_steps=2, optimizer="adamw", lr_rule="adam_sqrt", base_lr=0.01, weight_decay=0.01)]
+
+
+class Weights(Probe):
+    """Every parameter after each optimizer step."""
+
+    def start(self, run):
+        super().start(run)
+        self.seen = []
+
+    def after_step(self, step):
+        self.seen.append(torch.cat([p.detach().flatten().clone() for p in self.run.model.parameters()]))
+
+
+def solo(config: TrainConfig):
+    probe = Weights()
+    return train(config, probes=[probe], diagnostics=False), probe.seen
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("model", ["tests.factories:bn_mlp", "mlp"])
+def test_every_member_steps_as_its_solo_run_in_float64(model):
+    configs = [TrainConfig(**{**BASE, "model": model, **m}) for m in MEMBERS]
+    assert len({group_key(c) for c in configs}) == 1
+    probes, rows = [[Weights()] for _ in configs], [[] for _ in configs]
+    fused = train_fused(configs, on_epoch=[r.append for r in rows], probes=probes)
+    for config, (probe,), result, seen_rows in zip(configs, probes, fused, rows):
+        alone_result, alone_seen = solo(config)
+        assert len(probe.seen) == len(alone_seen) == 2 * math.ceil(10 / config.accum_steps)
+        assert max(relative(a, b) for a, b in zip(probe.seen, alone_seen)) < 1e-10, config
+        assert seen_rows == result.history
+        for mine, theirs in zip(result.history, alone_result.history):
+            assert mine["steps"] == theirs["steps"] and mine["samples"] == theirs["samples"]
+            for name in ("train_loss", "val_loss", "val_acc", "current_lr"):
+                assert mine[name] == pytest.approx(theirs[name], rel=1e-10, abs=1e-12), name
+        if model != "mlp":  # the running statistics are the member's own: its evaluation is its solo one
+            for a, b in zip(result.model.buffers(), alone_result.model.buffers()):
+                assert relative(a.double(), b.double()) < 1e-10
+
+
+def test_one_step_of_every_member_in_float32_is_its_solo_step():
+    configs = [TrainConfig(**{**BASE, "dtype": "float32", "epochs": 1, **m}) for m in MEMBERS]
+    probes = [[Weights()] for _ in configs]
+    train_fused(configs, probes=probes)
+    for config, (probe,) in zip(configs, probes):
+        assert relative(probe.seen[0], solo(config)[1][0]) < 1e-6, config
+
+
+def test_a_member_that_diverges_ends_alone_and_the_others_go_on():
+    configs = [TrainConfig(**{**BASE, "epochs": 4, **MEMBERS[0]}),
+               TrainConfig(**{**BASE, "epochs": 4, "accum_steps": 2, "base_lr": 1e30, "warmup_epochs": 0})]
+    fused = train_fused(configs)
+    diverged = solo(configs[1])[0]
+    assert diverged.status == fused[1].status == "diverged" and len(fused[1].history) == len(diverged.history) < 4
+    assert fused[0].status == "ok" and len(fused[0].history) == 4
+    assert fused[0].history[-1]["val_acc"] == pytest.approx(solo(configs[0])[0].history[-1]["val_acc"])
+
+
+def test_what_cannot_train_as_one_is_refused_before_any_step():
+    with pytest.raises(NotFusable, match="differ in physical_batch"):
+        train_fused([TrainConfig(**BASE), TrainConfig(**{**BASE, "physical_batch": 16})])
+    with pytest.raises(NotFusable, match="differ in bn_momentum"):  # k updates of the statistics at another m
+        train_fused([TrainConfig(**BASE), TrainConfig(**{**BASE, "accum_steps": 2, "bn_momentum_rule": "scaled"})])
+    assert alone(TrainConfig(**{**BASE, "max_steps": 3})) == "it stops at max_steps"
+    probe = Weights()
+    with pytest.raises(NotFusable, match="cannot be stacked"):  # dropout: no stacked draw is each solo run's
+        train_fused([TrainConfig(**{**BASE, "model": "tests.factories:dropout_mlp"})] * 2, probes=[[probe], []])
+    assert probe.seen == []

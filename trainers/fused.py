@@ -1,0 +1,244 @@
+"""Configurations that see the same micro-batches, trained as one: a forward and a backward per micro-batch for
+all of them, each stepping at its own window's end.
+
+The order of an epoch depends on the seed only (trainers/order.py), so configurations that share the model,
+the data, b, the seed and the epochs feed the same micro-batches in the same order, whatever their k. Such
+members may differ in k, the LR rule and base LR, warmup and schedule, weight decay and the optimizer's
+settings. Each keeps its own parameters and its own torch.optim optimizer, the solo run's, stepped when its
+window of k micro-batches ends, at its own schedule's LR. The forward runs once for all members, through
+torch.func.vmap over their stacked parameters; one backward of the members' summed window shares gives each
+member exactly its own gradient (a sum's gradient is each term's). BatchNorm's running statistics live in
+stacked buffers that each member's model views, so a member's evaluation is its solo evaluation.
+
+What can change a member's forward or its micro-batches is refused (`alone`); a forward that draws random
+numbers (dropout) is refused at its first micro-batch, before any step (`NotFusable`), since a stacked forward
+cannot draw what each solo run would."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .config import TrainConfig
+from .data import Data
+from .distributed import NO_CONTEXT, ONE_PROCESS
+from .errors import ConfigError
+from .evaluation import evaluate, load_metrics
+from .feed import Feed, Window
+from .health import coverage_warnings
+from .loop import (EpochCallback, TrainResult, Trainee, _end_epoch, _result, divide, load, lr_at, make_optimizer,
+                   optimizer_groups, prepare, warmup_steps)
+from .checkpoint import Progress
+from .losses import add_counts, load_loss
+from .order import windows
+from .probes import LossTerms, Micro, Probe, Probes, Run
+from .shrink import Retry
+
+# What decides a member's micro-batches and its forward: equal in every member of a group.
+SHARED = ("model", "dataset", "loss", "metrics", "label_key", "norm", "physical_batch", "seed", "epochs", "dtype",
+          "device", "precision", "shuffle", "eval_batch", "data_dir", "bn_momentum")
+
+
+class NotFusable(ConfigError):
+    """These configurations cannot train as one: each is to train alone."""
+
+
+def alone(config: TrainConfig) -> str | None:
+    """Why `config` must train alone (None: it can be a member)."""
+    reasons = [(config.world_size > 1, "it trains on several processes"),
+               (config.shrink_on_oom, "shrink_on_oom may change its b mid-run"),
+               (bool(config.batch_warmup), "batch_warmup changes its B by epoch"),
+               (config.eval_every_steps > 0, "it evaluates within epochs"),
+               (config.max_steps > 0, "it stops at max_steps"),
+               (config.drop_last, "drop_last leaves out micro-batches that depend on k"),
+               (config.ghost_batch > 0, "ghost_batch changes its forward"),
+               (config.channels_last, "channels_last"),
+               (config.precision != "fp32", "bf16 autocast")]
+    return next((why for bad, why in reasons if bad), None)
+
+
+def group_key(config: TrainConfig) -> tuple | None:
+    """Configurations with the same key (not None) can train as one."""
+    return None if alone(config) else tuple(getattr(config, name) for name in SHARED)
+
+
+@dataclass
+class Member:
+    """One configuration of the group, as `train` would set it up for one process."""
+
+    config: TrainConfig
+    t: Trainee
+    model: nn.Module
+    progress: Progress
+    measure: Callable[[], dict[str, float]]
+    notes: list[str]
+    steps: list[int]  # its optimizer steps in each epoch
+    warmup: int
+    windows: list[Window] = dataclasses.field(default_factory=list)  # the epoch's, of k micro-batches each
+    step: int = 0
+    lr: float = 0.0
+    samples: int = 0  # trained this epoch
+    counted: object = 0  # a loss without counts(): the items its window's terms counted so far
+
+
+def train_fused(configs: list[TrainConfig], on_epoch: list[EpochCallback | None] | None = None,
+                probes: list[list[Probe]] | None = None, data: Data | None = None) -> list[TrainResult]:
+    """Train every configuration of one group (equal `group_key`) as `train(config, diagnostics=False)` would,
+    in one stacked forward and backward per micro-batch; each result is that member's. `on_epoch[i]` and
+    `probes[i]` are member i's. Raises NotFusable (before any step) where they cannot train as one."""
+    keys = {group_key(c) for c in configs}
+    if None in keys or len(keys) > 1:
+        why = next((alone(c) for c in configs if alone(c)), "they differ in " + ", ".join(
+            name for name in SHARED if len({getattr(c, name) for c in configs}) > 1))
+        raise NotFusable(f"these configurations cannot train as one: {why}")
+    data = data or load(configs[0])
+    if data.train_set is not None:
+        raise NotFusable("only datasets of tensors train fused (this one is read through a DataLoader)")
+    members = [_member(c, data, (probes or [[]] * len(configs))[i]) for i, c in enumerate(configs)]
+    first = members[0]
+    base = dataclasses.replace(first.config, accum_steps=1)  # its windows are the micro-batches
+    feed = Feed(first.measure.data, base, first.measure.device, first.t.loss)
+    forward = _stacked_forward(first.model)
+    active = list(members)
+    buffers = _stack_buffers(active)
+    callbacks = on_epoch or [None] * len(members)
+    for epoch in range(1, base.epochs + 1):
+        start = time.perf_counter()
+        micro = list(feed.epoch(epoch, base))
+        for m in active:
+            m.windows = _windows(micro, m.config.accum_steps)
+            m.samples = 0
+        for i, part in enumerate(micro):
+            _micro_batch(active, forward, buffers, part, i, len(micro) - 1, epoch == 1 and i == 0)
+        for m in active:
+            row = _end_epoch(m.config, m.t, m.measure.data, m.progress, m.measure, epoch, m.step, m.lr, m.samples,
+                             start, 0.0, (0, 0))
+            callback = callbacks[members.index(m)]
+            if callback is not None:
+                callback(row)
+        if any(m.progress.finished for m in active):  # a member that diverged ends; the others go on
+            active = [m for m in active if not m.progress.finished]
+            if not active:
+                break
+            buffers = _stack_buffers(active)
+    return [_result(m.config, m.t, m.model, m.measure.data, feed, m.progress, m.notes, m.measure.device, 0)
+            for m in members]
+
+
+class Measure:
+    """A member's evaluation on the test set, as `train` measures it (its data and device kept for the rest)."""
+
+    def __init__(self, model: nn.Module, data: Data, device: torch.device, config: TrainConfig, loss):
+        self.model, self.data, self.device, self.config, self.loss = model, data, device, config, loss
+        self.metrics = load_metrics(config.metrics)
+        self.feed = Feed(data, config, device, loss)
+
+    def __call__(self) -> dict[str, float]:
+        return evaluate(self.model, self.feed.test(), self.loss, self.config.precision, self.metrics)
+
+
+def _member(config: TrainConfig, data: Data, extra: list[Probe]) -> Member:
+    """The setup of `train` for one process, without checkpoints: the same model, optimizer, loss and probes."""
+    prepared = prepare(config, data)
+    model = prepared.model
+    model.train()
+    optimizer = make_optimizer(config, optimizer_groups(model))
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    loss = load_loss(config.loss, model)
+    if getattr(loss.fn, "__self__", None) is model:
+        raise NotFusable("a model's own loss method reads its own parameters, not the stacked ones")
+    probes = Probes(LossTerms(), list(extra))
+    probes.start(Run(config, model, optimizer, params, prepared.device, prepared.data.n_train, None,
+                     loss.divide_after))
+    progress = Progress()
+    t = Trainee(model, loss, optimizer, params, config.grad_clip, lambda: NO_CONTEXT, ONE_PROCESS, probes,
+                Retry(model, config, optimizer, probes, progress), config.physical_batch)
+    steps = [len(windows(torch.arange(prepared.data.n_train), config))] * config.epochs
+    return Member(config, t, model, progress, Measure(model, prepared.data, prepared.device, config, loss),
+                  prepared.notes + coverage_warnings(model, optimizer), steps, warmup_steps(config, steps))
+
+
+def _windows(micro: list[Window], k: int) -> list[Window]:
+    """The epoch's micro-batches (windows of b) grouped k at a time: a member's windows, with their counts."""
+    grouped = []
+    for i in range(0, len(micro), k):
+        parts, counts = micro[i:i + k], None
+        for part in parts:
+            counts = add_counts(counts, part.counts)
+        grouped.append(Window(sum(p.size for p in parts), counts, sum(p.rows for p in parts), None))
+    return grouped
+
+
+def _stacked_forward(model: nn.Module):
+    """The members' forward in one call: the model's, over stacked parameters and buffers (their first dim)."""
+    def one(params, buffers, x):
+        return torch.func.functional_call(model, (params, buffers), (x,))
+
+    return torch.func.vmap(one, in_dims=(0, 0, None), randomness="error")
+
+
+def _stack_buffers(members: list[Member]) -> dict[str, torch.Tensor]:
+    """The members' buffers stacked, each member's model then holding a view of its own slice (so that the
+    stacked forward's in-place updates of BatchNorm's statistics are the member's own)."""
+    stacked = {}
+    for name, _ in members[0].model.named_buffers():
+        stacked[name] = torch.stack([m.model.get_buffer(name) for m in members])
+        owner, _, leaf = name.rpartition(".")
+        for i, m in enumerate(members):
+            m.model.get_submodule(owner)._buffers[leaf] = stacked[name][i]
+    return stacked
+
+
+def _micro_batch(active: list[Member], forward, buffers: dict[str, torch.Tensor], part: Window, i: int,
+                 last: int, first: bool) -> None:
+    """Micro-batch i of the epoch for every active member: one stacked forward and backward, then each member
+    whose window ends here steps, as `window_step` does for one."""
+    (x, y), = part.cut(part.rows)
+    if isinstance(x, Mapping):
+        raise NotFusable("only tensor inputs train fused")
+    params = {name: torch.stack([m.model.get_parameter(name) for m in active])
+              for name, _ in active[0].model.named_parameters()}
+    try:
+        out = forward(params, buffers, x)
+    except RuntimeError as exc:
+        if first:  # nothing has stepped yet: the caller trains them alone
+            raise NotFusable(f"its forward cannot be stacked ({str(exc).splitlines()[0]})") from None
+        raise
+    shares, terms = [], []
+    for j, m in enumerate(active):
+        window = m.windows[i // m.config.accum_steps]
+        if i % m.config.accum_steps == 0:  # the window's first micro-batch: the schedule
+            m.lr = lr_at(m.config, m.step, sum(m.steps), m.warmup)
+            for group in m.t.optimizer.param_groups:
+                group["lr"] = m.lr
+        with m.t.probes.forward(m.step):
+            terms.append(m.t.loss.terms(out[j], y))
+        shares.append(m.t.loss.share(terms[j], window.counts))
+    sum(shares[1:], shares[0]).backward()
+    for j, m in enumerate(active):
+        k = m.config.accum_steps
+        window = m.windows[i // k]
+        m.t.probes.after_micro(Micro(m.step, window.size, x, y, terms[j]))
+        if m.t.loss.divide_after:
+            m.counted = m.counted + next(iter(terms[j].values()))[1]
+        if i % k == k - 1 or i == last:  # its window ends (the epoch's last may hold fewer than k)
+            _step(m, window)
+
+
+def _step(m: Member, window: Window) -> None:
+    t = m.t
+    if t.loss.divide_after:
+        divide(t.params, m.counted, ONE_PROCESS)
+        m.counted = 0
+    t.probes.before_step(m.step, window.size)
+    if t.clip:
+        nn.utils.clip_grad_norm_(t.params, t.clip)
+    t.optimizer.step()
+    t.probes.after_step(m.step)
+    t.optimizer.zero_grad(set_to_none=True)
+    m.step, m.samples = m.step + 1, m.samples + window.size
