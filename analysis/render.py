@@ -283,7 +283,7 @@ def _shared_title(titles: list[str]) -> str:
 
 def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], dict[str, list[str]]]:
     """Write the report of one study, or of several side by side, into `folder`. Returns the files written,
-    report.html first, and each study's findings."""
+    report.html first, and each study's recommendation ("Use: ...") and findings."""
     source = studies[0].tracking_uri  # as it may be shown: no password
     folder.mkdir(parents=True, exist_ok=True)
     _clear(folder)  # a figure the data no longer supports must not linger from an earlier report
@@ -341,4 +341,6 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
     (folder / "report.html").write_text(page)
     written = [folder / "report.html", folder / "report.md", *written]
     (folder / MANIFEST).write_text("\n".join(p.name for p in written) + "\n")
-    return written, {name: sentences for name, sentences, _ in summaries}
+    said = dict(advice)  # the MLflow note: what to use, then the findings
+    return written, {name: [*(f"Use: {line}" for line in said.get(name, [])), *sentences]
+                     for name, sentences, _ in summaries}
