@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 RESAMPLES = 2000  # bootstrap resamples of the seeds
+WORSE = ("diverged", "pruned")  # a trial that ended so was tried and did worse than any that finished
 PEAKS = np.linspace(-4.0, 4.0, 801)  # candidate log2(peak / geometric middle of the Bs): 16x beyond either end
 
 
@@ -48,9 +49,7 @@ class BestLR:
     noise_scale: float  # median over the best trials that measured it (NaN: none did)
     noise_range: tuple[float, float]
     noise_trials: int
-    # "rises then falls": the best LR at an inside B resolved above both ends; "only rises" ("only falls"): the
-    # slope's interval excludes 0 and no step against it is resolved; otherwise "not resolved"
-    shape: str
+    shape: str  # "rises then falls" | "only rises" | "only falls" | "not resolved" (see _shape)
 
     def sentence(self) -> str:
         """What the seeds resolve, in one paragraph."""
@@ -89,15 +88,21 @@ class BestLR:
 def best_lr_against_b(trials: pd.DataFrame, metric: str, direction: str, seed: int = 0) -> BestLR:
     """From one row per trial (effective_batch, lr, seed, the metric; status FINISHED counts): at each B each
     seed's best LR, refined by a parabola in log LR through its neighbours, then the shape over B."""
+    if metric not in trials:
+        raise ValueError(f"no trial has {metric}: nothing to find a best LR from")
     sign = 1.0 if direction == "maximize" else -1.0
-    done = trials[trials["status"] == "FINISHED"] if "status" in trials else trials
-    done = done.dropna(subset=[metric, "lr", "effective_batch"])
-    done = done[np.isfinite(done[metric])]
-    if done.empty:
+    index = trials.index
+    reason = trials["reason"] if "reason" in trials else pd.Series(None, index=index, dtype=object)
+    status = trials["status"] if "status" in trials else pd.Series("FINISHED", index=index)
+    value = (sign * pd.to_numeric(trials[metric], errors="coerce")).where(~reason.isin(WORSE), -np.inf)
+    kept = (reason.isin(WORSE) | ((status == "FINISHED") & np.isfinite(value))) & trials["lr"].notna()
+    done = trials[kept & trials["effective_batch"].notna()].assign(_value=value)
+    if not np.isfinite(done["_value"]).any():
         raise ValueError(f"no finished trial has {metric}: nothing to find a best LR from")
     best = {}  # (B, seed) -> (log best LR, at the edge, the best trial's index)
     for (batch, s), group in done.groupby(["effective_batch", "seed"]):
-        best[int(batch), int(s)] = _best_of(group.sort_values("lr"), metric, sign)
+        if np.isfinite(group["_value"]).any():  # (a seed whose every LR diverged has no best)
+            best[int(batch), int(s)] = _best_of(group.sort_values("lr"))
     batches = sorted({b for b, _ in best})
     seeds = sorted({s for _, s in best if all((b, s) in best for b in batches)})
     if len(seeds) < 1 or len(batches) < 2:
@@ -119,31 +124,36 @@ def best_lr_against_b(trials: pd.DataFrame, metric: str, direction: str, seed: i
     peak_low, peak_high = (np.percentile(peaks, [2.5, 97.5]) if len(batches) >= 3 else (math.nan, math.nan))
     slope_low, slope_high = np.percentile(slopes, [2.5, 97.5])
     steps = tuple((a, b, float(lo), float(hi)) for a, b, lo, hi in steps)
-    top = int(np.argmax(centre))  # a turn: the best LR at an inside B resolved above both ends
-    turned = 0 < top < len(batches) - 1 and all(np.percentile(means[top] - means[end], 2.5) > 0 for end in (0, -1))
-    if turned:
-        shape = "rises then falls"
-    elif slope_low > 0 and not any(high < 0 for *_, high in steps):
-        shape = "only rises"
-    elif slope_high < 0 and not any(low > 0 for _, _, low, _ in steps):
-        shape = "only falls"
-    else:
-        shape = "not resolved"
     return BestLR(metric, direction, points, peak, float(peak_low), float(peak_high),
-                  float(np.polyfit(x, centre, 1)[0]), float(slope_low), float(slope_high), steps, *noise, shape)
+                  float(np.polyfit(x, centre, 1)[0]), float(slope_low), float(slope_high), steps, *noise,
+                  _shape(centre, means, slope_low, slope_high, steps))
 
 
-def _best_of(group: pd.DataFrame, metric: str, sign: float) -> tuple[float, bool, object]:
+def _shape(centre: np.ndarray, means: np.ndarray, slope_low: float, slope_high: float, steps: tuple) -> str:
+    """A turn where the best LR at an inside B is resolved above both ends' (the interval of the differences
+    over the resamples); otherwise a direction where the slope's interval excludes 0 and no step against it
+    is resolved; otherwise not resolved."""
+    top = int(np.argmax(centre))
+    if 0 < top < len(centre) - 1 and all(np.percentile(means[top] - means[end], 2.5) > 0 for end in (0, -1)):
+        return "rises then falls"
+    if slope_low > 0 and not any(high < 0 for *_, high in steps):
+        return "only rises"
+    if slope_high < 0 and not any(low > 0 for _, _, low, _ in steps):
+        return "only falls"
+    return "not resolved"
+
+
+def _best_of(group: pd.DataFrame) -> tuple[float, bool, object]:
     """The log of the LR one seed did best at, one B's trials sorted by LR. Between two neighbours the vertex of
-    the parabola through the three (in log LR) refines it, kept between them; at an end it is the end."""
-    values = sign * group[metric].to_numpy()
-    logs = np.log(group["lr"].to_numpy(dtype=float))
+    the parabola through the three (in log LR) refines it, kept between them; at an end it is the end, and the
+    best may lie beyond (unless the next LR was tried and diverged or was pruned)."""
+    values, logs = group["_value"].to_numpy(), np.log(group["lr"].to_numpy(dtype=float))
     i = int(np.argmax(values))
-    if 0 < i < len(values) - 1:
-        a, b, c = np.polyfit(logs[i - 1:i + 2], values[i - 1:i + 2], 2)
+    if 0 < i < len(values) - 1 and np.isfinite(values[i - 1:i + 2]).all():
+        a, b, _ = np.polyfit(logs[i - 1:i + 2], values[i - 1:i + 2], 2)
         vertex = -b / (2 * a) if a < 0 else logs[i]
         return float(np.clip(vertex, logs[i - 1], logs[i + 1])), False, group.index[i]
-    return float(logs[i]), len(values) > 1, group.index[i]
+    return float(logs[i]), len(values) > 1 and i in (0, len(values) - 1), group.index[i]
 
 
 def _peak(x: np.ndarray, y: np.ndarray) -> float:

@@ -42,10 +42,14 @@ def test_each_seeds_best_is_its_best_trial_refined_between_its_neighbours(store)
     result = best_lr.best_lr_against_b(runs.trials, "val_acc", "maximize")
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("lr_grid")
-    trials = {}  # (B, seed) -> [(lr, val_acc)], read straight from MLflow
-    for run in client.search_runs([experiment.experiment_id], "attributes.status = 'FINISHED'"):
-        if "val_acc" in run.data.metrics and "effective_batch" in run.data.params:
-            key = int(run.data.params["effective_batch"]), int(run.data.params["seed"])
+    trials = {}  # (B, seed) -> [(lr, val_acc)], read straight from MLflow; a diverged LR was tried, and lost
+    for run in client.search_runs([experiment.experiment_id]):
+        if "effective_batch" not in run.data.params:
+            continue
+        key = int(run.data.params["effective_batch"]), int(run.data.params["seed"])
+        if run.data.tags.get("reason") == "diverged":
+            trials.setdefault(key, []).append((float(run.data.params["lr"]), -math.inf))
+        elif run.info.status == "FINISHED" and math.isfinite(run.data.metrics.get("val_acc", math.nan)):
             trials.setdefault(key, []).append((float(run.data.params["lr"]), run.data.metrics["val_acc"]))
     assert [p.batch for p in result.points] == [16, 64, 256]
     for point in result.points:
@@ -55,6 +59,8 @@ def test_each_seeds_best_is_its_best_trial_refined_between_its_neighbours(store)
             i = max(range(len(tried)), key=lambda j: tried[j][1])
             if i in (0, len(tried) - 1):
                 edges += 1
+                assert found == pytest.approx(tried[i][0])
+            elif -math.inf in (tried[i - 1][1], tried[i + 1][1]):  # no parabola through a diverged LR
                 assert found == pytest.approx(tried[i][0])
             else:
                 assert tried[i - 1][0] <= found <= tried[i + 1][0]
@@ -125,6 +131,11 @@ def test_seeds_that_disagree_resolve_nothing():
 
 
 def test_a_best_at_the_edge_of_the_lrs_tried_is_said():
-    result = best_lr.best_lr_against_b(surface(lambda b: 10.0), "val_loss", "minimize")
-    assert all(p.at_edge == 3 for p in result.points)
+    trials = surface(lambda b: 10.0)  # beyond the largest LR tried, 2
+    result = best_lr.best_lr_against_b(trials, "val_loss", "minimize")
+    assert all(p.at_edge == 3 and p.lr == pytest.approx(2.0) for p in result.points)
     assert "some seed's best LR is the edge of the LRs tried: the true best may lie beyond it" in result.sentence()
+    diverged = trials[trials.lr == 2.0].assign(lr=4.0, val_loss=math.nan, status="FAILED", reason="diverged")
+    result = best_lr.best_lr_against_b(pd.concat([trials, diverged], ignore_index=True), "val_loss", "minimize")
+    assert all(p.at_edge == 0 and p.lr == pytest.approx(2.0) for p in result.points)  # the next LR was tried
+    assert "edge" not in result.sentence()
