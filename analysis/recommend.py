@@ -11,8 +11,9 @@ import pandas as pd
 from batchsweep.sweeps import commands
 
 from .best import EVERY_RULE, best_set
-from .figures import Measure, finished, measure
-from .findings import _listed, bn_against_true, rule_comparisons, rules_at, stated, twin_pairs
+from .figures import Measure, finished, measure, tuned
+from .findings import (_listed, _lowered, bn_against_true, lr_exponent, rule_comparisons, rules_at, stated,
+                       twin_pairs)
 from .runs import StudyRuns, quantum
 from .space import identical_spread, label, shown, times
 from .verdicts import judge
@@ -164,6 +165,8 @@ def recommend(study: StudyRuns) -> list[str]:
     m = measure(study.trials, study.objectives[0])
     if m is None or t.empty:
         return []
+    if tuned(t):  # a search of the LR at each B: its answer is the best LR against B, with its interval
+        return [f"The learning rate to use at each B: {_lowered(s)}" for s in lr_exponent(study.trials, m)]
     if ("seed" not in t or t["seed"].nunique() < 2) and len(t) > 1:
         return [f"With one seed no configuration can be told from another, so nothing is recommended: run "
                 f"`{_seed_command(study)}` (it keeps these trials and adds seeds 1 and 2), then the report again."]

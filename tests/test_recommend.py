@@ -119,6 +119,8 @@ def test_each_built_in_study_shows_the_sections_its_design_supports(name):
     assert drawn == sections, drawn
     lines = recommend(study)
     assert any(line.startswith("At B = ") for line in lines) == per_b, lines
+    if name == "lr_search":  # a search of the LR per B answers with the best LR against B and its exponent
+        assert lines[0].startswith("The learning rate to use at each B: the best learning rate went from "), lines
     if not sections:  # no best overall anywhere: not in the block, not as a mark in the table
         assert not any(line.startswith("The best ") for line in lines) and "best or tied" not in _table(study)
 
