@@ -10,7 +10,7 @@ import pandas as pd
 
 from batchsweep.sweeps import commands
 
-from .best import EVERY_RULE, best_set
+from .best import best_set
 from .figures import Measure, finished, measure, tuned
 from .findings import (_listed, _lowered, bn_against_true, lr_exponent, rule_comparisons, rules_at, stated,
                        twin_pairs)
@@ -174,6 +174,4 @@ def recommend(study: StudyRuns) -> list[str]:
     if not lines:
         return ["Nothing here is a choice to recommend: the study varies no field as an independent choice (its "
                 "findings below answer its own question), or too few trials finished."]
-    if any(EVERY_RULE in line for line in lines):
-        lines.append(f"({EVERY_RULE}: at B = base_batch every LR rule gives the same learning rate.)")
     return lines

@@ -1,11 +1,13 @@
 """The default study's findings recomputed by an independent path, and one test per defect of issue 100.
 
 TABLE is the default study (`python sweeps/run.py --study accum_lr`, cnn1d on MNIST-1D, 12 epochs, 3 seeds) as
-it ran on a 2-core CPU: per trial its seed, LR rule, b, k, final val_acc, and, read from its history, the optimizer
-steps at the end of the first epoch at or above the target (95% of the best (rule, B) mean, 92.2%) with the
-reliable noise scale there. The test feeds the table to the report and recomputes every number of the LR-rule,
-twin and critical-batch sentences with scipy.stats and scipy.optimize directly (paired t by seed, Benjamini-Hochberg
-written out by hand, the fit by curve_fit), then finds each number in the sentences as the report prints it.
+it ran on a 2-core CPU (torch 2.14.1; 27 min under a load of 8 to 12 from other jobs), read from its MLflow store:
+per trial its seed, LR rule, b, k, final val_acc, from its history the optimizer steps at the end of the first
+epoch at or above the target (95% of the best (rule, B) mean, 92.2%) with the noise scale there, the noise scale
+at the last epoch with its reliability flag, and the peak memory. The tests feed the table to the report and
+recompute every number of the LR-rule, twin, critical-batch, memory, noise-scale and best-configuration
+sentences with scipy.stats and scipy.optimize directly (paired t by seed, Benjamini-Hochberg written out by hand,
+the fit by curve_fit), then find each number in the sentences as the report prints it.
 """
 import io
 import math
@@ -17,94 +19,97 @@ import scipy.optimize
 import scipy.stats
 
 from batchsweep.analysis.findings import summarize, twins
-from batchsweep.analysis.runs import Difference, paired
+from batchsweep.analysis.recommend import recommend
+from batchsweep.analysis.runs import Difference, StudyRuns, paired
+from batchsweep.analysis.space import memory_front
 from batchsweep.analysis.verdicts import judge
 
 TABLE = """\
-seed,lr_rule,physical_batch,accum_steps,val_acc,steps,noise
-0,linear,32,1,0.969,500,
-0,linear,32,2,0.964,378,122.327
-0,linear,32,4,0.967,160,160.729
-0,linear,32,8,0.949,112,190.453
-0,linear,32,16,0.902,,
-0,linear,64,1,0.963,378,
-0,linear,128,1,0.962,224,
-0,linear,256,1,0.945,112,
-0,linear,512,1,0.902,,
-0,none,32,1,0.969,500,
-0,none,32,2,0.962,378,163.774
-0,none,32,4,0.96,192,126.867
-0,none,32,8,0.936,144,353.912
-0,none,32,16,0.868,,
-0,none,64,1,0.969,252,
-0,none,128,1,0.961,192,
-0,none,256,1,0.933,144,
-0,none,512,1,0.862,,
-0,sqrt,32,1,0.969,500,
-0,sqrt,32,2,0.966,378,231.778
-0,sqrt,32,4,0.956,192,164.519
-0,sqrt,32,8,0.95,112,183.037
-0,sqrt,32,16,0.908,,
-0,sqrt,64,1,0.96,378,
-0,sqrt,128,1,0.96,192,
-0,sqrt,256,1,0.947,112,
-0,sqrt,512,1,0.934,64,
-1,linear,32,1,0.971,625,
-1,linear,32,2,0.971,315,87.4018
-1,linear,32,4,0.965,160,244.279
-1,linear,32,8,0.955,112,140.627
-1,linear,32,16,0.929,80,225.92
-1,linear,64,1,0.973,315,
-1,linear,128,1,0.96,224,
-1,linear,256,1,0.955,128,
-1,linear,512,1,0.929,88,
-1,none,32,1,0.971,625,
-1,none,32,2,0.971,315,202.397
-1,none,32,4,0.961,224,212.857
-1,none,32,8,0.935,144,299.488
-1,none,32,16,0.817,,
-1,none,64,1,0.974,315,
-1,none,128,1,0.961,256,
-1,none,256,1,0.934,144,
-1,none,512,1,0.829,,
-1,sqrt,32,1,0.971,625,
-1,sqrt,32,2,0.967,315,91.0836
-1,sqrt,32,4,0.97,192,141.208
-1,sqrt,32,8,0.963,112,213.443
-1,sqrt,32,16,0.936,72,273.368
-1,sqrt,64,1,0.965,378,
-1,sqrt,128,1,0.96,192,
-1,sqrt,256,1,0.964,144,
-1,sqrt,512,1,0.913,,
-2,linear,32,1,0.97,625,
-2,linear,32,2,0.965,378,195.772
-2,linear,32,4,0.964,224,170.128
-2,linear,32,8,0.966,112,185.895
-2,linear,32,16,0.839,,
-2,linear,64,1,0.961,315,
-2,linear,128,1,0.957,224,
-2,linear,256,1,0.949,144,
-2,linear,512,1,0.815,,
-2,none,32,1,0.97,625,
-2,none,32,2,0.963,315,159.721
-2,none,32,4,0.952,192,315.888
-2,none,32,8,0.929,160,406.951
-2,none,32,16,0.823,,
-2,none,64,1,0.965,315,
-2,none,128,1,0.956,224,
-2,none,256,1,0.924,160,
-2,none,512,1,0.813,,
-2,sqrt,32,1,0.97,625,
-2,sqrt,32,2,0.966,315,190.414
-2,sqrt,32,4,0.956,160,223.992
-2,sqrt,32,8,0.962,112,307.223
-2,sqrt,32,16,0.916,,
-2,sqrt,64,1,0.966,315,
-2,sqrt,128,1,0.961,224,
-2,sqrt,256,1,0.94,128,
-2,sqrt,512,1,0.931,80,
+seed,lr_rule,physical_batch,accum_steps,val_acc,steps,noise,noise_last,reliable,peak_memory_bytes
+0,linear,32,1,0.972,750,,,,514236
+0,linear,32,2,0.967,252,79.6163,145.146,1,514236
+0,linear,32,4,0.958,224,173.757,279.516,1,514236
+0,linear,32,8,0.944,112,175.455,430.359,1,514236
+0,linear,32,16,0.906,,,386.577,1,514236
+0,linear,64,1,0.969,252,,,,930492
+0,linear,128,1,0.959,224,,,,1763004
+0,linear,256,1,0.942,128,,,,3428028
+0,linear,512,1,0.895,,,,,6758076
+0,none,32,1,0.972,750,,,,514236
+0,none,32,2,0.96,378,182.275,347.458,1,514236
+0,none,32,4,0.958,192,146.535,371.541,1,514236
+0,none,32,8,0.939,144,372.494,624.974,1,514236
+0,none,32,16,0.867,,,633.823,1,514236
+0,none,64,1,0.966,378,,,,930492
+0,none,128,1,0.955,192,,,,1763004
+0,none,256,1,0.932,144,,,,3428028
+0,none,512,1,0.867,,,,,6758076
+0,sqrt,32,1,0.972,750,,,,514236
+0,sqrt,32,2,0.963,378,227.171,492.171,1,514236
+0,sqrt,32,4,0.959,192,162.516,467.359,1,514236
+0,sqrt,32,8,0.953,112,184.422,488.266,1,514236
+0,sqrt,32,16,0.924,88,455.503,601.416,1,514236
+0,sqrt,64,1,0.965,315,,,,930492
+0,sqrt,128,1,0.965,192,,,,1763004
+0,sqrt,256,1,0.949,112,,,,3428028
+0,sqrt,512,1,0.932,64,,,,6758076
+1,linear,32,1,0.973,625,,,,514236
+1,linear,32,2,0.971,315,133.211,364.711,1,514236
+1,linear,32,4,0.967,192,221.306,556.324,1,514236
+1,linear,32,8,0.948,112,153.319,389.016,1,514236
+1,linear,32,16,0.933,80,269.049,471.53,1,514236
+1,linear,64,1,0.963,315,,,,930492
+1,linear,128,1,0.962,224,,,,1763004
+1,linear,256,1,0.916,160,,,,3428028
+1,linear,512,1,0.923,88,,,,6758076
+1,none,32,1,0.973,625,,,,514236
+1,none,32,2,0.975,315,215.731,554.957,1,514236
+1,none,32,4,0.961,224,235.037,555.964,1,514236
+1,none,32,8,0.936,144,297.176,492.953,1,514236
+1,none,32,16,0.818,,,1010.74,1,514236
+1,none,64,1,0.97,378,,,,930492
+1,none,128,1,0.961,256,,,,1763004
+1,none,256,1,0.933,144,,,,3428028
+1,none,512,1,0.83,,,,,6758076
+1,sqrt,32,1,0.973,625,,,,514236
+1,sqrt,32,2,0.968,441,117.694,245.796,1,514236
+1,sqrt,32,4,0.964,192,160.816,407.597,1,514236
+1,sqrt,32,8,0.963,112,227.658,594.772,1,514236
+1,sqrt,32,16,0.936,80,348.264,659.535,1,514236
+1,sqrt,64,1,0.964,441,,,,930492
+1,sqrt,128,1,0.956,256,,,,1763004
+1,sqrt,256,1,0.962,144,,,,3428028
+1,sqrt,512,1,0.914,,,,,6758076
+2,linear,32,1,0.966,625,,,,514236
+2,linear,32,2,0.958,378,210.476,534.875,1,514236
+2,linear,32,4,0.963,192,179.15,294.371,1,514236
+2,linear,32,8,0.958,128,206.806,402.141,1,514236
+2,linear,32,16,0.837,,,304.591,1,514236
+2,linear,64,1,0.96,378,,,,930492
+2,linear,128,1,0.961,160,,,,1763004
+2,linear,256,1,0.946,144,,,,3428028
+2,linear,512,1,0.81,,,,,6758076
+2,none,32,1,0.966,625,,,,514236
+2,none,32,2,0.958,315,169.884,540.881,1,514236
+2,none,32,4,0.951,192,315.76,595.827,1,514236
+2,none,32,8,0.929,160,406.223,764.655,1,514236
+2,none,32,16,0.822,,,1344.32,1,514236
+2,none,64,1,0.962,315,,,,930492
+2,none,128,1,0.955,224,,,,1763004
+2,none,256,1,0.923,160,,,,3428028
+2,none,512,1,0.816,,,,,6758076
+2,sqrt,32,1,0.966,625,,,,514236
+2,sqrt,32,2,0.965,315,179.663,460.06,1,514236
+2,sqrt,32,4,0.959,160,237.496,693.486,1,514236
+2,sqrt,32,8,0.958,112,313.348,898.332,1,514236
+2,sqrt,32,16,0.912,,,589.682,1,514236
+2,sqrt,64,1,0.965,315,,,,930492
+2,sqrt,128,1,0.959,192,,,,1763004
+2,sqrt,256,1,0.941,128,,,,3428028
+2,sqrt,512,1,0.928,80,,,,6758076
 """
 STEP = 0.001  # val_acc over 1,000 validation samples
+VARIED = ("physical_batch", "accum_steps", "lr_rule")
 RULES = ("none", "sqrt", "linear")
 
 
@@ -117,7 +122,9 @@ def default_study() -> tuple[pd.DataFrame, pd.DataFrame]:
     history = pd.DataFrame({"run_id": t.run_id, "epoch": 1, "steps": t.steps.fillna(10_000),
                             "val_acc": np.where(reached, 1.0, 0.0), "noise_scale": t.noise,
                             "noise_scale_reliable": 1.0})
-    return t.drop(columns=["steps", "noise"]), history
+    t = t.assign(noise_scale=t.noise_last, noise_scale_reliable=t.reliable, memory_source="saved_tensors",
+                 base_batch=32)
+    return t.drop(columns=["steps", "noise", "noise_last", "reliable"]), history
 
 
 def ttest(a: pd.Series, b: pd.Series) -> tuple[float, float, float, float]:
@@ -199,7 +206,7 @@ def test_the_default_studys_sentences_recomputed_by_an_independent_path():
     contrasts = [(r, *ttest(per_seed(trials, lr_rule=r, effective_batch=512),
                             per_seed(trials, lr_rule=best, effective_batch=512))) for r in RULES if r != best]
     for (r, mean, half, p, sd), adj in zip(contrasts, bh([c[3] for c in contrasts])):
-        assert f"{r} " + clause(mean, half, p, sd, adj, 2) in said, r
+        assert f"{r} " + clause(mean, half, p, sd, adj, 2).removeprefix("(") in said, r  # (a contrast: no bracket)
     # The twins: accumulated against true batch at each rule and B > 32, one family of 12.
     pairs = [(f"{rule} at B = {b}", *ttest(per_seed(trials, lr_rule=rule, effective_batch=b, batch="accumulated"),
                                           per_seed(trials, lr_rule=rule, effective_batch=b, batch="true batch")))
@@ -280,3 +287,45 @@ def test_the_twins_sentence_says_equivalence_only_inside_the_margin():
                                sentence.split("not resolved in ")[1].split(" ")[0],
                                sentence.split("resolved in ")[-1].split(".")[0].split(":")[0])]
     assert sum(counts) == 12 and counts[1] > 0
+
+
+def test_the_memory_noise_and_best_sentences_recomputed_by_an_independent_path():
+    """The memory sentence, the last epoch's noise scale and the best configuration with the set that cannot be
+    told from it (the memory front's sentence, the recommendation's best line and the table's ★ share it),
+    recomputed from the table by pandas and scipy.stats."""
+    trials, history = default_study()
+    said = " ".join(summarize(trials, history))
+    # Memory: at b = 32 from k = 1 to 16, and the true batch of 512 against the largest peak at b = 32.
+    at_b = trials[trials.physical_batch == 32].peak_memory_bytes / 2 ** 20
+    true = trials[trials.physical_batch == 512].peak_memory_bytes.mean() / 2 ** 20
+    span = (f"at {at_b.max():.2f} MiB" if at_b.max() - at_b.min() < 0.01 * at_b.max()
+            else f"between {at_b.min():.2f} and {at_b.max():.2f} MiB")
+    assert (f"At b = 32, peak memory (saved_tensors) stayed {span} from k = 1 to k = 16, while the true batch of "
+            f"512 needed {true:.2f} MiB ({true / at_b.max():.1f}x).") in said
+    # The noise scale at the last epoch: the reliable values only, the others counted.
+    noise = trials[trials.noise_scale_reliable == 1].noise_scale
+    left = int(trials.noise_scale.notna().sum()) - len(noise)
+    assert (f"The gradient noise scale at the last epoch was {np.median(noise):.0f} (median of {len(noise)} trials "
+            f"with k ≥ 2, range {noise.min():.0f}–{noise.max():.0f})") in said
+    assert (f"; {left} value{'s' * (left != 1)} left out as unreliable" in said) == (left > 0)
+    # The best: per configuration (b, k, rule; at B = 32 every rule is one configuration, each seed's copies
+    # averaged), the highest mean; each other configuration against it paired by seed, BH written out.
+    config = trials.assign(lr_rule=np.where(trials.effective_batch == 32, "every", trials.lr_rule))
+    per_seed = config.groupby(["physical_batch", "accum_steps", "lr_rule", "seed"]).val_acc.mean().unstack("seed")
+    means = per_seed.mean(axis=1)
+    best = means.idxmax()
+    others = [c for c in per_seed.index if c != best]
+    tests = [ttest(per_seed.loc[best], per_seed.loc[c]) for c in others]
+    adjusted = bh([p for _, _, p, _ in tests])
+    tied = [c for c, (mean, half, _, _), adj in zip(others, tests, adjusted) if not (adj <= 0.05 and mean > half)]
+    finding = memory_front(StudyRuns("accum_lr", trials, history, None, "", varied=VARIED)).finding
+    b, k, rule = best
+    name = f"b = {b}, k = {k}, " + ("every LR rule (B = base_batch)" if rule == "every" else rule)
+    assert (f"Against peak memory, the best mean of the {len(means)} configurations was {name} "
+            f"({100 * means[best]:.1f}%") in finding
+    assert (f"{len(tied)} others cannot be told from it (paired by seed over 3 seeds, Benjamini-Hochberg at 5% over "
+            f"{len(others)} comparisons)") in finding
+    line = next(s for s in recommend(StudyRuns("accum_lr", trials, history, None, "", varied=VARIED))
+                if s.startswith("The best accuracy: "))
+    assert line.startswith(f"The best accuracy: {name} ({100 * means[best]:.1f}% over 3 seeds, the highest of "
+                           f"{len(means)} configurations") and f"; {len(tied)} others cannot be told from it" in line
