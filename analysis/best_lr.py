@@ -1,5 +1,5 @@
 """The best learning rate against the effective batch B, from a study's trials: at each B the LR each seed did
-best at, their geometric mean with a bootstrap interval over the seeds, and the curve's shape. Li et al. (2024)
+best at, their geometric mean with a 95% interval over the seeds, and the curve's shape. Li et al. (2024)
 find that Adam's best LR rises and then falls with B, peaking near the gradient noise scale; for SGD it only
 rises (McCandlish et al. 2018). A shape is named only where the seeds resolve it.
 
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+from scipy import stats
 
 RESAMPLES = 2000  # bootstrap resamples of the seeds
 WORSE = ("diverged", "pruned")  # a trial that ended so was tried and did worse than any that finished
@@ -24,7 +25,7 @@ PEAKS = np.linspace(-4.0, 4.0, 801)  # candidate log2(peak / geometric middle of
 
 @dataclass(frozen=True)
 class BestAt:
-    """The best LR at one B: the geometric mean over the seeds of each seed's best, and its 95% interval."""
+    """The best LR at one B: the geometric mean over the seeds of each seed's best, and its 95% t-interval."""
 
     batch: int
     lr: float
@@ -42,10 +43,10 @@ class BestLR:
     peak: float  # Li et al.'s fitted peak B (NaN: fewer than 3 Bs); named where the shape turns
     peak_low: float  # its 95% bootstrap interval over the seeds
     peak_high: float
-    slope: float  # of log best LR against log B, a line through every B
+    slope: float  # of log best LR against log B, a line through every B; its 95% t-interval over the seeds
     slope_low: float
     slope_high: float
-    steps: tuple[tuple[int, int, float, float], ...]  # (B, next B, 95% interval of log(best there / best here))
+    steps: tuple[tuple[int, int, float, float], ...]  # (B, next B, 95% t-interval of log(best there / best here))
     noise_scale: float  # median over the best trials that measured it (NaN: none did)
     noise_range: tuple[float, float]
     noise_trials: int
@@ -66,6 +67,10 @@ class BestLR:
             text = (f"The best LR only falls with B from {lo} to {hi} (slope {self.slope:.2f}, 95% interval "
                     f"{self.slope_low:.2f} to {self.slope_high:.2f}): no peak in the range; a peak, if any, lies "
                     f"below B = {lo}.")
+        elif self.slope_low > 0 or self.slope_high < 0:
+            text = (f"The best LR {'rises' if self.slope_low > 0 else 'falls'} with B from {lo} to {hi} overall "
+                    f"(slope {self.slope:.2f} in log-log, 95% interval {self.slope_low:.2f} to "
+                    f"{self.slope_high:.2f}), but not at every step; no peak is resolved with {n} seeds.")
         else:
             text = (f"No peak is resolved between B = {lo} and {hi} with {n} seeds, nor a direction (slope "
                     f"{self.slope:.2f}, 95% interval {self.slope_low:.2f} to {self.slope_high:.2f}).")
@@ -108,33 +113,44 @@ def best_lr_against_b(trials: pd.DataFrame, metric: str, direction: str, seed: i
     if len(seeds) < 1 or len(batches) < 2:
         raise ValueError("the best LR against B needs at least 2 effective batches with the same seeds")
     logs = np.array([[best[b, s][0] for s in seeds] for b in batches])  # (B, seed)
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(seeds), size=(RESAMPLES, len(seeds)))
-    means = logs[:, picks].mean(axis=2)  # (B, resample): the geometric mean's log for each resample
-    centre = logs.mean(axis=1)
-    x = np.log(np.array(batches, dtype=float))
-    points = tuple(BestAt(b, math.exp(c), *np.exp(np.percentile(m, [2.5, 97.5])), tuple(np.exp(row)),
-                          sum(best[b, s][1] for s in seeds)) for b, c, m, row in zip(batches, centre, means, logs))
-    peak = _peak(x, centre) if len(batches) >= 3 else math.nan
-    peaks = np.array([_peak(x, m) for m in means.T]) if len(batches) >= 3 else np.full(RESAMPLES, math.nan)
-    slopes = np.polyfit(x, means, 1)[0]
-    steps = tuple((a, b, *np.percentile(means[i + 1] - means[i], [2.5, 97.5]))
-                  for i, (a, b) in enumerate(zip(batches, batches[1:])))
+    centre, x = logs.mean(axis=1), np.log(np.array(batches, dtype=float))
+    points = tuple(BestAt(b, math.exp(c), *np.exp(_interval(row)), tuple(np.exp(row)),
+                          sum(best[b, s][1] for s in seeds)) for b, c, row in zip(batches, centre, logs))
+    peak, peak_low, peak_high = _peak_with_interval(x, logs, seed)
+    slope_low, slope_high = _interval(np.polyfit(x, logs, 1)[0])  # each seed's slope
+    steps = tuple((a, b, *_interval(logs[i + 1] - logs[i])) for i, (a, b) in enumerate(zip(batches, batches[1:])))
+    top = int(np.argmax(centre))  # a turn: the best LR at an inside B resolved above both ends', seed by seed
+    turned = 0 < top < len(batches) - 1 and all(_interval(logs[top] - logs[end])[0] > 0 for end in (0, -1))
     noise = _noise(done, [best[b, s][2] for b in batches for s in seeds])
-    peak_low, peak_high = (np.percentile(peaks, [2.5, 97.5]) if len(batches) >= 3 else (math.nan, math.nan))
-    slope_low, slope_high = np.percentile(slopes, [2.5, 97.5])
-    steps = tuple((a, b, float(lo), float(hi)) for a, b, lo, hi in steps)
-    return BestLR(metric, direction, points, peak, float(peak_low), float(peak_high),
-                  float(np.polyfit(x, centre, 1)[0]), float(slope_low), float(slope_high), steps, *noise,
-                  _shape(centre, means, slope_low, slope_high, steps))
+    return BestLR(metric, direction, points, peak, peak_low, peak_high, float(np.polyfit(x, centre, 1)[0]),
+                  slope_low, slope_high, steps, *noise, _shape(turned, slope_low, slope_high, steps))
 
 
-def _shape(centre: np.ndarray, means: np.ndarray, slope_low: float, slope_high: float, steps: tuple) -> str:
-    """A turn where the best LR at an inside B is resolved above both ends' (the interval of the differences
-    over the resamples); otherwise a direction where the slope's interval excludes 0 and no step against it
-    is resolved; otherwise not resolved."""
-    top = int(np.argmax(centre))
-    if 0 < top < len(centre) - 1 and all(np.percentile(means[top] - means[end], 2.5) > 0 for end in (0, -1)):
+def _interval(values: np.ndarray) -> tuple[float, float]:
+    """The 95% t-interval of the mean over the seeds (NaN with one seed): with 3 seeds a bootstrap would call
+    any three that agree in sign resolved, which chance does one time in four."""
+    n = len(values)
+    if n < 2:
+        return math.nan, math.nan
+    half = stats.t.ppf(0.975, n - 1) * np.std(values, ddof=1) / math.sqrt(n)
+    return float(np.mean(values) - half), float(np.mean(values) + half)
+
+
+def _peak_with_interval(x: np.ndarray, logs: np.ndarray, seed: int) -> tuple[float, float, float]:
+    """Li et al.'s peak fitted to the seeds' mean, and its 95% interval by a bootstrap over the seeds (with 3
+    seeds, 10 distinct resamples: a rough interval)."""
+    if len(x) < 3:
+        return math.nan, math.nan, math.nan
+    picks = np.random.default_rng(seed).integers(0, logs.shape[1], size=(RESAMPLES, logs.shape[1]))
+    peaks = [_peak(x, m) for m in logs[:, picks].mean(axis=2).T]
+    low, high = np.percentile(peaks, [2.5, 97.5])
+    return _peak(x, logs.mean(axis=1)), float(low), float(high)
+
+
+def _shape(turned: bool, slope_low: float, slope_high: float, steps: tuple) -> str:
+    """A turn where the best LR at an inside B is resolved above both ends'; otherwise a direction where the
+    slope's interval excludes 0 and no step against it is resolved; otherwise not resolved."""
+    if turned:
         return "rises then falls"
     if slope_low > 0 and not any(high < 0 for *_, high in steps):
         return "only rises"
@@ -192,7 +208,7 @@ def figure(result: BestLR, path: str) -> None:
         ax.scatter([p.batch] * len(p.seeds), p.seeds, color="0.6", s=12, zorder=2)
     lrs = np.array([p.lr for p in result.points])
     ax.errorbar(batches, lrs, yerr=[lrs - [p.low for p in result.points], [p.high for p in result.points] - lrs],
-                fmt="o-", color="C0", capsize=3, label="best LR (geometric mean over seeds, 95% bootstrap)")
+                fmt="o-", color="C0", capsize=3, label="best LR (geometric mean over seeds, 95% interval)")
     if result.shape == "rises then falls":
         grid = np.geomspace(batches[0], batches[-1], 100)
         curve = 1 / (np.sqrt(result.peak / grid) + np.sqrt(grid / result.peak))

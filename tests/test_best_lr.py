@@ -139,3 +139,11 @@ def test_a_best_at_the_edge_of_the_lrs_tried_is_said():
     result = best_lr.best_lr_against_b(pd.concat([trials, diverged], ignore_index=True), "val_loss", "minimize")
     assert all(p.at_edge == 0 and p.lr == pytest.approx(2.0) for p in result.points)  # the next LR was tried
     assert "edge" not in result.sentence()
+
+
+def test_a_rise_with_a_resolved_fall_inside_is_no_peak_and_no_clean_rise():
+    result = best_lr.best_lr_against_b(surface(lambda b: 1e-3 * b / (64 if b == 128 else 8)), "val_loss", "minimize")
+    assert result.shape == "not resolved" and result.slope_low > 0
+    assert result.sentence().startswith("The best LR rises with B from 8 to 512 overall (slope ")
+    assert "but not at every step; no peak is resolved with 3 seeds. It falls, beyond the seeds' spread, from " \
+           "B = 64 to 128." in result.sentence()
