@@ -37,6 +37,22 @@ def check_out(out: Path, folder: Path) -> None:
         raise AnalysisError(f"cannot write into the report folder {folder}: make it writable or pass another --out")
 
 
+NOTE_LIMIT = 8000  # MLflow's longest tag value: a longer one is cut, with a warning on the terminal
+
+
+def note(name: str, lines: list[str], report: Path) -> str:
+    """The parent run's description: as many whole lines as MLflow keeps, then where the rest is."""
+    end = f"Report: {report} (and report/report.html in this run's artifacts)."
+    kept, size = [], len(name) + len(end) + 100
+    for line in lines:
+        size += len(line) + 3
+        if size > NOTE_LIMIT:
+            kept.append(f"- … ({len(lines) - len(kept)} more in the report)")
+            break
+        kept.append(f"- {line}")
+    return "\n".join([f"Findings of study {name}:", "", *kept, "", end])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = commands.Parser("report", description="Write the comparison report of a study from its MLflow runs: "
                         "reports/<study>/report.html, report.md, figures, trials.csv.")
@@ -88,9 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             if study.parent_run_id:
                 for path in written:  # the report's own files, not whatever else the folder holds
                     client.log_artifact(study.parent_run_id, str(path), "report")
-                # The run's description in the UI: the findings, and where the report is.
-                client.set_tag(study.parent_run_id, "mlflow.note.content", "\n".join(
-                    [f"Findings of study {study.name}:", "", *(f"- {line}" for line in findings[study.name]), "",
-                     f"Report: {written[0].resolve()} (and report/report.html in this run's artifacts)."]))
+                # The run's description in the UI: what to use, the findings, and where the report is.
+                client.set_tag(study.parent_run_id, "mlflow.note.content", note(study.name, findings[study.name],
+                                                                                written[0].resolve()))
     print(f"report: {written[0].resolve()}")
     return 0

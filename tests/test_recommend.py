@@ -148,3 +148,17 @@ def test_a_batchnorm_study_names_the_momentum_rules_shown_to_match_the_true_batc
     assert line.startswith("BN momentum at k = 4 (B = 128), against the true batch's final accuracy: scaled shown to "
                            "match it (scaled equivalent within ±1 point (-0.1 ± ")
     assert "default" not in line.split(": ", 1)[1]
+
+
+def test_the_runs_note_keeps_whole_lines_within_mlflows_limit():
+    """The recommendation made the default study's note 10,084 characters, which MLflow cut at 8,000 with a warning
+    on the terminal: the note keeps whole lines, says how many more the report has, and ends with where it is."""
+    from pathlib import Path
+
+    from batchsweep.analysis.cli import NOTE_LIMIT, note
+
+    text = note("accum_lr", [f"Use: line {i} " + "x" * 400 for i in range(25)], Path("/r/report.html"))
+    assert len(text) <= NOTE_LIMIT and "more in the report)" in text
+    assert text.endswith("Report: /r/report.html (and report/report.html in this run's artifacts).")
+    assert note("s", ["one"], Path("r")) == ("Findings of study s:\n\n- one\n\nReport: r (and report/report.html in this "
+                                            "run's artifacts).")
