@@ -43,6 +43,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--physical-batch", type=int, required=True, help="b: the micro-batch")
     p.add_argument("--accum-steps", type=int, required=True, help="k: micro-batches per step (at least 2)")
     p.add_argument("--steps", type=int, default=0, help="compare the first N optimizer steps (default: one epoch)")
+    p.add_argument("--nproc", type=int, default=1, help="ranks: run (b, k) and (b*k, 1) on N ranks, and (b*k*N, 1) on "
+                   "one, through a command that passes {world_size} to its launcher (torchrun --nproc-per-node "
+                   "{world_size} ...)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: SQLite in mlruns/mlflow.db)")
     p.add_argument("--json", metavar="PATH", help="also write the verdict and its figures as JSON")
     return p.parse_args(argv)
@@ -78,8 +81,13 @@ def _auditor(args: argparse.Namespace, folder: Path) -> Auditor:
     if missing:
         raise ConfigError(f"{args.study}: program.command: pass {{{missing[0]}}} on to the script: the audit runs it "
                           f"at (b, k) and at (b*k, 1)")
-    if args.physical_batch < 1 or args.accum_steps < 2 or args.steps < 0:
-        raise ConfigError("--physical-batch must be at least 1, --accum-steps at least 2 and --steps at least 0")
+    if args.physical_batch < 1 or args.accum_steps < 2 or args.steps < 0 or args.nproc < 1:
+        raise ConfigError("--physical-batch must be at least 1, --accum-steps at least 2, --steps at least 0 and "
+                          "--nproc at least 1")
+    if args.nproc > 1 and "world_size" not in study.program.placeholders():
+        raise ConfigError(f"{args.study}: program.command: pass {{world_size}} to the launcher (torchrun "
+                          f"--nproc-per-node {{world_size}} ...): --nproc {args.nproc} runs the script on that many "
+                          f"ranks and on one")
     check_output("--json", args.json)  # before any run: a verdict that cannot be written would be lost
     point = {**study.fixed, **{f: v[0] for key, v in study.grid.items() for f, v in [(key, v)] if "+" not in key}}
     fields = {k: v for k, v in point.items() if k in FIELDS and k not in ("physical_batch", "accum_steps")}
@@ -89,10 +97,11 @@ def _auditor(args: argparse.Namespace, folder: Path) -> Auditor:
     tracker.close_orphans()  # the runs an earlier audit of this study left RUNNING when it was killed
     parent = tracker.start_parent(f"audit b{args.physical_batch} k{args.accum_steps}",
                                   {"physical_batch": args.physical_batch, "accum_steps": args.accum_steps,
-                                   "steps": args.steps, **own}, {"study_file": study.source})
+                                   "steps": args.steps, **({"nproc": args.nproc} if args.nproc > 1 else {}), **own},
+                                  {"study_file": study.source})
     # A command without {epochs} trains as long as the script does (or --steps): there is no epoch to stretch.
     epochs = config.epochs if "epochs" in study.program.placeholders() else 1
-    return Auditor(study, dataclasses.replace(config, epochs=1), own, tracker, parent, folder, epochs)
+    return Auditor(study, dataclasses.replace(config, epochs=1), own, tracker, parent, folder, epochs, args.nproc)
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -118,9 +127,10 @@ def _main(args: argparse.Namespace) -> int:
                 raise
     f = finding.figures
     sentences = [sentence(v, f) for v in finding.verdicts]
-    print(format_table(["run", "b", "k", "epochs", "max steps", "steps run"],
-                       [[r.name, str(r.b), str(r.k), str(r.epochs), str(r.max_steps) if r.max_steps else "epoch",
-                         str(len(r.losses))] for r in auditor.runs]))
+    ranked = args.nproc > 1  # (a column of the ranks where they vary)
+    print(format_table(["run", "b", "k", *["ranks"] * ranked, "epochs", "max steps", "steps run"],
+                       [[r.name, str(r.b), str(r.k), *[str(r.nproc)] * ranked, str(r.epochs),
+                         str(r.max_steps) if r.max_steps else "epoch", str(len(r.losses))] for r in auditor.runs]))
     print()
     for what, diff in finding.compared:
         print(f"relative weight difference {what}: {diff:.3g} (equal within {f['tolerance']:g}, {f['dtype']})")

@@ -7,6 +7,7 @@ from typing import Any
 
 from .compare import (LOW_PRECISION_ROUNDING, Update, buffers_differ, gradients, live_batchnorm, rel, tolerance,
                       update, weight_penalty, weights)
+from . import ranks
 from .runs import Auditor, ScriptRun
 from .traces import (SHORT_WINDOW, data_parting, lr_parting, norm_parting, rows_part, seen_in_loop,
                      refutes, skipped_windows)
@@ -38,7 +39,13 @@ def classify(ratio: float, cos: float, k: int, first: bool, last: bool, clipped:
 
 def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
     """The diagnosis, each verdict held against what the trace recorded: one that the trace refutes is not given
-    (`unexplained`, with the figures, and `contradicted` naming it)."""
+    (`unexplained`, with the figures, and `contradicted` naming it). On N ranks, ranks whose weights part come
+    first (`grads_not_synced`, alone), and the reduction across ranks is checked after the accumulation."""
+    if auditor.nproc > 1:
+        dtype, tol = tolerance(auditor.run("accumulated", b, k, steps).state)
+        not_synced = ranks.unsynced(auditor, b, k, steps, tol, dtype)
+        if not_synced:
+            return not_synced
     finding = diagnose(auditor, b, k, steps)
     ea, et = (next(r for r in auditor.runs if r.name == name) for name in ("accumulated", "true batch"))
     refuted = [v for v in finding.verdicts if refutes(v, ea, et, k, finding.figures)]
@@ -57,6 +64,8 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
                                    random_fields=", ".join(trace.random_fields) or "none")
             finding.verdicts = list(dict.fromkeys(v if v not in guesses else "random_forward"
                                                   for v in finding.verdicts))
+    if auditor.nproc > 1:
+        ranks.across(auditor, finding, b, k, steps)
     return finding
 
 

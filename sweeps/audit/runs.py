@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from ..stores.mlflow_store import Tracker
 
 BATCHNORM = ("running_mean", "running_var", "num_batches_tracked")  # its statistics, not weights
-REUSED = ("accumulated", "true batch")  # made once, whichever step of the audit asks for them again
+REUSED = ("accumulated", "true batch", "one rank")  # made once, whichever step of the audit asks for them again
 
 
 class AuditError(BatchsweepError):
@@ -36,11 +36,14 @@ class ScriptRun:
     max_steps: int
     lr: float
     epochs: int  # the {epochs} it was given: 1, or the study's where its schedule follows them
+    nproc: int = 1  # the ranks it ran on ({world_size})
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # the parameters the optimizer trains
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # the rest of the state (BatchNorm's statistics)
     trace: observed.Trace | None = None
     steps: list[Step] = field(default_factory=list)  # the optimizer steps the tracer saw, in order
     folder: Path | None = None  # what the tracer wrote: start.pt, state.pt, grad-<s>.pt
+    others: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # ranks above 0: their weights
+    rank_traces: dict[int, observed.Trace] = field(default_factory=dict)  # every rank's, where it ran ranks
 
     @property
     def losses(self) -> list[float]:
@@ -58,34 +61,41 @@ class Auditor:
     """Runs the script with the study's values, one MLflow run each under the audit's parent run."""
 
     def __init__(self, study, config: TrainConfig, own: dict[str, Any], tracker: Tracker, parent: str,
-                 folder: Path, epochs: int):
+                 folder: Path, epochs: int, nproc: int = 1):
         self.study, self.config, self.own, self.tracker, self.parent, self.folder = (
             study, config, own, tracker, parent, folder)
+        self.nproc = nproc  # the ranks of the runs at (b, k) and (b*k, 1) ({world_size}); the one-rank run's is 1
         self.epochs = epochs  # the study's: what a schedule over {epochs} spans in its training
         self.bar = None  # _main's bar over the steps of the run being made (how many runs is not known ahead)
         self.runs: list[ScriptRun] = []
 
-    def run(self, name: str, b: int, k: int, max_steps: int) -> ScriptRun:
-        """The script at (b, k), stopped by the tracer after `max_steps` optimizer steps (0: an epoch, or the
-        script's own length where its command takes no {epochs}); an accumulated or true-batch run made already
-        with the config's epochs is not made again; a "repeat" run is made again on purpose."""
+    def run(self, name: str, b: int, k: int, max_steps: int, nproc: int | None = None) -> ScriptRun:
+        """The script at (b, k) on `nproc` ranks (default: the audit's), stopped by the tracer after `max_steps`
+        optimizer steps (0: an epoch, or the script's own length where its command takes no {epochs}); an
+        accumulated, true-batch or one-rank run made already with the config's epochs is not made again; a
+        "repeat" run is made again on purpose."""
+        nproc = nproc or self.nproc
         done = next((r for r in self.runs if name == r.name and name in REUSED and (r.b, r.k) == (b, k) and
+                     r.nproc == nproc and
                      r.epochs == self.config.epochs and
                      (r.max_steps == max_steps or r.max_steps == 0 and len(r.steps) == max_steps)), None)
         if done:
             return done
         config = dataclasses.replace(self.config, physical_batch=b, accum_steps=k, max_steps=max_steps)
-        values = {**config.to_dict(), **self.own}
-        record = ScriptRun(name, b, k, max_steps, values["lr"], config.epochs, folder=self.folder / str(len(self.runs)))
+        values = {**config.to_dict(), **self.own, "world_size": nproc}
+        record = ScriptRun(name, b, k, max_steps, values["lr"], config.epochs, nproc,
+                           folder=self.folder / str(len(self.runs)))
         record.folder.mkdir()
         state = record.folder / "own.pt"  # where a script that saves its weights for batchsweep puts them (unread)
         trial = record.folder / "trial"  # {trial_dir}: each run's own, as a trial's
         trial.mkdir()
         values["trial_dir"] = str(trial)
         over = f" of {config.epochs} epochs" if config.epochs > 1 else ""
-        run_id = self.tracker.start_trial(self.parent, f"{name}: b{b} k{k} steps {max_steps}{over}",
+        on = f" on {nproc} ranks" if nproc > 1 else ""
+        run_id = self.tracker.start_trial(self.parent, f"{name}: b{b} k{k}{on} steps {max_steps}{over}",
                                           {"physical_batch": b, "accum_steps": k, "max_steps": max_steps,
-                                           "epochs": config.epochs, "lr": values["lr"], "seed": config.seed},
+                                           "epochs": config.epochs, "lr": values["lr"], "seed": config.seed,
+                                           **({"nproc": nproc} if nproc > 1 else {})},
                                           {"audit.role": name})
         env = {"BATCHSWEEP_STATE": str(state), "BATCHSWEEP_TRIAL_DIR": str(trial),
                **program.handoff(self.tracker.uri, run_id, self.tracker.experiment_id),
@@ -120,6 +130,11 @@ class Auditor:
         self.bar.refresh()
         record.state, record.buffers = split(torch.load(record.folder / "state.pt", map_location="cpu",
                                                         weights_only=True), trace.trained)
+        if nproc > 1:
+            record.rank_traces = observed.ranks(record.folder)
+            record.others = {rank: split(torch.load(record.folder / f"state-r{rank}.pt", map_location="cpu",
+                                                    weights_only=True), trace.trained)[0]
+                             for rank in record.rank_traces if rank and (record.folder / f"state-r{rank}.pt").exists()}
         self.tracker.finish(run_id, "FINISHED", metrics={"steps": float(len(record.steps))})
         self.runs.append(record)
         return record

@@ -127,6 +127,62 @@ VERDICTS = {
                             "makes them. A mistake of the loop cannot be told apart from it: audit with those modules "
                             "removed or in eval mode."),
     "unexplained": (1, "the runs differ, and the difference matches none of the known mistakes: see the figures."),
+    # Across ranks (--nproc N): (b, k) on N ranks, each rank's weights against rank 0's, and (b*k, 1) on N ranks
+    # against (b*k*N, 1) on one rank.
+    "grads_not_synced": (1, "rank {rank_parted}'s weights part from rank 0's at the accumulated run's update "
+                            "{rank_first_parting} ({rank_rel_diff:.3g} of them after {steps_accumulated} steps), "
+                            "where the true batch's ranks agree. DDP steps every rank with the same all-reduced "
+                            "gradient from the "
+                            "same start, so some micro-batch's gradient was never all-reduced. DDP reads no_sync() "
+                            "and require_backward_grad_sync in the forward: a flag set after the model's call leaves "
+                            "that micro-batch's backward local, and with static_graph=True no_sync() can stop the "
+                            "all-reduce for good (PyTorch #187732). Switch the sync off for every micro-batch but "
+                            "the window's last, before its forward."),
+    "ranks_train_apart": (2, "the ranks' weights part at (b*k, 1) too (rank {rank_parted}: {rank_rel_diff:.3g} at "
+                             "(b, k), {true_batch_rank_rel_diff:.3g} at (b*k, 1)): the script does not all-reduce "
+                             "its gradients (no DistributedDataParallel, or its sync switched off throughout), so "
+                             "its ranks train apart and cannot be compared with one rank. Audit a data-parallel "
+                             "script, or this one with --nproc 1."),
+    "mean_of_rank_means": (1, "(b*k, 1) on {nproc} ranks parts from (b*k*{nproc}, 1) on one rank at update "
+                              "{rank_first_differing_update}, whose window the ranks held with {rank_counts} counted "
+                              "items, and the update is turned (cosine {rank_update_cosine:.6f}, "
+                              "{rank_update_ratio:.4g} x the one rank's along it): each rank divides its loss by its "
+                              "own count, and DDP's mean of the ranks' gradients weights a rank of few items as one "
+                              "of many. Divide each rank's summed loss by the window's count over all ranks "
+                              "(all_reduce it), times {nproc} (transformers: average_tokens_across_devices=True)."),
+    "loss_scaled_by_world": (1, "the update on {nproc} ranks is {rank_update_ratio:.4g} x the global batch's (one "
+                                "rank at b*k*{nproc}), in its direction (cosine {rank_update_cosine:.6f}), from "
+                                "update {rank_first_differing_update} on: the loss is scaled by the world size once "
+                                "more than DDP's mean of the ranks' gradients allows (multiplied by it, or divided "
+                                "by it as transformers' nn.DataParallel loss was, #37474). DDP averages the ranks' "
+                                "gradients: each rank's loss is its summed loss over the window's count on all "
+                                "ranks, times {nproc}."),
+    "ranks_data_differ": (2, "window {rank_data_window} of the {nproc} ranks at (b*k, 1) did not hold together the "
+                             "samples that one rank holds at (b*k*{nproc}, 1) (their counts, or the sums of their "
+                             "inputs, differ), so the reduction across ranks cannot be checked: shard each window by "
+                             "rank as DistributedSampler does (rank r takes every {nproc}th sample of one "
+                             "permutation, seeded alike on every rank)."),
+    "lr_differs_by_world": (2, "on {nproc} ranks the script sets another learning rate than on one rank, {lr_a:.4g} "
+                               "against {lr_t:.4g} from step {lr_step} on (it scales the LR it is given by the world "
+                               "size), so the reduction across ranks cannot be compared like with like: audit with "
+                               "the LR it is given."),
+    "batchnorm_across_ranks": (0, "the model has BatchNorm in training mode: each of the {nproc} ranks normalizes "
+                                  "its own b*k samples, which one rank at b*k*{nproc} cannot equal. Where the two "
+                                  "must agree, convert it with torch.nn.SyncBatchNorm.convert_sync_batchnorm."),
+    "random_across_ranks": (2, "the training {random_draws} drew random numbers ({random_modules}), and {nproc} "
+                               "ranks part from one: each rank draws from its own generator, so they trained on "
+                               "other random numbers than one rank and cannot be compared. That is no mistake of "
+                               "the loop. Set them to 0 for the audit (this model's config: {random_fields})."),
+    "rounding_across_ranks": (2, "(b*k, 1) on {nproc} ranks parts from (b*k*{nproc}, 1) on one rank at update "
+                                 "{rank_first_differing_update} by {rank_update_difference:.2g} of its update: no "
+                                 "more than {dtype} arithmetic makes by itself where the ranks' sums are added in "
+                                 "another order, so a mistake of the reduction across ranks cannot be told from "
+                                 "rounding. Audit in float64."),
+    "unexplained_across_ranks": (1, "(b*k, 1) on {nproc} ranks parts from (b*k*{nproc}, 1) on one rank at update "
+                                    "{rank_first_differing_update} ({rank_update_ratio:.4g} x the one rank's update "
+                                    "along it, cosine {rank_update_cosine:.6f}; the ranks' windows held "
+                                    "{rank_counts} counted items), in a way that matches none of the known mistakes "
+                                    "of the reduction across ranks: see the figures."),
     "not_reproducible": (2, "two runs of (b*k, 1) with the same values differ by {repeat_rel_diff:.3g}: the "
                             "script is not deterministic (an unseeded shuffle or augmentation, randomness drawn "
                             "from an unseeded generator, nondeterministic GPU kernels), so no difference between "

@@ -155,26 +155,38 @@ def read(folder: Path) -> Trace | None:
     ranked = [f for f in files if f.name.startswith("trace-r0-")]
     best = Trace(folder=folder)
     for path in ranked or files:
-        trace = Trace(folder=folder)
-        for line in path.read_text().splitlines():
-            row = json.loads(line) if line.strip() else {}
-            if "loaders" in row:
-                trace.loaders = [tuple(pair) for pair in row["loaders"]]
-            elif "peak_allocated_bytes" in row:
-                trace.peak_allocated_bytes = row["peak_allocated_bytes"]
-            elif "trained" in row:
-                trace.trained, trace.sites = row["trained"], row["sites"]
-                trace.random_modules, trace.random_draws = row["random_modules"], row["random_draws"]
-                trace.compiled, trace.random_fields = row.get("compiled", False), row.get("random_fields", [])
-            elif "dangling" in row:
-                trace.dangling = row["dangling"]
-            elif "drawn" in row:
-                trace.drawn = {kind: {int(n): c for n, c in counts.items()} for kind, counts in row["drawn"].items()}
-            elif "step" in row:
-                trace.steps.append(Step(**{k: v for k, v in row.items() if k in Step.__dataclass_fields__}))
+        trace = parse(path)
         if len(trace.steps) > len(best.steps):
             best = trace
     return best if best.steps else None
+
+
+def ranks(folder: Path) -> dict[int, Trace]:
+    """Each rank's trace, by rank (trace-r<rank>-<pid>.jsonl), where the command ran ranks that stepped."""
+    traces = {int(path.name.split("-")[1][1:]): parse(path) for path in sorted(folder.glob("trace-r*-*.jsonl"))}
+    return {rank: trace for rank, trace in sorted(traces.items()) if trace.steps}
+
+
+def parse(path: Path) -> Trace:
+    """One process's trace file."""
+    trace = Trace(folder=path.parent)
+    for line in path.read_text().splitlines():
+        row = json.loads(line) if line.strip() else {}
+        if "loaders" in row:
+            trace.loaders = [tuple(pair) for pair in row["loaders"]]
+        elif "peak_allocated_bytes" in row:
+            trace.peak_allocated_bytes = row["peak_allocated_bytes"]
+        elif "trained" in row:
+            trace.trained, trace.sites = row["trained"], row["sites"]
+            trace.random_modules, trace.random_draws = row["random_modules"], row["random_draws"]
+            trace.compiled, trace.random_fields = row.get("compiled", False), row.get("random_fields", [])
+        elif "dangling" in row:
+            trace.dangling = row["dangling"]
+        elif "drawn" in row:
+            trace.drawn = {kind: {int(n): c for n, c in counts.items()} for kind, counts in row["drawn"].items()}
+        elif "step" in row:
+            trace.steps.append(Step(**{k: v for k, v in row.items() if k in Step.__dataclass_fields__}))
+    return trace
 
 
 def noise_scale(trace: Trace) -> tuple[float, bool] | str:

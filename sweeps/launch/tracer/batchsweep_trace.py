@@ -29,6 +29,7 @@ Variables (all optional but the first):
                             before any update) and at the stop or the process's end (state.pt)
     BATCHSWEEP_TRACE_GRADS  steps (1, 3, ...) whose window gradient, before any clipping, is saved (grad-<s>.pt);
                             "last": the last step's, whichever it is (a copy is kept at every step)
+                            (ranks other than 0 save theirs as start-r<rank>.pt, state-r<rank>.pt, ...)
     BATCHSWEEP_TRACE_LOSS   "1": record each backward's loss (a synchronization per micro-batch on a GPU)
     BATCHSWEEP_TRACE_DATA   "1": the fingerprint of each window's inputs
     BATCHSWEEP_TRACE_NOISE  "1": each micro-batch's own gradient's squared norm (`micro_sq`), for the noise scale,
@@ -57,6 +58,7 @@ class Tracer:
     def __init__(self, folder: str):
         self.folder = folder
         self.path = None  # trace-[r<rank>-]<pid>.jsonl, named at the first step, once any process group is up
+        self.rank = None  # where there are ranks, this process's (a string), named with the path
         self.stop = int(os.environ.get("BATCHSWEEP_TRACE_STOP") or 0)
         self.save = os.environ.get("BATCHSWEEP_TRACE_SAVE") == "1"
         wanted = [s.strip() for s in os.environ.get("BATCHSWEEP_TRACE_GRADS", "").split(",") if s.strip()]
@@ -309,6 +311,15 @@ class Tracer:
             rank, world = str(torch.distributed.get_rank()), torch.distributed.get_world_size()
         self.noise = self.noise and world == 1
         self.path = os.path.join(self.folder, f"trace-{'r' + rank + '-' if rank else ''}{os.getpid()}.jsonl")
+        self.rank = rank
+
+    def saved(self, name: str) -> str:
+        """Where a file the tracer saves goes: "state.pt" for the one process or rank 0, "state-r1.pt" for rank 1
+        (every rank's weights are kept: ranks whose weights part never all-reduced some gradient)."""
+        if self.path is None:
+            self.ranked()
+        stem, dot, ext = name.rpartition(".")
+        return os.path.join(self.folder, name if self.rank in (None, "0") else f"{stem}-r{self.rank}{dot}{ext}")
 
     def before_step(self, optimizer, args, kwargs) -> None:
         if self.path is None:
@@ -411,7 +422,7 @@ class Tracer:
         if self.kept is not None and self.kept[0] == self.steps:
             import torch
 
-            torch.save(self.kept[1], os.path.join(self.folder, f"grad-{self.steps}.pt"))
+            torch.save(self.kept[1], self.saved(f"grad-{self.steps}.pt"))
 
     def _save_state(self, name: str) -> None:
         import torch
@@ -420,7 +431,7 @@ class Tracer:
         state = {(f"{i}.{key}" if many else key): value.detach().cpu().clone()
                  for i, model in enumerate(self.models or ()) for key, value in model.state_dict().items()}
         if state:
-            torch.save(state, os.path.join(self.folder, name))
+            torch.save(state, self.saved(name))
 
     def _gradient(self) -> None:
         """The window's gradient as it is now (before a clip, or before the step), where it is asked for."""
@@ -431,7 +442,7 @@ class Tracer:
             return
         grads = {name: p.grad.detach().cpu().clone() for name, p in self.named_parameters() if p.grad is not None}
         if step in self.grads:
-            torch.save(grads, os.path.join(self.folder, f"grad-{step}.pt"))
+            torch.save(grads, self.saved(f"grad-{step}.pt"))
         if self.last_grads:
             self.kept = (step, grads)
 

@@ -1,0 +1,144 @@
+"""The audit across ranks (`--nproc N`): the script at (b, k) and at (b*k, 1) on N ranks, whose difference is a
+mistake of the accumulation (diagnose.py, on rank 0), and at (b*k*N, 1) on one rank, whose difference from (b*k, 1)
+on N ranks is one of the reduction across ranks; and each rank's weights against rank 0's, which DDP keeps equal."""
+from __future__ import annotations
+
+from typing import Any
+
+from .compare import LOW_PRECISION_ROUNDING, live_batchnorm, rel, update, weights
+from .runs import AuditError, Auditor, ScriptRun
+from .traces import lr_parting
+from .verdicts import Finding
+
+# |ratio / N − 1| (or |ratio · N − 1|) below this, at cosine above 0.999: the update is N (or 1/N) times the global
+# batch's, as a loss scaled by the world size makes it.
+WORLD_WITHIN = 0.02
+
+
+def parted(a: ScriptRun) -> tuple[int, float] | None:
+    """(the rank, its relative weight difference from rank 0) of the rank furthest from rank 0; None for one rank."""
+    diffs = {rank: rel_weights(state, a.state) for rank, state in a.others.items()}
+    return max(diffs.items(), key=lambda item: item[1]) if diffs else None
+
+
+def rel_weights(state: dict, reference: dict) -> float:
+    wa, wt = weights(state), weights(reference)
+    return float((wa - wt).norm() / wt.norm().clamp_min(1e-300))
+
+
+def unsynced(auditor: Auditor, b: int, k: int, steps: int, tol: float, dtype: str) -> Finding | None:
+    """`grads_not_synced` where the accumulated run's ranks part: every rank steps with the same all-reduced gradient
+    from the same start, so ranks whose weights part never all-reduced some micro-batch's gradient. Named alone:
+    rank 0's weights then lack the other ranks' share of a window, and what they show is no mistake of its own."""
+    ea = auditor.run("accumulated", b, k, steps)
+    if len(ea.rank_traces) != auditor.nproc:
+        raise AuditError(f"--nproc {auditor.nproc}: the tracer saw {len(ea.rank_traces) or 'no'} rank"
+                         f"{'' if len(ea.rank_traces) == 1 else 's'} step: pass {{world_size}} to a launcher that "
+                         f"starts that many ranks, each in a process group or with RANK set (torchrun does both)")
+    worst = parted(ea)
+    if worst is None or worst[1] <= tol:
+        return None
+    figures: dict[str, Any] = {"dtype": dtype, "tolerance": tol, "steps_accumulated": len(ea.steps),
+                               "rank_parted": worst[0], "rank_rel_diff": worst[1], "nproc": auditor.nproc}
+    figures["rank_first_parting"] = first_apart(
+        lambda steps: parted(auditor.run("accumulated", b, k, steps))[1] <= tol, len(ea.steps))
+    et = auditor.run("true batch", b * k, 1, steps)
+    synced = parted(et)
+    compared = [(f"rank {worst[0]} against rank 0, accumulated, after {len(ea.steps)} steps", worst[1])]
+    if synced is not None and synced[1] > tol:  # no all-reduce at all: ranks that train apart, by design or not
+        figures["true_batch_rank_rel_diff"] = synced[1]
+        compared.append((f"rank {synced[0]} against rank 0, true batch, after {len(et.steps)} steps", synced[1]))
+        return Finding(["ranks_train_apart"], figures, compared)
+    return Finding(["grads_not_synced"], figures, compared)
+
+
+def across(auditor: Auditor, finding: Finding, b: int, k: int, steps: int) -> None:
+    """(b*k, 1) on N ranks against (b*k*N, 1) on one rank: their verdict, added to the finding's (in place of
+    `exact`); nothing where they agree."""
+    f, n = finding.figures, auditor.nproc
+    tol = f["tolerance"]
+    et = auditor.run("true batch", b * k, 1, steps)
+    eg = auditor.run("one rank", b * k * n, 1, steps, nproc=1)
+    f.update(nproc=n, steps_one_rank=len(eg.steps))
+    finding.compared.append((f"(b*k, 1) on {n} ranks against (b*k*{n}, 1) on one rank", rel(et, eg)))
+    verdict = reduction(auditor, et, eg, b * k, steps, tol, f)
+    if verdict:
+        finding.verdicts = [v for v in finding.verdicts if v != "exact"] + [verdict]
+    worst = parted(auditor.run("accumulated", b, k, steps))
+    if worst:
+        finding.notes.append(f"on {n} ranks every rank's weights agree with rank 0's after the accumulated run (rank "
+                             f"{worst[0]}: {worst[1]:.3g}), so every micro-batch's gradient was all-reduced" +
+                             ("" if verdict else f", and (b*k, 1) on {n} ranks equals (b*k*{n}, 1) on one rank"))
+
+
+def reduction(auditor: Auditor, et: ScriptRun, eg: ScriptRun, B: int, steps: int, tol: float,
+              f: dict[str, Any]) -> str | None:
+    """The verdict of the reduction across ranks, or None where N ranks equal one. What stops a comparison comes
+    first: other samples, another LR, randomness or BatchNorm, each of which parts the runs whatever the loss does."""
+    n = auditor.nproc
+    window = apart(et, eg)
+    if window:
+        f["rank_data_window"] = window
+        return "ranks_data_differ"
+    if rel(et, eg) <= tol:
+        return None
+    lr_step = lr_parting(et, eg)
+    if lr_step:
+        f.update(lr_step=lr_step, lr_a=et.lrs[lr_step - 1], lr_t=eg.lrs[lr_step - 1])
+        return "lr_differs_by_world"
+    trace = et.trace
+    if trace and (trace.random_draws or trace.random_modules):
+        f.update(random_modules=", ".join(trace.random_modules) or "none by kind",
+                 random_draws=" and ".join(trace.random_draws) or "forward",
+                 random_fields=", ".join(trace.random_fields) or "none")
+        return "random_across_ranks"
+    if live_batchnorm(et, eg):
+        return "batchnorm_across_ranks"
+    u = first_apart(lambda steps: rel(auditor.run("true batch", B, 1, steps),
+                                      auditor.run("one rank", B * n, 1, steps, nproc=1)) <= tol, len(eg.steps))
+    a, t = auditor.run("true batch", B, 1, u), auditor.run("one rank", B * n, 1, u, nproc=1)
+    base = auditor.run("one rank", B * n, 1, u - 1, nproc=1) if u > 1 else auditor.start()
+    measured = update(base, a, t, None, tol)
+    counts = [sum(r.steps[u - 1].samples) if r.steps[u - 1].tokens is None else r.steps[u - 1].tokens
+              for r in et.rank_traces.values() if len(r.steps) >= u]
+    f.update(rank_first_differing_update=u, rank_update_ratio=measured.ratio, rank_update_cosine=measured.cosine,
+             rank_update_difference=measured.difference, rank_counts=", ".join(map(str, counts)))
+    if f["dtype"] != "float64" and measured.difference < LOW_PRECISION_ROUNDING:
+        return "rounding_across_ranks"
+    if measured.cosine > 0.999 and min(abs(measured.ratio / n - 1), abs(measured.ratio * n - 1)) < WORLD_WITHIN:
+        return "loss_scaled_by_world"
+    if len(set(counts)) > 1 and measured.cosine < 1 - 1e-6:
+        return "mean_of_rank_means"
+    return "unexplained_across_ranks"
+
+
+def first_apart(agree, n: int) -> int:
+    """The first of n updates after which two runs part, where they part after n: update 1 first (a mistake of
+    every window parts them there: two runs, not a bisection's), then by bisection."""
+    if n == 1 or not agree(1):
+        return 1
+    low, high = 1, n  # they agree after `low` updates, part after `high`
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if agree(mid) else (low, mid)
+    return high
+
+
+def apart(et: ScriptRun, eg: ScriptRun) -> int | None:
+    """The first window whose samples on N ranks together (their counts, and the sums and sums of squares of their
+    inputs, added over the ranks) are not the one rank's; None where every window holds the same."""
+    from ..launch.observed import SAME_DATA_WITHIN
+
+    ranks = list(et.rank_traces.values())
+    if len(eg.steps) != min((len(r.steps) for r in ranks), default=0):
+        return min(len(eg.steps), *(len(r.steps) for r in ranks)) + 1
+    for i, one in enumerate(eg.steps):
+        windows = [r.steps[i] for r in ranks]
+        if sum(sum(w.samples) for w in windows) != sum(one.samples):
+            return i + 1
+        if one.fingerprint is None or any(w.fingerprint is None for w in windows):
+            continue
+        summed = [sum(w.fingerprint[j] for w in windows) for j in range(2)]
+        if any(abs(x - y) > SAME_DATA_WITHIN * max(abs(x), abs(y), 1e-300) for x, y in zip(summed, one.fingerprint)):
+            return i + 1
+    return None

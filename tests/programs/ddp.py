@@ -1,0 +1,96 @@
+"""Accumulation under DistributedDataParallel, as people write it: the catalog of the mistakes that ranks add, one
+--case each, on gloo (CPU). Launched by torchrun; each rank takes every N-th sample of the epoch's permutation (as
+DistributedSampler does), so N ranks at (b, k) hold together the samples that one rank holds at (b*k*N, 1).
+
+    torchrun --standalone --nproc-per-node 2 ddp.py --batch-size 8 --accum 4 --seed 0 --case plain [--loss token]
+
+Cases, and [the verdict `batchsweep audit --nproc 2` must give]:
+    plain            no_sync() but at a window's last micro-batch; the loss over the window's count of items,
+                     counted across the ranks, times N (DDP averages the ranks' gradients) [exact]
+    sync_everywhere  no_sync() around backward() alone, which is a no-op: every micro-batch all-reduces (slower,
+                     but the same gradient) [exact]
+    sync_after_forward  model.require_backward_grad_sync set after the forward instead of before it (DDP reads it
+                     in forward): the window's last micro-batch is never all-reduced [grads_not_synced]
+    rank_mean        each rank divides by its own count (a per-rank token mean, average_tokens_across_devices
+                     off): equal to the true mean only where the ranks' counts are equal [mean_of_rank_means on
+                     tokens; exact per sample, where every rank counts alike]
+    world_times      the loss multiplied by the world size on top of DDP's mean [loss_scaled_by_world]
+
+The token model is called with labels=... (as transformers' models are), so the tracer counts each rank's tokens.
+"""
+import argparse
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from catalog import N, VOCAB, data  # the catalog's data: 240 samples, or sequences padded with -100 labels
+
+
+class Tokens(nn.Module):
+    """A per-token model called with labels, as a transformers model is (it returns the logits only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Embedding(VOCAB, 16), nn.Tanh(), nn.Linear(16, VOCAB))
+
+    def forward(self, input_ids, labels=None):
+        return self.net(input_ids)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch-size", type=int, required=True)
+    p.add_argument("--accum", type=int, required=True)
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--case", default="plain",
+                   choices=["plain", "sync_everywhere", "sync_after_forward", "rank_mean", "world_times"])
+    p.add_argument("--loss", default="sample", choices=["sample", "token"])
+    args = p.parse_args()
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens = args.loss == "token"
+    x, y = data(1234, tokens)
+    torch.manual_seed(args.seed)
+    model = nn.parallel.DistributedDataParallel(
+        Tokens() if tokens else nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)))
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    b, k = args.batch_size, args.accum
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(args.seed))[rank::world]  # this rank's share
+    for start in range(0, len(order), b * k):
+        micro = order[start:start + b * k].split(b)
+        count = torch.tensor(float(sum(int((y[m] != -100).sum()) for m in micro)))
+        own = float(count)
+        dist.all_reduce(count)  # the window's items on every rank
+        opt.zero_grad()
+        for i, m in enumerate(micro):
+            last = i == len(micro) - 1
+            if args.case == "sync_after_forward":
+                out = model(x[m], labels=y[m]) if tokens else model(x[m])
+                model.require_backward_grad_sync = last  # the mistake: DDP read the flag in the forward above
+                quiet = contextlib.nullcontext()
+            else:
+                quiet = model.no_sync() if not last and args.case != "sync_everywhere" else contextlib.nullcontext()
+                with quiet:
+                    out = model(x[m], labels=y[m]) if tokens else model(x[m])
+                quiet = model.no_sync() if not last and args.case == "sync_everywhere" else contextlib.nullcontext()
+            s = nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y[m].reshape(-1), reduction="sum",
+                                            ignore_index=-100)
+            if args.case == "rank_mean":
+                loss = s / own  # the mistake: this rank's own count, as if it held the whole window
+            elif args.case == "world_times":
+                loss = s / float(count) * world * world  # the mistake: times N once more
+            else:
+                loss = s / float(count) * world  # DDP divides the ranks' sum by N
+            with quiet:  # (sync_everywhere: no_sync() around backward() alone, a no-op)
+                loss.backward()
+        opt.step()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
