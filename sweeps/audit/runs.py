@@ -75,9 +75,8 @@ class Auditor:
         accumulated, true-batch or one-rank run made already with the config's epochs is not made again; a
         "repeat" run is made again on purpose."""
         nproc = nproc or self.nproc
-        done = next((r for r in self.runs if name == r.name and name in REUSED and (r.b, r.k) == (b, k) and
-                     r.nproc == nproc and
-                     r.epochs == self.config.epochs and
+        done = next((r for r in self.runs if name == r.name and name in REUSED and (r.b, r.k, r.nproc) == (b, k, nproc)
+                     and r.epochs == self.config.epochs and
                      (r.max_steps == max_steps or r.max_steps == 0 and len(r.steps) == max_steps)), None)
         if done:
             return done
@@ -123,18 +122,9 @@ class Auditor:
                              ("; the model is compiled in place (module.compile()), whose forwards run inside "
                               "the compiled graph where the tracer cannot see them: audit it without compiling, "
                               "or with torch.compile(model)" if trace.compiled else ""))
-        import torch
-
-        record.steps, record.trace = trace.steps, trace
-        self.bar.n = len(record.steps)  # the rows a script prints (if any) stop one short where the tracer stopped it
+        self.bar.n = len(trace.steps)  # the rows a script prints (if any) stop one short where the tracer stopped it
         self.bar.refresh()
-        record.state, record.buffers = split(torch.load(record.folder / "state.pt", map_location="cpu",
-                                                        weights_only=True), trace.trained)
-        if nproc > 1:
-            record.rank_traces = observed.ranks(record.folder)
-            record.others = {rank: split(torch.load(record.folder / f"state-r{rank}.pt", map_location="cpu",
-                                                    weights_only=True), trace.trained)[0]
-                             for rank in record.rank_traces if rank and (record.folder / f"state-r{rank}.pt").exists()}
+        read_back(record, trace)
         self.tracker.finish(run_id, "FINISHED", metrics={"steps": float(len(record.steps))})
         self.runs.append(record)
         return record
@@ -163,6 +153,22 @@ class Auditor:
         state, buffers = split(torch.load(first.folder / "start.pt", map_location="cpu", weights_only=True),
                                first.trace.trained)
         return ScriptRun("start", first.b, first.k, 0, first.lr, first.epochs, state=state, buffers=buffers)
+
+
+def read_back(record: ScriptRun, trace: observed.Trace) -> None:
+    """What the tracer left of a run: its steps, rank 0's weights (and the rest of its state), and on ranks each
+    rank's trace and the weights of every rank above 0."""
+    import torch
+
+    def weights_of(name: str) -> tuple[dict, dict]:
+        return split(torch.load(record.folder / name, map_location="cpu", weights_only=True), trace.trained)
+
+    record.steps, record.trace = trace.steps, trace
+    record.state, record.buffers = weights_of("state.pt")
+    if record.nproc > 1:
+        record.rank_traces = observed.ranks(record.folder)
+        record.others = {rank: weights_of(f"state-r{rank}.pt")[0] for rank in record.rank_traces
+                         if rank and (record.folder / f"state-r{rank}.pt").exists()}
 
 
 def split(state: dict[str, torch.Tensor], trained: list[str] | None) -> tuple[dict, dict]:
