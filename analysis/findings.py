@@ -1,4 +1,5 @@
-"""The report's summary: plain sentences computed from the trials frame.
+"""The report's summary: plain sentences computed from the trials frame (the LR rules and the twins in
+rules.py).
 
 Every comparison (rule against rule, accumulated against its true-batch twin, a batch against the smallest
 one) pairs the trials of the same seed (same initial weights, same sample order) and reads as its verdict
@@ -15,10 +16,12 @@ import numpy as np
 import pandas as pd
 
 from . import branching, critical
-from .figures import (ACCURACY, Measure, best_lr, finished, in_order, measure, not_rounded_away,
-                      one_batch, reliable_noise, trained_lr, tuned)
-from .runs import TARGET_SHARE, Difference, aggregate, paired, quantum, reached, resolution
-from .verdicts import Verdict, control, judge, needed
+from .figures import (ACCURACY, Measure, best_lr, finished, in_order, measure, one_batch, reliable_noise, trained_lr,
+                      tuned)
+from .rules import lr_rules, twins
+from .runs import TARGET_SHARE, aggregate, paired, quantum, reached, resolution
+from .verdicts import Verdict, control, judge
+from .wording import listed, lowered, percent, signed_end, significant, stated
 
 EXACT = 1e-4  # relative parameter difference below which accumulation is float rounding, not a change
 FLOAT64_ROUNDING = 1e-10  # in float64, a ghost twin this close shows that what is left in float32 is rounding
@@ -28,230 +31,11 @@ RULE_EXPONENTS = ((0.0, "LR unchanged", "no scaling"), (0.5, "square root", "squ
             (1.0, "linear", "linear scaling"))
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f}%"
-
-
-def _listed(items: list[str]) -> str:
-    """a; a and b; a, b and c."""
-    return f"{', '.join(items[:-1])} and {items[-1]}" if len(items) > 1 else items[0]
-
-
-def _lowered(sentence: str) -> str:
-    """A sentence that goes on after a label: 'The noise scale' reads 'the noise scale'; 'BN' stays."""
-    return sentence[0].lower() + sentence[1:] if sentence[1:2].islower() else sentence
-
-
-def _end(x: float, places: int) -> str:
-    """An end of a separated interval, signed: it is not zero, and "-0.0" would read as if the interval reached it."""
-    return not_rounded_away(x, places, "+,")
-
-
-def _sig(x: float, sign: str = "") -> str:
-    """Two significant digits: BN statistics' errors span 0.001 to 1, where fixed decimals hide differences."""
-    rounded = float(f"{abs(x):.2g}")  # (0.0999... has the places of 0.10, not of 0.099)
-    places = max(0, 1 - math.floor(math.log10(rounded))) if rounded and math.isfinite(rounded) else 0
-    return f"{x:{sign}.{places}f}"
-
-
-def _spread(d: Difference, m: Measure, places: int) -> str:
-    label, unit = ("", " points") if m.points else (f"{m.name} ", "")
-    return f"{label}{m.shown(m.scaled(d.mean), places, '+')} ± {m.shown(m.scaled(d.half), places)}{unit}"
-
-
-def stated(d: Difference, ahead: str = "higher", behind: str = "lower", m: Measure = ACCURACY,
-           v: Verdict | None = None) -> str:
-    """How a paired difference reads (verdicts): a difference only where it is resolved, and with the control
-    that kept it; equivalence only inside the margin; else not resolved, with the seeds that would resolve it.
-    `v` is its verdict within its sentence's family; alone, it is a family of one."""
-    if d.n < 2:
-        return f"{m.amount(d.mean)} {ahead if d.mean > 0 else behind} in one seed, which cannot be told from seed noise"
-    v = v or judge([d], m.margin)[0]
-    places = m.places(d.mean, d.half)
-    if v.resolved:
-        lo, hi = m.scaled(d.mean - d.half), m.scaled(d.mean + d.half)
-        inside = f", inside the ±{m.margin_text} equivalence margin" if v.equivalent else ""
-        return (f"{m.amount(d.mean, places)} {ahead if d.mean > 0 else behind}, 95% CI {_end(lo, places)} to "
-                f"{_end(hi, places)} over {d.n} seeds; {control(v)}{inside}")
-    if v.equivalent:
-        return f"equivalent within ±{m.margin_text} ({_spread(d, m, places)} over {d.n} seeds)"
-    why = f"; its own interval excludes 0, but it is {control(v)}" if d.separated else ""
-    return f"not resolved with {d.n} seeds ({_spread(d, m, places)}{why}; {needed(v)})"
-
-
-def controlled(labelled: list[tuple[str, Difference | None]], what: str) -> list[str]:
-    """With many comparisons, how many differences survive false-discovery control beside their own intervals,
-    and which."""
-    labelled = [(name, d) for name, d in labelled if d is not None and d.n >= 2]
-    if len(labelled) < 4:
-        return []
-    verdicts = judge([d for _, d in labelled], math.inf)
-    apart = sum(d.separated for _, d in labelled)
-    kept = [name for (name, _), v in zip(labelled, verdicts) if v.resolved]
-    differ = "differs by its" if apart == 1 else "differ by their"
-    named = f": {_listed(kept)}" if kept else ""
-    return [f"Of the {len(labelled)} {what}, {apart} {differ} own 95% interval and {len(kept)} "
-            f"survive{'s' * (len(kept) == 1)} false-discovery control (Benjamini-Hochberg at 5%, paired t-tests over "
-            f"the seeds){named}."]
-
-
 def _seed_note(t: pd.DataFrame) -> list[str]:
     if "seed" in t and t["seed"].nunique() == 1 and len(t) > 1:
         return ["With one seed no difference between configurations can be told from seed noise; run the study "
                 "with --seeds 3 (or more) to separate them."]
     return []
-
-
-def _halves_note(t: pd.DataFrame) -> list[str]:
-    """Where a B is made by several (b, k), as an accumulated run and its true-batch twin make it, every one of
-    them counts: a seed's runs at that B are averaged before they are paired."""
-    if not {"physical_batch", "accum_steps"} <= set(t):
-        return []
-    made = t.groupby("effective_batch")[["physical_batch", "accum_steps"]].apply(lambda g: len(g.drop_duplicates()))
-    mixed = sorted(int(b) for b in made[made > 1].index)
-    if not mixed:
-        return []
-    at = f"B = {mixed[0]}" if len(mixed) == 1 else f"B = {_listed([str(b) for b in mixed])}"
-    return [f"The LR rules are compared over every trial at a B: at {at}, each seed's runs at the (b, k) that "
-            f"make that B (accumulated and true batch) are averaged, then paired by seed; the sentence on "
-            f"accumulation compares the two."]
-
-
-def _where(b: int, **names) -> str:
-    """'none at B = 256', or 'B = 256' alone."""
-    return " at ".join([", ".join(str(v) for v in names.values()), f"B = {b}"]) if names else f"B = {b}"
-
-
-def rule_comparisons(trials: pd.DataFrame, m: Measure = ACCURACY):
-    """Each LR rule's B against its smallest B, every trial at a B counted (a seed's runs there averaged), judged
-    as one family: (trials compared, [(rule, B, smallest B, difference)], verdicts); None where the study does
-    not compare LR rules over B (or searched the LR)."""
-    t = one_batch(finished(trials))
-    if "lr_rule" not in t or t["lr_rule"].nunique() < 2 or t["effective_batch"].nunique() < 2 or tuned(t):
-        return None
-    step = quantum(t[m.name])
-    compared = []  # the family of the false-discovery control
-    for rule in in_order("lr_rule", t["lr_rule"]):
-        rows = t[t["lr_rule"] == rule]
-        sizes = sorted(int(b) for b in rows["effective_batch"].unique())
-        base = rows[rows["effective_batch"] == sizes[0]]
-        compared += [(rule, b, sizes[0], paired(rows[rows["effective_batch"] == b], base, m.name, step))
-                     for b in sizes[1:]]
-    return t, compared, judge([d for *_, d in compared], m.margin)
-
-
-def lr_rules(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
-    """Per LR rule, each B against the smallest, every trial at a B counted; then the rules at the largest B."""
-    found = rule_comparisons(trials, m)
-    if found is None:
-        return []
-    t, compared, verdicts = found
-    step, rules = quantum(t[m.name]), in_order("lr_rule", t["lr_rule"])
-    out = _halves_note(t)
-    side = ("fell", "rose") if m.maximize else ("rose", "fell")  # (a loss that rose did worse)
-    for rule in rules:
-        mine = [(b, base, v) for (r, b, base, _), v in zip(compared, verdicts) if r == rule and v is not None]
-        if not mine:
-            continue  # (no seed in common with the smallest B, or one B only)
-        said, alike = [], []  # (Bs in a row that are equivalent are said once)
-        for i, (b, base, v) in enumerate(mine):
-            if v.equivalent and not v.resolved:
-                alike.append(f"{b} ({_spread(v.d, m, m.places(v.d.mean, v.d.half))})")
-                if i + 1 < len(mine) and mine[i + 1][2].equivalent and not mine[i + 1][2].resolved:
-                    continue
-                said.append(f"equivalent within ±{m.margin_text} at B = {_listed(alike)}")
-                alike = []
-            elif v.resolved:
-                said.append(f"at B = {b} {side[0] if (v.d.mean < 0) == m.maximize else side[1]} "
-                            f"({stated(v.d, m=m, v=v)})")
-            else:
-                said.append(f"at B = {b} {stated(v.d, m=m, v=v)}")
-        n = mine[0][2].d.n
-        out.append(f"The {rule} LR rule against B = {mine[0][1]} over {n} seed{'s' * (n != 1)}: " + "; ".join(said)
-                   + ".")
-    out += _at_largest(t, m, step)
-    return out + controlled([(_where(b, rule=r), d) for r, b, _, d in compared],
-                            "comparisons of a rule's B against its smallest B")
-
-
-def rules_at(t: pd.DataFrame, b: int, m: Measure, step: float):
-    """The LR rules at B = b against the one of the best mean, paired by seed under Benjamini-Hochberg over these
-    comparisons: (means best first, verdicts of the others, the rules that cannot be told from the best, the best
-    among them); None where B is base_batch (every rule one configuration) or one rule ran."""
-    at = t[t["effective_batch"] == b]
-    per_seed = at.groupby(["lr_rule", "seed"])[m.name].mean().groupby("lr_rule").mean()
-    means = per_seed.reindex(in_order("lr_rule", per_seed.index)).sort_values(ascending=not m.maximize, kind="stable")
-    same = "base_batch" in at and (at["effective_batch"] == at["base_batch"]).all()
-    if len(means) < 2 or same:
-        return None
-    best = means.index[0]
-    verdicts = judge([paired(at[at["lr_rule"] == r], at[at["lr_rule"] == best], m.name, step)
-                      for r in means.index[1:]], m.margin)
-    ties = [r for r, v in zip(means.index[1:], verdicts) if v is None or not v.resolved]
-    return means, verdicts, ties, best
-
-
-def _at_largest(t: pd.DataFrame, m: Measure, step: float) -> list[str]:
-    """The rules at the largest B against the one of the best mean: a contrast is said only where it is resolved."""
-    largest = t[t["effective_batch"] == t["effective_batch"].max()]
-    found = rules_at(t, int(largest["effective_batch"].iloc[0]), m, step)
-    if found is None:  # (at B = base_batch the rules are one configuration: none is best there)
-        return []
-    means, verdicts, ties, best = found
-    others = list(means.index[1:])
-    against = [f"{r} {stated(v.d, m=m, v=v)}" if v else f"{r} {m.level(means[r])}" for r, v in zip(others, verdicts)]
-    verdict = (f"{best} is resolved as the best there" if not ties else
-               f"the best there is one of {_listed([best, *ties])}: no contrast between them is resolved")
-    level = ", ".join(f"{r} {m.level(means[r])}" for r in others)
-    return [f"At the largest batch, B = {int(largest['effective_batch'].iloc[0])}, the {best} rule had the "
-            f"{'highest' if m.maximize else 'lowest'} mean ({m.level(means[best])}; {level}); against it: "
-            + "; ".join(against) + f"; {verdict}."]
-
-
-def twin_pairs(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[tuple[dict, Difference]]:
-    """Accumulated against true batch at each B and rules, paired by seed: ({rule: value, effective_batch: B},
-    difference) per pair, the family of the twins' sentence."""
-    t = finished(trials)
-    if "batch" not in t or t["batch"].nunique() < 2:
-        return []
-    step = quantum(t[m.name]) if m.name in t else None
-    keys = [c for c in ("lr_rule", "bn_momentum_rule") if c in t and t[c].nunique() > 1]
-    t = t[t["effective_batch"] > t["physical_batch"].min()]
-    pairs = []
-    for group, rows in t.groupby([*keys, "effective_batch"]):
-        group = group if isinstance(group, tuple) else (group,)
-        d = paired(rows[rows["batch"] == "accumulated"], rows[rows["batch"] == "true batch"], m.name, step)
-        if d is not None:
-            pairs.append(({**dict(zip(keys, group[:-1])), "effective_batch": int(group[-1])}, d))
-    return pairs
-
-
-def twins(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
-    """Accumulated points against their true-batch twins at the same B and rules, paired by seed."""
-    pairs = [(_where(key.pop("effective_batch"), **key), d) for key, d in twin_pairs(trials, m)]
-    if not pairs:
-        return []
-    n = min(d.n for _, d in pairs)
-    if n < 2:
-        median = float(np.median([abs(d.mean) for _, d in pairs]))
-        return [f"Accumulation and the true batch at the same B differed by a median of {m.amount(median)} over "
-                f"{len(pairs)} pairs, in one seed: no pair can be told from seed noise."]
-    verdicts = judge([d for _, d in pairs], m.margin)
-    ahead = m.ranked("accumulated ahead", "true batch ahead")
-    resolved = [(w, v) for (w, _), v in zip(pairs, verdicts) if v.resolved]
-    equivalent = [w for (w, _), v in zip(pairs, verdicts) if v.equivalent and not v.resolved]
-    open_ = [(w, v) for (w, _), v in zip(pairs, verdicts) if not v.resolved and not v.equivalent]
-    halves = [v.d.half for v in verdicts]
-    parts = [f"equivalent within ±{m.margin_text} in {len(equivalent)}"]
-    if open_:
-        parts.append(f"not resolved in {len(open_)} (" + "; ".join(
-            f"{w}: {_spread(v.d, m, m.places(v.d.mean, v.d.half))}" for w, v in open_) + ")")
-    parts.append(f"resolved in {len(resolved)}" + (": " + "; ".join(f"{w}: {stated(v.d, *ahead, m=m, v=v)}"
-                                                                     for w, v in resolved) if resolved else ""))
-    return [f"Accumulation and its true-batch twin at the same B were compared in {len(pairs)} pairs, paired by seed "
-            f"over {n} seeds (95% t-intervals, median half-width {m.amount(float(np.median(halves)))}): "
-            + "; ".join(parts)
-            + ".", *controlled(pairs, "twin pairs")]
 
 
 def memory(trials: pd.DataFrame) -> list[str]:
@@ -297,15 +81,15 @@ def bn(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
         rules = in_order("bn_momentum_rule", at_k["bn_momentum_rule"])
         if "bn_mean_error" in t and not true.empty and true["bn_mean_error"].notna().any():
             errors = at_k.groupby("bn_momentum_rule")["bn_mean_error"].mean()
-            listing = ", ".join(f"{r} {_sig(errors[r])}" for r in rules)
+            listing = ", ".join(f"{r} {significant(errors[r])}" for r in rules)
             apart, alike = [], []
             diffs = [paired(at_k[at_k["bn_momentum_rule"] == r], true, "bn_mean_error") for r in rules]
             for r, v in zip(rules, judge(diffs, 0.0)):  # (no margin: any difference in tracking is the question)
                 d = v.d if v else None
                 if v is not None and v.resolved:
                     apart.append(f"{r} {'further from' if d.mean > 0 else 'closer to'} it than the true batch "
-                                 f"({_sig(d.mean, '+')}, 95% CI {_sig(d.mean - d.half, '+')} to "
-                                 f"{_sig(d.mean + d.half, '+')}; {control(v)})")
+                                 f"({significant(d.mean, '+')}, 95% CI {significant(d.mean - d.half, '+')} to "
+                                 f"{significant(d.mean + d.half, '+')}; {control(v)})")
                 elif v is not None:
                     alike.append(r)
             n = int(true["seed"].nunique()) if "seed" in true else 1
@@ -317,7 +101,7 @@ def bn(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
                 verdict_text = "; ".join([*apart, *([verdict_text] if verdict_text else [])])
             out.append(f"At k = {k} (B = {k * b}), the BN running means ended {listing} population standard "
                        f"deviations from the population means of the final weights (true batch: "
-                       f"{_sig(float(true['bn_mean_error'].mean()))}); {verdict_text}.")
+                       f"{significant(float(true['bn_mean_error'].mean()))}); {verdict_text}.")
         final = "; ".join(f"{r} {stated(v.d, 'above', 'below', m, v)}" for r, v in zip(rules, finals[int(k)])
                           if v is not None)
         if final:
@@ -396,15 +180,15 @@ def lr_rule_reading(lo: float, hi: float) -> str:
     other's (an interval that holds 0 cannot tell a rule from leaving the LR as it is)."""
     held = [rule for rule in RULE_EXPONENTS if lo <= rule[0] <= hi]
 
-    def listed(rules) -> str:
-        return _listed([f"{value:g} ({name})" for value, name, _ in rules])
+    def exponents(rules) -> str:
+        return listed([f"{value:g} ({name})" for value, name, _ in rules])
 
     if len(held) == 1:
-        return (f"It reads as {held[0][2]}: of the exponents {listed(RULE_EXPONENTS)}, the interval holds "
+        return (f"It reads as {held[0][2]}: of the exponents {exponents(RULE_EXPONENTS)}, the interval holds "
                 f"{held[0][0]:g} alone")
     if held:
-        return f"It singles out no rule: the interval holds {listed(held)}"
-    return f"It singles out no rule: the interval holds none of {listed(RULE_EXPONENTS)}"
+        return f"It singles out no rule: the interval holds {exponents(held)}"
+    return f"It singles out no rule: the interval holds none of {exponents(RULE_EXPONENTS)}"
 
 
 def lr_exponent(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
@@ -461,17 +245,17 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
     if len(keys) == 1:  # the rules in their own order, as the figures draw them
         order = in_order(keys[0], runs[keys[0]])
         groups.sort(key=lambda g: order.index(g[0][0]))
-    out = [f"Steps to reach {_pct(target)} validation accuracy ({100 * TARGET_SHARE:.0f}% of the best "
+    out = [f"Steps to reach {percent(target)} validation accuracy ({100 * TARGET_SHARE:.0f}% of the best "
            f"configuration's mean; {resolution(t, evals)}{tuned_note}), each run that reached it one point, "
            f"accumulated and true "
            f"batch alike, fitted by S = S_min (1 + B_crit / B) (McCandlish et al. 2018; least squares on log steps), "
            f"beside the gradient noise scale at the end of the epoch in which each run reached it."]
     for group, rows in groups:
-        name = f"For {_listed([str(g) for g in group])}" if keys else "Over every run"
+        name = f"For {listed([str(g) for g in group])}" if keys else "Over every run"
         counted = rows.groupby("effective_batch")["steps"].apply(lambda s: s.notna().sum() * 2 > len(s))
         kept = rows[rows["effective_batch"].isin(counted[counted].index) & rows["steps"].notna()]
         lost = sorted(int(b) for b in counted[~counted].index)
-        left = (f" (at B = {_listed([str(b) for b in lost])} most runs never reached it: left out of the fit)"
+        left = (f" (at B = {listed([str(b) for b in lost])} most runs never reached it: left out of the fit)"
                 if lost else "")
         if kept.empty:
             out.append(f"{name}, no B had most of its runs reach it{left}.")
@@ -488,8 +272,8 @@ def _counted(v: Verdict | None, unit: str) -> str:
     if not v.resolved:
         why = f"; its own interval excludes 0, but it is {control(v)}" if d.separated else ""
         return f"not resolved ({d.mean:+,.0f} ± {d.half:,.0f} {unit} over {d.n} seed{'s' * (d.n > 1)}{why})"
-    return (f"{d.mean:+,.0f} {unit}, 95% CI {_end(d.mean - d.half, 0)} to {_end(d.mean + d.half, 0)} over {d.n} "
-            f"seeds")
+    return (f"{d.mean:+,.0f} {unit}, 95% CI {signed_end(d.mean - d.half, 0)} to {signed_end(d.mean + d.half, 0)} "
+            f"over {d.n} seeds")
 
 
 def warmup(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None) -> list[str]:
@@ -521,7 +305,7 @@ def warmup(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | No
                 for b in against]
         if said:
             out.append(f"Batch-size warmup (B = {arm.replace(',', ', ')} in the first epochs, then {end}), to "
-                       f"{_pct(target)} validation accuracy ({100 * TARGET_SHARE:.0f}% of the best mean; "
+                       f"{percent(target)} validation accuracy ({100 * TARGET_SHARE:.0f}% of the best mean; "
                        f"{resolution(t, evals)}){kept}, " + "; and ".join(said) + ".")
     return out
 
@@ -618,7 +402,7 @@ def summarize(trials: pd.DataFrame, history: pd.DataFrame | None = None, evals: 
         for group, rows in trials.groupby(keys):
             label = " on ".join(map(str, group if isinstance(group, tuple) else (group,)))
             part = history[history["run_id"].isin(rows["run_id"])] if not history.empty else history
-            comparisons += [f"{label}: {_lowered(s)}" for s in _comparisons(rows, part, evals, objective)]
+            comparisons += [f"{label}: {lowered(s)}" for s in _comparisons(rows, part, evals, objective)]
     else:
         comparisons = _comparisons(trials, history, evals, objective)
     return [*exactness(trials), *comparisons, *_seed_note(finished(trials)), *mismatches(trials), *failures(trials),

@@ -1,4 +1,4 @@
-"""What to use: the block at the top of a report. It is made from the comparisons the findings state (findings.py:
+"""What to use: the block at the top of a report. It is made from the comparisons the findings state (rules.py:
 each LR rule's B against the smallest B, the rules at one B, the twins; best.py: the best configuration and its
 ties; space.py: the times to the target), with the same statistics, never from a second computation. Each line
 says how sure it is; where the study cannot support a pick (one seed, nothing separable), the block says so and
@@ -12,11 +12,12 @@ from batchsweep.sweeps import commands
 
 from .best import best_set
 from .figures import Measure, finished, measure, tuned
-from .findings import (_listed, _lowered, bn_against_true, lr_exponent, rule_comparisons, rules_at, stated,
-                       twin_pairs)
+from .findings import bn_against_true, lr_exponent
+from .rules import rule_comparisons, rules_at, twin_pairs
 from .runs import StudyRuns, quantum
 from .space import identical_spread, label, shown, times
 from .verdicts import judge
+from .wording import listed, lowered, stated
 
 MIB = 2 ** 20
 
@@ -66,8 +67,8 @@ def per_batch(study: StudyRuns, m: Measure) -> list[str]:
         base, v = cost[(best, b)]
         others = [r for r in means.index[1:] if r not in ties]
         which = (f"the {best} LR rule ({m.level(means[best])}, the best mean"
-                 + (f"; {_listed(ties)} cannot be told from it" if ties else "; every other rule resolved below it")
-                 + (f"; {_listed(others)} resolved below it" if ties and others else "") + ")")
+                 + (f"; {listed(ties)} cannot be told from it" if ties else "; every other rule resolved below it")
+                 + (f"; {listed(others)} resolved below it" if ties and others else "") + ")")
         out.append(f"At B = {b}: {which}; against B = {base}: {stated(v.d, m=m, v=v)}"
                    f"{_batching(t, best, b, twins, m)}.")
     return out
@@ -150,7 +151,7 @@ def bn_rules(study: StudyRuns, m: Measure) -> list[str]:
         same = [r for r, v in judged if v.equivalent and not (v.resolved and m.worse(v.d))]
         head = f"BN momentum at k = {k} (B = {b}), against the true batch's final accuracy"
         if same:
-            out.append(f"{head}: {_listed(same)} shown to match it (" + "; ".join(
+            out.append(f"{head}: {listed(same)} shown to match it (" + "; ".join(
                 f"{r} {stated(v.d, 'above', 'below', m, v)}" for r, v in judged if r in same) + ").")
         else:
             r, v = min(judged, key=lambda x: abs(x[1].d.mean) + x[1].d.half)
@@ -166,7 +167,7 @@ def recommend(study: StudyRuns) -> list[str]:
     if m is None or t.empty:
         return []
     if tuned(t):  # a search of the LR at each B: its answer is the best LR against B, with its interval
-        return [f"The learning rate to use at each B: {_lowered(s)}" for s in lr_exponent(study.trials, m)]
+        return [f"The learning rate to use at each B: {lowered(s)}" for s in lr_exponent(study.trials, m)]
     if ("seed" not in t or t["seed"].nunique() < 2) and len(t) > 1:
         return [f"With one seed no configuration can be told from another, so nothing is recommended: run "
                 f"`{_seed_command(study)}` (it keeps these trials and adds seeds 1 and 2), then the report again."]

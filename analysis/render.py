@@ -281,6 +281,18 @@ def _shared_title(titles: list[str]) -> str:
     return " ".join(shared).rstrip(",;:") or titles[0]
 
 
+def _sections(kinds: dict[str, list[tuple[str, Figure, Path]]]) -> list:
+    """A section per kind of figure: the studies' side by side even where their titles differ (learning curves by
+    lr_rule beside those by bn_momentum_rule), under what their titles share, each whole title in its caption.
+    (heading, items): two kinds may share a heading ('Pareto front' of val_acc and of val_loss)."""
+    sections = []
+    for items in kinds.values():
+        heading = _shared_title([fig.title for _, fig, _ in items])
+        sections.append((heading, [(label, fig, path, label + (f"{fig.title}. " if fig.title != heading else "")
+                                    + fig.context) for label, fig, path in items]))
+    return sections
+
+
 def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], dict[str, list[str]]]:
     """Write the report of one study, or of several side by side, into `folder`. Returns the files written,
     report.html first, and each study's recommendation ("Use: ...") and findings."""
@@ -312,13 +324,7 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
         csv = folder / f"{prefix}trials.csv"
         _raw(study).to_csv(csv, index=False)
         written.append(csv)
-    # A section per kind of figure: the studies' side by side even where their titles differ (learning curves by
-    # lr_rule beside those by bn_momentum_rule), under what their titles share, each whole title in its caption.
-    sections = []  # (heading, items): two kinds may share a heading ('Pareto front' of val_acc and of val_loss)
-    for items in kinds.values():
-        heading = _shared_title([fig.title for _, fig, _ in items])
-        sections.append((heading, [(label, fig, path, label + (f"{fig.title}. " if fig.title != heading else "")
-                                    + fig.context) for label, fig, path in items]))
+    sections = _sections(kinds)
     names = [s.name for s in studies]
     reproduce = f"{commands.command('report')} " + (f"--compare {' '.join(map(shlex.quote, names))}" if len(names) > 1
                                                  else f"--study {shlex.quote(names[0])}")

@@ -16,7 +16,8 @@ from batchsweep.analysis.figures import (Measure, accuracy_vs_batch, all_figures
                                          equivalence, learning_curves, log_scale, lr_scaling, protocol, split,
                                          warmup_curves)
 from batchsweep.analysis import branching
-from batchsweep.analysis.findings import lr_rule_reading, memory, stated, summarize
+from batchsweep.analysis.findings import lr_rule_reading, memory, summarize
+from batchsweep.analysis.wording import stated
 from batchsweep.analysis.render import MIB, _display, _table, write_report
 from batchsweep.analysis.runs import Difference, StudyRuns, aggregate, ci95, load_studies, steps_to_target
 from batchsweep.analysis.space import (MIN_IMPORTANCE_TRIALS, front, importance, label, memory_front,
@@ -535,7 +536,7 @@ def test_the_learning_curves_leave_out_trials_whose_b_changed_in_training():
 
 
 def test_an_interval_that_excludes_zero_never_reads_as_reaching_it():
-    from batchsweep.analysis.findings import stated
+    from batchsweep.analysis.wording import stated
     from batchsweep.analysis.runs import Difference
 
     # adam_lr's linear rule at B = 128 on a 2-core CPU: 1.3 points lower, the interval ending 0.04 below zero

@@ -18,7 +18,8 @@ import pytest
 import scipy.optimize
 import scipy.stats
 
-from batchsweep.analysis.findings import summarize, twins
+from batchsweep.analysis.findings import summarize
+from batchsweep.analysis.rules import twins
 from batchsweep.analysis.recommend import recommend
 from batchsweep.analysis.runs import Difference, StudyRuns, paired
 from batchsweep.analysis.space import memory_front

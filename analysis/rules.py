@@ -1,0 +1,158 @@
+"""The LR rules compared over B and at one B, and accumulation against its true-batch twin: every trial at a B
+counted, paired by seed, each family under Benjamini-Hochberg (verdicts.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from .figures import ACCURACY, Measure, finished, in_order, one_batch, tuned
+from .runs import Difference, paired, quantum
+from .verdicts import judge
+from .wording import controlled, listed, plus_minus, stated, where_at
+
+
+def _halves_note(t: pd.DataFrame) -> list[str]:
+    """Where a B is made by several (b, k), as an accumulated run and its true-batch twin make it, every one of
+    them counts: a seed's runs at that B are averaged before they are paired."""
+    if not {"physical_batch", "accum_steps"} <= set(t):
+        return []
+    made = t.groupby("effective_batch")[["physical_batch", "accum_steps"]].apply(lambda g: len(g.drop_duplicates()))
+    mixed = sorted(int(b) for b in made[made > 1].index)
+    if not mixed:
+        return []
+    at = f"B = {mixed[0]}" if len(mixed) == 1 else f"B = {listed([str(b) for b in mixed])}"
+    return [f"The LR rules are compared over every trial at a B: at {at}, each seed's runs at the (b, k) that "
+            f"make that B (accumulated and true batch) are averaged, then paired by seed; the sentence on "
+            f"accumulation compares the two."]
+
+
+def rule_comparisons(trials: pd.DataFrame, m: Measure = ACCURACY):
+    """Each LR rule's B against its smallest B, every trial at a B counted (a seed's runs there averaged), judged
+    as one family: (trials compared, [(rule, B, smallest B, difference)], verdicts); None where the study does
+    not compare LR rules over B (or searched the LR)."""
+    t = one_batch(finished(trials))
+    if "lr_rule" not in t or t["lr_rule"].nunique() < 2 or t["effective_batch"].nunique() < 2 or tuned(t):
+        return None
+    step = quantum(t[m.name])
+    compared = []  # the family of the false-discovery control
+    for rule in in_order("lr_rule", t["lr_rule"]):
+        rows = t[t["lr_rule"] == rule]
+        sizes = sorted(int(b) for b in rows["effective_batch"].unique())
+        base = rows[rows["effective_batch"] == sizes[0]]
+        compared += [(rule, b, sizes[0], paired(rows[rows["effective_batch"] == b], base, m.name, step))
+                     for b in sizes[1:]]
+    return t, compared, judge([d for *_, d in compared], m.margin)
+
+
+def lr_rules(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
+    """Per LR rule, each B against the smallest, every trial at a B counted; then the rules at the largest B."""
+    found = rule_comparisons(trials, m)
+    if found is None:
+        return []
+    t, compared, verdicts = found
+    step, rules = quantum(t[m.name]), in_order("lr_rule", t["lr_rule"])
+    out = _halves_note(t)
+    side = ("fell", "rose") if m.maximize else ("rose", "fell")  # (a loss that rose did worse)
+    for rule in rules:
+        mine = [(b, base, v) for (r, b, base, _), v in zip(compared, verdicts) if r == rule and v is not None]
+        if not mine:
+            continue  # (no seed in common with the smallest B, or one B only)
+        said, alike = [], []  # (Bs in a row that are equivalent are said once)
+        for i, (b, base, v) in enumerate(mine):
+            if v.equivalent and not v.resolved:
+                alike.append(f"{b} ({plus_minus(v.d, m, m.places(v.d.mean, v.d.half))})")
+                if i + 1 < len(mine) and mine[i + 1][2].equivalent and not mine[i + 1][2].resolved:
+                    continue
+                said.append(f"equivalent within ±{m.margin_text} at B = {listed(alike)}")
+                alike = []
+            elif v.resolved:
+                said.append(f"at B = {b} {side[0] if (v.d.mean < 0) == m.maximize else side[1]} "
+                            f"({stated(v.d, m=m, v=v)})")
+            else:
+                said.append(f"at B = {b} {stated(v.d, m=m, v=v)}")
+        n = mine[0][2].d.n
+        out.append(f"The {rule} LR rule against B = {mine[0][1]} over {n} seed{'s' * (n != 1)}: " + "; ".join(said)
+                   + ".")
+    out += _at_largest(t, m, step)
+    return out + controlled([(where_at(b, rule=r), d) for r, b, _, d in compared],
+                            "comparisons of a rule's B against its smallest B")
+
+
+def rules_at(t: pd.DataFrame, b: int, m: Measure, step: float):
+    """The LR rules at B = b against the one of the best mean, paired by seed under Benjamini-Hochberg over these
+    comparisons: (means best first, verdicts of the others, the rules that cannot be told from the best, the best
+    among them); None where B is base_batch (every rule one configuration) or one rule ran."""
+    at = t[t["effective_batch"] == b]
+    per_seed = at.groupby(["lr_rule", "seed"])[m.name].mean().groupby("lr_rule").mean()
+    means = per_seed.reindex(in_order("lr_rule", per_seed.index)).sort_values(ascending=not m.maximize, kind="stable")
+    same = "base_batch" in at and (at["effective_batch"] == at["base_batch"]).all()
+    if len(means) < 2 or same:
+        return None
+    best = means.index[0]
+    verdicts = judge([paired(at[at["lr_rule"] == r], at[at["lr_rule"] == best], m.name, step)
+                      for r in means.index[1:]], m.margin)
+    ties = [r for r, v in zip(means.index[1:], verdicts) if v is None or not v.resolved]
+    return means, verdicts, ties, best
+
+
+def _at_largest(t: pd.DataFrame, m: Measure, step: float) -> list[str]:
+    """The rules at the largest B against the one of the best mean: a contrast is said only where it is resolved."""
+    largest = t[t["effective_batch"] == t["effective_batch"].max()]
+    found = rules_at(t, int(largest["effective_batch"].iloc[0]), m, step)
+    if found is None:  # (at B = base_batch the rules are one configuration: none is best there)
+        return []
+    means, verdicts, ties, best = found
+    others = list(means.index[1:])
+    against = [f"{r} {stated(v.d, m=m, v=v)}" if v else f"{r} {m.level(means[r])}" for r, v in zip(others, verdicts)]
+    verdict = (f"{best} is resolved as the best there" if not ties else
+               f"the best there is one of {listed([best, *ties])}: no contrast between them is resolved")
+    level = ", ".join(f"{r} {m.level(means[r])}" for r in others)
+    return [f"At the largest batch, B = {int(largest['effective_batch'].iloc[0])}, the {best} rule had the "
+            f"{'highest' if m.maximize else 'lowest'} mean ({m.level(means[best])}; {level}); against it: "
+            + "; ".join(against) + f"; {verdict}."]
+
+
+def twin_pairs(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[tuple[dict, Difference]]:
+    """Accumulated against true batch at each B and rules, paired by seed: ({rule: value, effective_batch: B},
+    difference) per pair, the family of the twins' sentence."""
+    t = finished(trials)
+    if "batch" not in t or t["batch"].nunique() < 2:
+        return []
+    step = quantum(t[m.name]) if m.name in t else None
+    keys = [c for c in ("lr_rule", "bn_momentum_rule") if c in t and t[c].nunique() > 1]
+    t = t[t["effective_batch"] > t["physical_batch"].min()]
+    pairs = []
+    for group, rows in t.groupby([*keys, "effective_batch"]):
+        group = group if isinstance(group, tuple) else (group,)
+        d = paired(rows[rows["batch"] == "accumulated"], rows[rows["batch"] == "true batch"], m.name, step)
+        if d is not None:
+            pairs.append(({**dict(zip(keys, group[:-1])), "effective_batch": int(group[-1])}, d))
+    return pairs
+
+
+def twins(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
+    """Accumulated points against their true-batch twins at the same B and rules, paired by seed."""
+    pairs = [(where_at(key.pop("effective_batch"), **key), d) for key, d in twin_pairs(trials, m)]
+    if not pairs:
+        return []
+    n = min(d.n for _, d in pairs)
+    if n < 2:
+        median = float(np.median([abs(d.mean) for _, d in pairs]))
+        return [f"Accumulation and the true batch at the same B differed by a median of {m.amount(median)} over "
+                f"{len(pairs)} pairs, in one seed: no pair can be told from seed noise."]
+    verdicts = judge([d for _, d in pairs], m.margin)
+    ahead = m.ranked("accumulated ahead", "true batch ahead")
+    resolved = [(w, v) for (w, _), v in zip(pairs, verdicts) if v.resolved]
+    equivalent = [w for (w, _), v in zip(pairs, verdicts) if v.equivalent and not v.resolved]
+    open_ = [(w, v) for (w, _), v in zip(pairs, verdicts) if not v.resolved and not v.equivalent]
+    halves = [v.d.half for v in verdicts]
+    parts = [f"equivalent within ±{m.margin_text} in {len(equivalent)}"]
+    if open_:
+        parts.append(f"not resolved in {len(open_)} (" + "; ".join(
+            f"{w}: {plus_minus(v.d, m, m.places(v.d.mean, v.d.half))}" for w, v in open_) + ")")
+    parts.append(f"resolved in {len(resolved)}" + (": " + "; ".join(f"{w}: {stated(v.d, *ahead, m=m, v=v)}"
+                                                                     for w, v in resolved) if resolved else ""))
+    return [f"Accumulation and its true-batch twin at the same B were compared in {len(pairs)} pairs, paired by seed "
+            f"over {n} seeds (95% t-intervals, median half-width {m.amount(float(np.median(halves)))}): "
+            + "; ".join(parts)
+            + ".", *controlled(pairs, "twin pairs")]
