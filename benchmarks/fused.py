@@ -2,9 +2,9 @@
 
 The group is that of the default study (accum_lr) at b = 32 and one seed: k in 1, 2, 4, 8, 16 under the LR rules
 none, linear and sqrt, with its warmup, cosine schedule and weight decay, on cnn1d with BatchNorm and MNIST-1D:
-15 members. In one process, each repeat trains the group fused and each member alone (`train`, without the
-diagnostics that a fused member does not compute either), in alternating order, and prints both times; last,
-the median of the repeats' ratios (alone / fused) as `speedup=<x>`. Exits 1 when nothing was measured.
+15 members. In one process, each repeat trains the group fused and each member alone (`train`, with the
+diagnostics and noise scale on both sides), in alternating order, and prints both times; last, the median of
+the repeats' ratios (alone / fused) as `speedup=<x>`. Exits 1 when nothing was measured.
 
     python benchmarks/fused.py [--epochs 2] [--repeats 3] [--device cuda] [--dtype float64]
 """
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios = []
     for repeat in range(args.repeats):
         fused = lambda: train_fused(configs, data=data)
-        apart = lambda: [train(c, diagnostics=False, data=data) for c in configs]
+        apart = lambda: [train(c, data=data) for c in configs]
         first, second = (fused, apart) if repeat % 2 == 0 else (apart, fused)
         times = {first: timed(first), second: timed(second)}
         ratios.append(times[apart] / times[fused])

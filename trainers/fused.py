@@ -36,7 +36,7 @@ from .loop import (EpochCallback, TrainResult, Trainee, _end_epoch, _result, div
 from .checkpoint import Progress
 from .losses import add_counts, load_loss
 from .order import windows
-from .probes import LossTerms, Micro, Probe, Probes, Run
+from .probes import Health, LossTerms, Micro, Noise, Probe, Probes, Run
 from .shrink import Retry
 
 # What decides a member's micro-batches and its forward: equal in every member of a group.
@@ -87,10 +87,13 @@ class Member:
 
 
 def train_fused(configs: list[TrainConfig], on_epoch: list[EpochCallback | None] | None = None,
-                probes: list[list[Probe]] | None = None, data: Data | None = None) -> list[TrainResult]:
-    """Train every configuration of one group (equal `group_key`) as `train(config, diagnostics=False)` would,
-    in one stacked forward and backward per micro-batch; each result is that member's. `on_epoch[i]` and
-    `probes[i]` are member i's. Raises NotFusable (before any step) where they cannot train as one."""
+                probes: list[list[Probe]] | None = None, diagnostics: bool = True,
+                data: Data | None = None) -> list[TrainResult]:
+    """Train every configuration of one group (equal `group_key`) as `train(config)` would, in one stacked
+    forward and backward per micro-batch; each result is that member's. `on_epoch[i]` and `probes[i]` are
+    member i's. The diagnostics are the gradient's (Health, Noise: each member's gradients are its own); peak
+    memory is not among them, since the group's is not a member's. Raises NotFusable (before any step) where
+    they cannot train as one."""
     keys = {group_key(c) for c in configs}
     if None in keys or len(keys) > 1:
         why = next((alone(c) for c in configs if alone(c)), "they differ in " + ", ".join(
@@ -99,7 +102,9 @@ def train_fused(configs: list[TrainConfig], on_epoch: list[EpochCallback | None]
     data = data or load(configs[0])
     if data.train_set is not None:
         raise NotFusable("only datasets of tensors train fused (this one is read through a DataLoader)")
-    members = [_member(c, data, (probes or [[]] * len(configs))[i]) for i, c in enumerate(configs)]
+    extra = probes or [[] for _ in configs]
+    members = [_member(c, data, [*([Health(), Noise()] if diagnostics else []), *extra[i]])
+               for i, c in enumerate(configs)]
     first = members[0]
     base = dataclasses.replace(first.config, accum_steps=1)  # its windows are the micro-batches
     feed = Feed(first.measure.data, base, first.measure.device, first.t.loss)
