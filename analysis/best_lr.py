@@ -19,6 +19,7 @@ import pandas as pd
 from scipy import stats
 
 RESAMPLES = 2000  # bootstrap resamples of the seeds
+ALSO_SCALED = ("beta1", "beta2", "eps", "decay", "bn_momentum")  # what an LR rule may move besides the LR
 WORSE = ("diverged", "pruned")  # a trial that ended so was tried and did worse than any that finished
 PEAKS = np.linspace(-4.0, 4.0, 801)  # candidate log2(peak / geometric middle of the Bs): 16x beyond either end
 
@@ -106,6 +107,11 @@ def best_lr_against_b(trials: pd.DataFrame, metric: str, direction: str, seed: i
         raise ValueError(f"no finished trial has {metric}: nothing to find a best LR from")
     best = {}  # (B, seed) -> (log best LR, at the edge, the best trial's index)
     for (batch, s), group in done.groupby(["effective_batch", "seed"]):
+        other = [c for c in ALSO_SCALED if c in group and group[c].nunique() > 1]
+        if other:
+            raise ValueError(f"at B = {int(batch)} the trials differ in more than the LR ({', '.join(other)}): the "
+                             f"best LR against B needs trials that differ only in the LR at each B (a study such "
+                             f"as lr_search or adam_lr_search)")
         if np.isfinite(group["_value"]).any():  # (a seed whose every LR diverged has no best)
             best[int(batch), int(s)] = _best_of(group.sort_values("lr"))
     batches = sorted({b for b, _ in best})

@@ -147,3 +147,10 @@ def test_a_rise_with_a_resolved_fall_inside_is_no_peak_and_no_clean_rise():
     assert result.sentence().startswith("The best LR rises with B from 8 to 512 overall (slope ")
     assert "but not at every step; no peak is resolved with 3 seeds. It falls, beyond the seeds' spread, from " \
            "B = 64 to 128." in result.sentence()
+
+
+def test_trials_that_differ_in_more_than_the_lr_are_refused_in_one_line():
+    trials = surface(lambda b: 1e-3).assign(beta2=lambda t: np.where(t.lr > 1e-3, 0.8, 0.95))
+    with pytest.raises(ValueError, match=r"^at B = 8 the trials differ in more than the LR \(beta2\): the best LR "
+                                         r"against B needs trials that differ only in the LR at each B"):
+        best_lr.best_lr_against_b(trials, "val_loss", "minimize")
