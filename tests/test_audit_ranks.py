@@ -15,32 +15,35 @@ def store(tmp_path_factory):
     return f"sqlite:///{tmp_path_factory.mktemp('ranks')}/mlflow.db"
 
 
-def study(folder, case: str, loss: str, launcher: str = "{world_size}"):
+def study(folder, case: str, loss: str, launcher: str = "{world_size}", deal: str = "sample"):
     path = folder / "ddp.toml"
     path.write_text(f'''name = "ddp"
 [program]
 command = ["{{python}}", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "{launcher}",
            "{DDP}", "--batch-size", "{{physical_batch}}", "--accum", "{{accum_steps}}", "--seed", "{{seed}}",
-           "--case", "{case}", "--loss", "{loss}"]
+           "--case", "{case}", "--loss", "{loss}", "--deal", "{deal}"]
 ''')
     return path
 
 
-def audited(tmp_path, store, capsys, case: str, loss: str) -> tuple[int, str, dict]:
-    code = main(["--study", str(study(tmp_path, case, loss)), "--physical-batch", "8", "--accum-steps", "4",
+def audited(tmp_path, store, capsys, case: str, loss: str, deal: str = "sample") -> tuple[int, str, dict]:
+    code = main(["--study", str(study(tmp_path, case, loss, deal=deal)), "--physical-batch", "8", "--accum-steps", "4",
                  "--nproc", "2", "--tracking-uri", store, "--json", str(tmp_path / "audit.json")])
     out = capsys.readouterr().out
     return code, out, json.loads((tmp_path / "audit.json").read_text())
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case, loss", [("plain", "sample"), ("plain", "token"), ("sync_everywhere", "sample"),
-                                        ("rank_mean", "sample")])
-def test_correct_ddp_loops_are_exact(case, loss, tmp_path, store, capsys):
-    """The correct loop on samples and on padded tokens (the count all-reduced), no_sync() around backward() alone
-    (a no-op: every micro-batch all-reduces, the same gradient), and a per-rank mean where every rank counts alike:
-    the two ranks' weights equal, (b, k) on 2 ranks equal to (b*k, 1) on 2, and that equal to (b*k*2, 1) on one."""
-    code, out, found = audited(tmp_path, store, capsys, case, loss)
+@pytest.mark.parametrize("case, loss, deal", [("plain", "sample", "sample"), ("plain", "token", "sample"),
+                                              ("plain", "token", "micro"), ("sync_everywhere", "sample", "sample"),
+                                              ("rank_mean", "sample", "sample")])
+def test_correct_ddp_loops_are_exact(case, loss, deal, tmp_path, store, capsys):
+    """The correct loop on samples and on padded tokens (the count all-reduced), also with micro-batches dealt to
+    the ranks in turn (Accelerate's way: a rank's own samples differ between (b, k) and (b*k, 1), the windows as a
+    whole do not), no_sync() around backward() alone (a no-op: every micro-batch all-reduces, the same gradient),
+    and a per-rank mean where every rank counts alike: the two ranks' weights equal, (b, k) on 2 ranks equal to
+    (b*k, 1) on 2, and that equal to (b*k*2, 1) on one."""
+    code, out, found = audited(tmp_path, store, capsys, case, loss, deal)
     assert (code, found["verdicts"]) == (0, ["exact"]), out
     assert found["compared"]["(b*k, 1) on 2 ranks against (b*k*2, 1) on one rank"] <= 1e-10
     assert "every rank's weights agree with rank 0's" in " ".join(found["notes"])
@@ -68,13 +71,17 @@ def test_a_loss_times_the_world_size_is_loss_scaled_by_world(tmp_path, store, ca
 
 
 @pytest.mark.slow
-def test_a_per_rank_token_mean_is_mean_of_rank_means(tmp_path, store, capsys):
-    """Each rank divides by its own token count, and the ranks hold different counts: the update turns."""
-    code, out, found = audited(tmp_path, store, capsys, "rank_mean", "token")
+@pytest.mark.parametrize("deal", ["sample", "micro"])
+def test_a_per_rank_token_mean_is_mean_of_rank_means(deal, tmp_path, store, capsys):
+    """Each rank divides by its own token count, and the ranks hold different counts: the update turns. With
+    micro-batches dealt in turn, (b, k) and (b*k, 1) on 2 ranks differ too (each rank's mean is over other tokens in
+    the two), which is the reduction's doing: said in a note, not named a mistake of the accumulation."""
+    code, out, found = audited(tmp_path, store, capsys, "rank_mean", "token", deal)
     assert (code, found["verdicts"]) == (1, ["mean_of_rank_means"]), out
     counts = [int(c) for c in found["rank_counts"].split(", ")]
     assert len(counts) == 2 and counts[0] != counts[1]
     assert found["rank_update_cosine"] < 1 - 1e-6
+    assert ("each rank holds other samples at (b, k)" in " ".join(found["notes"])) == (deal == "micro")
 
 
 def test_nproc_needs_a_launcher_that_takes_the_world_size(tmp_path, store, capsys):
@@ -99,3 +106,42 @@ env = {{ WORLD = "{{world_size}}" }}
                  "--tracking-uri", store])
     err = capsys.readouterr().err
     assert code == 2 and "--nproc 2: the tracer saw 1 rank step" in err.strip().splitlines()[-1]
+
+
+def test_the_windows_of_ranks_are_compared_as_a_whole():
+    """Rank 0's steps, with the i-th micro-batches' sizes, the fingerprints and the tokens of every rank added up:
+    what DDP's mean of the ranks' gradients steps on."""
+    from batchsweep.sweeps.launch.observed import Step, Trace, merged
+
+    zero = Trace(steps=[Step(1, "ZFBFBS", [4, 4], [0.1], fingerprint=[1.0, 2.0], tokens=10)])
+    one = Trace(steps=[Step(1, "ZFBFBS", [4, 3], [0.1], fingerprint=[0.5, 4.0], tokens=7)])
+    (step,) = merged({0: zero, 1: one})
+    assert (step.samples, step.fingerprint, step.tokens, step.events) == ([8, 7], [1.5, 6.0], 17, "ZFBFBS")
+
+
+def test_only_replicas_are_compared_with_rank_0():
+    """Ranks that hold other tensors than rank 0 (shards) are not said to have parted."""
+    import torch
+
+    from batchsweep.sweeps.audit.ranks import parted
+    from batchsweep.sweeps.audit.runs import ScriptRun
+
+    run = ScriptRun("accumulated", 8, 4, 0, 0.1, 1, 2, state={"w": torch.ones(4, dtype=torch.float64)})
+    run.others = {1: {"w": torch.ones(2, dtype=torch.float64)}}
+    assert parted(run) is None
+    run.others = {1: {"w": torch.tensor([1.0, 1.0, 1.0, 3.0], dtype=torch.float64)}}
+    assert parted(run) == (1, pytest.approx(1.0))
+
+
+def test_where_two_runs_part_update_1_is_asked_first():
+    from batchsweep.sweeps.audit.ranks import first_apart
+
+    asked = []
+
+    def agree(steps):
+        asked.append(steps)
+        return steps < 6
+
+    assert first_apart(agree, 12) == 6 and asked[0] == 1
+    asked.clear()
+    assert first_apart(lambda steps: asked.append(steps) or False, 12) == 1 and asked == [1]

@@ -56,6 +56,9 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=0)
     p.add_argument("--dropout", default="off", choices=["off", "default"],
                    help="default: GPT-2's config dropouts as transformers sets them (0.1 each)")
+    p.add_argument("--train-size", type=int, default=200)
+    p.add_argument("--average-tokens", default="yes", choices=["yes", "no"],
+                   help="under torchrun: average_tokens_across_devices (the Trainer's default: yes)")
     args = p.parse_args()
     torch.manual_seed(args.seed)
     torch.set_default_dtype(torch.float64)  # (transformers before 4.46 builds GPT-2's masks in the default dtype)
@@ -66,8 +69,9 @@ def main() -> None:
         output_dir=os.path.join(tempfile.gettempdir(), "hf-audit-subject"), per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.accum, learning_rate=args.lr, num_train_epochs=args.epochs,
         max_steps=args.max_steps or -1, seed=args.seed, optim="sgd", lr_scheduler_type="linear", weight_decay=0.0,
-        max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True)
-    trainer = Trainer(model=model, args=training, train_dataset=sequences(200), data_collator=collate,
+        max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
+        average_tokens_across_devices=args.average_tokens == "yes")
+    trainer = Trainer(model=model, args=training, train_dataset=sequences(args.train_size), data_collator=collate,
                       callbacks=[LossRows()])
     trainer.train()
     torch.save(model.state_dict(), os.environ["BATCHSWEEP_STATE"])

@@ -46,6 +46,7 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
         not_synced = ranks.unsynced(auditor, b, k, steps, tol, dtype)
         if not_synced:
             return not_synced
+    config = auditor.config  # (one epoch: the diagnosis may go on within the study's epochs, `stretch`)
     finding = diagnose(auditor, b, k, steps)
     ea, et = (next(r for r in auditor.runs if r.name == name) for name in ("accumulated", "true batch"))
     refuted = [v for v in finding.verdicts if refutes(v, ea, et, k, finding.figures)]
@@ -65,6 +66,7 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
             finding.verdicts = list(dict.fromkeys(v if v not in guesses else "random_forward"
                                                   for v in finding.verdicts))
     if auditor.nproc > 1:
+        auditor.config = config
         ranks.across(auditor, finding, b, k, steps)
     return finding
 

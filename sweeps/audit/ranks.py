@@ -8,7 +8,7 @@ from typing import Any
 from .compare import LOW_PRECISION_ROUNDING, live_batchnorm, rel, update, weights
 from .runs import AuditError, Auditor, ScriptRun
 from .traces import lr_parting
-from .verdicts import Finding
+from .verdicts import VERDICTS, Finding
 
 # |ratio / N − 1| (or |ratio · N − 1|) below this, at cosine above 0.999: the update is N (or 1/N) times the global
 # batch's, as a loss scaled by the world size makes it.
@@ -16,7 +16,11 @@ WORLD_WITHIN = 0.02
 
 
 def parted(a: ScriptRun) -> tuple[int, float] | None:
-    """(the rank, its relative weight difference from rank 0) of the rank furthest from rank 0; None for one rank."""
+    """(the rank, its relative weight difference from rank 0) of the rank furthest from rank 0; None for one rank,
+    or where ranks hold other tensors than rank 0 (shards of a model, not DDP's replicas)."""
+    shapes = {key: t.shape for key, t in a.state.items()}
+    if any({key: t.shape for key, t in state.items()} != shapes for state in a.others.values()):
+        return None
     diffs = {rank: rel_weights(state, a.state) for rank, state in a.others.items()}
     return max(diffs.items(), key=lambda item: item[1]) if diffs else None
 
@@ -41,7 +45,7 @@ def unsynced(auditor: Auditor, b: int, k: int, steps: int, tol: float, dtype: st
     figures: dict[str, Any] = {"dtype": dtype, "tolerance": tol, "steps_accumulated": len(ea.steps),
                                "rank_parted": worst[0], "rank_rel_diff": worst[1], "nproc": auditor.nproc}
     figures["rank_first_parting"] = first_apart(
-        lambda steps: parted(auditor.run("accumulated", b, k, steps))[1] <= tol, len(ea.steps))
+        lambda steps: (parted(auditor.run("accumulated", b, k, steps)) or (0, 0.0))[1] <= tol, len(ea.steps))
     et = auditor.run("true batch", b * k, 1, steps)
     synced = parted(et)
     compared = [(f"rank {worst[0]} against rank 0, accumulated, after {len(ea.steps)} steps", worst[1])]
@@ -62,9 +66,20 @@ def across(auditor: Auditor, finding: Finding, b: int, k: int, steps: int) -> No
     f.update(nproc=n, steps_one_rank=len(eg.steps))
     finding.compared.append((f"(b*k, 1) on {n} ranks against (b*k*{n}, 1) on one rank", rel(et, eg)))
     verdict = reduction(auditor, et, eg, b * k, steps, tol, f)
-    if verdict:
-        finding.verdicts = [v for v in finding.verdicts if v != "exact"] + [verdict]
-    worst = parted(auditor.run("accumulated", b, k, steps))
+    ea = auditor.run("accumulated", b, k, steps)
+    window = dealt(ea, et)
+    accumulation = [v for v in finding.verdicts if v != "exact"]
+    if verdict in MISTAKES and accumulation and window:
+        finding.notes.append(
+            f"(b, k) and (b*k, 1) on {n} ranks differ too ({', '.join(accumulation)}), but each rank holds other "
+            f"samples at (b, k) than at (b*k, 1) from window {window} on (the windows as a whole are the same), so "
+            f"a mistake of the reduction across ranks weights them otherwise in the two runs: fix {verdict} and "
+            f"audit again to check the accumulation")
+        accumulation = []
+    if verdict:  # (`exact` stays beside a comparison that cannot be made: the accumulation was checked)
+        kept = [v for v in finding.verdicts if v == "exact" and VERDICTS[verdict][0] != 1]
+        finding.verdicts = kept + accumulation + [verdict]
+    worst = parted(ea)
     if worst:
         finding.notes.append(f"on {n} ranks every rank's weights agree with rank 0's after the accumulated run (rank "
                              f"{worst[0]}: {worst[1]:.3g}), so every micro-batch's gradient was all-reduced" +
@@ -110,6 +125,20 @@ def reduction(auditor: Auditor, et: ScriptRun, eg: ScriptRun, B: int, steps: int
     if len(set(counts)) > 1 and measured.cosine < 1 - 1e-6:
         return "mean_of_rank_means"
     return "unexplained_across_ranks"
+
+
+# The reduction's verdicts that name a mistake (not a comparison that cannot be made).
+MISTAKES = ("loss_scaled_by_world", "mean_of_rank_means", "unexplained_across_ranks")
+
+
+def dealt(ea: ScriptRun, et: ScriptRun) -> int | None:
+    """The first window where some rank's own samples differ between (b, k) and (b*k, 1) on N ranks; None where
+    every rank holds the same samples in both."""
+    from ..launch.observed import same_data
+
+    return min((i for rank, trace in ea.rank_traces.items() if rank in et.rank_traces
+                for i, (s, u) in enumerate(zip(trace.steps, et.rank_traces[rank].steps), 1) if not same_data(s, u)),
+               default=None)
 
 
 def first_apart(agree, n: int) -> int:

@@ -165,8 +165,9 @@ def read_back(record: ScriptRun, trace: observed.Trace) -> None:
 
     record.steps, record.trace = trace.steps, trace
     record.state, record.buffers = weights_of("state.pt")
-    if record.nproc > 1:
+    if record.nproc > 1:  # the windows compared are the ranks' together
         record.rank_traces = observed.ranks(record.folder)
+        record.steps = observed.merged(record.rank_traces) or record.steps
         record.others = {rank: weights_of(f"state-r{rank}.pt")[0] for rank in record.rank_traces
                          if rank and (record.folder / f"state-r{rank}.pt").exists()}
 

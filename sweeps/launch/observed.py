@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .tracer import FOLDER
@@ -165,6 +165,24 @@ def ranks(folder: Path) -> dict[int, Trace]:
     """Each rank's trace, by rank (trace-r<rank>-<pid>.jsonl), where the command ran ranks that stepped."""
     traces = {int(path.name.split("-")[1][1:]): parse(path) for path in sorted(folder.glob("trace-r*-*.jsonl"))}
     return {rank: trace for rank, trace in sorted(traces.items()) if trace.steps}
+
+
+def merged(traces: dict[int, Trace]) -> list[Step]:
+    """Rank 0's steps with what every rank's window held added up: the i-th micro-batches' sizes, the fingerprints
+    and the tokens of all ranks. Ranks may hold other samples at (b, k) than at (b*k, 1) (Accelerate deals a
+    rank every N-th micro-batch) while the window as a whole, which DDP's mean of the ranks' gradients steps on,
+    holds the same."""
+    from itertools import zip_longest
+
+    ranks = list(traces.values())
+    steps = []
+    for rows in zip(*(t.steps for t in ranks)):
+        prints = [r.fingerprint for r in rows]
+        tokens = [r.tokens for r in rows]
+        steps.append(replace(rows[0], samples=[sum(n) for n in zip_longest(*(r.samples for r in rows), fillvalue=0)],
+                             fingerprint=None if None in prints else [sum(p[i] for p in prints) for i in range(2)],
+                             tokens=None if None in tokens else sum(tokens)))
+    return steps
 
 
 def parse(path: Path) -> Trace:

@@ -17,6 +17,7 @@ Cases, and [the verdict `batchsweep audit --nproc 2` must give]:
     world_times      the loss multiplied by the world size on top of DDP's mean [loss_scaled_by_world]
 
 The token model is called with labels=... (as transformers' models are), so the tracer counts each rank's tokens.
+--deal micro deals micro-batches to the ranks in turn, as Accelerate's prepared loaders do (the Trainer's).
 """
 import argparse
 import contextlib
@@ -48,6 +49,9 @@ def main() -> None:
     p.add_argument("--case", default="plain",
                    choices=["plain", "sync_everywhere", "sync_after_forward", "rank_mean", "world_times"])
     p.add_argument("--loss", default="sample", choices=["sample", "token"])
+    p.add_argument("--deal", default="sample", choices=["sample", "micro"],
+                   help="micro: each rank takes every N-th micro-batch (a rank's samples at (b, k) then differ from "
+                        "its samples at (b*k, 1), the windows as a whole do not)")
     args = p.parse_args()
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
@@ -60,9 +64,14 @@ def main() -> None:
         Tokens() if tokens else nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)))
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     b, k = args.batch_size, args.accum
-    order = torch.randperm(N, generator=torch.Generator().manual_seed(args.seed))[rank::world]  # this rank's share
-    for start in range(0, len(order), b * k):
-        micro = order[start:start + b * k].split(b)
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(args.seed))
+    if args.deal == "micro":  # Accelerate's way: micro-batches of b dealt to the ranks in turn
+        mine = order.split(b)[rank::world]
+        windows = [mine[i:i + k] for i in range(0, len(mine), k)]
+    else:  # every N-th sample, as DistributedSampler takes them, in windows of b*k
+        share = order[rank::world]
+        windows = [share[i:i + b * k].split(b) for i in range(0, len(share), b * k)]
+    for micro in windows:
         count = torch.tensor(float(sum(int((y[m] != -100).sum()) for m in micro)))
         own = float(count)
         dist.all_reduce(count)  # the window's items on every rank
