@@ -4,13 +4,20 @@ before training, AdamW, clip_grad_norm_ at 1.0, and the loss divided by the numb
 it is written for batchsweep: it prints its own log lines and saves nothing.
 
     python gpt_subject.py --batch-size 4 --accum 4 [--seed 0] [--max-iters 20] [--eval yes|no] [--divide yes|no]
-        [--lr 1e-3]
+        [--lr 1e-3] [--sync before|after]
+
+Under torchrun it trains with DDP (gloo) as minimal GPT trainers do: each rank seeded 1337 + its rank, and
+`model.require_backward_grad_sync` switched on at a window's last micro-batch, before its forward, or with
+--sync after, after it (build-nanogpt #30: DDP read the flag in the forward, so that micro-batch never
+all-reduces).
 
 The model is a small causal transformer on a synthetic token stream (no download), in float64.
 """
 import argparse
+import os
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 VOCAB, BLOCK, WIDTH = 32, 16, 32
@@ -41,12 +48,19 @@ def main() -> None:
     p.add_argument("--eval", default="yes", choices=["yes", "no"], help="estimate the loss before training")
     p.add_argument("--divide", default="yes", choices=["yes", "no"], help="divide each loss by --accum")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--sync", default="before", choices=["before", "after"],
+                   help="under torchrun: switch DDP's gradient sync before the forward, or after it (the mistake)")
     args = p.parse_args()
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
-    torch.manual_seed(1337 + args.seed)
+    ddp = "RANK" in os.environ
+    if ddp:
+        dist.init_process_group("gloo")
+    torch.manual_seed(1337 + args.seed + (dist.get_rank() if ddp else 0))
     stream = (torch.arange(20000) * 7 + torch.randint(0, 3, (20000,))) % VOCAB  # a pattern worth learning
     model = TinyGPT()
+    if ddp:
+        model = nn.parallel.DistributedDataParallel(model)  # (rank 0's weights, broadcast)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
     def get_batch():
@@ -68,7 +82,11 @@ def main() -> None:
         if it == args.max_iters:
             break
         for micro_step in range(args.accum):
+            if ddp and args.sync == "before":
+                model.require_backward_grad_sync = micro_step == args.accum - 1
             _, loss = model(x, y)
+            if ddp and args.sync == "after":
+                model.require_backward_grad_sync = micro_step == args.accum - 1
             if args.divide == "yes":
                 loss = loss / args.accum
             x, y = get_batch()  # the next batch while this one's backward runs
@@ -77,6 +95,8 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         print(f"iter {it}: loss {loss.item() * (args.accum if args.divide == 'yes' else 1):.4f}")
+    if ddp:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
