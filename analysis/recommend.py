@@ -61,14 +61,14 @@ def per_batch(study: StudyRuns, m: Measure) -> list[str]:
         at = rules_at(t, b, m, step)
         if at is None:
             continue
-        means, _, ties, best = at
+        means, contrasts, ties, best = at
         if (best, b) not in cost:
             continue
         base, v = cost[(best, b)]
-        others = [r for r in means.index[1:] if r not in ties]
+        below = [f"{r} {stated(c.d, m=m, v=c)}" for r, c in zip(means.index[1:], contrasts) if r not in ties]
         which = (f"the {best} LR rule ({m.level(means[best])}, the best mean"
-                 + (f"; {listed(ties)} cannot be told from it" if ties else "; every other rule resolved below it")
-                 + (f"; {listed(others)} resolved below it" if ties and others else "") + ")")
+                 + (f"; {listed(ties)} cannot be told from it" if ties else "")
+                 + (f"; resolved below it: {'; '.join(below)}" if below else "") + ")")
         out.append(f"At B = {b}: {which}; against B = {base}: {stated(v.d, m=m, v=v)}"
                    f"{_batching(t, best, b, twins, m)}.")
     return out
