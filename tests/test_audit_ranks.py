@@ -145,3 +145,14 @@ def test_where_two_runs_part_update_1_is_asked_first():
     assert first_apart(agree, 12) == 6 and asked[0] == 1
     asked.clear()
     assert first_apart(lambda steps: asked.append(steps) or False, 12) == 1 and asked == [1]
+
+
+@pytest.mark.slow
+def test_batchsweeps_own_trainer_under_torchrun_is_exact(tmp_path, store, capsys):
+    """A check of the check: trainers/train.py on 2 ranks (examples/audit/trainer_ddp.toml), its first 5 steps."""
+    code = main(["--study", str(ROOT / "examples" / "audit" / "trainer_ddp.toml"), "--physical-batch", "8",
+                 "--accum-steps", "4", "--steps", "5", "--nproc", "2", "--tracking-uri", store, "--json",
+                 str(tmp_path / "audit.json")])
+    found = json.loads((tmp_path / "audit.json").read_text())
+    assert (code, found["verdicts"]) == (0, ["exact"]), capsys.readouterr().out
+    assert found["compared"]["(b*k, 1) on 2 ranks against (b*k*2, 1) on one rank"] <= 1e-10
