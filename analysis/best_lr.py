@@ -3,9 +3,9 @@ best at, their geometric mean with a 95% interval over the seeds, and the curve'
 find that Adam's best LR rises and then falls with B, peaking near the gradient noise scale; for SGD it only
 rises (McCandlish et al. 2018). A shape is named only where the seeds resolve it.
 
-    python -m batchsweep.analysis.best_lr STUDY [--tracking-uri URI] [--figure best_lr.png]
+    python -m batchsweep.analysis.best_lr STUDY [STUDY ...] [--tracking-uri URI] [--figure best_lr.png]
 
-The report calls best_lr_against_b(trials, metric, direction) and figure(result, path).
+For a report: best_lr_against_b(trials, metric, direction), its sentence(), table() and figure().
 """
 from __future__ import annotations
 
@@ -244,16 +244,20 @@ def table(result: BestLR) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m batchsweep.analysis.best_lr", description=__doc__.split("\n")[0])
-    parser.add_argument("study")
+    parser.add_argument("study", nargs="+", help="one study, or several whose trials are one search (more LRs)")
     parser.add_argument("--tracking-uri", default="sqlite:///mlruns/mlflow.db")
     parser.add_argument("--figure", default="", help="write the figure here (.png)")
     args = parser.parse_args(argv)
     from .runs import AnalysisError, load_studies
 
     try:
-        runs = load_studies([args.study], args.tracking_uri)[0]
-        metric, direction = runs.objectives[0]
-        result = best_lr_against_b(runs.trials, metric, direction)
+        runs = load_studies(args.study, args.tracking_uri)
+        objectives = {r.objectives[0] for r in runs}
+        if len(objectives) > 1:
+            raise ValueError(f"the studies have different objectives ({', '.join(sorted(map(str, objectives)))}): "
+                             f"give studies of one search")
+        metric, direction = runs[0].objectives[0]
+        result = best_lr_against_b(pd.concat([r.trials for r in runs], ignore_index=True), metric, direction)
     except (AnalysisError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -45,7 +45,8 @@ BEFORE = {
                                 for k in (4, 16) for r in ("default", "scaled", "matched")]),
     "adam_lr": [dict(physical_batch=32, accum_steps=k, lr_rule=r) for k in (1, 4, 8)
                 for r in ("none", "linear", "sqrt", "adam_sqrt", "adam_halflife")],  # (no twins since issue 102)
-    "adam_lr_search": [dict(base_lr=lr, physical_batch=b, accum_steps=k) for lr in (4e-3, 1.4e-3, 1.1e-2, 5e-4, 3.2e-2)
+    "adam_lr_search": [dict(base_lr=lr, physical_batch=b, accum_steps=k)
+                       for lr in (4e-3, 1.4e-3, 1.1e-2, 5e-4, 3.2e-2, 9e-2, 0.25)
                        for b, k in ((8, 1), (16, 1), (32, 2), (128, 2))],
     "batch_warmup": [dict(accum_steps=k, batch_warmup=w) for k, w in ((8, ""), (8, "32,64,128"), (1, ""))],
     "critical_batch": [dict(accum_steps=2, batch_warmup="", epochs=10)]
