@@ -207,6 +207,7 @@ def figure(result: BestLR, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     fig, ax = plt.subplots(figsize=(6, 4))
     batches = np.array([p.batch for p in result.points], dtype=float)
@@ -227,7 +228,10 @@ def figure(result: BestLR, path: str) -> None:
     ax.set(xscale="log", yscale="log", xlabel="effective batch B", ylabel="learning rate",
            title=f"best LR by {result.metric}: {result.shape}")
     ax.set_xticks(batches, [str(int(b)) for b in batches])
-    ax.minorticks_off()
+    ax.xaxis.set_minor_locator(ticker.NullLocator())
+    ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))  # labels within one decade too
+    ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%.3g"))
+    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
