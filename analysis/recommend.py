@@ -10,7 +10,7 @@ import pandas as pd
 
 from batchsweep.sweeps import commands
 
-from .best import best_set
+from .best import best_set, choices
 from .figures import Measure, finished, measure, tuned
 from .findings import bn_against_true, lr_exponent
 from .rules import rule_comparisons, rules_at, twin_pairs
@@ -172,7 +172,9 @@ def recommend(study: StudyRuns) -> list[str]:
         return [f"With one seed no configuration can be told from another, so nothing is recommended: run "
                 f"`{_seed_command(study)}` (it keeps these trials and adds seeds 1 and 2), then the report again."]
     lines = [*per_batch(study, m), *best(study, m), *largest_free(study, m), *fastest(study), *bn_rules(study, m)]
-    if not lines:
+    if not lines and not choices(study, t)[0]:
         return ["Nothing here is a choice to recommend: the study varies no field as an independent choice (its "
-                "findings below answer its own question), or too few trials finished."]
+                "findings below answer its own question)."]
+    if not lines:
+        return ["Nothing is recommended: too few trials finished to compare configurations."]
     return lines
