@@ -214,11 +214,16 @@ ACCURACY = Measure()
 
 
 def measure(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> Measure | None:
-    """Accuracy where trials have one; else the study's first objective, or val_loss (to minimize)."""
+    """The study's first objective where it names one other than val_acc and trials logged it (a study that
+    minimizes val_loss is ranked by val_loss, even where val_acc is logged too); else accuracy where trials have
+    one; else val_loss (to minimize)."""
     t = finished(trials)
-    if has_accuracy(t):
-        return ACCURACY
-    for name, direction in (objective or ("val_loss", "minimize"), ("val_loss", "minimize")):
+    named = [objective] if objective and objective[0] != "val_acc" else []
+    for name, direction in (*named, ("val_acc", "maximize"), ("val_loss", "minimize")):
+        if name == "val_acc":  # (in points, with its own margin; float targets give no accuracy)
+            if has_accuracy(t):
+                return ACCURACY
+            continue
         values = pd.to_numeric(t[name], errors="coerce") if name in t else pd.Series(dtype=float)
         if np.isfinite(values).any():
             return Measure(name, direction == "maximize", 0.01 * float(values[np.isfinite(values)].abs().median()))

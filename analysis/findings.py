@@ -16,8 +16,8 @@ import numpy as np
 import pandas as pd
 
 from . import branching, critical
-from .figures import (ACCURACY, Measure, best_lr, finished, in_order, measure, one_batch, reliable_noise, trained_lr,
-                      tuned)
+from .figures import (ACCURACY, Measure, best_lr, finished, has_accuracy, in_order, measure, one_batch,
+                      reliable_noise, trained_lr, tuned)
 from .rules import lr_rules, twins
 from .runs import TARGET_SHARE, aggregate, paired, quantum, reached, resolution
 from .verdicts import Verdict, control, judge
@@ -382,10 +382,16 @@ def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFram
         return ["No finished trial has an accuracy (val_acc) or a value of the study's objective, in which "
                 "configurations are compared: the comparisons are left out; the table holds each trial's metrics.",
                 *noise_scale(trials), *memory(trials)]
-    if m is not ACCURACY:  # steps to a target and warmup need an accuracy to aim at
-        return [f"No finished trial has an accuracy (val_acc): configurations are compared in {m.name}{m.better}, "
-                f"and steps to a target accuracy and batch warmup are left out.", *lr_rules(trials, m),
-                *twins(trials, m), *bn(trials, m), *lr_exponent(trials, m), *noise_scale(trials), *memory(trials)]
+    if m is not ACCURACY:
+        aimed = has_accuracy(finished(trials))  # (steps to a target and warmup aim at an accuracy)
+        lead = (f"Configurations are compared in the study's objective, {m.name}{m.better}, not in val_acc; steps "
+                f"to a target accuracy are in val_acc." if aimed else f"No finished trial has an accuracy (val_acc): "
+                f"configurations are compared in {m.name}{m.better}, and steps to a target accuracy and batch warmup "
+                f"are left out.")
+        aimed_at = [*steps(trials, history, evals), *warmup(trials, history, evals),
+                    *branching.finding(trials, history)] if aimed else []
+        return [lead, *lr_rules(trials, m), *twins(trials, m), *bn(trials, m), *lr_exponent(trials, m),
+                *noise_scale(trials), *aimed_at, *memory(trials)]
     return [*lr_rules(trials), *twins(trials), *bn(trials), *lr_exponent(trials), *noise_scale(trials),
             *steps(trials, history, evals), *warmup(trials, history, evals), *branching.finding(trials, history),
             *memory(trials)]

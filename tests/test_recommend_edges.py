@@ -1,0 +1,52 @@
+"""The recommendation's edges: a study's own objective ranks even where val_acc is logged too, rules with
+different seeds are compared on the seeds they share, a pick's seeds are its own, and equivalence is worded as
+what its interval shows."""
+import numpy as np
+import pandas as pd
+
+from batchsweep.analysis.findings import summarize
+from batchsweep.analysis.recommend import recommend
+from batchsweep.analysis.runs import StudyRuns
+
+
+def _study(rows, varied, objective=("val_acc", "maximize")) -> StudyRuns:
+    t = pd.DataFrame(rows)
+    if "batch" not in t:
+        t["batch"] = np.where(t["accum_steps"] > 1, "accumulated", "true batch")
+    return StudyRuns("s", t, pd.DataFrame(), None, "", varied=varied, objectives=(objective,), run_as="--study s")
+
+
+def test_an_lr_search_minimizing_val_loss_recommends_the_lr_of_the_least_val_loss_not_of_the_best_accuracy():
+    """adam_lr_search's objective is val_loss; its trials log val_acc too. val_loss is least at LR 0.011 at every
+    B, val_acc highest at 0.0005: the LR to use is 0.011."""
+    rng, rows = np.random.default_rng(0), []
+    for seed in range(3):
+        for b in (8, 16, 64, 256):
+            for lr in (5e-4, 1.4e-3, 4e-3, 1.1e-2, 3.2e-2):
+                rows.append(dict(seed=seed, physical_batch=b, accum_steps=1, effective_batch=b, base_lr=lr, lr=lr,
+                                 lr_rule="none", base_batch=32, status="FINISHED",
+                                 val_loss=2.0 + abs(np.log(lr / 1.1e-2)) * 0.1 + rng.normal(0, 0.01),
+                                 val_acc=0.34 - abs(np.log(lr / 5e-4)) * 0.01 + rng.normal(0, 0.001)))
+    [line] = recommend(_study(rows, ("physical_batch", "accum_steps", "base_lr"), ("val_loss", "minimize")))
+    assert "the best learning rate went from 0.011 at B = 8 to 0.011 at B = 256" in line, line
+
+
+def test_a_study_minimizing_val_loss_picks_each_b_by_val_loss_where_val_acc_disagrees():
+    """linear is 0.05 lower in val_loss at every B above 32 and lower in val_acc: the pick at each B is linear, in
+    val_loss, and the findings compare in val_loss and say so."""
+    rng, rows = np.random.default_rng(3), []
+    for seed in range(3):
+        for rule in ("none", "linear"):
+            for k in (1, 4, 16):
+                acc = 0.97 - (0.001 if rule == "none" else 0.004) * np.log2(k)
+                loss = 0.3 - (0.05 if rule == "linear" and k > 1 else 0)
+                rows.append(dict(seed=seed, lr_rule=rule, physical_batch=32, accum_steps=k, effective_batch=32 * k,
+                                 base_batch=32, status="FINISHED", val_acc=round(acc + rng.normal(0, 0.001), 3),
+                                 val_loss=loss + rng.normal(0, 0.002)))
+    study = _study(rows, ("physical_batch", "accum_steps", "lr_rule"), ("val_loss", "minimize"))
+    per_b = [line for line in recommend(study) if line.startswith("At B = ")]
+    assert [line.split(" LR rule")[0] for line in per_b] == ["At B = 128: the linear", "At B = 512: the linear"]
+    assert all("(val_loss 0.2" in line for line in per_b), per_b
+    findings = summarize(study.trials, study.history, None, study.objectives[0])
+    assert any(s.startswith("Configurations are compared in the study's objective, val_loss") for s in findings)
+    assert not any("No finished trial has an accuracy" in s for s in findings)
