@@ -49,6 +49,7 @@ def test_correct_ddp_loops_are_exact(case, loss, deal, tmp_path, store, capsys):
     assert "every rank's weights agree with rank 0's" in " ".join(found["notes"])
     assert "ranks" in out.splitlines()[0].split() and ["one", "rank", "64", "1", "1"] in [
         line.split()[:5] for line in out.splitlines()]
+    assert ("tokens" in out) == (loss == "token")  # each rank's counts, where the ranks' differ
 
 
 @pytest.mark.slow
@@ -82,6 +83,8 @@ def test_a_per_rank_token_mean_is_mean_of_rank_means(deal, tmp_path, store, caps
     assert len(counts) == 2 and counts[0] != counts[1]
     assert found["rank_update_cosine"] < 1 - 1e-6
     assert ("each rank holds other samples at (b, k)" in " ".join(found["notes"])) == (deal == "micro")
+    ranks = [line.split() for line in out.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    assert len(ranks) == 2 and ranks[0][1:4] == ranks[1][1:4] and ranks[0][4] != ranks[1][4]  # tokens differ
 
 
 def test_nproc_needs_a_launcher_that_takes_the_world_size(tmp_path, store, capsys):

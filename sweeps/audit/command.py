@@ -24,6 +24,7 @@ from batchsweep.trainers import FIELDS, BatchsweepError, ConfigError, TrainConfi
 from ..commands import Parser
 from ..stores.urls import check_tracking_uri
 from .diagnose import audit
+from .ranks import per_rank
 from .runs import Auditor
 from .verdicts import sentence, taken_out
 
@@ -36,7 +37,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                "the worst of the verdicts': 0 exact or batchnorm, 1 a mistake, 2 bad input, a script that differs from "
                "itself, windows that hold other samples, a forward that draws random numbers or updates its own "
                "buffers, a difference within rounding, a step that a GradScaler skipped in the true batch alone, or "
-               "a micro-batch that holds the whole epoch.",
+               "a micro-batch that holds the whole epoch; on ranks (--nproc), also ranks that train apart or "
+               "whose windows hold other samples, another LR or other random numbers than one rank's.",
                epilog="The script's command passes {physical_batch} and {accum_steps} on (and {seed}); batchsweep "
                "observes the script from inside its processes, with no edit to it (docs/audit.md).")
     p.add_argument("--study", required=True, help="a study file with a [program]")
@@ -131,6 +133,10 @@ def _main(args: argparse.Namespace) -> int:
     print(format_table(["run", "b", "k", *["ranks"] * ranked, "epochs", "max steps", "steps run"],
                        [[r.name, str(r.b), str(r.k), *[str(r.nproc)] * ranked, str(r.epochs),
                          str(r.max_steps) if r.max_steps else "epoch", str(len(r.losses))] for r in auditor.runs]))
+    differing = per_rank(auditor.runs[0]) if ranked else []
+    if differing:  # (the accumulated run's ranks, where they did not all do the same)
+        print()
+        print(format_table(["rank", "steps", "micro-batches (window 1)", "samples", "tokens"], differing))
     print()
     for what, diff in finding.compared:
         print(f"relative weight difference {what}: {diff:.3g} (equal within {f['tolerance']:g}, {f['dtype']})")

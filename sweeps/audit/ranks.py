@@ -141,6 +141,16 @@ def dealt(ea: ScriptRun, et: ScriptRun) -> int | None:
                default=None)
 
 
+def per_rank(run: ScriptRun) -> list[list[str]]:
+    """What each rank of a run did, a row per rank (steps, micro-batches of the first window, samples and counted
+    tokens over the run), where the ranks differ in any of it; none where they all did the same."""
+    rows = [[str(rank), str(len(t.steps)), str(t.steps[0].micro_batches) if t.steps else "0",
+             str(sum(sum(s.samples) for s in t.steps)),
+             str(sum(s.tokens for s in t.steps)) if t.steps and None not in [s.tokens for s in t.steps] else "-"]
+            for rank, t in run.rank_traces.items()]
+    return rows if len({tuple(row[1:]) for row in rows}) > 1 else []
+
+
 def first_apart(agree, n: int) -> int:
     """The first of n updates after which two runs part, where they part after n: update 1 first (a mistake of
     every window parts them there: two runs, not a bisection's), then by bisection."""
