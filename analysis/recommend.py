@@ -68,7 +68,7 @@ def per_batch(study: StudyRuns, m: Measure) -> list[str]:
         below = [f"{r} {stated(c.d, m=m, v=c)}" for r, c in zip(means.index[1:], contrasts) if r not in ties]
         which = (f"the {best} LR rule ({m.level(means[best])}, the best mean"
                  + (f"; {listed(ties)} cannot be told from it" if ties else "")
-                 + (f"; resolved below it: {'; '.join(below)}" if below else "") + ")")
+                 + (f"; resolved worse than it: {'; '.join(below)}" if below else "") + ")")
         out.append(f"At B = {b}: {which}; against B = {base}: {stated(v.d, m=m, v=v)}"
                    f"{_batching(t, best, b, twins, m)}.")
     return out
@@ -114,9 +114,10 @@ def best(study: StudyRuns, m: Measure) -> list[str]:
     named = "; ".join(label(row, fields) for _, row in tied.iloc[1:6].iterrows()) + ("; …" if len(tied) > 6 else "")
     what = "accuracy" if m.points else f"{m.name}{m.better}"
     ties = (f"{len(tied) - 1} other{'s' * (len(tied) > 2)} cannot be told from it ({named})" if len(tied) > 1 else
-            "every other configuration was resolved below it")
-    return [f"The best {what}: {label(top, fields)} ({m.level(top[m.name])} over {n} seeds, the highest of "
-            f"{configurations} configurations, so biased upward by the pick); {ties}; paired by seed, "
+            "every other configuration was resolved worse than it")
+    pick = "the highest of {}, so biased upward" if m.maximize else "the lowest of {}, so biased downward"
+    return [f"The best {what}: {label(top, fields)} ({m.level(top[m.name])} over {n} seeds, "
+            f"{pick.format(f'{configurations} configurations')} by the pick); {ties}; paired by seed, "
             f"Benjamini-Hochberg at 5% over {configurations - 1} comparisons."]
 
 

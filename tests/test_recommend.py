@@ -77,7 +77,7 @@ def test_a_program_studys_block_speaks_of_its_own_objective():
     lines = recommend(study)
     assert len(lines) == 1 and lines[0].startswith("The best val_f1 (higher is better): ")
     assert "lr = 0.01" in lines[0] and "biased upward" in lines[0]
-    assert "cannot be told from it (b = " in lines[0] or "resolved below it" in lines[0]
+    assert "cannot be told from it (b = " in lines[0] or "resolved worse than it" in lines[0]
 
 
 # What each built-in study's report shows of the generic sections, and whether it recommends per B. critical_batch
