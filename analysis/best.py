@@ -94,14 +94,30 @@ def of(seeds: pd.DataFrame, fields: list[str], row: pd.Series) -> pd.Series:
 def ties(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], value: str, maximize: bool) -> pd.DataFrame:
     """The configurations that cannot be told from the one of the best mean: each compared with it, paired by
     seed, under Benjamini-Hochberg over those comparisons (the best is picked from all of them, so its own mean is
-    biased upward by the pick). The best is the first row."""
+    biased upward by the pick). The best is the first row.
+
+    The means rank over the seeds every configuration finished (one with seeds of its own would rank by their
+    luck), a configuration with one finished seed is never the best, and one resolved above the pick on the seeds
+    the two share is the pick instead. Where such picks go round in a circle (different seeds in each pair), the
+    comparisons keep to the seeds all share, where they cannot."""
     sign = 1 if maximize else -1
-    points = points.assign(_order=sign * -points[value]).sort_values("_order", kind="stable").drop(columns="_order")
-    top = seeds[of(seeds, fields, points.iloc[0])]
-    step = quantum(seeds[value])
-    diffs = [paired(top, seeds[of(seeds, fields, row)], value, step) for _, row in points.iloc[1:].iterrows()]
-    tied = [True] + [v is None or not (v.resolved and sign * v.d.mean > 0) for v in judge(diffs, 0.0)]
-    return points[tied]
+    mine = [seeds[of(seeds, fields, row)] for _, row in points.iterrows()]
+    shared = set.intersection(*(set(rows["seed"]) for rows in mine))
+    rank = [rows[rows["seed"].isin(shared)][value].mean() if len(shared) >= 2 else rows[value].mean()
+            for rows in mine]
+    ranked = sorted(range(len(points)), key=lambda i: (mine[i][value].notna().sum() < 2, -sign * rank[i]))
+    step, order = quantum(seeds[value]), ranked
+    for attempt in range(len(points) + 1):
+        within, order = (seeds[seeds["seed"].isin(shared)], ranked) if attempt == len(points) else (seeds, order)
+        top = within[of(within, fields, points.iloc[order[0]])]
+        diffs = [paired(top, within[of(within, fields, points.iloc[i])], value, step) for i in order[1:]]
+        verdicts = judge(diffs, 0.0)
+        above = [i for i, v in zip(order[1:], verdicts) if v is not None and v.resolved and sign * v.d.mean < 0]
+        if not above or attempt == len(points):
+            break
+        order = [above[0], *(i for i in order if i != above[0])]
+    tied = [order[0]] + [i for i, v in zip(order[1:], verdicts) if v is None or not v.resolved]
+    return points.iloc[tied]
 
 
 def best_set(study: StudyRuns, t: pd.DataFrame) -> tuple[pd.Index, list[str], pd.DataFrame, int] | None:

@@ -81,18 +81,29 @@ def lr_rules(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
 def rules_at(t: pd.DataFrame, b: int, m: Measure, step: float):
     """The LR rules at B = b against the one of the best mean, paired by seed under Benjamini-Hochberg over these
     comparisons: (means best first, verdicts of the others, the rules that cannot be told from the best, the best
-    among them); None where B is base_batch (every rule one configuration) or one rule ran."""
+    among them); None where B is base_batch (every rule one configuration), one rule ran, or the paired contrasts
+    name no best (each rule resolved above another in a circle).
+
+    The means are over the seeds every rule ran at b (a rule with seeds of its own would otherwise rank by its
+    seeds' luck); where a rule is resolved above the pick on the seeds the two share, it is the pick instead."""
     at = t[t["effective_batch"] == b]
-    per_seed = at.groupby(["lr_rule", "seed"])[m.name].mean().groupby("lr_rule").mean()
-    means = per_seed.reindex(in_order("lr_rule", per_seed.index)).sort_values(ascending=not m.maximize, kind="stable")
+    seeds = at.groupby(["lr_rule", "seed"])[m.name].mean().unstack("seed")
+    shared = seeds.dropna(axis="columns")
+    means = (shared if shared.shape[1] >= 2 else seeds).mean(axis="columns")
+    means = means.reindex(in_order("lr_rule", means.index)).sort_values(ascending=not m.maximize, kind="stable")
     same = "base_batch" in at and (at["effective_batch"] == at["base_batch"]).all()
     if len(means) < 2 or same:
         return None
-    best = means.index[0]
-    verdicts = judge([paired(at[at["lr_rule"] == r], at[at["lr_rule"] == best], m.name, step)
-                      for r in means.index[1:]], m.margin)
-    ties = [r for r, v in zip(means.index[1:], verdicts) if v is None or not v.resolved]
-    return means, verdicts, ties, best
+    for _ in range(len(means)):
+        best = means.index[0]
+        verdicts = judge([paired(at[at["lr_rule"] == r], at[at["lr_rule"] == best], m.name, step)
+                          for r in means.index[1:]], m.margin)
+        above = [r for r, v in zip(means.index[1:], verdicts) if v is not None and v.resolved and not m.worse(v.d)]
+        if not above:
+            ties = [r for r, v in zip(means.index[1:], verdicts) if v is None or not v.resolved]
+            return means, verdicts, ties, best
+        means = means[[above[0], *(r for r in means.index if r != above[0])]]
+    return None
 
 
 def _at_largest(t: pd.DataFrame, m: Measure, step: float) -> list[str]:

@@ -1,6 +1,8 @@
 """The recommendation's edges: a study's own objective ranks even where val_acc is logged too, rules with
 different seeds are compared on the seeds they share, a pick's seeds are its own, and equivalence is worded as
 what its interval shows."""
+import re
+
 import numpy as np
 import pandas as pd
 
@@ -50,3 +52,54 @@ def test_a_study_minimizing_val_loss_picks_each_b_by_val_loss_where_val_acc_disa
     findings = summarize(study.trials, study.history, None, study.objectives[0])
     assert any(s.startswith("Configurations are compared in the study's objective, val_loss") for s in findings)
     assert not any("No finished trial has an accuracy" in s for s in findings)
+
+
+def _unbalanced(sqrt_ahead: float) -> StudyRuns:
+    """none ran 5 seeds, sqrt 3; seeds 3 and 4 are 2 points above the others, so none's own mean at B = 128 is
+    lifted by seeds sqrt never ran; on the 3 seeds both ran, sqrt is `sqrt_ahead` above none at B = 128."""
+    rng, rows = np.random.default_rng(2), []
+    lifted = {0: 0, 1: -0.002, 2: 0.001, 3: 0.02, 4: 0.021}
+    for rule, seeds in (("none", range(5)), ("sqrt", range(3))):
+        for seed in seeds:
+            for b, k in ((32, 1), (32, 4), (128, 1)):
+                v = (0.95 + lifted[seed] - (0.01 if b * k > 32 else 0) + (sqrt_ahead if rule == "sqrt" and b * k > 32
+                                                                          else 0) + rng.normal(0, 0.0007))
+                rows.append(dict(seed=seed, lr_rule=rule, physical_batch=b, accum_steps=k, effective_batch=b * k,
+                                 base_batch=32, status="FINISHED", val_acc=round(v, 3)))
+    return _study(rows, ("physical_batch", "accum_steps", "lr_rule"))
+
+
+def test_a_rule_resolved_above_on_the_seeds_both_ran_is_the_pick_not_resolved_below_it():
+    study = _unbalanced(0.005)
+    [at_128] = [line for line in recommend(study) if line.startswith("At B = 128")]
+    assert at_128.startswith("At B = 128: the sqrt LR rule ("), at_128
+    assert re.search(r"resolved (below|worse than) it: none 0\.4 points lower", at_128) and "higher" not in at_128.split("against B = 32")[0]
+    findings = summarize(study.trials, study.history)
+    [largest] = [s for s in findings if s.startswith("At the largest batch")]
+    assert "sqrt is resolved as the best there" in largest and "none is resolved as the best" not in largest
+
+
+def test_a_configuration_resolved_above_the_best_is_the_best_not_its_tie():
+    """sqrt at B = 128 is 0.5 points above B = 32 on the 3 seeds both ran (resolved); B = 32's own mean over 5
+    seeds is higher only by the 2 seeds sqrt never ran."""
+    [best] = [line for line in recommend(_unbalanced(0.015)) if line.startswith("The best accuracy: ")]
+    assert best.startswith("The best accuracy: b = 128, k = 1, sqrt (95.5% over "), best
+    assert "every LR rule (B = base_batch)" not in best  # resolved below the pick: no tie
+
+
+def test_a_configuration_finished_in_one_seed_is_never_crowned():
+    """sqrt at (b = 32, k = 16) failed in seeds 1 and 2 and read 99% in seed 0; every other configuration finished
+    in 3 seeds."""
+    rng, rows = np.random.default_rng(5), []
+    for seed in range(3):
+        for rule in ("none", "sqrt"):
+            for b, k in ((32, 1), (32, 4), (128, 1), (32, 16), (512, 1)):
+                v, status = 0.97 - 0.005 * np.log2(b * k / 32) + rng.normal(0, 0.002), "FINISHED"
+                if rule == "sqrt" and (b, k) == (32, 16):
+                    v, status = (0.99, "FINISHED") if seed == 0 else (np.nan, "FAILED")
+                rows.append(dict(seed=seed, lr_rule=rule, physical_batch=b, accum_steps=k, effective_batch=b * k,
+                                 base_batch=32, status=status, val_acc=round(v, 3)))
+    [best] = [line for line in recommend(_study(rows, ("physical_batch", "accum_steps", "lr_rule")))
+              if line.startswith("The best accuracy: ")]
+    assert not best.startswith("The best accuracy: b = 32, k = 16, sqrt"), best
+    assert " over 3 seeds, " in best
