@@ -11,7 +11,7 @@ import pandas as pd
 from batchsweep.sweeps import commands
 
 from .best import best_set, choices
-from .figures import Measure, finished, measure, tuned
+from .figures import Measure, finished, measure, one_batch, tuned
 from .findings import bn_against_true, lr_exponent
 from .rules import rule_comparisons, rules_at, twin_pairs
 from .runs import StudyRuns, quantum
@@ -75,28 +75,40 @@ def per_batch(study: StudyRuns, m: Measure) -> list[str]:
 
 
 def largest_free(study: StudyRuns, m: Measure) -> list[str]:
-    """The largest B shown to cost nothing against the smallest B (equivalent within the margin there and at
-    every B below it, under one rule), or that none was, and which came nearest."""
+    """The largest B shown to cost less than the margin against the smallest B (equivalent within it there and at
+    every B the rule ran below it: a B none of whose trials finished breaks the run), or that none was, and which
+    came nearest. Equivalence shows a cost below the margin, never none: an interval that excludes 0 is not 0."""
     found = rule_comparisons(study.trials, m)
     if found is None:
         return []
     _, compared, verdicts = found
     judged = [(r, b, base, v) for (r, b, base, _), v in zip(compared, verdicts) if v is not None and v.d.n >= 2]
-    shown_free = None
+    tried = one_batch(study.trials)
+    shown_free, broken = None, {}
     for rule in dict.fromkeys(r for r, *_ in judged):
-        mine = [x for x in judged if x[0] == rule]
-        free = [x for i, x in enumerate(mine) if all(v.equivalent and not v.resolved for *_, v in mine[:i + 1])]
+        mine = {x[1]: x for x in judged if x[0] == rule}
+        ran = pd.to_numeric(tried.loc[tried["lr_rule"] == rule, "effective_batch"], errors="coerce").dropna()
+        free = []
+        for b in sorted(int(b) for b in ran.unique() if b > next(iter(mine.values()))[2]):
+            x = mine.get(b)
+            if x is None or not x[3].equivalent or x[3].resolved:
+                broken[rule] = b if x is None else None
+                break
+            free.append(x)
         if free and (shown_free is None or free[-1][1] > shown_free[1]):
             shown_free = free[-1]
     if shown_free:
         rule, b, base, v = shown_free
-        return [f"The largest B shown to cost nothing: B = {b} under the {rule} LR rule, {stated(v.d, m=m, v=v)} "
-                f"against B = {base}, and every B between them too."]
+        between = ", and every B between them too" if any(x[0] == rule and x[1] < b for x in judged) else ""
+        gap = f"; B = {broken[rule]} finished no trial to compare" if broken.get(rule) else ""
+        return [f"The largest B shown to cost less than {m.margin_text}: B = {b} under the {rule} LR rule, "
+                f"{stated(v.d, m=m, v=v)} against B = {base}{between}{gap}."]
     if not judged:
         return []
     rule, b, base, v = min(judged, key=lambda x: abs(x[3].d.mean) + x[3].d.half)
-    return [f"No B above the smallest was shown to cost nothing (its whole 95% interval within ±{m.margin_text}); "
-            f"the nearest was B = {b} under the {rule} LR rule against B = {base}: {stated(v.d, m=m, v=v)}."]
+    return [f"No B above the smallest was shown to cost less than {m.margin_text} (its whole 95% interval within "
+            f"±{m.margin_text}); the nearest was B = {b} under the {rule} LR rule against B = {base}: "
+            f"{stated(v.d, m=m, v=v)}."]
 
 
 def best(study: StudyRuns, m: Measure) -> list[str]:
@@ -110,7 +122,8 @@ def best(study: StudyRuns, m: Measure) -> list[str]:
     if found is None:
         return []
     _, fields, tied, configurations = found
-    top, n = tied.iloc[0], int(t["seed"].nunique())
+    top = tied.iloc[0]
+    n = int(top["n"])  # (its own finished seeds: a configuration that failed in a seed has fewer)
     named = "; ".join(label(row, fields) for _, row in tied.iloc[1:6].iterrows()) + ("; …" if len(tied) > 6 else "")
     what = "accuracy" if m.points else f"{m.name}{m.better}"
     ties = (f"{len(tied) - 1} other{'s' * (len(tied) > 2)} cannot be told from it ({named})" if len(tied) > 1 else

@@ -83,7 +83,7 @@ def test_a_configuration_resolved_above_the_best_is_the_best_not_its_tie():
     """sqrt at B = 128 is 0.5 points above B = 32 on the 3 seeds both ran (resolved); B = 32's own mean over 5
     seeds is higher only by the 2 seeds sqrt never ran."""
     [best] = [line for line in recommend(_unbalanced(0.015)) if line.startswith("The best accuracy: ")]
-    assert best.startswith("The best accuracy: b = 128, k = 1, sqrt (95.5% over "), best
+    assert best.startswith("The best accuracy: b = 128, k = 1, sqrt (95.5% over 3 seeds, "), best
     assert "every LR rule (B = base_batch)" not in best  # resolved below the pick: no tie
 
 
@@ -103,3 +103,56 @@ def test_a_configuration_finished_in_one_seed_is_never_crowned():
               if line.startswith("The best accuracy: ")]
     assert not best.startswith("The best accuracy: b = 32, k = 16, sqrt"), best
     assert " over 3 seeds, " in best
+
+
+def test_the_best_is_named_over_its_own_finished_seeds():
+    """B = 32 is 5 points above the rest and lost seed 2 (both its copies, one per rule, failed): it is the best
+    over its own 2 seeds, not over the study's 3."""
+    rng, rows = np.random.default_rng(5), []
+    for seed in range(3):
+        for rule in ("none", "sqrt"):
+            for b, k in ((32, 1), (32, 4), (128, 1)):
+                v = 0.95 + (0.05 if b * k == 32 else 0) + rng.normal(0, 0.002)
+                failed = seed == 2 and b * k == 32
+                rows.append(dict(seed=seed, lr_rule=rule, physical_batch=b, accum_steps=k, effective_batch=b * k,
+                                 base_batch=32, status="FAILED" if failed else "FINISHED",
+                                 val_acc=np.nan if failed else round(v, 3)))
+    [best] = [line for line in recommend(_study(rows, ("physical_batch", "accum_steps", "lr_rule")))
+              if line.startswith("The best accuracy: ")]
+    assert best.startswith("The best accuracy: b = 32, k = 1, every LR rule (B = base_batch) (") and \
+        " over 2 seeds, " in best, best
+
+
+def _free(linear_at_128: str, gap: float = 0.0) -> list[str]:
+    """linear loses 0.05 points per doubling of B, none 1 point; `linear_at_128` is the status of linear's trials
+    at B = 128; `gap` is linear's constant cost at every B above 32."""
+    rng, rows = np.random.default_rng(7), []
+    for seed in range(3):
+        for rule in ("none", "linear"):
+            for k in (1, 2, 4, 8):
+                v = 0.97 - (0.0005 if rule == "linear" else 0.01) * np.log2(k) - (gap if k > 1 else 0)
+                status = linear_at_128 if rule == "linear" and k == 4 else "FINISHED"
+                rows.append(dict(seed=seed, lr_rule=rule, physical_batch=32, accum_steps=k, effective_batch=32 * k,
+                                 base_batch=32, status=status,
+                                 val_acc=round(v + rng.normal(0, 0.0015), 3) if status == "FINISHED" else np.nan))
+    return [line for line in recommend(_study(rows, ("physical_batch", "accum_steps", "lr_rule")))
+            if "shown to cost" in line]
+
+
+def test_a_b_that_finished_no_trial_ends_the_run_of_bs_shown_free():
+    """Every linear trial at B = 128 failed; B = 64 and 256 are equivalent to B = 32: the largest B shown within
+    the margin through every B the rule ran is 64, and the line says why it stops there."""
+    [line] = _free("FAILED")
+    assert line.startswith("The largest B shown to cost less than 1 point: B = 64 under the linear LR rule, "), line
+    assert line.endswith("against B = 32; B = 128 finished no trial to compare.")
+    [line] = _free("FINISHED")
+    assert line.startswith("The largest B shown to cost less than 1 point: B = 256 under the linear LR rule, ") and \
+        line.endswith("against B = 32, and every B between them too."), line
+
+
+def test_equivalence_is_worded_as_a_cost_below_the_margin_never_as_nothing():
+    """linear costs 0.4 points at every B above 32: equivalent within ±1 point shows a cost below 1 point, which
+    is what the line says (an interval such as -0.6 ± 0.4 excludes 0: "nothing" would be false)."""
+    [line] = _free("FINISHED", gap=0.004)
+    assert "cost nothing" not in line and line.startswith("The largest B shown to cost less than 1 point: B = "), line
+    assert re.search(r"equivalent within ±1 point \(-0\.\d ± 0\.\d points over 3 seeds\) against B = 32", line), line
