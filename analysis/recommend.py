@@ -31,16 +31,25 @@ def _memory(t: pd.DataFrame, b: int, k: int) -> str:
     return f", {rows['peak_memory_bytes'].mean() / MIB:,.2f} MiB" if len(rows) else ""
 
 
-def _batching(t: pd.DataFrame, rule: str, b: int, twins: dict, m: Measure) -> str:
-    """How to make B: accumulated or true batch, as the twins' verdict at (rule, B) reads, and what each cost in
-    memory."""
-    v = twins.get((rule, b))
+def _under(key: dict) -> str:
+    """The other rules a twin pair ran under (BN momentum's), as its verdict is prefixed."""
+    named = [f"BN {key[f]}" if f == "bn_momentum_rule" else f"{f} {key[f]}" for f in sorted(key)
+             if f not in ("lr_rule", "effective_batch")]
+    return f"under {', '.join(named)}: " if named else ""
+
+
+def _batching(t: pd.DataFrame, rule: str, b: int, twins: list, m: Measure) -> str:
+    """How to make B: accumulated or true batch, as the twins' verdicts under `rule` at B read (one per value of
+    each other rule varied, BN momentum's named), and what each cost in memory."""
+    mine = [(key, v) for key, v in twins if key.get("lr_rule", rule) == rule and key["effective_batch"] == b]
     small = int(t["physical_batch"].min())
-    if v is None or b % small:
+    if not mine or b % small:
         return ""
+    said = "; ".join(_under(key) + stated(v.d, 'higher', 'lower', m, v) for key, v in mine)
     made = (f"accumulating (b = {small}, k = {b // small}{_memory(t, small, b // small)}) against the true batch "
-            f"(b = {b}, k = 1{_memory(t, b, 1)}): {stated(v.d, 'higher', 'lower', m, v)}")
-    advice = "b: the largest that fits your memory" if not v.resolved else "they differ: the better one, where it fits"
+            f"(b = {b}, k = 1{_memory(t, b, 1)}): {said}")
+    advice = ("b: the largest that fits your memory" if not any(v.resolved for _, v in mine) else
+              "they differ: the better one, where it fits")
     return f"; {made}; {advice} (`{commands.command('plan')} --target-batch {b} --memory-budget SIZE`)"
 
 
@@ -52,10 +61,8 @@ def per_batch(study: StudyRuns, m: Measure) -> list[str]:
         return []
     t, compared, verdicts = found
     cost = {(rule, b): (base, v) for (rule, b, base, _), v in zip(compared, verdicts)}
-    twins = {}
-    pairs = twin_pairs(study.trials, m)
-    for (key, _), v in zip(pairs, judge([d for _, d in pairs], m.margin)):
-        twins[(key.get("lr_rule"), key["effective_batch"])] = v
+    pairs = twin_pairs(study.trials, m)  # (keyed by every rule varied: one verdict per BN rule, none overwritten)
+    twins = [(key, v) for (key, _), v in zip(pairs, judge([d for _, d in pairs], m.margin))]
     step, out = quantum(t[m.name]), []
     for b in sorted(int(b) for b in t["effective_batch"].unique()):
         at = rules_at(t, b, m, step)
