@@ -493,7 +493,7 @@ class Parting:
     def run(self, name: str, b: int, k: int, max_steps: int, lr=None) -> ScriptRun:
         self.steps.append(max_steps)
         parted = name == "accumulated" and max_steps >= self.u
-        return ScriptRun(name, b, k, max_steps, 0.1, 1, {"w": torch.tensor([max_steps + 1.0 + parted])})
+        return ScriptRun(name, b, k, max_steps, 0.1, 1, state={"w": torch.tensor([max_steps + 1.0 + parted])})
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 8, 13])
