@@ -120,9 +120,10 @@ def train_fused(configs: list[TrainConfig], on_epoch: list[EpochCallback | None]
             m.samples = 0
         for i, part in enumerate(micro):
             _micro_batch(active, forward, buffers, part, i, len(micro) - 1, epoch == 1 and i == 0)
-        for m in active:
+        trained = time.perf_counter()
+        for m in active:  # each member's training time is the group's (the others' evaluations are not in it)
             row = _end_epoch(m.config, m.t, m.measure.data, m.progress, m.measure, epoch, m.step, m.lr, m.samples,
-                             start, 0.0, (0, 0))
+                             start, time.perf_counter() - trained, (0, 0))
             callback = callbacks[members.index(m)]
             if callback is not None:
                 callback(row)
