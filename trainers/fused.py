@@ -31,7 +31,7 @@ from .errors import ConfigError
 from .evaluation import evaluate, load_metrics
 from .feed import Feed, Window
 from .health import coverage_warnings
-from .loop import (EpochCallback, TrainResult, Trainee, _end_epoch, _result, divide, load, lr_at, make_optimizer,
+from .loop import (EpochCallback, TrainResult, Trainee, _end_epoch, _result, end_window, load, lr_at, make_optimizer,
                    optimizer_groups, prepare, warmup_steps)
 from .checkpoint import Progress
 from .losses import add_counts, load_loss
@@ -237,14 +237,5 @@ def _micro_batch(active: list[Member], forward, buffers: dict[str, torch.Tensor]
 
 
 def _step(m: Member, window: Window) -> None:
-    t = m.t
-    if t.loss.divide_after:
-        divide(t.params, m.counted, ONE_PROCESS)
-        m.counted = 0
-    t.probes.before_step(m.step, window.size)
-    if t.clip:
-        nn.utils.clip_grad_norm_(t.params, t.clip)
-    t.optimizer.step()
-    t.probes.after_step(m.step)
-    t.optimizer.zero_grad(set_to_none=True)
-    m.step, m.samples = m.step + 1, m.samples + window.size
+    end_window(m.t, m.step, window.size, m.counted)
+    m.step, m.samples, m.counted = m.step + 1, m.samples + window.size, 0

@@ -74,9 +74,15 @@ def window_step(t: Trainee, window: Window, step: int, lr: float) -> None:
         except torch.OutOfMemoryError:  # without shrink_on_oom, raised as it is
             failed, b = t.b, t.retry.smaller(t.b)
         t.b = t.retry.again(failed, b, step)  # out of the handler: the failed micro-batch's memory is let go
+    end_window(t, step, window.size, counted)
+
+
+def end_window(t: Trainee, step: int, size: int, counted: Any) -> None:
+    """A window's gradient in place: divide by its count (a loss without counts()), clip where asked, step once,
+    zero once."""
     if t.loss.divide_after:
         divide(t.params, counted, t.parallel)
-    t.probes.before_step(step, window.size)
+    t.probes.before_step(step, size)
     if t.clip:
         nn.utils.clip_grad_norm_(t.params, t.clip)
     t.optimizer.step()
