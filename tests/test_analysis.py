@@ -690,7 +690,7 @@ def test_html_report_opens_in_chromium_with_every_figure(tiny_study, tmp_path):
     assert len(result["images"]) >= 3 and all(i["ok"] for i in result["images"]), result["images"]
     assert result["overflow"] == 0  # the trials table, wider than the window, scrolls by itself
     alts = " ".join(i["alt"] for i in result["images"])
-    assert "Every finished trial over the varied fields" in alts and "Pareto front: val_acc against peak memory" in alts
+    assert "Validation accuracy against effective batch" in alts and "Peak memory against effective batch" in alts
 
 
 def test_noise_scale_sentence_leaves_out_unreliable_values():

@@ -27,8 +27,8 @@ epochs = 3
 [grid]
 accum_steps = [1, 2, 4, 8]
 """
-# Every process of the study or audit is gone this long after the signal: 2.5 to 4 s here with 2 workers
-# recording their trials; the bound leaves room for a CI machine that runs two such tests at once.
+# Every process of the study or audit is gone this long after the main process ended (none should outlive it;
+# the bound is room for the kernel to reap them on a loaded machine, not a measure of how fast a stop is).
 GONE_S = 10
 
 
@@ -115,8 +115,10 @@ def test_a_stopped_study_leaves_nothing_running_and_resumes_every_point_once(tmp
     procs, names = processes(proc)
     assert len([n for n in names.values() if "multiprocessing.spawn" in n]) == 2
     stop(proc, how, procs, names, tmp_path / "held")
-    left = all_gone_within(procs, names, GONE_S if how != "scheduler" else 10 + GONE_S)
-    _, err = proc.communicate(timeout=30)
+    # The main process ends once its workers have recorded their stop (on a loaded machine that takes a while);
+    # nothing of the study may outlive it.
+    _, err = proc.communicate(timeout=180)
+    left = all_gone_within(procs, names, GONE_S)
     assert not left, (left, err[-3000:])
     assert "Traceback" not in err, err[-3000:]
     storage, client = stores(tmp_path)
@@ -186,8 +188,8 @@ def test_a_stopped_audit_stops_its_script_and_ends_its_runs(tmp_path, how):
         procs, names = processes(proc)
         assert len(procs) == 2  # the audit and its script
         stop(proc, how if attempt == 1 else "sigterm", procs, names)
+        _, err = proc.communicate(timeout=180)
         left = all_gone_within(procs, names, GONE_S)
-        _, err = proc.communicate(timeout=30)
         assert not left, (left, err[-3000:])
         if attempt == 1 and how == "sigkill":
             assert proc.returncode == -signal.SIGKILL

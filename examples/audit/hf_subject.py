@@ -6,6 +6,7 @@ padding), so that micro-batches hold different numbers of tokens.
     batchsweep audit --study examples/audit/hf.toml --physical-batch 4 --accum-steps 4
 """
 import argparse
+import inspect
 import json
 import os
 import tempfile
@@ -65,12 +66,14 @@ def main() -> None:
     off = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} if args.dropout == "off" else {}
     config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2, **off)
     model = GPT2LMHeadModel(config).double()
+    # (average_tokens_across_devices came in 4.46; the Trainer before it has no such argument)
+    across = ({"average_tokens_across_devices": args.average_tokens == "yes"}
+              if "average_tokens_across_devices" in inspect.signature(TrainingArguments).parameters else {})
     training = TrainingArguments(
         output_dir=os.path.join(tempfile.gettempdir(), "hf-audit-subject"), per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.accum, learning_rate=args.lr, num_train_epochs=args.epochs,
         max_steps=args.max_steps or -1, seed=args.seed, optim="sgd", lr_scheduler_type="linear", weight_decay=0.0,
-        max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
-        average_tokens_across_devices=args.average_tokens == "yes")
+        max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True, **across)
     trainer = Trainer(model=model, args=training, train_dataset=sequences(args.train_size), data_collator=collate,
                       callbacks=[LossRows()])
     trainer.train()
