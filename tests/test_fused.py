@@ -35,7 +35,7 @@ def solo(config: TrainConfig):
     return train(config, probes=[probe]), probe.seen
 
 
-TIMES = {"epoch_time_s", "samples_per_s", "peak_memory_bytes"}  # (the group's time; memory is measured alone)
+TIMES = {"epoch_time_s", "samples_per_s"}  # (the group's time)
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -54,7 +54,8 @@ def test_every_member_steps_as_its_solo_run_in_float64(model):
         assert max(relative(a, b) for a, b in zip(probe.seen, alone_seen)) < 1e-10, config
         assert seen_rows == result.history
         for mine, theirs in zip(result.history, alone_result.history):  # the diagnostics and noise scale too
-            assert set(mine) == set(theirs) - {"peak_memory_bytes"}
+            assert set(mine) == set(theirs)
+            assert mine["peak_memory_bytes"] == theirs["peak_memory_bytes"]  # its own, measured alone
             assert {n: mine[n] for n in set(mine) - TIMES} == pytest.approx(
                 {n: theirs[n] for n in set(mine) - TIMES}, rel=1e-9, abs=1e-12, nan_ok=True)
         if model != "mlp":  # the running statistics are the member's own: its evaluation is its solo one
@@ -90,6 +91,48 @@ def test_what_cannot_train_as_one_is_refused_before_any_step():
     with pytest.raises(NotFusable, match="cannot be stacked"):  # dropout: no stacked draw is each solo run's
         train_fused([TrainConfig(**{**BASE, "model": "tests.factories:dropout_mlp"})] * 2, probes=[[probe], []])
     assert probe.seen == []
+
+
+def test_a_member_whose_callback_raises_ends_there_alone_and_the_others_go_on():
+    configs = [TrainConfig(**{**BASE, "epochs": 3, **m}) for m in MEMBERS[:3]]
+    rows = [[] for _ in configs]
+
+    def stop(row):
+        rows[1].append(row)
+        if row["epoch"] == 1:
+            raise KeyError("stopped")
+
+    fused = train_fused(configs, on_epoch=[rows[0].append, stop, rows[2].append])
+    assert isinstance(fused[1], KeyError) and len(rows[1]) == 1
+    for i in (0, 2):
+        assert [r["epoch"] for r in rows[i]] == [1, 2, 3]
+        assert rows[i][-1]["val_acc"] == pytest.approx(solo(configs[i])[0].history[-1]["val_acc"], abs=1e-12)
+
+
+def test_members_checkpoint_each_epoch_and_go_on_from_there_fused_or_alone(tmp_path):
+    """A group stopped after its first epoch goes on from its members' checkpoints, and ends where one that ran
+    through ends; a member's checkpoint resumes alone too (the same probes as a solo run's)."""
+    from batchsweep.trainers import Checkpointing
+
+    configs = [TrainConfig(**{**BASE, "epochs": 3, **m}) for m in MEMBERS[:3]]
+    specs = [Checkpointing(str(tmp_path / str(i))) for i in range(3)]
+
+    def stop_all(row):
+        if row["epoch"] == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_fused(configs, on_epoch=[None, None, stop_all], checkpoints=specs)  # (after every member's write)
+    rows = [[] for _ in configs]
+    resumed = train_fused(configs[:2], on_epoch=[r.append for r in rows[:2]], checkpoints=specs[:2])
+    whole = train_fused(configs)
+    for i in (0, 1):
+        assert resumed[i].resumed_after == 1 and [r["epoch"] for r in rows[i]] == [1, 2, 3]  # the first replayed
+        assert resumed[i].history[-1]["val_loss"] == pytest.approx(whole[i].history[-1]["val_loss"], rel=1e-12)
+    alone_result = train(configs[2], checkpoint=specs[2])
+    assert alone_result.resumed_after == 1
+    assert alone_result.history[-1]["val_loss"] == pytest.approx(whole[2].history[-1]["val_loss"], rel=1e-10)
+    assert alone_result.history[-1]["peak_memory_bytes"] == whole[2].history[-1]["peak_memory_bytes"]
 
 
 @pytest.mark.slow

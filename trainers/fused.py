@@ -31,12 +31,13 @@ from .errors import ConfigError
 from .evaluation import evaluate, load_metrics
 from .feed import Feed, Window
 from .health import coverage_warnings
-from .loop import (EpochCallback, TrainResult, Trainee, _end_epoch, _result, end_window, load, lr_at, make_optimizer,
-                   optimizer_groups, prepare, warmup_steps)
-from .checkpoint import Progress
+from .interrupt import check as check_interrupt
+from .loop import (EpochCallback, TrainResult, Trainee, _end_epoch, _replayed, _result, _save, end_window, load, lr_at,
+                   make_optimizer, optimizer_groups, prepare, train, warmup_steps)
+from .checkpoint import Checkpointer, Checkpointing, Progress, restore
 from .losses import add_counts, load_loss
 from .order import windows
-from .probes import Health, LossTerms, Micro, Noise, Probe, Probes, Run
+from .probes import Health, LossTerms, Micro, Noise, PeakMemory, Probe, Probes, Run
 from .shrink import Retry
 
 # What decides a member's micro-batches and its forward: equal in every member of a group.
@@ -79,21 +80,27 @@ class Member:
     notes: list[str]
     steps: list[int]  # its optimizer steps in each epoch
     warmup: int
+    checkpointer: Checkpointer | None
+    resumed_after: int  # the epoch of the checkpoint it went on from (0: none)
     windows: list[Window] = dataclasses.field(default_factory=list)  # the epoch's, of k micro-batches each
     step: int = 0
     lr: float = 0.0
     samples: int = 0  # trained this epoch
     counted: object = 0  # a loss without counts(): the items its window's terms counted so far
+    stopped: Exception | None = None  # what its on_epoch raised: it ended there, alone
 
 
 def train_fused(configs: list[TrainConfig], on_epoch: list[EpochCallback | None] | None = None,
-                probes: list[list[Probe]] | None = None, diagnostics: bool = True,
-                data: Data | None = None) -> list[TrainResult]:
+                probes: list[list[Probe]] | None = None, diagnostics: bool = True, data: Data | None = None,
+                checkpoints: list[Checkpointing | None] | None = None) -> list[TrainResult | Exception]:
     """Train every configuration of one group (equal `group_key`) as `train(config)` would, in one stacked
-    forward and backward per micro-batch; each result is that member's. `on_epoch[i]` and `probes[i]` are
-    member i's. The diagnostics are the gradient's (Health, Noise: each member's gradients are its own); peak
-    memory is not among them, since the group's is not a member's. Raises NotFusable (before any step) where
-    they cannot train as one."""
+    forward and backward per micro-batch; each result is that member's. `on_epoch[i]`, `probes[i]` and
+    `checkpoints[i]` are member i's: an exception that its on_epoch raises ends member i there, alone, and takes
+    its place among the results (the others go on). Its diagnostics are a solo run's; its peak memory is its
+    own, measured before the group starts in a run of one window alone at its b and k (the group's is not a
+    member's). With checkpoints, each member's is written at the end of its epochs as `train` writes it (either
+    can resume the other's), and members that all stand at the same epoch go on from there. Raises NotFusable
+    (before any step) where they cannot train as one."""
     keys = {group_key(c) for c in configs}
     if None in keys or len(keys) > 1:
         why = next((alone(c) for c in configs if alone(c)), "they differ in " + ", ".join(
@@ -103,16 +110,32 @@ def train_fused(configs: list[TrainConfig], on_epoch: list[EpochCallback | None]
     if data.train_set is not None:
         raise NotFusable("only datasets of tensors train fused (this one is read through a DataLoader)")
     extra = probes or [[] for _ in configs]
-    members = [_member(c, data, [*([Health(), Noise()] if diagnostics else []), *extra[i]])
-               for i, c in enumerate(configs)]
+    specs = checkpoints or [None] * len(configs)
+    members = [_member(c, data, extra[i], diagnostics, specs[i]) for i, c in enumerate(configs)]
+    try:
+        return _train(members, on_epoch or [None] * len(members))
+    finally:
+        for m in members:
+            if m.checkpointer:  # (stopped by an exception: the last write lands before anyone reads or removes it)
+                m.checkpointer.join()
+
+
+def _train(members: list[Member], callbacks: list[EpochCallback | None]) -> list[TrainResult | Exception]:
+    """The group's epochs from where its members stand, then each member's result."""
+    active = [m for m in members if not m.progress.finished]
+    if len({m.progress.epoch for m in active}) > 1:
+        raise NotFusable(f"their checkpoints stand at different epochs "
+                         f"({', '.join(str(e) for e in sorted({m.progress.epoch for m in active}))})")
+    for m, callback in zip(members, callbacks):
+        for row in _replayed(m.progress) if callback is not None else ():
+            _tell(m, callback, row)
+    active = [m for m in members if not m.progress.finished]
     first = members[0]
     base = dataclasses.replace(first.config, accum_steps=1)  # its windows are the micro-batches
     feed = Feed(first.measure.data, base, first.measure.device, first.t.loss)
     forward = _stacked_forward(first.model)
-    active = list(members)
-    buffers = _stack_buffers(active)
-    callbacks = on_epoch or [None] * len(members)
-    for epoch in range(1, base.epochs + 1):
+    buffers = _stack_buffers(active) if active else {}
+    for epoch in range(active[0].progress.epoch + 1 if active else base.epochs + 1, base.epochs + 1):
         start = time.perf_counter()
         micro = list(feed.epoch(epoch, base))
         for m in active:
@@ -120,20 +143,33 @@ def train_fused(configs: list[TrainConfig], on_epoch: list[EpochCallback | None]
             m.samples = 0
         for i, part in enumerate(micro):
             _micro_batch(active, forward, buffers, part, i, len(micro) - 1, epoch == 1 and i == 0)
+            check_interrupt()
         trained = time.perf_counter()
         for m in active:  # each member's training time is the group's (the others' evaluations are not in it)
             row = _end_epoch(m.config, m.t, m.measure.data, m.progress, m.measure, epoch, m.step, m.lr, m.samples,
                              start, time.perf_counter() - trained, (0, 0))
+            _save(m.t, m.model, m.progress, m.checkpointer)
             callback = callbacks[members.index(m)]
             if callback is not None:
-                callback(row)
-        if any(m.progress.finished for m in active):  # a member that diverged ends; the others go on
+                _tell(m, callback, row)
+        if any(m.progress.finished for m in active):  # a member that diverged or was stopped ends; the others go on
             active = [m for m in active if not m.progress.finished]
             if not active:
                 break
             buffers = _stack_buffers(active)
-    return [_result(m.config, m.t, m.model, m.measure.data, feed, m.progress, m.notes, m.measure.device, 0)
-            for m in members]
+    for m in members:
+        if m.checkpointer and not m.stopped:
+            m.checkpointer.wait()
+    return [m.stopped or _result(m.config, m.t, m.model, m.measure.data, feed, m.progress, m.notes,
+                                 m.measure.device, m.resumed_after) for m in members]
+
+
+def _tell(m: Member, callback: EpochCallback, row: dict[str, float]) -> None:
+    """A member's row to its callback; what the callback raises ends that member alone."""
+    try:
+        callback(row)
+    except Exception as exc:
+        m.stopped, m.progress.finished = exc, True
 
 
 class Measure:
@@ -148,8 +184,12 @@ class Measure:
         return evaluate(self.model, self.feed.test(), self.loss, self.config.precision, self.metrics)
 
 
-def _member(config: TrainConfig, data: Data, extra: list[Probe]) -> Member:
-    """The setup of `train` for one process, without checkpoints: the same model, optimizer, loss and probes."""
+def _member(config: TrainConfig, data: Data, extra: list[Probe], diagnostics: bool,
+            spec: Checkpointing | None) -> Member:
+    """The setup of `train` for one process: the same model, optimizer, loss, probes and checkpoint."""
+    peak = _peak_alone(config, data) if diagnostics else None
+    checkpointer = Checkpointer(spec, config) if spec else None
+    saved = checkpointer.load() if checkpointer else None
     prepared = prepare(config, data)
     model = prepared.model
     model.train()
@@ -158,15 +198,24 @@ def _member(config: TrainConfig, data: Data, extra: list[Probe]) -> Member:
     loss = load_loss(config.loss, model)
     if getattr(loss.fn, "__self__", None) is model:
         raise NotFusable("a model's own loss method reads its own parameters, not the stacked ones")
-    probes = Probes(LossTerms(), list(extra))
+    probes = Probes(LossTerms(), [*([peak, Health(), Noise()] if diagnostics else []), *extra])
     probes.start(Run(config, model, optimizer, params, prepared.device, prepared.data.n_train, None,
                      loss.divide_after))
-    progress = Progress()
+    progress = restore(saved, model, optimizer, probes, 0, checkpointer.spec.path) if saved else Progress()
     t = Trainee(model, loss, optimizer, params, config.grad_clip, lambda: NO_CONTEXT, ONE_PROCESS, probes,
                 Retry(model, config, optimizer, probes, progress), config.physical_batch)
     steps = [len(windows(torch.arange(prepared.data.n_train), config))] * config.epochs
     return Member(config, t, model, progress, Measure(model, prepared.data, prepared.device, config, loss),
-                  prepared.notes + coverage_warnings(model, optimizer), steps, warmup_steps(config, steps))
+                  prepared.notes + coverage_warnings(model, optimizer), steps, warmup_steps(config, steps),
+                  checkpointer, progress.epoch, step=progress.step)
+
+
+def _peak_alone(config: TrainConfig, data: Data) -> PeakMemory:
+    """The member's peak memory as its solo run measures it, from one window of its own (the planner's probe):
+    on a CPU the first window's saved tensors and the state after a step, which is all a solo run counts."""
+    probe = PeakMemory()
+    result = train(dataclasses.replace(config, max_steps=1), probes=[probe], diagnostics=False, data=data)
+    return PeakMemory(alone=result.metrics["peak_memory_bytes"], saved_peak=probe.saved.peak)
 
 
 def _windows(micro: list[Window], k: int) -> list[Window]:

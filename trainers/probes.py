@@ -271,18 +271,25 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
 class PeakMemory(Probe):
     """`peak_memory_bytes`: the CUDA allocator's peak on a GPU; on a CPU the saved tensors' peak, counted in
     the run's first window only (every full window holds the same tensors, and the counting hooks cost a sixth
-    of a micro-batch), plus parameters, gradients and optimizer state."""
+    of a micro-batch), plus parameters, gradients and optimizer state.
+
+    `alone`: a fused member's peak, measured in a short run of its own (trainers/fused.py), reported as it is (the
+    group's is not the member's); `saved_peak`: that run's saved tensors, kept in checkpoints as a solo run's."""
+
+    def __init__(self, alone: float | None = None, saved_peak: int = 0):
+        self.alone, self.saved_peak = alone, saved_peak
 
     def start(self, run: Run) -> None:
         super().start(run)
         self.on_cuda = run.device.type == "cuda"
-        if self.on_cuda:
+        if self.on_cuda and self.alone is None:
             torch.cuda.reset_peak_memory_stats(run.device)
         self.saved = SavedTensorBytes(run.model)
+        self.saved.peak = self.saved_peak
         self.static = 0
 
     def forward(self, step: int):
-        return self.saved.hooks() if step == 0 and not self.on_cuda else nullcontext()
+        return self.saved.hooks() if step == 0 and not self.on_cuda and self.alone is None else nullcontext()
 
     def retry(self, step: int, b: int) -> None:
         """The peak is that of the micro-batches that ran, not of the one that did not fit."""
@@ -291,6 +298,8 @@ class PeakMemory(Probe):
         self.saved.peak = self.saved.current
 
     def epoch_end(self, epoch: int) -> dict[str, float]:
+        if self.alone is not None:
+            return {"peak_memory_bytes": self.alone}
         if self.on_cuda:
             return {"peak_memory_bytes": float(torch.cuda.max_memory_allocated(self.run.device))}
         if not self.static:
