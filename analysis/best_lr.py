@@ -57,24 +57,30 @@ class BestLR:
         """What the seeds resolve, in one paragraph."""
         n = min(len(p.seeds) for p in self.points)
         lo, hi = self.points[0].batch, self.points[-1].batch
-        if self.shape == "rises then falls":
+        if n < 2:
+            text = (f"With one seed no shape of the best LR against B can be told from seed noise (slope "
+                    f"{_two(self.slope)} in log-log between B = {lo} and {hi}).")
+        elif self.shape == "rises then falls":
+            spread = (f"95% bootstrap interval over {n} seeds {self.peak_low:.0f} to {self.peak_high:.0f}"
+                      if n >= 5 else f"resampling {n} seeds moves it from {self.peak_low:.0f} to "
+                      f"{self.peak_high:.0f}, too few seeds for an interval")
             text = (f"The best LR rises and then falls with B: Li et al.'s curve peaks at B ≈ {self.peak:.0f} "
-                    f"(95% bootstrap interval over {n} seeds {self.peak_low:.0f} to {self.peak_high:.0f}).")
+                    f"({spread}).")
         elif self.shape == "only rises":
-            text = (f"The best LR only rises with B from {lo} to {hi} (slope {self.slope:.2f} in log-log, 95% "
-                    f"interval {self.slope_low:.2f} to {self.slope_high:.2f}; no fall between neighbouring Bs is "
+            text = (f"The best LR only rises with B from {lo} to {hi} (slope {_two(self.slope)} in log-log, 95% "
+                    f"interval {_two(self.slope_low)} to {_two(self.slope_high)}; no fall between neighbouring Bs is "
                     f"resolved): no peak in the range.")
         elif self.shape == "only falls":
-            text = (f"The best LR only falls with B from {lo} to {hi} (slope {self.slope:.2f}, 95% interval "
-                    f"{self.slope_low:.2f} to {self.slope_high:.2f}): no peak in the range; a peak, if any, lies "
+            text = (f"The best LR only falls with B from {lo} to {hi} (slope {_two(self.slope)}, 95% interval "
+                    f"{_two(self.slope_low)} to {_two(self.slope_high)}): no peak in the range; a peak, if any, lies "
                     f"below B = {lo}.")
         elif self.slope_low > 0 or self.slope_high < 0:
             text = (f"The best LR {'rises' if self.slope_low > 0 else 'falls'} with B from {lo} to {hi} overall "
-                    f"(slope {self.slope:.2f} in log-log, 95% interval {self.slope_low:.2f} to "
-                    f"{self.slope_high:.2f}), but not at every step; no peak is resolved with {n} seeds.")
+                    f"(slope {_two(self.slope)} in log-log, 95% interval {_two(self.slope_low)} to "
+                    f"{_two(self.slope_high)}), but not at every step; no peak is resolved with {n} seeds.")
         else:
             text = (f"No peak is resolved between B = {lo} and {hi} with {n} seeds, nor a direction (slope "
-                    f"{self.slope:.2f}, 95% interval {self.slope_low:.2f} to {self.slope_high:.2f}).")
+                    f"{_two(self.slope)}, 95% interval {_two(self.slope_low)} to {_two(self.slope_high)}).")
         falls = [f"{a} to {b}" for a, b, _, high in self.steps if high < 0]
         if falls and self.shape != "only falls":
             text += f" It falls, beyond the seeds' spread, from B = {', '.join(falls)}."
@@ -89,6 +95,11 @@ class BestLR:
         if self.shape == "rises then falls":
             return text + f": the peak is {self.peak / self.noise_scale:.1f} times it."
         return text + "."
+
+
+def _two(x: float) -> str:
+    """Two decimals, never "-0.00" (+ 0.0 turns a rounded -0.0 into 0.0)."""
+    return f"{round(x, 2) + 0.0:.2f}"
 
 
 def best_lr_against_b(trials: pd.DataFrame, metric: str, direction: str, seed: int = 0) -> BestLR:
@@ -201,11 +212,19 @@ def _noise(done: pd.DataFrame, best_rows: list) -> tuple[float, tuple[float, flo
 
 
 def figure(result: BestLR, path: str) -> None:
-    """Each seed's best LR and their geometric mean with its interval against B (log-log), Li et al.'s fitted
-    curve where it peaks in the range, the peak's interval and the measured noise scale."""
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = draw(result)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def draw(result: BestLR):
+    """Each seed's best LR and their geometric mean with its interval against B (log-log), Li et al.'s fitted
+    curve where it peaks in the range, the peak's interval and the measured noise scale."""
     import matplotlib.pyplot as plt
     from matplotlib import ticker
 
@@ -234,8 +253,7 @@ def figure(result: BestLR, path: str) -> None:
     ax.yaxis.set_minor_formatter(ticker.NullFormatter())
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def table(result: BestLR) -> str:

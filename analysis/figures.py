@@ -15,6 +15,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
+from .best_lr import BestLR, best_lr_against_b, draw as best_lr_figure  # noqa: E402
 from .critical import fit  # noqa: E402
 from .runs import Difference, aggregate, ci95, reached, steps_to_target  # noqa: E402
 
@@ -394,10 +395,25 @@ def best_lr(trials: pd.DataFrame, m: Measure | None = None) -> tuple[pd.DataFram
     return best, alpha
 
 
+def best_lr_of_seeds(trials: pd.DataFrame, m: Measure) -> BestLR | None:
+    """best_lr.py's reading of a search of the LR at each B, in the LR trained at; None where its trials do not
+    allow it (a B without the seeds of the others, or trials that differ in more than the LR at a B)."""
+    try:
+        return best_lr_against_b(trials.assign(lr=trials[trained_lr(trials)]), m.name,
+                                 "maximize" if m.maximize else "minimize")
+    except ValueError:
+        return None
+
+
 def lr_scaling(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> Figure | None:
-    found = best_lr(trials, measure(trials, objective))
+    m = measure(trials, objective)
+    found = best_lr(trials, m)
     if found is None:
         return None
+    per_seed = best_lr_of_seeds(trials, m)
+    if per_seed is not None:
+        return Figure("lr_scaling", "Best learning rate against effective batch, each seed's and their mean",
+                      best_lr_figure(per_seed), context(trials))
     best, alpha = found
     fig, ax = plt.subplots(figsize=(6, 4.5))
     ax.scatter(best["effective_batch"], best["lr"], zorder=3, label=f"best LR (fit: α = {alpha:.2f})")

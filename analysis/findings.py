@@ -16,8 +16,8 @@ import numpy as np
 import pandas as pd
 
 from . import branching, critical
-from .figures import (ACCURACY, Measure, best_lr, finished, has_accuracy, in_order, measure, one_batch,
-                      reliable_noise, trained_lr, tuned)
+from .figures import (ACCURACY, Measure, best_lr, best_lr_of_seeds, finished, has_accuracy, in_order, measure,
+                      one_batch, reliable_noise, trained_lr, tuned)
 from .rules import lr_rules, twins
 from .runs import TARGET_SHARE, aggregate, paired, quantum, reached, resolution
 from .verdicts import Verdict, control, judge
@@ -192,10 +192,20 @@ def lr_rule_reading(lo: float, hi: float) -> str:
 
 
 def lr_exponent(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
-    """The fitted exponent of lr_opt ~ B^alpha, with a bootstrap interval over the trials at each B."""
+    """The best LR against B: each seed's best at each B and the curve's shape over the seeds (best_lr.py), with
+    the LR rule its slope's interval reads as; where the seeds do not pair up across the Bs, the fitted exponent
+    of lr_opt ~ B^alpha with a bootstrap interval over the trials at each B."""
     found = best_lr(trials, m)
     if found is None:
         return []
+    per_seed = best_lr_of_seeds(trials, m)
+    if per_seed is not None:
+        first, last = per_seed.points[0], per_seed.points[-1]
+        went = (f"The best learning rate went from {first.lr:.3g} at B = {first.batch} to {last.lr:.3g} at B = "
+                f"{last.batch} (each seed's best LR at a B, their geometric mean). ")
+        reading = (f" {lr_rule_reading(per_seed.slope_low, per_seed.slope_high)}."
+                   if math.isfinite(per_seed.slope_low) else "")
+        return [went + per_seed.sentence() + reading]
     best, alpha = found
     t = finished(trials).dropna(subset=[m.name])
     rng = np.random.default_rng(0)

@@ -484,13 +484,15 @@ def test_lr_exponent_is_fitted_to_the_lr_trained_at(rule, power):
     best, alpha = best_lr(pd.DataFrame(rows))
     assert alpha == pytest.approx(0.7, abs=1e-6)
     sentence = " ".join(summarize(pd.DataFrame(rows)))
-    assert "to 0.214 at B = 256: B^0.70 fitted over every B (95% bootstrap interval" in sentence
-    # Each B has 3 trials: resampling them moves the best LR by a factor of 2, so no rule is singled out.
-    assert "resamples of the trials at each B). It singles out no rule: the interval holds" in sentence
+    # (each seed's best refined by a parabola in log LR through its neighbours: near 0.214, not on the grid)
+    assert "at B = 256 (each seed's best LR at a B, their geometric mean)" in sentence
+    # One seed: its slope (0.70) is said, and no shape or LR rule is read from it.
+    assert "With one seed no shape of the best LR against B can be told from seed noise (slope 0.70 " in sentence
+    assert "It reads as" not in sentence and "singles out" not in sentence
     # A regression's best LR is the one of the lowest loss, not of the highest.
     losses = pd.DataFrame(rows).assign(val_loss=lambda t: 1 - t.val_acc, val_acc=np.nan)
     sentence = " ".join(summarize(losses, objective=("val_loss", "minimize")))
-    assert "to 0.214 at B = 256: B^0.70 fitted over every B" in sentence
+    assert "at B = 256 (each seed's best LR" in sentence
     assert best_lr(losses, Measure("val_loss", False))[0]["lr"].tolist() == best["lr"].tolist()
     assert lr_scaling(losses, ("val_loss", "minimize")) is not None
 
@@ -518,7 +520,8 @@ def test_the_learning_curves_of_a_search_are_its_best_finished_trial_at_each_b()
     one = trials.drop(index=2).assign(health=["ok", "ok", "stalled", "ok", "ok"])
     assert "1 of 5 trials did not finish (1 pruned); it is left out of the figures." in summarize(one)
     assert "1 trial was not healthy (1 stalled): see the training health table." in summarize(one)
-    assert "to 0.1 at B = 128: B^0.00 fitted over every B" in " ".join(summarize(one))  # never "-0.00"
+    assert "to 0.1 at B = 128 (each seed's best LR" in " ".join(summarize(one))
+    assert "(slope 0.00 in log-log" in " ".join(summarize(one))  # never "-0.00"
 
 
 def test_the_learning_curves_leave_out_trials_whose_b_changed_in_training():
