@@ -11,6 +11,8 @@ is its b's).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pandas as pd
 
 from .runs import StudyRuns, ci95, paired, quantum
@@ -91,6 +93,32 @@ def of(seeds: pd.DataFrame, fields: list[str], row: pd.Series) -> pd.Series:
     return at
 
 
+def _ranked(mine: list[pd.DataFrame], shared: set, value: str, sign: int) -> list[int]:
+    """The configurations by their mean over the seeds every one finished, best first; one finished in a single
+    seed last."""
+    rank = [rows[rows["seed"].isin(shared)][value].mean() if len(shared) >= 2 else rows[value].mean()
+            for rows in mine]
+    return sorted(range(len(mine)), key=lambda i: (mine[i][value].notna().sum() < 2, -sign * rank[i]))
+
+
+def highest(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], value: str, maximize: bool) -> pd.Series:
+    """The configuration of the best mean, as ties() ranks before any contrast overturns it."""
+    mine = [seeds[of(seeds, fields, row)] for _, row in points.iterrows()]
+    shared = set.intersection(*(set(rows["seed"]) for rows in mine))
+    return points.iloc[_ranked(mine, shared, value, 1 if maximize else -1)[0]]
+
+
+def picked(top: pd.Series, first: pd.Series, fields: list[str], configurations: int, maximize: bool,
+           named: str) -> str:
+    """What made `top` the best: the pick of the best mean of all (biased by the pick), or a contrast resolved
+    above `first`, the configuration of the best mean (`named`, as a sentence labels it)."""
+    if all(top[f] == first[f] or (pd.isna(top[f]) and pd.isna(first[f])) for f in fields):
+        return (f"the {'highest' if maximize else 'lowest'} of {configurations} configurations, so biased "
+                f"{'upward' if maximize else 'downward'} by the pick")
+    return (f"resolved {'above' if maximize else 'below'} {named} on the seeds the two share, though that one had "
+            f"the {'highest' if maximize else 'lowest'} mean over the seeds every configuration ran")
+
+
 def ties(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], value: str, maximize: bool) -> pd.DataFrame:
     """The configurations that cannot be told from the one of the best mean: each compared with it, paired by
     seed, under Benjamini-Hochberg over those comparisons (the best is picked from all of them, so its own mean is
@@ -103,9 +131,7 @@ def ties(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], value: st
     sign = 1 if maximize else -1
     mine = [seeds[of(seeds, fields, row)] for _, row in points.iterrows()]
     shared = set.intersection(*(set(rows["seed"]) for rows in mine))
-    rank = [rows[rows["seed"].isin(shared)][value].mean() if len(shared) >= 2 else rows[value].mean()
-            for rows in mine]
-    ranked = sorted(range(len(points)), key=lambda i: (mine[i][value].notna().sum() < 2, -sign * rank[i]))
+    ranked = _ranked(mine, shared, value, sign)
     step, order = quantum(seeds[value]), ranked
     for attempt in range(len(points) + 1):
         within, order = (seeds[seeds["seed"].isin(shared)], ranked) if attempt == len(points) else (seeds, order)
@@ -120,11 +146,18 @@ def ties(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], value: st
     return points.iloc[tied]
 
 
-def best_set(study: StudyRuns, t: pd.DataFrame) -> tuple[pd.Index, list[str], pd.DataFrame, int] | None:
-    """The trials (index of `t`, finished with finite objectives) of the best configuration and of those that
-    cannot be told from it, the fields that name a configuration, the tied configurations (best first) and how
-    many configurations there were. None
-    where nothing can be told apart (one seed) or no field is an independent choice."""
+@dataclass
+class Best:
+    trials: pd.Index  # of `t` (finished, finite objective): the best configuration's and its ties'
+    fields: list[str]  # the fields that name a configuration
+    tied: pd.DataFrame  # the best configuration and those that cannot be told from it, best first
+    configurations: int  # how many there were
+    highest: pd.Series  # the configuration of the best mean (the best, unless a contrast overturned it)
+
+
+def best_set(study: StudyRuns, t: pd.DataFrame) -> Best | None:
+    """The best configuration with its ties; None where nothing can be told apart (one seed) or no field is an
+    independent choice."""
     fields, _ = choices(study, t, merge_batch=False)
     value, direction = study.objectives[0]
     if not fields or "seed" not in t or t["seed"].nunique() < 2 or value not in t:
@@ -138,4 +171,5 @@ def best_set(study: StudyRuns, t: pd.DataFrame) -> tuple[pd.Index, list[str], pd
     marked = pd.Series(False, index=t.index)
     for _, row in tied.iterrows():
         marked |= of(t, fields, row)
-    return t.index[marked], fields, tied, len(points)
+    return Best(t.index[marked], fields, tied, len(points), highest(seeds, points, fields, value,
+                                                                    direction == "maximize"))

@@ -8,6 +8,7 @@ at that epoch. The critical batch at t is the largest B that kept up: below it a
 per sample, in fewer steps."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
@@ -76,28 +77,28 @@ def finding(trials: pd.DataFrame, history: pd.DataFrame) -> list[str]:
     if found is None:
         return []
     c, noise = found.critical, found.noise.set_index("epoch")["noise_scale"]
-    tops, least = int(found.table["B"].max()), int(found.table["B"].min())
 
-    def bound(b: int) -> str:  # the batches branched to bound what can be measured
-        return f"at least {b}" if b == tops else f"below {least}" if b == found.b0 else str(b)
+    def bracket(t: int, b: int) -> tuple[float, float]:  # the Bs branched to bound it: kept up at b, not above
+        above = found.table.loc[(found.table["t"] == t) & (found.table["B"] > b), "B"]
+        return (0 if b == found.b0 else b), (float(above.min()) if len(above) else math.inf)
 
-    said = ", ".join(f"{bound(b)} after epoch {t}" for t, b in zip(c["t"], c["B"]))
+    def bound(lo: float, hi: float) -> str:
+        return f"at least {lo:.0f}" if hi == math.inf else f"below {hi:.0f}" if not lo else \
+            f"between {lo:.0f} and {hi:.0f}"
+
+    brackets = {t: bracket(t, b) for t, b in zip(c["t"], c["B"])}
+    said = ", ".join(f"{bound(*brackets[t])} after epoch {t}" for t in c["t"])
     out = (f"Branched from the reference at B = {found.b0} into larger batches (the same samples after the branch; "
            f"a branch kept up when its validation loss came within {100 * KEEPS_UP_WITHIN:.0f}% of the reference's), the "
-           f"critical batch measured was {said} (Merrill et al. 2025).")
-    at = [(t, b, noise[t]) for t, b in zip(c["t"], c["B"]) if t in noise.index]
+           f"critical batch was {said} (Merrill et al. 2025; bounded by the Bs branched to: the largest that kept up, "
+           f"the next that did not).")
+    at = [(t, noise[t]) for t in c["t"] if t in noise.index]
     if at:
-        measured = {t: n / b for t, b, n in at if least <= b < tops}  # both sides bounded by the branches
-        ratio = ""
-        if len(measured) == 1:
-            (t, r), = measured.items()
-            ratio = (f": {r:.2g} times the critical batch at epoch {t}, the only epoch where branching "
-                     f"measured it rather than bounded it")
-        elif measured:
-            ratio = (f": a median {np.median(list(measured.values())):.2g} times the critical batch at epochs "
-                     f"{', '.join(map(str, measured))}, where branching measured it rather than bounded it")
-        out += (f" The reference's noise scale at those epochs was {', '.join(f'{n:.0f}' for _, _, n in at)} "
-                f"(McCandlish et al. 2018){ratio}.")
+        where = [f"{'inside' if lo <= n < hi else 'below' if n < lo else 'above'} it at epoch {t}"
+                 for t, n in at for lo, hi in [brackets[t]]]
+        out += (f" The reference's noise scale at those epochs was {', '.join(f'{n:.0f}' for _, n in at)} "
+                f"(McCandlish et al. 2018): {', '.join(where)}; the branches bound the critical batch only to the "
+                f"Bs branched to, so no closer ratio is said.")
     return [out]
 
 

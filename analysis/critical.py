@@ -1,7 +1,8 @@
 """The critical batch from steps to a target accuracy, as McCandlish et al. (2018) and Shallue et al. (2018)
 define it: S = S_min (1 + B_crit / B) fitted to the optimizer steps each run took to reach the target against its
 B, beside the gradient noise scale measured at the epoch the target was reached (B_noise, which McCandlish et al.
-find close to B_crit). Both intervals are bootstraps over the seeds; a B_crit the Bs run do not bound is said so.
+find close to B_crit). Both intervals are bootstraps over the seeds, said only from FEWEST_SEEDS seeds; a B_crit the
+Bs run do not bound is said so.
 """
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import pandas as pd
 from scipy.optimize import least_squares
 
 BOOTSTRAPS = 1000
-FEWEST_SEEDS = 3  # below this a bootstrap over the seeds has almost nothing to draw from: no interval is said
+# Below this a bootstrap over the seeds has too few distinct resamples (3 seeds: 10) to cover 95%: no interval is
+# said (best_lr.py bootstraps from the same number).
+FEWEST_SEEDS = 5
 FAR = 64  # the fit searches B_crit within this factor of the Bs run; beyond the range it is not bounded anyway
 
 
@@ -85,6 +88,12 @@ def noise_at_target(trials: pd.DataFrame, history: pd.DataFrame, target: float) 
     return noise.merge(trials[["run_id", "seed"]], on="run_id")
 
 
+def _too_few(seeds: int) -> str:
+    distinct = math.comb(2 * seeds - 1, seeds)
+    return (f"no interval: {seeds} seed{'s' * (seeds != 1)} give{'s' * (seeds == 1)} only {distinct} distinct "
+            f"resample{'s' * (distinct != 1)}, too few for a 95% bootstrap interval ({FEWEST_SEEDS} seeds or more)")
+
+
 def _n(x: float) -> str:
     return f"{x:,.0f}"
 
@@ -101,14 +110,15 @@ def reading(points: pd.DataFrame, noise: pd.DataFrame) -> str:
     if f is None:
         said += "; B_crit could not be fitted (fewer than 3 Bs reached the target)"
     elif f.b_crit > max(f.sizes):
-        said += (f"; B_crit is above the largest B run ({max(f.sizes)}): the steps kept falling close to 1/B, so the "
-                 f"fit cannot bound it")
+        last = f"{ratios[-1]:.2f}" if ratios else "?"
+        said += (f"; B_crit is above the largest B run ({max(f.sizes)}), so the fit cannot bound it: the last doubling "
+                 f"still took the steps to {last} of the B before (0.50 is perfect scaling, 1 none)")
     elif f.b_crit < min(f.sizes):
         said += f"; B_crit is below the smallest B run ({min(f.sizes)}): the fit cannot bound it"
     else:
         seeds = points["seed"].nunique()
         if seeds < FEWEST_SEEDS:
-            spread = f"no interval: {seeds} seed{'s' * (seeds != 1)}, too few to resample"
+            spread = _too_few(seeds)
         elif math.isnan(f.lo):
             spread = "no bootstrap interval: too few resamples of the seeds could be fitted"
         else:
@@ -119,7 +129,8 @@ def reading(points: pd.DataFrame, noise: pd.DataFrame) -> str:
     if noise.empty:
         return said + "; no reliable noise scale was measured at the epoch the target was reached"
     lo, hi = _interval(_resamples(noise, lambda p: float(p["noise"].median())))
-    spread = "" if math.isnan(lo) or noise["seed"].nunique() < FEWEST_SEEDS else \
+    seeds = noise["seed"].nunique()
+    spread = f"; {_too_few(seeds)}" if seeds < FEWEST_SEEDS else "" if math.isnan(lo) else \
         f", 95% bootstrap interval over the seeds {_n(lo)} to {_n(hi)}"
     return (said + f"; the gradient noise scale at the epoch the target was reached was {_n(noise['noise'].median())}"
             f" (median of the {len(noise)} runs that measured it there{spread})")

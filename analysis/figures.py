@@ -157,18 +157,19 @@ class Measure:
     name: str = "val_acc"
     maximize: bool = True
     margin: float = 0.01  # equivalence margin: 1 accuracy point; for a metric of its own, 1% of its median
+    full: float = 1.0  # an accuracy's value at 100%: 1, or 100 where a script logs it in percent
 
     @property
     def margin_text(self) -> str:
-        return f"{100 * self.margin:g} point{'s' * (self.margin != 0.01)}" if self.points else \
-            f"{_two_digits(self.margin)} in {self.name}"
+        points = self.scaled(self.margin)
+        return f"{points:g} point{'s' * (points != 1)}" if self.points else f"{_two_digits(self.margin)} in {self.name}"
 
     @property
     def points(self) -> bool:
         return self.name == "val_acc"
 
     def scaled(self, x: float) -> float:
-        return 100 * x if self.points else x
+        return 100 * x / self.full if self.points else x
 
     def places(self, *xs: float) -> int:
         """Decimals that give the largest of xs two significant digits, at most 4 (accuracy points: one)."""
@@ -187,7 +188,7 @@ class Measure:
         return f"{shown} points" if self.points else f"{self.name} {shown}"
 
     def level(self, x: float) -> str:
-        return f"{100 * x:.1f}%" if self.points else f"{self.name} {x:.3g}"
+        return f"{self.scaled(x):.1f}%" if self.points else f"{self.name} {x:.3g}"
 
     @property
     def better(self) -> str:
@@ -214,6 +215,12 @@ def _two_digits(x: float) -> str:
 ACCURACY = Measure()
 
 
+def full_scale(values) -> float:
+    """An accuracy's value at 100%: 100 where any value is above 1 (a script that logs val_acc in percent), else 1."""
+    v = pd.to_numeric(pd.Series(values), errors="coerce")
+    return 100.0 if (v[np.isfinite(v)] > 1).any() else 1.0
+
+
 def measure(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> Measure | None:
     """The study's first objective where it names one other than val_acc and trials logged it (a study that
     minimizes val_loss is ranked by val_loss, even where val_acc is logged too); else accuracy where trials have
@@ -222,8 +229,9 @@ def measure(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> M
     named = [objective] if objective and objective[0] != "val_acc" else []
     for name, direction in (*named, ("val_acc", "maximize"), ("val_loss", "minimize")):
         if name == "val_acc":  # (in points, with its own margin; float targets give no accuracy)
-            if has_accuracy(t):
-                return ACCURACY
+            if has_accuracy(t):  # (in percent where a script logged it so: its margin is still 1 point)
+                full = full_scale(t["val_acc"])
+                return ACCURACY if full == 1 else Measure(full=full, margin=0.01 * full)
             continue
         values = pd.to_numeric(t[name], errors="coerce") if name in t else pd.Series(dtype=float)
         if np.isfinite(values).any():
@@ -291,7 +299,8 @@ def accuracy_vs_batch(trials: pd.DataFrame, objective: tuple[str, str] | None = 
         label = dict(zip(keys, group))
         rows = rows.sort_values("effective_batch")
         half = rows["ci95"].fillna(0)  # accuracy's cut at 0 and 100%: with 2 seeds the t-interval may pass them
-        below, above = (half.clip(upper=rows["mean"]), half.clip(upper=1 - rows["mean"])) if m.points else (half, half)
+        below, above = (half.clip(upper=rows["mean"]), half.clip(upper=m.full - rows["mean"])) if m.points else \
+            (half, half)
         ax.errorbar(rows["effective_batch"], m.scaled(rows["mean"]), yerr=[m.scaled(below), m.scaled(above)],
                     color=palette[label[hue]] if hue else "C0",
                     marker="o" if label.get("batch") != "true batch" else "s",
@@ -453,7 +462,7 @@ def bn_rules(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> 
     sns.barplot(data=t.assign(shown=m.scaled(t[m.name])), x="B", y="shown", hue="rule", hue_order=order,
                 palette=palette, errorbar=_t_interval, ax=ax)
     if m.points:
-        ax.set_ylim(max(0, 100 * t["val_acc"].min() - 5), 100)
+        ax.set_ylim(max(0, m.scaled(t["val_acc"].min()) - 5), 100)
     ax.set(xlabel="effective batch B (accumulated: b = 32, k = B/32; true batch: b = B, k = 1)",
            ylabel=m.axis)
     return Figure("bn_rules", f"{'Accuracy' if m.points else m.name} by BatchNorm momentum rule, beside the "

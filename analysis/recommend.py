@@ -10,20 +10,33 @@ import pandas as pd
 
 from batchsweep.sweeps import commands
 
-from .best import best_set, choices
-from .figures import Measure, finished, measure, one_batch, tuned
+from .best import best_set, choices, picked
+from .figures import Measure, finished, in_order, measure, one_batch, tuned
 from .findings import bn_against_true, lr_exponent
-from .rules import rule_comparisons, rules_at, twin_pairs
+from .rules import decided, rule_comparisons, rules_at, twin_pairs
 from .runs import StudyRuns, quantum
-from .space import identical_spread, label, shown, times
+from .space import as_percent, identical_spread, label, shown, times
 from .verdicts import judge
 from .wording import listed, lowered, stated
 
 MIB = 2 ** 20
 
 
-def _seed_command(study: StudyRuns) -> str:
-    return f"{commands.command('run')} {study.run_as or '--study ' + study.name} --seeds 3"
+def _one_seed(study: StudyRuns, t: pd.DataFrame) -> str:
+    """What to run after a study of one seed: the same study over 3 seeds from its own seed (which it keeps), or
+    for batch_memory, whose measurements of memory do not vary with the seed, the planner that fits them."""
+    if study.name == "batch_memory":  # (the planner reads the study of this name)
+        model = "".join(f" --{f} {t[f].iloc[0]}" for f in ("model", "dataset") if f in t and t[f].nunique() == 1)
+        return (f"This study measures peak memory and speed at each b, not a choice of accuracy: plan b and k for your "
+                f"target from it with `{commands.command('plan')} --target-batch B --memory-budget SIZE{model}` "
+                f"(--tracking-uri as here), which fits peak memory against b from these trials.")
+    seed = int(t["seed"].iloc[0]) if "seed" in t else 0
+    run = (f"`{commands.command('run')} {study.run_as or '--study ' + study.name}{f' --seed {seed}' if seed else ''} "
+           f"--seeds 3` (it keeps these trials and adds seeds {seed + 1} and {seed + 2}), then the report again")
+    if not choices(study, t)[0]:
+        return (f"Nothing here is a choice to recommend: the study varies no field as an independent choice (its "
+                f"findings below answer its own question); with one seed they have no intervals: run {run}.")
+    return f"With one seed no configuration can be told from another, so nothing is recommended: run {run}."
 
 
 def _memory(t: pd.DataFrame, b: int, k: int) -> str:
@@ -40,22 +53,40 @@ def _under(key: dict) -> str:
 
 def _batching(t: pd.DataFrame, rule: str, b: int, twins: list, m: Measure) -> str:
     """How to make B: accumulated or true batch, as the twins' verdicts under `rule` at B read (one per value of
-    each other rule varied, BN momentum's named), and what each cost in memory."""
+    each other rule varied, BN momentum's named), at the (b, k) that ran there, and what each cost in memory. A b
+    is advised only where accumulation was shown equivalent to the true batch, or resolved from it."""
     mine = [(key, v) for key, v in twins if key.get("lr_rule", rule) == rule and key["effective_batch"] == b]
-    small = int(t["physical_batch"].min())
-    if not mine or b % small:
+    if not mine:
         return ""
+    ran = t[(t["effective_batch"] == b) & ((t["lr_rule"] == rule) if "lr_rule" in t else True)]
+    made = ran[["physical_batch", "accum_steps"]].drop_duplicates().sort_values("accum_steps", ascending=False)
+    accumulated = [f"b = {bb:.0f}, k = {k:.0f}{_memory(t, bb, k)}" for bb, k in made.itertuples(index=False) if k > 1]
+    averaged = " (each seed's runs averaged)" if len(accumulated) > 1 else ""
     said = "; ".join(_under(key) + stated(v.d, 'higher', 'lower', m, v) for key, v in mine)
-    made = (f"accumulating (b = {small}, k = {b // small}{_memory(t, small, b // small)}) against the true batch "
-            f"(b = {b}, k = 1{_memory(t, b, 1)}): {said}")
-    advice = ("b: the largest that fits your memory" if not any(v.resolved for _, v in mine) else
-              "they differ: the better one, where it fits")
-    return f"; {made}; {advice} (`{commands.command('plan')} --target-batch {b} --memory-budget SIZE`)"
+    made = (f"accumulating ({'; '.join(accumulated)}){averaged} against the true batch (b = {b}, k = 1"
+            f"{_memory(t, b, 1)}): {said}")
+    plan = f"`{commands.command('plan')} --target-batch {b} --memory-budget SIZE`"
+    if any(v.resolved for _, v in mine):
+        return f"; {made}; they differ: the better one, where it fits ({plan})"
+    if all(v.equivalent for _, v in mine):
+        return f"; {made}; b: the largest that fits your memory ({plan})"
+    n = min(v.d.n for _, v in mine)
+    return (f"; {made}; accumulation was neither shown equivalent to the true batch nor resolved from it with {n} "
+            f"seeds, so no b is advised")
+
+
+def _pooled(t: pd.DataFrame) -> str:
+    """Where the study crosses the LR rules with BN momentum rules, the per-B lines pool them: said so."""
+    if "bn_momentum_rule" not in t or t["bn_momentum_rule"].nunique() < 2:
+        return ""
+    return (f" (over the BN momentum rules {listed(in_order('bn_momentum_rule', t['bn_momentum_rule'].unique()))}, "
+            f"each seed's runs averaged)")
 
 
 def per_batch(study: StudyRuns, m: Measure) -> list[str]:
     """For each B the study reached above the smallest: the LR rule of the best mean there with those that cannot
-    be told from it, its cost against the smallest B (the findings' family), and how to make B."""
+    be told from it (one family over every B's contrasts), its cost against the smallest B (the findings'
+    family), and how to make B."""
     found = rule_comparisons(study.trials, m)
     if found is None:
         return []
@@ -63,21 +94,19 @@ def per_batch(study: StudyRuns, m: Measure) -> list[str]:
     cost = {(rule, b): (base, v) for (rule, b, base, _), v in zip(compared, verdicts)}
     pairs = twin_pairs(study.trials, m)  # (keyed by every rule varied: one verdict per BN rule, none overwritten)
     twins = [(key, v) for (key, _), v in zip(pairs, judge([d for _, d in pairs], m.margin))]
-    step, out = quantum(t[m.name]), []
-    for b in sorted(int(b) for b in t["effective_batch"].unique()):
-        at = rules_at(t, b, m, step)
-        if at is None:
+    sizes = sorted(int(b) for b in t["effective_batch"].unique())
+    picks = rules_at(t, sizes, m, quantum(t[m.name]))
+    pooled, out = _pooled(t), []
+    for b, at in picks.items():
+        if (at.best, b) not in cost:
             continue
-        means, contrasts, ties, best = at
-        if (best, b) not in cost:
-            continue
-        base, v = cost[(best, b)]
-        below = [f"{r} {stated(c.d, m=m, v=c)}" for r, c in zip(means.index[1:], contrasts) if r not in ties]
-        which = (f"the {best} LR rule ({m.level(means[best])}, the best mean"
-                 + (f"; {listed(ties)} cannot be told from it" if ties else "")
+        base, v = cost[(at.best, b)]
+        below = [f"{r} {stated(c.d, m=m, v=c)}" for r, c in zip(at.means.index[1:], at.verdicts) if r not in at.ties]
+        which = (f"the {at.best} LR rule ({m.level(at.means[at.best])}; it {decided(at, m)}"
+                 + (f"; {listed(at.ties)} cannot be told from it" if at.ties else "")
                  + (f"; resolved worse than it: {'; '.join(below)}" if below else "") + ")")
-        out.append(f"At B = {b}: {which}; against B = {base}: {stated(v.d, m=m, v=v)}"
-                   f"{_batching(t, best, b, twins, m)}.")
+        out.append(f"At B = {b}{pooled}: {which}; against B = {base}: {stated(v.d, m=m, v=v)}"
+                   f"{_batching(t, at.best, b, twins, m)}.")
     return out
 
 
@@ -128,21 +157,21 @@ def best(study: StudyRuns, m: Measure) -> list[str]:
     found = best_set(study, t)
     if found is None:
         return []
-    _, fields, tied, configurations = found
+    fields, tied, configurations = found.fields, found.tied, found.configurations
     top = tied.iloc[0]
     n = int(top["n"])  # (its own finished seeds: a configuration that failed in a seed has fewer)
     named = "; ".join(label(row, fields) for _, row in tied.iloc[1:6].iterrows()) + ("; …" if len(tied) > 6 else "")
     what = "accuracy" if m.points else f"{m.name}{m.better}"
     ties = (f"{len(tied) - 1} other{'s' * (len(tied) > 2)} cannot be told from it ({named})" if len(tied) > 1 else
             "every other configuration was resolved worse than it")
-    pick = "the highest of {}, so biased upward" if m.maximize else "the lowest of {}, so biased downward"
-    return [f"The best {what}: {label(top, fields)} ({m.level(top[m.name])} over {n} seeds, "
-            f"{pick.format(f'{configurations} configurations')} by the pick); {ties}; paired by seed, "
-            f"Benjamini-Hochberg at 5% over {configurations - 1} comparisons."]
+    pick = picked(top, found.highest, fields, configurations, m.maximize, label(found.highest, fields))
+    return [f"The best {what}: {label(top, fields)} ({m.level(top[m.name])} over {n} seeds, {pick}); {ties}; "
+            f"paired by seed, Benjamini-Hochberg at 5% over {configurations - 1} comparisons."]
 
 
 def fastest(study: StudyRuns) -> list[str]:
-    """The least median time to the target, with every configuration within what identical runs differ by."""
+    """The least median time to the target, and every configuration within what identical runs differ by: where
+    any is, none is resolved fastest, and they are named."""
     found = times(study)
     if found is None:
         return []
@@ -150,15 +179,21 @@ def fastest(study: StudyRuns) -> list[str]:
     points = points.sort_values("seconds")
     top = points.iloc[0]
     value = study.objectives[0][0]
+    to = f"to {value} {shown(target, percent=as_percent(value, t[value]))}"
     spread = identical_spread(t, fields)
-    said = (f"The shortest time to {value} {shown(target, percent=value == 'val_acc')}: {label(top, fields)} "
-            f"({top['seconds']:,.1f} s, the median over its seeds; each time is one wall-clock measurement")
     if spread is None:
-        return [said + ", and no identical runs say how far two measurements of one configuration lie apart)."]
-    near = points[(points["seconds"] - top["seconds"] <= spread)].iloc[1:]
-    near_said = (f"; within that: {'; '.join(label(r, fields) for _, r in near.head(5).iterrows())}"
-                 f"{'; …' if len(near) > 5 else ''}" if len(near) else "")
-    return [said + f"; identical runs came up to {spread:,.1f} s apart{near_said})."]
+        return [f"The shortest median time {to}: {label(top, fields)} ({top['seconds']:,.1f} s over its seeds); each "
+                f"time is one wall-clock measurement, and no identical runs show how far two measurements of one "
+                f"configuration lie apart, so it is not shown to be the fastest."]
+    near = points[points["seconds"] - top["seconds"] <= spread]
+    if len(near) == 1:
+        return [f"The shortest time {to}: {label(top, fields)} ({top['seconds']:,.1f} s, the median over its seeds), "
+                f"ahead of every other configuration by more than the {spread:,.1f} s identical runs came apart (each "
+                f"time is one wall-clock measurement)."]
+    return [f"No configuration was resolved fastest {to}: {len(near)} of the {len(points)} reached it within "
+            f"{spread:,.1f} s of the shortest median ({top['seconds']:,.1f} s), what identical runs came apart by "
+            f"(each time is one wall-clock measurement): "
+            + "; ".join(f"{label(r, fields)} ({r['seconds']:,.1f} s)" for _, r in near.iterrows()) + "."]
 
 
 def bn_rules(study: StudyRuns, m: Measure) -> list[str]:
@@ -190,8 +225,7 @@ def recommend(study: StudyRuns) -> list[str]:
     if tuned(t):  # a search of the LR at each B: its answer is the best LR against B, with its interval
         return [f"The learning rate to use at each B: {lowered(s)}" for s in lr_exponent(study.trials, m)]
     if ("seed" not in t or t["seed"].nunique() < 2) and len(t) > 1:
-        return [f"With one seed no configuration can be told from another, so nothing is recommended: run "
-                f"`{_seed_command(study)}` (it keeps these trials and adds seeds 1 and 2), then the report again."]
+        return [_one_seed(study, t)]
     lines = [*per_batch(study, m), *best(study, m), *largest_free(study, m), *fastest(study), *bn_rules(study, m)]
     if not lines and not choices(study, t)[0]:
         return ["Nothing here is a choice to recommend: the study varies no field as an independent choice (its "

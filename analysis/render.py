@@ -75,7 +75,7 @@ def _table(study: StudyRuns) -> pd.DataFrame:
         found = best_set(study, done)
         if found is None:
             return table
-        marked, name = set(found[0]), "best or tied"
+        marked, name = set(found.trials), "best or tied"
     else:
         return table
     return table.assign(**{name: ["★" if i in marked else "" for i in table.index]})[[name, *table.columns]]

@@ -2,6 +2,8 @@
 counted, paired by seed, each family under Benjamini-Hochberg (verdicts.py)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pandas as pd
 
@@ -78,49 +80,85 @@ def lr_rules(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
                             "comparisons of a rule's B against its smallest B")
 
 
-def rules_at(t: pd.DataFrame, b: int, m: Measure, step: float):
-    """The LR rules at B = b against the one of the best mean, paired by seed under Benjamini-Hochberg over these
-    comparisons: (means best first, verdicts of the others, the rules that cannot be told from the best, the best
-    among them); None where B is base_batch (every rule one configuration), one rule ran, or the paired contrasts
-    name no best (each rule resolved above another in a circle).
+@dataclass
+class AtB:
+    """The LR rules at one B: each rule's mean over the seeds every rule ran there (the pick first), the others'
+    verdicts against the pick, those that cannot be told from it, and `overturned`: the rule of the best mean where
+    a contrast resolved the pick above it on the seeds the two share (else None)."""
+    means: pd.Series
+    verdicts: list
+    ties: list[str]
+    best: str
+    overturned: str | None
 
-    The means are over the seeds every rule ran at b (a rule with seeds of its own would otherwise rank by its
-    seeds' luck); where a rule is resolved above the pick on the seeds the two share, it is the pick instead."""
-    at = t[t["effective_batch"] == b]
+
+def _means(at: pd.DataFrame, m: Measure) -> pd.Series:
+    """Each rule's mean over the seeds every rule ran (a rule with seeds of its own would otherwise rank by its
+    seeds' luck), best first."""
     seeds = at.groupby(["lr_rule", "seed"])[m.name].mean().unstack("seed")
     shared = seeds.dropna(axis="columns")
     means = (shared if shared.shape[1] >= 2 else seeds).mean(axis="columns")
-    means = means.reindex(in_order("lr_rule", means.index)).sort_values(ascending=not m.maximize, kind="stable")
-    same = "base_batch" in at and (at["effective_batch"] == at["base_batch"]).all()
-    if len(means) < 2 or same:
-        return None
-    for _ in range(len(means)):
-        best = means.index[0]
-        verdicts = judge([paired(at[at["lr_rule"] == r], at[at["lr_rule"] == best], m.name, step)
-                          for r in means.index[1:]], m.margin)
-        above = [r for r, v in zip(means.index[1:], verdicts) if v is not None and v.resolved and not m.worse(v.d)]
-        if not above:
-            ties = [r for r, v in zip(means.index[1:], verdicts) if v is None or not v.resolved]
-            return means, verdicts, ties, best
-        means = means[[above[0], *(r for r in means.index if r != above[0])]]
-    return None
+    return means.reindex(in_order("lr_rule", means.index)).sort_values(ascending=not m.maximize, kind="stable")
+
+
+def rules_at(t: pd.DataFrame, sizes: list[int], m: Measure, step: float) -> dict[int, AtB]:
+    """The LR rules at each B of `sizes` against the one of the best mean there, paired by seed, under one
+    Benjamini-Hochberg over every B's contrasts (a block that names a rule at each B is one family). Where a rule
+    is resolved above the pick on the seeds the two share, it is the pick instead. A B is left out where it is
+    base_batch (every rule one configuration), one rule ran, or the picks go round in a circle."""
+    tables = {}
+    for b in sizes:
+        at = t[t["effective_batch"] == b]
+        means = _means(at, m)
+        if len(means) >= 2 and not ("base_batch" in at and (at["effective_batch"] == at["base_batch"]).all()):
+            tables[b] = (at, means)
+    order = {b: list(means.index) for b, (_, means) in tables.items()}
+    moved: set[int] = set()
+    for _ in range(1 + max((len(o) for o in order.values()), default=0)):
+        diffs = {b: [paired(at[at["lr_rule"] == r], at[at["lr_rule"] == order[b][0]], m.name, step)
+                     for r in order[b][1:]] for b, (at, _) in tables.items()}
+        judged = iter(judge([d for b in order for d in diffs[b]], m.margin))
+        verdicts = {b: [next(judged) for _ in diffs[b]] for b in order}
+        moved = set()
+        for b in order:
+            above = [r for r, v in zip(order[b][1:], verdicts[b]) if v is not None and v.resolved and not m.worse(v.d)]
+            if above:
+                order[b], moved = [above[0], *(r for r in order[b] if r != above[0])], moved | {b}
+        if not moved:
+            break
+    out = {}
+    for b, (_, means) in tables.items():
+        if b in moved:  # (still moving: a circle)
+            continue
+        ties = [r for r, v in zip(order[b][1:], verdicts[b]) if v is None or not v.resolved]
+        out[b] = AtB(means[order[b]], verdicts[b], ties, order[b][0],
+                     means.index[0] if order[b][0] != means.index[0] else None)
+    return out
+
+
+def decided(at: AtB, m: Measure) -> str:
+    """What made the pick: the best mean, or a contrast resolved above the rule of the best mean."""
+    most = "highest" if m.maximize else "lowest"
+    if at.overturned is None:
+        return f"had the {most} mean"
+    return (f"was resolved above {at.overturned} on the seeds the two share ({at.overturned} had the {most} mean "
+            f"over the seeds every rule ran)")
 
 
 def _at_largest(t: pd.DataFrame, m: Measure, step: float) -> list[str]:
     """The rules at the largest B against the one of the best mean: a contrast is said only where it is resolved."""
-    largest = t[t["effective_batch"] == t["effective_batch"].max()]
-    found = rules_at(t, int(largest["effective_batch"].iloc[0]), m, step)
-    if found is None:  # (at B = base_batch the rules are one configuration: none is best there)
+    largest = int(t["effective_batch"].max())
+    at = rules_at(t, [largest], m, step).get(largest)
+    if at is None:  # (at B = base_batch the rules are one configuration: none is best there)
         return []
-    means, verdicts, ties, best = found
-    others = list(means.index[1:])
-    against = [f"{r} {stated(v.d, m=m, v=v)}" if v else f"{r} {m.level(means[r])}" for r, v in zip(others, verdicts)]
-    verdict = (f"{best} is resolved as the best there" if not ties else
-               f"the best there is one of {listed([best, *ties])}: no contrast between them is resolved")
-    level = ", ".join(f"{r} {m.level(means[r])}" for r in others)
-    return [f"At the largest batch, B = {int(largest['effective_batch'].iloc[0])}, the {best} rule had the "
-            f"{'highest' if m.maximize else 'lowest'} mean ({m.level(means[best])}; {level}); against it: "
-            + "; ".join(against) + f"; {verdict}."]
+    others = list(at.means.index[1:])
+    against = [f"{r} {stated(v.d, m=m, v=v)}" if v else f"{r} {m.level(at.means[r])}"
+               for r, v in zip(others, at.verdicts)]
+    verdict = (f"{at.best} is resolved as the best there" if not at.ties else
+               f"the best there is one of {listed([at.best, *at.ties])}: no contrast between them is resolved")
+    level = ", ".join(f"{r} {m.level(at.means[r])}" for r in others)
+    return [f"At the largest batch, B = {largest}, the {at.best} rule {decided(at, m)} "
+            f"({m.level(at.means[at.best])}; {level}); against it: " + "; ".join(against) + f"; {verdict}."]
 
 
 def twin_pairs(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[tuple[dict, Difference]]:

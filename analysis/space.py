@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from .figures import Draw, Figure, context, finished, in_order, log_scale
-from .best import EVERY_RULE, choices, of, one_at_base, per_configuration, per_seed, ties
+from .best import EVERY_RULE, choices, highest, of, one_at_base, per_configuration, per_seed, picked, ties
 from .runs import TARGET_SHARE, StudyRuns, ci95
 
 MIN_IMPORTANCE_TRIALS = 10  # fewer finished trials say nothing about which field mattered
@@ -80,7 +80,8 @@ def label(row: pd.Series | dict, fields: list[str]) -> str:
     return ", ".join(parts)
 
 
-def _percent(metric: str, values: pd.Series) -> bool:
+def as_percent(metric: str, values: pd.Series) -> bool:
+    """An accuracy logged as a fraction of 1, shown in percent (one logged in percent is shown as it is)."""
     return "acc" in metric and bool(values.between(0, 1).all())
 
 
@@ -230,8 +231,12 @@ def _budget_sentence(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str
     cheap = tied.sort_values([cost, value], ascending=[True, not maximize]).iloc[0]
     control = (f"paired by seed over {n} seeds, Benjamini-Hochberg at 5% over {len(points) - 1} "
                f"comparison{'s' * (len(points) > 2)}" if n > 1 else "one seed: none can be told apart")
-    said = (f"Against {against}, the best mean of the {len(points)} configurations was {label(top, fields)} "
-            f"({shown(top[value], percent=percent)}, at {unit(top[cost])}; picked as the highest, so biased upward)")
+    first = highest(seeds, points, fields, value, maximize)
+    pick = picked(top, first, fields, len(points), maximize, label(first, fields))
+    plain = pick.startswith("the ")  # (no contrast overturned the best mean)
+    why = f"picked as the {'highest, so biased upward' if maximize else 'lowest, so biased downward'}" if plain else pick
+    said = (f"Against {against}, the best{' mean' * plain} of the {len(points)} configurations was {label(top, fields)} "
+            f"({shown(top[value], percent=percent)}, at {unit(top[cost])}; {why})")
     if len(tied) == 1:
         return said + f"; every other configuration was resolved below it ({control})."
     named = (": " + "; ".join(label(row, fields) for _, row in tied.iloc[1:].iterrows())) if len(tied) <= 5 else ""
@@ -256,7 +261,7 @@ def memory_front(study: StudyRuns) -> Figure | None:
     points = per_configuration(seeds, fields, value, "memory_mib")
     if len(points) < 2:
         return None
-    percent, maximize = _percent(value, t[value]), direction == "maximize"
+    percent, maximize = as_percent(value, t[value]), direction == "maximize"
     finding = _budget_sentence(seeds, points, fields, "memory_mib", value, percent, maximize,
                                lambda mib: f"{mib:,.1f} MiB of peak memory", "peak memory")
     return _front_figure(points, fields, "memory_mib", value, "peak memory, MiB", percent, maximize, "memory_front",
@@ -332,7 +337,7 @@ def time_front(study: StudyRuns) -> Figure | None:
     kept = pd.Series(False, index=seeds.index)
     for _, row in points.iterrows():
         kept |= of(seeds, fields, row)
-    percent = _percent(value, t[value])
+    percent = as_percent(value, t[value])
     target_text = shown(target, percent=percent)
     finding = _budget_sentence(seeds[kept], points, fields, "seconds", value, percent, True,
                                lambda s: f"{s:,.1f} s to reach {value} {target_text}", "time to the target")

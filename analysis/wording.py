@@ -9,8 +9,9 @@ from .runs import Difference
 from .verdicts import Verdict, control, judge, needed
 
 
-def percent(x: float) -> str:
-    return f"{100 * x:.1f}%"
+def percent(x: float, full: float = 1.0) -> str:
+    """An accuracy in percent, of a value whose 100% is `full` (figures.full_scale)."""
+    return f"{100 * x / full:.1f}%"
 
 
 def listed(items: list[str]) -> str:

@@ -178,3 +178,149 @@ def test_each_bn_rules_twin_verdict_is_named_none_overwritten():
                      at_128)
     assert "; under BN scaled: equivalent within ±1 point (" in at_128, at_128
     assert "b: the largest that fits your memory" not in at_128
+
+
+def _rows(values, bs=((32, 1), (32, 4), (128, 1)), seeds=range(3), **fixed) -> list[dict]:
+    """One finished trial per (seed, rule, (b, k)) of `values(seed, rule, b, k)` (None: not run)."""
+    rows = []
+    for seed in seeds:
+        for rule in ("none", "sqrt", "linear"):
+            for b, k in bs:
+                v = values(seed, rule, b, k)
+                if v is not None:
+                    rows.append(dict(seed=seed, lr_rule=rule, physical_batch=b, accum_steps=k, effective_batch=b * k,
+                                     base_batch=32, status="FINISHED", val_acc=round(v, 3), **fixed))
+    return rows
+
+
+def test_a_per_b_line_says_it_pools_the_bn_momentum_rules():
+    """LR rule crossed with BN momentum rule: the pick and its cost at a B average each seed's runs over the BN
+    rules; the line says so (it read as if it held for each)."""
+    rows = [{**r, "bn_momentum_rule": bn} for bn in ("default", "scaled")
+            for r in _rows(lambda s, rule, b, k: 0.95 - (0.01 if b * k > 32 else 0) + 0.001 * s)]
+    study = _study(rows, ("physical_batch", "accum_steps", "lr_rule", "bn_momentum_rule"))
+    [at_128] = [line for line in recommend(study) if line.startswith("At B = 128")]
+    assert at_128.startswith("At B = 128 (over the BN momentum rules default and scaled, each seed's runs averaged): ")
+
+
+def test_the_accumulation_verdict_names_the_b_and_k_that_ran():
+    """B = 128 was accumulated as b = 64, k = 2; no trial ran b = 32, k = 4 (the smallest b is 32, at B = 32)."""
+    rng = np.random.default_rng(1)
+    rows = _rows(lambda s, rule, b, k: 0.95 + rng.normal(0, 0.001), bs=((32, 1), (64, 2), (128, 1)))
+    [at_128] = [line for line in recommend(_study(rows, ("physical_batch", "accum_steps", "lr_rule")))
+                if line.startswith("At B = 128")]
+    assert "accumulating (b = 64, k = 2) against the true batch (b = 128, k = 1): " in at_128, at_128
+    assert "k = 4" not in at_128
+
+
+def test_no_b_is_advised_where_the_twins_were_not_resolved_either_way():
+    """Accumulation and the true batch 2 points apart in seed noise (neither equivalent within ±1 point nor
+    resolved): "b: the largest that fits your memory" would be advice from absence of evidence."""
+    noise = {0: 0.02, 1: -0.02, 2: 0.0}
+    rows = _rows(lambda s, rule, b, k: 0.95 + (noise[s] if k > 1 else 0))
+    [at_128] = [line for line in recommend(_study(rows, ("physical_batch", "accum_steps", "lr_rule")))
+                if line.startswith("At B = 128")]
+    assert "b: the largest that fits your memory" not in at_128 and "plan --target-batch" not in at_128
+    assert at_128.endswith("accumulation was neither shown equivalent to the true batch nor resolved from it with 3 "
+                           "seeds, so no b is advised."), at_128
+    rows = _rows(lambda s, rule, b, k: 0.95 + 0.001 * s)  # (the twins equal in every seed: equivalent)
+    [at_128] = [line for line in recommend(_study(rows, ("physical_batch", "accum_steps", "lr_rule")))
+                if line.startswith("At B = 128")]
+    assert "; b: the largest that fits your memory (`" in at_128
+
+
+def test_an_accuracy_logged_in_percent_reads_in_percent_with_a_margin_of_one_point():
+    """A script logs val_acc as 0-100: the best read "9611.7%", and the 1-point margin was 0.01 on that scale, so
+    nothing was ever equivalent."""
+    rng = np.random.default_rng(7)
+    rows = [dict(seed=s, lr_rule=rule, physical_batch=32, accum_steps=k, effective_batch=32 * k, base_batch=32,
+                 status="FINISHED", val_acc=round(97 - (0.05 if rule == "linear" else 1) * np.log2(k)
+                                                  + rng.normal(0, 0.15), 1))
+            for s in range(3) for rule in ("none", "linear") for k in (1, 2, 4, 8)]
+    lines = recommend(_study(rows, ("physical_batch", "accum_steps", "lr_rule")))
+    [best] = [line for line in lines if line.startswith("The best accuracy: ")]
+    assert re.search(r"\(9\d\.\d% over 3 seeds", best) and "9611" not in best and "%" in best, best
+    [free] = [line for line in lines if "cost less than" in line]
+    assert free.startswith("The largest B shown to cost less than 1 point: B = 256 under the linear LR rule"), free
+    assert re.search(r"equivalent within ±1 point \([-+]0\.\d ± 0\.\d points over 3 seeds\)", free), free
+
+
+def test_ties_for_the_shortest_time_are_named_and_none_is_crowned():
+    """Times to the target of one configuration under three names (B = base_batch under each rule) came 2 s apart;
+    B = 64 and 128 reached it within 2 s of the fastest: no configuration is resolved fastest, and each within the
+    spread is named."""
+    seconds = {(32, 1): 10.0, (32, 2): 11.0, (64, 1): 9.5, (32, 4): 30.0, (128, 1): 8.0}
+    spread = {"none": 0.0, "sqrt": 1.0, "linear": 2.0}
+    rows = _rows(lambda s, rule, b, k: 0.95, bs=tuple(seconds))
+    history = []
+    for i, r in enumerate(rows):
+        r["run_id"] = f"r{i}"
+        t = seconds[(r["physical_batch"], r["accum_steps"])] + (spread[r["lr_rule"]] if r["effective_batch"] == 32
+                                                                else 0)
+        history += [dict(run_id=r["run_id"], epoch=e, val_acc=0.95 * e / 2, epoch_time_s=t / 2) for e in (1, 2)]
+    study = _study(rows, ("physical_batch", "accum_steps", "lr_rule"))
+    study.history = pd.DataFrame(history)
+    [line] = [line for line in recommend(study) if "fastest" in line or "shortest" in line]
+    assert line.startswith("No configuration was resolved fastest to val_acc 90.2%: "), line
+    assert "within 2.0 s of the shortest median (8.0 s)" in line
+    assert "b = 128, k = 1, none (8.0 s)" in line and "b = 64, k = 1, sqrt (9.5 s)" in line
+    assert "b = 32, k = 4" not in line
+
+
+def test_per_b_contrasts_are_controlled_over_the_whole_block():
+    """At B = 512 none is 3 points below sqrt in every seed (p 0.009); every other contrast of the block's 8 is
+    nothing. Controlled within B = 512 alone (2 comparisons) it read "resolved worse"; over the block it is not."""
+    bs = ((32, 1), (32, 2), (32, 4), (32, 8), (32, 16))
+    drop = {0: 0.025, 1: 0.030, 2: 0.035}
+    wiggle = {"none": 0.0, "sqrt": 0.001, "linear": 0.0}
+
+    def values(seed, rule, b, k):
+        v = 0.95 + (wiggle[rule] if seed == 0 else -wiggle[rule] if seed == 1 else 0)
+        return v - (drop[seed] if rule == "none" and k == 16 else 0)
+
+    [at_512] = [line for line in recommend(_study(_rows(values, bs), ("physical_batch", "accum_steps", "lr_rule")))
+                if line.startswith("At B = 512")]
+    assert "resolved worse than it" not in at_512 and "none cannot be told from it" in at_512.replace(
+        "linear and none", "none"), at_512
+
+
+def test_a_pick_overturned_by_a_resolved_contrast_says_so():
+    """none and sqrt ran 10 seeds, linear 2. On the 2 seeds all ran none has the highest mean; on the 10 that none
+    and sqrt share, sqrt is resolved above it. The pick is sqrt, and no line calls it the highest mean."""
+    def values(seed, rule, b, k):
+        if rule == "linear" and seed > 1:
+            return None
+        if b * k == 32:
+            return 0.94
+        return {"none": 0.950 if seed < 2 else 0.945, "sqrt": 0.949, "linear": 0.90}[rule]
+
+    study = _study(_rows(values, seeds=range(10)), ("physical_batch", "accum_steps", "lr_rule"))
+    lines = recommend(study)
+    [at_128] = [line for line in lines if line.startswith("At B = 128")]
+    assert at_128.startswith("At B = 128: the sqrt LR rule (94.9%; it was resolved above none on the seeds the two "
+                             "share (none had the highest mean over the seeds every rule ran)"), at_128
+    [largest] = [s for s in summarize(study.trials, study.history) if s.startswith("At the largest batch")]
+    assert "the sqrt rule was resolved above none on the seeds the two share" in largest, largest
+    [best] = [line for line in lines if line.startswith("The best accuracy: ")]
+    assert best.startswith("The best accuracy: b = 32, k = 4, sqrt (") or best.startswith(
+        "The best accuracy: b = 128, k = 1, sqrt ("), best
+    assert "resolved above b = " in best and "highest of" not in best, best
+
+
+def test_one_seed_advice_gives_a_command_that_works_for_the_study():
+    """At seed 5, `--seeds 3` from the default seed 0 would run seeds 0-2: the command keeps the study's seed and
+    names the seeds it adds. batch_memory's measurements are for the planner; critical_batch has no choice to pick,
+    its findings want seeds."""
+    from tests.test_recommend import built_in
+
+    rows = _rows(lambda s, rule, b, k: 0.95, seeds=(5,))
+    [line] = recommend(_study(rows, ("physical_batch", "accum_steps", "lr_rule")))
+    assert "--study s --seed 5 --seeds 3` (it keeps these trials and adds seeds 6 and 7)" in line, line
+    memory = built_in("batch_memory")
+    memory.trials = memory.trials[memory.trials["seed"] == 0]
+    [line] = recommend(memory)
+    assert "plan --target-batch B --memory-budget SIZE" in line and "--seeds" not in line, line
+    branches = built_in("critical_batch")
+    branches.trials = branches.trials[branches.trials["seed"] == 0]
+    [line] = recommend(branches)
+    assert line.startswith("Nothing here is a choice to recommend") and "--study critical_batch --seeds 3`" in line
