@@ -16,8 +16,8 @@ import numpy as np
 import pandas as pd
 
 from . import branching, critical
-from .figures import (ACCURACY, Measure, best_lr, best_lr_of_seeds, finished, has_accuracy, in_order, measure,
-                      one_batch, reliable_noise, trained_lr, tuned)
+from .figures import (ACCURACY, Measure, best_lr, best_lr_of_seeds, finished, full_scale, has_accuracy, in_order,
+                      measure, one_batch, reliable_noise, trained_lr, tuned)
 from .rules import lr_rules, twins
 from .runs import TARGET_SHARE, aggregate, paired, quantum, reached, resolution
 from .verdicts import Verdict, control, judge
@@ -255,7 +255,7 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
     if len(keys) == 1:  # the rules in their own order, as the figures draw them
         order = in_order(keys[0], runs[keys[0]])
         groups.sort(key=lambda g: order.index(g[0][0]))
-    out = [f"Steps to reach {percent(target)} validation accuracy ({100 * TARGET_SHARE:.0f}% of the best "
+    out = [f"Steps to reach {percent(target, full_scale(t['val_acc']))} validation accuracy ({100 * TARGET_SHARE:.0f}% of the best "
            f"configuration's mean; {resolution(t, evals)}{tuned_note}), each run that reached it one point, "
            f"accumulated and true "
            f"batch alike, fitted by S = S_min (1 + B_crit / B) (McCandlish et al. 2018; least squares on log steps), "
@@ -315,7 +315,7 @@ def warmup(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | No
                 for b in against]
         if said:
             out.append(f"Batch-size warmup (B = {arm.replace(',', ', ')} in the first epochs, then {end}), to "
-                       f"{percent(target)} validation accuracy ({100 * TARGET_SHARE:.0f}% of the best mean; "
+                       f"{percent(target, full_scale(t['val_acc']))} validation accuracy ({100 * TARGET_SHARE:.0f}% of the best mean; "
                        f"{resolution(t, evals)}){kept}, " + "; and ".join(said) + ".")
     return out
 
@@ -392,7 +392,7 @@ def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFram
         return ["No finished trial has an accuracy (val_acc) or a value of the study's objective, in which "
                 "configurations are compared: the comparisons are left out; the table holds each trial's metrics.",
                 *noise_scale(trials), *memory(trials)]
-    if m is not ACCURACY:
+    if not m.points:
         aimed = has_accuracy(finished(trials))  # (steps to a target and warmup aim at an accuracy)
         lead = (f"Configurations are compared in the study's objective, {m.name}{m.better}, not in val_acc; steps "
                 f"to a target accuracy are in val_acc." if aimed else f"No finished trial has an accuracy (val_acc): "

@@ -237,7 +237,10 @@ def test_an_accuracy_logged_in_percent_reads_in_percent_with_a_margin_of_one_poi
                  status="FINISHED", val_acc=round(97 - (0.05 if rule == "linear" else 1) * np.log2(k)
                                                   + rng.normal(0, 0.15), 1))
             for s in range(3) for rule in ("none", "linear") for k in (1, 2, 4, 8)]
-    lines = recommend(_study(rows, ("physical_batch", "accum_steps", "lr_rule")))
+    study = _study(rows, ("physical_batch", "accum_steps", "lr_rule"))
+    lines = recommend(study)
+    findings = summarize(study.trials, study.history, None, study.objectives[0])
+    assert not any("compared in the study's objective" in s for s in findings), findings  # (it is accuracy)
     [best] = [line for line in lines if line.startswith("The best accuracy: ")]
     assert re.search(r"\(9\d\.\d% over 3 seeds", best) and "9611" not in best and "%" in best, best
     [free] = [line for line in lines if "cost less than" in line]
