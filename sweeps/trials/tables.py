@@ -101,21 +101,23 @@ def command_line(inv, point, seed: int) -> str:
 
 
 def results_table(inv, storage) -> str:
-    """Every finished trial of the study, best first; the best (one objective) or the Pareto front (several)
-    marked with *. A study of several searches (one per point, as lr_search's per B) lists each search's trials
-    together, since a trial's number is its search's."""
+    """Every finished trial of the study, best first; with several objectives, the Pareto front marked with *. A
+    study of several searches (one per point, as lr_search's per B) lists each search's trials together, since a
+    trial's number is its search's.
+
+    One objective marks no trial: Optuna's best_trial is one run, one of several that seed noise cannot tell apart,
+    and naming those needs the report's paired comparisons (analysis/best.py), which sweeps/ does not import."""
     import optuna
 
     trials, marked = [], set()
-    names = inv.study_names()
+    names, several = inv.study_names(), len(inv.study.metrics) > 1
     for name in names:
         study = optuna.load_study(study_name=name, storage=storage)
         done = [t for t in study.get_trials(deepcopy=False)
                 if t.state.is_finished() and outcome_of(t) != OUTCOMES["duplicate"]]
         trials += [(name, t) for t in done]
-        if any(t.state == optuna.trial.TrialState.COMPLETE for t in done):
-            best = study.best_trials if len(inv.study.metrics) > 1 else [study.best_trial]
-            marked |= {(name, t.number) for t in best}
+        if several and any(t.state == optuna.trial.TrialState.COMPLETE for t in done):
+            marked |= {(name, t.number) for t in study.best_trials}
     metrics, directions = inv.study.metrics, inv.study.directions
     sign = -1 if directions[0] == "maximize" else 1
     trials.sort(key=lambda nt: (names.index(nt[0]), nt[1].values is None,
@@ -123,7 +125,7 @@ def results_table(inv, storage) -> str:
     varied = list(dict.fromkeys(k for _, t in trials for k in t.user_attrs.get("config", {})))
     shrunk = inv.study.auto_batch or any("oom_retries" in t.user_attrs.get("metrics", {}) for _, t in trials)
     headers = ["#", *varied, "B", *(["b used (OOM retries)"] if shrunk else []), "lr", "outcome", "health", *metrics,
-               "samples/s", "peak memory", "front" if len(metrics) > 1 else "best"]
+               "samples/s", "peak memory", *(["front"] if several else [])]
     rows = []
     for name, t in trials:
         m = t.user_attrs.get("metrics", {})
@@ -137,8 +139,12 @@ def results_table(inv, storage) -> str:
                      *(_metric(metric, m.get(metric)) for metric in metrics),
                      f"{m['samples_per_s']:,.0f}" if "samples_per_s" in m else "-",
                      format_bytes(m["peak_memory_bytes"]) if "peak_memory_bytes" in m else "-",
-                     "*" if (name, t.number) in marked else ""])
-    return format_table(headers, rows)
+                     *(["*" if (name, t.number) in marked else ""] if several else [])])
+    if several:
+        return format_table(headers, rows)
+    why = ("with one seed no configuration can be told from another (--seeds 3 or more)" if len(inv.seeds) < 2 else
+           "the report marks the best configuration and every one that cannot be told from it (★), paired by seed")
+    return format_table(headers, rows) + f"\nNo trial is marked best: one trial is one seed's run; {why}."
 
 
 def _metric(name: str, value) -> str:
