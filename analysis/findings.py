@@ -1,5 +1,5 @@
 """The report's summary: plain sentences computed from the trials frame (the LR rules and the twins in
-rules.py).
+rules.py, steps to a target and batch warmup in targets.py).
 
 Every comparison (rule against rule, accumulated against its true-batch twin, a batch against the smallest
 one) pairs the trials of the same seed (same initial weights, same sample order) and reads as its verdict
@@ -15,13 +15,14 @@ import math
 import numpy as np
 import pandas as pd
 
-from . import branching, critical
-from .figures import (ACCURACY, Measure, best_lr, best_lr_of_seeds, finished, full_scale, has_accuracy, in_order,
-                      measure, one_batch, reliable_noise, trained_lr, tuned)
+from . import branching
+from .figures import (ACCURACY, Measure, best_lr, best_lr_of_seeds, finished, has_accuracy, in_order, measure,
+                      one_batch, reliable_noise, trained_lr)
 from .rules import lr_rules, twins
-from .runs import TARGET_SHARE, aggregate, paired, quantum, reached, resolution
-from .verdicts import Verdict, control, judge
-from .wording import listed, lowered, percent, signed_end, significant, stated
+from .runs import paired, quantum
+from .targets import steps, warmup
+from .verdicts import control, judge
+from .wording import listed, lowered, significant, stated
 
 EXACT = 1e-4  # relative parameter difference below which accumulation is float rounding, not a change
 FLOAT64_ROUNDING = 1e-10  # in float64, a ghost twin this close shows that what is left in float32 is rounding
@@ -225,99 +226,6 @@ def lr_exponent(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
             f"to {best['lr'].iloc[-1]:.3g} at B = {best['effective_batch'].iloc[-1]}: B^{shown[0]} fitted over "
             f"every B (95% bootstrap interval {shown[1]} to {shown[2]}, {BOOTSTRAPS:,} resamples of the trials at "
             f"each B). {lr_rule_reading(lo, hi)}."]
-
-
-def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None) -> list[str]:
-    """Steps to the target accuracy against B, every run at a B one point, fitted for the critical batch beside
-    the noise scale at the target (critical.py)."""
-    t = one_batch(finished(trials))
-    if "effective_batch" not in t or t["effective_batch"].nunique() < 3:
-        return []
-    if history.empty or not {"steps", "val_acc"} <= set(history) or "seed" not in t:
-        return []
-    keys = [c for c in ("lr_rule", "bn_momentum_rule") if c in t and t[c].nunique() > 1]
-    searched = ["base_lr"] if tuned(t) else []
-    finals = aggregate(t, [*keys, "effective_batch", *searched], "val_acc")
-    if finals.empty:
-        return []
-    target = TARGET_SHARE * float(finals["mean"].max())
-    runs = t[["run_id", "seed", *keys, "effective_batch", *searched]].merge(reached(t, history, target, evals),
-                                                                          on="run_id")
-    tuned_note = ""
-    if searched:  # Shallue et al.: at each B, the LR that reached the target in the fewest steps
-        fastest = runs.groupby([*keys, "effective_batch", "base_lr"])["steps"].median().dropna()
-        best = fastest.groupby(level=list(range(len(keys) + 1))).idxmin()
-        runs = runs[runs.set_index([*keys, "effective_batch", "base_lr"]).index.isin(best.values)]
-        tuned_note = (f"; at each B the base_lr whose runs reached it in the fewest steps (Shallue et al. 2018: the "
-                      f"LR tuned per B, {runs['base_lr'].nunique()} of the {t['base_lr'].nunique()} searched)")
-    noise = critical.noise_at_target(t, history, target)
-    groups = list(runs.groupby(keys)) if keys else [(("",), runs)]
-    if len(keys) == 1:  # the rules in their own order, as the figures draw them
-        order = in_order(keys[0], runs[keys[0]])
-        groups.sort(key=lambda g: order.index(g[0][0]))
-    out = [f"Steps to reach {percent(target, full_scale(t['val_acc']))} validation accuracy ({100 * TARGET_SHARE:.0f}% of the best "
-           f"configuration's mean; {resolution(t, evals)}{tuned_note}), each run that reached it one point, "
-           f"accumulated and true "
-           f"batch alike, fitted by S = S_min (1 + B_crit / B) (McCandlish et al. 2018; least squares on log steps), "
-           f"beside the gradient noise scale at the end of the epoch in which each run reached it."]
-    for group, rows in groups:
-        name = f"For {listed([str(g) for g in group])}" if keys else "Over every run"
-        counted = rows.groupby("effective_batch")["steps"].apply(lambda s: s.notna().sum() * 2 > len(s))
-        kept = rows[rows["effective_batch"].isin(counted[counted].index) & rows["steps"].notna()]
-        lost = sorted(int(b) for b in counted[~counted].index)
-        left = (f" (at B = {listed([str(b) for b in lost])} most runs never reached it: left out of the fit)"
-                if lost else "")
-        if kept.empty:
-            out.append(f"{name}, no B had most of its runs reach it{left}.")
-            continue
-        out.append(f"{name}{left}, {critical.reading(kept, noise[noise['run_id'].isin(rows['run_id'])])}.")
-    return out
-
-
-def _counted(v: Verdict | None, unit: str) -> str:
-    """A paired difference of counts (steps, samples), stated only where it is resolved (verdicts.py)."""
-    if v is None:
-        return f"no seed reached the target in both, so no {unit} to compare"
-    d = v.d
-    if not v.resolved:
-        why = f"; its own interval excludes 0, but it is {control(v)}" if d.separated else ""
-        return f"not resolved ({d.mean:+,.0f} ± {d.half:,.0f} {unit} over {d.n} seed{'s' * (d.n > 1)}{why})"
-    return (f"{d.mean:+,.0f} {unit}, 95% CI {signed_end(d.mean - d.half, 0)} to {signed_end(d.mean + d.half, 0)} "
-            f"over {d.n} seeds")
-
-
-def warmup(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None) -> list[str]:
-    """Each batch-size warmup against a fixed B, paired by seed: the B it grows to and, when the study has it,
-    the B it starts from; steps and samples to the target accuracy (one family for the false-discovery
-    control, named once), and the final accuracy."""
-    t = finished(trials)
-    if "batch_warmup" not in t or history.empty:
-        return []
-    t = t.assign(batch_warmup=t["batch_warmup"].fillna("").astype(str))
-    if not (t["batch_warmup"] == "").any() or t["batch_warmup"].nunique() < 2:
-        return []
-    target = TARGET_SHARE * float(aggregate(t, ["batch_warmup", "effective_batch"], "val_acc")["mean"].max())
-    t = t.drop(columns=["steps", "samples"], errors="ignore").merge(reached(t, history, target, evals), on="run_id")
-    fixed = {int(b): rows for b, rows in t[t["batch_warmup"] == ""].groupby("effective_batch")}
-    growing = t["batch_warmup"].map(lambda w: len(set(w.split(","))) > 1)  # (a repeated B is a branch)
-    arms = [(arm, rows, int(rows["effective_batch"].iloc[0]),
-             [b for b in dict.fromkeys((int(rows["effective_batch"].iloc[0]), int(arm.split(",")[0]))) if b in fixed])
-            for arm, rows in t[growing].groupby("batch_warmup")]
-    counts = [paired(rows, fixed[b], unit) for _, rows, _, against in arms for b in against
-              for unit in ("steps", "samples")]
-    verdicts = iter(judge(counts, 0.0))
-    kept = (f" (steps and samples stated where Benjamini-Hochberg at 5% over their {len(counts)} comparisons "
-            f"keeps them)") if len(counts) > 1 else ""
-    out = []
-    for arm, rows, end, against in arms:
-        said = [f"against a fixed B = {b}: {_counted(next(verdicts), 'steps')}; {_counted(next(verdicts), 'samples')}; "
-                f"final accuracy {stated(paired(rows, fixed[b], 'val_acc'), 'higher with warmup', 'lower with warmup')}"
-                for b in against]
-        if said:
-            out.append(f"Batch-size warmup (B = {arm.replace(',', ', ')} in the first epochs, then {end}), to "
-                       f"{percent(target, full_scale(t['val_acc']))} validation accuracy ({100 * TARGET_SHARE:.0f}% of the best mean; "
-                       f"{resolution(t, evals)}){kept}, " + "; and ".join(said) + ".")
-    return out
 
 
 def noise_scale(trials: pd.DataFrame) -> list[str]:
