@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--launcher", choices=LAUNCHERS, help="where each trial trains: in the worker process, or as a "
                    "`torchrun --nproc-per-node N` job with N = its world_size (data-parallel; see README); default: "
                    "the study's own (process)")
+    p.add_argument("--no-fuse", action="store_true", help="train each trial alone (default: a grid's trials that "
+                   "share the model, data, b, seed and epochs train as one fused group on a worker without a GPU, "
+                   "each still its own trial; docs/trainer.md)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the trials it would run (of a study the storage holds, with each one's status) and "
                         "exit; writes nothing")
@@ -145,7 +148,7 @@ def build_invocation(args: argparse.Namespace):
                      # A [program] keeps its own checkpoints: its killed trial's point runs again from the start.
                      checkpoint_dir=None if args.checkpoint_dir == "none" or study.program else str(
                          Path(args.checkpoint_dir or "mlruns/checkpoints").resolve()),
-                     log_models=args.log_models, launcher=args.launcher or study.launcher)
+                     log_models=args.log_models, launcher=args.launcher or study.launcher, fuse=not args.no_fuse)
     if inv.launcher == "torchrun" and study.program:
         raise ConfigError("a [program] runs your command as it is: put torchrun into its command instead of "
                           "--launcher torchrun")

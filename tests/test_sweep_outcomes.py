@@ -56,7 +56,9 @@ def test_fail_fast_stops_at_the_first_failure(tmp_path):
         "error: trial 0 failed: RuntimeError: factory exploded (stopped by --fail-fast)"
     storage, client = stores(tmp_path)
     trials = optuna.load_study(study_name="accum_lr", storage=storage).trials
-    assert [t.state for t in trials] == [State.FAIL]
+    assert trials[0].state == State.FAIL and trials[0].user_attrs["error"] == "RuntimeError: factory exploded"
+    # The trials claimed with it as its fused group stop with it, interrupted: their points run again.
+    assert all(t.state == State.FAIL and t.user_attrs["reason"] == "interrupted" for t in trials[1:])
     _, parents = child_runs(client)
     assert [p.info.status for p in parents] == ["FAILED"]
 
@@ -169,7 +171,7 @@ def test_a_ctrl_c_while_a_complete_trial_is_recorded_ends_its_run_as_interrupted
 
     monkeypatch.setattr(Tracker, "finish", finish)
     monkeypatch.chdir(tmp_path)
-    assert main([*TINY, "--n-trials", "2"]) == 130
+    assert main([*TINY, "--n-trials", "2", "--no-fuse"]) == 130  # (optimize()'s path)
     run = the_one_trial_interrupted(tmp_path, capsys)
     assert run.data.metrics["train_loss"] > 0  # what it trained is kept
 
@@ -191,7 +193,7 @@ def test_a_ctrl_c_inside_optunas_tell_stops_the_study_and_records_the_trial(tmp_
 
     monkeypatch.setattr(optuna.storages.RDBStorage, "set_trial_state_values", set_trial_state_values)
     monkeypatch.chdir(tmp_path)
-    assert main_with_its_sigint_handler([*TINY, "--n-trials", "3"]) == 130
+    assert main_with_its_sigint_handler([*TINY, "--n-trials", "3", "--no-fuse"]) == 130
     assert not interrupt.pending()  # handled: a later run in this process is not stopped by it
     the_one_trial_interrupted(tmp_path, capsys)  # no next trial
 
@@ -200,7 +202,8 @@ def test_a_ctrl_c_that_a_library_replaces_with_another_error_is_an_interruption(
     """Code that catches the KeyboardInterrupt and raises something else would make the trial an `error` and the
     study go on; while a Ctrl-C is pending, any error out of training is that Ctrl-C."""
     monkeypatch.chdir(tmp_path)
-    assert main_with_its_sigint_handler([*TINY, "--model", "tests.factories:swallows_ctrl_c", "--n-trials", "3"]) == 130
+    assert main_with_its_sigint_handler([*TINY, "--model", "tests.factories:swallows_ctrl_c", "--n-trials", "3",
+                                        "--no-fuse"]) == 130
     the_one_trial_interrupted(tmp_path, capsys)
 
 

@@ -30,6 +30,7 @@ class Invocation:
     checkpoint_dir: str | None = None  # a folder per configuration beneath it (None: no checkpoints)
     log_models: str = "best"  # none | best | all: the models of this invocation's trials kept in MLflow
     launcher: str = "process"  # process: trials train in the worker; torchrun: each trial is a torchrun job
+    fuse: bool = True  # trials that can train as one fused group do (sweeps/trials/group.py)
 
     def config(self, point: Point, seed: int) -> TrainConfig:
         point = {k: v for k, v in point.items() if k in FIELDS or k in DERIVED}  # not a [program]'s own fields

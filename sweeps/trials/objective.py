@@ -74,6 +74,15 @@ class Objective:
             result = torchrun.train_job(config, on_epoch, checkpoint)
         else:
             result = train(config, on_epoch=on_epoch, checkpoint=checkpoint).to_dict()
+        return self.trained(config, result)
+
+    def fuses(self) -> bool:
+        """Whether its trials may train as fused groups (sweeps/trials/group.py): one configuration each, in the
+        worker's process."""
+        return type(self) is Objective and self.launcher == "process"
+
+    def trained(self, config: TrainConfig, result: dict[str, Any]) -> Trained:
+        """What a trial records of a result of `train` (`TrainResult.to_dict()`)."""
         health = {"health": result["health"], "health_epoch": result["health_epoch"],
                   "warnings": " | ".join(result["warnings"]) or None,
                   "noise_scale": "unavailable: accum_steps=1" if config.accum_steps == 1 else None}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import math
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import optuna
 import torch
@@ -48,20 +48,32 @@ class TrialRun:
         self.history: list[dict[str, float]] = []
         self.in_run: tuple[str, ...] = ()  # metrics the run holds already (a script logged them itself)
         self.placed: dict[str, Any] = {}  # on a GPU: its placement (sweeps/gpus/placement.py), as tags
+        self.begun = False
+        self.shown = True  # its start and epochs move the worker's bar (in a fused group, its first member's)
+        self.fused: int | None = None  # trained as one of a group of this many (sweeps/trials/group.py)
 
-    def run(self) -> float | list[float]:
+    def begin(self) -> None:
+        """Its run and folder claimed, its start shown; a point that breaks a constraint ends invalid here."""
+        if self.begun:
+            return
+        self.begun, worker = True, self.worker
+        self.trial.set_user_attr("mlflow_run_id", self.run_id)
+        self.trial.set_user_attr("invocation", worker.parent_run_id)
+        if self.folder:
+            claim(self.folder, self.run_id)
+        if self.shown:
+            worker.hooks.trial_start(self.name, self.last_epoch)
+        broken = worker.inv.broken(self.config, self.own)
+        if broken:
+            self.end("invalid", error=f"breaks the study's constraint {broken}")
+            raise optuna.TrialPruned(f"breaks the constraint {broken}")
+
+    def run(self, trained: Callable[[], Trained] | None = None) -> float | list[float]:
+        """Train (or take what `trained` returns or raises: a fused member's result) and record the outcome."""
         worker = self.worker
         try:
-            self.trial.set_user_attr("mlflow_run_id", self.run_id)
-            self.trial.set_user_attr("invocation", worker.parent_run_id)
-            if self.folder:
-                claim(self.folder, self.run_id)
-            worker.hooks.trial_start(self.name, self.last_epoch)
-            broken = worker.inv.broken(self.config, self.own)
-            if broken:
-                self.end("invalid", error=f"breaks the study's constraint {broken}")
-                raise optuna.TrialPruned(f"breaks the constraint {broken}")
-            trained, values = self._train()
+            self.begin()
+            trained, values = self._train(trained)
             if trained.health.get("clash"):  # its result may be another trial's: recorded, not counted
                 self.end("clash", trained.metrics, trained.dataset, memory_source=trained.memory_source,
                          error=f"Clash: {trained.health['clash']}: this trial's result may be the other's; {FIX}",
@@ -83,11 +95,12 @@ class TrialRun:
                 worker.tracker.end(self.run_id, "FAILED")
             raise
 
-    def _train(self) -> tuple[Trained, list[float] | None]:
+    def _train(self, given: Callable[[], Trained] | None = None) -> tuple[Trained, list[float] | None]:
         """Train, and map what stopped the training to its outcome."""
         worker, inv = self.worker, self.worker.inv
         placed_on = worker.placement.gpu.uuid if worker.placement else ""
-        monitor = system_metrics(self.run_id, inv.tracking_uri, placed_on) if inv.system_metrics else None
+        monitor = system_metrics(self.run_id, inv.tracking_uri, placed_on) if inv.system_metrics and not given \
+            else None
         urls = [v for v in self.own.values() if isinstance(v, str) and "://" in v]  # the study's own, too
         link = TrialLink(self.run_id, worker.tracker.experiment_id, inv.tracking_uri, self.own, self.report,
                          (inv.storage, inv.tracking_uri, *urls), self._place() if inv.study.program else None)
@@ -99,7 +112,9 @@ class TrialRun:
         trained = None
         try:
             try:
-                if worker.placement is None:
+                if given is not None:
+                    trained = given()
+                elif worker.placement is None:
                     trained = train()
                 else:  # run again alone after an out-of-memory beside other trials: its rows come again too
                     trained = worker.placement.run(self.config, worker.objective.widest(self.config), train,
@@ -134,7 +149,7 @@ class TrialRun:
         """Each epoch's row as it ends (or a script's row at a step): kept for the run's history, and reported
         to Optuna's pruner."""
         self.history.append(row)
-        if "epoch" in row:
+        if "epoch" in row and self.shown:
             self.worker.hooks.epoch_done(row)
         self.report(row)
 
@@ -178,7 +193,7 @@ class TrialRun:
             logged = {k: v for k, v in metrics.items() if k not in self.in_run} if metrics else metrics
             error = self.worker.tracker.finish(self.run_id, outcome.status, history=self.history, metrics=logged,
                                                tags={"reason": reason, "state": outcome.state.name, **self.placed,
-                                                     **extra},
+                                                     "fused_members": self.fused, **extra},
                                                end=name != "complete", dataset=dataset)
         if error:
             self.worker.hooks.say(f"trial {trial.number} ({self.name}): trained, but recording it in "

@@ -12,6 +12,7 @@ from optuna.trial import TrialState
 from batchsweep.trainers import BatchsweepError, device_name, interrupt, resolve_device
 
 from .checkpoints import Cleanup
+from .group import GROUP_TIMES, Group
 from .invocation import Invocation
 from .objective import make_objective
 from ..stores.outcomes import INTERRUPTED, OUTCOMES, outcome_of
@@ -61,6 +62,11 @@ class Worker:
         self.storage_failures: list[str] = []  # consecutive failures of the storage, latest last
         self.datasets_logged: set[str] = set()  # digests logged as inputs of the parent run
         self.cleanup = Cleanup(inv, self.storage, self.tracker)
+        # Trials train as fused groups where they can (sweeps/trials/group.py): a grid's configurations, in this
+        # process, on a worker not placed on a GPU (whose ledger holds one trial's memory at a time).
+        self.fuses = inv.fuse and self.objective.fuses() and inv.study.sampler == "grid" and placement is None \
+            and not set(inv.study.metrics) & set(GROUP_TIMES)  # (an objective of time: a member's is not its own)
+        self.said: set[str] = set()  # why groups trained alone, said once
 
     def run(self, budget: int | None) -> int:
         """Run at most `budget` trials (None: until nothing is left); returns how many ran. Every MLflow run
@@ -116,6 +122,7 @@ class Worker:
             mine = [u for u in units if u.study_name == name]
             self.failed_here = set()
             self._study = study
+            group = Group(self, study, mine) if self.fuses else None
             trials = None  # as read after the last trial: the next one starts from that read
             while budget is None or ran < budget:
                 interrupt.check()  # one that something caught and turned into another error: no next trial
@@ -135,14 +142,18 @@ class Worker:
                 if not search.left(trials, mine, self.failed_here):
                     break
                 trials = None
-                if not self._one_trial(study, mine):
+                if group is not None:
+                    numbers = self._group(group, None if budget is None else budget - ran)
+                elif self._one_trial(study, mine):
+                    numbers = [self._last_number]
+                else:
                     continue
                 try:
                     trials = study.get_trials(deepcopy=False)
                 except Exception as exc:
                     self._storage_failed(exc)
                     continue
-                ran += self._recorded(trials)
+                ran += sum(self._recorded(trials, number) for number in numbers)
         return ran
 
     def _one_trial(self, study: optuna.Study, mine: list[Unit]) -> bool:
@@ -152,28 +163,44 @@ class Worker:
             # optimize() (not ask/tell) so that the RDB storage's heartbeat covers the trial;
             # it marks a trial that raises as FAIL before passing the exception on.
             study.optimize(lambda trial: self.trial(trial, mine), n_trials=1)
-        except StudyChanged:
-            raise  # every next trial would fail the same way: the study stops with one line
         except Exception as exc:
-            if interrupt.pending():  # Ctrl-C landed where Optuna turned it into another error
-                raise KeyboardInterrupt from None
-            if is_storage_failure(exc) and not isinstance(exc, TrialFailed):
-                self._storage_failed(exc)
-                return False
-            cause = exc.__cause__ if isinstance(exc, TrialFailed) else exc
-            line = f"trial {self._last_number} failed: {first_line(cause, self.inv.storage)}"
-            if self.inv.fail_fast:
-                raise BatchsweepError(f"{line} (stopped by --fail-fast)") from None
-            self.hooks.say(line)
+            return self.trial_failed(exc, self._last_number)
         return True
 
-    def _recorded(self, trials: list[optuna.trial.FrozenTrial]) -> int:
+    def _group(self, group: Group, most: int | None) -> list[int]:
+        """Claim, train and record a fused group; the trial numbers it told (none where the storage failed)."""
+        self._last_number = -1  # (a stop is recorded by the group itself)
+        try:
+            return group.run(most)
+        except BatchsweepError:  # --fail-fast, a changed study, a storage that stopped: the study stops
+            raise
+        except Exception as exc:
+            self.trial_failed(exc, -1)
+            return group.told
+
+    def trial_failed(self, exc: Exception, number: int) -> bool:
+        """A trial that raised: one line (or the stop of --fail-fast); False where the storage failed."""
+        if isinstance(exc, StudyChanged):
+            raise exc  # every next trial would fail the same way: the study stops with one line
+        if interrupt.pending():  # Ctrl-C landed where Optuna turned it into another error
+            raise KeyboardInterrupt from None
+        if is_storage_failure(exc) and not isinstance(exc, TrialFailed):
+            self._storage_failed(exc)
+            return False
+        cause = exc.__cause__ if isinstance(exc, TrialFailed) else exc
+        line = f"{f'trial {number}' if number >= 0 else 'a fused group'} failed: {first_line(cause, self.inv.storage)}"
+        if self.inv.fail_fast:
+            raise BatchsweepError(f"{line} (stopped by --fail-fast)") from None
+        self.hooks.say(line)
+        return True
+
+    def _recorded(self, trials: list[optuna.trial.FrozenTrial], number: int) -> int:
         """After a trial, with the study's trials read back: end its run, count it (1) unless it yielded its
         point to another trial (0), and remove the checkpoints that no longer serve."""
         self.storage_failures = []
-        if self._last_number < 0:
+        if number < 0:
             return 0
-        last = trials[self._last_number]
+        last = trials[number]
         self._end_recorded([last])  # a trained trial, now recorded: its run ends
         if last.state == TrialState.FAIL:
             self.failed_here.add(config_key(last.user_attrs.get("config", {})))

@@ -1,0 +1,145 @@
+"""Fused trials in a study: a grid's group trains as one and each member is recorded as its solo trial is (in
+float64 the same metrics, history, peak memory, params and tags), with the tag fused_members; --no-fuse trains
+each alone; a member that the pruner stops ends alone; a killed group's members go on from their checkpoints."""
+
+import optuna
+import pytest
+
+from tests.test_sweeps import child_runs, stores, sweep
+
+GRID = """name = "accum_lr"
+[grid]
+physical_batch = [32]
+accum_steps = [1, 2, 4]
+lr_rule = ["none", "linear"]
+"""
+ARGS = ["--model", "tests.factories:bn_mlp", "--dataset", "tests.factories:blobs300", "--epochs", "2", "--seeds", "1",
+        "--workers", "1", "--set", "warmup_epochs=0", "--set", "dtype=float64", "--log-models", "none",
+        "--no-report"]
+TIMES = {"epoch_time_s", "samples_per_s", "wall_time_s"}  # a fused member's are the group's, named so
+RUN_OWN = {"mlflow.runName", "optuna.trial_number", "fused_members", "mlflow.source.git.commit"}
+
+
+def run(folder, *extra, grid=GRID):
+    folder.mkdir()
+    (folder / "study.toml").write_text(grid)
+    done = sweep(folder, "--study", str(folder / "study.toml"), *ARGS, *extra)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def recorded(folder):
+    """Each trial's run by its point: params, final metrics, per-epoch history and tags."""
+    _, client = stores(folder)
+    children, _ = child_runs(client)
+    runs = {}
+    for r in children:
+        history = {m: [(h.step, h.value) for h in client.get_metric_history(r.info.run_id, m)]
+                   for m in r.data.metrics}
+        runs[(r.data.params["accum_steps"], r.data.params["lr_rule"])] = (r, history)
+    return runs
+
+
+def test_each_member_is_recorded_as_its_solo_trial_in_float64(tmp_path):
+    run(tmp_path / "fused")
+    run(tmp_path / "alone", "--no-fuse")
+    fused, alone = recorded(tmp_path / "fused"), recorded(tmp_path / "alone")
+    assert fused.keys() == alone.keys() and len(fused) == 6
+    for point, (mine, my_history) in fused.items():
+        theirs, their_history = alone[point]
+        assert mine.data.params == theirs.data.params
+        assert mine.info.status == theirs.info.status == "FINISHED"
+        assert mine.data.tags["fused_members"] == "6" and "fused_members" not in theirs.data.tags
+        assert {k: v for k, v in mine.data.tags.items() if k not in RUN_OWN and not k.startswith("mlflow.")} == \
+            {k: v for k, v in theirs.data.tags.items() if k not in RUN_OWN and not k.startswith("mlflow.")}
+        # Every metric, its history included, but the times: the group's time is no member's own.
+        assert set(mine.data.metrics) == {f"group_{m}" if m in TIMES else m for m in theirs.data.metrics}
+        same = set(theirs.data.metrics) - TIMES
+        assert mine.data.metrics["peak_memory_bytes"] == theirs.data.metrics["peak_memory_bytes"]  # measured alone
+        assert {m: mine.data.metrics[m] for m in same} == pytest.approx(
+            {m: theirs.data.metrics[m] for m in same}, rel=1e-9, abs=1e-12)
+        for m in same:
+            assert [s for s, _ in my_history[m]] == [s for s, _ in their_history[m]], m
+            assert [v for _, v in my_history[m]] == pytest.approx([v for _, v in their_history[m]], rel=1e-9,
+                                                                  abs=1e-12), m
+
+
+PRUNED = GRID.replace("[grid]", "[search]\npruner = \"median\"\n[grid]")
+
+
+def test_a_member_that_the_pruner_stops_ends_alone_and_the_others_go_on(tmp_path):
+    """Seed 0's group completes; the median pruner (after 3 complete trials, from epoch 2) then stops members of
+    seed 1's group each at its own epoch, while the rest of its group trains on."""
+    run(tmp_path / "s", "--epochs", "5", "--seeds", "2", grid=PRUNED)
+    storage, client = stores(tmp_path / "s")
+    trials = optuna.load_study(study_name="accum_lr", storage=storage).trials
+    second = [t for t in trials if t.user_attrs["config"]["seed"] == 1]
+    pruned = [t for t in second if t.state == optuna.trial.TrialState.PRUNED]
+    assert len(second) == 6 and pruned
+    runs = {r.info.run_id: r for r in child_runs(client)[0]}
+    reached = {t.number: max(t.intermediate_values) for t in second}
+    first_stop = min(reached[t.number] for t in pruned)
+    assert max(reached.values()) > first_stop  # the others went on after the first member stopped
+    for t in second:
+        r = runs[t.user_attrs["mlflow_run_id"]]
+        assert r.data.tags["fused_members"] == "6"
+        assert [m.value for m in client.get_metric_history(r.info.run_id, "val_acc")] == \
+            [t.intermediate_values[e] for e in sorted(t.intermediate_values)]  # its own rows, to where it stopped
+        if t in pruned:
+            assert r.info.status == "KILLED" and r.data.tags["reason"] == "pruned"
+        else:
+            assert t.state == optuna.trial.TrialState.COMPLETE and reached[t.number] == 5
+
+
+@pytest.mark.slow
+def test_a_killed_group_goes_on_from_its_members_checkpoints(tmp_path):
+    """A sweep killed while its group evaluates epoch 2 (every member's epoch-1 checkpoint written): the same
+    command again resumes the members fused from epoch 1, and each ends where an uninterrupted run's member ends."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+    from tests.test_sweeps import held
+
+    linear = ["--model", "tests.factories:holds", "--epochs", "3"]  # (after ARGS: these win)
+    folder = tmp_path / "killed"
+    folder.mkdir()
+    (folder / "study.toml").write_text(GRID)
+    (folder / "hold").touch()
+    args = ["--study", str(folder / "study.toml"), *ARGS, *linear]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "BATCHSWEEP_TEST_HOLD": f"{folder / 'hold'}:2"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), *args], cwd=folder, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    held(folder / "hold", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    again = sweep(folder, *args)
+    assert again.returncode == 0, again.stderr
+    assert "study accum_lr: 6 trials left" in again.stderr
+    whole = tmp_path / "whole"
+    run(whole, *linear)
+    resumed, straight = recorded(folder), recorded(whole)
+    for point, (mine, _) in resumed.items():
+        theirs, _ = straight[point]
+        assert mine.data.tags["resumed_after_epoch"] == "1" and mine.data.tags["batchsweep.resumes_run"]
+        assert mine.data.tags["fused_members"] == "6"
+        assert mine.data.metrics["val_loss"] == pytest.approx(theirs.data.metrics["val_loss"], rel=1e-12)
+
+
+def test_a_ctrl_c_in_a_group_ends_every_member_interrupted(tmp_path, monkeypatch, capsys):
+    """A Ctrl-C that a library caught and replaced lands in the group's third stacked forward: the study stops
+    (130) and each member is recorded interrupted (its point runs again), its run KILLED."""
+    from tests.test_sweep_outcomes import TINY, main_with_its_sigint_handler, runs_by_trial
+
+    monkeypatch.chdir(tmp_path)
+    assert main_with_its_sigint_handler([*TINY, "--model", "tests.factories:swallows_ctrl_c", "--n-trials", "3"]) == 130
+    assert "run the same command again to resume" in capsys.readouterr().err
+    storage, client = stores(tmp_path)
+    trials = optuna.load_study(study_name="accum_lr", storage=storage).trials
+    assert len(trials) == 3
+    assert all(t.state == optuna.trial.TrialState.FAIL and t.user_attrs["reason"] == "interrupted" for t in trials)
+    for r in runs_by_trial(client, trials):
+        assert (r.info.status, r.data.tags["reason"]) == ("KILLED", "interrupted")
