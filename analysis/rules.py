@@ -146,9 +146,10 @@ def decided(at: AtB, m: Measure) -> str:
 
 
 def _at_largest(t: pd.DataFrame, m: Measure, step: float) -> list[str]:
-    """The rules at the largest B against the one of the best mean: a contrast is said only where it is resolved."""
+    """The rules at the largest B against the one of the best mean: a contrast is said only where it is resolved,
+    controlled with the rules' contrasts at every B, as the recommendation's per-B lines are (one family)."""
     largest = int(t["effective_batch"].max())
-    at = rules_at(t, [largest], m, step).get(largest)
+    at = rules_at(t, sorted(int(b) for b in t["effective_batch"].unique()), m, step).get(largest)
     if at is None:  # (at B = base_batch the rules are one configuration: none is best there)
         return []
     others = list(at.means.index[1:])
