@@ -75,12 +75,14 @@ def _batching(t: pd.DataFrame, rule: str, b: int, twins: list, m: Measure) -> st
             f"seeds, so no b is advised")
 
 
-def _pooled(t: pd.DataFrame) -> str:
-    """Where the study crosses the LR rules with BN momentum rules, the per-B lines pool them: said so."""
-    if "bn_momentum_rule" not in t or t["bn_momentum_rule"].nunique() < 2:
-        return ""
-    return (f" (over the BN momentum rules {listed(in_order('bn_momentum_rule', t['bn_momentum_rule'].unique()))}, "
-            f"each seed's runs averaged)")
+def _pooled(study: StudyRuns, t: pd.DataFrame) -> str:
+    """Where the study varies other fields beside the LR rule and B (BN momentum rules, a user's own), the per-B
+    lines pool their runs: said so."""
+    other = [f for f in study.varied if f in t and t[f].nunique() > 1
+             and f not in ("lr_rule", "physical_batch", "accum_steps", "effective_batch")]
+    named = [f"the BN momentum rules {listed(in_order(f, t[f].unique()))}" if f == "bn_momentum_rule" else
+             f"{f} {listed([str(v) for v in in_order(f, t[f].unique())])}" for f in other]
+    return f" (over {'; '.join(named)}, each seed's runs averaged)" if named else ""
 
 
 def per_batch(study: StudyRuns, m: Measure) -> list[str]:
@@ -96,7 +98,7 @@ def per_batch(study: StudyRuns, m: Measure) -> list[str]:
     twins = [(key, v) for (key, _), v in zip(pairs, judge([d for _, d in pairs], m.margin))]
     sizes = sorted(int(b) for b in t["effective_batch"].unique())
     picks = rules_at(t, sizes, m, quantum(t[m.name]))
-    pooled, out = _pooled(t), []
+    pooled, out = _pooled(study, t), []
     for b, at in picks.items():
         if (at.best, b) not in cost:
             continue

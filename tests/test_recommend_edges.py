@@ -201,6 +201,11 @@ def test_a_per_b_line_says_it_pools_the_bn_momentum_rules():
     study = _study(rows, ("physical_batch", "accum_steps", "lr_rule", "bn_momentum_rule"))
     [at_128] = [line for line in recommend(study) if line.startswith("At B = 128")]
     assert at_128.startswith("At B = 128 (over the BN momentum rules default and scaled, each seed's runs averaged): ")
+    rows = [{**r, "weight_decay": wd} for wd in (0.0, 5e-4)
+            for r in _rows(lambda s, rule, b, k: 0.95 - (0.01 if b * k > 32 else 0) + 0.001 * s)]
+    study = _study(rows, ("physical_batch", "accum_steps", "lr_rule", "weight_decay"))
+    [at_128] = [line for line in recommend(study) if line.startswith("At B = 128")]
+    assert at_128.startswith("At B = 128 (over weight_decay 0.0 and 0.0005, each seed's runs averaged): "), at_128
 
 
 def test_the_accumulation_verdict_names_the_b_and_k_that_ran():
