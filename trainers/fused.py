@@ -111,7 +111,9 @@ def train_fused(configs: list[TrainConfig], on_epoch: list[EpochCallback | None]
         raise NotFusable("only datasets of tensors train fused (this one is read through a DataLoader)")
     extra = probes or [[] for _ in configs]
     specs = checkpoints or [None] * len(configs)
-    members = [_member(c, data, extra[i], diagnostics, specs[i]) for i, c in enumerate(configs)]
+    peaks: dict[TrainConfig, tuple[float, int]] = {}
+    members = [_member(c, data, extra[i], _peak_alone(c, data, peaks) if diagnostics else None, specs[i])
+               for i, c in enumerate(configs)]
     try:
         return _train(members, on_epoch or [None] * len(members))
     finally:
@@ -184,10 +186,11 @@ class Measure:
         return evaluate(self.model, self.feed.test(), self.loss, self.config.precision, self.metrics)
 
 
-def _member(config: TrainConfig, data: Data, extra: list[Probe], diagnostics: bool,
+def _member(config: TrainConfig, data: Data, extra: list[Probe], peak: PeakMemory | None,
             spec: Checkpointing | None) -> Member:
-    """The setup of `train` for one process: the same model, optimizer, loss, probes and checkpoint."""
-    peak = _peak_alone(config, data) if diagnostics else None
+    """The setup of `train` for one process: the same model, optimizer, loss, probes and checkpoint (`peak`: its
+    diagnostics, its peak memory measured alone; None: no diagnostics)."""
+    diagnostics = peak is not None
     checkpointer = Checkpointer(spec, config) if spec else None
     saved = checkpointer.load() if checkpointer else None
     prepared = prepare(config, data)
@@ -210,12 +213,18 @@ def _member(config: TrainConfig, data: Data, extra: list[Probe], diagnostics: bo
                   checkpointer, progress.epoch, step=progress.step)
 
 
-def _peak_alone(config: TrainConfig, data: Data) -> PeakMemory:
+def _peak_alone(config: TrainConfig, data: Data, measured: dict[TrainConfig, tuple[float, int]]) -> PeakMemory:
     """The member's peak memory as its solo run measures it, from one window of its own (the planner's probe):
-    on a CPU the first window's saved tensors and the state after a step, which is all a solo run counts."""
-    probe = PeakMemory()
-    result = train(dataclasses.replace(config, max_steps=1), probes=[probe], diagnostics=False, data=data)
-    return PeakMemory(alone=result.metrics["peak_memory_bytes"], saved_peak=probe.saved.peak)
+    on a CPU the first window's saved tensors and the state after a step, which is all a solo run counts. The
+    learning rate and its schedule allocate nothing: members that differ only there share one measurement
+    (`measured`, by the configuration without them)."""
+    key = dataclasses.replace(config, lr_rule="none", base_lr=0.1, warmup_epochs=0.0, schedule="constant",
+                              weight_decay=0.0, wd_rule="none", epochs=1, max_steps=1)
+    if key not in measured:
+        probe = PeakMemory()
+        result = train(dataclasses.replace(config, max_steps=1), probes=[probe], diagnostics=False, data=data)
+        measured[key] = result.metrics["peak_memory_bytes"], probe.saved.peak
+    return PeakMemory(*measured[key])
 
 
 def _windows(micro: list[Window], k: int) -> list[Window]:
