@@ -153,3 +153,45 @@ def test_a_first_word_made_of_a_trials_values_is_checked_when_it_runs(tmp_path):
                       'command = ["{interpreter}", "t.py", "--out", "{trial_dir}"]')
     proc = sweep(tmp_path, "--study", str(path), "--dry-run")
     assert proc.returncode == 0 and "python3 t.py --out " in proc.stdout, proc.stderr
+
+
+def test_the_files_a_script_saves_are_seen_however_it_writes_them(tmp_path):
+    """torch.save to a path writes through its own C++ writer (open() never sees it), and an atomic save renames a
+    temporary file onto the name: both are files another trial could read back. /dev/null is no such file."""
+    import os
+    import subprocess
+    import sys
+
+    from batchsweep.sweeps.launch import observed
+
+    script = tmp_path / "saves.py"
+    script.write_text("""import os, tempfile, torch
+torch.save({"v": 1}, "ckpt.pt")
+fd, tmp = tempfile.mkstemp(dir=".")
+os.write(fd, b"2"); os.close(fd)
+os.replace(tmp, "atomic.txt")
+with open(os.devnull, "w") as f:
+    print("quiet", file=f)
+""")
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **observed.environment(trace)}
+    subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, check=True)
+    [log] = trace.glob("writes-*.txt")
+    written = set(log.read_text().splitlines())
+    assert {str(tmp_path / "ckpt.pt"), str(tmp_path / "atomic.txt")} <= written, written
+    assert not [p for p in written if p.startswith("/dev/")], written
+
+
+def test_an_epoch_or_step_that_is_no_finite_number_is_a_warning_not_a_failed_trial():
+    """JSON's NaN and Infinity parse as numbers, and an MLflow step of them failed the whole trial (int(nan))."""
+    from batchsweep.sweeps.launch.program import Output
+
+    output = Output(watched=("val_acc",))
+    output.row('{"epoch": 1, "val_acc": 0.5}')
+    assert output.row('{"epoch": NaN, "val_acc": 0.7}') == {"val_acc": 0.7}  # (no step: not logged as a row)
+    assert output.row('{"step": Infinity, "loss": 2.0}') == {"loss": 2.0}
+    notes = output.notes()
+    assert notes[0].startswith("the script printed epoch as nan, not a finite number, in the row ") and \
+        notes[0].endswith(": it is not logged; print epoch as a number"), notes
+    assert notes[1].startswith("the script printed step as inf, not a finite number"), notes

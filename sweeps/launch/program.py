@@ -172,6 +172,10 @@ class Output:
         row = parse_row(line, self.renamed)
         if row is None:
             return None
+        for index in ("epoch", "step"):  # (NaN and Infinity parse as numbers: no MLflow step)
+            if index in row and not math.isfinite(row[index]):
+                self._problem(index, f"the script printed {index} as {row.pop(index)!r}, not a finite number, in "
+                                     f"the row {shown}: it is not logged; print {index} as a number")
         from ..stores.mlflow_store import step_of  # (here: a study file's checks need no MLflow)
 
         step = step_of(row) if "step" in row or "epoch" in row else None

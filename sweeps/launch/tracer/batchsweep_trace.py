@@ -38,6 +38,7 @@ Variables (all optional but the first):
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib.abc
 import json
 import os
@@ -715,36 +716,68 @@ class AfterTorch(importlib.abc.MetaPathFinder):
         return spec
 
 
-def watch_writes(folder: str) -> None:
-    """Each file this process opens for writing with open() (torch.save, numpy, json, logging), once, as a line of
-    writes-<pid>.txt, written at once: the sweep compares them between trials that run at the same time."""
+# Not files a trial could share with another: devices (/dev/null), the kernel's views of processes and devices.
+NOT_FILES = ("/dev/", "/proc/", "/sys/")
+
+
+def watch_writes(folder: str):
+    """Each file this process writes, once, as a line of writes-<pid>.txt, written at once: the sweep compares
+    them between trials that run at the same time. Seen: what open() opens for writing (numpy, json, logging,
+    pickle) and the target of os.rename and os.replace (an atomic save); torch.save writes a path through its
+    own C++ writer, which open() never sees, so `watch_saves` wraps it. Returns the function that records one."""
     seen, out = set(), []
 
-    def hook(event, args):
-        if event != "open" or not isinstance(args[1], str) or not any(c in args[1] for c in "wax+"):
-            return  # (os.open's mode is None: its own write below comes back here and stops)
-        name = os.fsdecode(args[0]) if isinstance(args[0], (str, bytes)) else None  # (not a file descriptor)
-        if name is None or "\n" in name or os.path.abspath(name) in seen:
+    def record(name) -> None:
+        name = os.path.abspath(os.fsdecode(name))
+        if "\n" in name or name in seen or name.startswith(NOT_FILES):
             return
-        seen.add(os.path.abspath(name))
+        seen.add(name)
         if not out:
             out.append(os.open(os.path.join(folder, f"writes-{os.getpid()}.txt"),
                                os.O_WRONLY | os.O_CREAT | os.O_APPEND))
-        os.write(out[0], os.fsencode(os.path.abspath(name) + "\n"))
+        os.write(out[0], os.fsencode(name + "\n"))
+
+    def hook(event, args):
+        if event == "os.rename" and isinstance(args[1], (str, bytes)) and args[3] in (None, -1):
+            record(args[1])  # (relative to the working folder: a dst_dir_fd is not followed)
+        elif event == "open" and isinstance(args[1], str) and any(c in args[1] for c in "wax+"):
+            if isinstance(args[0], (str, bytes)):  # (not a file descriptor; os.open's mode is None: the write of
+                record(args[0])                    # writes-<pid>.txt above never comes back here)
 
     sys.addaudithook(hook)
+    return record
+
+
+def watch_saves(record) -> None:
+    """torch.save to a path (not to a file object, which open() made) is recorded as written."""
+    import torch
+
+    save = torch.save
+
+    @functools.wraps(save)
+    def saving(obj, f, *args, **kwargs):
+        if isinstance(f, (str, bytes, os.PathLike)):
+            record(f)
+        return save(obj, f, *args, **kwargs)
+
+    torch.save = torch.serialization.save = saving
 
 
 def start() -> None:
     folder = os.environ.get("BATCHSWEEP_TRACE")
     if not folder or not os.path.isdir(folder):
         return
-    watch_writes(folder)
+    record = watch_writes(folder)
     tracer = Tracer(folder)
-    if "torch" in sys.modules:
+
+    def after_torch() -> None:
+        watch_saves(record)
         installed(tracer)
+
+    if "torch" in sys.modules:
+        after_torch()
     else:
-        sys.meta_path.insert(0, AfterTorch(lambda: installed(tracer)))
+        sys.meta_path.insert(0, AfterTorch(after_torch))
 
 
 def installed(tracer: Tracer) -> None:
