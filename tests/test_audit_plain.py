@@ -90,7 +90,7 @@ def test_dropout_is_seen_and_said_never_called_a_mistake(drops, p, verdicts, cod
     c, out, found = audited(tmp_path, store, capsys, "--case", "dropout", "--drops", str(drops), "--dropout", p)
     assert c == code and found["verdicts"] == verdicts, out
     if verdicts == ["random_forward"]:
-        assert found["random_modules"] == "2: Dropout(p=0.1), 3: Dropout(p=0.1)" and "Set them to 0" in out
+        assert found["random_modules"] == "2: Dropout(p=0.1), 3: Dropout(p=0.1)" and "Switch the randomness off for the audit" in out
     assert bool(found["notes"]) == noted and ("drew random numbers" in out) == (noted or code == 2), out
 
 
@@ -150,6 +150,15 @@ def test_a_command_that_saves_into_its_trial_dir_is_audited(tmp_path, store, cap
     """{trial_dir}, a trial's own folder, is each audit run's own too (it was a KeyError traceback)."""
     code, out, found = audited(tmp_path, store, capsys, "--case", "plain", "--epochs", "1", "--out", "{trial_dir}")
     assert code == 0 and found["verdicts"] == ["exact"], out
+
+
+@pytest.mark.slow
+def test_a_dropout_layer_that_is_never_called_is_no_randomness(tmp_path, store, capsys):
+    """A dropout module in training mode that the forward never calls draws nothing: no note that the forward
+    drew random numbers (it said so from the module's kind alone, and a mistake beside it read `random_forward`)."""
+    code, out, found = audited(tmp_path, store, capsys, "--case", "unused_dropout")
+    assert code == 0 and found["verdicts"] == ["exact"] and not found["notes"], out
+    assert "drew random numbers" not in out, out
 
 
 @pytest.mark.slow

@@ -54,7 +54,9 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
         finding.figures["contradicted"] = ", ".join(refuted)
         finding.verdicts = list(dict.fromkeys(v if v not in refuted else "unexplained" for v in finding.verdicts))
     trace = ea.trace
-    if (trace.random_draws or trace.random_modules) and finding.compared[0][1] > finding.figures["tolerance"]:
+    # (a module random by kind that never drew, as one that is never called, is no randomness: the generators
+    # say whether anything drew)
+    if trace.random_draws and finding.compared[0][1] > finding.figures["tolerance"]:
         # The runs drew random numbers and part: a verdict that other draws could make (a turned update) is not
         # given; one of a factor (k, m/k), a call seen, or the step counts, random numbers do not make.
         seen = finding.figures.get("zero_grad_step")
@@ -160,7 +162,7 @@ def same_samples(again: ScriptRun, et: ScriptRun, figures: dict[str, Any]) -> st
 def randomness(a: ScriptRun, agree: bool) -> list[str]:
     """Where the forward drew random numbers and the runs agree all the same: a note (one dropout layer draws its
     masks in the same order at (b, k) as at (b*k, 1); two do not)."""
-    if not (a.trace and (a.trace.random_draws or a.trace.random_modules) and agree):
+    if not (a.trace and a.trace.random_draws and agree):
         return []
     modules = ", ".join(a.trace.random_modules) or "no module random by kind"
     return [f"the training {' and '.join(a.trace.random_draws) or 'forward'} drew random numbers ({modules}), and "

@@ -88,7 +88,7 @@ def refutes(verdict: str, a: ScriptRun, t: ScriptRun, k: int, figures: dict[str,
             len(steps) == len(t.steps) and sum(sum(s.samples) for s in steps) == sum(sum(s.samples) for s in t.steps) \
             and all(sum(s.samples) == sum(steps[0].samples) for s in steps)
     if verdict == "random_forward":
-        return not (a.trace and (a.trace.random_draws or a.trace.random_modules))
+        return not (a.trace and a.trace.random_draws)
     return False
 
 

@@ -113,10 +113,11 @@ VERDICTS = {
                         "generator the training data are drawn from. Draw the training batches from a generator "
                         "of their own, seeded from {{seed}}, or switch such an evaluation off for the audit."),
     "random_forward": (2, "the training {random_draws} drew random numbers ({random_modules}), and the runs part: "
-                          "at (b, k) the micro-batches draw them in another order than (b*k, 1) does (two dropout "
-                          "layers: layer 1 then layer 2 for each micro-batch, against layer 1 for all samples then "
-                          "layer 2), so the two trained on other random numbers and cannot be compared. That is no "
-                          "mistake of the loop. Set them to 0 for the audit (this model's config: {random_fields}; "
+                          "at (b, k) the micro-batches may draw them in another order than (b*k, 1) does (two dropout "
+                          "layers draw layer 1 then layer 2 for each micro-batch, against layer 1 for all samples "
+                          "then layer 2), so the two may have trained on other random numbers, and whether the loop "
+                          "is right cannot be told from them: a mistake of the loop would look the same. Switch the "
+                          "randomness off for the audit (this model's config: {random_fields}; "
                           "transformers' configs: every *dropout* and *pdrop* field; timm: drop_rate and "
                           "drop_path_rate), or draw them from a generator of "
                           "their own that each sample seeds alike."),

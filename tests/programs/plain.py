@@ -22,6 +22,7 @@ Cases, and [the verdict `batchsweep audit` must give]:
     gan          a generator and a discriminator, each with its own optimizer, D's real and fake losses
                  backwarded apart (k micro-batches of each per window)
     dropout      --dropout P on --drops hidden layers [exact; 2 layers: random_forward]
+    unused_dropout  a dropout layer the forward never calls [exact, no note: nothing drew]
     skip_tokens  a token loss, each micro-batch's token mean over k, the epoch's short window backwarded but
                  never stepped (the next window's zero_grad drops it) [short_window_skipped,
                  mean_of_micro_batch_means]
@@ -85,7 +86,19 @@ def model_for(args) -> nn.Module:
         layers += [nn.Dropout(args.dropout), nn.Linear(HIDDEN, HIDDEN), nn.Tanh()] if i else [nn.Dropout(args.dropout)]
     if args.case == "counter":
         layers += [Counted(HIDDEN), nn.Tanh()]
-    return nn.Sequential(*layers, nn.Linear(HIDDEN, 3))
+    net = nn.Sequential(*layers, nn.Linear(HIDDEN, 3))
+    return Unused(net) if args.case == "unused_dropout" else net
+
+
+class Unused(nn.Module):
+    """A model that holds a dropout layer its forward never calls (left from an experiment)."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net, self.unused = net, nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.net(x)
 
 
 def main() -> int:
