@@ -15,35 +15,38 @@ def store(tmp_path_factory):
     return f"sqlite:///{tmp_path_factory.mktemp('ranks')}/mlflow.db"
 
 
-def study(folder, case: str, loss: str, launcher: str = "{world_size}", deal: str = "sample"):
+def study(folder, case: str, loss: str, launcher: str = "{world_size}", deal: str = "sample", extra=()):
     path = folder / "ddp.toml"
+    more = "".join(f', "{arg}"' for arg in extra)
     path.write_text(f'''name = "ddp"
 [program]
 command = ["{{python}}", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "{launcher}",
            "{DDP}", "--batch-size", "{{physical_batch}}", "--accum", "{{accum_steps}}", "--seed", "{{seed}}",
-           "--case", "{case}", "--loss", "{loss}", "--deal", "{deal}"]
+           "--case", "{case}", "--loss", "{loss}", "--deal", "{deal}"{more}]
 ''')
     return path
 
 
-def audited(tmp_path, store, capsys, case: str, loss: str, deal: str = "sample") -> tuple[int, str, dict]:
-    code = main(["--study", str(study(tmp_path, case, loss, deal=deal)), "--physical-batch", "8", "--accum-steps", "4",
-                 "--nproc", "2", "--tracking-uri", store, "--json", str(tmp_path / "audit.json")])
+def audited(tmp_path, store, capsys, case: str, loss: str, deal: str = "sample", extra=()) -> tuple[int, str, dict]:
+    code = main(["--study", str(study(tmp_path, case, loss, deal=deal, extra=extra)), "--physical-batch", "8",
+                 "--accum-steps", "4", "--nproc", "2", "--tracking-uri", store, "--json", str(tmp_path / "audit.json")])
     out = capsys.readouterr().out
     return code, out, json.loads((tmp_path / "audit.json").read_text())
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case, loss, deal", [("plain", "sample", "sample"), ("plain", "token", "sample"),
-                                              ("plain", "token", "micro"), ("sync_everywhere", "sample", "sample"),
-                                              ("rank_mean", "sample", "sample")])
-def test_correct_ddp_loops_are_exact(case, loss, deal, tmp_path, store, capsys):
+@pytest.mark.parametrize("case, loss, deal, extra", [
+    ("plain", "sample", "sample", ()), ("plain", "token", "sample", ()), ("plain", "token", "micro", ()),
+    ("sync_everywhere", "sample", "sample", ()), ("rank_mean", "sample", "sample", ()),
+    ("plain", "sample", "sample", ("--static-graph", "bootstrap", "--clip", "0.1"))])
+def test_correct_ddp_loops_are_exact(case, loss, deal, extra, tmp_path, store, capsys):
     """The correct loop on samples and on padded tokens (the count all-reduced), also with micro-batches dealt to
     the ranks in turn (Accelerate's way: a rank's own samples differ between (b, k) and (b*k, 1), the windows as a
     whole do not), no_sync() around backward() alone (a no-op: every micro-batch all-reduces, the same gradient),
-    and a per-rank mean where every rank counts alike: the two ranks' weights equal, (b, k) on 2 ranks equal to
-    (b*k, 1) on 2, and that equal to (b*k*2, 1) on one."""
-    code, out, found = audited(tmp_path, store, capsys, case, loss, deal)
+    a per-rank mean where every rank counts alike, and DDP(static_graph=True) with the run's first micro-batch
+    synced (torch 2.14 then all-reduces every window), clipped: the two ranks' weights equal, (b, k) on 2 ranks
+    equal to (b*k, 1) on 2, and that equal to (b*k*2, 1) on one."""
+    code, out, found = audited(tmp_path, store, capsys, case, loss, deal, extra)
     assert (code, found["verdicts"]) == (0, ["exact"]), out
     assert found["compared"]["(b*k, 1) on 2 ranks against (b*k*2, 1) on one rank"] <= 1e-10
     assert "every rank's weights agree with rank 0's" in " ".join(found["notes"])
@@ -68,7 +71,48 @@ def test_a_loss_times_the_world_size_is_loss_scaled_by_world(tmp_path, store, ca
     code, out, found = audited(tmp_path, store, capsys, "world_times", "sample")
     assert (code, found["verdicts"]) == (1, ["loss_scaled_by_world"]), out
     assert found["rank_first_differing_update"] == 1
-    assert found["rank_update_ratio"] == pytest.approx(2, rel=1e-6) and found["rank_update_cosine"] > 1 - 1e-9
+    assert found["rank_gradient_ratio"] == pytest.approx(2, rel=1e-6) and found["rank_gradient_cosine"] > 1 - 1e-9
+    assert "window's gradient (before any clipping) on 2 ranks is 2 x the global batch's" in found["sentence"]
+
+
+@pytest.mark.slow
+def test_a_loss_over_the_global_count_under_clipping_is_loss_scaled_by_world_not_exact(tmp_path, store, capsys):
+    """The loss over the window's count on all ranks but not times N: DDP's mean halves the gradient. Clipped at
+    0.1, below both windows' gradient norms (about 0.3 and 0.6), in float32, the weights of 2 ranks and of one agree
+    within float32's tolerance, which read `exact` before; the windows' gradients before the clip say 1/2."""
+    code, out, found = audited(tmp_path, store, capsys, "global_mean", "sample",
+                               extra=("--clip", "0.1", "--dtype", "float32"))
+    assert (code, found["verdicts"]) == (1, ["loss_scaled_by_world"]), out
+    assert found["compared"]["(b*k, 1) on 2 ranks against (b*k*2, 1) on one rank"] <= 1e-5
+    assert found["rank_gradient_ratio"] == pytest.approx(0.5, rel=1e-4) and found["rank_gradient_cosine"] > 1 - 1e-6
+    assert found["rank_weights_agree"] == pytest.approx(0.1)
+    assert "clip_grad_norm_ at 0.1 cut both windows' gradients to that norm" in found["sentence"]
+
+
+@pytest.mark.slow
+def test_a_sync_that_counts_to_k_is_grads_not_synced_in_the_short_window_with_its_own_advice(
+        tmp_path, store, capsys):
+    """require_backward_grad_sync = micro_step == k - 1, as nanoGPT-style loops over islice(loader, k) write it: the
+    epoch's last window (3 micro-batches of 4) never all-reduces, the full ones before it do. The advice is the
+    short window's (test against the window's own length), not "switch the sync before the forward", which this
+    loop already does."""
+    code, out, found = audited(tmp_path, store, capsys, "sync_at_k", "sample")
+    assert (code, found["verdicts"]) == (1, ["grads_not_synced"]), out
+    assert (found["rank_first_parting"], found["rank_parting_window"]) == (4, 3)
+    assert "micro_step == len(micro) - 1" in found["sentence"] and "before its forward" not in found["sentence"]
+
+
+@pytest.mark.slow
+def test_static_graph_with_no_sync_from_the_first_micro_batch_is_the_ranks_own_error_in_one_line(
+        tmp_path, store, capsys):
+    """DDP(static_graph=True) with no_sync() from the run's first micro-batch: torch 2.14.1 fails in that backward
+    with an INTERNAL ASSERT (PyTorch #187732), so there is nothing to compare: the rank's own error, not
+    torchrun's report of a failed child, in one line."""
+    code = main(["--study", str(study(tmp_path, "plain", "sample", extra=("--static-graph", "yes"))),
+                 "--physical-batch", "8", "--accum-steps", "4", "--nproc", "2", "--tracking-uri", store])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and err.startswith("error: the accumulated run failed"), err
+    assert "]: RuntimeError: expect_autograd_hooks_ INTERNAL ASSERT FAILED" in err, err
 
 
 @pytest.mark.slow
@@ -81,8 +125,9 @@ def test_a_per_rank_token_mean_is_mean_of_rank_means(deal, tmp_path, store, caps
     assert (code, found["verdicts"]) == (1, ["mean_of_rank_means"]), out
     counts = [int(c) for c in found["rank_counts"].split(", ")]
     assert len(counts) == 2 and counts[0] != counts[1]
-    assert found["rank_update_cosine"] < 1 - 1e-6
+    assert found["rank_gradient_cosine"] < 1 - 1e-6
     assert ("each rank holds other samples at (b, k)" in " ".join(found["notes"])) == (deal == "micro")
+    assert found["runs"] == 3  # window 1's gradients from the three runs; no diagnosis of the accumulation
     ranks = [line.split() for line in out.splitlines() if line.split()[:1] in (["0"], ["1"])]
     assert len(ranks) == 2 and ranks[0][1:4] == ranks[1][1:4] and ranks[0][4] != ranks[1][4]  # tokens differ
 
@@ -148,6 +193,44 @@ def test_where_two_runs_part_update_1_is_asked_first():
     assert first_apart(agree, 12) == 6 and asked[0] == 1
     asked.clear()
     assert first_apart(lambda steps: asked.append(steps) or False, 12) == 1 and asked == [1]
+
+
+def test_where_the_windows_gradients_part_is_checked_with_two_runs_and_update_1_with_none():
+    """The traces' hint (the first window whose gradients differ): a later update costs a run before it and one at
+    it, update 1 none (from one start, other gradients part the weights at once); a wrong hint is bisected."""
+    from batchsweep.sweeps.audit.ranks import first_apart
+
+    asked = []
+
+    def agree(steps):
+        asked.append(steps)
+        return steps < 6
+
+    assert first_apart(agree, 12, hint=6) == 6 and asked == [5, 6]
+    asked.clear()
+    assert first_apart(agree, 12, hint=1) == 1 and asked == []
+    asked.clear()
+    assert first_apart(agree, 12, hint=9) == 6 and asked[0] == 8
+
+
+def test_the_verdicts_across_ranks_say_what_the_measurement_rests_on():
+    """A short window's unsynced gradients get the short window's advice; a loss scale the clip hid from the
+    weights is said of the windows' gradients, with the clip that hid it."""
+    from batchsweep.sweeps.audit.verdicts import sentence
+
+    short = {"rank_parted": 1, "rank_first_parting": 4, "rank_rel_diff": 0.0256, "steps_accumulated": 4,
+             "rank_parting_window": 3}
+    said = sentence("grads_not_synced", short)
+    assert "holds 3 micro-batches, fewer than k" in said and "micro_step == len(micro) - 1" in said
+    full = {key: v for key, v in short.items() if key != "rank_parting_window"}
+    assert "before its forward" in sentence("grads_not_synced", full)
+    scaled = {"nproc": 2, "rank_first_differing_update": 1, "rank_counts": "32, 32", "rank_gradient_ratio": 0.5,
+              "rank_gradient_cosine": 1.0, "rank_gradient_difference": 0.5, "rank_weights_agree": 0.1}
+    said = sentence("loss_scaled_by_world", scaled)
+    assert said.startswith("the window's gradient (before any clipping) on 2 ranks is 0.5 x the global batch's")
+    assert "clip_grad_norm_ at 0.1 cut both windows' gradients" in said
+    unclipped = {key: v for key, v in scaled.items() if key != "rank_weights_agree"}
+    assert "agree all the same" not in sentence("loss_scaled_by_world", unclipped)
 
 
 @pytest.mark.slow

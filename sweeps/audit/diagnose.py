@@ -40,12 +40,14 @@ def classify(ratio: float, cos: float, k: int, first: bool, last: bool, clipped:
 def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
     """The diagnosis, each verdict held against what the trace recorded: one that the trace refutes is not given
     (`unexplained`, with the figures, and `contradicted` naming it). On N ranks, ranks whose weights part come
-    first (`grads_not_synced`, alone), and the reduction across ranks is checked after the accumulation."""
+    first (`grads_not_synced`, alone), then a mistake of the reduction where it deals each rank other samples in
+    the two runs (alone too); otherwise the reduction across ranks is checked after the accumulation."""
     if auditor.nproc > 1:
         dtype, tol = tolerance(auditor.run("accumulated", b, k, steps).state)
-        not_synced = ranks.unsynced(auditor, b, k, steps, tol, dtype)
-        if not_synced:
-            return not_synced
+        first = (ranks.unsynced(auditor, b, k, steps, tol, dtype) or
+                 ranks.reduction_first(auditor, b, k, steps, tol, dtype))
+        if first:
+            return first
     config = auditor.config  # (one epoch: the diagnosis may go on within the study's epochs, `stretch`)
     finding = diagnose(auditor, b, k, steps)
     ea, et = (next(r for r in auditor.runs if r.name == name) for name in ("accumulated", "true batch"))

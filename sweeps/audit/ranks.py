@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .compare import LOW_PRECISION_ROUNDING, live_batchnorm, rel, update, weights
+from .compare import LOW_PRECISION_ROUNDING, gradients, live_batchnorm, rel, update, weights
 from .runs import AuditError, Auditor, ScriptRun
-from .traces import lr_parting
+from .traces import lr_parting, norm_parting
 from .verdicts import VERDICTS, Finding
 
 # |ratio / N − 1| (or |ratio · N − 1|) below this, at cosine above 0.999: the update is N (or 1/N) times the global
@@ -44,8 +44,11 @@ def unsynced(auditor: Auditor, b: int, k: int, steps: int, tol: float, dtype: st
         return None
     figures: dict[str, Any] = {"dtype": dtype, "tolerance": tol, "steps_accumulated": len(ea.steps),
                                "rank_parted": worst[0], "rank_rel_diff": worst[1], "nproc": auditor.nproc}
-    figures["rank_first_parting"] = first_apart(
-        lambda steps: (parted(auditor.run("accumulated", b, k, steps)) or (0, 0.0))[1] <= tol, len(ea.steps))
+    u = first_apart(lambda steps: (parted(auditor.run("accumulated", b, k, steps)) or (0, 0.0))[1] <= tol,
+                    len(ea.steps), unreduced(ea))
+    figures["rank_first_parting"] = u
+    if ea.steps[u - 1].micro_batches < k:  # a short window: a sync switched on by counting to k never comes
+        figures["rank_parting_window"] = ea.steps[u - 1].micro_batches
     et = auditor.run("true batch", b * k, 1, steps)
     synced = parted(et)
     compared = [(f"rank {worst[0]} against rank 0, accumulated, after {len(ea.steps)} steps", worst[1])]
@@ -54,6 +57,29 @@ def unsynced(auditor: Auditor, b: int, k: int, steps: int, tol: float, dtype: st
         compared.append((f"rank {synced[0]} against rank 0, true batch, after {len(et.steps)} steps", synced[1]))
         return Finding(["ranks_train_apart"], figures, compared)
     return Finding(["grads_not_synced"], figures, compared)
+
+
+def reduction_first(auditor: Auditor, b: int, k: int, steps: int, tol: float, dtype: str) -> Finding | None:
+    """A mistake of the reduction across ranks, named alone, where each rank holds other samples at (b, k) than at
+    (b*k, 1) (micro-batches dealt to the ranks in turn, as Accelerate deals them) and the two runs part: that
+    mistake weights each rank's samples otherwise in the two, so the accumulation cannot be judged before it is
+    fixed, and the runs that would diagnose it are not made. None where it does not apply."""
+    ea, et = auditor.run("accumulated", b, k, steps), auditor.run("true batch", b * k, 1, steps)
+    window, differ, n = dealt(ea, et), rel(ea, et), auditor.nproc
+    if not window or differ <= tol:
+        return None
+    eg = auditor.run("one rank", b * k * n, 1, steps, nproc=1)
+    f: dict[str, Any] = {"dtype": dtype, "tolerance": tol, "steps_accumulated": len(ea.steps),
+                         "steps_true_batch": len(et.steps), "nproc": n, "steps_one_rank": len(eg.steps)}
+    verdict = reduction(auditor, et, eg, b * k, steps, tol, f)
+    if verdict not in MISTAKES:
+        return None
+    compared = [(f"(b, k) against (b*k, 1) on {n} ranks", differ),
+                (f"(b*k, 1) on {n} ranks against (b*k*{n}, 1) on one rank", rel(et, eg))]
+    return Finding([verdict], f, compared, [
+        f"(b, k) and (b*k, 1) on {n} ranks differ too, but each rank holds other samples at (b, k) than at (b*k, 1) "
+        f"from window {window} on (the windows as a whole are the same), so a mistake of the reduction across ranks "
+        f"weights them otherwise in the two runs: fix {verdict} and audit again to check the accumulation"])
 
 
 def across(auditor: Auditor, finding: Finding, b: int, k: int, steps: int) -> None:
@@ -89,13 +115,17 @@ def across(auditor: Auditor, finding: Finding, b: int, k: int, steps: int) -> No
 def reduction(auditor: Auditor, et: ScriptRun, eg: ScriptRun, B: int, steps: int, tol: float,
               f: dict[str, Any]) -> str | None:
     """The verdict of the reduction across ranks, or None where N ranks equal one. What stops a comparison comes
-    first: other samples, another LR, randomness or BatchNorm, each of which parts the runs whatever the loss does."""
+    first: other samples, another LR, randomness or BatchNorm, each of which parts the runs whatever the loss does.
+    Weights that agree are not enough: clip_grad_norm_ cuts both windows' gradients to one length (and Adam's
+    update hides a gradient's scale), so a loss divided by N once too often leaves the weights equal while the
+    windows' gradients, before any clipping, differ N-fold; where their norms part, those gradients decide."""
     n = auditor.nproc
     window = apart(et, eg)
     if window:
         f["rank_data_window"] = window
         return "ranks_data_differ"
-    if rel(et, eg) <= tol:
+    hidden = norm_parting(et, eg, f["dtype"]) if rel(et, eg) <= tol else None
+    if rel(et, eg) <= tol and not hidden:
         return None
     lr_step = lr_parting(et, eg)
     if lr_step:
@@ -109,15 +139,26 @@ def reduction(auditor: Auditor, et: ScriptRun, eg: ScriptRun, B: int, steps: int
         return "random_across_ranks"
     if live_batchnorm(et, eg):
         return "batchnorm_across_ranks"
-    u = first_apart(lambda steps: rel(auditor.run("true batch", B, 1, steps),
-                                      auditor.run("one rank", B * n, 1, steps, nproc=1)) <= tol, len(eg.steps))
-    a, t = auditor.run("true batch", B, 1, u), auditor.run("one rank", B * n, 1, u, nproc=1)
-    base = auditor.run("one rank", B * n, 1, u - 1, nproc=1) if u > 1 else auditor.start()
-    measured = update(base, a, t, None, tol)
+    hint = norm_parting(et, eg, f["dtype"])
+    grads = gradients(et, eg, 1) if hint == 1 else None  # (every run keeps window 1's: no run to make for it)
+    u = 1 if grads else hidden or first_apart(lambda steps: rel(auditor.run("true batch", B, 1, steps), auditor.run(
+        "one rank", B * n, 1, steps, nproc=1)) <= tol, len(eg.steps), hint)
     counts = [sum(r.steps[u - 1].samples) if r.steps[u - 1].tokens is None else r.steps[u - 1].tokens
               for r in et.rank_traces.values() if len(r.steps) >= u]
-    f.update(rank_first_differing_update=u, rank_update_ratio=measured.ratio, rank_update_cosine=measured.cosine,
-             rank_update_difference=measured.difference, rank_counts=", ".join(map(str, counts)))
+    f.update(rank_first_differing_update=u, rank_counts=", ".join(map(str, counts)))
+    if grads is None:  # the update u, from the weights before it, and its windows' gradients
+        a, t = auditor.run("true batch", B, 1, u), auditor.run("one rank", B * n, 1, u, nproc=1)
+        base = auditor.run("one rank", B * n, 1, u - 1, nproc=1) if u > 1 else auditor.start()
+        measured = update(base, a, t, None, tol)
+        f.update(rank_update_ratio=measured.ratio, rank_update_cosine=measured.cosine,
+                 rank_update_difference=measured.difference)
+        grads = gradients(a, t, u)  # before any clipping and before the optimizer: the scale the weights may hide
+    if grads is not None:
+        f.update(rank_gradient_ratio=grads.ratio, rank_gradient_cosine=grads.cosine,
+                 rank_gradient_difference=grads.difference)
+        measured = grads
+    if hidden:  # the weights agree: the clip's threshold that hid the scale (0: none seen, the optimizer did)
+        f["rank_weights_agree"] = et.steps[u - 1].clip or 0.0
     if f["dtype"] != "float64" and measured.difference < LOW_PRECISION_ROUNDING:
         return "rounding_across_ranks"
     if measured.cosine > 0.999 and min(abs(measured.ratio / n - 1), abs(measured.ratio * n - 1)) < WORLD_WITHIN:
@@ -151,9 +192,25 @@ def per_rank(run: ScriptRun) -> list[list[str]]:
     return rows if len({tuple(row[1:]) for row in rows}) > 1 else []
 
 
-def first_apart(agree, n: int) -> int:
-    """The first of n updates after which two runs part, where they part after n: update 1 first (a mistake of
-    every window parts them there: two runs, not a bisection's), then by bisection."""
+def unreduced(run: ScriptRun) -> int | None:
+    """The first step whose window gradient (its norm before any clipping) differs between the ranks, as the
+    tracer saw it: DDP's all-reduce leaves every rank the same one; None where they all agree or one has none."""
+    norms = [[s.grad_norm for s in trace.steps] for trace in run.rank_traces.values()]
+    for step, row in enumerate(zip(*norms), 1):
+        if None in row:
+            return None
+        if max(row) - min(row) > 1e-9 * max(map(abs, row)):
+            return step
+    return None
+
+
+def first_apart(agree, n: int, hint: int | None = None) -> int:
+    """The first of n updates after which two runs part, where they part after n: the traces' hint first (the
+    first window whose gradients differ): update 1 as it is (from one start, different gradients part the weights
+    at once), a later one where a run before it agrees and one at it parts; then update 1 (a mistake of every
+    window parts them there: two runs, not a bisection's), then by bisection."""
+    if hint == 1 or hint and 1 < hint <= n and agree(hint - 1) and (hint == n or not agree(hint)):
+        return hint
     if n == 1 or not agree(1):
         return 1
     low, high = 1, n  # they agree after `low` updates, part after `high`

@@ -3,6 +3,7 @@ what it left (its trace and its weights) read back."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -99,7 +100,7 @@ class Auditor:
         env = {"BATCHSWEEP_STATE": str(state), "BATCHSWEEP_TRIAL_DIR": str(trial),
                **program.handoff(self.tracker.uri, run_id, self.tracker.experiment_id),
                **self.study.program.environment(values)}
-        env.update(observed.environment(record.folder, stop=max_steps, save=True, grads=(max_steps or "last",),
+        env.update(observed.environment(record.folder, stop=max_steps, save=True, grads=(1, max_steps or "last"),
                                         losses=True, data=True, pythonpath=env.get("PYTHONPATH")))
         output = program.Output()
         self.started(record)
@@ -111,7 +112,7 @@ class Auditor:
             self.bar.refresh()  # the run's last step, however soon the next run starts
         if ended.code != 0:
             self.tracker.end(run_id, "FAILED")
-            raise AuditError(f"the {name} run failed: {scrub(program.failure(ended, output), self.tracker.uri)}")
+            raise AuditError(f"the {name} run failed: {scrub(failure(ended, output), self.tracker.uri)}")
         trace = observed.read(record.folder)
         if trace is None or not (record.folder / "state.pt").exists():
             self.tracker.end(run_id, "FAILED")
@@ -153,6 +154,17 @@ class Auditor:
         state, buffers = split(torch.load(first.folder / "start.pt", map_location="cpu", weights_only=True),
                                first.trace.trained)
         return ScriptRun("start", first.b, first.k, 0, first.lr, first.epochs, state=state, buffers=buffers)
+
+
+def failure(ended: program.Ended, output: program.Output) -> str:
+    """The script's failure in one line; where ranks ran, the first rank's own error in it (torchrun ends with its
+    report of the child that failed, whose last lines say nothing of why)."""
+    said = program.failure(ended, output)
+    why = next((line.strip() for line in output.lines if RANK_ERROR.match(line.strip())), None)
+    return f"{said.split(':')[0]}: {why}" if why else said
+
+
+RANK_ERROR = re.compile(r"\[rank\d+\]: \w+(Error|Exception)\b")
 
 
 def read_back(record: ScriptRun, trace: observed.Trace) -> None:

@@ -146,18 +146,18 @@ VERDICTS = {
                              "script, or this one with --nproc 1."),
     "mean_of_rank_means": (1, "(b*k, 1) on {nproc} ranks parts from (b*k*{nproc}, 1) on one rank at update "
                               "{rank_first_differing_update}, whose window the ranks held with {rank_counts} counted "
-                              "items, and the update is turned (cosine {rank_update_cosine:.6f}, "
+                              "items, and the {rank_measured} is turned (cosine {rank_update_cosine:.6f}, "
                               "{rank_update_ratio:.4g} x the one rank's along it): each rank divides its loss by its "
                               "own count, and DDP's mean of the ranks' gradients weights a rank of few items as one "
                               "of many. Divide each rank's summed loss by the window's count over all ranks "
                               "(all_reduce it), times {nproc} (transformers: average_tokens_across_devices=True)."),
-    "loss_scaled_by_world": (1, "the update on {nproc} ranks is {rank_update_ratio:.4g} x the global batch's (one "
-                                "rank at b*k*{nproc}), in its direction (cosine {rank_update_cosine:.6f}), from "
-                                "update {rank_first_differing_update} on: the loss is scaled by the world size once "
-                                "more than DDP's mean of the ranks' gradients allows (multiplied by it, or divided "
-                                "by it as transformers' nn.DataParallel loss was, #37474). DDP averages the ranks' "
-                                "gradients: each rank's loss is its summed loss over the window's count on all "
-                                "ranks, times {nproc}."),
+    "loss_scaled_by_world": (1, "the {rank_measured} on {nproc} ranks is {rank_update_ratio:.4g} x the global "
+                                "batch's (one rank at b*k*{nproc}), in its direction (cosine "
+                                "{rank_update_cosine:.6f}), from update {rank_first_differing_update} on: the loss "
+                                "is scaled by the world size once more than DDP's mean of the ranks' gradients "
+                                "allows (multiplied by it, or divided by it as transformers' nn.DataParallel loss "
+                                "was, #37474). DDP averages the ranks' gradients: each rank's loss is its summed "
+                                "loss over the window's count on all ranks, times {nproc}."),
     "ranks_data_differ": (2, "window {rank_data_window} of the {nproc} ranks at (b*k, 1) did not hold together the "
                              "samples that one rank holds at (b*k*{nproc}, 1) (their counts, or the sums of their "
                              "inputs, differ), so the reduction across ranks cannot be checked. Each rank drew its own "
@@ -177,15 +177,15 @@ VERDICTS = {
                                "other random numbers than one rank and cannot be compared. That is no mistake of "
                                "the loop. Set them to 0 for the audit (this model's config: {random_fields})."),
     "rounding_across_ranks": (2, "(b*k, 1) on {nproc} ranks parts from (b*k*{nproc}, 1) on one rank at update "
-                                 "{rank_first_differing_update} by {rank_update_difference:.2g} of its update: no "
-                                 "more than {dtype} arithmetic makes by itself where the ranks' sums are added in "
-                                 "another order, so a mistake of the reduction across ranks cannot be told from "
-                                 "rounding. Audit in float64."),
+                                 "{rank_first_differing_update} by {rank_update_difference:.2g} of its "
+                                 "{rank_measured}: no more than {dtype} arithmetic makes by itself where the ranks' "
+                                 "sums are added in another order, so a mistake of the reduction across ranks cannot "
+                                 "be told from rounding. Audit in float64."),
     "unexplained_across_ranks": (1, "(b*k, 1) on {nproc} ranks parts from (b*k*{nproc}, 1) on one rank at update "
-                                    "{rank_first_differing_update} ({rank_update_ratio:.4g} x the one rank's update "
-                                    "along it, cosine {rank_update_cosine:.6f}; the ranks' windows held "
-                                    "{rank_counts} counted items), in a way that matches none of the known mistakes "
-                                    "of the reduction across ranks: see the figures."),
+                                    "{rank_first_differing_update} ({rank_update_ratio:.4g} x the one rank's "
+                                    "{rank_measured} along it, cosine {rank_update_cosine:.6f}; the ranks' windows "
+                                    "held {rank_counts} counted items), in a way that matches none of the known "
+                                    "mistakes of the reduction across ranks: see the figures."),
     "not_reproducible": (2, "two runs of (b*k, 1) with the same values differ by {repeat_rel_diff:.3g}: the "
                             "script is not deterministic (an unseeded shuffle or augmentation, randomness drawn "
                             "from an unseeded generator, nondeterministic GPU kernels), so no difference between "
@@ -236,7 +236,19 @@ def sentence(verdict: str, figures: dict[str, Any]) -> str:
     gradient = "gradient_ratio" in f and verdict in GRADIENT_FIGURES
     if gradient:
         f.update({key: f[key.replace("update", "gradient")] for key in GRADIENT_FIGURES[verdict]})
+    if "rank_gradient_ratio" in f:  # across ranks: the windows' gradients decided (update figures stay beside)
+        f.update({f"rank_update_{x}": f[f"rank_gradient_{x}"] for x in ("ratio", "cosine", "difference")})
+    f["rank_measured"] = "window's gradient (before any clipping)" if "rank_gradient_ratio" in f else "update"
     sentence = VERDICTS[verdict][1].format(**f)
+    if verdict == "grads_not_synced" and "rank_parting_window" in f:
+        sentence = SHORT_UNSYNCED.format(**f)
+    if "rank_weights_agree" in f and verdict in ACROSS_MEASURED:
+        clip = f["rank_weights_agree"]
+        sentence += f" The weights on {f['nproc']} ranks and on one agree all the same: " + (
+            f"clip_grad_norm_ at {clip:g} cut both windows' gradients to that norm, which hides their scale; once "
+            "a gradient's norm is below it, as it falls in training, the updates differ as the gradients do."
+            if clip else "the optimizer's update hides the gradients' scale (Adam's is about the LR on every weight "
+            "whatever the scale).")
     if gradient:
         sentence = sentence.replace("update", "gradient (before clipping)", 1)
     where = site(verdict, f)
@@ -269,6 +281,24 @@ def sentence(verdict: str, figures: dict[str, Any]) -> str:
                      "(Lion's every update is), which hides how the loss was divided: audit with clipping off and "
                      "with SGD to have the mistake named.")
     return sentence
+
+
+# grads_not_synced where the ranks part first at a window of fewer than k micro-batches, the full ones before it
+# all-reduced: the loop counts to k to switch the sync on (nanoGPT's micro_step == grad_accum_steps - 1 over
+# islice(loader, k)), which the epoch's short last window never reaches.
+SHORT_UNSYNCED = ("rank {rank_parted}'s weights part from rank 0's ({rank_rel_diff:.3g} of them after "
+                  "{steps_accumulated} steps) at the accumulated run's update {rank_first_parting}, whose window "
+                  "holds {rank_parting_window} micro-batches, fewer than k (a short window: an epoch's last, where "
+                  "its micro-batches are not a multiple of k). The windows before it kept every rank's weights "
+                  "equal, and the true batch's ranks agree, so none of that window's gradients was all-reduced: the "
+                  "sync is switched on at micro-batch k (as micro_step == grad_accum_steps - 1 does), which a "
+                  "shorter window never reaches. Switch it on at each window's own last micro-batch: take the "
+                  "window first (micro = list(islice(loader, k))) and test micro_step == len(micro) - 1, or keep "
+                  "no_sync() for all but the last batch the iterator gives.")
+
+
+# The verdicts across ranks that the first differing update (or window's gradient) of N ranks against one names.
+ACROSS_MEASURED = ("loss_scaled_by_world", "mean_of_rank_means", "unexplained_across_ranks", "rounding_across_ranks")
 
 
 # The verdicts whose sentence cites the figures of the compared updates: the gradients' where they were compared.
