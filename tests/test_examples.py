@@ -1,8 +1,8 @@
 """The worked examples of docs/programs.md, each swept at a small size: a transformers Trainer script that
 prints JSON lines, and a Lightning script that logs through its own MLFlowLogger; and docs/audit.md's real
-subjects (Lightning, transformers' Trainer, Accelerate's two loops), audited as it shows. They need the
-optional extra (pip install -e '.[scripts]'), which CI installs. And docs/report.md's regression, whose
-report compares in val_loss."""
+subjects (Lightning, transformers' Trainer, Accelerate's two loops, a minimal GPT loop under torchrun), audited
+as it shows. They need the optional extra (pip install -e '.[scripts]'), which CI installs. And docs/report.md's
+regression, whose report compares in val_loss."""
 import importlib.util
 import json
 import math
@@ -161,6 +161,23 @@ def test_the_audit_of_a_minimal_gpt_loop_unmodified_says_what_docs_audit_says(tm
         assert finding["gradient_ratio"] == pytest.approx(4, rel=1e-6)
     if verdicts == ["data_differs"]:
         assert finding["data_window"] == 1
+
+
+def test_the_audit_of_a_minimal_gpt_loop_under_torchrun_finds_its_sync_switched_after_the_forward(
+        tmp_path, capsys, monkeypatch):
+    """examples/audit/gpt_ddp.toml as docs/audit.md runs it: the minimal GPT loop on 2 gloo ranks (torchrun), its
+    require_backward_grad_sync set after the model's call (build-nanogpt #30), so the window's last micro-batch
+    stays on its own rank and the ranks' weights part at update 1, where the true batch's ranks agree."""
+    from batchsweep.sweeps.audit.command import main
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    code = main(["--study", str(ROOT / "examples" / "audit" / "gpt_ddp.toml"), "--physical-batch", "4",
+                 "--accum-steps", "4", "--steps", "5", "--nproc", "2", "--tracking-uri",
+                 f"sqlite:///{tmp_path}/mlflow.db", "--json", str(tmp_path / "audit.json")])
+    finding = json.loads((tmp_path / "audit.json").read_text())
+    assert (code, finding["verdicts"]) == (1, ["grads_not_synced"]), capsys.readouterr().out
+    assert finding["rank_first_parting"] == 1 and finding["rank_rel_diff"] > 1e-3
+    assert "where the true batch's ranks agree" in finding["sentence"]
 
 
 HF445 = ROOT / "examples" / "audit" / ".venv-hf445" / "bin" / "python"
