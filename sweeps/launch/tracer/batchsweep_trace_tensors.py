@@ -1,0 +1,76 @@
+"""The tracer's reading of tensors: a model's input, an LR, the generators' states, and sums of squares per device
+read as Python floats only when a row is written."""
+from __future__ import annotations
+
+
+def first_tensor(args, kwargs):
+    """The model's input: its first tensor argument, or its first tensor keyword (input_ids, x, ...)."""
+    import torch
+
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+def value(lr):
+    """An LR as it is now: one held in a tensor, which a scheduler changes in place, copied (on its device)."""
+    return lr.detach().clone() if hasattr(lr, "detach") else lr
+
+
+def generator_states(cuda) -> tuple:
+    """The default generators' states: the CPU's, and the GPU's where the model trains on one."""
+    import torch
+
+    states = [torch.random.get_rng_state()]
+    if cuda is not None:
+        states.append(torch.cuda.get_rng_state(cuda))
+    return tuple(bytes(state.numpy()) for state in states)
+
+
+def grad_norm(optimizer):
+    """The 2-norm of the gradients the optimizer is about to apply (read when written)."""
+    import torch
+
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if not grads:
+        return None
+    with torch.no_grad():
+        return Squares(squares([g.detach() for g in grads]), root=True)
+
+
+class Squares(list):
+    """Sums of squares, one 0-d float64 tensor per device, added up as Python floats when the row is written: a
+    model spread over devices (device_map="auto", an offloaded embedding) has gradients on each, and no tensor of
+    one device is stacked with another's inside the script's backward() or step(). `root`: the 2-norm."""
+
+    def __init__(self, parts, root: bool = False):
+        super().__init__(parts)
+        self.root = root
+
+    def read(self) -> float:
+        total = sum(float(part) for part in self)
+        return total ** 0.5 if self.root else total
+
+
+def squares(tensors) -> Squares:
+    """The tensors' total sum of squares, per device: one foreach norm over each device's tensors (a foreach norm
+    over tensors of several devices is not one: torch 2.14 returned 2e+36 for a CPU tensor of ones beside a meta
+    tensor)."""
+    import torch
+
+    by_device: dict = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    return Squares(torch.stack(torch._foreach_norm(group)).double().pow(2).sum() for group in by_device.values())
+
+
+def plain(value):
+    """A row's value as JSON takes it: tensors read here, once per FLUSH_EVERY steps."""
+    if isinstance(value, Squares):
+        return value.read()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    return value
