@@ -143,3 +143,61 @@ def test_a_ctrl_c_in_a_group_ends_every_member_interrupted(tmp_path, monkeypatch
     assert all(t.state == optuna.trial.TrialState.FAIL and t.user_attrs["reason"] == "interrupted" for t in trials)
     for r in runs_by_trial(client, trials):
         assert (r.info.status, r.data.tags["reason"]) == ("KILLED", "interrupted")
+
+
+def findings(folder) -> list[str]:
+    """The sentences of a study's report under its findings headings, in order."""
+    from tests.conftest import run_script
+
+    proc = run_script("analysis/report.py", "--study", "accum_lr", "--tracking-uri",
+                      f"sqlite:///{folder}/mlruns/mlflow.db", cwd=folder)
+    assert proc.returncode == 0, proc.stderr
+    sentences, inside = [], False
+    for line in (folder / "reports/accum_lr/report.md").read_text().splitlines():
+        if line.startswith("## "):
+            inside = line.startswith("## Findings")
+        elif inside and line.startswith("- "):
+            sentences.append(line[2:])
+    return sentences
+
+
+@pytest.mark.slow
+def test_the_default_studys_report_says_the_same_fused_as_alone(tmp_path):
+    """accum_lr's grid at a tiny size (mlp on 1,000 blobs, 2 seeds, 2 epochs, float64), run fused and with
+    --no-fuse: its report's findings are the same sentences, figures included (a member's metrics are its solo
+    trial's). Time to a target is the one thing a fused run does not measure per trial: its sentence is left out
+    there, not worded from the group's time."""
+    args = ["--model", "mlp", "--dataset", "tests.factories:blobs1k", "--epochs", "2", "--seeds", "2", "--workers",
+            "1", "--set", "warmup_epochs=0", "--set", "dtype=float64", "--log-models", "none", "--no-report"]
+    for name, extra in (("fused", []), ("alone", ["--no-fuse"])):
+        (tmp_path / name).mkdir()
+        done = sweep(tmp_path / name, "--study", "accum_lr", *args, *extra)
+        assert done.returncode == 0, done.stderr
+    fused, alone = findings(tmp_path / "fused"), findings(tmp_path / "alone")
+    timed = [s for s in alone if " s, " in s or " s over" in s or "fastest" in s]
+    assert fused == [s for s in alone if s not in timed], (fused, alone)
+
+
+def test_a_samplers_trials_are_asked_four_at_a_time_and_train_fused(tmp_path):
+    """TPE over the base LR of one grid point: its 6 trials are asked as groups of at most 4 (its random start-up
+    first), each group trained as one, every trial its own and complete."""
+    run(tmp_path / "tpe", grid="""name = "accum_lr"
+[grid]
+physical_batch = [32]
+accum_steps = [2]
+[tune.base_lr]
+type = "float"
+low = 1e-3
+high = 0.5
+log = true
+[search]
+sampler = "tpe"
+trials = 6
+""")
+    storage, client = stores(tmp_path / "tpe")
+    (name,) = [s.study_name for s in optuna.get_all_study_summaries(storage) if s.study_name.startswith("accum_lr/")]
+    trials = optuna.load_study(study_name=name, storage=storage).trials
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 6
+    assert len({t.params["base_lr"] for t in trials}) == 6
+    runs = {r.info.run_id: r for r in child_runs(client)[0]}
+    assert [runs[t.user_attrs["mlflow_run_id"]].data.tags["fused_members"] for t in trials] == ["4"] * 4 + ["2"] * 2

@@ -91,8 +91,10 @@ class Search:
     def units(self) -> list[Unit]:
         raise NotImplementedError
 
-    def sampler(self, unit: int, worker: int, done: int = 0) -> Pinned:
-        """The sampler of a unit's Optuna study for one worker, `done` trials into it."""
+    def sampler(self, unit: int, worker: int, done: int = 0, liar: bool = False) -> Pinned:
+        """The sampler of a unit's Optuna study for one worker, `done` trials into it. `liar`: trials are asked
+        several at a time (a fused group), so TPE takes the running ones as bad (its constant liar) rather than
+        draw the same neighbourhood for each."""
         raise NotImplementedError
 
     def pruner(self, epochs: int) -> optuna.pruners.BasePruner:
@@ -151,7 +153,7 @@ class GridSearch(Search):
         # Each point's seeds follow each other, so that a partial run already has its error bars.
         return [Unit(self.study_name, p, s) for p in self.points for s in self.seeds]
 
-    def sampler(self, unit: int, worker: int, done: int = 0) -> Pinned:
+    def sampler(self, unit: int, worker: int, done: int = 0, liar: bool = False) -> Pinned:
         return Pinned(optuna.samplers.RandomSampler(seed=self._seed(unit, worker, done)))  # never asked: all pinned
 
     def next_point(self, trial: optuna.Trial, mine: list[Unit], failed_here: set[str],
@@ -178,8 +180,10 @@ class SamplerSearch(Search):
     def units(self) -> list[Unit]:
         return [Unit(f"{self.study_name}/{point_key(p, s)}", p, s) for p in self.points for s in self.seeds]
 
-    def sampler(self, unit: int, worker: int, done: int = 0) -> Pinned:
-        pinned = Pinned(SAMPLERS[self.study.sampler](self._seed(unit, worker, done)))
+    def sampler(self, unit: int, worker: int, done: int = 0, liar: bool = False) -> Pinned:
+        seed = self._seed(unit, worker, done)
+        pinned = Pinned(tpe(seed, liar=True) if liar and self.study.sampler == "tpe" else
+                        SAMPLERS[self.study.sampler](seed))
         pinned.values = dict(self.units()[unit].point)
         return pinned
 
@@ -200,13 +204,17 @@ class SamplerSearch(Search):
         return max(self.study.trials - sum(1 for t in trials if holds(t)) - len(failed_here), 0)
 
 
-# The samplers by name, each from its seed ("grid" is the GridSearch's own claiming, in order). Optuna 5 changed
-# TPE's defaults: every setting that shapes its search is pinned.
+def tpe(seed: int, liar: bool = False) -> optuna.samplers.TPESampler:
+    """Optuna 5 changed TPE's defaults: every setting that shapes its search is pinned."""
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=4, n_ei_candidates=24, multivariate=False,
+                                      group=False, constant_liar=liar)
+
+
+# The samplers by name, each from its seed ("grid" is the GridSearch's own claiming, in order).
 SAMPLERS: dict[str, Callable[[int], optuna.samplers.BaseSampler] | None] = {
     "grid": None,
     "random": lambda seed: optuna.samplers.RandomSampler(seed=seed),
-    "tpe": lambda seed: optuna.samplers.TPESampler(seed=seed, n_startup_trials=4, n_ei_candidates=24,
-                                                   multivariate=False, group=False, constant_liar=False),
+    "tpe": tpe,
     "cmaes": lambda seed: optuna.samplers.CmaEsSampler(seed=seed),
     "nsga2": lambda seed: optuna.samplers.NSGAIISampler(seed=seed),
 }

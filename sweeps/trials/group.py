@@ -16,12 +16,16 @@ from optuna.trial import TrialState
 from batchsweep.trainers import Checkpointing, interrupt, load
 from batchsweep.trainers.fused import NotFusable, group_key, train_fused
 
+from .objective import Trained
 from .record import TrialRun
 from ..stores.mlflow_store import PROCESSES
 from ..stores.optuna_store import owner
 from ..study.search import Duplicate, Unit
 
-MAX_MEMBERS = 32  # a group's members at most: their stacked weights and activations are held at once
+MAX_MEMBERS = 32  # a grid's group's members at most: their stacked weights and activations are held at once
+# A sampler's group at most: TPE's first 4 trials are its random start-up, and each later group then draws from
+# the trials before it (with the running ones taken as bad: its constant liar), not all blind at once.
+SAMPLED_MEMBERS = 4
 # A member's training time is the group's (its own alone was not measured): recorded under these names, so that
 # nothing reads it as the member's own (the report's times to a target, its throughput figure).
 GROUP_TIMES = {"epoch_time_s": "group_epoch_time_s", "samples_per_s": "group_samples_per_s",
@@ -50,7 +54,8 @@ class Group:
                 members.append(first)
                 key = group_key(first.config)
                 same = [u for u in self.mine if key is not None and self.keys[u.key] == key]
-                cap = min(MAX_MEMBERS, most or MAX_MEMBERS)
+                most_here = MAX_MEMBERS if self.worker.inv.study.sampler == "grid" else SAMPLED_MEMBERS
+                cap = min(most_here, most or most_here)
                 while same and len(members) < cap and self.worker.inv.search.left(
                         self.study.get_trials(deepcopy=False), same, self.worker.failed_here):
                     member = self._claim(same)
@@ -98,20 +103,27 @@ class Group:
             member.shown = len(members) == 1
             self._settle(member, member.begin, tell=False)
         live = [m for m in members if m.trial.number not in self.told]
+        key = group_key(live[0].config) if live else None
+        apart = [m for m in live if group_key(m.config) != key]  # (a sampler's draw of b, say)
+        live = [m for m in live if m not in apart]
+        for member in apart + (live if len(live) < 2 else []):
+            self._alone(member)
         if len(live) < 2:
-            for member in live:
-                member.shown = True
-                self._settle(member, member.run)
             return
         results = self._fused(live)
         for member, result in zip(live, results or [None] * len(live)):
-            if results is None:  # trained alone, each as a solo trial
+            if results is None:  # trained alone, each as a solo trial (from its checkpoint, where the group wrote one)
                 member.history.clear()
-                member.shown = True
-                self._settle(member, member.run)
+                self._alone(member)
             else:
                 member.fused = len(live)
                 self._settle(member, lambda m=member, r=result: m.run(lambda: self._trained(m, r)))
+
+    def _alone(self, member: TrialRun) -> None:
+        if not member.shown:
+            member.shown = True
+            self.worker.hooks.trial_start(member.name, member.last_epoch)
+        self._settle(member, member.run)
 
     def _fused(self, live: list[TrialRun]) -> list | None:
         """The members trained as one (each its TrainResult, or what its own epoch raised); None where they must
@@ -142,7 +154,7 @@ class Group:
                           f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
         return None
 
-    def _trained(self, member: TrialRun, result):
+    def _trained(self, member: TrialRun, result) -> Trained:
         if isinstance(result, BaseException):
             raise result
         trained = self.worker.objective.trained(member.config, result.to_dict())

@@ -62,9 +62,9 @@ class Worker:
         self.storage_failures: list[str] = []  # consecutive failures of the storage, latest last
         self.datasets_logged: set[str] = set()  # digests logged as inputs of the parent run
         self.cleanup = Cleanup(inv, self.storage, self.tracker)
-        # Trials train as fused groups where they can (sweeps/trials/group.py): a grid's configurations, in this
-        # process, on a worker not placed on a GPU (whose ledger holds one trial's memory at a time).
-        self.fuses = inv.fuse and self.objective.fuses() and inv.study.sampler == "grid" and placement is None \
+        # Trials train as fused groups where they can (sweeps/trials/group.py): in this process, on a worker not
+        # placed on a GPU (whose ledger holds one trial's memory at a time).
+        self.fuses = inv.fuse and self.objective.fuses() and placement is None \
             and not set(inv.study.metrics) & set(GROUP_TIMES)  # (an objective of time: a member's is not its own)
         self.said: set[str] = set()  # why groups trained alone, said once
 
@@ -118,7 +118,7 @@ class Worker:
             study = optuna.load_study(study_name=name, storage=self.storage,
                                       pruner=search.pruner(self.inv.base.epochs))
             # Seeded by the trials already there too: a resumed search does not repeat its first draws.
-            study.sampler = search.sampler(i, self.index, len(study.get_trials(deepcopy=False)))
+            study.sampler = search.sampler(i, self.index, len(study.get_trials(deepcopy=False)), liar=self.fuses)
             mine = [u for u in units if u.study_name == name]
             self.failed_here = set()
             self._study = study
