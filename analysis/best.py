@@ -54,6 +54,15 @@ def choices(study: StudyRuns, t: pd.DataFrame, merge_batch: bool = True) -> tupl
     return [f for f in fields if f not in tied], note
 
 
+def naming(study: StudyRuns, t: pd.DataFrame) -> list[str]:
+    """The fields that name a configuration where one is ranked (the best, a Pareto front): the choices, b and k
+    kept apart; none where a varied field was left out as tied, since a configuration named without it would
+    average runs that differ in it (equivalence's k, over three models)."""
+    fields, _ = choices(study, t, merge_batch=False)
+    left = [f for f in study.varied if f in t and t[f].nunique() > 1 and f not in fields and f != "effective_batch"]
+    return [] if left else fields
+
+
 def one_at_base(t: pd.DataFrame, fields: list[str]) -> pd.DataFrame:
     """At B = base_batch every LR rule gives the same learning rate: one configuration run once per rule. Its
     runs are labelled with no rule, so that none is called best there; each seed's copies are averaged later
@@ -158,7 +167,7 @@ class Best:
 def best_set(study: StudyRuns, t: pd.DataFrame) -> Best | None:
     """The best configuration with its ties; None where nothing can be told apart (one seed) or no field is an
     independent choice."""
-    fields, _ = choices(study, t, merge_batch=False)
+    fields = naming(study, t)
     value, direction = study.objectives[0]
     if not fields or "seed" not in t or t["seed"].nunique() < 2 or value not in t:
         return None

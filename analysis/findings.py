@@ -11,6 +11,7 @@ can be separated from seed noise, and the sentences say so.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -125,31 +126,49 @@ def bn_against_true(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[tuple[i
     return out
 
 
+@dataclass
+class Exact:
+    """Per model: whether accumulation is the true batch up to float rounding, whether it has BatchNorm, and the
+    finding that says so."""
+    model: str
+    exact: bool
+    batchnorm: bool
+    sentence: str
+
+
 def exactness(trials: pd.DataFrame) -> list[str]:
     """Per model: is accumulation exactly the true batch, and if not, why."""
+    found = exact_by_model(trials)
+    if not found:
+        return []
+    return ["Each loss term is divided by its number of counted items over the whole window (samples, or tokens "
+            "that are not padding), never by k: without BatchNorm, a window's gradient is then exactly the gradient "
+            "of the mean loss over all its items, whatever each micro-batch holds (unequal token counts, a short "
+            "last window). A mean per micro-batch divided by k is not: it gives the items of a micro-batch with "
+            "fewer of them more weight.", *(e.sentence for e in found)]
+
+
+def exact_by_model(trials: pd.DataFrame) -> list[Exact]:
     t = finished(trials)
     if "param_rel_diff" not in t:
         return []
-    out = ["Each loss term is divided by its number of counted items over the whole window (samples, or tokens "
-           "that are not padding), never by k: without BatchNorm, a window's gradient is then exactly the gradient "
-           "of the mean loss over all its items, whatever each micro-batch holds (unequal token counts, a short "
-           "last window). A mean per micro-batch divided by k is not: it gives the items of a micro-batch with "
-           "fewer of them more weight."]
+    out = []
     for model, rows in t.groupby("model"):
         worst = rows["param_rel_diff"].max()
-        gaps = f"accuracy gap {100 * rows['acc_gap'].min():+.1f} to {100 * rows['acc_gap'].max():+.1f} points"
+        gaps = (f"accuracy gap {100 * rows['acc_gap'].min():+.1f} to {100 * rows['acc_gap'].max():+.1f} points"
+                if "acc_gap" in rows else "no accuracy gap logged")
         # The equivalence objective trains a ghost-batch twin only for a model with BatchNorm: its metric says so.
         has_bn = "ghost_rel_diff" in rows and rows["ghost_rel_diff"].notna().any()
         # Without BatchNorm, a pair that parts in float32 is trained again in float64 (sweeps/trials/objective.py).
         parted = rows.loc[rows["param_rel_diff"] >= EXACT, "param_rel_diff_fp64"] \
             if "param_rel_diff_fp64" in rows else pd.Series(dtype=float)
         if worst < EXACT:
-            out.append(f"{model}: accumulation is exactly the true batch, up to float rounding (largest relative "
-                       f"parameter difference {worst:.1e}; {gaps}).")
+            out.append(Exact(model, True, has_bn, f"{model}: accumulation is exactly the true batch, up to float "
+                             f"rounding (largest relative parameter difference {worst:.1e}; {gaps})."))
         elif not has_bn and len(parted) and parted.notna().all() and parted.max() < FLOAT64_ROUNDING:
-            out.append(f"{model}: accumulation is exactly the true batch, up to float rounding that training "
-                       f"amplified: {len(parted)} of {len(rows)} pairs parted by up to {worst:.2g} in float32, and "
-                       f"agreed to {parted.max():.1e} in float64 ({gaps}).")
+            out.append(Exact(model, True, has_bn, f"{model}: accumulation is exactly the true batch, up to float "
+                             f"rounding that training amplified: {len(parted)} of {len(rows)} pairs parted by up to "
+                             f"{worst:.2g} in float32, and agreed to {parted.max():.1e} in float64 ({gaps})."))
         else:
             why = ("BatchNorm normalizes each micro-batch of b samples, so accumulated training is Ghost "
                    "BatchNorm with ghost size b (Hoffer et al. 2017), not the true batch" if has_bn else
@@ -171,8 +190,8 @@ def exactness(trials: pd.DataFrame) -> list[str]:
                     ghost += f"; in float64 they still differ by {f64:.1e}: that is not rounding."
                 else:
                     ghost += ": rounding amplified by training, or a real difference (no float64 twin measured)."
-            out.append(f"{model}: accumulation is not the true batch (largest relative parameter difference "
-                       f"{worst:.2g}; {gaps}): {why}.{ghost}")
+            out.append(Exact(model, False, has_bn, f"{model}: accumulation is not the true batch (largest relative "
+                             f"parameter difference {worst:.2g}; {gaps}): {why}.{ghost}"))
     return out
 
 
@@ -308,8 +327,9 @@ def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFram
                 f"are left out.")
         aimed_at = [*steps(trials, history, evals), *warmup(trials, history, evals),
                     *branching.finding(trials, history)] if aimed else []
-        return [lead, *lr_rules(trials, m), *twins(trials, m), *bn(trials, m), *lr_exponent(trials, m),
-                *noise_scale(trials), *aimed_at, *memory(trials)]
+        compared = [*lr_rules(trials, m), *twins(trials, m), *bn(trials, m), *lr_exponent(trials, m)]
+        lead = [lead] if compared or not aimed else []  # (where no sentence compares in it, it is not said)
+        return [*lead, *compared, *noise_scale(trials), *aimed_at, *memory(trials)]
     return [*lr_rules(trials), *twins(trials), *bn(trials), *lr_exponent(trials), *noise_scale(trials),
             *steps(trials, history, evals), *warmup(trials, history, evals), *branching.finding(trials, history),
             *memory(trials)]

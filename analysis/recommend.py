@@ -12,7 +12,7 @@ from batchsweep.sweeps import commands
 
 from .best import best_set, choices, picked
 from .figures import Measure, finished, in_order, measure, one_batch, tuned
-from .findings import bn_against_true, lr_exponent
+from .findings import bn_against_true, exact_by_model, lr_exponent
 from .rules import decided, rule_comparisons, rules_at, twin_pairs
 from .runs import StudyRuns, quantum
 from .space import as_percent, identical_spread, label, shown, times
@@ -218,12 +218,33 @@ def bn_rules(study: StudyRuns, m: Measure) -> list[str]:
     return out
 
 
+def exact_use(study: StudyRuns) -> list[str]:
+    """A study of exactness (its objective param_rel_diff, as `equivalence`): per model, whether to accumulate,
+    as the findings' exactness reads. Its k and models are not choices ranked by that difference."""
+    out = []
+    for e in exact_by_model(study.trials):
+        if e.exact:
+            out.append(f"On {e.model}: accumulate to reach a B that does not fit; it trains as the true batch does, "
+                       f"up to float rounding (below), so b is the largest that fits your memory "
+                       f"(`{commands.command('plan')} --target-batch B --memory-budget SIZE`).")
+        elif e.batchnorm:
+            out.append(f"On {e.model}: accumulation is not the true batch (BatchNorm normalizes each micro-batch, "
+                       f"below); what that costs in accuracy, and which BN momentum rule comes nearest the true "
+                       f"batch, is what `{commands.command('run')} --study bn_momentum` measures.")
+        else:
+            out.append(f"On {e.model}: accumulation is not the true batch, and not through BatchNorm (below): find "
+                       f"what in the model depends on the micro-batch before accumulating.")
+    return out
+
+
 def recommend(study: StudyRuns) -> list[str]:
     """The recommendation's lines: per B, then the pick for each goal the study can speak to."""
     t = finished(study.trials)
     m = measure(study.trials, study.objectives[0])
     if m is None or t.empty:
         return []
+    if study.objectives[0][0] == "param_rel_diff":  # (a measurement of exactness, not a goal to rank k by)
+        return exact_use(study)
     if tuned(t):  # a search of the LR at each B: its answer is the best LR against B, with its interval
         return [f"The learning rate to use at each B: {lowered(s)}" for s in lr_exponent(study.trials, m)]
     if ("seed" not in t or t["seed"].nunique() < 2) and len(t) > 1:

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from .figures import Draw, Figure, context, finished, in_order, log_scale
-from .best import EVERY_RULE, choices, highest, of, one_at_base, per_configuration, per_seed, picked, ties
+from .best import EVERY_RULE, choices, highest, naming, of, one_at_base, per_configuration, per_seed, picked, ties
 from .runs import TARGET_SHARE, StudyRuns, ci95
 
 MIN_IMPORTANCE_TRIALS = 10  # fewer finished trials say nothing about which field mattered
@@ -251,7 +251,7 @@ def _budget_sentence(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str
 def memory_front(study: StudyRuns) -> Figure | None:
     """The first objective against peak memory, per configuration."""
     t = _objective_trials(study)
-    fields, _ = choices(study, t, merge_batch=False)
+    fields = naming(study, t)
     value, direction = study.objectives[0]
     if "peak_memory_bytes" not in t or not fields or len(t) < 2:
         return None
@@ -305,7 +305,7 @@ def times(study: StudyRuns):
     with their seconds, per-seed rows, per-configuration points, fields, target); None where the study has no
     accuracy to maximize, no epoch times or fewer than two configurations that got there."""
     t = _objective_trials(study)
-    fields, _ = choices(study, t, merge_batch=False)
+    fields = naming(study, t)
     value, direction = study.objectives[0]
     if direction != "maximize" or not fields or len(t) < 2:
         return None

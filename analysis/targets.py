@@ -40,9 +40,11 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
     if len(keys) == 1:  # the rules in their own order, as the figures draw them
         order = in_order(keys[0], runs[keys[0]])
         groups.sort(key=lambda g: order.index(g[0][0]))
+    both = "accum_steps" in t and (t["accum_steps"] > 1).any() and (t["accum_steps"] == 1).any()
+    alike = ", accumulated and true batch alike" if both else ""
     out = [f"Steps to reach {percent(target, full_scale(t['val_acc']))} validation accuracy "
            f"({100 * TARGET_SHARE:.0f}% of the best configuration's mean; {resolution(t, evals)}{tuned_note}), each "
-           f"run that reached it one point, accumulated and true batch alike, fitted by S = S_min (1 + B_crit / B) "
+           f"run that reached it one point{alike}, fitted by S = S_min (1 + B_crit / B) "
            f"(McCandlish et al. 2018; least squares on log steps), beside the gradient noise scale at the end of the "
            f"epoch in which each run reached it."]
     for group, rows in groups:

@@ -332,3 +332,26 @@ def test_one_seed_advice_gives_a_command_that_works_for_the_study():
     branches.trials = branches.trials[branches.trials["seed"] == 0]
     [line] = recommend(branches)
     assert line.startswith("Nothing here is a choice to recommend") and "--study critical_batch --seeds 3`" in line
+
+
+def test_an_exactness_study_says_per_model_whether_to_accumulate_and_ranks_no_k():
+    """equivalence's objective is the parameter difference between accumulation and its twin: a measurement of
+    exactness, per model. Its block read "The best param_rel_diff: k = 4 ... 2 others cannot be told from it",
+    a mean over mlp (float rounding) and cnn1d (BatchNorm) that ranks k by nothing a user chooses."""
+    rng, rows = np.random.default_rng(3), []
+    for seed in range(3):
+        for model, diff, ghost in (("mlp", 1e-6, np.nan), ("cnn1d", 0.1, 1e-3)):
+            for k in (2, 4, 8):
+                rows.append(dict(seed=seed, model=model, dataset="mnist1d", physical_batch=32, accum_steps=k,
+                                 effective_batch=32 * k, status="FINISHED", acc_gap=rng.normal(0, 0.002),
+                                 param_rel_diff=diff * (1 + 0.1 * rng.random()), ghost_rel_diff=ghost))
+    lines = recommend(_study(rows, ("model", "dataset", "physical_batch", "accum_steps"),
+                             ("param_rel_diff", "minimize")))
+    assert not any(line.startswith("The best ") for line in lines), lines
+    assert lines[0].startswith("On cnn1d: accumulation is not the true batch (BatchNorm normalizes each micro-batch")
+    assert "--study bn_momentum` measures" in lines[0]
+    assert lines[1].startswith("On mlp: accumulate to reach a B that does not fit; it trains as the true batch does")
+    # No sentence compares configurations in param_rel_diff there: none says they are compared in it.
+    t = _study(rows, ()).trials
+    assert not any("compared in the study's objective" in s for s in summarize(
+        t.assign(val_acc=0.9, memory_source="saved_tensors"), None, None, ("param_rel_diff", "minimize")))
