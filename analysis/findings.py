@@ -330,7 +330,7 @@ def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFram
         compared = [*lr_rules(trials, m), *twins(trials, m), *bn(trials, m), *lr_exponent(trials, m)]
         lead = [lead] if compared or not aimed else []  # (where no sentence compares in it, it is not said)
         return [*lead, *compared, *noise_scale(trials), *aimed_at, *memory(trials)]
-    return [*lr_rules(trials), *twins(trials), *bn(trials), *lr_exponent(trials), *noise_scale(trials),
+    return [*lr_rules(trials, m), *twins(trials, m), *bn(trials, m), *lr_exponent(trials, m), *noise_scale(trials),
             *steps(trials, history, evals), *warmup(trials, history, evals), *branching.finding(trials, history),
             *memory(trials)]
 

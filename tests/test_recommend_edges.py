@@ -355,3 +355,27 @@ def test_an_exactness_study_says_per_model_whether_to_accumulate_and_ranks_no_k(
     t = _study(rows, ()).trials
     assert not any("compared in the study's objective" in s for s in summarize(
         t.assign(val_acc=0.9, memory_source="saved_tensors"), None, None, ("param_rel_diff", "minimize")))
+
+
+def test_findings_and_block_read_alike_whether_val_acc_is_logged_in_percent_or_in_fraction():
+    """The findings' rule sentences compared a percent-logged val_acc on the fraction's scale ("133.3 points
+    lower", "9566.7%"), contradicting the block; the fastest line's target read "val_acc 91.55"."""
+    def made(scale):
+        rng = np.random.default_rng(3)
+        rows = _rows(lambda s, rule, b, k: 0.96 - {"none": 0.01, "sqrt": 0.004, "linear": 0.001}[rule]
+                     * np.log2(b * k / 32) + rng.normal(0, 0.002), bs=((32, 1), (32, 4), (128, 1), (32, 8), (256, 1)))
+        history = []
+        for i, r in enumerate(rows):
+            r["run_id"], r["val_acc"] = f"r{i}", r["val_acc"] * scale
+            history += [dict(run_id=r["run_id"], epoch=e, val_acc=r["val_acc"] * (1 - 0.3 / e ** 2),
+                             epoch_time_s=2.0 / np.sqrt(r["effective_batch"] / 32)) for e in range(1, 6)]
+        study = _study(rows, ("physical_batch", "accum_steps", "lr_rule"))
+        study.history = pd.DataFrame(history)
+        return recommend(study), summarize(study.trials, study.history, None, study.objectives[0])
+    (block, found), (block_100, found_100) = made(1), made(100)
+    assert block_100 == block
+    rules = [s for s in found if s.startswith("The ")]
+    assert [s for s in found_100 if s.startswith("The ")] == rules and len(rules) >= 3, found_100
+    assert not any(re.search(r"\d{3,}\.\d (points|%)", s) for s in found_100), found_100
+    [fast] = [line for line in block_100 if "fastest" in line or "shortest" in line]
+    assert re.search(r" to val_acc \d\d\.\d%", fast), fast
