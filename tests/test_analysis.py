@@ -894,3 +894,20 @@ def test_a_loggers_own_epoch_metric_does_not_break_the_history(tmp_path):
         client.log_metric(child, "epoch", epoch - 1, step=epoch)  # the logger's, counted from 0
     [study] = load_studies(["logged"], uri)
     assert list(study.history["epoch"]) == [1, 2] and list(study.history["val_acc"]) == [0.6, 0.7]
+
+
+def test_a_bootstrap_interval_is_said_from_five_seeds_and_not_from_three():
+    """Issue 100: a bootstrap over 3 seeds has 10 distinct resamples; its "95% interval" was stated as one. From 5
+    seeds (126) the fit and the noise scale at the target give one; with 3 the sentence says why there is none."""
+    from batchsweep.analysis import critical
+
+    def said(seeds):
+        rng = np.random.default_rng(0)
+        points = pd.DataFrame([dict(seed=s, effective_batch=b, steps=40 * (1 + 128 / b) * rng.uniform(0.95, 1.05))
+                               for s in range(seeds) for b in (32, 64, 128, 256, 512)])
+        noise = pd.DataFrame([dict(run_id=f"{s}", seed=s, noise=150 + 10 * s) for s in range(seeds)])
+        return critical.reading(points, noise)
+
+    assert "95% bootstrap interval over the 5 seeds" in said(5) and "95% bootstrap interval over the seeds" in said(5)
+    three = said(3)
+    assert "bootstrap interval over" not in three and three.count("3 seeds give only 10 distinct resamples") == 2
