@@ -54,6 +54,8 @@ class Group:
                 members.append(first)
                 key = group_key(first.config)
                 same = [u for u in self.mine if key is not None and self.keys[u.key] == key]
+                if most is not None and self.worker.inv.study.sampler == "grid":
+                    same = self._within(same, most - 1)
                 most_here = MAX_MEMBERS if self.worker.inv.study.sampler == "grid" else SAMPLED_MEMBERS
                 cap = min(most_here, most or most_here)
                 while same and len(members) < cap and self.worker.inv.search.left(
@@ -73,6 +75,13 @@ class Group:
             for beat in self.beats:
                 beat.join()
         return self.told
+
+    def _within(self, same: list[Unit], most: int) -> list[Unit]:
+        """Those of `same` among the next `most` free points in the grid's order: a budget (--n-trials) runs the
+        points a solo run would (each point's seeds in turn), not every point of one seed first."""
+        taken = self.worker.inv.search.taken(self.study.get_trials(deepcopy=False)) | self.worker.failed_here
+        window = {u.key for u in [u for u in self.mine if u.key not in taken][:most]}
+        return [u for u in same if u.key in window]
 
     def _claim(self, units: list[Unit]) -> TrialRun | None:
         """Ask Optuna for a trial and take the next free point among `units` (None: another trial holds it)."""
