@@ -24,6 +24,8 @@ RUNS = {
                                     "--epochs", "3", "--physical-batch", "4", "--accum-steps", "2"], "ratio"),
     "fused.py": ([], ["--model", "mlp", "--dataset", "synthetic:blobs", "--epochs", "1", "--repeats", "1",
                       "--accum", "1", "2"], "speedup"),
+    "fused_study.py": ([], ["--seeds", "1", "--epochs", "1", "--workers", "1", "--set", "model=mlp", "--set",
+                            "dataset=tests.factories:blobs1k", "--set", "warmup_epochs=0"], "ratio"),
     "memory.py": ([], ["--model", "mlp", "--dataset", "synthetic:blobs", "--physical-batch", "8"], "flat_ratio"),
     "diagnostics_overhead.py": ([], [*TINY, "--repeats", "1"], "overhead"),
     "checkpoint_cost.py": ([], [*TINY, "--pairs", "1"], "checkpoint_share"),

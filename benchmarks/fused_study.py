@@ -1,0 +1,76 @@
+"""Trials an hour of a study through `sweeps/run.py`, fused (the default) against `--no-fuse`, with the same
+workers: each run is the whole command (workers, MLflow, checkpoints, the models kept; no report) in a fresh
+folder, and trials an hour are its complete trials over its wall-clock time. Prints both and, last, their ratio
+as `ratio=<x>`; exits 1 when a run failed or completed nothing.
+
+    python benchmarks/fused_study.py [--study accum_lr] [--seeds 3] [--epochs N] [--workers N] [--set KEY=VALUE] [--first alone]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def complete(folder: Path, study: str) -> int:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    trials = optuna.load_study(study_name=study, storage=f"sqlite:///{folder}/mlruns/optuna.db").trials
+    return sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+
+
+def one_run(args, fuse: bool) -> tuple[int, float] | None:
+    """Complete trials and wall-clock seconds of one run of the study, or None where it failed."""
+    flags = ["--study", args.study, "--no-report", "--set", f"data_dir={ROOT / 'data'}",
+             *[f for pair in args.set for f in ("--set", pair)]]
+    for name in ("seeds", "epochs", "workers"):
+        if getattr(args, name) is not None:
+            flags += [f"--{name}", str(getattr(args, name))]
+    with tempfile.TemporaryDirectory() as folder:
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, str(ROOT / "sweeps/run.py"), *flags, *([] if fuse else ["--no-fuse"])],
+                              cwd=folder, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        seconds = time.perf_counter() - start
+        if done.returncode:
+            print(f"{'fused' if fuse else 'alone'}: the run failed ({done.returncode}): "
+                  f"{done.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+            return None
+        name = Path(args.study).stem if args.study.endswith(".toml") else args.study
+        return complete(Path(folder), name), seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--study", default="accum_lr")
+    p.add_argument("--seeds", type=int, help="default: the study's own")
+    p.add_argument("--epochs", type=int, help="default: the study's own")
+    p.add_argument("--workers", type=int, help="default: the study's own")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a trainer field for every trial")
+    p.add_argument("--first", choices=("fused", "alone"), default="fused", help="which run goes first")
+    args = p.parse_args(argv)
+    rates = {}
+    for fuse in ((True, False) if args.first == "fused" else (False, True)):
+        measured = one_run(args, fuse)
+        if measured is None or measured[0] == 0:
+            continue
+        trials, seconds = measured
+        rates[fuse] = trials / seconds * 3600
+        print(f"{'fused' if fuse else 'alone'}: {trials} trials in {seconds:.0f} s = {rates[fuse]:.0f} trials an hour "
+              f"(load {os.getloadavg()[0]:.1f} at the end)", flush=True)
+    if len(rates) < 2:
+        print("nothing was measured", file=sys.stderr)
+        return 1
+    print(f"ratio={rates[True] / rates[False]:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
