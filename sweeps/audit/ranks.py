@@ -132,7 +132,7 @@ def reduction(auditor: Auditor, et: ScriptRun, eg: ScriptRun, B: int, steps: int
         f.update(lr_step=lr_step, lr_a=et.lrs[lr_step - 1], lr_t=eg.lrs[lr_step - 1])
         return "lr_differs_by_world"
     trace = et.trace
-    if trace and (trace.random_draws or trace.random_modules):
+    if trace and trace.random_draws:  # (a module random by kind that never drew is no randomness)
         f.update(random_modules=", ".join(trace.random_modules) or "none by kind",
                  random_draws=" and ".join(trace.random_draws) or "forward",
                  random_fields=", ".join(trace.random_fields) or "none")

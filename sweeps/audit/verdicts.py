@@ -174,8 +174,9 @@ VERDICTS = {
                                   "must agree, convert it with torch.nn.SyncBatchNorm.convert_sync_batchnorm."),
     "random_across_ranks": (2, "the training {random_draws} drew random numbers ({random_modules}), and {nproc} "
                                "ranks part from one: each rank draws from its own generator, so they trained on "
-                               "other random numbers than one rank and cannot be compared. That is no mistake of "
-                               "the loop. Set them to 0 for the audit (this model's config: {random_fields})."),
+                               "other random numbers than one rank, and whether the loop is right across ranks "
+                               "cannot be told from them: a mistake would look the same. Switch the randomness off "
+                               "for the audit (this model's config: {random_fields})."),
     "rounding_across_ranks": (2, "(b*k, 1) on {nproc} ranks parts from (b*k*{nproc}, 1) on one rank at update "
                                  "{rank_first_differing_update} by {rank_update_difference:.2g} of its "
                                  "{rank_measured}: no more than {dtype} arithmetic makes by itself where the ranks' "
