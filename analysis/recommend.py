@@ -10,10 +10,10 @@ import pandas as pd
 
 from batchsweep.sweeps import commands
 
-from .best import best_set, choices, picked
+from .best import best_set, choices, one_at_base, picked
 from .figures import Measure, finished, full_scale, in_order, measure, one_batch, tuned
 from .findings import bn_against_true, exact_by_model, lr_exponent
-from .rules import decided, rule_comparisons, rules_at, twin_pairs
+from .rules import decided, diverged, rule_comparisons, rules_at, twin_pairs, unshared, went
 from .runs import StudyRuns, quantum
 from .space import identical_spread, label, shown, times
 from .verdicts import judge
@@ -98,19 +98,38 @@ def per_batch(study: StudyRuns, m: Measure) -> list[str]:
     pairs = twin_pairs(study.trials, m)  # (keyed by every rule varied: one verdict per BN rule, none overwritten)
     twins = [(key, v) for (key, _), v in zip(pairs, judge([d for _, d in pairs], m.margin))]
     sizes = sorted(int(b) for b in t["effective_batch"].unique())
-    picks = rules_at(t, sizes, m, quantum(t[m.name]))
+    gone = diverged(study.trials)
+    picks = rules_at(t, sizes, m, quantum(t[m.name]), gone)
     pooled, out = _pooled(study, t), []
-    for b, at in picks.items():
-        if (at.best, b) not in cost:
+    for b in sizes[1:]:
+        why, at = unshared(t, b, gone), picks.get(b)
+        if why:
+            out.append(f"At B = {b}{pooled}: {why}.")
+        if at is None or (at.best, b) not in cost or cost[(at.best, b)][1] is None:
             continue
         base, v = cost[(at.best, b)]
+        out_ = (f"; {listed([went(r, x) for r, x in at.diverged.items()])}, not compared over the seeds that "
+                f"finished" if at.diverged else "")
         below = [f"{r} {stated(c.d, m=m, v=c)}" for r, c in zip(at.means.index[1:], at.verdicts) if r not in at.ties]
         which = (f"the {at.best} LR rule ({m.level(at.means[at.best])}; it {decided(at, m)}"
                  + (f"; {listed(at.ties)} cannot be told from it" if at.ties else "")
-                 + (f"; resolved worse than it: {'; '.join(below)}" if below else "") + ")")
+                 + (f"; resolved worse than it: {'; '.join(below)}" if below else "") + out_ + ")")
         out.append(f"At B = {b}{pooled}: {which}; against B = {base}: {stated(v.d, m=m, v=v)}"
                    f"{_batching(t, at.best, b, twins, m)}.")
     return out
+
+
+def _gap(trials: pd.DataFrame, rule: str, b: int, gone: dict) -> str:
+    """Why a rule's B is not compared with its smallest B: it diverged in a seed, finished in one seed, or none."""
+    if (rule, b) in gone:
+        return f"at B = {b} {went(rule, gone[(rule, b)])}"
+    ran = one_batch(trials)
+    ran = ran[(ran["lr_rule"] == rule) & (ran["effective_batch"] == b)]
+    done = finished(ran)["seed"].nunique() if "seed" in ran else 0
+    of = f" of the {ran['seed'].nunique()} it ran" if "seed" in ran and ran["seed"].nunique() > done else ""
+    if done == 1:
+        return f"B = {b} finished in only 1 seed{of}, which cannot be told from seed noise"
+    return f"B = {b} finished no trial to compare" if not done else f"B = {b} shares fewer than 2 seeds with the smallest B"
 
 
 def largest_free(study: StudyRuns, m: Measure) -> list[str]:
@@ -139,7 +158,7 @@ def largest_free(study: StudyRuns, m: Measure) -> list[str]:
     if shown_free:
         rule, b, base, v = shown_free
         between = ", and every B between them too" if any(x[0] == rule and x[1] < b for x in judged) else ""
-        gap = f"; B = {broken[rule]} finished no trial to compare" if broken.get(rule) else ""
+        gap = f"; {_gap(study.trials, rule, broken[rule], diverged(study.trials))}" if broken.get(rule) else ""
         return [f"The largest B shown to cost less than {m.margin_text}: B = {b} under the {rule} LR rule, "
                 f"{stated(v.d, m=m, v=v)} against B = {base}{between}{gap}."]
     if not judged:
@@ -161,12 +180,21 @@ def best(study: StudyRuns, m: Measure) -> list[str]:
     if found is None:
         return []
     fields, tied, configurations = found.fields, found.tied, found.configurations
+    gone = study.trials[study.trials["reason"] == "diverged"] if "reason" in study.trials else t.iloc[0:0]
+    gone = {label(row, fields) for _, row in one_at_base(gone, fields).iterrows()} if set(fields) <= set(gone) else set()
+    out_ = [label(row, fields) for _, row in tied.iterrows() if label(row, fields) in gone]
+    if out_ and label(tied.iloc[0], fields) in gone:  # (its mean is over the seeds that survived: no pick)
+        return [f"No best {'accuracy' if m.points else m.name} is named: {label(tied.iloc[0], fields)} had the best "
+                f"mean over the seeds that finished but diverged in another seed, and a pick among survivors is no "
+                f"pick; run the study with more seeds or a smaller LR there."]
+    tied = tied[[label(row, fields) not in gone for _, row in tied.iterrows()]]
     top = tied.iloc[0]
     n = int(top["n"])  # (its own finished seeds: a configuration that failed in a seed has fewer)
     named = "; ".join(label(row, fields) for _, row in tied.iloc[1:6].iterrows()) + ("; …" if len(tied) > 6 else "")
     what = "accuracy" if m.points else f"{m.name}{m.better}"
     ties = (f"{len(tied) - 1} other{'s' * (len(tied) > 2)} cannot be told from it ({named})" if len(tied) > 1 else
-            "every other configuration was resolved worse than it")
+            "every other configuration was resolved worse than it" if not out_ else "no other configuration")
+    ties += f"; left out as diverged in a seed: {'; '.join(out_)}" if out_ else ""
     pick = picked(top, found.highest, fields, configurations, m.maximize, label(found.highest, fields))
     return [f"The best {what}: {label(top, fields)} ({m.level(top[m.name])} over {n} seeds, {pick}); {ties}; "
             f"paired by seed, Benjamini-Hochberg at 5% over {configurations - 1} comparisons."]

@@ -28,10 +28,31 @@ def _halves_note(t: pd.DataFrame) -> list[str]:
             f"accumulation compares the two."]
 
 
+def diverged(trials: pd.DataFrame) -> dict[tuple[str, int], tuple[int, int]]:
+    """(LR rule, B) -> (seeds in which a trial there diverged, seeds that ran there). A rule that diverged in a
+    seed is not compared over the seeds that survived (that is a pick among survivors): it did worse."""
+    t = one_batch(trials)
+    if not {"lr_rule", "reason", "seed", "effective_batch"} <= set(t):
+        return {}
+    out = {}
+    for (rule, b), rows in t.groupby(["lr_rule", "effective_batch"]):
+        bad = rows.loc[rows["reason"] == "diverged", "seed"].nunique()
+        if bad:
+            out[(rule, int(b))] = (int(bad), int(rows["seed"].nunique()))
+    return out
+
+
+def went(rule: str, counts: tuple[int, int]) -> str:
+    """'linear diverged in 1 of 3 seeds'."""
+    return f"{rule} diverged in {counts[0]} of {counts[1]} seed{'s' * (counts[1] != 1)}"
+
+
 def rule_comparisons(trials: pd.DataFrame, m: Measure = ACCURACY):
     """Each LR rule's B against its smallest B, every trial at a B counted (a seed's runs there averaged), judged
     as one family: (trials compared, [(rule, B, smallest B, difference)], verdicts); None where the study does
-    not compare LR rules over B (or searched the LR)."""
+    not compare LR rules over B (or searched the LR). A rule's B where it diverged in a seed is no comparison
+    (its difference None): see diverged()."""
+    gone = diverged(trials)
     t = one_batch(finished(trials))
     if "lr_rule" not in t or t["lr_rule"].nunique() < 2 or t["effective_batch"].nunique() < 2 or tuned(t):
         return None
@@ -41,8 +62,8 @@ def rule_comparisons(trials: pd.DataFrame, m: Measure = ACCURACY):
         rows = t[t["lr_rule"] == rule]
         sizes = sorted(int(b) for b in rows["effective_batch"].unique())
         base = rows[rows["effective_batch"] == sizes[0]]
-        compared += [(rule, b, sizes[0], paired(rows[rows["effective_batch"] == b], base, m.name, step))
-                     for b in sizes[1:]]
+        compared += [(rule, b, sizes[0], None if (rule, b) in gone else
+                      paired(rows[rows["effective_batch"] == b], base, m.name, step)) for b in sizes[1:]]
     return t, compared, judge([d for *_, d in compared], m.margin)
 
 
@@ -53,17 +74,24 @@ def lr_rules(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
         return []
     t, compared, verdicts = found
     step, rules = quantum(t[m.name]), in_order("lr_rule", t["lr_rule"])
-    out = _halves_note(t)
+    out, gone = _halves_note(t), diverged(trials)
     side = ("fell", "rose") if m.maximize else ("rose", "fell")  # (a loss that rose did worse)
     for rule in rules:
-        mine = [(b, base, v) for (r, b, base, _), v in zip(compared, verdicts) if r == rule and v is not None]
-        if not mine:
+        mine = [(b, base, v) for (r, b, base, _), v in zip(compared, verdicts)
+                if r == rule and (v is not None or (r, b) in gone)]
+        if not any(v is not None for *_, v in mine):
             continue  # (no seed in common with the smallest B, or one B only)
+        seeds = {v.d.n for *_, v in mine if v is not None}  # (a B where seeds failed has fewer: said per B)
+        each = "" if len(seeds) == 1 else " over {} seeds"
         said, alike = [], []  # (Bs in a row that are equivalent are said once)
         for i, (b, base, v) in enumerate(mine):
-            if v.equivalent and not v.resolved:
-                alike.append(f"{b} ({plus_minus(v.d, m, m.places(v.d.mean, v.d.half))})")
-                if i + 1 < len(mine) and mine[i + 1][2].equivalent and not mine[i + 1][2].resolved:
+            if v is None:
+                said.append(f"at B = {b} {went(rule, gone[(rule, b)]).removeprefix(rule + ' ')}, not compared "
+                            f"over the seeds that finished")
+            elif v.equivalent and not v.resolved:
+                alike.append(f"{b} ({plus_minus(v.d, m, m.places(v.d.mean, v.d.half))}{each.format(v.d.n)})")
+                following = mine[i + 1][2] if i + 1 < len(mine) else None
+                if following is not None and following.equivalent and not following.resolved:
                     continue
                 said.append(f"equivalent within ±{m.margin_text} at B = {listed(alike)}")
                 alike = []
@@ -72,10 +100,9 @@ def lr_rules(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
                             f"({stated(v.d, m=m, v=v)})")
             else:
                 said.append(f"at B = {b} {stated(v.d, m=m, v=v)}")
-        n = mine[0][2].d.n
-        out.append(f"The {rule} LR rule against B = {mine[0][1]} over {n} seed{'s' * (n != 1)}: " + "; ".join(said)
-                   + ".")
-    out += _at_largest(t, m, step)
+        over = f" over {min(seeds)} seed{'s' * (min(seeds) != 1)}" if len(seeds) == 1 else ""
+        out.append(f"The {rule} LR rule against B = {mine[0][1]}{over}: " + "; ".join(said) + ".")
+    out += _at_largest(t, m, step, gone)
     return out + controlled([(where_at(b, rule=r), d) for r, b, _, d in compared],
                             "comparisons of a rule's B against its smallest B")
 
@@ -90,6 +117,7 @@ class AtB:
     ties: list[str]
     best: str
     overturned: str | None
+    diverged: dict[str, tuple[int, int]]  # the rules left out there: seeds diverged of seeds run (never the pick)
 
 
 def _means(at: pd.DataFrame, m: Measure) -> pd.Series:
@@ -101,22 +129,40 @@ def _means(at: pd.DataFrame, m: Measure) -> pd.Series:
     return means.reindex(in_order("lr_rule", means.index)).sort_values(ascending=not m.maximize, kind="stable")
 
 
-def rules_at(t: pd.DataFrame, sizes: list[int], m: Measure, step: float) -> dict[int, AtB]:
+def unshared(t: pd.DataFrame, b: int, gone: dict) -> str | None:
+    """Why no rule is picked at B where the rules that did not diverge finished together in fewer than 2 seeds (a
+    mean over one seed set against a mean over others is no comparison), or None."""
+    at = t[(t["effective_batch"] == b) & ~t["lr_rule"].isin([r for r, x in gone if x == b])]
+    seeds = at.groupby("lr_rule")["seed"].unique()
+    if len(seeds) < 2 or len(set.intersection(*(set(s) for s in seeds))) >= 2:
+        return None
+    shared = len(set.intersection(*(set(s) for s in seeds)))
+    each = listed([f"{r} in {len(seeds[r])}" for r in in_order("lr_rule", seeds.index)])
+    return (f"no LR rule is picked: the rules finished together in {shared} seed{'s' * (shared != 1)} there (each "
+            f"finished in: {each}), and a mean over some seeds is not set against a mean over others")
+
+
+def rules_at(t: pd.DataFrame, sizes: list[int], m: Measure, step: float,
+             gone: dict[tuple[str, int], tuple[int, int]] | None = None) -> dict[int, AtB]:
     """The LR rules at each B of `sizes` against the one of the best mean there, paired by seed, under one
     Benjamini-Hochberg over every B's contrasts (a block that names a rule at each B is one family). Where a rule
-    is resolved above the pick on the seeds the two share, it is the pick instead. A B is left out where it is
-    base_batch (every rule one configuration), one rule ran, or the picks go round in a circle."""
-    tables = {}
+    is resolved above the pick on the seeds the two share, it is the pick instead. A rule that diverged there in
+    a seed (`gone`, diverged()) is neither picked nor compared. A B is left out where it is base_batch (every rule
+    one configuration), one rule ran, the rules share fewer than 2 seeds (unshared()), or the picks go round in a
+    circle."""
+    tables, gone = {}, gone or {}
     for b in sizes:
-        at = t[t["effective_batch"] == b]
-        means = _means(at, m)
-        if len(means) >= 2 and not ("base_batch" in at and (at["effective_batch"] == at["base_batch"]).all()):
-            tables[b] = (at, means)
-    order = {b: list(means.index) for b, (_, means) in tables.items()}
+        out_ = {r: x for (r, bb), x in gone.items() if bb == b}
+        at = t[(t["effective_batch"] == b) & ~t["lr_rule"].isin(list(out_))]
+        means = _means(at, m) if len(at) else pd.Series(dtype=float)
+        if (len(means) >= 1 and len(means) + len(out_) >= 2 and unshared(t, b, gone) is None
+                and not ("base_batch" in at and (at["effective_batch"] == at["base_batch"]).all())):
+            tables[b] = (at, means, out_)
+    order = {b: list(means.index) for b, (_, means, _) in tables.items()}
     moved: set[int] = set()
     for _ in range(1 + max((len(o) for o in order.values()), default=0)):
         diffs = {b: [paired(at[at["lr_rule"] == r], at[at["lr_rule"] == order[b][0]], m.name, step)
-                     for r in order[b][1:]] for b, (at, _) in tables.items()}
+                     for r in order[b][1:]] for b, (at, _, _) in tables.items()}
         judged = iter(judge([d for b in order for d in diffs[b]], m.margin))
         verdicts = {b: [next(judged) for _ in diffs[b]] for b in order}
         moved = set()
@@ -127,12 +173,12 @@ def rules_at(t: pd.DataFrame, sizes: list[int], m: Measure, step: float) -> dict
         if not moved:
             break
     out = {}
-    for b, (_, means) in tables.items():
+    for b, (_, means, out_) in tables.items():
         if b in moved:  # (still moving: a circle)
             continue
         ties = [r for r, v in zip(order[b][1:], verdicts[b]) if v is None or not v.resolved]
         out[b] = AtB(means[order[b]], verdicts[b], ties, order[b][0],
-                     means.index[0] if order[b][0] != means.index[0] else None)
+                     means.index[0] if order[b][0] != means.index[0] else None, out_)
     return out
 
 
@@ -145,21 +191,29 @@ def decided(at: AtB, m: Measure) -> str:
             f"over the seeds every rule ran)")
 
 
-def _at_largest(t: pd.DataFrame, m: Measure, step: float) -> list[str]:
+def _at_largest(t: pd.DataFrame, m: Measure, step: float, gone: dict) -> list[str]:
     """The rules at the largest B against the one of the best mean: a contrast is said only where it is resolved,
     controlled with the rules' contrasts at every B, as the recommendation's per-B lines are (one family)."""
     largest = int(t["effective_batch"].max())
-    at = rules_at(t, sorted(int(b) for b in t["effective_batch"].unique()), m, step).get(largest)
+    why = unshared(t, largest, gone)
+    if why:
+        return [f"At the largest batch, B = {largest}, {why}."]
+    at = rules_at(t, sorted(int(b) for b in t["effective_batch"].unique()), m, step, gone).get(largest)
     if at is None:  # (at B = base_batch the rules are one configuration: none is best there)
         return []
     others = list(at.means.index[1:])
+    out_ = (f"; {listed([went(r, x) for r, x in at.diverged.items()])}, not compared over the seeds that finished"
+            if at.diverged else "")
+    if not others:
+        return [f"At the largest batch, B = {largest}, {at.best} is the only rule that did not diverge in a seed "
+                f"({m.level(at.means[at.best])}){out_}."]
     against = [f"{r} {stated(v.d, m=m, v=v)}" if v else f"{r} {m.level(at.means[r])}"
                for r, v in zip(others, at.verdicts)]
     verdict = (f"{at.best} is resolved as the best there" if not at.ties else
                f"the best there is one of {listed([at.best, *at.ties])}: no contrast between them is resolved")
     level = ", ".join(f"{r} {m.level(at.means[r])}" for r in others)
     return [f"At the largest batch, B = {largest}, the {at.best} rule {decided(at, m)} "
-            f"({m.level(at.means[at.best])}; {level}); against it: " + "; ".join(against) + f"; {verdict}."]
+            f"({m.level(at.means[at.best])}; {level}); against it: " + "; ".join(against) + f"; {verdict}{out_}."]
 
 
 def twin_pairs(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[tuple[dict, Difference]]:

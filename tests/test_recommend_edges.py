@@ -125,7 +125,7 @@ def test_the_best_is_named_over_its_own_finished_seeds():
         " over 2 seeds, " in best, best
 
 
-def _free(linear_at_128: str, gap: float = 0.0) -> list[str]:
+def _free(linear_at_128: str, gap: float = 0.0, one_seed_at_128: bool = False) -> list[str]:
     """linear loses 0.05 points per doubling of B, none 1 point; `linear_at_128` is the status of linear's trials
     at B = 128; `gap` is linear's constant cost at every B above 32."""
     rng, rows = np.random.default_rng(7), []
@@ -133,7 +133,8 @@ def _free(linear_at_128: str, gap: float = 0.0) -> list[str]:
         for rule in ("none", "linear"):
             for k in (1, 2, 4, 8):
                 v = 0.97 - (0.0005 if rule == "linear" else 0.01) * np.log2(k) - (gap if k > 1 else 0)
-                status = linear_at_128 if rule == "linear" and k == 4 else "FINISHED"
+                status = linear_at_128 if rule == "linear" and k == 4 and (seed or not one_seed_at_128) else \
+                    "FINISHED"
                 rows.append(dict(seed=seed, lr_rule=rule, physical_batch=32, accum_steps=k, effective_batch=32 * k,
                                  base_batch=32, status=status,
                                  val_acc=round(v + rng.normal(0, 0.0015), 3) if status == "FINISHED" else np.nan))
@@ -379,3 +380,55 @@ def test_findings_and_block_read_alike_whether_val_acc_is_logged_in_percent_or_i
     assert not any(re.search(r"\d{3,}\.\d (points|%)", s) for s in found_100), found_100
     [fast] = [line for line in block_100 if "fastest" in line or "shortest" in line]
     assert re.search(r" to val_acc \d\d\.\d%", fast), fast
+
+
+def _diverged_at_256() -> StudyRuns:
+    """linear at B = 256 (b = 256, k = 1 and b = 32, k = 8) diverged in seed 2 and matched B = 32 in seeds 0 and 1;
+    sqrt is 0.3 points below B = 32 at B = 256 in every seed and never diverged."""
+    rng, rows = np.random.default_rng(11), []
+    for seed in range(3):
+        for rule in ("sqrt", "linear"):
+            for b, k in ((32, 1), (32, 2), (64, 1), (32, 8), (256, 1)):
+                div = rule == "linear" and b * k == 256 and seed == 2
+                v = 0.95 - (0.003 if rule == "sqrt" and b * k > 32 else 0) + rng.normal(0, 0.0015)
+                rows.append(dict(seed=seed, lr_rule=rule, physical_batch=b, accum_steps=k, effective_batch=b * k,
+                                 base_batch=32, status="FAILED" if div else "FINISHED",
+                                 reason="diverged" if div else None, val_acc=np.nan if div else round(v, 3)))
+    return _study(rows, ("physical_batch", "accum_steps", "lr_rule"))
+
+
+def test_a_rule_that_diverged_in_a_seed_is_neither_picked_nor_called_equivalent_there():
+    study = _diverged_at_256()
+    lines = recommend(study)
+    [at_256] = [line for line in lines if line.startswith("At B = 256")]
+    assert at_256.startswith("At B = 256: the sqrt LR rule (") and "linear diverged in 1 of 3 seeds" in at_256, at_256
+    [best] = [line for line in lines if line.startswith("The best")]
+    assert "left out as diverged in a seed: b = 32, k = 8, linear; b = 256, k = 1, linear" in best, best
+    assert "256, k = 1, linear" not in best.split("left out")[0]
+    findings = summarize(study.trials, study.history)
+    [linear] = [s for s in findings if s.startswith("The linear LR rule")]
+    assert linear.endswith("at B = 256 diverged in 1 of 3 seeds, not compared over the seeds that finished."), linear
+    assert "256 (" not in linear
+    [largest] = [s for s in findings if s.startswith("At the largest batch")]
+    assert "sqrt is the only rule that did not diverge" in largest and "linear diverged in 1 of 3 seeds" in largest
+
+
+def test_a_b_finished_in_one_seed_is_said_so_and_no_rule_is_picked_there_from_one_seed():
+    """linear at B = 128 finished in seed 0 only: the run of Bs shown free stops there "finished in only 1 seed"
+    (it read "finished no trial"), and B = 128's pick is not linear's one seed against none's 3-seed mean."""
+    [line] = _free("FAILED", one_seed_at_128=True)
+    assert line.endswith("against B = 32; B = 128 finished in only 1 seed of the 3 it ran, which cannot be told "
+                         "from seed noise."), line
+    rng, rows = np.random.default_rng(7), []
+    for seed in range(3):
+        for rule in ("none", "linear"):
+            for k in (1, 2, 4, 8):
+                failed = rule == "linear" and k == 4 and seed > 0
+                rows.append(dict(seed=seed, lr_rule=rule, physical_batch=32, accum_steps=k, effective_batch=32 * k,
+                                 base_batch=32, status="FAILED" if failed else "FINISHED",
+                                 val_acc=np.nan if failed else round(0.97 - (0.0005 if rule == "linear" else 0.01)
+                                                                     * np.log2(k) + rng.normal(0, 0.0015), 3)))
+    [at_128] = [line for line in recommend(_study(rows, ("physical_batch", "accum_steps", "lr_rule")))
+                if line.startswith("At B = 128")]
+    assert at_128.startswith("At B = 128: no LR rule is picked: the rules finished together in 1 seed there (each "
+                             "finished in: none in 3 and linear in 1)"), at_128
