@@ -6,6 +6,8 @@ gives the command that would.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pandas as pd
 
 from batchsweep.sweeps import commands
@@ -268,7 +270,24 @@ def exact_use(study: StudyRuns) -> list[str]:
 
 
 def recommend(study: StudyRuns) -> list[str]:
-    """The recommendation's lines: per B, then the pick for each goal the study can speak to."""
+    """The recommendation's lines: per B, then the pick for each goal the study can speak to; per model (and
+    dataset) where the study ran several, as the findings are: a pick pooled over models holds for none of them."""
+    keys = [c for c in ("model", "dataset") if c in study.trials and study.trials[c].nunique() > 1]
+    if not keys or study.objectives[0][0] == "param_rel_diff":  # (exactness already speaks per model)
+        return _recommend(study)
+    out = []
+    for group, rows in study.trials.groupby(keys):
+        name = " on ".join(map(str, group if isinstance(group, tuple) else (group,)))
+        history = study.history[study.history["run_id"].isin(rows["run_id"])] if not study.history.empty else \
+            study.history
+        evals = study.evals[study.evals["run_id"].isin(rows["run_id"])] if study.evals is not None else None
+        one = replace(study, trials=rows, history=history, evals=evals,
+                      varied=tuple(f for f in study.varied if f not in keys))
+        out += [f"On {name}: {lowered(line)}" for line in _recommend(one)]
+    return out
+
+
+def _recommend(study: StudyRuns) -> list[str]:
     t = finished(study.trials)
     m = measure(study.trials, study.objectives[0])
     if m is None or t.empty:

@@ -432,3 +432,21 @@ def test_a_b_finished_in_one_seed_is_said_so_and_no_rule_is_picked_there_from_on
                 if line.startswith("At B = 128")]
     assert at_128.startswith("At B = 128: no LR rule is picked: the rules finished together in 1 seed there (each "
                              "finished in: none in 3 and linear in 1)"), at_128
+
+
+def test_a_study_of_two_models_gets_a_block_per_model_never_one_pooled_pick():
+    """On mlp linear is best at B = 256 (sqrt 3 points lower), on cnn sqrt (linear 3 points lower): a pick pooled
+    over both ("over model cnn and mlp") held for neither and contradicted each model's findings."""
+    rng, rows = np.random.default_rng(4), []
+    for seed in range(3):
+        for model in ("cnn", "mlp"):
+            for rule in ("sqrt", "linear"):
+                for b, k in ((32, 1), (32, 8), (256, 1)):
+                    good = (model == "mlp") == (rule == "linear") or b * k == 32
+                    rows.append(dict(seed=seed, model=model, lr_rule=rule, physical_batch=b, accum_steps=k,
+                                     effective_batch=b * k, base_batch=32, status="FINISHED",
+                                     val_acc=round(0.95 - (0 if good else 0.03) + rng.normal(0, 0.002), 3)))
+    lines = recommend(_study(rows, ("model", "physical_batch", "accum_steps", "lr_rule")))
+    assert all(line.startswith(("On cnn: ", "On mlp: ")) for line in lines) and "over model" not in " ".join(lines)
+    assert [line.split(" LR rule")[0] for line in lines if "at B = 256: " in line] == \
+        ["On cnn: at B = 256: the sqrt", "On mlp: at B = 256: the linear"], lines
