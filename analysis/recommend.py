@@ -107,7 +107,7 @@ def per_batch(study: StudyRuns, m: Measure) -> list[str]:
         why, at = unshared(t, b, gone), picks.get(b)
         if why:
             out.append(f"At B = {b}{pooled}: {why}.")
-        if at is None or (at.best, b) not in cost or cost[(at.best, b)][1] is None:
+        if at is None or (at.best, b) not in cost:
             continue
         base, v = cost[(at.best, b)]
         out_ = (f"; {listed([went(r, x) for r, x in at.diverged.items()])}, not compared over the seeds that "
@@ -116,8 +116,9 @@ def per_batch(study: StudyRuns, m: Measure) -> list[str]:
         which = (f"the {at.best} LR rule ({m.level(at.means[at.best])}; it {decided(at, m)}"
                  + (f"; {listed(at.ties)} cannot be told from it" if at.ties else "")
                  + (f"; resolved worse than it: {'; '.join(below)}" if below else "") + out_ + ")")
-        out.append(f"At B = {b}{pooled}: {which}; against B = {base}: {stated(v.d, m=m, v=v)}"
-                   f"{_batching(t, at.best, b, twins, m)}.")
+        against = (stated(v.d, m=m, v=v) if v is not None else
+                   f"cannot be compared: the {at.best} LR rule ran no seed at both Bs")
+        out.append(f"At B = {b}{pooled}: {which}; against B = {base}: {against}{_batching(t, at.best, b, twins, m)}.")
     return out
 
 

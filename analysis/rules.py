@@ -77,15 +77,19 @@ def lr_rules(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
     out, gone = _halves_note(t), diverged(trials)
     side = ("fell", "rose") if m.maximize else ("rose", "fell")  # (a loss that rose did worse)
     for rule in rules:
-        mine = [(b, base, v) for (r, b, base, _), v in zip(compared, verdicts)
-                if r == rule and (v is not None or (r, b) in gone)]
-        if not any(v is not None for *_, v in mine):
-            continue  # (no seed in common with the smallest B, or one B only)
+        mine = [(b, base, v) for (r, b, base, _), v in zip(compared, verdicts) if r == rule]
+        if not any(v is not None or (rule, b) in gone for b, _, v in mine):
+            if mine:  # (no seed in common with the smallest B)
+                out.append(f"The {rule} LR rule ran no seed both at B = {mine[0][1]} and at a larger B: its Bs cannot "
+                           f"be compared.")
+            continue
         seeds = {v.d.n for *_, v in mine if v is not None}  # (a B where seeds failed has fewer: said per B)
         each = "" if len(seeds) == 1 else " over {} seeds"
         said, alike = [], []  # (Bs in a row that are equivalent are said once)
         for i, (b, base, v) in enumerate(mine):
-            if v is None:
+            if v is None and (rule, b) not in gone:
+                said.append(f"at B = {b} no seed ran both Bs, so it cannot be compared")
+            elif v is None:
                 said.append(f"at B = {b} {went(rule, gone[(rule, b)]).removeprefix(rule + ' ')}, not compared "
                             f"over the seeds that finished")
             elif v.equivalent and not v.resolved:
@@ -100,7 +104,7 @@ def lr_rules(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
                             f"({stated(v.d, m=m, v=v)})")
             else:
                 said.append(f"at B = {b} {stated(v.d, m=m, v=v)}")
-        over = f" over {min(seeds)} seed{'s' * (min(seeds) != 1)}" if len(seeds) == 1 else ""
+        over = f" over {min(seeds)} seed{'s' * (min(seeds) != 1)}" if len(seeds) == 1 else ""  # (none: all diverged)
         out.append(f"The {rule} LR rule against B = {mine[0][1]}{over}: " + "; ".join(said) + ".")
     out += _at_largest(t, m, step, gone)
     return out + controlled([(where_at(b, rule=r), d) for r, b, _, d in compared],

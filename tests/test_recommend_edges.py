@@ -450,3 +450,22 @@ def test_a_study_of_two_models_gets_a_block_per_model_never_one_pooled_pick():
     assert all(line.startswith(("On cnn: ", "On mlp: ")) for line in lines) and "over model" not in " ".join(lines)
     assert [line.split(" LR rule")[0] for line in lines if "at B = 256: " in line] == \
         ["On cnn: at B = 256: the sqrt", "On mlp: at B = 256: the linear"], lines
+
+
+def test_a_pick_that_shares_no_seed_with_its_smallest_b_says_its_cost_cannot_be_compared():
+    """sqrt ran B = 32 in seeds 0 and 1 and B = 128 in seeds 2 and 3 only, and has the best mean at B = 128: the
+    block crashed (AttributeError on the missing difference); the findings left sqrt out without a word."""
+    rng, rows = np.random.default_rng(0), []
+    for rule, plan in (("none", {32: range(4), 128: range(4)}), ("sqrt", {32: range(2), 128: range(2, 4)})):
+        for b, seeds in plan.items():
+            for seed in seeds:
+                for pb, k in ((b, 1), (32, b // 32)) if b > 32 else ((32, 1),):
+                    rows.append(dict(seed=seed, lr_rule=rule, physical_batch=pb, accum_steps=k, effective_batch=b,
+                                     base_batch=32, status="FINISHED", val_acc=round(
+                                         0.95 - (0.01 if b > 32 and rule == "none" else 0) + rng.normal(0, 0.001), 3)))
+    study = _study(rows, ("physical_batch", "accum_steps", "lr_rule"))
+    [at_128] = [line for line in recommend(study) if line.startswith("At B = 128")]
+    assert at_128.startswith("At B = 128: the sqrt LR rule (") and \
+        "; against B = 32: cannot be compared: the sqrt LR rule ran no seed at both Bs" in at_128, at_128
+    findings = summarize(study.trials, study.history)
+    assert "The sqrt LR rule ran no seed both at B = 32 and at a larger B: its Bs cannot be compared." in findings
