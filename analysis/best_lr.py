@@ -75,9 +75,14 @@ class BestLR:
                     f"{_two(self.slope_low)} to {_two(self.slope_high)}): no peak in the range; a peak, if any, lies "
                     f"below B = {lo}.")
         elif self.slope_low > 0 or self.slope_high < 0:
-            text = (f"The best LR {'rises' if self.slope_low > 0 else 'falls'} with B from {lo} to {hi} overall "
-                    f"(slope {_two(self.slope)} in log-log, 95% interval {_two(self.slope_low)} to "
-                    f"{_two(self.slope_high)}), but not at every step; no peak is resolved with {n} seeds.")
+            rises = self.slope_low > 0
+            against = [f"{a} to {b}" for a, b, low, high in self.steps
+                       if (low + high < 0 if rises else low + high > 0) and low <= 0 <= high]
+            text = (f"The best LR {'rises' if rises else 'falls'} with B from {lo} to {hi} overall (slope "
+                    f"{_two(self.slope)} in log-log, 95% interval {_two(self.slope_low)} to {_two(self.slope_high)})"
+                    + (f", but its mean {'falls' if rises else 'rises'} from B = {', '.join(against)}, which {n} "
+                       f"seeds do not resolve: whether it has a peak in the range is not resolved."
+                       if against else f", but not at every step; no peak is resolved with {n} seeds."))
         else:
             text = (f"No peak is resolved between B = {lo} and {hi} with {n} seeds, nor a direction (slope "
                     f"{_two(self.slope)}, 95% interval {_two(self.slope_low)} to {_two(self.slope_high)}).")
@@ -166,12 +171,13 @@ def _peak_with_interval(x: np.ndarray, logs: np.ndarray, seed: int) -> tuple[flo
 
 def _shape(turned: bool, slope_low: float, slope_high: float, steps: tuple) -> str:
     """A turn where the best LR at an inside B is resolved above both ends'; otherwise a direction where the
-    slope's interval excludes 0 and no step against it is resolved; otherwise not resolved."""
+    slope's interval excludes 0 and no step's mean goes against it (a fall at the last step, unresolved, may be a
+    peak: "only rises" would deny it); otherwise not resolved."""
     if turned:
         return "rises then falls"
-    if slope_low > 0 and not any(high < 0 for *_, high in steps):
+    if slope_low > 0 and all(low + high >= 0 for _, _, low, high in steps):
         return "only rises"
-    if slope_high < 0 and not any(low > 0 for _, _, low, _ in steps):
+    if slope_high < 0 and all(low + high <= 0 for _, _, low, high in steps):
         return "only falls"
     return "not resolved"
 

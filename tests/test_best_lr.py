@@ -154,3 +154,20 @@ def test_trials_that_differ_in_more_than_the_lr_are_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^at B = 8 the trials differ in more than the LR \(beta2\): the best LR "
                                          r"against B needs trials that differ only in the LR at each B"):
         best_lr.best_lr_against_b(trials, "val_loss", "minimize")
+
+
+def test_a_mean_that_falls_at_the_last_b_unresolved_is_no_clean_rise_and_leaves_the_peak_open():
+    """The best LR doubles from B = 32 to 256, then its mean falls at B = 512 where the seeds spread (0.07, 0.12,
+    0.22): the rise is resolved overall and no fall is, but "only rises ... no peak in the range" denied what the
+    means show."""
+    tops, rows = {32: 0.025, 64: 0.05, 128: 0.1, 256: 0.2, 512: 0.12}, []
+    for seed in range(3):
+        for b, top in tops.items():
+            centre = math.log(top * (2 ** ((seed - 1) * 0.8) if b == 512 else 1))
+            rows += [dict(effective_batch=b, seed=seed, lr=lr, status="FINISHED", val_loss=(math.log(lr) - centre) ** 2)
+                     for lr in 0.0125 * 2 ** (np.arange(12) / 2)]
+    result = best_lr.best_lr_against_b(pd.DataFrame(rows), "val_loss", "minimize")
+    assert result.slope_low > 0 and result.shape == "not resolved", result
+    assert "only rises" not in result.sentence() and "no peak in the range" not in result.sentence()
+    assert "but its mean falls from B = 256 to 512, which 3 seeds do not resolve: whether it has a peak in the " \
+           "range is not resolved." in result.sentence(), result.sentence()
