@@ -197,7 +197,9 @@ def exact_by_model(trials: pd.DataFrame) -> list[Exact]:
 
 def lr_rule_reading(lo: float, hi: float) -> str:
     """Which LR rule an interval of the exponent singles out: one only when it holds that rule's exponent and no
-    other's (an interval that holds 0 cannot tell a rule from leaving the LR as it is)."""
+    other's (an interval that holds 0 cannot tell a rule from leaving the LR as it is). It is read from the ends
+    as the sentence shows them, to 2 places: 0.5036 reads 0.50, which holds 0.5."""
+    lo, hi = round(lo, 2), round(hi, 2)
     held = [rule for rule in RULE_EXPONENTS if lo <= rule[0] <= hi]
 
     def exponents(rules) -> str:
@@ -223,11 +225,15 @@ def lr_exponent(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
         first, last = per_seed.points[0], per_seed.points[-1]
         went = (f"The best learning rate went from {first.lr:.3g} at B = {first.batch} to {last.lr:.3g} at B = "
                 f"{last.batch} (each seed's best LR at a B, their geometric mean). ")
-        reading = (f" {lr_rule_reading(per_seed.slope_low, per_seed.slope_high)}."
-                   if math.isfinite(per_seed.slope_low) else "")
-        return [went + per_seed.sentence() + reading]
+        return [went + per_seed.sentence() + _reading(per_seed, trials)]
     best, alpha = found
     t = finished(trials).dropna(subset=[m.name])
+    if "seed" in t and t.groupby("effective_batch")["seed"].nunique().min() < 2:
+        return [f"The best learning rate went from {best['lr'].iloc[0]:.3g} at B = {best['effective_batch'].iloc[0]} "
+                f"to {best['lr'].iloc[-1]:.3g} at B = {best['effective_batch'].iloc[-1]} (B^{round(alpha, 2) + 0.0:.2f} "
+                f"fitted over every B), each B's best from one seed of its own: with one seed at a B, how far its "
+                f"best LR moves with the seed is not measured, so no interval is put on the exponent and no LR rule "
+                f"is read from it; run the study with --seeds 3 (every B in the same seeds)."]
     rng = np.random.default_rng(0)
     sign = 1 if m.maximize else -1  # the best is the largest of sign * value
     groups = [g[[trained_lr(t), m.name]].to_numpy() * [1, sign] for _, g in t.groupby("effective_batch")]
@@ -245,6 +251,28 @@ def lr_exponent(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
             f"to {best['lr'].iloc[-1]:.3g} at B = {best['effective_batch'].iloc[-1]}: B^{shown[0]} fitted over "
             f"every B (95% bootstrap interval {shown[1]} to {shown[2]}, {BOOTSTRAPS:,} resamples of the trials at "
             f"each B). {lr_rule_reading(lo, hi)}."]
+
+
+def _reading(found, trials: pd.DataFrame) -> str:
+    """The LR rule the slope's interval reads as, where it can: a slope through a best LR at the edge of the LRs
+    tried is a bound from one side at most, and one through a curve that does not move as one power of B (a
+    turn, or a step against the slope's direction) is no rule."""
+    if not math.isfinite(found.slope_low):
+        return ""
+    edges = [p for p in found.points if p.at_edge]
+    if edges:
+        lr = trials.assign(lr=trials[trained_lr(trials)])
+        middle = np.mean([math.log(p.batch) for p in found.points])
+        signs = {(1 if math.isclose(p.lr, lr.loc[lr["effective_batch"] == p.batch, "lr"].max(), rel_tol=1e-6)
+                  else -1) * np.sign(math.log(p.batch) - middle) for p in edges}
+        bound = ("a lower bound at most (the true best LR there may be larger, the slope steeper)" if signs == {1}
+                 else "an upper bound at most" if signs == {-1} else "no bound from either side")
+        return (f" With a best LR at the edge of the LRs tried, the slope's interval ({found.slope_low:.2f} to "
+                f"{found.slope_high:.2f}) is {bound}: no LR rule is read from it; widen the LR grid there.")
+    if found.shape == "rises then falls" or (found.shape == "not resolved" and
+                                             (found.slope_low > 0 or found.slope_high < 0)):
+        return " No LR rule is read from the slope: the best LR does not move with B as one power of it here."
+    return f" {lr_rule_reading(found.slope_low, found.slope_high)}."
 
 
 def noise_scale(trials: pd.DataFrame) -> list[str]:

@@ -8,6 +8,7 @@ import pytest
 from mlflow import MlflowClient
 
 from batchsweep.analysis import best_lr
+from batchsweep.analysis.findings import lr_exponent, lr_rule_reading
 from batchsweep.analysis.runs import load_studies
 from tests.test_sweeps import sweep
 
@@ -171,3 +172,36 @@ def test_a_mean_that_falls_at_the_last_b_unresolved_is_no_clean_rise_and_leaves_
     assert "only rises" not in result.sentence() and "no peak in the range" not in result.sentence()
     assert "but its mean falls from B = 256 to 512, which 3 seeds do not resolve: whether it has a peak in the " \
            "range is not resolved." in result.sentence(), result.sentence()
+
+
+def _search(best_of, seeds_of, lrs=tuple(0.0125 * 2 ** i for i in range(6)), noise=0.002):
+    """An LR search in val_acc at B = 32 to 512: a parabola in log2 LR around best_of(B, seed)."""
+    rng, rows = np.random.default_rng(0), []
+    for b in (32, 64, 128, 256, 512):
+        for s in seeds_of(b):
+            rows += [dict(seed=s, lr_rule="none", physical_batch=b, accum_steps=1, effective_batch=b, base_batch=32,
+                          base_lr=lr, lr=lr, status="FINISHED", val_acc=round(
+                              0.95 - 0.02 * np.log2(lr / best_of(b, s)) ** 2 + rng.normal(0, noise), 3)) for lr in lrs]
+    return pd.DataFrame(rows)
+
+
+def test_one_seed_at_each_b_puts_no_interval_on_the_exponent_and_reads_no_rule():
+    """Each B ran one seed of its own: the fallback bootstrapped the LR grid's trials (not seeds) and printed a 95%
+    interval and "reads as square-root scaling"; a seed moves the best LR by more than that interval knows."""
+    [line] = lr_exponent(_search(lambda b, s: 0.05 * np.sqrt(b / 32), lambda b: [b]))
+    assert "bootstrap" not in line and "95%" not in line and "reads as" not in line, line
+    assert "each B's best from one seed of its own" in line and "no LR rule is read from it" in line
+
+
+def test_a_best_lr_at_the_edge_of_the_grid_bounds_the_slope_from_one_side_and_reads_no_rule():
+    """The true best LR is linear in B, but the grid tops out at 0.4: at B = 256 and 512 every seed's best is 0.4,
+    so the slope's interval (0.79 to 0.82, "holds none of 0, 0.5, 1") is a lower bound at most."""
+    [line] = lr_exponent(_search(lambda b, s: 0.05 * b / 32, lambda b: range(3)))
+    assert "is a lower bound at most" in line and "no LR rule is read from it" in line, line
+    assert "singles out" not in line and "reads as" not in line
+
+
+def test_the_rule_is_read_from_the_interval_as_printed():
+    """0.5036 prints as 0.50, which holds 0.5: the reading must not say "holds 1 alone" beside it."""
+    assert lr_rule_reading(0.5036, 1.2) == lr_rule_reading(0.4961, 1.2)
+    assert lr_rule_reading(0.5036, 1.2).startswith("It singles out no rule: the interval holds 0.5 (square root)")
