@@ -148,7 +148,8 @@ def build_invocation(args: argparse.Namespace):
                      # A [program] keeps its own checkpoints: its killed trial's point runs again from the start.
                      checkpoint_dir=None if args.checkpoint_dir == "none" or study.program else str(
                          Path(args.checkpoint_dir or "mlruns/checkpoints").resolve()),
-                     log_models=args.log_models, launcher=args.launcher or study.launcher, fuse=not args.no_fuse)
+                     log_models=args.log_models, launcher=args.launcher or study.launcher, fuse=not args.no_fuse,
+                     workers=args.workers)
     if inv.launcher == "torchrun" and study.program:
         raise ConfigError("a [program] runs your command as it is: put torchrun into its command instead of "
                           "--launcher torchrun")

@@ -203,3 +203,24 @@ trials = 6
     assert len({t.params["base_lr"] for t in trials}) == 6
     runs = {r.info.run_id: r for r in child_runs(client)[0]}
     assert [runs[t.user_attrs["mlflow_run_id"]].data.tags["fused_members"] for t in trials] == ["4"] * 4 + ["2"] * 2
+
+
+@pytest.mark.slow
+def test_two_workers_share_a_fused_grid_and_cover_it_once(tmp_path):
+    """12 points of one group and 2 workers: each worker takes at most its share (6) at a time, so both train;
+    every point once, complete, fused."""
+    from tests.test_sweeps import SMALL, grid_trials
+    from batchsweep.sweeps.study.spec import config_key
+
+    (tmp_path / "small.toml").write_text(SMALL)
+    done = sweep(tmp_path, "--study", str(tmp_path / "small.toml"), "--model", "mlp", "--dataset",
+                 "tests.factories:blobs1k", "--epochs", "2", "--seeds", "1", "--workers", "2", "--set",
+                 "warmup_epochs=0", "--log-models", "none", "--no-report", process=True)
+    assert done.returncode == 0, done.stderr
+    storage, client = stores(tmp_path)
+    trials = grid_trials(storage)
+    assert len({config_key(t.user_attrs["config"]) for t in trials}) == len(trials) == 12
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    assert len({t.user_attrs["owner"] for t in trials}) == 2
+    sizes = [int(r.data.tags["fused_members"]) for r in child_runs(client)[0]]
+    assert len(sizes) == 12 and max(sizes) <= 6

@@ -80,7 +80,7 @@ def child_runs(client, name="accum_lr"):
 @pytest.mark.slow
 def test_tiny_study_end_to_end(tmp_path):
     proc = sweep(tmp_path, *TINY[:-1], "--n-trials", "3", "--seed", "3", "--log-models", "best",  # and its report
-                 process=True)
+                 "--no-fuse", process=True)  # (each trial's own bar and times; fused: tests/test_fused_trials.py)
     assert proc.returncode == 0, proc.stderr
     assert "val_acc" in proc.stdout and "health" in proc.stdout and "24 trials left" in proc.stderr
     assert f"report: {tmp_path}/reports/accum_lr/report.html" in proc.stdout
@@ -351,8 +351,8 @@ def test_ownerless_trial_fails_after_grace(tmp_path):
 @pytest.mark.parametrize("workers,storage", [(4, "sqlite"), (2, "journal")])
 def test_workers_cover_the_grid_once(tmp_path, workers, storage):
     url = f"sqlite:///{tmp_path}/mlruns/optuna.db" if storage == "sqlite" else f"journal:{tmp_path}/optuna.log"
-    proc = sweep(tmp_path, *TINY, *small(tmp_path), "--workers", str(workers), "--storage", url,
-                 process=True)  # and what the workers print
+    proc = sweep(tmp_path, *TINY, *small(tmp_path), "--workers", str(workers), "--storage", url, "--no-fuse",
+                 process=True)  # and what the workers print (fused: tests/test_fused_trials.py)
     assert proc.returncode == 0, proc.stderr
     assert "locked" not in proc.stderr and "Traceback" not in proc.stderr
     _, client = stores(tmp_path)

@@ -49,6 +49,11 @@ class Group:
         self.told, self.beats = [], []
         members: list[TrialRun] = []
         try:
+            inv = self.worker.inv
+            # Its share of what is left: at the end of a study, a last group split between the workers keeps
+            # every core busy, rather than one worker training it while the others wait.
+            share = -(-inv.search.left(self.study.get_trials(deepcopy=False), self.mine, self.worker.failed_here)
+                      // inv.workers)
             first = self._claim(self.mine)
             if first is not None:
                 members.append(first)
@@ -56,8 +61,8 @@ class Group:
                 same = [u for u in self.mine if key is not None and self.keys[u.key] == key]
                 if most is not None and self.worker.inv.study.sampler == "grid":
                     same = self._within(same, most - 1)
-                most_here = MAX_MEMBERS if self.worker.inv.study.sampler == "grid" else SAMPLED_MEMBERS
-                cap = min(most_here, most or most_here)
+                most_here = MAX_MEMBERS if inv.study.sampler == "grid" else SAMPLED_MEMBERS
+                cap = min(most_here, most or most_here, max(share, 1))
                 while same and len(members) < cap and self.worker.inv.search.left(
                         self.study.get_trials(deepcopy=False), same, self.worker.failed_here):
                     member = self._claim(same)

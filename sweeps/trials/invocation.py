@@ -31,6 +31,7 @@ class Invocation:
     log_models: str = "best"  # none | best | all: the models of this invocation's trials kept in MLflow
     launcher: str = "process"  # process: trials train in the worker; torchrun: each trial is a torchrun job
     fuse: bool = True  # trials that can train as one fused group do (sweeps/trials/group.py)
+    workers: int = 1  # worker processes of this invocation (a fused group takes at most its share of the work)
 
     def config(self, point: Point, seed: int) -> TrainConfig:
         point = {k: v for k, v in point.items() if k in FIELDS or k in DERIVED}  # not a [program]'s own fields
