@@ -224,3 +224,14 @@ def test_two_workers_share_a_fused_grid_and_cover_it_once(tmp_path):
     assert len({t.user_attrs["owner"] for t in trials}) == 2
     sizes = [int(r.data.tags["fused_members"]) for r in child_runs(client)[0]]
     assert len(sizes) == 12 and max(sizes) <= 6
+
+
+def test_a_study_that_measures_each_trials_time_trains_it_alone(tmp_path):
+    """batch_memory measures samples/s per trial: its file says fuse = false, and a study file that says so trains
+    each trial alone, with its own time."""
+    from batchsweep.sweeps.study.files import load
+
+    assert load("batch_memory").fuse is False and load("accum_lr").fuse is True
+    run(tmp_path / "alone", grid=GRID.replace("[grid]", "[search]\nfuse = false\n[grid]"))
+    for r, _ in recorded(tmp_path / "alone").values():
+        assert "fused_members" not in r.data.tags and "samples_per_s" in r.data.metrics

@@ -32,7 +32,7 @@ BUILTIN = Path(__file__).resolve().parent / "builtin"
 KEYS = {
     "": ("name", "summary", "seeds", "workers", "launcher", "fixed", "grid", "tune", "search", "objective",
          "program"),
-    "search": ("sampler", "trials", "pruner", "twins", "constraints", "seed"),
+    "search": ("sampler", "trials", "pruner", "twins", "constraints", "seed", "fuse"),
     "objective": ("kind", "metrics", "directions"),
     "tune": ("type", "low", "high", "log", "choices"),
     "program": ("command", "env", "cwd", "timeout_minutes"),
@@ -109,6 +109,7 @@ def parse(data: dict[str, Any], source: str) -> Study:
     study = Study(name=name, summary=_typed(data, "summary", str, fail, default=""), fixed=fixed, grid=grid,
                   tune=tune, sampler=sampler, trials=_count(search, "search.trials", "trials", 10, 100_000, fail),
                   pruner=pruner, twins=twins, constraints=constraints, kind=kind, metrics=metrics,
+                  fuse=_typed(search, "fuse", bool, fail, default=True, key="search.fuse"),
                   directions=directions, seeds=_count(data, "seeds", "seeds", 1, 1000, fail),
                   workers=_count(data, "workers", "workers", 1, 256, fail),
                   sampler_seed=_count(search, "search.seed", "seed", 0, 2 ** 31 - 1, fail, low=0),

@@ -71,6 +71,7 @@ class Study:
     trials: int = 1  # per grid point and seed, for samplers other than grid
     pruner: str = "none"
     twins: bool = False
+    fuse: bool = True  # its trials may train as fused groups (false: a study that measures each trial's time)
     constraints: tuple[Constraint, ...] = ()
     kind: str = "train"  # one of KINDS
     metrics: tuple[str, ...] = ("val_acc",)

@@ -64,7 +64,7 @@ class Worker:
         self.cleanup = Cleanup(inv, self.storage, self.tracker)
         # Trials train as fused groups where they can (sweeps/trials/group.py): in this process, on a worker not
         # placed on a GPU (whose ledger holds one trial's memory at a time).
-        self.fuses = inv.fuse and self.objective.fuses() and placement is None \
+        self.fuses = inv.fuse and inv.study.fuse and self.objective.fuses() and placement is None \
             and not set(inv.study.metrics) & set(GROUP_TIMES)  # (an objective of time: a member's is not its own)
         self.said: set[str] = set()  # why groups trained alone, said once
 
