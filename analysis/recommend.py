@@ -12,7 +12,7 @@ import pandas as pd
 
 from batchsweep.sweeps import commands
 
-from .best import best_set, choices, one_at_base, picked
+from .best import EVERY_RULE, best_set, choices, one_at_base, picked
 from .figures import Measure, finished, full_scale, in_order, measure, one_batch, tuned
 from .findings import bn_against_true, exact_by_model, lr_exponent
 from .rules import decided, diverged, rule_comparisons, rules_at, twin_pairs, unshared, went
@@ -172,6 +172,27 @@ def largest_free(study: StudyRuns, m: Measure) -> list[str]:
             f"{stated(v.d, m=m, v=v)}."]
 
 
+def _below_per_b(study: StudyRuns, m: Measure, top: pd.Series, tied: pd.DataFrame, fields: list[str]) -> list[str]:
+    """The ties that the per-B lines resolve below the best, where the best is at the smallest B: a (rule, B)
+    whose cost against the smallest B is resolved worse there (that contrast pools the (b, k) that make B, and is
+    controlled over the per-B family), which the best's own contrast, one (b, k) at a time, left open."""
+    found = rule_comparisons(study.trials, m)
+    if found is None or not {"lr_rule", "physical_batch", "accum_steps"} <= set(fields):
+        return []
+    _, compared, verdicts = found
+    cost = {(r, b): (base, v) for (r, b, base, _), v in zip(compared, verdicts)}
+
+    def batch(row) -> int:
+        return int(row["physical_batch"] * row["accum_steps"])
+    below = []
+    for _, row in tied.iloc[1:].iterrows():
+        base, v = cost.get((row["lr_rule"], batch(row)), (None, None))
+        if (v is not None and v.resolved and m.worse(v.d) and base == batch(top)
+                and top["lr_rule"] in (EVERY_RULE, row["lr_rule"])):
+            below.append(label(row, fields))
+    return below
+
+
 def best(study: StudyRuns, m: Measure) -> list[str]:
     """The best configuration's mean and the set that cannot be told from it (best.py, as the trials table marks
     it)."""
@@ -192,12 +213,17 @@ def best(study: StudyRuns, m: Measure) -> list[str]:
                 f"pick; run the study with more seeds or a smaller LR there."]
     tied = tied[[label(row, fields) not in gone for _, row in tied.iterrows()]]
     top = tied.iloc[0]
+    lower = _below_per_b(study, m, top, tied, fields) if m.name == value else []
+    tied = tied[[label(row, fields) not in lower for _, row in tied.iterrows()]]
     n = int(top["n"])  # (its own finished seeds: a configuration that failed in a seed has fewer)
     named = "; ".join(label(row, fields) for _, row in tied.iloc[1:6].iterrows()) + ("; …" if len(tied) > 6 else "")
     what = "accuracy" if m.points else f"{m.name}{m.better}"
     ties = (f"{len(tied) - 1} other{'s' * (len(tied) > 2)} cannot be told from it ({named})" if len(tied) > 1 else
             "every other configuration was resolved worse than it" if not out_ else "no other configuration")
     ties += f"; left out as diverged in a seed: {'; '.join(out_)}" if out_ else ""
+    ties += (f"; resolved below it where each B's (b, k) are pooled (each rule's B against B = "
+             f"{int(top['physical_batch'] * top['accum_steps'])}, as the per-B lines compare): {'; '.join(lower)}"
+             if lower else "")
     pick = picked(top, found.highest, fields, configurations, m.maximize, label(found.highest, fields))
     return [f"The best {what}: {label(top, fields)} ({m.level(top[m.name])} over {n} seeds, {pick}); {ties}; "
             f"paired by seed, Benjamini-Hochberg at 5% over {configurations - 1} comparisons."]

@@ -469,3 +469,18 @@ def test_a_pick_that_shares_no_seed_with_its_smallest_b_says_its_cost_cannot_be_
         "; against B = 32: cannot be compared: the sqrt LR rule ran no seed at both Bs" in at_128, at_128
     findings = summarize(study.trials, study.history)
     assert "The sqrt LR rule ran no seed both at B = 32 and at a larger B: its Bs cannot be compared." in findings
+
+
+def test_a_configuration_the_per_b_contrast_resolves_lower_is_no_tie_of_the_best():
+    """none at B = 128 is 1 point below B = 32 in every seed once its two halves are averaged, while each half
+    alone swings ±2 points with the seed: the best's contrast, one (b, k) at a time, cannot tell either half from
+    B = 32, but the per-B contrast resolves none at B = 128 lower; the best line listed both as ties."""
+    swing = {0: 0.02, 1: -0.02, 2: 0.0}
+    rows = _rows(lambda s, rule, b, k: 0.95 + 0.001 * s - (0.01 + (swing[s] if k > 1 else -swing[s])
+                                                           if rule == "none" and b * k == 128 else 0))
+    study = _study(rows, ("physical_batch", "accum_steps", "lr_rule"))
+    [best] = [line for line in recommend(study) if line.startswith("The best")]
+    ties, _, below = best.partition("; resolved below it where each B's (b, k) are pooled (each rule's B against "
+                                    "B = 32, as the per-B lines compare): ")
+    assert below.startswith("b = 32, k = 4, none; b = 128, k = 1, none;"), best
+    assert ", none" not in ties, best
