@@ -24,6 +24,7 @@ _SURFACE = {
     "load": ("loop", "load"), "preflight": ("loop", "preflight"), "prepare": ("loop", "prepare"),
     "resolve_device": ("loop", "resolve_device"), "train": ("loop", "train"),
     "fold_noise": ("noise", "fold"), "noise_scale": ("noise", "value"),
+    "NotFusable": ("fused", "NotFusable"), "group_key": ("fused", "group_key"), "train_fused": ("fused", "train_fused"),
 }
 __all__ = sorted(_SURFACE)
 

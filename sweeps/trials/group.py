@@ -13,8 +13,7 @@ import optuna
 from optuna.storages._heartbeat import get_heartbeat_thread  # what study.optimize runs around each trial
 from optuna.trial import TrialState
 
-from batchsweep.trainers import Checkpointing, interrupt, load
-from batchsweep.trainers.fused import NotFusable, group_key, train_fused
+from batchsweep.trainers import Checkpointing, NotFusable, group_key, interrupt, load, train_fused
 
 from .objective import Trained
 from .record import TrialRun
