@@ -23,7 +23,8 @@ KEEPS_UP_WITHIN = 0.02  # a branch keeps up when its validation loss is at most 
 @dataclass
 class Branches:
     b0: int  # the reference's B
-    table: pd.DataFrame  # per (t, B): the mean over seeds of branch loss / reference loss, and the seeds
+    table: pd.DataFrame  # per (t, B): the mean over seeds of branch loss / reference loss, the seeds, and how
+    # many of them kept up on their own
     critical: pd.DataFrame  # per t: the largest B that kept up (b0 where none did)
     noise: pd.DataFrame  # per epoch of the reference: the median reliable noise scale over its seeds
 
@@ -55,7 +56,9 @@ def branches(trials: pd.DataFrame, history: pd.DataFrame) -> Branches | None:
             rows.append({"t": len(p), "B": int(row.effective_batch), "ratio": loss[(row.run_id, end)] / loss[(ref, end)]})
     if not rows:
         return None
-    table = pd.DataFrame(rows).groupby(["t", "B"])["ratio"].agg(ratio="mean", seeds="count").reset_index()
+    rows = pd.DataFrame(rows).assign(kept=lambda r: r["ratio"] <= 1 + KEEPS_UP_WITHIN)
+    table = rows.groupby(["t", "B"]).agg(ratio=("ratio", "mean"), seeds=("ratio", "count"),
+                                         kept=("kept", "sum")).reset_index()
     kept = table[table["ratio"] <= 1 + KEEPS_UP_WITHIN]
     critical = pd.DataFrame({"t": sorted(table["t"].unique())})
     critical["B"] = critical["t"].map(lambda at: int(kept.loc[kept["t"] == at, "B"].max()) if (kept["t"] == at).any()
@@ -86,20 +89,37 @@ def finding(trials: pd.DataFrame, history: pd.DataFrame) -> list[str]:
         return f"at least {lo:.0f}" if hi == math.inf else f"below {hi:.0f}" if not lo else \
             f"between {lo:.0f} and {hi:.0f}"
 
+    def crossed(t: int) -> str:  # a smaller B that did not keep up below a larger that did: no bracket
+        at = found.table[found.table["t"] == t].sort_values("B")
+        kept = list(at["ratio"] <= 1 + KEEPS_UP_WITHIN)
+        pairs = [(a, b) for i, a in enumerate(at["B"]) for j, b in enumerate(at["B"]) if i < j and not kept[i]
+                 and kept[j]]
+        return f"B = {pairs[0][0]} did not keep up while B = {pairs[0][1]} did" if pairs else ""
+
+    def seeds() -> str:  # how many seeds stand behind it, and where they part
+        n = int(found.table["seeds"].min())
+        if n == 1:
+            return " Each branch ran in one seed: how far its verdict moves with the seed is not measured."
+        split = [f"B = {b} after epoch {t}, {k} of {s}" for t, b, k, s in
+                 found.table[["t", "B", "kept", "seeds"]].itertuples(index=False) if 0 < k < s]
+        return (f" Each verdict is over {n} seeds" + (f"; the seeds part where a mean kept up or not ({'; '.join(split)} "
+                f"seeds kept up on their own)." if split else ", each of which agrees with it."))
+
     brackets = {t: bracket(t, b) for t, b in zip(c["t"], c["B"])}
-    said = ", ".join(f"{bound(*brackets[t])} after epoch {t}" for t in c["t"])
+    said = ", ".join(f"not bracketed after epoch {t} ({crossed(t)})" if crossed(t) else
+                     f"{bound(*brackets[t])} after epoch {t}" for t in c["t"])
     out = (f"Branched from the reference at B = {found.b0} into larger batches (the same samples after the branch; "
-           f"a branch kept up when its validation loss came within {100 * KEEPS_UP_WITHIN:.0f}% of the reference's), the "
-           f"critical batch was {said} (Merrill et al. 2025; bounded by the Bs branched to: the largest that kept up, "
-           f"the next that did not).")
-    at = [(t, noise[t]) for t in c["t"] if t in noise.index]
+           f"a branch kept up when its validation loss, the mean over the seeds, came within "
+           f"{100 * KEEPS_UP_WITHIN:.0f}% of the reference's), the critical batch was {said} (Merrill et al. 2025; "
+           f"bounded by the Bs branched to: the largest that kept up, the next that did not).")
+    at = [(t, noise[t]) for t in c["t"] if t in noise.index and not crossed(t)]
     if at:
         where = [f"{'inside' if lo <= n < hi else 'below' if n < lo else 'above'} it at epoch {t}"
                  for t, n in at for lo, hi in [brackets[t]]]
         out += (f" The reference's noise scale at those epochs was {', '.join(f'{n:.0f}' for _, n in at)} "
                 f"(McCandlish et al. 2018): {', '.join(where)}; the branches bound the critical batch only to the "
                 f"Bs branched to, so no closer ratio is said.")
-    return [out]
+    return [out + seeds()]
 
 
 def figure(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | None:

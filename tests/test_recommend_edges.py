@@ -6,6 +6,7 @@ import re
 import numpy as np
 import pandas as pd
 
+from batchsweep.analysis import branching
 from batchsweep.analysis.findings import summarize
 from batchsweep.analysis.recommend import recommend
 from batchsweep.analysis.runs import StudyRuns
@@ -484,3 +485,32 @@ def test_a_configuration_the_per_b_contrast_resolves_lower_is_no_tie_of_the_best
                                     "B = 32, as the per-B lines compare): ")
     assert below.startswith("b = 32, k = 4, none; b = 128, k = 1, none;"), best
     assert ", none" not in ties, best
+
+
+def _branched(ratios: list[dict]) -> list[str]:
+    """Branches at epoch 2 from B = 32 into 64, 128 and 256; `ratios`, one dict per seed: each B's final val_loss
+    over the reference's."""
+    rows, history = [], []
+    for seed, per in enumerate(ratios):
+        rows.append(dict(run_id=f"ref{seed}", seed=seed, effective_batch=32, batch_warmup="", epochs=6,
+                         status="FINISHED", val_acc=0.9))
+        history.append(dict(run_id=f"ref{seed}", epoch=6, val_loss=0.30, val_acc=0.9))
+        for b, ratio in per.items():
+            rows.append(dict(run_id=f"b{b}s{seed}", seed=seed, effective_batch=b, batch_warmup="32,32", epochs=6,
+                             status="FINISHED", val_acc=0.9))
+            history.append(dict(run_id=f"b{b}s{seed}", epoch=6, val_loss=0.30 * ratio, val_acc=0.9))
+    return branching.finding(pd.DataFrame(rows), pd.DataFrame(history))
+
+
+def test_branches_that_do_not_bracket_the_critical_batch_say_so_with_the_seeds_behind_them():
+    """B = 64 did not keep up while B = 128 did: "between 128 and 256" ignored it. With 3 seeds, B = 128's mean kept
+    up (ratios 0.95, 1.00, 1.08) while one seed did not: the sentence says how the seeds part."""
+    [one] = _branched([{64: 1.03, 128: 1.01, 256: 1.05}])
+    assert "the critical batch was not bracketed after epoch 2 (B = 64 did not keep up while B = 128 did)" in one
+    assert "between 128 and 256" not in one and one.endswith("Each branch ran in one seed: how far its verdict "
+                                                             "moves with the seed is not measured."), one
+    [three] = _branched([{64: 1.01, 128: 0.95, 256: 1.05}, {64: 1.0, 128: 1.00, 256: 1.06},
+                         {64: 1.0, 128: 1.08, 256: 1.07}])
+    assert "the critical batch was between 128 and 256 after epoch 2" in three, three
+    assert three.endswith("Each verdict is over 3 seeds; the seeds part where a mean kept up or not (B = 128 after "
+                          "epoch 2, 2 of 3 seeds kept up on their own)."), three
