@@ -241,6 +241,9 @@ def _budget_sentence(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str
         return said + f"; every other configuration was resolved below it ({control})."
     named = (": " + "; ".join(label(row, fields) for _, row in tied.iloc[1:].iterrows())) if len(tied) <= 5 else ""
     said += f"; {len(tied) - 1} other{'s' * (len(tied) > 2)} cannot be told from it ({control}){named}"
+    if {"physical_batch", "accum_steps", "lr_rule"} <= set(fields):  # (which comparison: not the per-B one)
+        said += (" (each (b, k) against it on its own; the LR-rule sentences pool the (b, k) that make a B, and may "
+                 "resolve one of these lower)")
     what = against.removeprefix("peak ")
     if cheap[cost] < top[cost]:
         return said + (f"; the least {what} among them: {label(cheap, fields)} ({shown(cheap[value], percent=percent)})"
