@@ -153,6 +153,14 @@ def test_a_command_that_saves_into_its_trial_dir_is_audited(tmp_path, store, cap
 
 
 @pytest.mark.slow
+def test_dropout_in_a_second_model_the_loop_calls_apart_is_seen(tmp_path, store, capsys):
+    """head(net(x)), the head a model of its own whose functional dropouts draw in another order at (b, k): the
+    runs part, and the audit says why (it read `unexplained`, exit status 1: only the first model was watched)."""
+    code, out, found = audited(tmp_path, store, capsys, "--case", "head_dropout")
+    assert code == 2 and found["verdicts"] == ["random_forward"], out
+
+
+@pytest.mark.slow
 def test_a_dropout_layer_that_is_never_called_is_no_randomness(tmp_path, store, capsys):
     """A dropout module in training mode that the forward never calls draws nothing: no note that the forward
     drew random numbers (it said so from the module's kind alone, and a mistake beside it read `random_forward`)."""

@@ -23,6 +23,7 @@ Cases, and [the verdict `batchsweep audit` must give]:
                  backwarded apart (k micro-batches of each per window)
     dropout      --dropout P on --drops hidden layers [exact; 2 layers: random_forward]
     unused_dropout  a dropout layer the forward never calls [exact, no note: nothing drew]
+    head_dropout head(net(x)), the head a model of its own with two functional dropouts [random_forward]
     skip_tokens  a token loss, each micro-batch's token mean over k, the epoch's short window backwarded but
                  never stepped (the next window's zero_grad drops it) [short_window_skipped,
                  mean_of_micro_batch_means]
@@ -90,6 +91,18 @@ def model_for(args) -> nn.Module:
     return Unused(net) if args.case == "unused_dropout" else net
 
 
+class Head(nn.Module):
+    """A second model the loop calls apart, with two functional dropouts (masks drawn in another order at (b, k))."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, h):
+        h = torch.nn.functional.dropout(self.a(h), 0.1, training=self.training)
+        return self.b(torch.nn.functional.dropout(h, 0.1, training=self.training))
+
+
 class Unused(nn.Module):
     """A model that holds a dropout layer its forward never calls (left from an experiment)."""
 
@@ -154,6 +167,12 @@ def train(args, rank: int | None = None) -> int:
         def model(v):
             return head(encoder(v))
         trained = head
+    elif args.case == "head_dropout":
+        net, head = model_for(args), Head()
+
+        def model(v):
+            return head(net(v))
+        trained = nn.ModuleList([net, head])
     else:
         model = trained = model_for(args)
     if args.compile == "function":

@@ -47,6 +47,7 @@ class Tracer:
         self.cuda = None  # the model's GPU, where it trains on one
         self.global_hooks: list = []  # removed once the model is found
         self.own_hooks: list = []  # the first model's own
+        self.watching_others: list = []  # the other models' draws watched in the first windows
         self.undo: list = []  # what puts each patch of install_hooks back (uninstall)
         self.depth = 0  # nesting of module calls: 0 outside any
         self.model = None  # the first module seen training: its inputs are the windows' samples
@@ -122,9 +123,14 @@ class Tracer:
         if compiling():
             return
         if self.steps >= RANDOM_WINDOWS:
-            self.watching.remove()
+            for handle in (self.watching, *self.watching_others):
+                handle.remove()
         elif module.training and torch.is_grad_enabled():
             self.generators = generator_states(self.cuda)
+
+    def other_forward(self, module, args, output) -> None:
+        if self.steps < RANDOM_WINDOWS and module.training and not compiling():
+            self.drew("forward")
 
     def drew(self, where: str) -> None:
         """Whether a default generator moved since the states were taken (dropout, a random augmentation)."""
@@ -142,6 +148,9 @@ class Tracer:
         for handle in self.global_hooks:
             handle.remove()
         self.global_hooks = []
+        # The other models' forwards draw too (a head the loop calls apart): watched as the first one's is.
+        self.watching_others = [handle for model in self.models if model is not self.model for handle in (
+            model.register_forward_pre_hook(self.watch_forward), model.register_forward_hook(self.other_forward))]
         # (every name a tied weight has in the state dict: GPT-2's lm_head.weight is its wte.weight)
         self.trained = [name for name, p in self.named_parameters(aliases=True) if p.requires_grad]
         dropout = torch.nn.modules.dropout._DropoutNd
