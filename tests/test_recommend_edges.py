@@ -9,6 +9,7 @@ import pandas as pd
 from batchsweep.analysis import branching
 from batchsweep.analysis.findings import summarize
 from batchsweep.analysis.recommend import recommend
+from batchsweep.analysis.space import memory_front
 from batchsweep.analysis.runs import StudyRuns
 
 
@@ -514,3 +515,16 @@ def test_branches_that_do_not_bracket_the_critical_batch_say_so_with_the_seeds_b
     assert "the critical batch was between 128 and 256 after epoch 2" in three, three
     assert three.endswith("Each verdict is over 3 seeds; the seeds part where a mean kept up or not (B = 128 after "
                           "epoch 2, 2 of 3 seeds kept up on their own)."), three
+
+
+def test_the_memory_fronts_ties_say_which_comparison_they_use():
+    """The front's ties compare each (b, k) with the best on its own; the LR-rule sentences pool a B's (b, k) and
+    resolved one of them lower: the sentence says which comparison it uses."""
+    swing = {0: 0.02, 1: -0.02, 2: 0.0}
+    rows = [{**r, "peak_memory_bytes": 1e5 * r["physical_batch"]}
+            for r in _rows(lambda s, rule, b, k: 0.95 + 0.001 * s - (0.01 + (swing[s] if k > 1 else -swing[s])
+                                                                     if rule == "none" and b * k == 128 else 0))]
+    finding = memory_front(_study(rows, ("physical_batch", "accum_steps", "lr_rule"))).finding
+    assert "cannot be told from it (paired by seed over 3 seeds" in finding and \
+        "(each (b, k) against it on its own; the LR-rule sentences pool the (b, k) that make a B, and may resolve " \
+        "one of these lower)" in finding, finding
