@@ -76,6 +76,15 @@ def test_a_loss_times_the_world_size_is_loss_scaled_by_world(tmp_path, store, ca
 
 
 @pytest.mark.slow
+def test_batchnorm_across_ranks_says_the_reduction_cannot_be_told_not_that_it_passes(tmp_path, store, capsys):
+    """BatchNorm in training mode normalizes each rank's own samples, so 2 ranks never equal one: a loss times the
+    world size beside it passed with exit status 0. Nothing about the reduction can be told: exit status 2."""
+    code, out, found = audited(tmp_path, store, capsys, "world_times", "sample", extra=("--bn", "yes"))
+    assert code == 2 and "batchnorm_across_ranks" in found["verdicts"], out
+    assert "cannot be told from these runs" in out and "BatchNorm frozen (eval mode)" in out, out
+
+
+@pytest.mark.slow
 def test_a_loss_over_the_global_count_under_clipping_is_loss_scaled_by_world_not_exact(tmp_path, store, capsys):
     """The loss over the window's count on all ranks but not times N: DDP's mean halves the gradient. Clipped at
     0.1, below both windows' gradient norms (about 0.3 and 0.6), in float32, the weights of 2 ranks and of one agree

@@ -169,9 +169,12 @@ VERDICTS = {
                                "against {lr_t:.4g} from step {lr_step} on (it scales the LR it is given by the world "
                                "size), so the reduction across ranks cannot be compared like with like: audit with "
                                "the LR it is given."),
-    "batchnorm_across_ranks": (0, "the model has BatchNorm in training mode: each of the {nproc} ranks normalizes "
-                                  "its own b*k samples, which one rank at b*k*{nproc} cannot equal. Where the two "
-                                  "must agree, convert it with torch.nn.SyncBatchNorm.convert_sync_batchnorm."),
+    "batchnorm_across_ranks": (2, "the model has BatchNorm in training mode: each of the {nproc} ranks normalizes "
+                                  "its own b*k samples, which one rank at b*k*{nproc} cannot equal, so whether the "
+                                  "loss is reduced right across ranks cannot be told from these runs (a loss scaled "
+                                  "by {nproc}, or a mean of the ranks' means, would pass). Audit it with BatchNorm "
+                                  "frozen (eval mode), where the reduction is checked; where the ranks must agree "
+                                  "with one, convert it with torch.nn.SyncBatchNorm.convert_sync_batchnorm (GPUs)."),
     "random_across_ranks": (2, "the training {random_draws} drew random numbers ({random_modules}), and {nproc} "
                                "ranks part from one: each rank draws from its own generator, so they trained on "
                                "other random numbers than one rank, and whether the loop is right across ranks "

@@ -65,6 +65,7 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm_ to this, once a window (0: none)")
     p.add_argument("--static-graph", default="no", choices=["yes", "no", "bootstrap"])
     p.add_argument("--dtype", default="float64", choices=["float64", "float32"])
+    p.add_argument("--bn", default="no", choices=["yes", "no"], help="BatchNorm1d after the first layer (training mode)")
     args = p.parse_args()
     torch.set_default_dtype(getattr(torch, args.dtype))
     torch.set_num_threads(1)
@@ -74,7 +75,8 @@ def main() -> None:
     x, y = data(1234, tokens)
     torch.manual_seed(args.seed)
     model = nn.parallel.DistributedDataParallel(
-        Tokens() if tokens else nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)),
+        Tokens() if tokens else nn.Sequential(nn.Linear(6, 16), *[nn.BatchNorm1d(16)] * (args.bn == "yes"),
+                                              nn.Tanh(), nn.Linear(16, 3)),
         static_graph=args.static_graph != "no")
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     b, k = args.batch_size, args.accum
