@@ -160,11 +160,12 @@ VERDICTS = {
                                 "loss over the window's count on all ranks, times {nproc}."),
     "ranks_data_differ": (2, "window {rank_data_window} of the {nproc} ranks at (b*k, 1) did not hold together the "
                              "samples that one rank holds at (b*k*{nproc}, 1) (their counts, or the sums of their "
-                             "inputs, differ), so the reduction across ranks cannot be checked. Each rank drew its own "
-                             "samples (minimal GPT trainers seed each rank's batches with 1337 + its rank), which one "
-                             "rank cannot repeat: for the audit, shard each window by rank as DistributedSampler does "
-                             "(rank r takes samples r, r + {nproc}, r + 2*{nproc}, ... of one permutation, seeded "
-                             "alike on every rank)."),
+                             "inputs, differ), so the reduction across ranks cannot be checked. The usual causes: "
+                             "each rank draws its own samples (minimal GPT trainers seed each rank's batches with 1337 "
+                             "+ its rank), or the order depends on the world size or on b; which one, these runs do "
+                             "not tell. For the audit, shard each window by rank as DistributedSampler does (rank r "
+                             "takes samples r, r + {nproc}, r + 2*{nproc}, ... of one permutation, seeded alike on "
+                             "every rank and at every world size)."),
     "lr_differs_by_world": (2, "on {nproc} ranks the script sets another learning rate than on one rank, {lr_a:.4g} "
                                "against {lr_t:.4g} from step {lr_step} on (it scales the LR it is given by the world "
                                "size), so the reduction across ranks cannot be compared like with like: audit with "
