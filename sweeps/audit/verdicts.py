@@ -141,9 +141,11 @@ VERDICTS = {
                             "the window's last, before its forward."),
     "ranks_train_apart": (2, "the ranks' weights part at (b*k, 1) too (rank {rank_parted}: {rank_rel_diff:.3g} at "
                              "(b, k), {true_batch_rank_rel_diff:.3g} at (b*k, 1)): the script does not all-reduce "
-                             "its gradients (no DistributedDataParallel, or its sync switched off throughout), so "
-                             "its ranks train apart and cannot be compared with one rank. Audit a data-parallel "
-                             "script, or this one with --nproc 1."),
+                             "the gradients of the window's last micro-batch, which at (b*k, 1) is its only one (no "
+                             "DistributedDataParallel, its sync switched off throughout, or switched on at another "
+                             "micro-batch than the last), so its ranks train apart and cannot be compared with one "
+                             "rank. Sync at the window's last micro-batch (a data-parallel script), or audit this "
+                             "one with --nproc 1."),
     "mean_of_rank_means": (1, "(b*k, 1) on {nproc} ranks parts from (b*k*{nproc}, 1) on one rank at update "
                               "{rank_first_differing_update}, whose window the ranks held with {rank_counts} counted "
                               "items, and the {rank_measured} is turned (cosine {rank_update_cosine:.6f}, "
