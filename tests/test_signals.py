@@ -106,8 +106,9 @@ def stop(proc: subprocess.Popen, how: str, procs: list[psutil.Process], names: d
 def test_a_stopped_study_leaves_nothing_running_and_resumes_every_point_once(tmp_path, how):
     (tmp_path / "study.toml").write_text(STUDY)
     (tmp_path / "held").mkdir()
+    # (trials alone, one held in each worker: the hold counts one trial a worker, and a fused group holds several)
     argv = [sys.executable, str(ROOT / "sweeps/run.py"), "--study", "study.toml", "--seeds", "1", "--workers", "2",
-            "--log-models", "none", "--no-report"]
+            "--log-models", "none", "--no-report", "--no-fuse"]
     hold = {"BATCHSWEEP_TEST_HOLD_EACH": f"{tmp_path / 'held'}:2" + (":stubborn" if how == "second" else "")}
     proc = start(tmp_path, (["timeout", "600"] if how == "timeout" else []) + argv, hold,
                  ignore_sigint=how == "sigint")

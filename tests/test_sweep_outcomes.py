@@ -83,7 +83,8 @@ dataset = "tests.factories:blobs1k"
 "accum_steps+epochs" = [[1, 1], [2, 1], [4, {long}], [8, {long}]]
 """)
     proc = subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), "--study", "study.toml", "--seeds", "1",
-                             "--workers", str(workers), "--log-models", "none", "--no-report"], cwd=tmp_path,
+                             "--workers", str(workers), "--log-models", "none", "--no-report", "--no-fuse"],
+                            cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     wait_for_complete(tmp_path / "mlruns/optuna.db", 1, proc)
