@@ -309,7 +309,7 @@ def test_a_worker_killed_mid_study_is_reported_and_its_trial_ended(tmp_path):
     hold.touch()
     # The first trial to evaluate holds there, in its worker, until that worker is killed: its trial is RUNNING.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "BATCHSWEEP_TEST_HOLD": f"{hold}:1"}
-    args = [*TINY, *small(tmp_path), "--model", "tests.factories:holds", "--workers", "2"]
+    args = [*TINY, *small(tmp_path), "--model", "tests.factories:holds", "--workers", "2", "--no-fuse"]
     proc = subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     storage = f"sqlite:///{tmp_path}/mlruns/optuna.db"
@@ -598,7 +598,7 @@ def test_points_larger_than_the_training_set_are_recorded_and_skipped(tmp_path):
 def test_system_metrics_are_logged_for_each_trial(tmp_path):
     env_interval = {"MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.1"}  # trials of a second (30 epochs) get several
     proc = subprocess.run([sys.executable, str(ROOT / "sweeps/run.py"), *TINY, "--epochs", "30", "--n-trials", "2",
-                           "--system-metrics"], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                           "--system-metrics", "--no-fuse"], capture_output=True, text=True, cwd=tmp_path, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env_interval})
     assert proc.returncode == 0, proc.stderr
     children, _ = child_runs(stores(tmp_path)[1])
