@@ -62,7 +62,7 @@ def main() -> None:
             "--study", "accum_lr", "--seeds", str(args.seeds), "--workers", str(args.workers), "--epochs", "1",
             "--model", "mlp", "--dataset", "synthetic:blobs", "--set", "warmup_epochs=0", "--storage", storage,
             "--study-name", f"scaling-{int(time.time())}", "--tracking-uri", f"sqlite:///{folder}/mlflow.db",
-            "--checkpoint-dir", f"{folder}/checkpoints"]))
+            "--checkpoint-dir", f"{folder}/checkpoints", "--no-fuse"]))  # (each trial's own time in train())
         create_studies(inv, open_storage(inv.storage))
         parent = Tracker(inv.tracking_uri, inv.study_name).start_parent("scaling", {}, {})
         ctx = multiprocessing.get_context("spawn")
