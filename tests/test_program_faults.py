@@ -15,24 +15,64 @@ RUDE = ROOT / "tests" / "programs" / "rude.py"
 
 
 def test_an_objective_row_that_is_no_number_or_out_of_order_is_a_warning(tmp_path):
-    """A val_acc printed as text is not dropped without a word, and a row of an earlier epoch printed last does
-    not become the objective: the objective is the value at the latest epoch, as MLflow's latest value is."""
-    path = study_file(tmp_path, "rows", '[grid]\nmode = ["string", "backwards"]',
+    """A val_acc printed as text is not dropped without a word, and a row that is not the last whole epoch's never
+    becomes the objective: not an earlier epoch printed last, not a row within an epoch at its step, not a row
+    without an epoch. Optuna's value is the value MLflow shows as the run's latest, and its history's last."""
+    path = study_file(tmp_path, "rows", '[grid]\nmode = ["string", "backwards", "mixed", "unplaced"]',
                       f'command = ["{{python}}", "{ROWS}", "{{mode}}"]')
     proc = sweep(tmp_path, "--study", str(path), "--no-report")
     assert proc.returncode == 0, proc.stderr
     storage, client = stores(tmp_path)
     trials = {t.user_attrs["config"]["mode"]: t for t in trials_of(storage, "rows")}
     runs = {r.data.params["mode"]: r for r in child_runs(client, "rows")[0]}
+
+    def history(mode, name="val_acc"):
+        return [(m.step, m.value) for m in client.get_metric_history(runs[mode].info.run_id, name)]
+
+    def warnings(mode):  # (but the last: the tracer saw no optimizer step, in a script without torch)
+        return runs[mode].data.tags["warnings"].split(" | ")[:-1]
+
     assert trials["string"].state == State.COMPLETE and trials["string"].value == pytest.approx(0.6)
-    assert runs["string"].data.tags["warnings"].split(" | ")[0] == (
+    assert warnings("string")[0] == (
         "the script printed val_acc as '0.9', not a number, in the row " + json.dumps({"epoch": 3, "val_acc": "0.9"})
         + ": it is not logged; print val_acc as a number")
-    assert trials["backwards"].value == pytest.approx(0.1) == runs["backwards"].data.metrics["val_acc"]
-    assert runs["backwards"].data.tags["warnings"].split(" | ")[0] == (
+    for mode, value in (("backwards", 0.1), ("mixed", 0.7), ("unplaced", 0.7)):
+        assert trials[mode].state == State.COMPLETE, mode
+        assert trials[mode].value == pytest.approx(value) == runs[mode].data.metrics["val_acc"], mode
+        assert history(mode)[-1] == (max(step for step, _ in history(mode)), pytest.approx(value)), mode
+    assert history("backwards") == [(1, 0.2), (3, 0.1)]
+    assert warnings("backwards") == [
         'the script printed epoch 2.5 after epoch 3 (the row {"epoch": 2.5, "val_acc": 0.4}): a metric\'s final '
-        "value is its value at the latest epoch")
-    assert [m.step for m in client.get_metric_history(runs["backwards"].info.run_id, "val_acc")] == [1, 2, 3]
+        "value is its value at the latest epoch",
+        'the script printed val_acc in a row with epoch 2.5 without a step ({"epoch": 2.5, "val_acc": 0.4}), where '
+        "other rows give it at epochs: it cannot be placed among them, so it is kept in log.txt only and is not the "
+        "final value; print its epoch (or step) in the row, or give it a name of its own"]
+    # Within epochs, at their steps: step_val_acc, as the trainer logs its evaluations within epochs.
+    assert history("mixed") == [(1, 0.5), (2, 0.7)] and history("mixed", "step_val_acc") == [(150, 0.6), (250, 0.8)]
+    assert warnings("mixed") == [
+        'the script printed val_acc at step 150 between whole epochs ({"epoch": 1.5, "step": 150, "val_acc": 0.6}): '
+        "logged as step_val_acc at its step, while val_acc holds its value at each whole epoch (1 more row like it)"]
+    assert history("unplaced") == [(1, 0.5), (2, 0.7)]
+    assert warnings("unplaced") == [
+        'the script printed epoch as \'3\', not a number, in the row {"epoch": "3", "val_acc": 0.95}: it is not '
+        "logged; print epoch as a number",
+        'the script printed val_acc in a row with neither epoch nor step ({"val_acc": 0.9}), where other rows give it '
+        "at epochs: it cannot be placed among them, so it is kept in log.txt only and is not the final value; print "
+        "its epoch (or step) in the row, or give it a name of its own (1 more row like it)"]
+
+
+def test_rows_are_placed_each_metric_on_one_scale():
+    """Units of place(): a metric at steps alone is logged at its steps, a value printed once without either is
+    final, the later of two rows at one epoch is logged (MLflow's latest at one step would be the larger)."""
+    from batchsweep.sweeps.launch.rows import place
+
+    placed = place([{"step": 10, "loss": 2.0}, {"step": 20, "loss": 1.5}, {"epoch": 1, "val_acc": 0.6},
+                    {"epoch": 1, "val_acc": 0.5}, {"test_acc": 0.4}, {"step": 30, "loss": 1.0}])
+    assert placed.history == [{"step": 10, "loss": 2.0}, {"step": 20, "loss": 1.5}, {"epoch": 1, "val_acc": 0.5},
+                              {"step": 30, "loss": 1.0}]
+    assert placed.final == {"loss": 1.0, "val_acc": 0.5, "test_acc": 0.4}
+    assert placed.notes == ['the script printed val_acc twice at epoch 1 ({"epoch": 1, "val_acc": 0.5}): the later '
+                            "value is logged"]
 
 
 def test_a_failed_trial_keeps_what_was_measured_of_it(tmp_path):
@@ -99,7 +139,7 @@ def test_trials_that_write_one_file_at_once_are_marked_and_left_out(tmp_path):
     assert trials[3].state == State.COMPLETE and trials[3].value == pytest.approx(0.3)
     own = tmp_path / "mlruns" / "trials" / "clashing" / str(trials[3].number)
     assert (own / "checkpoint.txt").read_text() == "3" and "clash" not in runs["3"].data.tags
-    assert f"warning: 2 trials wrote a file that another trial wrote while both ran (trial " in proc.stderr
+    assert "warning: 2 trials wrote a file that another trial wrote while both ran (trial " in proc.stderr
     assert "write it under {trial_dir} (in the command) or $BATCHSWEEP_TRIAL_DIR" in proc.stderr
     report = (tmp_path / "reports" / "clashing" / "report.md").read_text()
     assert "2 of 3 trials did not finish (2 clash); they are left out of the figures" in report
@@ -185,7 +225,7 @@ with open(os.devnull, "w") as f:
 
 def test_an_epoch_or_step_that_is_no_finite_number_is_a_warning_not_a_failed_trial():
     """JSON's NaN and Infinity parse as numbers, and an MLflow step of them failed the whole trial (int(nan))."""
-    from batchsweep.sweeps.launch.program import Output
+    from batchsweep.sweeps.launch.rows import Output
 
     output = Output(watched=("val_acc",))
     output.row('{"epoch": 1, "val_acc": 0.5}')

@@ -302,7 +302,7 @@ def test_a_doubled_brace_reaches_the_script_as_one():
 def test_a_printed_metric_name_is_logged_under_one_that_mlflow_takes(printed, logged):
     from mlflow.utils.validation import _validate_metric_name
 
-    from batchsweep.sweeps.launch.program import parse_row
+    from batchsweep.sweeps.launch.rows import parse_row
 
     renamed = {}
     assert parse_row(json.dumps({"epoch": 1, printed: 0.5}), renamed) == {"epoch": 1.0, logged: 0.5}

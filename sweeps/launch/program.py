@@ -1,16 +1,13 @@
 """A trial that runs the user's own training script (a study file's [program]): its command line from the
-trial's values, the metrics it prints as JSON lines, the memory of its process tree, and how it ended.
+trial's values, the metrics it prints as JSON lines (read in rows.py), the memory of its process tree, and how it ended.
 
 The script runs in a process group of its own, so that stopping it (pruned, past its time, Ctrl-C) stops
 whatever it started too: SIGTERM to the group, SIGKILL after a grace period.
 """
 from __future__ import annotations
 
-import json
-import math
 import os
 import platform
-import posixpath
 import re
 import selectors
 import shutil
@@ -18,13 +15,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import psutil
 
 from ..stores.urls import USERINFO, redact
+from .rows import Output
 
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # What a command's text may hold between its plain characters: a placeholder, or {{ and }} for a literal brace (as
@@ -37,7 +34,6 @@ PARAMS = ("physical_batch", "accum_steps", "effective_batch", "lr_rule", "base_l
 GRACE_S = 10.0  # between SIGTERM and SIGKILL when a script is stopped
 SAMPLE_S = 0.2  # how often the process tree's memory is read (and the output, at the latest)
 GPU_SAMPLE_S = 1.0  # nvidia-smi costs tens of milliseconds a call
-TAIL_LINES = 20  # of stderr, kept for the error tag
 PIPE_GRACE_S = 2.0  # how long output is still read after the script exited
 STRAY_WAIT_S = 5.0  # for what a script left running to end after SIGKILL (a process in the kernel may not)
 
@@ -134,128 +130,6 @@ class Ended:
             notes.append(f"{len(self.left)} process{'es' * (len(self.left) > 1)} the script started could not be "
                          f"stopped ({', '.join(self.left[:3])}): stop {them} yourself")
         return notes
-
-
-@dataclass
-class Output:
-    """What a script printed, kept as it comes (so that a script stopped half-way still has its log)."""
-
-    lines: list[str] = field(default_factory=list)  # stdout and stderr, in the order they came
-    tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))  # of stderr
-    # The final value of every metric it printed: the one at the latest MLflow step (as MLflow's own latest value
-    # is), a row without step or epoch taking the step of that metric's row before it.
-    final: dict[str, float] = field(default_factory=dict)
-    renamed: dict[str, str] = field(default_factory=dict)  # a printed name MLflow refuses -> the name logged
-    watched: tuple[str, ...] = ()  # the objective's metrics: a row where one is no number is a warning
-    at: dict[str, float] = field(default_factory=dict)  # the step of each final value
-    highest: dict[str, float] = field(default_factory=dict)  # the highest epoch and step printed so far
-    problems: dict[str, list] = field(default_factory=dict)  # what is wrong with rows: [the first's sentence, count]
-
-    def notes(self) -> list[str]:
-        renamed = [f"the script's metric {name!r} is logged as {logged!r}: " +
-                   (f"batchsweep measures {name!r} itself" if name in MEASURED else
-                    f"MLflow takes letters, digits and _ - . : / and spaces in a name of at most {NAME_LENGTH}")
-                   for name, logged in self.renamed.items()]
-        return renamed + [first + (f" ({n - 1} more row{'s' * (n > 2)} like it)" if n > 1 else "")
-                          for first, n in self.problems.values()]
-
-    def row(self, line: str) -> dict[str, float] | None:
-        """A printed line as a metric row (see parse_row), its values kept as final where they are the latest."""
-        raw = json_object(line)
-        if raw is None:
-            return None
-        shown = line.strip() if len(line.strip()) <= 120 else line.strip()[:117] + "..."
-        for name in (*self.watched, "epoch", "step"):
-            if name in raw and name not in numbers(raw):
-                self._problem(name, f"the script printed {name} as {raw[name]!r}, not a number, in the row {shown}: "
-                                    f"it is not logged; print {name} as a number")
-        row = parse_row(line, self.renamed)
-        if row is None:
-            return None
-        for index in ("epoch", "step"):  # (NaN and Infinity parse as numbers: no MLflow step)
-            if index in row and not math.isfinite(row[index]):
-                self._problem(index, f"the script printed {index} as {row.pop(index)!r}, not a finite number, in "
-                                     f"the row {shown}: it is not logged; print {index} as a number")
-        from ..stores.mlflow_store import step_of  # (here: a study file's checks need no MLflow)
-
-        step = step_of(row) if "step" in row or "epoch" in row else None
-        for index in ("epoch", "step"):
-            if index in row and row[index] < self.highest.get(index, -math.inf):
-                self._problem(f"{index} order", f"the script printed {index} {row[index]:g} after {index} "
-                                                f"{self.highest[index]:g} (the row {shown}): a metric's final value "
-                                                f"is its value at the latest {index}")
-            self.highest[index] = max(row.get(index, -math.inf), self.highest.get(index, -math.inf))
-        for name, value in row.items():
-            if name in ("epoch", "step"):
-                continue
-            at = self.at.get(name, -math.inf) if step is None else step
-            if at >= self.at.get(name, -math.inf):
-                self.final[name], self.at[name] = value, at
-        return row
-
-    def _problem(self, kind: str, sentence: str) -> None:
-        self.problems.setdefault(kind, [sentence, 0])[1] += 1
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
-
-
-# MLflow refuses a metric name with other characters than these, longer than 250, or that is not a plain relative
-# path ("a//b", "../a", "/a"): one such name in a batch fails the whole trial's record.
-REFUSED = re.compile(r"[^/\w.\- :]+")
-NAME_LENGTH = 250
-MEASURED = ("wall_time_s", "peak_memory_bytes")  # what batchsweep measures of a script: its own go under script/
-
-
-def _refused(name: str) -> bool:
-    norm = posixpath.normpath(name)
-    return bool(REFUSED.search(name)) or len(name) > NAME_LENGTH or norm != name or norm.startswith(("..", "/")) \
-        or norm == "."
-
-
-def storable(name: str) -> str:
-    """The name under which a script's metric is logged: its own where MLflow takes it; else each run of refused
-    characters as "_" ("acc(%)" is "acc_"), "/" too where the name would be a path, cut to 250 characters."""
-    if not _refused(name):
-        return name
-    fixed = REFUSED.sub("_", name)
-    if _refused(fixed[:NAME_LENGTH]):
-        fixed = fixed.replace("/", "_")
-    if _refused(fixed[:NAME_LENGTH]):  # "", "." or "..x"
-        fixed = "_" + fixed
-    return fixed[:NAME_LENGTH]
-
-
-def numbers(row: dict[str, Any]) -> dict[str, float]:
-    """A JSON row's numeric values (true/false are not numbers here)."""
-    return {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
-def json_object(line: str) -> dict[str, Any] | None:
-    """A line that is a JSON object, as a dict; None for any other line."""
-    line = line.strip()
-    if not line.startswith("{"):
-        return None
-    try:
-        row = json.loads(line)
-    except ValueError:
-        return None
-    return row if isinstance(row, dict) else None
-
-
-def parse_row(line: str, renamed: dict[str, str]) -> dict[str, float] | None:
-    """A line of stdout that is a JSON object with numbers in it, under names MLflow takes and batchsweep's
-    measurements do not (`renamed` gets each name that had to change); None for any other line."""
-    row = json_object(line)
-    if row is None:
-        return None
-    values = {}
-    for name, value in numbers(row).items():
-        logged = f"script/{name}" if name in MEASURED else storable(name)
-        values[logged] = value
-        if logged != name:
-            renamed[name] = logged
-    return values or None
 
 
 class Memory:

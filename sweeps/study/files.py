@@ -18,7 +18,8 @@ from typing import Any
 from batchsweep.trainers import DERIVED, FIELDS, MAX_COUNT, ConfigError, import_object
 
 from ..commands import command
-from ..launch.program import PLACEHOLDER, TOKEN, Program, fill, storable, stray_brace
+from ..launch.program import PLACEHOLDER, TOKEN, Program, fill, stray_brace
+from ..launch.rows import storable
 from .search import PRUNERS, SAMPLERS
 from .spec import (CONSTRAINT, DIRECTIONS, KINDS, LAUNCHERS, Constraint, Param, Study, check_name,
                       check_size)

@@ -15,6 +15,7 @@ from mlflow import MlflowClient
 from batchsweep.trainers import METRICS, BatchsweepError, Checkpointing, ConfigError, TrainConfig, train
 
 from ..launch import observed, program, torchrun
+from ..launch.rows import Output, place
 from .places import Place, clash_sentence
 from ..study.spec import Study
 from ..stores.urls import scrub
@@ -101,6 +102,10 @@ class Objective:
                                 f"{', '.join(sorted(metrics))}: change [objective] metrics in the study")
         return [metrics[m] for m in self.metrics]
 
+    def history(self, rows: list[dict[str, float]]) -> list[dict[str, float]]:
+        """A trial's rows (each epoch's, as they came) as its run logs them."""
+        return rows
+
     def epoch_value(self, row: dict[str, float]) -> float | None:
         """The value a pruner compares after an epoch: the (single) metric, when the epoch logged it."""
         if len(self.metrics) != 1 or self.metrics[0] not in row:
@@ -166,6 +171,10 @@ class Script(Objective):
     def params(self, config: TrainConfig, own: dict[str, Any]) -> dict[str, Any]:
         return self.program.params({**config.to_dict(), **own}, self.named)
 
+    def history(self, rows: list[dict[str, float]]) -> list[dict[str, float]]:
+        """A script's rows placed, each metric on one scale, so that its last value in the run is its final one."""
+        return place(rows).history
+
     def train(self, config: TrainConfig, on_epoch: Callable[[dict[str, float]], None],
               checkpoint: Checkpointing | None = None, link: TrialLink | None = None) -> Trained:
         place = link.place
@@ -173,7 +182,7 @@ class Script(Objective):
         env = {**program.handoff(link.tracking_uri, link.run_id, link.experiment_id),
                "BATCHSWEEP_TRIAL_DIR": str(place.folder), **self.program.environment(values)}
         timeout = self.program.timeout_minutes * 60 if self.program.timeout_minutes else None
-        output, client = program.Output(watched=self.metrics), MlflowClient(link.tracking_uri)
+        output, client = Output(watched=self.metrics), MlflowClient(link.tracking_uri)
         watch = RunWatch(client, link, self.metrics[0]) if self.prunes else None
         place.open()
         try:
@@ -219,7 +228,7 @@ class Script(Objective):
                        {**tags, "warnings": " | ".join(notes) or None, **seen},
                        in_run=tuple(k for k in in_run if k not in output.final))
 
-    def measured(self, ended: program.Ended, output: program.Output, link: TrialLink,
+    def measured(self, ended: program.Ended, output: Output, link: TrialLink,
                  clashes: list[tuple[str, str]]) -> tuple[dict[str, float], dict[str, Any]]:
         """What was measured of a script run, and its tags. A script that failed raises, its exception carrying
         both (`exc.trained`): its record keeps its exit, time and memory."""

@@ -191,7 +191,8 @@ class TrialRun:
             # A finished trial's run ends once Optuna has recorded it complete (see Worker): a kill between the
             # two then leaves a run that the next invocation closes by the trial's state.
             logged = {k: v for k, v in metrics.items() if k not in self.in_run} if metrics else metrics
-            error = self.worker.tracker.finish(self.run_id, outcome.status, history=self.history, metrics=logged,
+            history = self.worker.objective.history(self.history)
+            error = self.worker.tracker.finish(self.run_id, outcome.status, history=history, metrics=logged,
                                                tags={"reason": reason, "state": outcome.state.name, **self.placed,
                                                      "fused_members": self.fused, **extra},
                                                end=name != "complete", dataset=dataset)
