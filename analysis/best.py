@@ -177,8 +177,30 @@ def best_set(study: StudyRuns, t: pd.DataFrame) -> Best | None:
     if len(points) < 2:
         return None
     tied = ties(seeds, points, fields, value, direction == "maximize")
+    return Best(members(t, fields, tied), fields, tied, len(points), highest(seeds, points, fields, value,
+                                                                             direction == "maximize"))
+
+
+def members(t: pd.DataFrame, fields: list[str], configurations: pd.DataFrame) -> pd.Index:
+    """The trials of `t` that are one of `configurations` (at B = base_batch, whichever LR rule they ran)."""
+    t = one_at_base(t, fields)
     marked = pd.Series(False, index=t.index)
-    for _, row in tied.iterrows():
+    for _, row in configurations.iterrows():
         marked |= of(t, fields, row)
-    return Best(t.index[marked], fields, tied, len(points), highest(seeds, points, fields, value,
-                                                                    direction == "maximize"))
+    return t.index[marked]
+
+
+def diverged_in_a_seed(trials: pd.DataFrame, fields: list[str]) -> pd.DataFrame:
+    """The configurations (their `fields`) in which a trial diverged. Such a trial did not finish, so a mean over
+    the seeds that did is a pick among survivors: no ranking counts the configuration as if it had not diverged."""
+    if not fields or "reason" not in trials or not set(fields) <= set(trials):
+        return pd.DataFrame(columns=fields)
+    return one_at_base(trials[trials["reason"] == "diverged"], fields)[fields].drop_duplicates()
+
+
+def without(frame: pd.DataFrame, fields: list[str], configurations: pd.DataFrame) -> pd.DataFrame:
+    """`frame`'s rows that are none of `configurations`."""
+    keep = pd.Series(True, index=frame.index)
+    for _, row in configurations.iterrows():
+        keep &= ~of(frame, fields, row)
+    return frame[keep]

@@ -6,13 +6,13 @@ gives the command that would.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pandas as pd
 
 from batchsweep.sweeps import commands
 
-from .best import EVERY_RULE, best_set, choices, one_at_base, picked
+from .best import EVERY_RULE, Best, best_set, choices, diverged_in_a_seed, members, picked
 from .figures import Measure, finished, full_scale, in_order, measure, one_batch, tuned
 from .findings import bn_against_true, exact_by_model, lr_exponent
 from .rules import decided, diverged, rule_comparisons, rules_at, twin_pairs, unshared, went
@@ -193,38 +193,64 @@ def _below_per_b(study: StudyRuns, m: Measure, top: pd.Series, tied: pd.DataFram
     return below
 
 
-def best(study: StudyRuns, m: Measure) -> list[str]:
-    """The best configuration's mean and the set that cannot be told from it (best.py, as the trials table marks
-    it)."""
-    value, direction = study.objectives[0]  # (what best_set ranks by; the Measure only where it is that metric)
-    m = m if m.name == value else Measure(value, direction == "maximize")
+@dataclass
+class Named:
+    """The best configuration as the report names it: its recommendation and the trials table's ★ alike."""
+
+    found: Best
+    tied: pd.DataFrame  # the best first, then the configurations that cannot be told from it
+    trials: pd.Index  # the finished trials of `tied`
+    diverged: list[str]  # ties left out: they diverged in a seed
+    lower: list[str]  # ties left out: the per-B lines resolve them below the best
+    refused: bool  # the best mean's configuration diverged in a seed: no best is named
+
+
+def named_best(study: StudyRuns, m: Measure | None = None) -> Named | None:
+    """best.py's best and ties, less the ties that diverged in a seed or that the per-B lines resolve lower; none
+    named where the best mean is one that diverged in a seed (its mean is over the seeds that survived)."""
+    value, direction = study.objectives[0]
+    m = m or measure(study.trials, study.objectives[0])  # (the report's, where it is that metric)
+    m = m if m is not None and m.name == value else Measure(value, direction == "maximize")
     t = finished(study.trials)
     t = t[pd.to_numeric(t[value], errors="coerce").notna()] if value in t else t.iloc[0:0]
     found = best_set(study, t)
     if found is None:
-        return []
-    fields, tied, configurations = found.fields, found.tied, found.configurations
-    gone = study.trials[study.trials["reason"] == "diverged"] if "reason" in study.trials else t.iloc[0:0]
-    gone = {label(row, fields) for _, row in one_at_base(gone, fields).iterrows()} if set(fields) <= set(gone) else set()
+        return None
+    fields, tied = found.fields, found.tied
+    gone = {label(row, fields) for _, row in diverged_in_a_seed(study.trials, fields).iterrows()}
     out_ = [label(row, fields) for _, row in tied.iterrows() if label(row, fields) in gone]
-    if out_ and label(tied.iloc[0], fields) in gone:  # (its mean is over the seeds that survived: no pick)
-        return [f"No best {'accuracy' if m.points else m.name} is named: {label(tied.iloc[0], fields)} had the best "
-                f"mean over the seeds that finished but diverged in another seed, and a pick among survivors is no "
-                f"pick; run the study with more seeds or a smaller LR there."]
+    refused = bool(out_) and label(tied.iloc[0], fields) in gone
     tied = tied[[label(row, fields) not in gone for _, row in tied.iterrows()]]
-    top = tied.iloc[0]
-    lower = _below_per_b(study, m, top, tied, fields) if m.name == value else []
+    lower = [] if refused else _below_per_b(study, m, tied.iloc[0], tied, fields)
     tied = tied[[label(row, fields) not in lower for _, row in tied.iterrows()]]
+    return Named(found, tied, pd.Index([]) if refused else members(t, fields, tied), out_, lower, refused)
+
+
+def best(study: StudyRuns, m: Measure) -> list[str]:
+    """The best configuration's mean and the set that cannot be told from it (named_best, as the trials table marks
+    it)."""
+    value, direction = study.objectives[0]  # (what best_set ranks by; the Measure only where it is that metric)
+    m = m if m.name == value else Measure(value, direction == "maximize")
+    named = named_best(study, m)
+    if named is None:
+        return []
+    fields, tied, out_, lower, configurations = (named.found.fields, named.tied, named.diverged, named.lower,
+                                                 named.found.configurations)
+    if named.refused:
+        return [f"No best {'accuracy' if m.points else m.name} is named: {out_[0]} had the best mean over the seeds "
+                f"that finished but diverged in another seed, and a pick among survivors is no pick; run the study "
+                f"with more seeds or a smaller LR there."]
+    top = tied.iloc[0]
     n = int(top["n"])  # (its own finished seeds: a configuration that failed in a seed has fewer)
-    named = "; ".join(label(row, fields) for _, row in tied.iloc[1:6].iterrows()) + ("; …" if len(tied) > 6 else "")
+    named_ = "; ".join(label(row, fields) for _, row in tied.iloc[1:6].iterrows()) + ("; …" if len(tied) > 6 else "")
     what = "accuracy" if m.points else f"{m.name}{m.better}"
-    ties = (f"{len(tied) - 1} other{'s' * (len(tied) > 2)} cannot be told from it ({named})" if len(tied) > 1 else
+    ties = (f"{len(tied) - 1} other{'s' * (len(tied) > 2)} cannot be told from it ({named_})" if len(tied) > 1 else
             "every other configuration was resolved worse than it" if not out_ else "no other configuration")
     ties += f"; left out as diverged in a seed: {'; '.join(out_)}" if out_ else ""
     ties += (f"; resolved below it where each B's (b, k) are pooled (each rule's B against B = "
              f"{int(top['physical_batch'] * top['accum_steps'])}, as the per-B lines compare): {'; '.join(lower)}"
              if lower else "")
-    pick = picked(top, found.highest, fields, configurations, m.maximize, label(found.highest, fields))
+    pick = picked(top, named.found.highest, fields, configurations, m.maximize, label(named.found.highest, fields))
     return [f"The best {what}: {label(top, fields)} ({m.level(top[m.name])} over {n} seeds, {pick}); {ties}; "
             f"paired by seed, Benjamini-Hochberg at 5% over {configurations - 1} comparisons."]
 
@@ -235,26 +261,30 @@ def fastest(study: StudyRuns) -> list[str]:
     found = times(study)
     if found is None:
         return []
-    t, _, points, fields, target = found
+    line = _fastest(study.objectives[0][0], *found[:5])
+    gone = found[5]  # (a median over the seeds that survived would be a pick among survivors)
+    return [line[:-1] + f"; left out as diverged in a seed: {'; '.join(gone)}." if gone else line]
+
+
+def _fastest(value: str, t: pd.DataFrame, _, points: pd.DataFrame, fields: list[str], target: float) -> str:
     points = points.sort_values("seconds")
     top = points.iloc[0]
-    value = study.objectives[0][0]
     # (an accuracy reads in percent of its own scale: 0.9155 and 91.55 alike read 91.5%)
     to = f"to {value} {full_percent(target, full_scale(t[value])) if 'acc' in value else shown(target)}"
     spread = identical_spread(t, fields)
     if spread is None:
-        return [f"The shortest median time {to}: {label(top, fields)} ({top['seconds']:,.1f} s over its seeds); each "
+        return (f"The shortest median time {to}: {label(top, fields)} ({top['seconds']:,.1f} s over its seeds); each "
                 f"time is one wall-clock measurement, and no identical runs show how far two measurements of one "
-                f"configuration lie apart, so it is not shown to be the fastest."]
+                f"configuration lie apart, so it is not shown to be the fastest.")
     near = points[points["seconds"] - top["seconds"] <= spread]
     if len(near) == 1:
-        return [f"The shortest time {to}: {label(top, fields)} ({top['seconds']:,.1f} s, the median over its seeds), "
+        return (f"The shortest time {to}: {label(top, fields)} ({top['seconds']:,.1f} s, the median over its seeds), "
                 f"ahead of every other configuration by more than the {spread:,.1f} s identical runs came apart (each "
-                f"time is one wall-clock measurement)."]
-    return [f"No configuration was resolved fastest {to}: {len(near)} of the {len(points)} reached it within "
+                f"time is one wall-clock measurement).")
+    return (f"No configuration was resolved fastest {to}: {len(near)} of the {len(points)} reached it within "
             f"{spread:,.1f} s of the shortest median ({top['seconds']:,.1f} s), what identical runs came apart by "
             f"(each time is one wall-clock measurement): "
-            + "; ".join(f"{label(r, fields)} ({r['seconds']:,.1f} s)" for _, r in near.iterrows()) + "."]
+            + "; ".join(f"{label(r, fields)} ({r['seconds']:,.1f} s)" for _, r in near.iterrows()) + ".")
 
 
 def bn_rules(study: StudyRuns, m: Measure) -> list[str]:

@@ -25,10 +25,9 @@ from tqdm import tqdm
 from batchsweep.sweeps import commands
 
 from . import branching
-from .best import best_set
 from .figures import Draw, Figure, candidates, has_accuracy, protocol
 from .findings import summarize
-from .recommend import recommend
+from .recommend import named_best, recommend
 from .runs import StudyRuns
 from .space import pareto_trials, space_candidates
 
@@ -63,7 +62,7 @@ def _columns(study: StudyRuns) -> list[str]:
 
 def _table(study: StudyRuns) -> pd.DataFrame:
     """The trials table, a first column marking with ★ the trials of the best configuration and of every one
-    that cannot be told from it (best.py: the set the findings name; none where nothing can be told apart), or
+    that cannot be told from it (the set the recommendation names; none where it names none), or
     with several objectives the Pareto front of them (`front`, as the run's final table marks it)."""
     trials, columns = study.trials, _columns(study)
     table = trials[columns].sort_values(columns[0]) if columns else trials
@@ -71,11 +70,10 @@ def _table(study: StudyRuns) -> pd.DataFrame:
     if len(study.objectives) > 1:
         marked, name = set(pareto_trials(study)), "front"
     elif metric in trials:
-        done = trials[(trials["status"] == "FINISHED") & trials[metric].notna()] if "status" in trials else trials
-        found = best_set(study, done)
-        if found is None:
+        named = named_best(study)  # (the recommendation's best and ties: none where it names none)
+        if named is None or named.refused:
             return table
-        marked, name = set(found.trials), "best or tied"
+        marked, name = set(named.trials), "best or tied"
     else:
         return table
     return table.assign(**{name: ["★" if i in marked else "" for i in table.index]})[[name, *table.columns]]

@@ -17,7 +17,8 @@ import numpy as np
 import pandas as pd
 
 from .figures import Draw, Figure, context, finished, in_order, log_scale
-from .best import EVERY_RULE, choices, highest, naming, of, one_at_base, per_configuration, per_seed, picked, ties
+from .best import (EVERY_RULE, choices, diverged_in_a_seed, highest, naming, of, one_at_base, per_configuration,
+                   per_seed, picked, ties, without)
 from .runs import TARGET_SHARE, StudyRuns, ci95
 
 MIN_IMPORTANCE_TRIALS = 10  # fewer finished trials say nothing about which field mattered
@@ -223,9 +224,10 @@ def _front_figure(points: pd.DataFrame, fields: list[str], cost: str, value: str
 
 
 def _budget_sentence(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], cost: str, value: str,
-                     percent: bool, maximize: bool, unit, against: str) -> str:
+                     percent: bool, maximize: bool, unit, against: str, gone: list[str]) -> str:
     """The configuration of the best mean, the set that cannot be told from it, and the cheapest of that set.
-    `against` names the cost, so that the memory and time sentences read apart in the findings."""
+    `against` names the cost, so that the memory and time sentences read apart in the findings; `gone`, the
+    configurations left out as diverged in a seed."""
     tied = ties(seeds, points, fields, value, maximize)
     top, n = tied.iloc[0], int(seeds.groupby(fields, dropna=False).size().min())
     cheap = tied.sort_values([cost, value], ascending=[True, not maximize]).iloc[0]
@@ -235,8 +237,10 @@ def _budget_sentence(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str
     pick = picked(top, first, fields, len(points), maximize, label(first, fields))
     plain = pick.startswith("the ")  # (no contrast overturned the best mean)
     why = f"picked as the {'highest, so biased upward' if maximize else 'lowest, so biased downward'}" if plain else pick
-    said = (f"Against {against}, the best{' mean' * plain} of the {len(points)} configurations was {label(top, fields)} "
-            f"({shown(top[value], percent=percent)}, at {unit(top[cost])}; {why})")
+    said = (f"Against {against}, the best{' mean' * plain} of the {len(points)} configurations"
+            f"{' that diverged in no seed' * bool(gone)} was {label(top, fields)} "
+            f"({shown(top[value], percent=percent)}, at {unit(top[cost])}; {why}"
+            f"{'; left out as diverged in a seed: ' + '; '.join(gone) if gone else ''})")
     if len(tied) == 1:
         return said + f"; every other configuration was resolved below it ({control})."
     named = (": " + "; ".join(label(row, fields) for _, row in tied.iloc[1:].iterrows())) if len(tied) <= 5 else ""
@@ -261,12 +265,15 @@ def memory_front(study: StudyRuns) -> Figure | None:
     t = t.dropna(subset=["peak_memory_bytes"])
     seeds = per_seed(one_at_base(t.assign(memory_mib=t["peak_memory_bytes"] / MIB), fields), fields,
                       [value, "memory_mib"])
+    gone = diverged_in_a_seed(study.trials, fields)  # (their means are over the seeds that survived)
+    seeds = without(seeds, fields, gone)
     points = per_configuration(seeds, fields, value, "memory_mib")
     if len(points) < 2:
         return None
     percent, maximize = as_percent(value, t[value]), direction == "maximize"
     finding = _budget_sentence(seeds, points, fields, "memory_mib", value, percent, maximize,
-                               lambda mib: f"{mib:,.1f} MiB of peak memory", "peak memory")
+                               lambda mib: f"{mib:,.1f} MiB of peak memory", "peak memory",
+                               [label(row, fields) for _, row in gone.iterrows()])
     return _front_figure(points, fields, "memory_mib", value, "peak memory, MiB", percent, maximize, "memory_front",
                          f"Pareto front: {value} against peak memory", t, finding)
 
@@ -305,8 +312,9 @@ def _timing_note(t: pd.DataFrame, fields: list[str], saving: float) -> str:
 
 def times(study: StudyRuns):
     """Each configuration's median seconds to the target over its seeds, where most of them reached it: (trials
-    with their seconds, per-seed rows, per-configuration points, fields, target); None where the study has no
-    accuracy to maximize, no epoch times or fewer than two configurations that got there."""
+    with their seconds, per-seed rows, per-configuration points, fields, target, the configurations left out as
+    diverged in a seed); None where the study has no accuracy to maximize, no epoch times or fewer than two
+    configurations that got there."""
     t = _objective_trials(study)
     fields = naming(study, t)
     value, direction = study.objectives[0]
@@ -319,7 +327,8 @@ def times(study: StudyRuns):
         return None
     t = one_at_base(t.assign(seconds=seconds.values), fields)
     # A configuration counts when most of its seeds reached the target; its time is their median.
-    seeds = per_seed(t, fields, [value, "seconds"])
+    gone = diverged_in_a_seed(study.trials, fields)  # (a diverged seed never reached it: no median over the rest)
+    seeds = without(per_seed(t, fields, [value, "seconds"]), fields, gone)
     rows = []
     for key, g in seeds.groupby(fields, dropna=False):
         key = key if isinstance(key, tuple) else (key,)
@@ -327,7 +336,8 @@ def times(study: StudyRuns):
             rows.append({**dict(zip(fields, key)), value: g[value].mean(), "half": ci95(g[value]),
                          "seconds": g["seconds"].median()})
     points = pd.DataFrame(rows)
-    return None if len(points) < 2 else (t, seeds, points, fields, target)
+    gone = [label(row, fields) for _, row in gone.iterrows()]
+    return None if len(points) < 2 else (t, seeds, points, fields, target, gone)
 
 
 def time_front(study: StudyRuns) -> Figure | None:
@@ -335,7 +345,7 @@ def time_front(study: StudyRuns) -> Figure | None:
     found = times(study)
     if found is None:
         return None
-    t, seeds, points, fields, target = found
+    t, seeds, points, fields, target, gone = found
     value = study.objectives[0][0]
     kept = pd.Series(False, index=seeds.index)
     for _, row in points.iterrows():
@@ -343,7 +353,7 @@ def time_front(study: StudyRuns) -> Figure | None:
     percent = as_percent(value, t[value])
     target_text = shown(target, percent=percent)
     finding = _budget_sentence(seeds[kept], points, fields, "seconds", value, percent, True,
-                               lambda s: f"{s:,.1f} s to reach {value} {target_text}", "time to the target")
+                               lambda s: f"{s:,.1f} s to reach {value} {target_text}", "time to the target", gone)
     tied = ties(seeds[kept], points, fields, value, True)
     saving = float(tied["seconds"].iloc[0] - tied["seconds"].min())
     finding += _timing_note(t, fields, saving)

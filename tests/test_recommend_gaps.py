@@ -9,6 +9,7 @@ import pandas as pd
 from batchsweep.analysis import branching
 from batchsweep.analysis.findings import summarize
 from batchsweep.analysis.recommend import recommend
+from batchsweep.analysis.render import _table
 from batchsweep.analysis.runs import StudyRuns
 from batchsweep.analysis.space import memory_front
 from tests.test_recommend_edges import _free, _rows, _study
@@ -140,6 +141,32 @@ def test_a_configuration_the_per_b_contrast_resolves_lower_is_no_tie_of_the_best
                                     "B = 32, as the per-B lines compare): ")
     assert below.startswith("b = 32, k = 4, none; b = 128, k = 1, none;"), best
     assert ", none" not in ties, best
+    starred = _starred(study)  # the trials table marks what the line names, not the ties it resolved lower
+    assert starred and not starred & {("none", 32, 4), ("none", 128, 1)}, starred
+
+
+def _starred(study: StudyRuns) -> set[tuple]:
+    """The configurations whose trials the trials table marks ★ (best or tied)."""
+    table = _table(study)
+    if "best or tied" not in table:
+        return set()
+    rows = study.trials.loc[table.index[table["best or tied"] == "★"]]
+    return {(r.lr_rule, int(r.physical_batch), int(r.accum_steps)) for r in rows.itertuples()}
+
+
+def test_the_trials_table_stars_no_configuration_that_diverged_in_a_seed():
+    """linear at B = 256 diverged in seed 2 and tied the best over the two seeds that finished: the best line left
+    it out, and the table's ★ marked it; where the best mean itself diverged in a seed, no best is named and no
+    trial is marked."""
+    study = _diverged_at_256()
+    [best] = [line for line in recommend(study) if line.startswith("The best")]
+    assert "left out as diverged in a seed: b = 32, k = 8, linear; b = 256, k = 1, linear" in best, best
+    starred = _starred(study)
+    assert starred and not starred & {("linear", 32, 8), ("linear", 256, 1)}, starred
+    t = study.trials  # the diverged configuration on top in the seeds that finished: no best, no ★
+    t.loc[(t["lr_rule"] == "linear") & (t["effective_batch"] == 256) & (t["seed"] < 2), "val_acc"] = 0.99
+    assert any(line.startswith("No best accuracy is named: b = ") for line in recommend(study))
+    assert _starred(study) == set()
 
 
 def _branched(ratios: list[dict]) -> list[str]:
@@ -182,3 +209,18 @@ def test_the_memory_fronts_ties_say_which_comparison_they_use():
     assert "cannot be told from it (paired by seed over 3 seeds" in finding and \
         "(each (b, k) against it on its own; the LR-rule sentences pool the (b, k) that make a B, and may resolve " \
         "one of these lower)" in finding, finding
+
+
+def test_the_memory_front_leaves_out_a_configuration_that_diverged_in_a_seed():
+    """linear at B = 256 diverged in seed 2: over its two surviving seeds it tied the best; the front's sentence
+    counted it among the configurations, and would name it best where its survivors led."""
+    study = _diverged_at_256()
+    study.trials["peak_memory_bytes"] = 1e5 * study.trials["physical_batch"]
+    t = study.trials
+    t.loc[(t["lr_rule"] == "linear") & (t["effective_batch"] == 256) & (t["seed"] < 2), "val_acc"] = 0.99
+    finding = memory_front(study).finding
+    assert finding.startswith("Against peak memory, the best mean of the 7 configurations that diverged in no seed "
+                              "was "), finding
+    before = finding.split("; left out as diverged in a seed: ")[0]
+    assert "k = 8, linear" not in before and "k = 1, linear" not in before, finding
+    assert "left out as diverged in a seed: b = 32, k = 8, linear; b = 256, k = 1, linear)" in finding, finding
