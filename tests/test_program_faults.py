@@ -145,6 +145,35 @@ def test_trials_that_write_one_file_at_once_are_marked_and_left_out(tmp_path):
     assert "2 of 3 trials did not finish (2 clash); they are left out of the figures" in report
 
 
+def test_a_cwd_of_trial_dir_runs_each_trial_in_its_own_folder(tmp_path):
+    """cwd = "{trial_dir}" is filled as the command is: two trials that write ./checkpoint.txt at once (each waits
+    for the other's write before it reads the file back) write one each, and neither is a clash."""
+    events = tmp_path / "events"
+    events.mkdir()
+    path = study_file(tmp_path, "own_cwd", 'workers = 2\n[grid]\n"value+shared" = [[1, true], [2, true]]',
+                      f'command = ["{{python}}", "{CLASH}", "{{value}}", "{events}", "{{shared}}", "{{trial_dir}}"]\n'
+                      f'cwd = "{{trial_dir}}"')
+    proc = sweep(tmp_path, "--study", str(path), "--no-report")
+    assert proc.returncode == 0, proc.stderr
+    storage, client = stores(tmp_path)
+    trials = {t.user_attrs["config"]["value"]: t for t in trials_of(storage, "own_cwd")}
+    for value, t in trials.items():
+        assert t.state == State.COMPLETE and t.value == pytest.approx(value / 10)
+        own = tmp_path / "mlruns" / "trials" / "own_cwd" / str(t.number)
+        assert (own / "checkpoint.txt").read_text() == str(value)
+    assert sorted(trials) == [1, 2] and not (tmp_path / "checkpoint.txt").exists() and "clash" not in proc.stderr
+
+
+def test_a_cwd_of_each_trials_own_with_a_script_beside_the_study_file_is_one_line(tmp_path):
+    """The script named relative to the study file's folder would not be found in each trial's (new) folder."""
+    (tmp_path / "train.py").write_text("")
+    path = study_file(tmp_path, "moved", "", 'command = ["{python}", "train.py"]\ncwd = "{trial_dir}"')
+    proc = sweep(tmp_path, "--study", str(path), "--dry-run")
+    assert proc.returncode == 2 and proc.stderr == (
+        f"error: {path}: program.cwd: each trial runs in {{trial_dir}}, where 'train.py' (a file in {tmp_path}) is "
+        f"not: give its path from / in the command ({tmp_path / 'train.py'})\n"), proc.stderr
+
+
 def test_bytes_that_are_no_utf8_a_line_of_10_mb_and_a_read_of_stdin_pass(tmp_path):
     """Bytes that are no UTF-8 are shown as U+FFFD and a 10 MB line is kept whole in log.txt; a script that reads
     its standard input gets /dev/null (an end at once), not the terminal's, and does not hang."""

@@ -44,11 +44,11 @@ class Program:
 
     command: tuple[str, ...]
     env: dict[str, str] = field(default_factory=dict)  # extra variables; values may hold placeholders
-    cwd: str | None = None  # None: the current directory
+    cwd: str | None = None  # None: the current directory; may hold placeholders ({trial_dir}), braces doubled
     timeout_minutes: float | None = None
 
     def placeholders(self) -> list[str]:
-        texts = [*self.command, *self.env.values()]
+        texts = [*self.command, *self.env.values(), self.cwd or ""]
         return list(dict.fromkeys(m.group(1) for text in texts for m in TOKEN.finditer(text) if m.group(1)))
 
     def argv(self, values: dict[str, Any]) -> list[str]:
@@ -56,6 +56,10 @@ class Program:
 
     def environment(self, values: dict[str, Any]) -> dict[str, str]:
         return {name: fill(text, values) for name, text in self.env.items()}
+
+    def folder(self, values: dict[str, Any]) -> str | None:
+        """Where a trial's script runs: cwd with its placeholders filled."""
+        return None if self.cwd is None else fill(self.cwd, values)
 
     def params(self, values: dict[str, Any], named: tuple[str, ...]) -> dict[str, Any]:
         """The run's params: the questions' values, the study's own fields (`named`) and what the command uses."""

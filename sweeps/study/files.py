@@ -9,6 +9,7 @@ Every problem is one ConfigError naming the file, the key and what to change.
 from __future__ import annotations
 
 import math
+import os
 import re
 import shutil
 from pathlib import Path
@@ -371,42 +372,65 @@ def _program(data: dict, source: str, fail) -> Program:
         if not isinstance(value, str):
             raise fail(f"program.env.{name}", f"must be text, got {_kind(value)} {value!r}")
     here = Path(source).resolve().parent if source.endswith(".toml") else Path.cwd()
-    cwd = here / _typed(table, "cwd", str, fail, default=".", key="program.cwd")
-    if not cwd.is_dir():
-        raise fail("program.cwd", f"{cwd} is not a folder: a relative cwd is relative to the study file's folder")
+    text = _typed(table, "cwd", str, fail, default=".", key="program.cwd")
+    # A cwd is filled as the command is ({trial_dir}: each trial in its own folder): the study file's folder before
+    # it, with its braces doubled, unless it starts with a placeholder (an absolute {trial_dir}).
+    escaped = str(here if _filled_per_trial(text) else here / text).replace("{", "{{").replace("}", "}}")
+    cwd = text if PLACEHOLDER.match(text) else escaped + os.sep + text if _filled_per_trial(text) else escaped
+    if not _filled_per_trial(cwd) and not Path(fill(cwd, {})).is_dir():
+        raise fail("program.cwd", f"{fill(cwd, {})} is not a folder: a relative cwd is relative to the study file's "
+                                  f"folder")
+    moved = [a for a in command if _filled_per_trial(cwd) and not a.startswith(("/", "-")) and "{" not in a and
+             (here / a).is_file()]
+    if moved:  # (a trial's own folder is made empty: the script there would not be found)
+        raise fail("program.cwd", f"each trial runs in {text}, where {moved[0]!r} (a file in {here}) is not: give "
+                                  f"its path from / in the command ({here / moved[0]})")
     timeout = table.get("timeout_minutes")
     if timeout is not None and (type(timeout) not in (int, float) or not 0 < timeout < math.inf):
         raise fail("program.timeout_minutes", f"must be a positive number of minutes, got {timeout!r}")
-    return Program(tuple(command), dict(env), str(cwd), None if timeout is None else float(timeout))
+    return Program(tuple(command), dict(env), cwd, None if timeout is None else float(timeout))
 
 
 def _check_program(study: Study, fail) -> None:
     """What a [program] study cannot have: a placeholder with no value, and what only the trainer does."""
     known = {*FIELDS, *DERIVED, *study.named, "python", "trial_dir"}
-    for key, text in [*(("program.command", a) for a in study.program.command),
-                      *((f"program.env.{k}", v) for k, v in study.program.env.items())]:
+    program = study.program
+    for key, text in [*(("program.command", a) for a in program.command),
+                      *((f"program.env.{k}", v) for k, v in program.env.items()), ("program.cwd", program.cwd)]:
         brace = stray_brace(text)
         if brace:
             name = re.sub(r"\W", "", brace)
             raise fail(key, f"{brace!r} is no placeholder: write a placeholder as {{name}}, without spaces"
                             + (f" ({{{name}}})" if name else "") + ", and a literal brace as {{ or }}")
-    for key, texts in (("program.command", study.program.command), ("program.env", study.program.env.values())):
+    for key, texts in (("program.command", program.command), ("program.env", program.env.values()),
+                       ("program.cwd", [program.cwd])):
         for name in (m.group(1) for text in texts for m in TOKEN.finditer(text) if m.group(1)):
             if name not in known:
                 raise fail(key, f"{{{name}}} is not a placeholder: use a trainer field (physical_batch, "
                                 f"accum_steps, lr, seed, epochs, max_steps, ...), {', '.join(DERIVED)}, a field of "
                                 f"[fixed], [grid] or [tune], {{trial_dir}} or {{python}}")
-    first = study.program.command[0]
-    if not {m.group(1) for m in TOKEN.finditer(first)} - {None, "python"}:  # ("{trial_dir}/run.sh": known later)
+    first = program.command[0]
+    if not _filled_per_trial(first):  # ("{trial_dir}/run.sh": known when the trial runs)
         first = fill(first, {})
-        if not (Path(study.program.cwd, first).is_file() if "/" in first else shutil.which(first)):
+        if "/" not in first:
+            found = shutil.which(first)
+        elif first.startswith("/"):
+            found = Path(first).is_file()
+        else:  # (relative to a cwd of each trial's own: known when the trial runs)
+            found = _filled_per_trial(program.cwd) or Path(fill(program.cwd, {}), first).is_file()
+        if not found:
             raise fail("program.command", f"{first!r} is not a program it can start: give a program on PATH, a "
-                                          f"path (relative to {study.program.cwd}), or {{python}}")
+                                          f"path (relative to {program.cwd}), or {{python}}")
     if study.launcher != "process":
         raise fail("launcher", "a [program] runs your command as it is: put torchrun into the command instead")
     if study.auto_batch:
         raise fail("fixed.physical_batch", "\"auto\" shrinks b inside batchsweep's trainer; a [program] sets "
                                            "physical_batch itself: give it values")
+
+
+def _filled_per_trial(text: str) -> bool:
+    """Whether a text holds a placeholder whose value is a trial's ({python} is the same for all)."""
+    return bool({m.group(1) for m in TOKEN.finditer(text)} - {None, "python"})
 
 
 def _constraint(text: str, fail, own: set[str] = frozenset()) -> Constraint:

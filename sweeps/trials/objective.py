@@ -5,6 +5,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import difflib
@@ -186,10 +187,12 @@ class Script(Objective):
         watch = RunWatch(client, link, self.metrics[0]) if self.prunes else None
         place.open()
         try:
+            cwd = self.program.folder(values)
+            Path(cwd).mkdir(parents=True, exist_ok=True)  # (one of each trial's own, as "{trial_dir}/work", is new)
             env.update(observed.environment(place.trace, noise=config.accum_steps > 1, losses=True,
                                             pythonpath=env.get("PYTHONPATH")))
             try:
-                ended = program.run(self.program.argv(values), env, self.program.cwd, timeout, output, on_epoch,
+                ended = program.run(self.program.argv(values), env, cwd, timeout, output, on_epoch,
                                     every=watch.poll if watch else lambda: None)
             finally:
                 try:

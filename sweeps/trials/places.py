@@ -110,4 +110,5 @@ def clash_sentence(clashes: list[tuple[str, str]]) -> str:
 
 
 FIX = ("give each trial its own file: write it under {trial_dir} (in the command) or $BATCHSWEEP_TRIAL_DIR (in "
-       "the environment), a folder per trial, in a new study (--study-name), or run this one again with --workers 1")
+       "the environment), a folder per trial, or run each trial in that folder (cwd = \"{trial_dir}\"), in a new "
+       "study (--study-name); or run this one again with --workers 1")
