@@ -174,6 +174,27 @@ def test_a_cwd_of_each_trials_own_with_a_script_beside_the_study_file_is_one_lin
         f"not: give its path from / in the command ({tmp_path / 'train.py'})\n"), proc.stderr
 
 
+@pytest.mark.parametrize("body, arg, expected", [
+    ("", "{accum_steps:03d}", "'{accum_steps:03d}' is no placeholder: a placeholder takes no format spec or "
+     "conversion (':03d'): write {accum_steps}, which passes the value as it is, or give the value formatted so as a "
+     "field of your own ([fixed] or [grid]); a literal brace is {{ or }}"),
+    ("[fixed]\nrun = 3", "--name=r{run!r}", "'{run!r}' is no placeholder: a placeholder takes no format spec or "
+     "conversion ('!r'): write {run}, which passes"),
+    ("", "{x:03d}", "'{x:03d}' is no placeholder: a placeholder takes no format spec or conversion (':03d'): give the "
+     "value formatted so as a field of your own ([fixed] or [grid]); a literal brace is {{ or }}"),  # (no {x})
+    ("", "{accum steps}", "'{accum steps}' is no placeholder: write a placeholder as {name}, without spaces "
+     "({accum_steps}), and a literal brace as {{ or }}"),  # (not {accumsteps})
+])
+def test_a_malformed_placeholder_is_one_line_that_suggests_one_that_exists(tmp_path, body, arg, expected):
+    path = study_file(tmp_path, "spec", body, f'command = ["{{python}}", "t.py", "{arg}"]')
+    (tmp_path / "t.py").write_text("")
+    for dry in ([], ["--dry-run"]):
+        proc = sweep(tmp_path, "--study", str(path), *dry)
+        assert proc.returncode == 2 and proc.stderr.startswith(f"error: {path}: program.command: {expected}"), \
+            proc.stderr
+        assert len(proc.stderr.splitlines()) == 1 and not (tmp_path / "mlruns").exists()
+
+
 def test_bytes_that_are_no_utf8_a_line_of_10_mb_and_a_read_of_stdin_pass(tmp_path):
     """Bytes that are no UTF-8 are shown as U+FFFD and a 10 MB line is kept whole in log.txt; a script that reads
     its standard input gets /dev/null (an end at once), not the terminal's, and does not hang."""

@@ -7,6 +7,7 @@ whatever it started too: SIGTERM to the group, SIGKILL after a grace period.
 from __future__ import annotations
 
 import os
+import difflib
 import platform
 import re
 import selectors
@@ -110,6 +111,22 @@ def stray_brace(text: str) -> str | None:
         return None
     end = text.find("}", at) if text[at] == "{" else at
     return text[at:end + 1] if 0 <= end - at < 40 else text[at:at + 20]
+
+
+def misread(brace: str, known: set[str]) -> str:
+    """Why a stray brace (stray_brace's) is no placeholder, and the placeholder it likely means: one of `known`, its
+    name without spaces, format spec or conversion, or the closest."""
+    inner = brace.strip("{}").strip()
+    name, spec = re.match(r"([^:!]*)(.*)", inner).groups()
+    name = name.strip()
+    guesses = (name, re.sub(r"\s+", "_", name), *difflib.get_close_matches(name, sorted(known), n=1))
+    meant = next((f"{{{g}}}" for g in guesses if g in known), None)
+    if spec:
+        return (f"{brace!r} is no placeholder: a placeholder takes no format spec or conversion ({spec!r}): "
+                + (f"write {meant}, which passes the value as it is, or " if meant else "")
+                + "give the value formatted so as a field of your own ([fixed] or [grid]); a literal brace is {{ or }}")
+    return (f"{brace!r} is no placeholder: write a placeholder as {{name}}, without spaces"
+            + (f" ({meant})" if meant else "") + ", and a literal brace as {{ or }}")
 
 
 @dataclass

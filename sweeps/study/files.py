@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 from batchsweep.trainers import DERIVED, FIELDS, MAX_COUNT, ConfigError, import_object
 
 from ..commands import command
-from ..launch.program import PLACEHOLDER, TOKEN, Program, fill, stray_brace
+from ..launch.program import PLACEHOLDER, TOKEN, Program, fill, misread, stray_brace
 from ..launch.rows import storable
 from .search import PRUNERS, SAMPLERS
 from .spec import (CONSTRAINT, DIRECTIONS, KINDS, LAUNCHERS, Constraint, Param, Study, check_name,
@@ -399,9 +398,7 @@ def _check_program(study: Study, fail) -> None:
                       *((f"program.env.{k}", v) for k, v in program.env.items()), ("program.cwd", program.cwd)]:
         brace = stray_brace(text)
         if brace:
-            name = re.sub(r"\W", "", brace)
-            raise fail(key, f"{brace!r} is no placeholder: write a placeholder as {{name}}, without spaces"
-                            + (f" ({{{name}}})" if name else "") + ", and a literal brace as {{ or }}")
+            raise fail(key, misread(brace, known))
     for key, texts in (("program.command", program.command), ("program.env", program.env.values()),
                        ("program.cwd", [program.cwd])):
         for name in (m.group(1) for text in texts for m in TOKEN.finditer(text) if m.group(1)):
