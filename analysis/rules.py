@@ -227,27 +227,53 @@ def twin_pairs(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[tuple[dict, 
     if "batch" not in t or t["batch"].nunique() < 2:
         return []
     step = quantum(t[m.name]) if m.name in t else None
-    keys = [c for c in ("lr_rule", "bn_momentum_rule") if c in t and t[c].nunique() > 1]
+    keys = _twin_keys(t)
     t = t[t["effective_batch"] > t["physical_batch"].min()]
+    gone = {tuple(key.values()) for key, _ in twins_diverged(trials)}
     pairs = []
     for group, rows in t.groupby([*keys, "effective_batch"]):
         group = group if isinstance(group, tuple) else (group,)
+        if (*group[:-1], int(group[-1])) in gone:  # (over the seeds that survived: a pick among survivors)
+            continue
         d = paired(rows[rows["batch"] == "accumulated"], rows[rows["batch"] == "true batch"], m.name, step)
         if d is not None:
             pairs.append(({**dict(zip(keys, group[:-1])), "effective_batch": int(group[-1])}, d))
     return pairs
 
 
+def _twin_keys(t: pd.DataFrame) -> list[str]:
+    return [c for c in ("lr_rule", "bn_momentum_rule") if c in t and t[c].nunique() > 1]
+
+
+def twins_diverged(trials: pd.DataFrame) -> list[tuple[dict, str]]:
+    """The twin pairs in which a run diverged in a seed, not compared: ({rule: value, effective_batch: B}, 'the
+    accumulated run diverged in 1 of 3 seeds')."""
+    done = finished(trials)
+    if not {"batch", "reason", "seed"} <= set(trials) or done.empty or done["batch"].nunique() < 2:
+        return []
+    keys = _twin_keys(done)
+    out = []
+    for group, rows in trials.groupby([*keys, "effective_batch"]):
+        group = group if isinstance(group, tuple) else (group,)
+        sides = [f"the {side} run diverged in {bad} of {n} seed{'s' * (n != 1)}" for side, r in rows.groupby("batch")
+                 for bad, n in [(r.loc[r["reason"] == "diverged", "seed"].nunique(), r["seed"].nunique())] if bad]
+        if sides:
+            out.append(({**dict(zip(keys, group[:-1])), "effective_batch": int(group[-1])}, " and ".join(sides)))
+    return out
+
+
 def twins(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
     """Accumulated points against their true-batch twins at the same B and rules, paired by seed."""
     pairs = [(where_at(key.pop("effective_batch"), **key), d) for key, d in twin_pairs(trials, m)]
+    gone = [f"{where_at(key.pop('effective_batch'), **key)}: {said}" for key, said in twins_diverged(trials)]
+    left = f" Not compared where a run diverged in a seed: {'; '.join(gone)}." if gone else ""
     if not pairs:
-        return []
+        return [left.strip()] if gone else []
     n = min(d.n for _, d in pairs)
     if n < 2:
         median = float(np.median([abs(d.mean) for _, d in pairs]))
         return [f"Accumulation and the true batch at the same B differed by a median of {m.amount(median)} over "
-                f"{len(pairs)} pairs, in one seed: no pair can be told from seed noise."]
+                f"{len(pairs)} pairs, in one seed: no pair can be told from seed noise.{left}"]
     verdicts = judge([d for _, d in pairs], m.margin)
     ahead = m.ranked("accumulated ahead", "true batch ahead")
     resolved = [(w, v) for (w, _), v in zip(pairs, verdicts) if v.resolved]
@@ -263,4 +289,4 @@ def twins(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
     return [f"Accumulation and its true-batch twin at the same B were compared in {len(pairs)} pairs, paired by seed "
             f"over {n} seeds (95% t-intervals, median half-width {m.amount(float(np.median(halves)))}): "
             + "; ".join(parts)
-            + ".", *controlled(pairs, "twin pairs")]
+            + "." + left, *controlled(pairs, "twin pairs")]

@@ -10,6 +10,7 @@ from batchsweep.analysis import branching
 from batchsweep.analysis.findings import summarize
 from batchsweep.analysis.recommend import recommend
 from batchsweep.analysis.render import _table
+from batchsweep.analysis.rules import twins
 from batchsweep.analysis.runs import StudyRuns
 from batchsweep.analysis.space import memory_front
 from tests.test_recommend_edges import _free, _rows, _study
@@ -224,3 +225,15 @@ def test_the_memory_front_leaves_out_a_configuration_that_diverged_in_a_seed():
     before = finding.split("; left out as diverged in a seed: ")[0]
     assert "k = 8, linear" not in before and "k = 1, linear" not in before, finding
     assert "left out as diverged in a seed: b = 32, k = 8, linear; b = 256, k = 1, linear)" in finding, finding
+
+
+def test_a_twin_pair_in_which_a_run_diverged_is_not_compared_over_the_survivors():
+    """linear at B = 256 diverged in seed 2, both its accumulated run and its true batch: the twins' sentence
+    called the pair equivalent over the two seeds that finished; it is now not compared, and says why."""
+    study = _diverged_at_256()
+    t = study.trials
+    t["batch"] = ["accumulated" if k > 1 else "true batch" for k in t["accum_steps"]]
+    [said] = twins(t)
+    assert said.startswith("Accumulation and its true-batch twin at the same B were compared in 3 pairs"), said
+    assert said.endswith("Not compared where a run diverged in a seed: linear at B = 256: the accumulated run "
+                         "diverged in 1 of 3 seeds and the true batch run diverged in 1 of 3 seeds."), said
