@@ -75,6 +75,14 @@ def _noise(refs: pd.DataFrame, history: pd.DataFrame) -> pd.DataFrame:
     return h.dropna(subset=["noise_scale"]).groupby("epoch")["noise_scale"].median().reset_index()
 
 
+def _crossed(table: pd.DataFrame, t: int) -> str:
+    """Where a smaller B did not keep up after epoch t while a larger did: no bracket ('' where there is one)."""
+    at = table[table["t"] == t].sort_values("B")
+    kept = list(at["ratio"] <= 1 + KEEPS_UP_WITHIN)
+    pairs = [(a, b) for i, a in enumerate(at["B"]) for j, b in enumerate(at["B"]) if i < j and not kept[i] and kept[j]]
+    return f"B = {pairs[0][0]} did not keep up while B = {pairs[0][1]} did" if pairs else ""
+
+
 def finding(trials: pd.DataFrame, history: pd.DataFrame) -> list[str]:
     found = branches(trials, history)
     if found is None:
@@ -89,12 +97,8 @@ def finding(trials: pd.DataFrame, history: pd.DataFrame) -> list[str]:
         return f"at least {lo:.0f}" if hi == math.inf else f"below {hi:.0f}" if not lo else \
             f"between {lo:.0f} and {hi:.0f}"
 
-    def crossed(t: int) -> str:  # a smaller B that did not keep up below a larger that did: no bracket
-        at = found.table[found.table["t"] == t].sort_values("B")
-        kept = list(at["ratio"] <= 1 + KEEPS_UP_WITHIN)
-        pairs = [(a, b) for i, a in enumerate(at["B"]) for j, b in enumerate(at["B"]) if i < j and not kept[i]
-                 and kept[j]]
-        return f"B = {pairs[0][0]} did not keep up while B = {pairs[0][1]} did" if pairs else ""
+    def crossed(t: int) -> str:
+        return _crossed(found.table, t)
 
     def seeds() -> str:  # how many seeds stand behind it, and where they part
         n = int(found.table["seeds"].min())
@@ -129,8 +133,15 @@ def figure(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | None:
         return None
     fig, ax = plt.subplots(figsize=(8, 4.5))
     c, tops = found.critical, found.table["B"].max()
+    # An epoch where a smaller B failed and a larger kept up brackets nothing: no point, a mark at the axis.
+    open_ = c["t"].map(lambda t: bool(_crossed(found.table, t)))
+    c = c[~open_]
     ax.plot(c["t"], c["B"], "o-", label=f"critical batch by branching (loss within {100 * KEEPS_UP_WITHIN:.0f}% of the "
             f"reference's)")
+    for t in found.critical.loc[open_, "t"]:
+        ax.axvline(t, color="C3", linewidth=1, linestyle="--")
+    if open_.any():
+        ax.plot([], [], color="C3", linestyle="--", label="not bracketed (a smaller B failed where a larger kept up)")
     for bound, marker, what in ((c["B"] == tops, "^", "at least (the largest B branched to kept up)"),
                                 (c["B"] == found.b0, "v", "below the smallest B branched to")):
         if bound.any():

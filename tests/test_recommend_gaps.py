@@ -171,6 +171,10 @@ def test_the_trials_table_stars_no_configuration_that_diverged_in_a_seed():
 
 
 def _branched(ratios: list[dict]) -> list[str]:
+    return branching.finding(*_branches(ratios))
+
+
+def _branches(ratios: list[dict]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Branches at epoch 2 from B = 32 into 64, 128 and 256; `ratios`, one dict per seed: each B's final val_loss
     over the reference's."""
     rows, history = [], []
@@ -182,7 +186,7 @@ def _branched(ratios: list[dict]) -> list[str]:
             rows.append(dict(run_id=f"b{b}s{seed}", seed=seed, effective_batch=b, batch_warmup="32,32", epochs=6,
                              status="FINISHED", val_acc=0.9))
             history.append(dict(run_id=f"b{b}s{seed}", epoch=6, val_loss=0.30 * ratio, val_acc=0.9))
-    return branching.finding(pd.DataFrame(rows), pd.DataFrame(history))
+    return pd.DataFrame(rows), pd.DataFrame(history)
 
 
 def test_branches_that_do_not_bracket_the_critical_batch_say_so_with_the_seeds_behind_them():
@@ -192,6 +196,11 @@ def test_branches_that_do_not_bracket_the_critical_batch_say_so_with_the_seeds_b
     assert "the critical batch was not bracketed after epoch 2 (B = 64 did not keep up while B = 128 did)" in one
     assert "between 128 and 256" not in one and one.endswith("Each branch ran in one seed: how far its verdict "
                                                              "moves with the seed is not measured."), one
+    # The figure drew B = 128 as the critical batch there; it marks the epoch as not bracketed instead.
+    ax = branching.figure(*_branches([{64: 1.03, 128: 1.01, 256: 1.05}])).figure.axes[0]
+    [line] = [line for line in ax.lines if line.get_label().startswith("critical batch by branching")]
+    assert len(line.get_xdata()) == 0 and "not bracketed (a smaller B failed where a larger kept up)" in [
+        text.get_text() for text in ax.get_legend().get_texts()]
     [three] = _branched([{64: 1.01, 128: 0.95, 256: 1.05}, {64: 1.0, 128: 1.00, 256: 1.06},
                          {64: 1.0, 128: 1.08, 256: 1.07}])
     assert "the critical batch was between 128 and 256 after epoch 2" in three, three
