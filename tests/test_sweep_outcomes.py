@@ -70,10 +70,9 @@ def test_ctrl_c_marks_the_running_trial_and_says_how_to_resume(tmp_path, workers
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     # The first two points train 1 epoch and complete (whichever of them a worker starts at); the others are
-    # long. As from a terminal: a shell that
-    # started the tests in the background left SIGINT ignored, and a child inherits that. The signal goes to
-    # the main process alone (kill -INT): with 2 workers it passes it on after 5 s (from a terminal they got
-    # it too), so their trials are long enough to be still running then.
+    # long, still training when the signal lands. As from a terminal: a shell that started the tests in the
+    # background left SIGINT ignored, and a child inherits that. The signal goes to the main process alone
+    # (kill -INT), which sends each worker SIGTERM (from a terminal they got SIGINT too).
     long = 100 if workers == 1 else 400
     (tmp_path / "study.toml").write_text(f"""name = "accum_lr"
 [fixed]
