@@ -27,7 +27,6 @@ from .wording import listed, lowered, significant, stated
 
 EXACT = 1e-4  # relative parameter difference below which accumulation is float rounding, not a change
 FLOAT64_ROUNDING = 1e-10  # in float64, a ghost twin this close shows that what is left in float32 is rounding
-BOOTSTRAPS = 2000
 # The LR rules as exponents of lr ~ B^alpha, and what the report calls the scaling each one is.
 RULE_EXPONENTS = ((0.0, "LR unchanged", "no scaling"), (0.5, "square root", "square-root scaling"),
             (1.0, "linear", "linear scaling"))
@@ -215,8 +214,9 @@ def lr_rule_reading(lo: float, hi: float) -> str:
 
 def lr_exponent(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
     """The best LR against B: each seed's best at each B and the curve's shape over the seeds (best_lr.py), with
-    the LR rule its slope's interval reads as; where the seeds do not pair up across the Bs, the fitted exponent
-    of lr_opt ~ B^alpha with a bootstrap interval over the trials at each B."""
+    the LR rule its slope's interval reads as; where that cannot be read (the seeds do not pair up across the Bs,
+    or the trials at a B differ in more than the LR), the fitted exponent of lr_opt ~ B^alpha with no interval and
+    no rule."""
     found = best_lr(trials, m)
     if found is None:
         return []
@@ -228,29 +228,21 @@ def lr_exponent(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
         return [went + per_seed.sentence() + _reading(per_seed, trials)]
     best, alpha = found
     t = finished(trials).dropna(subset=[m.name])
-    if "seed" in t and t.groupby("effective_batch")["seed"].nunique().min() < 2:
-        return [f"The best learning rate went from {best['lr'].iloc[0]:.3g} at B = {best['effective_batch'].iloc[0]} "
-                f"to {best['lr'].iloc[-1]:.3g} at B = {best['effective_batch'].iloc[-1]} (B^{round(alpha, 2) + 0.0:.2f} "
-                f"fitted over every B), each B's best from one seed of its own: with one seed at a B, how far its "
-                f"best LR moves with the seed is not measured, so no interval is put on the exponent and no LR rule "
-                f"is read from it; run the study with --seeds 3 (every B in the same seeds)."]
-    rng = np.random.default_rng(0)
-    sign = 1 if m.maximize else -1  # the best is the largest of sign * value
-    groups = [g[[trained_lr(t), m.name]].to_numpy() * [1, sign] for _, g in t.groupby("effective_batch")]
-    sizes = np.log(np.array(sorted(t["effective_batch"].unique()), float))
-    draws = []
-    for _ in range(BOOTSTRAPS):
-        lrs = []
-        for g in groups:
-            sample = g[rng.integers(0, len(g), len(g))]
-            lrs.append(sample[sample[:, 1].argmax(), 0])
-        draws.append(np.polyfit(sizes, np.log(lrs), 1)[0])
-    lo, hi = np.percentile(draws, [2.5, 97.5])
-    shown = [f"{round(x, 2) + 0.0:.2f}" for x in (alpha, lo, hi)]  # + 0.0: an exponent of -0.001 reads 0.00
+    # No seed's own slope exists here, and resampling each B's trials would mix its seeds' LR grids: no interval.
+    fix = "run the study with --seeds 3 (every B in the same seeds)"
+    at = [set(g["seed"]) for _, g in t.groupby("effective_batch")] if "seed" in t else [set()]
+    if min(map(len, at)) < 2:
+        why = ("each B's best from one seed of its own: with one seed at a B, how far its best LR moves with the "
+               "seed is not measured")
+    elif not set.intersection(*at):
+        why = "each B's best from seeds of its own, none run at every B: no seed gives a slope of its own"
+    else:
+        why, fix = ("the trials at a B differ in more than the LR, so each B's best is a pick over those too",
+                    "search the LR alone at each B (as lr_search and adam_lr_search do)")
     return [f"The best learning rate went from {best['lr'].iloc[0]:.3g} at B = {best['effective_batch'].iloc[0]} "
-            f"to {best['lr'].iloc[-1]:.3g} at B = {best['effective_batch'].iloc[-1]}: B^{shown[0]} fitted over "
-            f"every B (95% bootstrap interval {shown[1]} to {shown[2]}, {BOOTSTRAPS:,} resamples of the trials at "
-            f"each B). {lr_rule_reading(lo, hi)}."]
+            f"to {best['lr'].iloc[-1]:.3g} at B = {best['effective_batch'].iloc[-1]} (B^{round(alpha, 2) + 0.0:.2f} "
+            f"fitted over every B), {why}, so no interval is put on the exponent and no LR rule is read from it; "
+            f"{fix}."]
 
 
 def _reading(found, trials: pd.DataFrame) -> str:

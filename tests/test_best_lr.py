@@ -205,3 +205,11 @@ def test_the_rule_is_read_from_the_interval_as_printed():
     """0.5036 prints as 0.50, which holds 0.5: the reading must not say "holds 1 alone" beside it."""
     assert lr_rule_reading(0.5036, 1.2) == lr_rule_reading(0.4961, 1.2)
     assert lr_rule_reading(0.5036, 1.2).startswith("It singles out no rule: the interval holds 0.5 (square root)")
+
+
+def test_seeds_that_do_not_pair_across_the_bs_put_no_interval_on_the_exponent():
+    """Three seeds at each B, but other seeds at each B: the fallback resampled each B's trials (its seeds' LR grids
+    mixed) and printed a 95% interval and a rule; no seed has a slope of its own, so none is said."""
+    [line] = lr_exponent(_search(lambda b, s: 0.05 * np.sqrt(b / 32), lambda b: [3 * b + i for i in range(3)]))
+    assert "bootstrap" not in line and "95%" not in line and "reads as" not in line, line
+    assert "none run at every B" in line and "no LR rule is read from it" in line, line
