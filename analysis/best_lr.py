@@ -3,7 +3,7 @@ best at, their geometric mean with a 95% interval over the seeds, and the curve'
 find that Adam's best LR rises and then falls with B, peaking near the gradient noise scale; for SGD it only
 rises (McCandlish et al. 2018). A shape is named only where the seeds resolve it.
 
-    python -m batchsweep.analysis.best_lr STUDY [STUDY ...] [--tracking-uri URI] [--figure best_lr.png]
+    python -m batchsweep.analysis.best_lr STUDY [STUDY ...] [--tracking-uri URI] [--figure best_lr.png] [--by-epoch]
 
 For a report: best_lr_against_b(trials, metric, direction), its sentence(), table() and figure().
 """
@@ -100,6 +100,55 @@ class BestLR:
         if self.shape == "rises then falls":
             return text + f": the peak is {self.peak / self.noise_scale:.1f} times it."
         return text + "."
+
+
+def over_training(trials: pd.DataFrame, history: pd.DataFrame, metric: str, direction: str,
+                  seed: int = 0) -> list[tuple[int, BestLR]]:
+    """The best LR against B after each whole epoch of the search (Li et al. find Adam's peak moving to larger B as
+    training goes on): best_lr_against_b on each epoch's value of each trial, from the history. A trial counts
+    at an epoch with its value there; one without that ended diverged or pruned counts as worse. Empty where
+    fewer than 2 epochs can be read."""
+    if history is None or history.empty or not {"run_id", "epoch", metric} <= set(history) or "run_id" not in trials:
+        return []
+    rows = history.dropna(subset=[metric])
+    rows = rows[rows["epoch"] % 1 == 0]
+    reason = trials["reason"] if "reason" in trials else pd.Series(None, index=trials.index, dtype=object)
+    out = []
+    for epoch in sorted(rows["epoch"].unique()):
+        value = trials["run_id"].map(rows[rows["epoch"] == epoch].set_index("run_id")[metric])
+        seen = value.notna()
+        at = trials.assign(**{metric: value, "status": np.where(seen, "FINISHED", "FAILED"),
+                              "reason": reason.where(~seen, None)})
+        try:
+            out.append((int(epoch), best_lr_against_b(at, metric, direction, seed)))
+        except ValueError:  # (too few Bs or seeds there)
+            continue
+    return out if len(out) >= 2 else []
+
+
+def moved(epochs: list[tuple[int, BestLR]]) -> str:
+    """Where the best LR peaked after each epoch, and whether the seeds resolve a move."""
+    if not epochs:
+        return ""
+    n = min(len(p.seeds) for _, r in epochs for p in r.points)
+    each = "; ".join(f"after epoch {e}, " + ", ".join(f"{p.lr:.3g} at B = {p.batch}" for p in r.points)
+                     for e, r in epochs)
+    top = ", ".join(f"{max(r.points, key=lambda p: p.lr).batch} after epoch {e}" for e, r in epochs)
+    text = (f"Over training (Li et al. find Adam's peak moving to larger B as training goes on), each B's best LR "
+            f"{each}; the highest at B = {top}.")
+    turned = [(e, r) for e, r in epochs if r.shape == "rises then falls"]
+    if len(turned) < len(epochs):
+        flat = [str(e) for e, r in epochs if r.shape != "rises then falls"]
+        return text + (f" A rise and fall is not resolved after epoch {', '.join(flat)} with {n} seed"
+                       f"{'s' * (n != 1)}: whether the peak moves is not resolved.")
+    peaks = "; ".join(f"≈{r.peak:.0f} after epoch {e} (resampling the seeds: {r.peak_low:.0f} to {r.peak_high:.0f})"
+                      for e, r in turned)
+    apart = all(a.peak_high < b.peak_low or b.peak_high < a.peak_low for (_, a), (_, b) in zip(turned, turned[1:]))
+    if n >= 5 and apart:
+        return text + f" Li et al.'s peak: {peaks}; it moved beyond the seeds' spread."
+    return text + (f" Li et al.'s peak: {peaks}; " + ("too few seeds to tell a move from their spread."
+                                                       if n < 5 else "the resampled ranges overlap: no move is "
+                                                       "resolved."))
 
 
 def _two(x: float) -> str:
@@ -275,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("study", nargs="+", help="one study, or several whose trials are one search (more LRs)")
     parser.add_argument("--tracking-uri", default="sqlite:///mlruns/mlflow.db")
     parser.add_argument("--figure", default="", help="write the figure here (.png)")
+    parser.add_argument("--by-epoch", action="store_true", help="also the best LR against B after each epoch")
     args = parser.parse_args(argv)
     from .runs import AnalysisError, load_studies
 
@@ -285,11 +335,17 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"the studies have different objectives ({', '.join(sorted(map(str, objectives)))}): "
                              f"give studies of one search")
         metric, direction = runs[0].objectives[0]
-        result = best_lr_against_b(pd.concat([r.trials for r in runs], ignore_index=True), metric, direction)
+        trials = pd.concat([r.trials for r in runs], ignore_index=True)
+        result = best_lr_against_b(trials, metric, direction)
     except (AnalysisError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(table(result), result.sentence(), sep="\n\n")
+    if args.by_epoch:
+        epochs = over_training(trials, pd.concat([r.history for r in runs], ignore_index=True), metric, direction)
+        for epoch, at in epochs:
+            print(f"\nAfter epoch {epoch}:", table(at), at.sentence(), sep="\n\n")
+        print("\n" + (moved(epochs) or "Fewer than 2 epochs of every B's seeds in the history: nothing over training."))
     if args.figure:
         figure(result, args.figure)
     return 0

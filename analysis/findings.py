@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from . import branching
+from .best_lr import moved, over_training
 from .figures import (ACCURACY, Measure, best_lr, best_lr_of_seeds, finished, has_accuracy, in_order, measure,
                       one_batch, reliable_noise, trained_lr)
 from .rules import lr_rules, twins
@@ -212,7 +213,7 @@ def lr_rule_reading(lo: float, hi: float) -> str:
     return f"It singles out no rule: the interval holds none of {exponents(RULE_EXPONENTS)}"
 
 
-def lr_exponent(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
+def lr_exponent(trials: pd.DataFrame, m: Measure = ACCURACY, history: pd.DataFrame | None = None) -> list[str]:
     """The best LR against B: each seed's best at each B and the curve's shape over the seeds (best_lr.py), with
     the LR rule its slope's interval reads as; where that cannot be read (the seeds do not pair up across the Bs,
     or the trials at a B differ in more than the LR), the fitted exponent of lr_opt ~ B^alpha with no interval and
@@ -225,7 +226,9 @@ def lr_exponent(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
         first, last = per_seed.points[0], per_seed.points[-1]
         went = (f"The best learning rate went from {first.lr:.3g} at B = {first.batch} to {last.lr:.3g} at B = "
                 f"{last.batch} (each seed's best LR at a B, their geometric mean). ")
-        return [went + per_seed.sentence() + _reading(per_seed, trials)]
+        lr = trials.assign(lr=trials[trained_lr(trials)])
+        over = moved(over_training(lr, history, m.name, "maximize" if m.maximize else "minimize"))
+        return [went + per_seed.sentence() + _reading(per_seed, trials) + (f" {over}" if over else "")]
     best, alpha = found
     t = finished(trials).dropna(subset=[m.name])
     # No seed's own slope exists here, and resampling each B's trials would mix its seeds' LR grids: no interval.
@@ -347,12 +350,12 @@ def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFram
                 f"are left out.")
         aimed_at = [*steps(trials, history, evals), *warmup(trials, history, evals),
                     *branching.finding(trials, history)] if aimed else []
-        compared = [*lr_rules(trials, m), *twins(trials, m), *bn(trials, m), *lr_exponent(trials, m)]
+        compared = [*lr_rules(trials, m), *twins(trials, m), *bn(trials, m), *lr_exponent(trials, m, history)]
         lead = [lead] if compared or not aimed else []  # (where no sentence compares in it, it is not said)
         return [*lead, *compared, *noise_scale(trials), *aimed_at, *memory(trials)]
-    return [*lr_rules(trials, m), *twins(trials, m), *bn(trials, m), *lr_exponent(trials, m), *noise_scale(trials),
-            *steps(trials, history, evals), *warmup(trials, history, evals), *branching.finding(trials, history),
-            *memory(trials)]
+    return [*lr_rules(trials, m), *twins(trials, m), *bn(trials, m), *lr_exponent(trials, m, history),
+            *noise_scale(trials), *steps(trials, history, evals), *warmup(trials, history, evals),
+            *branching.finding(trials, history), *memory(trials)]
 
 
 def summarize(trials: pd.DataFrame, history: pd.DataFrame | None = None, evals: pd.DataFrame | None = None,

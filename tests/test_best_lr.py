@@ -2,39 +2,46 @@
 best LR is known."""
 import math
 
+from types import SimpleNamespace
+
 import numpy as np
 import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
 from batchsweep.analysis import best_lr
-from batchsweep.analysis.findings import lr_exponent, lr_rule_reading
+from batchsweep.analysis.findings import lr_exponent, lr_rule_reading, summarize
 from batchsweep.analysis.runs import load_studies
 from tests.test_sweeps import sweep
 
 STUDY = """
-name = "lr_grid"
+name = "{name}"
 seeds = 2
 [fixed]
 model = "mlp"
 dataset = "tests.factories:blobs1k"
-epochs = 1
+epochs = 2
 warmup_epochs = 0
 [grid]
 "physical_batch+accum_steps" = [[8, 2], [32, 2], [128, 2]]
-base_lr = [0.003, 0.03, 0.3, 3.0]
+base_lr = {lrs}
 """
+STUDIES = ["lr_grid", "lr_grid_high"]  # one search of 4 LRs run as two studies, read as one
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    """A real study: 3 Bs x 4 LRs x 2 seeds, tracked in SQLite, read back as the report reads it."""
+    """A real search, 3 Bs x 4 LRs x 2 seeds x 2 epochs, run as two studies in one SQLite store (its 2 lower LRs,
+    then its 2 higher), read back as the report reads them: one frame of trials and their histories."""
     cwd = tmp_path_factory.mktemp("lr_grid")
-    (cwd / "study.toml").write_text(STUDY)
-    proc = sweep(cwd, "--study", "study.toml", "--workers", "1", "--log-models", "none", "--no-report")
-    assert proc.returncode == 0, proc.stderr
+    for name, lrs in zip(STUDIES, ([0.003, 0.03], [0.3, 3.0])):
+        (cwd / f"{name}.toml").write_text(STUDY.format(name=name, lrs=lrs))
+        proc = sweep(cwd, "--study", f"{name}.toml", "--workers", "1", "--log-models", "none", "--no-report")
+        assert proc.returncode == 0, proc.stderr
     uri = f"sqlite:///{cwd}/mlruns/mlflow.db"
-    return uri, load_studies(["lr_grid"], uri)[0]
+    runs = load_studies(STUDIES, uri)
+    return uri, SimpleNamespace(trials=pd.concat([r.trials for r in runs], ignore_index=True),
+                                history=pd.concat([r.history for r in runs], ignore_index=True))
 
 
 @pytest.mark.slow
@@ -42,9 +49,9 @@ def test_each_seeds_best_is_its_best_trial_refined_between_its_neighbours(store)
     uri, runs = store
     result = best_lr.best_lr_against_b(runs.trials, "val_acc", "maximize")
     client = MlflowClient(uri)
-    experiment = client.get_experiment_by_name("lr_grid")
+    experiments = [client.get_experiment_by_name(name).experiment_id for name in STUDIES]
     trials = {}  # (B, seed) -> [(lr, val_acc)], read straight from MLflow; a diverged LR was tried, and lost
-    for run in client.search_runs([experiment.experiment_id]):
+    for run in client.search_runs(experiments):
         if "effective_batch" not in run.data.params:
             continue
         key = int(run.data.params["effective_batch"]), int(run.data.params["seed"])
@@ -65,7 +72,7 @@ def test_each_seeds_best_is_its_best_trial_refined_between_its_neighbours(store)
                 assert found == pytest.approx(tried[i][0])
             else:
                 assert tried[i - 1][0] <= found <= tried[i + 1][0]
-        assert point.at_edge == edges
+        assert point.at_edge == edges and len(tried) == 4  # (both studies' LRs at every B and seed)
         assert point.lr == pytest.approx(math.exp(np.mean(np.log(point.seeds))))
         assert point.low <= point.lr <= point.high
     assert result == best_lr.best_lr_against_b(runs.trials, "val_acc", "maximize")  # the bootstrap is seeded
@@ -76,12 +83,58 @@ def test_each_seeds_best_is_its_best_trial_refined_between_its_neighbours(store)
 @pytest.mark.slow
 def test_the_command_prints_the_table_and_draws_the_figure(store, tmp_path, capsys):
     uri, _ = store
-    assert best_lr.main(["lr_grid", "--tracking-uri", uri, "--figure", str(tmp_path / "f.png")]) == 0
+    assert best_lr.main([*STUDIES, "--tracking-uri", uri, "--figure", str(tmp_path / "f.png")]) == 0
     out = capsys.readouterr().out
     assert out.startswith("| B | best LR | 95% interval |") and "\n| 256 | " in out
     assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
     assert best_lr.main(["nope", "--tracking-uri", uri]) == 2
     assert capsys.readouterr().err.strip().startswith("error: no study 'nope' in ")
+
+
+@pytest.mark.slow
+def test_the_best_lr_after_each_epoch_ends_where_the_search_ends(store, capsys):
+    """--by-epoch: a table after each epoch, read from the history; after the last epoch it is the search's own
+    (each trial's final value is its last epoch's)."""
+    uri, runs = store
+    epochs = best_lr.over_training(runs.trials, runs.history, "val_acc", "maximize")
+    assert [e for e, _ in epochs] == [1, 2]
+    assert epochs[-1][1] == best_lr.best_lr_against_b(runs.trials, "val_acc", "maximize")
+    assert best_lr.main([*STUDIES, "--tracking-uri", uri, "--by-epoch"]) == 0
+    out = capsys.readouterr().out
+    assert "\nAfter epoch 1:\n\n| B | best LR |" in out and "\nAfter epoch 2:\n\n| B | best LR |" in out
+    assert out.rstrip().splitlines()[-1] == best_lr.moved(epochs)
+    [line] = [s for s in summarize(runs.trials, runs.history) if s.startswith("The best learning rate went")]
+    assert line.endswith(" " + best_lr.moved(epochs)), line  # the report's finding says it too
+
+
+def _moving(seeds: int, second_peak: float = 256) -> list:
+    """An LR search after epochs 1 and 2 whose best LR peaks (in B) at 64 after epoch 1 and at `second_peak` after
+    epoch 2, each seed's optimum moved a little."""
+    rng, rows, history = np.random.default_rng(0), [], []
+    for b in (8, 16, 64, 256, 1024):
+        for s in range(seeds):
+            shift = rng.normal(0, 0.05)
+            for lr in 0.0125 * 2.0 ** np.arange(7):
+                run = f"b{b}s{s}lr{lr}"
+                for epoch, peak in ((1, 64), (2, second_peak)):
+                    best = 0.05 * math.exp(-math.log2(b / peak) ** 2 / 4 + shift)
+                    history.append(dict(run_id=run, epoch=epoch, val_loss=0.5 + 0.02 * math.log2(lr / best) ** 2))
+                rows.append(dict(run_id=run, seed=s, effective_batch=b, lr=lr, status="FINISHED",
+                                 val_loss=history[-1]["val_loss"]))
+    return best_lr.over_training(pd.DataFrame(rows), pd.DataFrame(history), "val_loss", "minimize")
+
+
+def test_a_peak_that_moves_during_training_is_said_to_move_only_where_the_seeds_resolve_it():
+    """Li et al.: Adam's peak moves to larger B as training goes on. With 5 seeds whose peaks lie apart, the move
+    is said; with 3 seeds no interval is put on a peak, so no move is said; a peak that stays is no move."""
+    five = _moving(5)
+    assert 48 < five[0][1].peak < 100 and 190 < five[1][1].peak < 340, five  # (Li et al.'s curve fitted to a grid)
+    assert all(r.shape == "rises then falls" for _, r in five)
+    said = best_lr.moved(five)
+    assert "the highest at B = 64 after epoch 1, 256 after epoch 2." in said and said.endswith(
+        "it moved beyond the seeds' spread."), said
+    assert best_lr.moved(_moving(3)).endswith("too few seeds to tell a move from their spread.")
+    assert best_lr.moved(_moving(5, second_peak=64)).endswith("the resampled ranges overlap: no move is resolved.")
 
 
 def surface(best_at, batches=(8, 16, 32, 64, 128, 256, 512), seeds=3, spread=0.05, noise=0.0):
