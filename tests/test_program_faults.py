@@ -1,12 +1,19 @@
 """[program] trials under faults a user's script brings: rows that are no numbers or out of order, a failed
 script's measurements, processes that outlive their script, and trials that write the same file."""
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.conftest import ROOT
-from tests.test_programs import State, child_runs, gone, stores, study_file, sweep, trials_of
+from tests.test_programs import State, child_runs, gone, held, stores, study_file, sweep, trials_of
 
 ROWS = ROOT / "tests" / "programs" / "rows.py"
 DAEMON = ROOT / "tests" / "programs" / "daemon.py"
@@ -113,6 +120,41 @@ def test_no_process_a_script_double_forks_outlives_its_trial(tmp_path):
         assert run.data.tags["warnings"].split(" | ")[0] == (
             f"the script left 1 process running outside its process group ({pid} (sleep)): stopped at the trial's end")
         assert "processes_left" not in run.data.tags
+
+
+@pytest.mark.slow
+def test_a_daemon_outlives_no_worker_killed_under_it(tmp_path):
+    """A worker is SIGKILLed while its script holds: the daemon the script double-forked (re-parented to the worker,
+    its reaper, then away from it) carries the worker's token in its environment, and the main process, seeing the
+    worker end, stops it and says so. Each step waits on a condition: the script's pid file (written once its
+    daemon is up), the worker's end, the daemon's end (bounded)."""
+    hold = tmp_path / "hold"
+    path = study_file(tmp_path, "orphans", f'workers = 2\n[grid]\n"n+hold" = [[1, "{hold}"], [2, "{tmp_path}"]]',
+                      f'command = ["{{python}}", "{DAEMON}", "{tmp_path}/daemon-{{n}}", "{{hold}}"]')
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), "--study", str(path), "--no-report"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    daemon = None
+    try:
+        script = held(hold, proc)[0]  # (its daemon is up: the script waited for its pid file)
+        daemon = int((tmp_path / "daemon-1").read_text())
+        worker = psutil.Process(script).ppid()
+        assert psutil.Process(worker).ppid() == proc.pid and psutil.Process(daemon).ppid() == worker
+        os.kill(worker, signal.SIGKILL)
+        psutil.wait_procs([psutil.Process(worker)], timeout=60)  # (the main process reaps it)
+        deadline = time.monotonic() + 60
+        while not gone(daemon) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gone(daemon)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if daemon and not gone(daemon):
+            os.kill(daemon, signal.SIGKILL)
+    assert re.search(rf"warning: worker \d ended leaving \d process(es)? that its trials started running "
+                     rf"\((.*, )?{daemon} \(sleep\)(, .*)?\): stopped\n", err), err
+    assert "warning: worker " in err and "was killed by SIGKILL" in err, err
 
 
 @pytest.mark.slow
@@ -248,10 +290,6 @@ def test_a_first_word_made_of_a_trials_values_is_checked_when_it_runs(tmp_path):
 def test_the_files_a_script_saves_are_seen_however_it_writes_them(tmp_path):
     """torch.save to a path writes through its own C++ writer (open() never sees it), and an atomic save renames a
     temporary file onto the name: both are files another trial could read back. /dev/null is no such file."""
-    import os
-    import subprocess
-    import sys
-
     from batchsweep.sweeps.launch import observed
 
     script = tmp_path / "saves.py"

@@ -253,6 +253,49 @@ def stop_descendants(before: set[int], pgid: int) -> tuple[list[str], list[str]]
     return strays, [named.get(p.pid, str(p.pid)) for p in alive]
 
 
+# Every process a worker starts, and what those start in turn, carries the worker's token in its environment: where
+# the worker is killed, what its script double-forked is re-parented away from it, and the token still finds it.
+TOKEN_VARIABLE = "BATCHSWEEP_WORKER"
+
+
+def stop_tagged(token: str) -> tuple[list[str], list[str]]:
+    """SIGKILL to every process of this user whose environment carries `token`: what a worker left running when it
+    ended. Returns those stopped and those still there after STRAY_WAIT_S, as 'pid (name)'."""
+    found, named = [], {}
+    for p in psutil.process_iter(["name"]):
+        try:
+            if p.pid != os.getpid() and p.environ().get(TOKEN_VARIABLE) == token:
+                named[p.pid] = f"{p.pid} ({p.info['name']})"
+                p.kill()
+                found.append(p)
+        except psutil.Error:  # another user's, or ended meanwhile
+            pass
+    deadline = time.monotonic() + STRAY_WAIT_S
+    while (alive := [p for p in found if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)  # (not our children: their new parent reaps them)
+    return [named[p.pid] for p in found if p not in alive], [named[p.pid] for p in alive]
+
+
+def left_behind(token: str, who: str) -> str | None:
+    """stop_tagged(token), said in one line where it found anything."""
+    stopped, left = stop_tagged(token)
+    if not stopped and not left:
+        return None
+    them = [*stopped, *left]
+    return (f"warning: {who} ended leaving {len(them)} process{'es' * (len(them) > 1)} that its trials started "
+            f"running ({', '.join(them[:3])}): " + ("stopped" if not left else f"{len(left)} could not be stopped "
+                                                                              f"({', '.join(left[:3])}): stop them "
+                                                                              f"yourself"))
+
+
+def _running(p: psutil.Process) -> bool:
+    """Whether a process runs still: a zombie (killed, its parent yet to reap it) does not."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def stop_group(pgid: int, proc: subprocess.Popen, grace: float = GRACE_S) -> None:
     """SIGTERM to the process group, SIGKILL to what is left of it after `grace` seconds."""
     _signal_group(pgid, signal.SIGTERM)

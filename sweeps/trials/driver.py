@@ -4,6 +4,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
+import secrets
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from batchsweep.trainers import BatchsweepError, interrupt, make_writable_folder
 
 from ..commands import command
 from ..stores.outcomes import OUTCOMES, outcome_of
-from ..launch.program import die_with_parent
+from ..launch.program import TOKEN_VARIABLE, die_with_parent, left_behind
 from ..study.spec import describe
 from .places import FIX
 from .tables import results_table
@@ -67,12 +68,14 @@ def shown(inv, row: dict) -> dict[str, str]:
 
 
 def _worker_process(inv, parent_run_id: str, index: int, budget: int | None, messages, placement=None,
-                    parent: int = 0) -> None:
+                    parent: int = 0, token: str = "") -> None:
     """One of --workers N: one torch thread (several multi-threaded workers thrash a small CPU); its lines go
     to the main process, which prints them above the bars. A fatal error is its last line, and exit status 2.
     With a placement it sees one GPU (its CUDA_VISIBLE_DEVICES was set when it started). It never outlives the
     main process: the kernel sends it SIGTERM when the main process dies, however (SIGKILL included), and it
-    records its trial as interrupted."""
+    records its trial as interrupted. What it starts carries `token` (see stop_tagged)."""
+    if token:
+        os.environ[TOKEN_VARIABLE] = token
     interrupt.trap(once=True)  # a second stop is the main process's to act on
     ask = die_with_parent()
     if ask is not None:
@@ -109,11 +112,19 @@ def run_workers(inv, parent_run_id: str, workers: int, total: int, placements: l
     ctx = multiprocessing.get_context("spawn")
     messages = ctx.Queue()
     placements = placements or [None] * workers
+    tokens = [f"{os.getpid()}-{i}-{secrets.token_hex(8)}" for i in range(workers)]
     procs = [ctx.Process(target=_worker_process, args=(inv, parent_run_id, i, b, messages, placements[i],
-                                                       os.getpid())) for i, b in enumerate(budgets)]
+                                                       os.getpid(), tokens[i])) for i, b in enumerate(budgets)]
     for proc, placement in zip(procs, placements):
         start_on(proc, placement)
-    fatal = []
+    fatal, swept = [], set()
+
+    def sweep() -> None:
+        """What each ended worker left running (a daemon its script double-forked, where it was killed): stopped."""
+        for i in [i for i, proc in enumerate(procs) if i not in swept and not proc.is_alive()]:
+            swept.add(i)
+            if line := left_behind(tokens[i], f"worker {i}"):
+                tqdm.write(line, file=sys.stderr)
 
     def drain(bar=None, epochs: list | None = None) -> None:
         """The workers' messages: their lines above the bars, and the bars moved (none once they are closed)."""
@@ -141,15 +152,20 @@ def run_workers(inv, parent_run_id: str, workers: int, total: int, placements: l
                     time.sleep(1.0)
                     interrupt.check()
                     drain(bar, epochs)
+                    sweep()
                     bar.refresh()  # the elapsed time moves on between trials too
                 for proc in procs:
                     proc.join()
                 drain(bar, epochs)
+                sweep()
             finally:
                 for epoch in reversed(epochs):
                     epoch.close()
     except KeyboardInterrupt:
-        stop_workers(procs, drain)
+        try:
+            stop_workers(procs, drain)
+        finally:
+            sweep()
         raise
     if fatal:
         raise BatchsweepError(fatal[0])
