@@ -15,7 +15,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from .figures import Figure, context, finished
+from .measures import finished
+from .plotting import Figure, context
 
 KEEPS_UP_WITHIN = 0.02  # a branch keeps up when its validation loss is at most 2% above the reference's
 

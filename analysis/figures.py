@@ -3,8 +3,7 @@ study has no data for it."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from functools import partial
 
 import matplotlib
@@ -17,266 +16,18 @@ import seaborn as sns  # noqa: E402
 
 from .best_lr import BestLR, best_lr_against_b, draw as best_lr_figure  # noqa: E402
 from .critical import fit  # noqa: E402
-from .runs import Difference, aggregate, ci95, reached, steps_to_target  # noqa: E402
-
-# The fields a figure splits its trials by, the first that varies, with their values in the order they read (the
-# LR rules by their exponent of B, then Adam's whole rule; not the alphabet's). Each value keeps one colour in
-# every figure, and in every report.
-SPLITS = {"lr_rule": ("none", "sqrt", "linear", "adam_sqrt", "adam_halflife"),
-          "bn_momentum_rule": ("default", "scaled", "matched"), "model": ()}
-MEMORY_LABELS = {"saved_tensors": "peak memory, MiB (saved-for-backward tensors + state, CPU)",
-                 "cuda_allocator": "peak memory, MiB (CUDA allocator)"}
-
-
-@dataclass
-class Figure:
-    name: str  # file stem
-    title: str
-    figure: plt.Figure
-    context: str  # which device, dataset, model, seeds and epochs stand behind it
-    finding: str = ""  # the sentence it answers with, for the findings
-
-
-Draw = Callable[[], "Figure | None"]  # a figure of the report, drawn when called; None where the data has none
-
-
-def _values(trials: pd.DataFrame, column: str) -> str:
-    """A column's distinct values, numbers in their order ('3, 4, 6, 10 epochs', not '10, 3, 4, 6')."""
-    if column not in trials:
-        return "?"
-    values = set(map(str, trials[column].dropna().unique()))
-    return ", ".join(sorted(values, key=lambda v: (0, float(v), v) if _is_number(v) else (1, 0.0, v)))
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _epochs(values: str) -> str:
-    return f"{values} epoch{'' if values in ('1', '1.0') else 's'}"
-
-
-def protocol(trials: pd.DataFrame) -> str:
-    """The training protocol behind the trials: optimizer, schedule, warmup, weight decay, epochs, seeds."""
-    seeds = trials["seed"].nunique() if "seed" in trials else 1
-    parts = []
-    if "optimizer" in trials:
-        parts.append(_values(trials, "optimizer") + (f" (momentum {_values(trials, 'momentum')})"
-                                                      if "momentum" in trials and "sgd" in set(trials["optimizer"]) else ""))
-    if "schedule" in trials:
-        warmup = _values(trials, "warmup_epochs") if "warmup_epochs" in trials else "0"
-        parts.append(f"{'no warmup' if warmup in ('0', '0.0') else f'linear warmup {_epochs(warmup)}'}, then "
-                     f"{_values(trials, 'schedule')}")
-    if "weight_decay" in trials:
-        parts.append(f"weight decay {_values(trials, 'weight_decay')}")
-    parts += [_epochs(_values(trials, "epochs")), f"{seeds} seed{'s' * (seeds != 1)}"]
-    return "; ".join(parts)
-
-
-def context(trials: pd.DataFrame) -> str:
-    what = (f"{_values(trials, 'model')} on {_values(trials, 'dataset')}" if "model" in trials
-            else f"program {_values(trials, 'batchsweep.program')}")
-    count = f"{len(trials)} trial{'s' * (len(trials) != 1)}"
-    return f"{what}; device {_values(trials, 'device_name')}; {protocol(trials)}; {count}"
-
-
-def _varies(trials: pd.DataFrame, column: str) -> bool:
-    return column in trials and trials[column].nunique() > 1
-
-
-def in_order(column: str, values) -> list:
-    """The distinct values of a split field in reading order: the rules' own first, any others after them."""
-    known, present = SPLITS.get(column, ()), set(values)
-    return [v for v in known if v in present] + sorted(present - set(known), key=str)
-
-
-def colors(trials: pd.DataFrame, column: str) -> dict:
-    """The values of a split field that the trials hold, in reading order, each mapped to its colour: a rule's
-    colour is its place among all the rules, so that it is the same in every report."""
-    present = set(trials[column].dropna()) if column in trials else set()
-    values = in_order(column, [*SPLITS.get(column, ()), *present])
-    palette = sns.color_palette(n_colors=max(10, len(values)))
-    return {v: palette[i] for i, v in enumerate(values) if v in present}
-
-
-def split(trials: pd.DataFrame) -> tuple[str | None, dict]:
-    """The field that splits the trials (the first of SPLITS that varies), and colors() of it."""
-    column = next((c for c in SPLITS if _varies(trials, c)), None)
-    return (column, colors(trials, column)) if column else (None, {})
-
-
-def _log2_axis(ax, values) -> None:
-    ax.set_xscale("log", base=2)
-    ticks = sorted(set(int(v) for v in values))
-    ax.set_xticks(ticks, [str(t) for t in ticks])
-    ax.minorticks_off()
-
-
-def log_scale(ax, axis: str, values) -> None:
-    """A log scale where the values span a factor of 3 or more, ticked in plain numbers at 1, 2 and 5 times the
-    powers of ten (a factor of 3 always holds one of them); else the linear scale stays, whose ticks are named
-    (a log scale inside 2 to 5, say, would show no number at all)."""
-    values = np.asarray(values, dtype=float)
-    values = values[np.isfinite(values) & (values > 0)]
-    if not len(values) or values.max() < 3 * values.min():
-        return
-    getattr(ax, f"set_{axis}scale")("log")
-    ticks = getattr(ax, f"{axis}axis")
-    ticks.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
-    ticks.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-    ticks.set_minor_formatter(matplotlib.ticker.NullFormatter())
-
-
-def finished(trials: pd.DataFrame) -> pd.DataFrame:
-    """The trials that finished as they were asked to: a script that did not (config_mismatch) compares nothing."""
-    done = trials["status"] == "FINISHED"
-    if "config_mismatch" in trials:
-        done &= trials["config_mismatch"].isna()
-    return trials[done]
-
-
-def has_accuracy(trials: pd.DataFrame) -> bool:
-    """Whether any trial has a validation accuracy (float targets, as a regression has, give none)."""
-    return "val_acc" in trials and bool(np.isfinite(trials["val_acc"].astype(float)).any())
-
-
-def not_rounded_away(x: float, places: int, sign: str = "") -> str:
-    """`places` decimals, or two significant digits where those would show a non-zero x as zero."""
-    return f"{x:{sign}.{places}f}" if round(abs(x), places) or not x else f"{x:{sign}.2g}"
-
-
-@dataclass(frozen=True)
-class Measure:
-    """What the report compares configurations in: accuracy in points, or a study's own metric (a regression's
-    val_loss) in its own units, two significant digits, where lower may be better."""
-
-    name: str = "val_acc"
-    maximize: bool = True
-    margin: float = 0.01  # equivalence margin: 1 accuracy point; for a metric of its own, 1% of its median
-    full: float = 1.0  # an accuracy's value at 100%: 1, or 100 where a script logs it in percent
-
-    @property
-    def margin_text(self) -> str:
-        points = self.scaled(self.margin)
-        return f"{points:g} point{'s' * (points != 1)}" if self.points else f"{_two_digits(self.margin)} in {self.name}"
-
-    @property
-    def points(self) -> bool:
-        return self.name == "val_acc"
-
-    def scaled(self, x: float) -> float:
-        return 100 * x / self.full if self.points else x
-
-    def places(self, *xs: float) -> int:
-        """Decimals that give the largest of xs two significant digits, at most 4 (accuracy points: one)."""
-        largest = max((abs(x) for x in xs if math.isfinite(x)), default=0.0)
-        return 1 if self.points else (min(4, max(0, 1 - math.floor(math.log10(largest)))) if largest else 2)
-
-    def shown(self, x: float, places: int, sign: str = "") -> str:
-        """`places` decimals, or for a metric of its own two significant digits where those would round x to zero
-        (an exact twin's loss differs by 3e-08, not by 0.0000)."""
-        return f"{x:{sign}.{places}f}" if self.points else not_rounded_away(x, places, sign)
-
-    def amount(self, x: float, places: int | None = None) -> str:
-        """An unsigned difference: '3.4 points', or 'val_loss 0.031'."""
-        places = self.places(x) if places is None else places
-        shown = self.shown(abs(self.scaled(x)), places)
-        return f"{shown} points" if self.points else f"{self.name} {shown}"
-
-    def level(self, x: float) -> str:
-        return f"{self.scaled(x):.1f}%" if self.points else f"{self.name} {x:.3g}"
-
-    @property
-    def better(self) -> str:
-        """' (lower is better)' for a metric of its own; accuracy goes without saying."""
-        return "" if self.points else f" ({'higher' if self.maximize else 'lower'} is better)"
-
-    @property
-    def axis(self) -> str:
-        return "final validation accuracy, %" if self.points else f"final {self.name}{self.better}"
-
-    def worse(self, d: Difference) -> bool:
-        """Whether a separated difference a - b says that a did worse than b."""
-        return d.separated and (d.mean < 0) == self.maximize
-
-    def ranked(self, better: str, worse: str) -> tuple[str, str]:
-        """The words for a positive and a negative difference, from the words for a better and a worse one."""
-        return (better, worse) if self.maximize else (worse, better)
-
-
-def _two_digits(x: float) -> str:
-    return f"{x:.2g}"
-
-
-ACCURACY = Measure()
-
-
-def full_scale(values) -> float:
-    """An accuracy's value at 100%: 100 where any value is above 1 (a script that logs val_acc in percent), else 1."""
-    v = pd.to_numeric(pd.Series(values), errors="coerce")
-    return 100.0 if (v[np.isfinite(v)] > 1).any() else 1.0
-
-
-def measure(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> Measure | None:
-    """The study's first objective where it names one other than val_acc and trials logged it (a study that
-    minimizes val_loss is ranked by val_loss, even where val_acc is logged too); else accuracy where trials have
-    one; else val_loss (to minimize)."""
-    t = finished(trials)
-    named = [objective] if objective and objective[0] != "val_acc" else []
-    for name, direction in (*named, ("val_acc", "maximize"), ("val_loss", "minimize")):
-        if name == "val_acc":  # (in points, with its own margin; float targets give no accuracy)
-            if has_accuracy(t):  # (in percent where a script logged it so: its margin is still 1 point)
-                full = full_scale(t["val_acc"])
-                return ACCURACY if full == 1 else Measure(full=full, margin=0.01 * full)
-            continue
-        values = pd.to_numeric(t[name], errors="coerce") if name in t else pd.Series(dtype=float)
-        if np.isfinite(values).any():
-            return Measure(name, direction == "maximize", 0.01 * float(values[np.isfinite(values)].abs().median()))
-    return None
-
-
-def one_batch(trials: pd.DataFrame) -> pd.DataFrame:
-    """The trials that trained at one B throughout (no batch_warmup, no branch): what a curve against B holds."""
-    if "batch_warmup" not in trials:
-        return trials
-    return trials[trials["batch_warmup"].fillna("").astype(str) == ""]
-
-
-def tuned(trials: pd.DataFrame) -> bool:
-    """Whether base_lr was searched (several values at one B): then a mean over trials means little."""
-    return "base_lr" in trials and "effective_batch" in trials and \
-        trials.groupby("effective_batch")["base_lr"].nunique().max() > 1
-
-
-def reliable_noise(trials: pd.DataFrame) -> pd.Series:
-    """The last-epoch noise scales that can be read: runs that marked theirs unreliable are left out."""
-    if "noise_scale" not in trials:
-        return pd.Series(dtype=float)
-    ok = trials["noise_scale"].notna()
-    if "noise_scale_reliable" in trials:
-        ok &= trials["noise_scale_reliable"].fillna(1.0) > 0
-    return trials.loc[ok, "noise_scale"]
-
-
-def last_noise(trials: pd.DataFrame) -> float | None:
-    """The median of the reliable noise scales at the end of the finished trials (not the critical batch at the
-    target: the noise scale grows as training goes; critical.py reads it where the target was reached)."""
-    values = reliable_noise(finished(trials))
-    return float(values.median()) if len(values) else None
-
+from .measures import Measure, finished, last_noise, measure, one_batch, reliable_noise, tuned  # noqa: E402
+from .plotting import MEMORY_LABELS, Draw, Figure, colors, context, log2_axis, log_scale, split, varies  # noqa: E402
+from .runs import aggregate, ci95, reached, steps_to_target  # noqa: E402
 
 def accuracy_vs_batch(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> Figure | None:
     """Accuracy against B, or for a study without one its objective (measure())."""
     t = one_batch(finished(trials))
     m = measure(t, objective)
-    if not _varies(t, "effective_batch") or m is None or tuned(t):
+    if not varies(t, "effective_batch") or m is None or tuned(t):
         return None
     hue, palette = split(trials)
-    hue = hue if _varies(t, hue) else None
+    hue = hue if varies(t, hue) else None
     keys = [k for k in (hue, "batch") if k]
     stats = aggregate(t, [*keys, "effective_batch"], m.name)
     noise = last_noise(t)
@@ -288,7 +39,7 @@ def accuracy_vs_batch(trials: pd.DataFrame, objective: tuple[str, str] | None = 
         sns.scatterplot(data=measured, x="effective_batch", y="noise_scale", hue=hue, palette=palette if hue else None,
                         ax=noise_ax, legend=False)
         noise_ax.axhline(noise, color="gray", linestyle="--", linewidth=1)
-        _log2_axis(noise_ax, measured["effective_batch"])
+        log2_axis(noise_ax, measured["effective_batch"])
         log_scale(noise_ax, "y", [*measured["noise_scale"], noise])
         noise_ax.set(xlabel="effective batch B (trials with k ≥ 2)",
                      ylabel="gradient noise scale at the last epoch", title=f"median {noise:.0f}")
@@ -312,7 +63,7 @@ def accuracy_vs_batch(trials: pd.DataFrame, objective: tuple[str, str] | None = 
         ax.axvline(noise, color="gray", linestyle="--", linewidth=1, label=said)
     elif noise is not None:  # a line far off the Bs run would squeeze them to one side: the legend says it
         ax.plot([], [], " ", label=f"{said}, {'below' if noise < low else 'above'} every B run")
-    _log2_axis(ax, stats["effective_batch"])
+    log2_axis(ax, stats["effective_batch"])
     ax.set(xlabel="effective batch B = b·k", ylabel=m.axis)
     ax.legend(title=" / ".join(keys), fontsize=8)
     fig.tight_layout()
@@ -323,14 +74,14 @@ def accuracy_vs_batch(trials: pd.DataFrame, objective: tuple[str, str] | None = 
 
 def memory_vs_batch(trials: pd.DataFrame) -> Figure | None:
     t = finished(trials)
-    if "peak_memory_bytes" not in t or not _varies(t, "effective_batch"):
+    if "peak_memory_bytes" not in t or not varies(t, "effective_batch"):
         return None
     t = t.assign(peak_mib=t["peak_memory_bytes"] / 2 ** 20)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     sns.lineplot(data=t, x="effective_batch", y="peak_mib", hue="physical_batch",
-                 style="model" if _varies(t, "model") else "batch", markers=True,
+                 style="model" if varies(t, "model") else "batch", markers=True,
                  palette="viridis", hue_norm=matplotlib.colors.LogNorm(), errorbar=None, ax=ax)
-    _log2_axis(ax, t["effective_batch"])
+    log2_axis(ax, t["effective_batch"])
     sources = t["memory_source"].dropna().unique()
     ax.set(xlabel="effective batch B = b·k",
            ylabel=MEMORY_LABELS.get(sources[0], "peak memory, MiB") if len(sources) == 1 else "peak memory, MiB "
@@ -341,12 +92,12 @@ def memory_vs_batch(trials: pd.DataFrame) -> Figure | None:
 
 def throughput(trials: pd.DataFrame) -> Figure | None:
     t = finished(trials)
-    if "samples_per_s" not in t or not _varies(t, "physical_batch"):
+    if "samples_per_s" not in t or not varies(t, "physical_batch"):
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     sns.lineplot(data=t, x="physical_batch", y="samples_per_s", hue="accum_steps", marker="o", palette="crest",
                  errorbar=None, ax=ax)
-    _log2_axis(ax, t["physical_batch"])
+    log2_axis(ax, t["physical_batch"])
     ax.set(xlabel="physical batch b", ylabel="training samples / s")
     return Figure("throughput", "Training throughput against physical batch (hue: accumulation steps k)", fig,
                   context(t))
@@ -393,7 +144,7 @@ def best_lr(trials: pd.DataFrame, m: Measure | None = None) -> tuple[pd.DataFram
     of lr_opt ~ B^alpha, in a frame of effective_batch, lr and the measure's column."""
     t = finished(trials)
     m = m or measure(t)
-    if not _varies(t, "effective_batch") or not tuned(t) or m is None:
+    if not varies(t, "effective_batch") or not tuned(t) or m is None:
         return None
     t = t.dropna(subset=[m.name])
     by = t.groupby("effective_batch")[m.name]
@@ -434,7 +185,7 @@ def lr_scaling(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -
     ax.plot(xs, lr0 * np.sqrt(xs / b0), ":", color="gray", label="square root (α = 0.5)")
     ax.plot(xs, [lr0, lr0], "-.", color="gray", label="LR unchanged (α = 0)")
     ax.set_yscale("log")
-    _log2_axis(ax, best["effective_batch"])
+    log2_axis(ax, best["effective_batch"])
     ax.set(xlabel="effective batch B", ylabel="best learning rate")
     ax.legend(fontsize=8)
     return Figure("lr_scaling", "Best learning rate against effective batch (log–log)", fig, context(trials))
@@ -451,7 +202,7 @@ def bn_rules(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> 
     """The final accuracy (or, without one, the objective: measure()) by BN momentum rule at each B."""
     t = finished(trials)
     m = measure(t, objective)
-    if not _varies(t, "bn_momentum_rule") or "accum_steps" not in t or m is None:
+    if not varies(t, "bn_momentum_rule") or "accum_steps" not in t or m is None:
         return None
     t = t.assign(rule=np.where(t["accum_steps"] > 1, t["bn_momentum_rule"], "true batch"),
                  B=t["effective_batch"])
@@ -550,7 +301,7 @@ def steps_vs_batch(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFr
     left.plot(xs, first * b0 / xs, "--", color="gray", label="perfect scaling (steps ∝ 1/B)")
     right.plot(xs, np.full_like(xs, first * b0), "--", color="gray", label="perfect scaling (samples constant)")
     for ax, label in ((left, "optimizer steps to target"), (right, "training samples to target")):
-        _log2_axis(ax, xs)
+        log2_axis(ax, xs)
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))

@@ -18,8 +18,9 @@ import pandas as pd
 
 from . import branching
 from .best_lr import moved, over_training
-from .figures import (ACCURACY, Measure, best_lr, best_lr_of_seeds, finished, has_accuracy, in_order, measure,
-                      one_batch, reliable_noise, trained_lr)
+from .figures import best_lr, best_lr_of_seeds, trained_lr
+from .measures import ACCURACY, Measure, finished, has_accuracy, measure, one_batch, reliable_noise
+from .plotting import in_order
 from .rules import lr_rules, twins
 from .runs import paired, quantum
 from .targets import steps, warmup

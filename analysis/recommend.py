@@ -13,8 +13,9 @@ import pandas as pd
 from batchsweep.sweeps import commands
 
 from .best import EVERY_RULE, Best, best_set, choices, diverged_in_a_seed, members, picked
-from .figures import Measure, finished, full_scale, in_order, measure, one_batch, tuned
 from .findings import bn_against_true, exact_by_model, lr_exponent
+from .measures import Measure, finished, full_scale, measure, one_batch, tuned
+from .plotting import in_order
 from .rules import decided, diverged, rule_comparisons, rules_at, twin_pairs, unshared, went
 from .runs import StudyRuns, quantum
 from .space import identical_spread, label, shown, times

@@ -25,8 +25,10 @@ from tqdm import tqdm
 from batchsweep.sweeps import commands
 
 from . import branching
-from .figures import Draw, Figure, candidates, has_accuracy, protocol
+from .figures import candidates
 from .findings import summarize
+from .measures import has_accuracy
+from .plotting import Draw, Figure, protocol
 from .recommend import named_best, recommend
 from .runs import StudyRuns
 from .space import pareto_trials, space_candidates

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .figures import ACCURACY, Measure, finished, in_order, one_batch, tuned
+from .measures import ACCURACY, Measure, finished, one_batch, tuned
+from .plotting import in_order
 from .runs import Difference, paired, quantum
 from .verdicts import judge
 from .wording import controlled, listed, plus_minus, stated, where_at

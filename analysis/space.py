@@ -16,9 +16,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from .figures import Draw, Figure, context, finished, in_order, log_scale
 from .best import (EVERY_RULE, choices, diverged_in_a_seed, highest, naming, of, one_at_base, per_configuration,
                    per_seed, picked, ties, without)
+from .measures import finished
+from .plotting import Draw, Figure, context, in_order, log_scale
 from .runs import TARGET_SHARE, StudyRuns, ci95
 
 MIN_IMPORTANCE_TRIALS = 10  # fewer finished trials say nothing about which field mattered

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pandas as pd
 
 from . import critical
-from .figures import finished, full_scale, in_order, one_batch, tuned
+from .measures import finished, full_scale, one_batch, tuned
+from .plotting import in_order
 from .runs import TARGET_SHARE, aggregate, paired, reached, resolution
 from .verdicts import Verdict, control, judge
 from .wording import listed, percent, signed_end, stated

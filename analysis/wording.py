@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .figures import ACCURACY, Measure, not_rounded_away
+from .measures import ACCURACY, Measure, not_rounded_away
 from .runs import Difference
 from .verdicts import Verdict, control, judge, needed
 

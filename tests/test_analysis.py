@@ -12,9 +12,10 @@ import pandas as pd
 import pytest
 import scipy.stats
 
-from batchsweep.analysis.figures import (Measure, accuracy_vs_batch, all_figures, best_lr, bn_rules, context,
-                                         equivalence, learning_curves, log_scale, lr_scaling, protocol, split,
-                                         warmup_curves)
+from batchsweep.analysis.figures import (accuracy_vs_batch, all_figures, best_lr, bn_rules, equivalence,
+                                         learning_curves, lr_scaling, warmup_curves)
+from batchsweep.analysis.plotting import context, log_scale, protocol, split
+from batchsweep.analysis.measures import Measure
 from batchsweep.analysis import branching
 from batchsweep.analysis.findings import lr_rule_reading, memory, summarize
 from batchsweep.analysis.wording import stated

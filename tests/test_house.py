@@ -126,13 +126,13 @@ def test_no_import_circle_and_no_import_that_runs_back_up():
 def test_each_copy_of_a_fact_agrees_with_its_source():
     """analysis/ may not import the trainer or the sweeps' logic, so it keeps its own copy of a few names."""
     from batchsweep import trainers
-    from batchsweep.analysis import figures, runs
+    from batchsweep.analysis import plotting, runs
     from batchsweep.trainers.config import BN_RULES, LR_RULES
 
     assert runs.DERIVED == trainers.DERIVED
     # the rules a figure splits by, in the order they read: every rule the trainer knows, and no other
-    assert sorted(figures.SPLITS["lr_rule"]) == sorted(LR_RULES)
-    assert sorted(figures.SPLITS["bn_momentum_rule"]) == sorted(BN_RULES)
+    assert sorted(plotting.SPLITS["lr_rule"]) == sorted(LR_RULES)
+    assert sorted(plotting.SPLITS["bn_momentum_rule"]) == sorted(BN_RULES)
 
 
 def test_the_benchmarks_page_is_a_reference_that_names_every_benchmark():

@@ -1,0 +1,150 @@
+"""What the report compares trials in, and which trials it compares: a Measure (accuracy in points, or a
+study's own metric in its units), the finished trials, the trials at one B, and the noise scales that can be
+read."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from .runs import Difference
+
+
+def finished(trials: pd.DataFrame) -> pd.DataFrame:
+    """The trials that finished as they were asked to: a script that did not (config_mismatch) compares nothing."""
+    done = trials["status"] == "FINISHED"
+    if "config_mismatch" in trials:
+        done &= trials["config_mismatch"].isna()
+    return trials[done]
+
+
+def has_accuracy(trials: pd.DataFrame) -> bool:
+    """Whether any trial has a validation accuracy (float targets, as a regression has, give none)."""
+    return "val_acc" in trials and bool(np.isfinite(trials["val_acc"].astype(float)).any())
+
+
+def not_rounded_away(x: float, places: int, sign: str = "") -> str:
+    """`places` decimals, or two significant digits where those would show a non-zero x as zero."""
+    return f"{x:{sign}.{places}f}" if round(abs(x), places) or not x else f"{x:{sign}.2g}"
+
+
+@dataclass(frozen=True)
+class Measure:
+    """What the report compares configurations in: accuracy in points, or a study's own metric (a regression's
+    val_loss) in its own units, two significant digits, where lower may be better."""
+
+    name: str = "val_acc"
+    maximize: bool = True
+    margin: float = 0.01  # equivalence margin: 1 accuracy point; for a metric of its own, 1% of its median
+    full: float = 1.0  # an accuracy's value at 100%: 1, or 100 where a script logs it in percent
+
+    @property
+    def margin_text(self) -> str:
+        points = self.scaled(self.margin)
+        return f"{points:g} point{'s' * (points != 1)}" if self.points else f"{_two_digits(self.margin)} in {self.name}"
+
+    @property
+    def points(self) -> bool:
+        return self.name == "val_acc"
+
+    def scaled(self, x: float) -> float:
+        return 100 * x / self.full if self.points else x
+
+    def places(self, *xs: float) -> int:
+        """Decimals that give the largest of xs two significant digits, at most 4 (accuracy points: one)."""
+        largest = max((abs(x) for x in xs if math.isfinite(x)), default=0.0)
+        return 1 if self.points else (min(4, max(0, 1 - math.floor(math.log10(largest)))) if largest else 2)
+
+    def shown(self, x: float, places: int, sign: str = "") -> str:
+        """`places` decimals, or for a metric of its own two significant digits where those would round x to zero
+        (an exact twin's loss differs by 3e-08, not by 0.0000)."""
+        return f"{x:{sign}.{places}f}" if self.points else not_rounded_away(x, places, sign)
+
+    def amount(self, x: float, places: int | None = None) -> str:
+        """An unsigned difference: '3.4 points', or 'val_loss 0.031'."""
+        places = self.places(x) if places is None else places
+        shown = self.shown(abs(self.scaled(x)), places)
+        return f"{shown} points" if self.points else f"{self.name} {shown}"
+
+    def level(self, x: float) -> str:
+        return f"{self.scaled(x):.1f}%" if self.points else f"{self.name} {x:.3g}"
+
+    @property
+    def better(self) -> str:
+        """' (lower is better)' for a metric of its own; accuracy goes without saying."""
+        return "" if self.points else f" ({'higher' if self.maximize else 'lower'} is better)"
+
+    @property
+    def axis(self) -> str:
+        return "final validation accuracy, %" if self.points else f"final {self.name}{self.better}"
+
+    def worse(self, d: Difference) -> bool:
+        """Whether a separated difference a - b says that a did worse than b."""
+        return d.separated and (d.mean < 0) == self.maximize
+
+    def ranked(self, better: str, worse: str) -> tuple[str, str]:
+        """The words for a positive and a negative difference, from the words for a better and a worse one."""
+        return (better, worse) if self.maximize else (worse, better)
+
+
+def _two_digits(x: float) -> str:
+    return f"{x:.2g}"
+
+
+ACCURACY = Measure()
+
+
+def full_scale(values) -> float:
+    """An accuracy's value at 100%: 100 where any value is above 1 (a script that logs val_acc in percent), else 1."""
+    v = pd.to_numeric(pd.Series(values), errors="coerce")
+    return 100.0 if (v[np.isfinite(v)] > 1).any() else 1.0
+
+
+def measure(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> Measure | None:
+    """The study's first objective where it names one other than val_acc and trials logged it (a study that
+    minimizes val_loss is ranked by val_loss, even where val_acc is logged too); else accuracy where trials have
+    one; else val_loss (to minimize)."""
+    t = finished(trials)
+    named = [objective] if objective and objective[0] != "val_acc" else []
+    for name, direction in (*named, ("val_acc", "maximize"), ("val_loss", "minimize")):
+        if name == "val_acc":  # (in points, with its own margin; float targets give no accuracy)
+            if has_accuracy(t):  # (in percent where a script logged it so: its margin is still 1 point)
+                full = full_scale(t["val_acc"])
+                return ACCURACY if full == 1 else Measure(full=full, margin=0.01 * full)
+            continue
+        values = pd.to_numeric(t[name], errors="coerce") if name in t else pd.Series(dtype=float)
+        if np.isfinite(values).any():
+            return Measure(name, direction == "maximize", 0.01 * float(values[np.isfinite(values)].abs().median()))
+    return None
+
+
+def one_batch(trials: pd.DataFrame) -> pd.DataFrame:
+    """The trials that trained at one B throughout (no batch_warmup, no branch): what a curve against B holds."""
+    if "batch_warmup" not in trials:
+        return trials
+    return trials[trials["batch_warmup"].fillna("").astype(str) == ""]
+
+
+def tuned(trials: pd.DataFrame) -> bool:
+    """Whether base_lr was searched (several values at one B): then a mean over trials means little."""
+    return "base_lr" in trials and "effective_batch" in trials and \
+        trials.groupby("effective_batch")["base_lr"].nunique().max() > 1
+
+
+def reliable_noise(trials: pd.DataFrame) -> pd.Series:
+    """The last-epoch noise scales that can be read: runs that marked theirs unreliable are left out."""
+    if "noise_scale" not in trials:
+        return pd.Series(dtype=float)
+    ok = trials["noise_scale"].notna()
+    if "noise_scale_reliable" in trials:
+        ok &= trials["noise_scale_reliable"].fillna(1.0) > 0
+    return trials.loc[ok, "noise_scale"]
+
+
+def last_noise(trials: pd.DataFrame) -> float | None:
+    """The median of the reliable noise scales at the end of the finished trials (not the critical batch at the
+    target: the noise scale grows as training goes; critical.py reads it where the target was reached)."""
+    values = reliable_noise(finished(trials))
+    return float(values.median()) if len(values) else None
