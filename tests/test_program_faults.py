@@ -122,6 +122,13 @@ def test_no_process_a_script_double_forks_outlives_its_trial(tmp_path):
         assert "processes_left" not in run.data.tags
 
 
+def started(folder: Path, path: Path) -> subprocess.Popen:
+    """A study run as a user runs it, in a process of its own that a test can kill."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), "--study", str(path), "--no-report"],
+                            cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 @pytest.mark.slow
 def test_a_daemon_outlives_no_worker_killed_under_it(tmp_path):
     """A worker is SIGKILLed while its script holds: the daemon the script double-forked (re-parented to the worker,
@@ -131,10 +138,7 @@ def test_a_daemon_outlives_no_worker_killed_under_it(tmp_path):
     hold = tmp_path / "hold"
     path = study_file(tmp_path, "orphans", f'workers = 2\n[grid]\n"n+hold" = [[1, "{hold}"], [2, "{tmp_path}"]]',
                       f'command = ["{{python}}", "{DAEMON}", "{tmp_path}/daemon-{{n}}", "{{hold}}"]')
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "sweeps/run.py"), "--study", str(path), "--no-report"],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    daemon = None
+    proc, daemon = started(tmp_path, path), None
     try:
         script = held(hold, proc)[0]  # (its daemon is up: the script waited for its pid file)
         daemon = int((tmp_path / "daemon-1").read_text())
@@ -155,6 +159,37 @@ def test_a_daemon_outlives_no_worker_killed_under_it(tmp_path):
     assert re.search(rf"warning: worker \d ended leaving \d process(es)? that its trials started running "
                      rf"\((.*, )?{daemon} \(sleep\)(, .*)?\): stopped\n", err), err
     assert "warning: worker " in err and "was killed by SIGKILL" in err, err
+
+
+@pytest.mark.slow
+def test_a_daemon_left_by_a_killed_invocation_is_stopped_by_the_next(tmp_path):
+    """One worker, the main process itself, SIGKILLed while its script holds: nothing outlives it to look, so the
+    next invocation stops the daemon, which carries the killed invocation's token, and says so."""
+    hold = tmp_path / "hold"
+    path = study_file(tmp_path, "orphan", "",
+                      f'command = ["{{python}}", "{DAEMON}", "{tmp_path}/daemon", "{hold}"]')
+    proc, daemon = started(tmp_path, path), None
+    try:
+        script = held(hold, proc)[0]
+        daemon = int((tmp_path / "daemon").read_text())
+        assert psutil.Process(script).ppid() == proc.pid == psutil.Process(daemon).ppid()
+        proc.kill()
+        proc.communicate(timeout=60)
+        deadline = time.monotonic() + 60  # (the kernel sends the script SIGTERM as its parent dies)
+        while not gone(script) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gone(script) and not gone(daemon)  # (re-parented away from the killed invocation)
+        rerun = sweep(tmp_path, "--study", str(path), "--no-report")
+        stopped = gone(daemon)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if daemon and not gone(daemon):
+            os.kill(daemon, signal.SIGKILL)
+    assert rerun.returncode == 0, rerun.stderr
+    assert stopped and re.search(rf"warning: an invocation that was killed had left \d+ process(es)? that its "
+                                 rf"trials started running \((.*, )?{daemon} \(sleep\)(, .*)?\): stopped\n",
+                                 rerun.stderr), rerun.stderr
 
 
 @pytest.mark.slow

@@ -76,10 +76,13 @@ accum_steps = [1, 2]
     while not gone(script) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert gone(script)
-    os.kill(child, signal.SIGKILL)  # (a child the script started outlives a SIGTERM to the script alone)
     hold.write_text("")  # the rerun does not hold
     rerun = sweep(tmp_path, "--study", str(path), process=True)  # and its report's line
     assert rerun.returncode == 0, rerun.stderr
+    # A child the script started outlives a SIGTERM to the script alone: it carries the killed invocation's token,
+    # which the rerun finds.
+    assert gone(child) and re.search(rf"warning: an invocation that was killed had left \d+ process(es)? that its "
+                                     rf"trials started running \((.*, )?{child} \(", rerun.stderr), rerun.stderr
     assert "report: " in rerun.stdout
     storage, client = stores(tmp_path)
     trials = trials_of(storage, "script_grid")

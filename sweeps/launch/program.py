@@ -10,6 +10,7 @@ import os
 import difflib
 import platform
 import re
+import secrets
 import selectors
 import shutil
 import signal
@@ -254,17 +255,36 @@ def stop_descendants(before: set[int], pgid: int) -> tuple[list[str], list[str]]
 
 
 # Every process a worker starts, and what those start in turn, carries the worker's token in its environment: where
-# the worker is killed, what its script double-forked is re-parented away from it, and the token still finds it.
+# the worker is killed, what its script double-forked is re-parented away from it, and the token still finds it. The
+# token names the main process (its pid and start time): where that is gone too, a later invocation finds them.
 TOKEN_VARIABLE = "BATCHSWEEP_WORKER"
 
 
-def stop_tagged(token: str) -> tuple[list[str], list[str]]:
-    """SIGKILL to every process of this user whose environment carries `token`: what a worker left running when it
-    ended. Returns those stopped and those still there after STRAY_WAIT_S, as 'pid (name)'."""
+def worker_token(index: int) -> str:
+    """The token of this main process's worker `index`."""
+    me = psutil.Process()
+    return f"{me.pid}-{round(me.create_time() * 1000)}-{index}-{secrets.token_hex(8)}"
+
+
+def owner_gone(token: str) -> bool:
+    """Whether the main process that a token names has ended (a pid in use again is another process)."""
+    try:
+        pid, started = (int(part) for part in token.split("-")[:2])
+        return abs(psutil.Process(pid).create_time() * 1000 - started) > 1000
+    except psutil.NoSuchProcess:
+        return True
+    except (ValueError, psutil.Error):  # no token of ours, or not ours to tell
+        return False
+
+
+def stop_tagged(match: Callable[[str], bool]) -> tuple[list[str], list[str]]:
+    """SIGKILL to every process of this user whose environment carries a token that `match`es: what a worker left
+    running. Returns those stopped and those still there after STRAY_WAIT_S, as 'pid (name)'."""
     found, named = [], {}
     for p in psutil.process_iter(["name"]):
         try:
-            if p.pid != os.getpid() and p.environ().get(TOKEN_VARIABLE) == token:
+            token = p.environ().get(TOKEN_VARIABLE) if p.pid != os.getpid() else None
+            if token and match(token):
                 named[p.pid] = f"{p.pid} ({p.info['name']})"
                 p.kill()
                 found.append(p)
@@ -276,16 +296,15 @@ def stop_tagged(token: str) -> tuple[list[str], list[str]]:
     return [named[p.pid] for p in found if p not in alive], [named[p.pid] for p in alive]
 
 
-def left_behind(token: str, who: str) -> str | None:
-    """stop_tagged(token), said in one line where it found anything."""
-    stopped, left = stop_tagged(token)
+def left_behind(match: Callable[[str], bool], who: str) -> str | None:
+    """stop_tagged(match), said in one line where it found anything: "warning: {who} N processes ..."."""
+    stopped, left = stop_tagged(match)
     if not stopped and not left:
         return None
     them = [*stopped, *left]
-    return (f"warning: {who} ended leaving {len(them)} process{'es' * (len(them) > 1)} that its trials started "
-            f"running ({', '.join(them[:3])}): " + ("stopped" if not left else f"{len(left)} could not be stopped "
-                                                                              f"({', '.join(left[:3])}): stop them "
-                                                                              f"yourself"))
+    return (f"warning: {who} {len(them)} process{'es' * (len(them) > 1)} that its trials started running "
+            f"({', '.join(them[:3])}): " + ("stopped" if not left else f"{len(left)} could not be stopped "
+                                                                     f"({', '.join(left[:3])}): stop them yourself"))
 
 
 def _running(p: psutil.Process) -> bool:

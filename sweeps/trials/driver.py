@@ -4,7 +4,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
-import secrets
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from batchsweep.trainers import BatchsweepError, interrupt, make_writable_folder
 
 from ..commands import command
 from ..stores.outcomes import OUTCOMES, outcome_of
-from ..launch.program import TOKEN_VARIABLE, die_with_parent, left_behind
+from ..launch.program import TOKEN_VARIABLE, die_with_parent, left_behind, owner_gone, worker_token
 from ..study.spec import describe
 from .places import FIX
 from .tables import results_table
@@ -112,7 +111,7 @@ def run_workers(inv, parent_run_id: str, workers: int, total: int, placements: l
     ctx = multiprocessing.get_context("spawn")
     messages = ctx.Queue()
     placements = placements or [None] * workers
-    tokens = [f"{os.getpid()}-{i}-{secrets.token_hex(8)}" for i in range(workers)]
+    tokens = [worker_token(i) for i in range(workers)]
     procs = [ctx.Process(target=_worker_process, args=(inv, parent_run_id, i, b, messages, placements[i],
                                                        os.getpid(), tokens[i])) for i, b in enumerate(budgets)]
     for proc, placement in zip(procs, placements):
@@ -123,7 +122,7 @@ def run_workers(inv, parent_run_id: str, workers: int, total: int, placements: l
         """What each ended worker left running (a daemon its script double-forked, where it was killed): stopped."""
         for i in [i for i, proc in enumerate(procs) if i not in swept and not proc.is_alive()]:
             swept.add(i)
-            if line := left_behind(tokens[i], f"worker {i}"):
+            if line := left_behind(tokens[i].__eq__, f"worker {i} ended leaving"):
                 tqdm.write(line, file=sys.stderr)
 
     def drain(bar=None, epochs: list | None = None) -> None:
@@ -224,11 +223,17 @@ def run_in_process(inv, parent_run_id: str, total: int, placement=None) -> None:
                   trial_start=lambda name, n: start_trial(epochs, name, n),
                   epoch_done=lambda row: end_epoch(epochs, shown(inv, row)),
                   say=lambda line: tqdm.write(line, file=sys.stderr))
+    before = os.environ.get(TOKEN_VARIABLE)
+    os.environ[TOKEN_VARIABLE] = worker_token(0)  # (what it leaves, killed, the next invocation finds)
     try:
         return Worker(inv, parent_run_id, 0, hooks, placement).run(inv.n_trials)
     finally:
         epochs.close()
         trials.close()
+        if before is None:
+            del os.environ[TOKEN_VARIABLE]
+        else:
+            os.environ[TOKEN_VARIABLE] = before
 
 
 def write_report(inv) -> int:
@@ -270,6 +275,8 @@ def run_invocation(inv, workers: int, gpus: list | tuple = ()) -> int:
         raise BatchsweepError(f"cannot use the Optuna storage {redact(inv.storage)} ({first_line(exc, inv.storage)}):"
                               f" check it, or pass another --storage") from None
     closed = end_dead(inv, storage, tracker)  # before counting: their points run again in this invocation
+    if line := left_behind(owner_gone, "an invocation that was killed had left"):  # (of any study)
+        print(line, file=sys.stderr)
     left = remaining(inv, storage)
     total = left if inv.n_trials is None else min(left, inv.n_trials)
     placements = place(workers, list(gpus), inv.tracking_uri, bool(inv.study.program)) if gpus else []
