@@ -68,6 +68,17 @@ def test_an_objective_row_that_is_no_number_or_out_of_order_is_a_warning(tmp_pat
         "its epoch (or step) in the row, or give it a name of its own (1 more row like it)"]
 
 
+def test_the_pruner_is_given_each_row_where_the_run_logs_it(tmp_path):
+    """Rows within epochs at their step, as the run logs them: at int(epoch) they were a second value at epoch 1 and
+    2, which Optuna ignores."""
+    path = study_file(tmp_path, "pruned_rows", '[grid]\nmode = ["mixed"]\n[search]\npruner = "median"',
+                      f'command = ["{{python}}", "{ROWS}", "{{mode}}"]')
+    proc = sweep(tmp_path, "--study", str(path), "--no-report")
+    assert proc.returncode == 0, proc.stderr
+    [trial] = trials_of(stores(tmp_path)[0], "pruned_rows")
+    assert trial.intermediate_values == {1: 0.5, 150: 0.6, 2: 0.7, 250: 0.8}
+
+
 def test_rows_are_placed_each_metric_on_one_scale():
     """Units of place(): a metric at steps alone is logged at its steps, a value printed once without either is
     final, the later of two rows at one epoch is logged (MLflow's latest at one step would be the larger)."""

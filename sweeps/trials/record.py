@@ -16,6 +16,7 @@ from batchsweep.trainers import Checkpointing, ConfigError, interrupt
 from .checkpoints import claim, folder_of, resumes
 from .objective import TrialLink, Trained
 from .places import FIX, Clash, Place, trials_folder
+from ..launch.rows import index_of
 from ..stores.outcomes import OUTCOMES
 from ..study.spec import Point, describe
 from ..gpus.placement import system_metrics
@@ -158,7 +159,9 @@ class TrialRun:
         value = self.worker.objective.epoch_value(row) if self.worker.inv.study.pruner != "none" else None
         if value is None:
             return
-        where = ("epoch", int(row["epoch"])) if "epoch" in row else ("step", int(row["step"]))
+        where = index_of(row)  # (a row within an epoch at its step; Optuna ignored a second value at int(1.5))
+        if where is None:  # a fraction of an epoch without a step: no place among the epochs (launch/rows.py)
+            return
         self.trial.report(value, where[1])
         # A trial that trained its last epoch is complete: pruning it would throw its result away.
         last = self.last_epoch is not None and row.get("epoch", 0) >= self.last_epoch
