@@ -18,7 +18,7 @@ import torch
 
 from batchsweep.trainers import BatchsweepError, Checkpointing, ConfigError, TrainConfig
 
-from .program import die_with_parent
+from .processes import die_with_parent
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "trainers" / "train.py"
 OUT_OF_MEMORY = "out of memory:"  # how trainers/cli.py's line for an out-of-memory not shrunk away begins

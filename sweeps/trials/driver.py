@@ -14,7 +14,7 @@ from batchsweep.trainers import BatchsweepError, interrupt, make_writable_folder
 
 from ..commands import command
 from ..stores.outcomes import OUTCOMES, outcome_of
-from ..launch.program import TOKEN_VARIABLE, die_with_parent, left_behind, owner_gone, worker_token
+from ..launch.processes import TOKEN_VARIABLE, die_with_parent, left_behind, owner_gone, worker_token
 from ..study.spec import describe
 from .places import FIX
 from .tables import results_table
