@@ -2,16 +2,13 @@
 removes the folder of a trial that is still training, nor the best model of another machine's invocation that
 still runs; it works on every kind of storage."""
 import json
-import os
 import re
-import subprocess
-import sys
 
 import optuna
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.conftest import in_process
 from tests.test_train_cli import one_line_error
 
 ARGS = ["--model", "mlp", "--dataset", "tests.factories:blobs", "--epochs", "2", "--device", "cpu"]
@@ -56,24 +53,22 @@ def test_a_finished_run_asked_for_more_epochs_is_told_which_field_differs(capsys
     assert "is of another configuration (epochs 2 there, 3 here): pass another --checkpoint-dir" in line, line
 
 
-def test_a_trainer_error_under_a_launcher_says_its_kind(tmp_path):
+def test_a_trainer_error_under_a_launcher_says_its_kind(tmp_path, capsys):
     """Under torchrun the launcher cannot see a rank's exit status: the trainer writes its error's kind beside the
     epochs' rows, and only a configuration error makes a point invalid for good."""
     from batchsweep.sweeps.launch.torchrun import _failure
     from batchsweep.trainers import ConfigError
+    from batchsweep.trainers.cli import main
 
     folder, rows = tmp_path / "run", tmp_path / "rows.jsonl"
     args = [*ARGS, "--checkpoint-dir", str(folder), "--epochs-jsonl", str(rows)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    assert subprocess.run([sys.executable, "trainers/train.py", *args], cwd=ROOT, env=env,
-                          capture_output=True).returncode == 0
+    assert main(args) == 0  # (trainers/train.py's main, in this process: what a rank runs)
     (folder / "checkpoint.pt").write_bytes(b"damaged")
-    proc = subprocess.run([sys.executable, "trainers/train.py", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True)
-    assert proc.returncode == 2
+    capsys.readouterr()
+    assert main(args) == 2
     errors = [json.loads(line) for line in rows.read_text().splitlines() if "error" in json.loads(line)]
     assert [e["error"] for e in errors] == ["CheckpointError"]
-    failure = _failure(1, proc.stderr, errors)
+    failure = _failure(1, capsys.readouterr().err, errors)
     assert not isinstance(failure, ConfigError) and "cannot be read" in str(failure)
     assert isinstance(_failure(1, "error: b*k > n\n", [{"error": "ConfigError", "message": "b*k > n"}]), ConfigError)
     assert not isinstance(_failure(1, "error: something\n", []), ConfigError)  # no kind known: it runs again
@@ -160,13 +155,15 @@ epochs = [8, 2]
 
 
 @pytest.mark.slow
-def test_a_race_for_a_point_and_a_kill_leave_the_live_trials_checkpoint(tmp_path):
+def test_a_race_for_a_point_and_a_kill_leave_the_live_trials_checkpoint(tmp_path, monkeypatch):
     """Two workers: one trains the 8-epoch point, the other the 2-epoch one, with the trial that lost a race for
     the 8-epoch point already in the storage (as two machines starting together leave it). The short trial's
     clean-up must not remove the long one's folder; the long one is then killed in epoch 6, resumes from its
     checkpoint (in the same invocation when a worker is free for it, else in the next), and its model is logged:
     with --log-models all, since both trials reach the same accuracy and either may be the best."""
     from mlflow import MlflowClient
+
+    from batchsweep.sweeps import cli
 
     (tmp_path / "race.toml").write_text(RACE)
     storage = f"sqlite:///{tmp_path}/mlruns/optuna.db"
@@ -176,13 +173,12 @@ def test_a_race_for_a_point_and_a_kill_leave_the_live_trials_checkpoint(tmp_path
         "config": {"epochs": 8, "seed": 0}, "reason": "duplicate"}))
     marker = tmp_path / "marker"
     marker.write_text("kill once")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-           "BATCHSWEEP_TEST_KILL": f"{marker}:train:55"}  # 10 forwards an epoch: in epoch 6 of the long trial
+    monkeypatch.setenv("BATCHSWEEP_TEST_KILL", f"{marker}:train:55")  # 10 forwards an epoch: in epoch 6 of the long
+    # trial, in a worker process; the main process is this one (its imports paid), which the kill does not reach.
 
     def run():
-        return subprocess.run([sys.executable, str(ROOT / "sweeps/run.py"), "--study", "race.toml", "--seeds", "1",
-                               "--workers", "2", "--log-models", "all", "--no-report"], capture_output=True,
-                              text=True, cwd=tmp_path, env=env, timeout=600)
+        return in_process(cli.main, tmp_path, "--study", "race.toml", "--seeds", "1", "--workers", "2",
+                          "--log-models", "all", "--no-report")
 
     first = run()
     assert not marker.exists(), first.stderr  # the long trial reached epoch 6: its folder was there to write to

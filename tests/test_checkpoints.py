@@ -39,15 +39,18 @@ sys.exit(main(sys.argv[2:]))
 
 
 def train_once(folder, *extra, kill=None, marker=None):
-    """The trainer's command with checkpoints in `folder`: killed as `kill` says, or to the end."""
+    """The trainer's command with checkpoints in `folder`: killed as `kill` says in a process of its own, or to the
+    end in this one (its imports paid once; what it restores comes from the checkpoint, not a fresh process)."""
+    from batchsweep.trainers.cli import main
+
     args = [*ARGS, "--checkpoint-dir", str(folder), "--json", str(folder / "result.json"), *extra]
-    env = {"BATCHSWEEP_TEST_KILL": f"{marker}:{kill}"} if kill and kill != "writing" else {}
-    if kill:
-        marker.write_text("kill once")
+    if not kill:
+        return in_process(main, ROOT, *args)
+    marker.write_text("kill once")
     if kill == "writing":
         return subprocess.run([sys.executable, "-c", KILL_WHILE_WRITING, str(marker), *args], capture_output=True,
                               text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    return run_script("trainers/train.py", *args, env=env)
+    return run_script("trainers/train.py", *args, env={"BATCHSWEEP_TEST_KILL": f"{marker}:{kill}"})
 
 
 def outcome(folder):

@@ -1,16 +1,16 @@
 """Secrets never shown or stored, names never paths, text from the data escaped in the report."""
 import os
 import re
-import subprocess
 import threading
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
+from batchsweep.analysis import cli as report_cli
 from batchsweep.analysis.render import folder_name
 from batchsweep.sweeps.stores.urls import redact, scrub
-from tests.conftest import run_script
+from tests.conftest import in_process, run_script
 from tests.test_analysis import PROBE, probe_in_chromium
 from tests.test_sweeps import TINY, sweep
 
@@ -142,7 +142,7 @@ def test_a_name_from_the_data_never_becomes_a_path(named_study):
     planted.mkdir(parents=True)
     (planted / "mine.png").write_bytes(b"not the report's")  # files the report did not write: kept, not uploaded
     (planted / "notes.txt").write_text("private")
-    proc = run_script("analysis/report.py", "--study", name, "--out", str(out), cwd=folder)
+    proc = in_process(report_cli.main, folder, "--study", name, "--out", str(out))  # (its imports paid once)
     assert proc.returncode == 0, proc.stderr
     page = Path(proc.stdout.strip().removeprefix("report: "))
     assert page.parent == planted.resolve()  # inside --out, under a derived name
@@ -153,14 +153,13 @@ def test_a_name_from_the_data_never_becomes_a_path(named_study):
     uploaded = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
     assert "report/report.html" in uploaded and not {"report/mine.png", "report/notes.txt"} & uploaded
     # A second report deletes only what the first one wrote.
-    assert run_script("analysis/report.py", "--study", name, "--out", str(out), cwd=folder).returncode == 0
+    assert in_process(report_cli.main, folder, "--study", name, "--out", str(out)).returncode == 0
     assert (planted / "mine.png").read_bytes() == b"not the report's"
 
 
 def test_markup_from_the_data_is_escaped_in_html_and_markdown(named_study, tmp_path):
     folder, name = named_study
-    assert run_script("analysis/report.py", "--study", name, "--out", str(tmp_path), "--no-log",
-                      cwd=folder).returncode == 0
+    assert in_process(report_cli.main, folder, "--study", name, "--out", str(tmp_path), "--no-log").returncode == 0
     report = next(tmp_path.iterdir())
     md = (report / "report.md").read_text()
     assert not re.search(r"(?<!\\)[<>]", md)  # every angle bracket from the data is escaped
