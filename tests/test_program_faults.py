@@ -198,9 +198,9 @@ def test_a_daemon_left_by_a_killed_invocation_is_stopped_by_the_next(tmp_path):
         if daemon and not gone(daemon):
             os.kill(daemon, signal.SIGKILL)
     assert rerun.returncode == 0, rerun.stderr
-    assert stopped and re.search(rf"warning: an invocation that was killed had left \d+ process(es)? that its "
-                                 rf"trials started running \((.*, )?{daemon} \(sleep\)(, .*)?\): stopped\n",
-                                 rerun.stderr), rerun.stderr
+    assert stopped and re.search(rf"warning: an invocation of this study that was killed had left \d+ "
+                                 rf"process(es)? that its trials started running \((.*, )?{daemon} \(sleep\)"
+                                 rf"(, .*)?\): stopped\n", rerun.stderr), rerun.stderr
 
 
 @pytest.mark.slow

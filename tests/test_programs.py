@@ -81,8 +81,9 @@ accum_steps = [1, 2]
     assert rerun.returncode == 0, rerun.stderr
     # A child the script started outlives a SIGTERM to the script alone: it carries the killed invocation's token,
     # which the rerun finds.
-    assert gone(child) and re.search(rf"warning: an invocation that was killed had left \d+ process(es)? that its "
-                                     rf"trials started running \((.*, )?{child} \(", rerun.stderr), rerun.stderr
+    assert gone(child) and re.search(rf"warning: an invocation of this study that was killed had left \d+ "
+                                     rf"process(es)? that its trials started running \((.*, )?{child} \(",
+                                     rerun.stderr), rerun.stderr
     assert "report: " in rerun.stdout
     storage, client = stores(tmp_path)
     trials = trials_of(storage, "script_grid")

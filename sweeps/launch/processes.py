@@ -4,6 +4,7 @@ their environment, which finds them where the worker, or the whole invocation, w
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import secrets
 import signal
@@ -73,25 +74,36 @@ def stop_descendants(before: set[int], pgid: int) -> tuple[list[str], list[str]]
 
 # Every process a worker starts, and what those start in turn, carries the worker's token in its environment: where
 # the worker is killed, what its script double-forked is re-parented away from it, and the token still finds it. The
-# token names the main process (its pid and start time): where that is gone too, a later invocation finds them.
+# token names the main process (its pid and start time) and the study: where the main process is gone too, the
+# study's next invocation finds them.
 TOKEN_VARIABLE = "BATCHSWEEP_WORKER"
 
 
-def worker_token(index: int) -> str:
-    """The token of this main process's worker `index`."""
+def worker_token(index: int, study: str) -> str:
+    """The token of this main process's worker `index` of `study` (its storage and name)."""
     me = psutil.Process()
-    return f"{me.pid}-{round(me.create_time() * 1000)}-{index}-{secrets.token_hex(8)}"
+    return f"{me.pid}-{round(me.create_time() * 1000)}-{_key(study)}-{index}-{secrets.token_hex(8)}"
 
 
-def owner_gone(token: str) -> bool:
-    """Whether the main process that a token names has ended (a pid in use again is another process)."""
-    try:
-        pid, started = (int(part) for part in token.split("-")[:2])
-        return abs(psutil.Process(pid).create_time() * 1000 - started) > 1000
-    except psutil.NoSuchProcess:
-        return True
-    except (ValueError, psutil.Error):  # no token of ours, or not ours to tell
-        return False
+def killed_of(study: str) -> Callable[[str], bool]:
+    """A match for the tokens of `study` whose main process has ended (a pid in use again is another process): what
+    an invocation of it that was killed left. (Not another study's: its own next invocation looks.)"""
+    key = _key(study)
+
+    def match(token: str) -> bool:
+        try:
+            pid, started, of = token.split("-")[:3]
+            return of == key and abs(psutil.Process(int(pid)).create_time() * 1000 - int(started)) > 1000
+        except psutil.NoSuchProcess:
+            return True
+        except (ValueError, psutil.Error):  # no token of ours, or not ours to tell
+            return False
+
+    return match
+
+
+def _key(study: str) -> str:
+    return hashlib.sha1(study.encode()).hexdigest()[:12]
 
 
 def stop_tagged(match: Callable[[str], bool]) -> tuple[list[str], list[str]]:

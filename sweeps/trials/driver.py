@@ -14,7 +14,7 @@ from batchsweep.trainers import BatchsweepError, interrupt, make_writable_folder
 
 from ..commands import command
 from ..stores.outcomes import OUTCOMES, outcome_of
-from ..launch.processes import TOKEN_VARIABLE, die_with_parent, left_behind, owner_gone, worker_token
+from ..launch.processes import TOKEN_VARIABLE, die_with_parent, killed_of, left_behind, worker_token
 from ..study.spec import describe
 from .places import FIX
 from .tables import results_table
@@ -111,7 +111,7 @@ def run_workers(inv, parent_run_id: str, workers: int, total: int, placements: l
     ctx = multiprocessing.get_context("spawn")
     messages = ctx.Queue()
     placements = placements or [None] * workers
-    tokens = [worker_token(i) for i in range(workers)]
+    tokens = [worker_token(i, inv.storage + inv.study_name) for i in range(workers)]
     procs = [ctx.Process(target=_worker_process, args=(inv, parent_run_id, i, b, messages, placements[i],
                                                        os.getpid(), tokens[i])) for i, b in enumerate(budgets)]
     for proc, placement in zip(procs, placements):
@@ -224,7 +224,7 @@ def run_in_process(inv, parent_run_id: str, total: int, placement=None) -> None:
                   epoch_done=lambda row: end_epoch(epochs, shown(inv, row)),
                   say=lambda line: tqdm.write(line, file=sys.stderr))
     before = os.environ.get(TOKEN_VARIABLE)
-    os.environ[TOKEN_VARIABLE] = worker_token(0)  # (what it leaves, killed, the next invocation finds)
+    os.environ[TOKEN_VARIABLE] = worker_token(0, inv.storage + inv.study_name)  # (killed: the next one looks)
     try:
         return Worker(inv, parent_run_id, 0, hooks, placement).run(inv.n_trials)
     finally:
@@ -275,7 +275,8 @@ def run_invocation(inv, workers: int, gpus: list | tuple = ()) -> int:
         raise BatchsweepError(f"cannot use the Optuna storage {redact(inv.storage)} ({first_line(exc, inv.storage)}):"
                               f" check it, or pass another --storage") from None
     closed = end_dead(inv, storage, tracker)  # before counting: their points run again in this invocation
-    if line := left_behind(owner_gone, "an invocation that was killed had left"):  # (of any study)
+    if line := left_behind(killed_of(inv.storage + inv.study_name), "an invocation of this study that was killed had"
+                                                                    " left"):
         print(line, file=sys.stderr)
     left = remaining(inv, storage)
     total = left if inv.n_trials is None else min(left, inv.n_trials)
