@@ -17,13 +17,14 @@ from batchsweep.analysis.figures import (accuracy_vs_batch, all_figures, best_lr
 from batchsweep.analysis.plotting import context, log_scale, protocol, split
 from batchsweep.analysis.measures import Measure
 from batchsweep.analysis import branching
+from batchsweep.analysis import cli as report_cli
 from batchsweep.analysis.findings import lr_rule_reading, memory, summarize
 from batchsweep.analysis.wording import stated
 from batchsweep.analysis.render import MIB, _display, _table, write_report
 from batchsweep.analysis.runs import Difference, StudyRuns, aggregate, ci95, load_studies, steps_to_target
 from batchsweep.analysis.space import (MIN_IMPORTANCE_TRIALS, front, importance, label, memory_front,
                                        parallel_coordinates, time_front)
-from tests.conftest import run_script
+from tests.conftest import in_process, run_script
 from tests.test_sweeps import TINY, sweep
 
 KS = (1, 2, 4, 8, 16)
@@ -617,7 +618,7 @@ def test_the_protocol_line_counts_one_epoch_as_one():
 @pytest.mark.slow
 def test_report_command_and_compare(tiny_study):
     uri = f"sqlite:///{tiny_study}/mlruns/mlflow.db"
-    proc = run_script("analysis/report.py", "--study", "accum_lr", "--tracking-uri", uri, cwd=tiny_study)
+    proc = in_process(report_cli.main, tiny_study, "--study", "accum_lr", "--tracking-uri", uri)  # (imports paid)
     assert proc.returncode == 0, proc.stderr
     folder = tiny_study / "reports/accum_lr"
     assert {"report.html", "report.md", "trials.csv", "accuracy_vs_batch.png"} <= {p.name for p in folder.iterdir()}
@@ -630,8 +631,7 @@ def test_report_command_and_compare(tiny_study):
     assert {"run_id", "val_loss", "train_loss", "grad_norm", "weight_decay", "optuna.trial_number"} <= set(raw)
     # A second study under another name, then both side by side.
     assert sweep(tiny_study, *TINY, "--study", "batch_memory", "--n-trials", "3").returncode == 0
-    proc = run_script("analysis/report.py", "--compare", "accum_lr", "batch_memory", "--tracking-uri", uri,
-                      cwd=tiny_study)
+    proc = in_process(report_cli.main, tiny_study, "--compare", "accum_lr", "batch_memory", "--tracking-uri", uri)
     assert proc.returncode == 0, proc.stderr
     both = (tiny_study / "reports/accum_lr_vs_batch_memory/report.md").read_text()
     assert "## Findings: accum_lr" in both and "## Findings: batch_memory" in both
@@ -693,7 +693,7 @@ def probe_in_chromium(page: str, folder: Path, probe: str = PROBE) -> dict:
 def test_html_report_opens_in_chromium_with_every_figure(tiny_study, tmp_path):
     chromium()
     uri = f"sqlite:///{tiny_study}/mlruns/mlflow.db"
-    assert run_script("analysis/report.py", "--study", "accum_lr", "--tracking-uri", uri, "--no-log",
+    assert in_process(report_cli.main, tiny_study, "--study", "accum_lr", "--tracking-uri", uri, "--no-log",
                       "--out", str(tmp_path)).returncode == 0
     result = probe_in_chromium((tmp_path / "accum_lr/report.html").read_text(), tmp_path)
     assert result["errors"] == []
