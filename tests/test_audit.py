@@ -1,16 +1,12 @@
 """`batchsweep audit` against the catalog of accumulation mistakes (tests/programs/catalog.py): it names each
 one and passes the correct loop, on per-sample and per-token losses, in float64 and float32."""
 import json
-import math
 import re
 
 import pytest
-import torch
 from mlflow import MlflowClient
 
 from batchsweep.sweeps.audit.command import main
-from batchsweep.sweeps.audit.diagnose import first_parting
-from batchsweep.sweeps.audit.runs import ScriptRun
 from batchsweep.sweeps.audit.traces import SHORT_WINDOW
 from tests.conftest import ROOT
 
@@ -57,9 +53,11 @@ def study(folder, mistake: str, loss: str, floats: str, print_lr: str = "yes", m
           weight_decay: float = 0.0, optimizer: str = "sgd", decay: str = "all", autocast: str = "no",
           clip: float = 0.0, frozen_bn: str = "no", class_weights: str = "no", warmup: int = 0,
           loss_scale: float = 2.0 ** 16, schedule: str = "exponential", epochs: int = 10, base_lr: float = 0.1,
-          lr: str = "{lr}", extra: tuple[str, ...] = (), bare: bool = False):
+          lr: str = "{lr}", extra: tuple[str, ...] = (), bare: bool = False, max_steps: bool = False):
     """The catalog's study file; `bare`: a command that passes only b, k and the seed (and the catalog's own
-    switches), and a script that prints no rows and saves no weights."""
+    switches), and a script that prints no rows and saves no weights. `max_steps`: the command passes {max_steps}
+    on (which the catalog stops at, as the tracer does), so the audit runs the script to each step it compares
+    rather than read that step from a longer run."""
     path = folder / "catalog.toml"
     if bare:
         path.write_text(f'''name = "catalog"
@@ -72,7 +70,7 @@ command = ["{{python}}", "{CATALOG}", "--batch-size", "{{physical_batch}}", "--a
     path.write_text(f'''name = "catalog"
 [program]
 command = ["{{python}}", "{CATALOG}", "--batch-size", "{{physical_batch}}", "--accum", "{{accum_steps}}",
-           "--lr", "{lr}", "--seed", "{{seed}}", "--epochs", "{{epochs}}", "--max-steps", "{{max_steps}}",
+           "--lr", "{lr}", "--seed", "{{seed}}", "--epochs", "{{epochs}}",{' "--max-steps", "{max_steps}",' * max_steps}
            "--mistake", "{{mistake}}", "--loss", "{{per}}", "--dtype", "{{floats}}", "--print-lr", "{print_lr}",
            "--momentum", "{momentum}", "--weight-decay", "{weight_decay}", "--optimizer", "{optimizer}",
            "--decay", "{decay}", "--autocast", "{autocast}", "--clip", "{clip}",
@@ -96,7 +94,8 @@ def assert_every_run_is_a_nested_mlflow_run_and_the_verdict_a_tag(store):
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert parent.data.tags["verdict"] == "loss_not_divided" and parent.info.status == "FINISHED"
     assert parent.data.tags["mlflow.note.content"].startswith("verdict: loss_not_divided. ")
-    assert len(children) == 5 and all(r.info.status == "FINISHED" for r in children)
+    # the epoch's pair and the repeat at update 1 (the pair to update 1 is read from the epoch's runs)
+    assert len(children) == 3 and all(r.info.status == "FINISHED" for r in children)
     assert {r.data.tags["audit.role"] for r in children} == {"accumulated", "true batch", "repeat"}
 
 
@@ -125,9 +124,11 @@ def test_a_short_window_is_named_through_the_momentum_and_weight_decay_both_runs
     weights, which hid the short window's 2/4 (read as mean_of_micro_batch_means); taken out, the ratio is 2/4
     at cosine 1 again, the momentum's share 0.9 times the LR's decay of that step, and weight decay's the step's
     LR (0.1 x 0.9^7) times weight_decay. So too where the biases are not decayed (nanoGPT's param groups),
-    which read as mean_of_micro_batch_means while weight decay's share was fitted on every weight alike."""
+    which read as mean_of_micro_batch_means while weight decay's share was fitted on every weight alike. The first
+    command passes {max_steps} on, so the runs to the steps compared are made; the second's are read from the
+    epoch's runs, with the same figures."""
     path = study(tmp_path, "short_window", "sample", "float32", momentum=0.9, weight_decay=weight_decay,
-                 decay=decay)
+                 decay=decay, max_steps=decay == "all")
     code = main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store,
                  "--json", str(tmp_path / "audit.json")])
     out = capsys.readouterr().out
@@ -139,8 +140,9 @@ def test_a_short_window_is_named_through_the_momentum_and_weight_decay_both_runs
     shares = {key: value for key, value in found.items() if key.startswith("weight_decay")}
     assert shares == {"weight_decay_share" if decay == "all" else "weight_decay_2d_share":
                       pytest.approx(-0.1 * 0.9 ** 7 * weight_decay, rel=1e-2)}
-    assert found["runs"] == 6  # the epoch's pair, the pair before the last update, its repeat, and one to the step
-    # before that, for the update before
+    # the epoch's pair, the last update's repeat, and, where the command takes {max_steps}, the pair before the last
+    # update and one to the step before that, for the update before
+    assert found["runs"] == (6 if decay == "all" else 3)
 
 
 @pytest.mark.slow
@@ -215,7 +217,8 @@ def test_a_clip_inside_the_micro_batch_loop_is_told_from_a_mean_of_means(mistake
                                                                         capsys):
     """clip_grad_norm_ after every micro-batch's backward() cuts the window's partial sums: the tracer sees it
     called k times a window (by the weights alone it read as mean_of_micro_batch_means on a per-sample loss, where
-    a mean of means is exact). Clipped once per window, the loop is exact."""
+    a mean of means is exact). Clipped once per window, the loop is exact; its LR decays by 0.9 a step, which the
+    study's 10 epochs do not stretch, as a third run, of the true batch under them, shows."""
     path = study(tmp_path, mistake, "sample", "float32", clip=0.5)
     assert main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store,
                  "--json", str(tmp_path / "audit.json")]) == code
@@ -224,6 +227,8 @@ def test_a_clip_inside_the_micro_batch_loop_is_told_from_a_mean_of_means(mistake
     assert found["verdict"] == verdict, out
     if code:
         assert found["clip_step"] == 1 and found["runs"] == 2 and "Clip once per window" in out, out
+    else:
+        assert found["runs"] == 3 and found["last_lr_share"] == pytest.approx(0.9 ** 7), found
 
 
 @pytest.mark.slow
@@ -269,7 +274,7 @@ def test_after_a_warmup_from_lr_0_the_first_update_that_moves_is_the_first(mista
 def test_a_frozen_batchnorm_is_audited_as_any_layer(mistake, verdict, code, tmp_path, store, capsys):
     """A BatchNorm in eval mode (fine-tuning) normalizes (b, k) and (b*k, 1) by the same statistics: the loop is
     exact, and an undivided loss beside it is named, where any difference passed as batchnorm (exit status 0)."""
-    path = study(tmp_path, mistake, "sample", "float64", frozen_bn="yes")
+    path = study(tmp_path, mistake, "sample", "float64", frozen_bn="yes", epochs=1)  # (no schedule to stretch)
     assert main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store]) == code
     assert f"verdict: {verdict}\n" in capsys.readouterr().out
 
@@ -281,7 +286,7 @@ def test_a_loss_weighted_by_class_is_a_mean_of_means_unless_divided_by_the_windo
     """CrossEntropyLoss(weight=...) divides its mean by the micro-batch's sum of weights, which differs between
     micro-batches of the same size: its micro-batch means, averaged, are a mean of means, where on an unweighted
     per-sample loss they are exact; the window's weighted sum over its sum of weights is exact."""
-    path = study(tmp_path, mistake, "sample", "float64", class_weights="yes")
+    path = study(tmp_path, mistake, "sample", "float64", class_weights="yes", epochs=1)  # (no schedule to stretch)
     main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store])
     assert f"verdict: {verdict}\n" in capsys.readouterr().out
 
@@ -315,7 +320,7 @@ def test_a_last_window_at_a_schedules_tail_is_named_from_its_gradient(epochs, tm
     assert found["verdicts"] == ["short_window_divided_by_k"] and code == 1, out
     assert found["compared"]["after 27 steps"] < 1e-5 and "schedule_epochs" not in found
     assert found["first_differing_gradient"] == 27 and found["gradient_ratio"] == pytest.approx(2 / 3, rel=1e-4)
-    assert found["runs"] == 3  # the epoch's pair, and the true batch to the step before for the weights there
+    assert found["runs"] == 2  # the epoch's pair (the true batch's weights at the step before are read from its run)
 
 
 @pytest.mark.slow
@@ -357,6 +362,10 @@ def test_a_mistake_of_every_window_is_never_named_for_a_later_update():
 @pytest.mark.slow
 @pytest.mark.parametrize("mistake, loss, floats", CASES)
 def test_the_audit_names_each_mistake_of_the_catalog(tmp_path, store, capsys, mistake, loss, floats):
+    """The command fixes the LR (--lr 0.1, not {lr}), which no run of the audit changes (a run "at LR 0" for the
+    start trained at 0.1 and read as true_batch_step_skipped), and the script prints no rows: what the verdicts
+    rest on is the tracer's (a scheduler stepped per micro-batch read as update_scaled, 0.729 = 0.9 ** 3, without
+    "lr" in the rows; a step per micro-batch as unexplained by rows printed per window)."""
     verdict = EXPECTED[(mistake, loss)]
     code = main(["--study", str(study(tmp_path, mistake, loss, floats, bare=True)), "--physical-batch", "8",
                  "--accum-steps", "4", "--tracking-uri", store, "--json", str(tmp_path / "audit.json")])
@@ -377,9 +386,14 @@ def test_the_audit_names_each_mistake_of_the_catalog(tmp_path, store, capsys, mi
     if verdict == "schedule_per_micro_batch":  # ExponentialLR(0.9) stepped before the step, per micro-batch
         assert found["lr_step"] == 1 and found["lr_a"] == pytest.approx(0.1 * 0.9 ** 4)
         assert found["lr_t"] == pytest.approx(0.1 * 0.9)
+        assert "at step 1 the accumulated run's LR is 0.06561 against the true batch's 0.09" in out, out
+    if verdict == "step_per_micro_batch":  # counted by the tracer: 30 micro-batches of 8, 8 windows of 32
+        assert (found["steps_accumulated"], found["steps_true_batch"]) == (30, 8)
+    if verdict == "zero_grad_per_micro_batch":
+        assert found["zero_grad_step"] == 1
     if verdict == "short_window_divided_by_k":
         assert found["first_differing_update"] == 8 and found["update_ratio"] == pytest.approx(2 / 4, rel=1e-5)
-        assert found["runs"] == 5  # the epoch's pair, the pair one step before, the repeat; without momentum, no more
+        assert found["runs"] == 3  # the epoch's pair (the pair one step before is read from them), the repeat
     if verdict == "short_window_skipped":  # 7 full windows and a short one of 2 micro-batches, left unstepped
         assert (found["steps_accumulated"], found["steps_true_batch"]) == (7, 8)
     if verdict == "short_window_extra":  # 240 samples: 30 micro-batches of 8 but 7 batches of 32 (16 dropped)
@@ -392,10 +406,11 @@ def test_the_audit_names_each_mistake_of_the_catalog(tmp_path, store, capsys, mi
         else f"after {found['steps_accumulated']} and {found['steps_true_batch']} steps"
     assert list(found["compared"])[0] == first  # the epoch's runs, compared first
     if verdict in seen:
-        assert list(found["compared"]) == [first] and found["runs"] == 2
+        assert list(found["compared"]) == [first] and found["runs"] == 2 and found["verdicts"] == [verdict]
     if verdict in SHORT_WINDOW:  # and the windows both stepped, which agree: no second fault
         common = min(found["steps_accumulated"], found["steps_true_batch"])
-        assert list(found["compared"]) == [first, f"after the {common} steps both made"] and found["runs"] == 3
+        # (the runs to the steps both made are read from the epoch's)
+        assert list(found["compared"]) == [first, f"after the {common} steps both made"] and found["runs"] == 2
         assert found["verdicts"] == [verdict]
     if verdict == "exact":  # (a command without {epochs}: there is no schedule over the study's epochs to check)
         assert list(found["compared"]) == [first] and found["runs"] == 2 and "schedule_epochs" not in found
@@ -420,24 +435,14 @@ def test_a_micro_batch_that_holds_the_epoch_tests_nothing_and_says_so(b, verdict
 
 
 @pytest.mark.slow
-def test_a_schedule_per_micro_batch_is_seen_whether_or_not_the_script_prints_its_lr(tmp_path, store, capsys):
-    """The tracer sees the scheduler stepped k times a window and the LR of each step (without "lr" in the rows it
-    read as update_scaled, 0.729 = 0.9 ** 3)."""
-    code = main(["--study", str(study(tmp_path, "schedule_per_micro", "sample", "float64", print_lr="no")),
-                 "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store])
-    out = capsys.readouterr().out
-    assert code == 1 and "verdict: schedule_per_micro_batch\n" in out, out
-    assert "at step 1 the accumulated run's LR is 0.06561 against the true batch's 0.09" in out, out
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("estimate, verdicts, code", [("no", ["exact"], 0), ("yes", ["data_differs"], 2)])
 def test_random_draws_before_training_in_proportion_to_b_are_told_from_a_mistake(estimate, verdicts, code,
                                                                                  tmp_path, store, capsys):
     """Micro-batches drawn by torch.randint, as minimal GPT trainers draw them, hold the same samples at (8, 4)
     and (32, 1); a loss estimate over random batches of b before training moves the generator by 10·b draws,
     so the runs train on other data. That read as zero_grad_per_micro_batch (r 0.5); it is data_differs."""
-    path = study(tmp_path, "none", "sample", "float64", extra=("--sampler", "random", "--estimate", estimate))
+    path = study(tmp_path, "none", "sample", "float64", extra=("--sampler", "random", "--estimate", estimate),
+                 epochs=1)  # (no schedule over the study's epochs to stretch)
     assert main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store,
                  "--json", str(tmp_path / "audit.json")]) == code
     out = capsys.readouterr().out
@@ -445,17 +450,6 @@ def test_random_draws_before_training_in_proportion_to_b_are_told_from_a_mistake
     assert found["verdicts"] == verdicts, out
     if estimate == "yes":
         assert found["data_window"] == 1 and "random draws before training" in out and found["runs"] == 3, out
-
-
-@pytest.mark.slow
-def test_an_lr_fixed_in_the_command_is_audited_as_given(tmp_path, store, capsys):
-    """The command fixes --lr 0.1 instead of {lr}: no run of the audit changes it (a run "at LR 0" for the start
-    trained at 0.1 and read as true_batch_step_skipped); zero_grad inside the micro-batch loop is seen."""
-    path = study(tmp_path, "zero_grad", "sample", "float64", lr="0.1")
-    assert main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store,
-                 "--json", str(tmp_path / "audit.json")]) == 1
-    found = json.loads((tmp_path / "audit.json").read_text())
-    assert found["verdicts"] == ["zero_grad_per_micro_batch"] and found["zero_grad_step"] == 1
 
 
 @pytest.mark.slow
@@ -470,49 +464,6 @@ def test_two_faults_in_one_script_are_both_named_in_the_order_met(tmp_path, stor
     assert found["verdicts"] == ["short_window_skipped", "mean_of_micro_batch_means"], out
     assert "verdict: short_window_skipped\n" in out and "verdict: mean_of_micro_batch_means\n" in out
     assert len(found["sentences"]) == 2
-
-
-@pytest.mark.slow
-def test_a_row_per_window_while_stepping_per_micro_batch_is_named_by_its_steps(tmp_path, store, capsys):
-    """The script prints one row per window but steps per micro-batch: the tracer counts the steps (by its rows
-    alone it read as unexplained)."""
-    path = study(tmp_path, "step_per_micro", "sample", "float64", extra=("--rows", "window"))
-    assert main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store,
-                 "--json", str(tmp_path / "audit.json")]) == 1
-    found = json.loads((tmp_path / "audit.json").read_text())
-    assert found["verdicts"] == ["step_per_micro_batch"]
-    assert (found["steps_accumulated"], found["steps_true_batch"]) == (30, 8)
-
-
-class Parting:
-    """Runs whose weights agree up to update `u` and differ from it on, and the steps each run was taken to."""
-
-    def __init__(self, u: int):
-        self.u, self.steps = u, []
-
-    def run(self, name: str, b: int, k: int, max_steps: int, lr=None) -> ScriptRun:
-        self.steps.append(max_steps)
-        parted = name == "accumulated" and max_steps >= self.u
-        return ScriptRun(name, b, k, max_steps, 0.1, 1, state={"w": torch.tensor([max_steps + 1.0 + parted])})
-
-
-@pytest.mark.parametrize("n", [1, 2, 3, 8, 13])
-def test_the_first_update_where_runs_part_is_found_anywhere_and_where_the_rows_point_with_two_pairs(n):
-    """Wherever the loss rows point (nowhere, or at any step: rounded rows part late, rows in a mistake's scale
-    at once), the bisection finds the first update that differs without making the epoch's runs again; where
-    they point right (at the parting or the step after it), it takes two pairs of runs at most, and one for the
-    last update when the rows agree throughout."""
-    for u in range(1, n + 1):
-        for rows in (None, *range(1, n + 1)):
-            auditor = Parting(u)
-            assert first_parting(auditor, 8, 4, n, 1e-10, rows) == u, (u, rows)
-            assert max(auditor.steps, default=0) < n  # runs of n steps are the epoch's, made already
-            assert len(auditor.steps) <= 2 * (math.ceil(math.log2(n)) + 2)  # pairs, however wrong the rows are
-            if rows in (u, u + 1) or rows is None and u == n:
-                assert len(auditor.steps) <= 4, (u, rows, auditor.steps)
-    last = Parting(n)
-    first_parting(last, 8, 4, n, 1e-10, None)
-    assert last.steps == ([n - 1, n - 1] if n > 1 else [])
 
 
 @pytest.mark.parametrize("body, expected", [

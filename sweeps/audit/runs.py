@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 BATCHNORM = ("running_mean", "running_var", "num_batches_tracked")  # its statistics, not weights
 REUSED = ("accumulated", "true batch", "one rank")  # made once, whichever step of the audit asks for them again
+# Bytes of weights and windows' gradients each process of a run keeps after each of its first steps, from which a
+# run to one of those steps is read instead of made: 16 steps of a model of 1M float32 parameters, 1 of 16M.
+KEEP = 128 * 2 ** 20
 
 
 class AuditError(BatchsweepError):
@@ -81,6 +84,9 @@ class Auditor:
                      (r.max_steps == max_steps or r.max_steps == 0 and len(r.steps) == max_steps)), None)
         if done:
             return done
+        kept = self.kept(name, b, k, max_steps, nproc)
+        if kept:
+            return kept
         config = dataclasses.replace(self.config, physical_batch=b, accum_steps=k, max_steps=max_steps)
         values = {**config.to_dict(), **self.own, "world_size": nproc}
         record = ScriptRun(name, b, k, max_steps, values["lr"], config.epochs, nproc,
@@ -101,7 +107,7 @@ class Auditor:
                **program.handoff(self.tracker.uri, run_id, self.tracker.experiment_id),
                **self.study.program.environment(values)}
         env.update(observed.environment(record.folder, stop=max_steps, save=True, grads=(1, max_steps or "last"),
-                                        losses=True, data=True, pythonpath=env.get("PYTHONPATH")))
+                                        keep=KEEP, losses=True, data=True, pythonpath=env.get("PYTHONPATH")))
         output = program.Output()
         self.started(record)
         try:
@@ -128,6 +134,22 @@ class Auditor:
         read_back(record, trace)
         self.tracker.finish(run_id, "FINISHED", metrics={"steps": float(len(record.steps))})
         self.runs.append(record)
+        return record
+
+    def kept(self, name: str, b: int, k: int, max_steps: int, nproc: int) -> ScriptRun | None:
+        """A run to step `max_steps` read from a longer one made with the same values, whose tracer kept the weights
+        after that step and its window's gradient on every rank: what a run stopped there leaves, unless the command
+        passes {max_steps} on (a script may plan its schedule over it); None where there is none."""
+        if name not in REUSED or not max_steps or "max_steps" in self.study.program.placeholders():
+            return None
+        longer = next((r for r in self.runs if (r.name, r.b, r.k, r.nproc, r.epochs) ==
+                       (name, b, k, nproc, self.config.epochs) and len(r.steps) > max_steps and
+                       all((r.folder / f"state-{max_steps}{f'-r{rank}' if rank else ''}.pt").exists()
+                           for rank in (0, *r.others))), None)
+        if longer is None:
+            return None
+        record = ScriptRun(name, b, k, max_steps, longer.lr, longer.epochs, nproc, folder=longer.folder)
+        read_back(record, longer.trace, after=max_steps)
         return record
 
     def started(self, record: ScriptRun) -> None:
@@ -167,21 +189,28 @@ def failure(ended: program.Ended, output: program.Output) -> str:
 RANK_ERROR = re.compile(r"\[rank\d+\]: \w+(Error|Exception)\b")
 
 
-def read_back(record: ScriptRun, trace: observed.Trace) -> None:
+def read_back(record: ScriptRun, trace: observed.Trace, after: int = 0) -> None:
     """What the tracer left of a run: its steps, rank 0's weights (and the rest of its state), and on ranks each
-    rank's trace and the weights of every rank above 0."""
+    rank's trace and the weights of every rank above 0. `after`: of its first `after` steps alone, with the weights
+    the tracer kept after that step (a run read from a longer one)."""
     import torch
+
+    at = f"-{after}" if after else ""
 
     def weights_of(name: str) -> tuple[dict, dict]:
         return split(torch.load(record.folder / name, map_location="cpu", weights_only=True), trace.trained)
 
-    record.steps, record.trace = trace.steps, trace
-    record.state, record.buffers = weights_of("state.pt")
+    def cut(t: observed.Trace) -> observed.Trace:  # (a run stopped after a step backwards nothing more)
+        return dataclasses.replace(t, steps=t.steps[:after], dangling="") if after else t
+
+    record.trace = cut(trace)
+    record.steps = record.trace.steps
+    record.state, record.buffers = weights_of(f"state{at}.pt")
     if record.nproc > 1:  # the windows compared are the ranks' together
-        record.rank_traces = observed.ranks(record.folder)
+        record.rank_traces = {rank: cut(t) for rank, t in observed.ranks(record.folder).items()}
         record.steps = observed.merged(record.rank_traces) or record.steps
-        record.others = {rank: weights_of(f"state-r{rank}.pt")[0] for rank in record.rank_traces
-                         if rank and (record.folder / f"state-r{rank}.pt").exists()}
+        record.others = {rank: weights_of(f"state{at}-r{rank}.pt")[0] for rank in record.rank_traces
+                         if rank and (record.folder / f"state{at}-r{rank}.pt").exists()}
 
 
 def split(state: dict[str, torch.Tensor], trained: list[str] | None) -> tuple[dict, dict]:

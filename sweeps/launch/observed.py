@@ -19,7 +19,7 @@ UNSEEN = ("batchsweep saw no optimizer step of the script: the tracer sees torch
           "a script without torch, or an optimizer of its own that is no torch.optim.Optimizer cannot be observed")
 
 
-def environment(folder: Path, stop: int = 0, save: bool = False, grads: tuple[int | str, ...] = (),
+def environment(folder: Path, stop: int = 0, save: bool = False, grads: tuple[int | str, ...] = (), keep: int = 0,
                 losses: bool = False, data: bool = False, noise: bool = False,
                 pythonpath: str | None = None) -> dict[str, str]:
     """The variables that put the tracer into a command's processes, writing into `folder`; `pythonpath`: the
@@ -32,6 +32,8 @@ def environment(folder: Path, stop: int = 0, save: bool = False, grads: tuple[in
         env["BATCHSWEEP_TRACE_SAVE"] = "1"
     if grads:
         env["BATCHSWEEP_TRACE_GRADS"] = ",".join(map(str, grads))
+    if keep:
+        env["BATCHSWEEP_TRACE_KEEP"] = str(keep)
     if losses:
         env["BATCHSWEEP_TRACE_LOSS"] = "1"
     if data:

@@ -32,6 +32,9 @@ Variables (all optional but the first):
     BATCHSWEEP_TRACE_GRADS  steps (1, 3, ...) whose window gradient, before any clipping, is saved (grad-<s>.pt);
                             "last": the last step's, whichever it is (a copy is kept at every step)
                             (ranks other than 0 save theirs as start-r<rank>.pt, state-r<rank>.pt, ...)
+    BATCHSWEEP_TRACE_KEEP   bytes: the weights after each step and its window's gradient (state-<s>.pt, grad-<s>.pt)
+                            for the first steps whose files fit in them (twice the state dict a step), as a run
+                            stopped there would have left them
     BATCHSWEEP_TRACE_LOSS   "1": record each backward's loss (a synchronization per micro-batch on a GPU)
     BATCHSWEEP_TRACE_DATA   "1": the fingerprint of each window's inputs
     BATCHSWEEP_TRACE_NOISE  "1": each micro-batch's own gradient's squared norm (`micro_sq`), for the noise scale,

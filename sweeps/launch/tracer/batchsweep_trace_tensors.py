@@ -1,5 +1,5 @@
-"""The tracer's reading of tensors: a model's input, an LR, the generators' states, and sums of squares per device
-read as Python floats only when a row is written."""
+"""The tracer's reading of tensors and models: a model's input, an LR, the generators' states, what in the models
+draws random numbers, and sums of squares per device read as Python floats only when a row is written."""
 from __future__ import annotations
 
 
@@ -16,6 +16,24 @@ def first_tensor(args, kwargs):
 def value(lr):
     """An LR as it is now: one held in a tensor, which a scheduler changes in place, copied (on its device)."""
     return lr.detach().clone() if hasattr(lr, "detach") else lr
+
+
+def randomness(models: list) -> tuple[list[str], list[str]]:
+    """(the models' modules in training mode that draw random numbers: dropout and drop-path layers above 0, named
+    with their p; the dropout fields above 0 that a transformers model's config names: resid_pdrop, ...)."""
+    import torch
+
+    dropout = torch.nn.modules.dropout._DropoutNd
+    modules = [f"{name or 'model'}: {type(sub).__name__}(p={getattr(sub, 'p', None) or sub.drop_prob})"
+               for i, model in enumerate(models) for name, sub in model.named_modules(
+                   prefix=f"{i}" if len(models) > 1 else "")
+               if sub.training and (isinstance(sub, dropout) and sub.p > 0 or
+                                    "DropPath" in type(sub).__name__ and getattr(sub, "drop_prob", 0))]
+    configs = [getattr(model, "config", None) for model in models]
+    fields = sorted({f"{key}={value}" for config in configs if hasattr(config, "to_dict")
+                     for key, value in config.to_dict().items() if ("dropout" in key or "pdrop" in key)
+                     and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0})
+    return modules, fields
 
 
 def generator_states(cuda) -> tuple:

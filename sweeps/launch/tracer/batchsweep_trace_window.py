@@ -10,7 +10,7 @@ import sys
 import time
 import weakref
 
-from batchsweep_trace_tensors import first_tensor, generator_states, grad_norm, plain, squares, value
+from batchsweep_trace_tensors import first_tensor, generator_states, grad_norm, plain, randomness, squares, value
 
 FLUSH_EVERY = 32  # steps held before their figures are read (a .item() on a GPU waits for the step's kernels)
 # The noise scale's windows: one in this many. A measured micro-batch costs a copy of the gradient and two passes
@@ -33,6 +33,10 @@ class Tracer:
         self.grads = {int(s) for s in wanted if s != "last"}
         self.last_grads = "last" in wanted  # the last step's, whichever it is: kept at each step, saved at the end
         self.kept = None  # (step, gradients) of the latest step, where last_grads
+        # Bytes: the weights after each of the first steps and their windows' gradients (state-<s>.pt, grad-<s>.pt)
+        # are saved while twice the state dict's size a step fits in them; the audit reads a run to step s there.
+        self.keep = int(os.environ.get("BATCHSWEEP_TRACE_KEEP") or 0)
+        self.keep_steps = 0  # how many, once the models are chosen
         self.losses = os.environ.get("BATCHSWEEP_TRACE_LOSS") == "1"
         self.data = os.environ.get("BATCHSWEEP_TRACE_DATA") == "1"
         # Each micro-batch's own gradient's squared norm, for the noise scale: not across ranks, whose micro-batch
@@ -142,8 +146,6 @@ class Tracer:
         """At the first step (or clip): the models and their weights before any update. Every root's state is saved
         (a frozen encoder's BatchNorm statistics say how it normalized); the weights compared are the parameters that
         require grad, wherever they are (a frozen encoder's are not)."""
-        import torch
-
         self.models = self.roots[:]
         for handle in self.global_hooks:
             handle.remove()
@@ -153,19 +155,12 @@ class Tracer:
             model.register_forward_pre_hook(self.watch_forward), model.register_forward_hook(self.other_forward))]
         # (every name a tied weight has in the state dict: GPT-2's lm_head.weight is its wte.weight)
         self.trained = [name for name, p in self.named_parameters(aliases=True) if p.requires_grad]
-        dropout = torch.nn.modules.dropout._DropoutNd
-        self.random_modules = [f"{name or 'model'}: {type(sub).__name__}(p={getattr(sub, 'p', None) or sub.drop_prob})"
-                               for i, model in enumerate(self.models) for name, sub in model.named_modules(
-                                   prefix=f"{i}" if len(self.models) > 1 else "")
-                               if sub.training and (isinstance(sub, dropout) and sub.p > 0 or
-                                                    "DropPath" in type(sub).__name__ and getattr(sub, "drop_prob", 0))]
-        # A transformers model's config names the fields that set them (resid_pdrop, hidden_dropout_prob, ...).
-        configs = [getattr(model, "config", None) for model in self.models]
-        self.random_fields = sorted({f"{key}={value}" for config in configs if hasattr(config, "to_dict")
-                                     for key, value in config.to_dict().items() if ("dropout" in key or "pdrop" in key)
-                                     and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0})
+        self.random_modules, self.random_fields = randomness(self.models)
         if self.save:
             self._save_state("start.pt")
+        if self.keep:  # (a window's gradient is no larger than the trained weights)
+            size = sum(t.numel() * t.element_size() for model in self.models for t in model.state_dict().values())
+            self.keep_steps = self.keep // max(2 * size, 1)
 
     def named_parameters(self, aliases: bool = False):
         """The models' parameters, named as in their state dicts (numbered where there are several models);
@@ -358,6 +353,8 @@ class Tracer:
         self.last = now
         self.pending.append(row)
         self._window()
+        if self.steps <= self.keep_steps:
+            self._save_state(f"state-{self.steps}.pt")
         if self.stop and self.steps >= self.stop:
             self.end()
             os._exit(0)  # the script's own end would train on: its cleanup is not ours to run
@@ -415,10 +412,10 @@ class Tracer:
         import torch
 
         step = self.steps + 1
-        if not self.models or not (step in self.grads or self.last_grads):
+        if not self.models or not (step in self.grads or self.last_grads or step <= self.keep_steps):
             return
         grads = {name: p.grad.detach().cpu().clone() for name, p in self.named_parameters() if p.grad is not None}
-        if step in self.grads:
+        if step in self.grads or step <= self.keep_steps:
             torch.save(grads, self.saved(f"grad-{step}.pt"))
         if self.last_grads:
             self.kept = (step, grads)
