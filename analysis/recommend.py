@@ -137,9 +137,9 @@ def _gap(trials: pd.DataFrame, rule: str, b: int, gone: dict) -> str:
 
 
 def largest_free(study: StudyRuns, m: Measure) -> list[str]:
-    """The largest B shown to cost less than the margin against the smallest B (equivalent within it there and at
-    every B the rule ran below it: a B none of whose trials finished breaks the run), or that none was, and which
-    came nearest. Equivalence shows a cost below the margin, never none: an interval that excludes 0 is not 0."""
+    """The largest B shown to cost less than the margin against the smallest B (equivalent within it, or resolved
+    better, there and at every B the rule ran below it: a B none of whose trials finished breaks the run), or that
+    none was, and which came nearest. Equivalence shows a cost below the margin, never none: an interval that excludes 0 is not 0."""
     found = rule_comparisons(study.trials, m)
     if found is None:
         return []
@@ -153,7 +153,7 @@ def largest_free(study: StudyRuns, m: Measure) -> list[str]:
         free = []
         for b in sorted(int(b) for b in ran.unique() if b > next(iter(mine.values()))[2]):
             x = mine.get(b)
-            if x is None or not x[3].equivalent or x[3].resolved:
+            if x is None or not _costs_little(x[3], m):
                 broken[rule] = b if x is None else None
                 break
             free.append(x)
@@ -165,12 +165,25 @@ def largest_free(study: StudyRuns, m: Measure) -> list[str]:
         gap = f"; {_gap(study.trials, rule, broken[rule], diverged(study.trials))}" if broken.get(rule) else ""
         return [f"The largest B shown to cost less than {m.margin_text}: B = {b} under the {rule} LR rule, "
                 f"{stated(v.d, m=m, v=v)} against B = {base}{between}{gap}."]
-    if not judged:
-        return []
-    rule, b, base, v = min(judged, key=lambda x: abs(x[3].d.mean) + x[3].d.half)
+    costly = [x for x in judged if not _costs_little(x[3], m)]
+    if not costly:  # (each rule's run broken by a B with no comparison below those shown to cost little)
+        gaps = "; ".join(f"{r} {_gap(study.trials, r, b, diverged(study.trials))}" for r, b in broken.items() if b)
+        return [f"No B above the smallest was shown to cost less than {m.margin_text} together with every B below it: "
+                f"{gaps or 'no B was compared'}."]
+    rule, b, base, v = min(costly, key=lambda x: abs(x[3].d.mean) + x[3].d.half)
+    # (a B shown to cost little above one that was not is no run from the smallest B: named, not picked)
+    above = [f"B = {x[1]} under the {x[0]} LR rule ({stated(x[3].d, m=m, v=x[3])})" for x in judged
+             if _costs_little(x[3], m)]
+    above = f"; shown to cost less than {m.margin_text}, but above a B of its rule that was not: {'; '.join(above)}" \
+        if above else ""
     return [f"No B above the smallest was shown to cost less than {m.margin_text} (its whole 95% interval within "
-            f"±{m.margin_text}); the nearest was B = {b} under the {rule} LR rule against B = {base}: "
-            f"{stated(v.d, m=m, v=v)}."]
+            f"±{m.margin_text}, or above the smallest B's) together with every B below it; the nearest was B = {b} "
+            f"under the {rule} LR rule against B = {base}: {stated(v.d, m=m, v=v)}{above}."]
+
+
+def _costs_little(v, m: Measure) -> bool:
+    """Shown to cost less than the margin: the whole interval inside it, or resolved better than the smallest B."""
+    return v.equivalent or (v.resolved and not m.worse(v.d))
 
 
 def _below_per_b(study: StudyRuns, m: Measure, top: pd.Series, tied: pd.DataFrame, fields: list[str]) -> list[str]:
