@@ -50,14 +50,15 @@ def held(marker, proc) -> int:
     return int(done.read_text())
 
 
-def sweep(cwd, *args, timeout=300, process=False):
+def sweep(cwd, *args, timeout=300, process=False, env=None):
     """`sweeps/run.py` with these arguments from `cwd`: in this test process (tests.conftest.in_process), or
-    as a process of its own where a test needs one: what its children print, its exit as a script."""
+    as a process of its own where a test needs one (with `env` added): what its children print, its exit as a
+    script."""
     if not process:
         from batchsweep.sweeps.cli import main
 
         return in_process(main, cwd, *args)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, str(ROOT / "sweeps/run.py"), *args], capture_output=True, text=True,
                           cwd=cwd, timeout=timeout, env=env)
 
@@ -125,6 +126,8 @@ def test_tiny_study_end_to_end(tmp_path):
         logged = run.data.tags.get("batchsweep.model") == "pytorch"
         assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["history.csv", *["model"] * logged]
         assert not logged or t.value == max(u.value for u in trials)
+        assert not logged or run.data.tags["batchsweep.model_kept"] == (  # what it is, as the report lists it
+            "the trial of the highest val_acc, one seed's run (the report names the best configuration over the seeds)")
         for tag in ("device_name", "torch_version", "optuna.study_name", "health"):
             assert run.data.tags[tag]
         assert run.data.tags["health"] == t.user_attrs["health"]
@@ -351,9 +354,11 @@ def test_ownerless_trial_fails_after_grace(tmp_path):
 @pytest.mark.parametrize("workers,storage", [(4, "sqlite"), (2, "journal")])
 def test_workers_cover_the_grid_once(tmp_path, workers, storage):
     url = f"sqlite:///{tmp_path}/mlruns/optuna.db" if storage == "sqlite" else f"journal:{tmp_path}/optuna.log"
-    proc = sweep(tmp_path, *TINY, *small(tmp_path), "--workers", str(workers), "--storage", url, "--no-fuse",
-                 process=True)  # and what the workers print (fused: tests/test_fused_trials.py)
-    assert proc.returncode == 0, proc.stderr
+    # mlp, whose workers' first trials wait until two of them train (tests/company.py): the work is shared
+    (tmp_path / "company").mkdir()
+    proc = sweep(tmp_path, *TINY, *small(tmp_path), "--model", "tests.company:mlp", "--workers", str(workers),
+                 "--storage", url, "--no-fuse", process=True, env={"BATCHSWEEP_TEST_COMPANY": f"{tmp_path}/company:2"})
+    assert proc.returncode == 0, proc.stderr  # (and what the workers print; fused: tests/test_fused_trials.py)
     assert "locked" not in proc.stderr and "Traceback" not in proc.stderr
     _, client = stores(tmp_path)
     trials = grid_trials(url if storage == "sqlite" else optuna.storages.JournalStorage(
@@ -363,7 +368,8 @@ def test_workers_cover_the_grid_once(tmp_path, workers, storage):
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials), (
         [(t.number, t.state.name, t.user_attrs.get("reason"), t.user_attrs.get("owner")) for t in trials
          if t.state != optuna.trial.TrialState.COMPLETE], proc.stderr)
-    assert len({t.user_attrs["owner"] for t in trials}) >= 2  # the work was shared
+    assert len(list((tmp_path / "company").iterdir())) >= 2  # workers that trained met there, two at least,
+    assert len({t.user_attrs["owner"] for t in trials}) >= 2  # so the work was shared
     children, _ = child_runs(client)
     assert sorted(r.info.run_id for r in children if r.info.status == "FINISHED") == \
         sorted(t.user_attrs["mlflow_run_id"] for t in trials)
@@ -448,12 +454,16 @@ def test_distributed_study_on_postgresql_and_a_tracking_server(tmp_path, postgre
         dry = sweep(tmp_path, *TINY, "--storage", pg, "--dry-run")  # a server without the study: no status column
         assert dry.returncode == 0 and dry.stdout.splitlines()[0].split()[-1] == "seed", dry.stderr
         assert sqlalchemy.inspect(sqlalchemy.create_engine(pg)).get_table_names() == []  # nor tables made
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        # mlp, whose first trial on each machine waits until both train (tests/company.py): both work
+        (tmp_path / "company").mkdir()
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+               "BATCHSWEEP_TEST_COMPANY": f"{tmp_path}/company:2"}
         machines = []
         for name in ("machine-a", "machine-b"):  # two independent processes, as on two machines
             (tmp_path / name).mkdir()
             machines.append(subprocess.Popen(
-                [sys.executable, str(ROOT / "sweeps/run.py"), *TINY, "--storage", pg, "--tracking-uri", tracking],
+                [sys.executable, str(ROOT / "sweeps/run.py"), *TINY, "--model", "tests.company:mlp", "--storage", pg,
+                 "--tracking-uri", tracking],
                 cwd=tmp_path / name, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         outputs = [m.communicate(timeout=400) for m in machines]
         for name, (_, err) in zip(("machine-a", "machine-b"), outputs):  # whole, under "Captured stdout" if it fails
@@ -472,15 +482,17 @@ def test_distributed_study_on_postgresql_and_a_tracking_server(tmp_path, postgre
         assert {t.user_attrs["mlflow_run_id"] for t in complete} == finished, (
             {t.number: statuses.get(t.user_attrs["mlflow_run_id"]) for t in complete},
             [err[-2000:] for _, err in outputs])
-        assert len({t.user_attrs["owner"] for t in complete}) == 2  # both machines worked
-        dry = sweep(tmp_path, *TINY, "--storage", pg, "--dry-run")
+        assert len(list((tmp_path / "company").iterdir())) == 2  # the machines met there,
+        assert len({t.user_attrs["owner"] for t in complete}) == 2  # so both worked
+        dry = sweep(tmp_path, *TINY, "--model", "tests.company:mlp", "--storage", pg, "--dry-run")  # (as it ran)
         assert dry.stdout.splitlines()[-1] == f"study accum_lr in {pg}: {len(complete)} trials done, 0 running, 0 to run"
 
         # The MLflow UI, as a user opens it: the runs table and the latest parent run's page have their
         # standard columns filled (source, version, user, dataset) and the descriptions written.
-        report = subprocess.run([sys.executable, str(ROOT / "analysis/report.py"), "--study", "accum_lr",
-                                 "--out", str(tmp_path / "reports")], capture_output=True, text=True, env={
-                                     **env, "MLFLOW_TRACKING_URI": tracking}, timeout=300)
+        from batchsweep.analysis import cli as report_cli
+
+        report = in_process(report_cli.main, tmp_path, "--study", "accum_lr", "--out", str(tmp_path / "reports"),
+                            "--tracking-uri", tracking)  # (in this process: its imports paid once)
         assert report.returncode == 0, report.stderr[-2000:]
         experiment = client.get_experiment_by_name("accum_lr").experiment_id
         latest = max(parents, key=lambda r: (r.info.start_time, r.info.run_id)).info.run_id  # as the report picks
@@ -595,11 +607,9 @@ def test_points_larger_than_the_training_set_are_recorded_and_skipped(tmp_path):
 
 
 @pytest.mark.slow
-def test_system_metrics_are_logged_for_each_trial(tmp_path):
-    env_interval = {"MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.1"}  # trials of a second (30 epochs) get several
-    proc = subprocess.run([sys.executable, str(ROOT / "sweeps/run.py"), *TINY, "--epochs", "30", "--n-trials", "2",
-                           "--system-metrics", "--no-fuse"], capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env_interval})
+def test_system_metrics_are_logged_for_each_trial(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.1")  # trials of a second (30 epochs) get several
+    proc = sweep(tmp_path, *TINY, "--epochs", "30", "--n-trials", "2", "--system-metrics", "--no-fuse")
     assert proc.returncode == 0, proc.stderr
     children, _ = child_runs(stores(tmp_path)[1])
     assert len(children) == 2
