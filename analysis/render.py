@@ -133,9 +133,9 @@ def _models(trials: pd.DataFrame, objective: tuple[str, str]) -> pd.DataFrame | 
     load = ["mlflow.pytorch.load_model('runs:/" + run + "/model')" if kind == "pytorch" else
             "runs:/" + run + "/model: state_dict.pt, built as model.json says"
             for run, kind in zip(kept["run_id"], kept["batchsweep.model"])]
-    columns = [c for c in ("optuna.trial_number", "physical_batch", "accum_steps", "lr_rule", "seed", objective[0])
-               if c in kept]
-    return kept[columns].assign(load=load)
+    columns = [c for c in ("optuna.trial_number", "physical_batch", "accum_steps", "lr_rule", "seed", objective[0],
+                           "batchsweep.model_kept") if c in kept]
+    return kept[columns].rename(columns={"batchsweep.model_kept": "kept as"}).assign(load=load)
 
 
 def _unhealthy(trials: pd.DataFrame) -> pd.DataFrame | None:

@@ -18,8 +18,8 @@ from batchsweep.sweeps import commands
 
 # Run-level tags worth a column; the rest stay in MLflow.
 TAGS = ("state", "reason", "device_name", "memory_source", "torch_version", "optuna.trial_number", "health",
-        "health_epoch", "warnings", "batchsweep.model", "batchsweep.program", "config_mismatch",
-        "observed_accum_steps")
+        "health_epoch", "warnings", "batchsweep.model", "batchsweep.model_kept", "batchsweep.program",
+        "config_mismatch", "observed_accum_steps")
 
 
 class AnalysisError(Exception):

@@ -195,6 +195,8 @@ def test_a_study_killed_mid_trial_resumes_it_bitwise(tmp_path):
     load = f"mlflow.pytorch.load_model('runs:/{done.info.run_id}/model')" if \
         done.data.tags["batchsweep.model"] == "pytorch" else "state_dict.pt, built as model.json says"
     assert load in text.split("## Trained models")[1]
+    models = text.split("## Trained models")[1].split("\n## ")[0]
+    assert "| kept as |" in models and "| every trial (--log-models all) |" in models, models  # (and why)
 
 
 def test_models_chosen_and_logged(tmp_path):

@@ -64,6 +64,17 @@ def chosen(trials: list[optuna.trial.FrozenTrial], directions: tuple[str, ...], 
     return [t for s, t in zip(score, trials) if not dominated(s)]
 
 
+def kept_as(metrics: tuple[str, ...], directions: tuple[str, ...], policy: str) -> str:
+    """What chosen() kept, in words: a trial of the highest objective is one seed's run, not the configuration
+    the report names best over the seeds."""
+    if policy == "all":
+        return "every trial (--log-models all)"
+    if len(directions) == 1:
+        return (f"the trial of the {'highest' if directions[0] == 'maximize' else 'lowest'} {metrics[0]}, one seed's "
+                f"run (the report names the best configuration over the seeds)")
+    return f"the trials on the Pareto front of {', '.join(metrics)}, each one seed's run"
+
+
 def mlflow_pytorch():
     """mlflow.pytorch, without the Lightning it imports, where Lightning is installed, for a checkpoint callback
     that batchsweep never uses (seconds at the end of every study). A Lightning that this process imported
@@ -158,8 +169,10 @@ class Cleanup:
             return
         trials = self._trials()
         kept = _candidates(inv, _ended(inv, trials), invocation)
+        why = kept_as(inv.study.metrics, inv.study.directions, inv.log_models)
         if kept:
-            say(f"logging the models of {len(kept)} trial{'s' * (len(kept) > 1)} to MLflow ({inv.log_models})")
+            say(f"logging the model{'s' * (len(kept) > 1)} of {len(kept)} trial{'s' * (len(kept) > 1)} to MLflow: "
+                f"{why}")
         for trial in kept:
             folder = self.folder(trial)
             if not (folder / FILE).exists():
@@ -168,7 +181,8 @@ class Cleanup:
                 continue
             try:
                 kind = log_model(self.tracker, trial.user_attrs["mlflow_run_id"], _config_of(inv, trial), folder)
-                self.tracker.log(trial.user_attrs["mlflow_run_id"], tags={"batchsweep.model": kind})
+                self.tracker.log(trial.user_attrs["mlflow_run_id"], tags={"batchsweep.model": kind,
+                                                                          "batchsweep.model_kept": why})
             except Exception as exc:
                 say(f"warning: the model of trial {trial.number} was not logged ({type(exc).__name__}: {exc})")
         self._remove(trials, self._needed(trials, self._live(trials, invocation)))
