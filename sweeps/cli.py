@@ -61,8 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "killed trial resumes from it when its point runs again (default: mlruns/checkpoints; a folder "
                    "all machines share when several run the study; 'none' turns checkpoints off)")
     p.add_argument("--log-models", choices=LOG_MODELS, default="best", help="the trained models kept in MLflow "
-                   "at the end: of the invocation's best trial (the Pareto front for several objectives), of all "
-                   "its trials, or none (default: best)")
+                   "at the end: of the invocation's trial with the best objective, one seed's run (the Pareto front "
+                   "for several objectives), of all its trials, or none (default: best)")
     p.add_argument("--launcher", choices=LAUNCHERS, help="where each trial trains: in the worker process, or as a "
                    "`torchrun --nproc-per-node N` job with N = its world_size (data-parallel; see README); default: "
                    "the study's own (process)")
