@@ -16,6 +16,7 @@ from batchsweep.sweeps.stores.outcomes import OUTCOMES, holds
 from batchsweep.sweeps.study.search import GridSearch, SamplerSearch, make_search
 from batchsweep.sweeps.study.spec import point_key
 from batchsweep.sweeps.study.files import builtin_names, load, parse
+from tests.conftest import in_process
 from tests.test_sweeps import child_runs, stores, wait_for_complete
 from batchsweep.trainers import DERIVED, TrainConfig
 
@@ -414,8 +415,9 @@ def test_own_study_file_with_nsga2_marks_the_pareto_front(tmp_path):
     assert {r.info.run_id for r in children if "batchsweep.model" in r.data.tags} == on_front  # their models
     assert not list((tmp_path / "mlruns/checkpoints").rglob("checkpoint.pt"))
     # The report, from MLflow alone, draws the same front as Optuna's and says so.
-    report = subprocess.run([sys.executable, "-m", "batchsweep.analysis.report", "--study", "own_pareto", "--no-log"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300)
+    from batchsweep.analysis import cli as report_cli
+
+    report = in_process(report_cli.main, tmp_path, "--study", "own_pareto", "--no-log")  # (its imports paid once)
     assert report.returncode == 0, report.stderr
     md = (tmp_path / "reports/own_pareto/report.md").read_text()
     assert f"holds {len(front)} of 8 finished trials" in md and "objectives_front.png" in md
