@@ -125,8 +125,9 @@ def place(rows: list[dict[str, float]]) -> Placed:
             final.update({n: row[n] for n in names if n not in scales})
             if lost:
                 where = f"epoch {row['epoch']:g} without a step" if "epoch" in row else "neither epoch nor step"
+                them = "it" if len(lost) == 1 else "them"
                 _note(notes, "unplaced", f"the script printed {', '.join(lost)} in a row with {where} "
-                                         f"({row_text(row)}), where other rows give {'it' if len(lost) == 1 else 'them'} at "
+                                         f"({row_text(row)}), where other rows give {them} at "
                                          f"{'epochs' if scales[lost[0]] == 'epoch' else 'steps'}: it cannot be "
                                          f"placed among them, so it is kept in log.txt only and is not the final "
                                          f"value; print its epoch (or step) in the row, or give it a name of its own")
