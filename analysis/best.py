@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from .measures import WORSE, stopped
 from .runs import StudyRuns, ci95, paired, quantum
 from .verdicts import judge
 
@@ -191,11 +192,18 @@ def members(t: pd.DataFrame, fields: list[str], configurations: pd.DataFrame) ->
 
 
 def diverged_in_a_seed(trials: pd.DataFrame, fields: list[str]) -> pd.DataFrame:
-    """The configurations (their `fields`) in which a trial diverged. Such a trial did not finish, so a mean over
-    the seeds that did is a pick among survivors: no ranking counts the configuration as if it had not diverged."""
+    """The configurations (their `fields`) in which a trial diverged or was pruned. Such a trial was stopped for
+    doing worse, so a mean over the seeds that finished is a pick among survivors: no ranking counts the
+    configuration as if it had not."""
     if not fields or "reason" not in trials or not set(fields) <= set(trials):
         return pd.DataFrame(columns=fields)
-    return one_at_base(trials[trials["reason"] == "diverged"], fields)[fields].drop_duplicates()
+    return one_at_base(trials[trials["reason"].isin(WORSE)], fields)[fields].drop_duplicates()
+
+
+def stopped_in(trials: pd.DataFrame) -> str:
+    """How the study's trials that ended worse ended ('diverged', 'pruned', 'diverged or pruned'), as
+    diverged_in_a_seed() leaves them out."""
+    return stopped(trials.loc[trials["reason"].isin(WORSE), "reason"]) if "reason" in trials else "diverged"
 
 
 def without(frame: pd.DataFrame, fields: list[str], configurations: pd.DataFrame) -> pd.DataFrame:

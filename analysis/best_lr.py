@@ -18,9 +18,10 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from .measures import WORSE  # (a trial that ended so was tried and did worse than any that finished)
+
 RESAMPLES = 2000  # bootstrap resamples of the seeds
 ALSO_SCALED = ("beta1", "beta2", "eps", "decay", "bn_momentum")  # what an LR rule may move besides the LR
-WORSE = ("diverged", "pruned")  # a trial that ended so was tried and did worse than any that finished
 PEAKS = np.linspace(-4.0, 4.0, 801)  # candidate log2(peak / geometric middle of the Bs): 16x beyond either end
 
 

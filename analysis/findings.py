@@ -21,7 +21,7 @@ from .best_lr import moved, over_training
 from .figures import best_lr, best_lr_of_seeds, trained_lr
 from .measures import ACCURACY, Measure, finished, has_accuracy, measure, one_batch, reliable_noise
 from .plotting import in_order
-from .rules import lr_rules, twins
+from .rules import ended_worse, lr_rules, twins, went
 from .runs import paired, quantum
 from .targets import steps, warmup
 from .verdicts import control, judge
@@ -77,7 +77,7 @@ def bn(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
         return []
     out = []
     b = t["physical_batch"].min()
-    finals = {k: verdicts for k, _, _, verdicts in bn_against_true(trials, m)}  # (the same rules, in order)
+    finals = {k: (verdicts, gone) for k, _, _, verdicts, gone in bn_against_true(trials, m)}  # (the same rules)
     for k in sorted(t.loc[t["accum_steps"] > 1, "accum_steps"].unique()):
         at_k = t[(t["accum_steps"] == k) & (t["physical_batch"] == b)]
         true = t[(t["accum_steps"] == 1) & (t["effective_batch"] == k * b)]
@@ -105,25 +105,36 @@ def bn(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
             out.append(f"At k = {k} (B = {k * b}), the BN running means ended {listing} population standard "
                        f"deviations from the population means of the final weights (true batch: "
                        f"{significant(float(true['bn_mean_error'].mean()))}); {verdict_text}.")
-        final = "; ".join(f"{r} {stated(v.d, 'above', 'below', m, v)}" for r, v in zip(rules, finals[int(k)])
-                          if v is not None)
+        verdicts, gone = finals[int(k)]
+        final = "; ".join(f"{r} {stated(v.d, 'above', 'below', m, v)}" if r not in gone else
+                          f"{gone[r]}, not compared over the seeds that finished"
+                          for r, v in zip(rules, verdicts) if v is not None or r in gone)
         if final:
             out.append(f"Final {'accuracy' if m.points else m.name} at k = {k} against the true batch: {final}.")
     return out
 
 
-def bn_against_true(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[tuple[int, int, list[str], list]]:
-    """Per k: (k, B, the BN rules, their verdicts against the true batch at B), paired by seed, one family per k."""
+def bn_against_true(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[tuple[int, int, list[str], list, dict]]:
+    """Per k: (k, B, the BN rules, their verdicts against the true batch at B, {rule: why it is not compared}),
+    paired by seed, one family per k. A rule whose accumulated run (or the true batch) diverged or was pruned in a
+    seed has no verdict (None): over the seeds that survived it would be a pick among survivors."""
     t = finished(trials)
     if "bn_momentum_rule" not in t or t["bn_momentum_rule"].nunique() < 2:
         return []
     b, step, out = t["physical_batch"].min(), quantum(t[m.name]), []
+    worse = "reason" in trials and "seed" in trials
     for k in sorted(t.loc[t["accum_steps"] > 1, "accum_steps"].unique()):
         at_k = t[(t["accum_steps"] == k) & (t["physical_batch"] == b)]
         true = t[(t["accum_steps"] == 1) & (t["effective_batch"] == k * b)]
         rules = in_order("bn_momentum_rule", at_k["bn_momentum_rule"])
-        diffs = [paired(at_k[at_k["bn_momentum_rule"] == r], true, m.name, step) for r in rules]
-        out.append((int(k), int(k * b), rules, judge(diffs, m.margin)))
+        ran = trials[(trials["accum_steps"] == k) & (trials["physical_batch"] == b)]
+        lost = ended_worse(trials[(trials["accum_steps"] == 1) & (trials["effective_batch"] == k * b)]) \
+            if worse else None
+        gone = {r: went("the true batch", lost) if lost else went(r, found) for r in rules
+                if worse and (lost or (found := ended_worse(ran[ran["bn_momentum_rule"] == r])))}
+        diffs = [None if r in gone else paired(at_k[at_k["bn_momentum_rule"] == r], true, m.name, step)
+                 for r in rules]
+        out.append((int(k), int(k * b), rules, judge(diffs, m.margin), gone))
     return out
 
 

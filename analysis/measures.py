@@ -11,6 +11,19 @@ import pandas as pd
 
 from .runs import Difference
 
+WORSE = ("diverged", "pruned")  # a trial that ended so was stopped for doing worse: evidence, not a missing seed
+
+
+def stopped(reasons) -> str:
+    """How the trials of `reasons` that ended worse ended: 'diverged', 'pruned' or 'diverged or pruned'."""
+    seen = set(reasons)
+    return " or ".join(r for r in WORSE if r in seen) or "diverged"
+
+
+def stopped_verb(word: str) -> str:
+    """'diverged', 'was pruned', 'diverged or was pruned' (stopped()'s word as a verb)."""
+    return word.replace("pruned", "was pruned")
+
 
 def finished(trials: pd.DataFrame) -> pd.DataFrame:
     """The trials that finished as they were asked to: a script that did not (config_mismatch) compares nothing."""

@@ -12,9 +12,9 @@ import pandas as pd
 
 from batchsweep.sweeps import commands
 
-from .best import EVERY_RULE, Best, best_set, choices, diverged_in_a_seed, members, picked
+from .best import EVERY_RULE, Best, best_set, choices, diverged_in_a_seed, members, picked, stopped_in
 from .findings import bn_against_true, exact_by_model, lr_exponent
-from .measures import Measure, finished, full_scale, measure, one_batch, tuned
+from .measures import Measure, finished, full_scale, measure, one_batch, stopped_verb, tuned
 from .plotting import in_order
 from .rules import decided, diverged, rule_comparisons, rules_at, twin_pairs, unshared, went
 from .runs import StudyRuns, quantum
@@ -252,7 +252,8 @@ def best(study: StudyRuns, m: Measure) -> list[str]:
                                                  named.found.configurations)
     if named.refused:
         return [f"No best {'accuracy' if m.points else m.name} is named: {out_[0]} had the best mean over the seeds "
-                f"that finished but diverged in another seed, and a pick among survivors is no pick; run the study "
+                f"that finished but {stopped_verb(stopped_in(study.trials))} in another seed, and a pick among "
+                f"survivors is no pick; run the study "
                 f"with more seeds or a smaller LR there."]
     top = tied.iloc[0]
     n = int(top["n"])  # (its own finished seeds: a configuration that failed in a seed has fewer)
@@ -260,7 +261,7 @@ def best(study: StudyRuns, m: Measure) -> list[str]:
     what = "accuracy" if m.points else f"{m.name}{m.better}"
     ties = (f"{len(tied) - 1} other{'s' * (len(tied) > 2)} cannot be told from it ({named_})" if len(tied) > 1 else
             "every other configuration was resolved worse than it" if not out_ else "no other configuration")
-    ties += f"; left out as diverged in a seed: {'; '.join(out_)}" if out_ else ""
+    ties += f"; left out as {stopped_in(study.trials)} in a seed: {'; '.join(out_)}" if out_ else ""
     ties += (f"; resolved below it where each B's (b, k) are pooled (each rule's B against B = "
              f"{int(top['physical_batch'] * top['accum_steps'])}, as the per-B lines compare): {'; '.join(lower)}"
              if lower else "")
@@ -277,7 +278,7 @@ def fastest(study: StudyRuns) -> list[str]:
         return []
     line = _fastest(study.objectives[0][0], *found[:5])
     gone = found[5]  # (a median over the seeds that survived would be a pick among survivors)
-    return [line[:-1] + f"; left out as diverged in a seed: {'; '.join(gone)}." if gone else line]
+    return [line[:-1] + f"; left out as {stopped_in(study.trials)} in a seed: {'; '.join(gone)}." if gone else line]
 
 
 def _fastest(value: str, t: pd.DataFrame, _, points: pd.DataFrame, fields: list[str], target: float) -> str:
@@ -305,19 +306,23 @@ def bn_rules(study: StudyRuns, m: Measure) -> list[str]:
     """Per k, the BN momentum rules shown to match the true batch's final accuracy (equivalent within the margin),
     as the findings compare them; or that none was, and the nearest."""
     out = []
-    for k, b, rules, verdicts in bn_against_true(study.trials, m):
+    for k, b, rules, verdicts, gone in bn_against_true(study.trials, m):
         judged = [(r, v) for r, v in zip(rules, verdicts) if v is not None and v.d.n >= 2]
+        out_ = (f"; {listed(list(dict.fromkeys(gone.values())))}, not compared over the seeds that finished"
+                if gone else "")
         if not judged:
+            if gone:
+                out.append(f"BN momentum at k = {k} (B = {b}): no rule compared with the true batch{out_}.")
             continue
         same = [r for r, v in judged if v.equivalent and not (v.resolved and m.worse(v.d))]
         head = f"BN momentum at k = {k} (B = {b}), against the true batch's final accuracy"
         if same:
             out.append(f"{head}: {listed(same)} shown to match it (" + "; ".join(
-                f"{r} {stated(v.d, 'above', 'below', m, v)}" for r, v in judged if r in same) + ").")
+                f"{r} {stated(v.d, 'above', 'below', m, v)}" for r, v in judged if r in same) + f"){out_}.")
         else:
             r, v = min(judged, key=lambda x: abs(x[1].d.mean) + x[1].d.half)
             out.append(f"{head}: no rule shown to match it within ±{m.margin_text}; the nearest, {r}: "
-                       f"{stated(v.d, 'above', 'below', m, v)}.")
+                       f"{stated(v.d, 'above', 'below', m, v)}{out_}.")
     return out
 
 

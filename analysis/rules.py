@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .measures import ACCURACY, Measure, finished, one_batch, tuned
+from .measures import ACCURACY, WORSE, Measure, finished, one_batch, stopped, stopped_verb, tuned
 from .plotting import in_order
 from .runs import Difference, paired, quantum
 from .verdicts import judge
@@ -29,23 +29,32 @@ def _halves_note(t: pd.DataFrame) -> list[str]:
             f"accumulation compares the two."]
 
 
-def diverged(trials: pd.DataFrame) -> dict[tuple[str, int], tuple[int, int]]:
-    """(LR rule, B) -> (seeds in which a trial there diverged, seeds that ran there). A rule that diverged in a
-    seed is not compared over the seeds that survived (that is a pick among survivors): it did worse."""
+def ended_worse(rows: pd.DataFrame) -> tuple[int, int, str] | None:
+    """(seeds in which a trial of `rows` diverged or was pruned, seeds that ran, stopped()'s word), or None where
+    none did. Such a trial was stopped for doing worse: a mean over the seeds that finished is a pick among
+    survivors."""
+    worse = rows[rows["reason"].isin(WORSE)]
+    if worse.empty:
+        return None
+    return int(worse["seed"].nunique()), int(rows["seed"].nunique()), stopped(worse["reason"])
+
+
+def diverged(trials: pd.DataFrame) -> dict[tuple[str, int], tuple[int, int, str]]:
+    """(LR rule, B) -> ended_worse() there. A rule that diverged (or was pruned) in a seed is not compared over
+    the seeds that survived (that is a pick among survivors): it did worse."""
     t = one_batch(trials)
     if not {"lr_rule", "reason", "seed", "effective_batch"} <= set(t):
         return {}
     out = {}
     for (rule, b), rows in t.groupby(["lr_rule", "effective_batch"]):
-        bad = rows.loc[rows["reason"] == "diverged", "seed"].nunique()
-        if bad:
-            out[(rule, int(b))] = (int(bad), int(rows["seed"].nunique()))
+        if (found := ended_worse(rows)) is not None:
+            out[(rule, int(b))] = found
     return out
 
 
-def went(rule: str, counts: tuple[int, int]) -> str:
-    """'linear diverged in 1 of 3 seeds'."""
-    return f"{rule} diverged in {counts[0]} of {counts[1]} seed{'s' * (counts[1] != 1)}"
+def went(rule: str, counts: tuple[int, int, str]) -> str:
+    """'linear diverged in 1 of 3 seeds', 'linear was pruned in 1 of 3 seeds'."""
+    return f"{rule} {stopped_verb(counts[2])} in {counts[0]} of {counts[1]} seed{'s' * (counts[1] != 1)}"
 
 
 def rule_comparisons(trials: pd.DataFrame, m: Measure = ACCURACY):
@@ -256,8 +265,8 @@ def twins_diverged(trials: pd.DataFrame) -> list[tuple[dict, str]]:
     out = []
     for group, rows in trials.groupby([*keys, "effective_batch"]):
         group = group if isinstance(group, tuple) else (group,)
-        sides = [f"the {side} run diverged in {bad} of {n} seed{'s' * (n != 1)}" for side, r in rows.groupby("batch")
-                 for bad, n in [(r.loc[r["reason"] == "diverged", "seed"].nunique(), r["seed"].nunique())] if bad]
+        sides = [went(f"the {side} run", found) for side, r in rows.groupby("batch")
+                 if (found := ended_worse(r)) is not None]
         if sides:
             out.append(({**dict(zip(keys, group[:-1])), "effective_batch": int(group[-1])}, " and ".join(sides)))
     return out
@@ -267,7 +276,8 @@ def twins(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
     """Accumulated points against their true-batch twins at the same B and rules, paired by seed."""
     pairs = [(where_at(key.pop("effective_batch"), **key), d) for key, d in twin_pairs(trials, m)]
     gone = [f"{where_at(key.pop('effective_batch'), **key)}: {said}" for key, said in twins_diverged(trials)]
-    left = f" Not compared where a run diverged in a seed: {'; '.join(gone)}." if gone else ""
+    how = stopped_verb(stopped(trials.loc[trials["reason"].isin(WORSE), "reason"])) if gone else ""
+    left = f" Not compared where a run {how} in a seed: {'; '.join(gone)}." if gone else ""
     if not pairs:
         return [left.strip()] if gone else []
     n = min(d.n for _, d in pairs)

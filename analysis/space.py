@@ -17,8 +17,8 @@ import numpy as np
 import pandas as pd
 
 from .best import (EVERY_RULE, choices, diverged_in_a_seed, highest, naming, of, one_at_base, per_configuration,
-                   per_seed, picked, ties, without)
-from .measures import finished
+                   per_seed, picked, stopped_in, ties, without)
+from .measures import finished, stopped_verb
 from .plotting import Draw, Figure, context, in_order, log_scale
 from .runs import TARGET_SHARE, StudyRuns, ci95
 
@@ -225,10 +225,10 @@ def _front_figure(points: pd.DataFrame, fields: list[str], cost: str, value: str
 
 
 def _budget_sentence(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], cost: str, value: str,
-                     percent: bool, maximize: bool, unit, against: str, gone: list[str]) -> str:
+                     percent: bool, maximize: bool, unit, against: str, gone: list[str], as_: str) -> str:
     """The configuration of the best mean, the set that cannot be told from it, and the cheapest of that set.
     `against` names the cost, so that the memory and time sentences read apart in the findings; `gone`, the
-    configurations left out as diverged in a seed."""
+    configurations left out as `as_` ('diverged', 'pruned', 'diverged or pruned') in a seed."""
     tied = ties(seeds, points, fields, value, maximize)
     top, n = tied.iloc[0], int(seeds.groupby(fields, dropna=False).size().min())
     cheap = tied.sort_values([cost, value], ascending=[True, not maximize]).iloc[0]
@@ -239,9 +239,10 @@ def _budget_sentence(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str
     plain = pick.startswith("the ")  # (no contrast overturned the best mean)
     why = f"picked as the {'highest, so biased upward' if maximize else 'lowest, so biased downward'}" if plain else pick
     said = (f"Against {against}, the best{' mean' * plain} of the {len(points)} configurations"
-            f"{' that diverged in no seed' * bool(gone)} was {label(top, fields)} "
+            f"{f' that {stopped_verb(as_)} in no seed' * bool(gone)} was "
+            f"{label(top, fields)} "
             f"({shown(top[value], percent=percent)}, at {unit(top[cost])}; {why}"
-            f"{'; left out as diverged in a seed: ' + '; '.join(gone) if gone else ''})")
+            f"{f'; left out as {as_} in a seed: ' + '; '.join(gone) if gone else ''})")
     if len(tied) == 1:
         return said + f"; every other configuration was resolved below it ({control})."
     named = (": " + "; ".join(label(row, fields) for _, row in tied.iloc[1:].iterrows())) if len(tied) <= 5 else ""
@@ -274,7 +275,7 @@ def memory_front(study: StudyRuns) -> Figure | None:
     percent, maximize = as_percent(value, t[value]), direction == "maximize"
     finding = _budget_sentence(seeds, points, fields, "memory_mib", value, percent, maximize,
                                lambda mib: f"{mib:,.1f} MiB of peak memory", "peak memory",
-                               [label(row, fields) for _, row in gone.iterrows()])
+                               [label(row, fields) for _, row in gone.iterrows()], stopped_in(study.trials))
     return _front_figure(points, fields, "memory_mib", value, "peak memory, MiB", percent, maximize, "memory_front",
                          f"Pareto front: {value} against peak memory", t, finding)
 
@@ -354,7 +355,8 @@ def time_front(study: StudyRuns) -> Figure | None:
     percent = as_percent(value, t[value])
     target_text = shown(target, percent=percent)
     finding = _budget_sentence(seeds[kept], points, fields, "seconds", value, percent, True,
-                               lambda s: f"{s:,.1f} s to reach {value} {target_text}", "time to the target", gone)
+                               lambda s: f"{s:,.1f} s to reach {value} {target_text}", "time to the target", gone,
+                               stopped_in(study.trials))
     tied = ties(seeds[kept], points, fields, value, True)
     saving = float(tied["seconds"].iloc[0] - tied["seconds"].min())
     finding += _timing_note(t, fields, saving)

@@ -2,6 +2,7 @@
 a B resolved above the smallest B, a comparison inside the margin that is also resolved."""
 import numpy as np
 
+from batchsweep.analysis.findings import summarize
 from batchsweep.analysis.recommend import recommend
 from tests.test_recommend_edges import _rows, _study
 
@@ -39,3 +40,53 @@ def test_a_resolved_difference_inside_the_margin_is_shown_to_cost_less_than_it()
     line = _free_line(_study(_rows(value), GRID))
     assert line.startswith("The largest B shown to cost less than 1 point: B = 128 under the sqrt LR rule, "), line
     assert "inside the ±1 point equivalence margin" in line, line
+
+
+def _bn_diverged() -> tuple:
+    """scaled at k = 16 diverged in seed 2 and matched the true batch in seeds 0 and 1; matched is 0.3 points
+    below the true batch, default 3 points below."""
+    rng, rows = np.random.default_rng(5), []
+    for seed in range(3):
+        for bn in ("default", "scaled", "matched"):
+            for b, k in ((32, 1), (32, 4), (128, 1), (32, 16), (512, 1)):
+                div = bn == "scaled" and k == 16 and seed == 2
+                v = 0.93 - ({"default": 0.03, "scaled": 0.0, "matched": 0.003}[bn] if k > 1 else 0) \
+                    + rng.normal(0, 0.0015)
+                rows.append(dict(seed=seed, lr_rule="sqrt", bn_momentum_rule=bn, physical_batch=b, accum_steps=k,
+                                 effective_batch=b * k, base_batch=32, status="FAILED" if div else "FINISHED",
+                                 reason="diverged" if div else None, val_acc=np.nan if div else round(v, 3)))
+    study = _study(rows, ("physical_batch", "accum_steps", "bn_momentum_rule"))
+    return recommend(study), summarize(study.trials, study.history)
+
+
+def test_a_bn_momentum_rule_that_diverged_in_a_seed_is_not_shown_to_match_the_true_batch():
+    """It read "scaled and matched shown to match it (scaled … over 2 seeds)": a pick among the seeds that
+    survived."""
+    block, found = _bn_diverged()
+    [k16] = [line for line in block if line.startswith("BN momentum at k = 16")]
+    assert ": matched shown to match it (" in k16 and "scaled diverged in 1 of 3 seeds, not compared" in k16, k16
+    [final] = [s for s in found if s.startswith("Final accuracy at k = 16")]
+    assert "scaled diverged in 1 of 3 seeds, not compared over the seeds that finished" in final, final
+    assert "over 2 seeds" not in final + k16
+
+
+def test_a_pruned_trial_is_stopped_for_doing_worse_not_a_missing_seed():
+    """linear at B = 128 was pruned in seed 2 (both (b, k)): it was still the pick at B = 128 over the 2 seeds
+    left, and a tie of the best."""
+    rng = np.random.default_rng(1)
+    rows = _rows(lambda s, rule, b, k: 0.95 - (0 if b * k == 32 else {"none": 0.02, "sqrt": 0.006, "linear": 0.001}
+                                               [rule]) + rng.normal(0, 0.001))
+    for r in rows:
+        if r["lr_rule"] == "linear" and r["effective_batch"] == 128 and r["seed"] == 2:
+            r.update(status="KILLED", reason="pruned", val_acc=np.nan)
+    study = _study(rows, GRID)
+    block = recommend(study)
+    [at_128] = [line for line in block if line.startswith("At B = 128")]
+    assert at_128.startswith("At B = 128: the sqrt LR rule (") and "linear was pruned in 1 of 3 seeds" in at_128
+    [best] = [line for line in block if line.startswith("The best")]
+    assert "left out as pruned in a seed: b = 32, k = 4, linear; b = 128, k = 1, linear" in best, best
+    found = summarize(study.trials, study.history)
+    [linear] = [s for s in found if s.startswith("The linear LR rule")]
+    assert linear.endswith("at B = 128 was pruned in 1 of 3 seeds, not compared over the seeds that finished."), linear
+    [twin] = [s for s in found if s.startswith("Accumulation and")]
+    assert "Not compared where a run was pruned in a seed: linear at B = 128" in twin, twin
