@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from .measures import finished
+from .measures import WORSE, finished
 from .plotting import Figure, context
 
 KEEPS_UP_WITHIN = 0.02  # a branch keeps up when its validation loss is at most 2% above the reference's
@@ -36,8 +36,10 @@ def _prefix(warmup) -> list[int]:
 
 
 def branches(trials: pd.DataFrame, history: pd.DataFrame) -> Branches | None:
-    """The study's branches against its reference runs, or None when it has none."""
-    t = finished(trials)
+    """The study's branches against its reference runs, or None when it has none. A branch that diverged or was
+    pruned in a seed did not keep up in that seed (its ratio is infinite), never left out."""
+    worse = trials["reason"].isin(WORSE) if "reason" in trials else pd.Series(False, index=trials.index)
+    t = pd.concat([finished(trials), trials[worse]])
     if "batch_warmup" not in t or history.empty or "val_loss" not in history:
         return None
     prefix = t["batch_warmup"].map(_prefix)
@@ -45,7 +47,7 @@ def branches(trials: pd.DataFrame, history: pd.DataFrame) -> Branches | None:
     if not branch.any():
         return None
     b0 = int(prefix[branch].map(lambda p: p[0]).mode().iloc[0])
-    refs = t[(prefix.map(len) == 0) & (t["effective_batch"] == b0)]
+    refs = finished(t[(prefix.map(len) == 0) & (t["effective_batch"] == b0)])
     if refs.empty:
         return None
     loss = history.set_index(["run_id", "epoch"])["val_loss"]
@@ -53,8 +55,13 @@ def branches(trials: pd.DataFrame, history: pd.DataFrame) -> Branches | None:
     rows = []
     for row, p in zip(t[branch].itertuples(), prefix[branch]):
         ref, end = ref_of.get(row.seed), int(row.epochs)
-        if p[0] == b0 and ref is not None and (row.run_id, end) in loss and (ref, end) in loss:
-            rows.append({"t": len(p), "B": int(row.effective_batch), "ratio": loss[(row.run_id, end)] / loss[(ref, end)]})
+        if p[0] != b0 or ref is None or (ref, end) not in loss:
+            continue
+        if worse[row.Index]:
+            rows.append({"t": len(p), "B": int(row.effective_batch), "ratio": math.inf})
+        elif (row.run_id, end) in loss:
+            ratio = loss[(row.run_id, end)] / loss[(ref, end)]
+            rows.append({"t": len(p), "B": int(row.effective_batch), "ratio": ratio})
     if not rows:
         return None
     rows = pd.DataFrame(rows).assign(kept=lambda r: r["ratio"] <= 1 + KEEPS_UP_WITHIN)

@@ -1,10 +1,13 @@
-"""The report where a comparison points the unexpected way or a seed is missing for a reason other than divergence:
-a B resolved above the smallest B, a comparison inside the margin that is also resolved."""
+"""The report where a comparison points the unexpected way or a seed was lost: a B resolved above the smallest B,
+a comparison inside the margin that is also resolved, a BN rule or a branch that diverged in a seed, a pruned
+trial."""
 import numpy as np
 
+from batchsweep.analysis import branching
 from batchsweep.analysis.findings import summarize
 from batchsweep.analysis.recommend import recommend
 from tests.test_recommend_edges import _rows, _study
+from tests.test_recommend_gaps import _branches
 
 GRID = ("physical_batch", "accum_steps", "lr_rule")
 
@@ -90,3 +93,15 @@ def test_a_pruned_trial_is_stopped_for_doing_worse_not_a_missing_seed():
     assert linear.endswith("at B = 128 was pruned in 1 of 3 seeds, not compared over the seeds that finished."), linear
     [twin] = [s for s in found if s.startswith("Accumulation and")]
     assert "Not compared where a run was pruned in a seed: linear at B = 128" in twin, twin
+
+
+def test_a_branch_that_diverged_in_a_seed_did_not_keep_up_there():
+    """B = 256 branched after epoch 2 kept up in seeds 0 and 1 and diverged in seed 2: it read "at least 256 …
+    Each verdict is over 2 seeds, each of which agrees with it" over the seeds that survived."""
+    trials, history = _branches([{64: 1.0, 128: 1.01, 256: 1.01}] * 3)
+    trials.loc[trials["run_id"] == "b256s2", ["status", "reason"]] = ["FAILED", "diverged"]
+    history = history[history["run_id"] != "b256s2"]
+    [line] = branching.finding(trials, history)
+    assert "at least 256" not in line and "between 128 and 256" in line, line
+    assert line.endswith("Each verdict is over 3 seeds; the seeds part where a mean kept up or not (B = 256 after "
+                         "epoch 2, 2 of 3 seeds kept up on their own)."), line
