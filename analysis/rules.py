@@ -280,13 +280,17 @@ def twins(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
     left = f" Not compared where a run {how} in a seed: {'; '.join(gone)}." if gone else ""
     if not pairs:
         return [left.strip()] if gone else []
-    n = min(d.n for _, d in pairs)
-    if n < 2:
-        median = float(np.median([abs(d.mean) for _, d in pairs]))
-        return [f"Accumulation and the true batch at the same B differed by a median of {m.amount(median)} over "
-                f"{len(pairs)} pairs, in one seed: no pair can be told from seed noise.{left}"]
-    verdicts = judge([d for _, d in pairs], m.margin)
     ahead = m.ranked("accumulated ahead", "true batch ahead")
+    one = [(w, d) for w, d in pairs if d.n < 2]  # (said apart: a pair of one seed does not set the others' n)
+    pairs = [(w, d) for w, d in pairs if d.n >= 2]
+    if not pairs:
+        median = float(np.median([abs(d.mean) for _, d in one]))
+        return [f"Accumulation and the true batch at the same B differed by a median of {m.amount(median)} over "
+                f"{len(one)} pairs, in one seed: no pair can be told from seed noise.{left}"]
+    if one:
+        left = f" Shared one seed only: {'; '.join(f'{w}: {stated(d, *ahead, m=m)}' for w, d in one)}.{left}"
+    n = min(d.n for _, d in pairs)
+    verdicts = judge([d for _, d in pairs], m.margin)
     resolved = [(w, v) for (w, _), v in zip(pairs, verdicts) if v.resolved]
     equivalent = [w for (w, _), v in zip(pairs, verdicts) if v.equivalent and not v.resolved]
     open_ = [(w, v) for (w, _), v in zip(pairs, verdicts) if not v.resolved and not v.equivalent]

@@ -105,3 +105,23 @@ def test_a_branch_that_diverged_in_a_seed_did_not_keep_up_there():
     assert "at least 256" not in line and "between 128 and 256" in line, line
     assert line.endswith("Each verdict is over 3 seeds; the seeds part where a mean kept up or not (B = 256 after "
                          "epoch 2, 2 of 3 seeds kept up on their own)."), line
+
+
+def test_one_twin_pair_of_one_seed_is_said_apart_and_the_others_are_judged():
+    """linear's true batch at B = 128 failed (an error) in seeds 1 and 2: that pair shares one seed, the other 5
+    share 3. The whole sentence read "in one seed: no pair can be told from seed noise", hiding none's 2-point
+    gap."""
+    rng = np.random.default_rng(0)
+    rows = _rows(lambda s, rule, b, k: 0.95 - {"none": 0.01, "sqrt": 0.004, "linear": 0.0}[rule] * np.log2(b * k / 32)
+                 - (0.02 if rule == "none" and k > 1 else 0) + rng.normal(0, 0.001),
+                 bs=((32, 1), (32, 4), (128, 1), (32, 16), (512, 1)))
+    for r in rows:
+        if r["lr_rule"] == "linear" and r["physical_batch"] == 128 and r["seed"] > 0:
+            r.update(status="FAILED", reason="error", val_acc=np.nan)
+    study = _study(rows, GRID)
+    [line] = [s for s in summarize(study.trials, study.history) if s.startswith("Accumulation and")]
+    assert line.startswith("Accumulation and its true-batch twin at the same B were compared in 5 pairs, paired by "
+                           "seed over 3 seeds"), line
+    assert "resolved in 2: none at B = 128: 2.1 points true batch ahead" in line, line
+    assert line.endswith("Shared one seed only: linear at B = 128: 0.2 points accumulated ahead in one seed, which "
+                         "cannot be told from seed noise."), line
