@@ -33,6 +33,7 @@ RUNS = {
     "sweep_overhead.py": ([], ["--trials", "2", "--epochs", "3"], "overhead"),
     "trial_scaling.py": ([], ["--seeds", "1", "--window", "5"], "ratio"),
     "program_overhead.py": ([], ["--trials", "2", "--seconds", "0.3"], "overhead_s"),
+    "stop_time.py": ([], ["--repeats", "1", "--workers", "1"], "stop_s"),
     "tracer_overhead.py": ([], ["--pairs", "2", "--windows", "2", "--goal", "10"], "overhead"),
     "gpu_workers.py": ([], ["--simulate-gpu", "8GiB", "--trials", "2", "--workers", "2", *TINY[:4], "--epochs", "1",
                             "--seeds", "1", "--set", "warmup_epochs=0"], "speedup"),
@@ -55,6 +56,10 @@ def test_a_benchmark_prints_its_figure(tmp_path, data_dir, script):
     script = script.split()[0]
     if script in ("system_metrics.py", "sweep_overhead.py", "gpu_figures.py"):
         args = [*args, "--data-dir", data_dir]
+    if script == "fused_study.py":  # a study of 4 points, one group fused: accum_lr's 27 measure nothing more here
+        (tmp_path / "fused4.toml").write_text('name = "fused4"\n[grid]\nphysical_batch = [32]\n'
+                                              'accum_steps = [1, 2, 4, 8]\n')
+        args = [*args, "--study", str(tmp_path / "fused4.toml")]
     if "torch.distributed.run" in launcher:  # its log folders in the test's, not one left in /tmp each launch
         launcher = [*launcher, "--log-dir", str(tmp_path / "elastic")]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
