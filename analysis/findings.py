@@ -270,8 +270,12 @@ def _reading(found, trials: pd.DataFrame) -> str:
     if edges:
         lr = trials.assign(lr=trials[trained_lr(trials)])
         middle = np.mean([math.log(p.batch) for p in found.points])
-        signs = {(1 if math.isclose(p.lr, lr.loc[lr["effective_batch"] == p.batch, "lr"].max(), rel_tol=1e-6)
-                  else -1) * np.sign(math.log(p.batch) - middle) for p in edges}
+        # (by the edge each seed's best sat at: the geometric mean of the seeds lies inside the grid)
+        tried = {p.batch: lr.loc[lr["effective_batch"] == p.batch, "lr"] for p in edges}
+        signs = {(1 if math.isclose(s, tried[p.batch].max(), rel_tol=1e-6) else -1)
+                 * np.sign(math.log(p.batch) - middle) for p in edges for s in p.seeds
+                 if math.isclose(s, tried[p.batch].max(), rel_tol=1e-6)
+                 or math.isclose(s, tried[p.batch].min(), rel_tol=1e-6)}
         bound = ("a lower bound at most (the true best LR there may be larger, the slope steeper)" if signs == {1}
                  else "an upper bound at most" if signs == {-1} else "no bound from either side")
         return (f" With a best LR at the edge of the LRs tried, the slope's interval ({found.slope_low:.2f} to "

@@ -4,7 +4,7 @@ trial."""
 import numpy as np
 
 from batchsweep.analysis import branching
-from batchsweep.analysis.findings import summarize
+from batchsweep.analysis.findings import lr_exponent, summarize
 from batchsweep.analysis.recommend import recommend
 from tests.test_recommend_edges import _rows, _study
 from tests.test_recommend_gaps import _branches
@@ -125,3 +125,19 @@ def test_one_twin_pair_of_one_seed_is_said_apart_and_the_others_are_judged():
     assert "resolved in 2: none at B = 128: 2.1 points true batch ahead" in line, line
     assert line.endswith("Shared one seed only: linear at B = 128: 0.2 points accumulated ahead in one seed, which "
                          "cannot be told from seed noise."), line
+
+
+def test_a_best_lr_at_the_top_of_the_grid_above_the_middle_b_makes_the_slope_a_lower_bound():
+    """The best LR rises as B^0.5; at B = 512 seed 0's best is the highest LR tried (its true best lies above the
+    grid), seeds 1 and 2 peak inside. The slope's true value is at least the one measured: it read "an upper bound"
+    (the geometric mean over the seeds was checked against the grid's top, which it is not)."""
+    rows, grid = [], [0.0125 * 2 ** i for i in range(6)]
+    for seed in range(3):
+        for b in (32, 128, 512):
+            star = 0.025 * (b / 32) ** 0.5 * (4.0 if (b == 512 and seed == 0) else 1.0) * (1 + 0.1 * (seed - 1))
+            rows += [dict(seed=seed, lr_rule="none", physical_batch=b, accum_steps=1, effective_batch=b, base_batch=32,
+                          base_lr=lr, lr=lr, status="FINISHED", val_acc=round(0.95 - 0.01 * np.log(lr / star) ** 2, 4))
+                     for lr in grid]
+    [line] = lr_exponent(_study(rows, ("physical_batch", "base_lr")).trials)
+    assert "At B = 512 some seed's best LR is the edge of the LRs tried" in line, line
+    assert "is a lower bound at most (the true best LR there may be larger, the slope steeper)" in line, line
