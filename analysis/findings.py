@@ -43,6 +43,7 @@ def _seed_note(t: pd.DataFrame) -> list[str]:
 
 def memory(trials: pd.DataFrame) -> list[str]:
     t = finished(trials)
+    t = t.dropna(subset=["peak_memory_bytes"]) if "peak_memory_bytes" in t else t  # (a k not measured spans nothing)
     if "peak_memory_bytes" not in t or "batch" not in t or t.get("model", pd.Series()).nunique() > 1:
         return []  # memory of different models is not one series
     acc = t[t["batch"] == "accumulated"]
@@ -56,7 +57,8 @@ def memory(trials: pd.DataFrame) -> list[str]:
     true = t[(t["physical_batch"] == big_b) & (t["accum_steps"] == 1)]
     if k_min == k_max and true.empty:
         return []  # one k and nothing to hold it against
-    source = ", ".join(t["memory_source"].dropna().unique())
+    source = ", ".join(t["memory_source"].dropna().unique()) if "memory_source" in t else ""
+    source = source or "its source not logged"
     span = f"at {high / 2 ** 20:.2f} MiB" if high - low < 0.01 * high else \
         f"between {low / 2 ** 20:.2f} and {high / 2 ** 20:.2f} MiB"
     if k_min < k_max:

@@ -64,7 +64,10 @@ def rule_comparisons(trials: pd.DataFrame, m: Measure = ACCURACY):
     (its difference None): see diverged()."""
     gone = diverged(trials)
     t = one_batch(finished(trials))
-    if "lr_rule" not in t or t["lr_rule"].nunique() < 2 or t["effective_batch"].nunique() < 2 or tuned(t):
+    if "lr_rule" not in t or "seed" not in t:  # (no seed: nothing to pair by)
+        return None
+    t = t[t["lr_rule"].notna()]  # (a trial that logged no rule is no rule's)
+    if t["lr_rule"].nunique() < 2 or t["effective_batch"].nunique() < 2 or tuned(t):
         return None
     step = quantum(t[m.name])
     compared = []  # the family of the false-discovery control

@@ -141,3 +141,24 @@ def test_a_best_lr_at_the_top_of_the_grid_above_the_middle_b_makes_the_slope_a_l
     [line] = lr_exponent(_study(rows, ("physical_batch", "base_lr")).trials)
     assert "At B = 512 some seed's best LR is the edge of the LRs tried" in line, line
     assert "is a lower bound at most (the true best LR there may be larger, the slope steeper)" in line, line
+
+
+def _base() -> list[dict]:
+    rng = np.random.default_rng(0)
+    return _rows(lambda s, rule, b, k: 0.95 - 0.003 * np.log2(b * k / 32) + rng.normal(0, 0.002))
+
+
+def test_the_report_reads_a_frame_with_no_seed_a_trial_with_no_lr_rule_and_memory_with_no_source():
+    """Each raised (KeyError 'seed'; IndexError; KeyError 'memory_source')."""
+    study = _study([{k: v for k, v in r.items() if k != "seed"} for r in _base()], GRID)
+    assert not [s for s in summarize(study.trials, study.history) if s.startswith("The none LR rule")]
+    rows = [{**r, "lr_rule": np.nan if i == 5 else r["lr_rule"]} for i, r in enumerate(_base())]
+    study = _study(rows, GRID)
+    assert any(line.startswith("At B = 128: the ") for line in recommend(study))
+    assert any(s.startswith("The none LR rule against B = 32") for s in summarize(study.trials, study.history))
+    rows = [{**r, "peak_memory_bytes": 2.0 ** 20 * (1 + (r["physical_batch"] == 128)) if r["seed"] else np.nan}
+            for r in _base()]
+    study = _study(rows, GRID)
+    [memory] = [s for s in summarize(study.trials, study.history) if "peak memory" in s]
+    assert memory.startswith("At b = 32, peak memory (its source not logged) stayed at 1.00 MiB from k = 1 to k = 4, "
+                             "while the true batch of 128 needed 2.00 MiB (2.0x)."), memory
