@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 from batchsweep.trainers import BatchsweepError, interrupt, make_writable_folder
@@ -101,6 +102,38 @@ def _worker_process(inv, parent_run_id: str, index: int, budget: int | None, mes
         sys.exit(2)
 
 
+def _sweep(procs: list, tokens: list[str], swept: set) -> None:
+    """What each ended worker left running (a daemon its script double-forked, where it was killed): stopped."""
+    from tqdm import tqdm
+
+    for i in [i for i, proc in enumerate(procs) if i not in swept and not proc.is_alive()]:
+        swept.add(i)
+        if line := left_behind(tokens[i].__eq__, f"worker {i} ended leaving"):
+            tqdm.write(line, file=sys.stderr)
+
+
+def _drain(messages, fatal: list, bar=None, epochs: list | None = None) -> None:
+    """The workers' messages: their lines above the bars, and the bars moved (none once they are closed); a
+    worker's error goes to `fatal`."""
+    from tqdm import tqdm
+
+    while True:
+        try:
+            line = messages.get_nowait()
+        except queue.Empty:
+            return
+        if isinstance(line, tuple):
+            if epochs:
+                show_epoch(epochs, line)
+        elif line == TRIAL_DONE:
+            if bar is not None:
+                bar.update(1)
+        elif line.startswith("error: "):
+            fatal.append(line.removeprefix("error: "))
+        else:
+            tqdm.write(line, file=sys.stderr)
+
+
 def run_workers(inv, parent_run_id: str, workers: int, total: int, placements: list) -> None:
     """Start the worker processes (each on its GPU, where there are placements) and draw a bar over the
     study's trials while they work, and under it a bar over each worker's epochs."""
@@ -117,32 +150,7 @@ def run_workers(inv, parent_run_id: str, workers: int, total: int, placements: l
     for proc, placement in zip(procs, placements):
         start_on(proc, placement)
     fatal, swept = [], set()
-
-    def sweep() -> None:
-        """What each ended worker left running (a daemon its script double-forked, where it was killed): stopped."""
-        for i in [i for i, proc in enumerate(procs) if i not in swept and not proc.is_alive()]:
-            swept.add(i)
-            if line := left_behind(tokens[i].__eq__, f"worker {i} ended leaving"):
-                tqdm.write(line, file=sys.stderr)
-
-    def drain(bar=None, epochs: list | None = None) -> None:
-        """The workers' messages: their lines above the bars, and the bars moved (none once they are closed)."""
-        while True:
-            try:
-                line = messages.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(line, tuple):
-                if epochs:
-                    show_epoch(epochs, line)
-            elif line == TRIAL_DONE:
-                if bar is not None:
-                    bar.update(1)
-            elif line.startswith("error: "):
-                fatal.append(line.removeprefix("error: "))
-            else:
-                tqdm.write(line, file=sys.stderr)
-
+    sweep, drain = partial(_sweep, procs, tokens, swept), partial(_drain, messages, fatal)
     try:
         with tqdm(total=total, unit="trial", file=sys.stderr, dynamic_ncols=True, position=0) as bar:
             epochs = [epoch_bar(i + 1) for i in range(workers)]
@@ -252,14 +260,13 @@ def write_report(inv) -> int:
     return done.returncode
 
 
-def run_invocation(inv, workers: int, gpus: list | tuple = ()) -> int:
-    """Run what is left of the study (at most --n-trials of it) in `workers` processes, placed round-robin on
-    `gpus` where there are any (sweeps/gpus/placement.py); 0, or 1 when every trial failed or was invalid, or 130 on
-    Ctrl-C."""
+def _opened(inv):
+    """The study's storage and tracker, its Optuna studies made and checked; the runs that ended invocations left
+    open closed (their points run again), and what a killed invocation of this study left running stopped:
+    (storage, tracker, runs closed)."""
     import optuna
 
-    from ..gpus.placement import place
-    from ..stores.optuna_store import check_protocol, create_studies, open_storage, remaining
+    from ..stores.optuna_store import check_protocol, create_studies, open_storage
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # trial failures are reported in one line each
     storage = open_storage(inv.storage)
@@ -278,6 +285,17 @@ def run_invocation(inv, workers: int, gpus: list | tuple = ()) -> int:
     if line := left_behind(killed_of(inv.storage + inv.study_name), "an invocation of this study that was killed had"
                                                                     " left"):
         print(line, file=sys.stderr)
+    return storage, tracker, closed
+
+
+def run_invocation(inv, workers: int, gpus: list | tuple = ()) -> int:
+    """Run what is left of the study (at most --n-trials of it) in `workers` processes, placed round-robin on
+    `gpus` where there are any (sweeps/gpus/placement.py); 0, or 1 when every trial failed or was invalid, or 130 on
+    Ctrl-C."""
+    from ..gpus.placement import place
+    from ..stores.optuna_store import remaining
+
+    storage, tracker, closed = _opened(inv)
     left = remaining(inv, storage)
     total = left if inv.n_trials is None else min(left, inv.n_trials)
     placements = place(workers, list(gpus), inv.tracking_uri, bool(inv.study.program)) if gpus else []
