@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from . import critical
-from .measures import finished, full_scale, one_batch, tuned
+from .measures import WORSE, finished, full_scale, one_batch, stopped, tuned
 from .plotting import in_order
 from .runs import TARGET_SHARE, aggregate, paired, reached, resolution
 from .verdicts import Verdict, control, judge
@@ -29,6 +29,9 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
     target = TARGET_SHARE * float(finals["mean"].max())
     runs = t[["run_id", "seed", *keys, "effective_batch", *searched]].merge(reached(t, history, target, evals),
                                                                           on="run_id")
+    # A run that diverged or was pruned did not reach it: counted at its B, as one that never did.
+    worse = one_batch(trials[trials["reason"].isin(WORSE)]) if "reason" in trials else t.iloc[0:0]
+    runs = pd.concat([runs, worse[["run_id", "seed", *keys, "effective_batch", *searched]].assign(steps=float("nan"))])
     tuned_note = ""
     if searched:  # Shallue et al.: at each B, the LR that reached the target in the fewest steps
         fastest = runs.groupby([*keys, "effective_batch", "base_lr"])["steps"].median().dropna()
@@ -53,7 +56,9 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
         counted = rows.groupby("effective_batch")["steps"].apply(lambda s: s.notna().sum() * 2 > len(s))
         kept = rows[rows["effective_batch"].isin(counted[counted].index) & rows["steps"].notna()]
         lost = sorted(int(b) for b in counted[~counted].index)
-        left = (f" (at B = {listed([str(b) for b in lost])} most runs never reached it: left out of the fit)"
+        ended = worse[worse["run_id"].isin(rows["run_id"]) & worse["effective_batch"].isin(lost)]["reason"]
+        how = f" or {stopped(ended)} first" if len(ended) else ""
+        left = (f" (at B = {listed([str(b) for b in lost])} most runs never reached it{how}: left out of the fit)"
                 if lost else "")
         if kept.empty:
             out.append(f"{name}, no B had most of its runs reach it{left}.")

@@ -2,10 +2,12 @@
 a comparison inside the margin that is also resolved, a BN rule or a branch that diverged in a seed, a pruned
 trial."""
 import numpy as np
+import pandas as pd
 
 from batchsweep.analysis import branching
 from batchsweep.analysis.findings import lr_exponent, summarize
 from batchsweep.analysis.recommend import recommend
+from batchsweep.analysis.targets import steps
 from tests.test_recommend_edges import _rows, _study
 from tests.test_recommend_gaps import _branches
 
@@ -162,3 +164,21 @@ def test_the_report_reads_a_frame_with_no_seed_a_trial_with_no_lr_rule_and_memor
     [memory] = [s for s in summarize(study.trials, study.history) if "peak memory" in s]
     assert memory.startswith("At b = 32, peak memory (its source not logged) stayed at 1.00 MiB from k = 1 to k = 4, "
                              "while the true batch of 128 needed 2.00 MiB (2.0x)."), memory
+
+
+def test_a_b_where_most_seeds_diverged_is_left_out_of_the_steps_to_the_target():
+    """At B = 512 two of three seeds diverged and the third reached the target: "most runs reached it" counted
+    the one survivor of one."""
+    rows, history = [], []
+    for seed in range(3):
+        for b in (32, 64, 128, 256, 512):
+            div, run = b == 512 and seed > 0, f"r{len(rows)}"
+            rows.append(dict(run_id=run, seed=seed, lr_rule="sqrt", physical_batch=32, accum_steps=b // 32,
+                             effective_batch=b, base_batch=32, status="FAILED" if div else "FINISHED",
+                             reason="diverged" if div else None, val_acc=np.nan if div else 0.95))
+            history += [dict(run_id=run, epoch=e, steps=e * 32000 // b,
+                             val_acc=min(0.95, 0.5 + 0.45 * e / (2 + b / 64))) for e in range(1, 11)]
+    [_, line] = steps(pd.DataFrame(rows), pd.DataFrame(history))
+    assert line.startswith("Over every run (at B = 512 most runs never reached it or diverged first: left out of the "
+                           "fit)"), line
+    assert "from 12 runs at B = 32 to 256" in line, line
