@@ -30,7 +30,7 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
     runs = t[["run_id", "seed", *keys, "effective_batch", *searched]].merge(reached(t, history, target, evals),
                                                                           on="run_id")
     # A run that diverged or was pruned did not reach it: counted at its B, as one that never did.
-    worse = one_batch(trials[trials["reason"].isin(WORSE)]) if "reason" in trials else t.iloc[0:0]
+    worse = one_batch(trials[trials["reason"].isin(WORSE)]) if "reason" in trials else t.iloc[0:0].assign(reason="")
     runs = pd.concat([runs, worse[["run_id", "seed", *keys, "effective_batch", *searched]].assign(steps=float("nan"))])
     tuned_note = ""
     if searched:  # Shallue et al.: at each B, the LR that reached the target in the fewest steps
