@@ -19,7 +19,8 @@ import pandas as pd
 from . import branching
 from .best_lr import moved, over_training
 from .figures import best_lr, best_lr_of_seeds, trained_lr
-from .measures import ACCURACY, Measure, finished, has_accuracy, measure, one_batch, reliable_noise
+from .measures import (ACCURACY, Measure, finished, has_accuracy, measure, one_batch, reliable_noise,
+                       unmoved)
 from .plotting import in_order
 from .rules import ended_worse, lr_rules, twins, went
 from .runs import paired, quantum
@@ -360,6 +361,8 @@ def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFram
         return ["No finished trial has an accuracy (val_acc) or a value of the study's objective, in which "
                 "configurations are compared: the comparisons are left out; the table holds each trial's metrics.",
                 *noise_scale(trials), *memory(trials)]
+    if said := unmoved(trials, m):
+        return [said, *noise_scale(trials), *memory(trials)]
     if not m.points:
         aimed = has_accuracy(finished(trials))  # (steps to a target and warmup aim at an accuracy)
         lead = (f"Configurations are compared in the study's objective, {m.name}{m.better}, not in val_acc; steps "

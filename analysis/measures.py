@@ -161,3 +161,15 @@ def last_noise(trials: pd.DataFrame) -> float | None:
     target: the noise scale grows as training goes; critical.py reads it where the target was reached)."""
     values = reliable_noise(finished(trials))
     return float(values.median()) if len(values) else None
+
+
+def unmoved(trials: pd.DataFrame, m: Measure) -> str | None:
+    """Where every finished trial ended at one value of `m` (a model that learned nothing, a metric that does not
+    move): the sentence that says so, in place of comparisons whose intervals would have no width."""
+    values = pd.to_numeric(finished(trials)[m.name], errors="coerce") if m.name in trials else pd.Series(dtype=float)
+    values = values[np.isfinite(values)]
+    if len(values) < 2 or values.nunique() > 1:
+        return None
+    return (f"Every finished trial ended at the same {'accuracy' if m.points else m.name} ({m.level(values.iloc[0])}): "
+            f"no configuration differed from another in it (a model that learned nothing, or a metric that does not "
+            f"move), so none is compared or recommended.")

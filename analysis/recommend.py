@@ -14,7 +14,7 @@ from batchsweep.sweeps import commands
 
 from .best import EVERY_RULE, Best, best_set, choices, diverged_in_a_seed, members, picked, stopped_in
 from .findings import bn_against_true, exact_by_model, lr_exponent
-from .measures import Measure, finished, full_scale, measure, one_batch, stopped_verb, tuned
+from .measures import Measure, finished, full_scale, measure, one_batch, stopped_verb, tuned, unmoved
 from .plotting import in_order
 from .rules import decided, diverged, rule_comparisons, rules_at, twin_pairs, unshared, went
 from .runs import StudyRuns, quantum
@@ -370,6 +370,8 @@ def _recommend(study: StudyRuns) -> list[str]:
         return []
     if study.objectives[0][0] == "param_rel_diff":  # (a measurement of exactness, not a goal to rank k by)
         return exact_use(study)
+    if said := unmoved(t, m):
+        return [said]
     if tuned(t):  # a search of the LR at each B: its answer is the best LR against B, with its interval
         return [f"The learning rate to use at each B: {lowered(s)}" for s in lr_exponent(study.trials, m)]
     if ("seed" not in t or t["seed"].nunique() < 2) and len(t) > 1:
