@@ -82,11 +82,9 @@ class Auditor:
         done = next((r for r in self.runs if name == r.name and name in REUSED and (r.b, r.k, r.nproc) == (b, k, nproc)
                      and r.epochs == self.config.epochs and
                      (r.max_steps == max_steps or r.max_steps == 0 and len(r.steps) == max_steps)), None)
+        done = done or self.kept(name, b, k, max_steps, nproc)
         if done:
             return done
-        kept = self.kept(name, b, k, max_steps, nproc)
-        if kept:
-            return kept
         config = dataclasses.replace(self.config, physical_batch=b, accum_steps=k, max_steps=max_steps)
         values = {**config.to_dict(), **self.own, "world_size": nproc}
         record = ScriptRun(name, b, k, max_steps, values["lr"], config.epochs, nproc,
