@@ -361,8 +361,9 @@ def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFram
         return ["No finished trial has an accuracy (val_acc) or a value of the study's objective, in which "
                 "configurations are compared: the comparisons are left out; the table holds each trial's metrics.",
                 *noise_scale(trials), *memory(trials)]
-    if said := unmoved(trials, m):
-        return [said, *noise_scale(trials), *memory(trials)]
+    # Where every trial ended at one value, its comparisons' intervals have no width: said first.
+    compared = [*filter(None, [unmoved(trials, m)]), *lr_rules(trials, m), *twins(trials, m), *bn(trials, m),
+                *lr_exponent(trials, m, history)]
     if not m.points:
         aimed = has_accuracy(finished(trials))  # (steps to a target and warmup aim at an accuracy)
         lead = (f"Configurations are compared in the study's objective, {m.name}{m.better}, not in val_acc; steps "
@@ -371,11 +372,9 @@ def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFram
                 f"are left out.")
         aimed_at = [*steps(trials, history, evals), *warmup(trials, history, evals),
                     *branching.finding(trials, history)] if aimed else []
-        compared = [*lr_rules(trials, m), *twins(trials, m), *bn(trials, m), *lr_exponent(trials, m, history)]
         lead = [lead] if compared or not aimed else []  # (where no sentence compares in it, it is not said)
         return [*lead, *compared, *noise_scale(trials), *aimed_at, *memory(trials)]
-    return [*lr_rules(trials, m), *twins(trials, m), *bn(trials, m), *lr_exponent(trials, m, history),
-            *noise_scale(trials), *steps(trials, history, evals), *warmup(trials, history, evals),
+    return [*compared, *noise_scale(trials), *steps(trials, history, evals), *warmup(trials, history, evals),
             *branching.finding(trials, history), *memory(trials)]
 
 

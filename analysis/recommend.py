@@ -370,12 +370,12 @@ def _recommend(study: StudyRuns) -> list[str]:
         return []
     if study.objectives[0][0] == "param_rel_diff":  # (a measurement of exactness, not a goal to rank k by)
         return exact_use(study)
-    if said := unmoved(t, m):
-        return [said]
     if tuned(t):  # a search of the LR at each B: its answer is the best LR against B, with its interval
         return [f"The learning rate to use at each B: {lowered(s)}" for s in lr_exponent(study.trials, m)]
     if ("seed" not in t or t["seed"].nunique() < 2) and len(t) > 1:
         return [_one_seed(study, t)]
+    if said := unmoved(t, m):  # (the time to a target is still measured)
+        return [said, *fastest(study)]
     lines = [*per_batch(study, m), *best(study, m), *largest_free(study, m), *fastest(study), *bn_rules(study, m)]
     if not lines and not choices(study, t)[0]:
         return ["Nothing here is a choice to recommend: the study varies no field as an independent choice (its "
