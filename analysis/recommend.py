@@ -139,7 +139,8 @@ def _gap(trials: pd.DataFrame, rule: str, b: int, gone: dict) -> str:
 def largest_free(study: StudyRuns, m: Measure) -> list[str]:
     """The largest B shown to cost less than the margin against the smallest B (equivalent within it, or resolved
     better, there and at every B the rule ran below it: a B none of whose trials finished breaks the run), or that
-    none was, and which came nearest. Equivalence shows a cost below the margin, never none: an interval that excludes 0 is not 0."""
+    none was, and which came nearest. Equivalence shows a cost below the margin, never none: an interval that
+    excludes 0 is not 0."""
     found = rule_comparisons(study.trials, m)
     if found is None:
         return []
