@@ -30,7 +30,9 @@ command = ["{{python}}", "-m", "torch.distributed.run", "--standalone", "--nproc
 def audited(tmp_path, store, capsys, case: str, loss: str, deal: str = "sample", extra=()) -> tuple[int, str, dict]:
     code = main(["--study", str(study(tmp_path, case, loss, deal=deal, extra=extra)), "--physical-batch", "8",
                  "--accum-steps", "4", "--nproc", "2", "--tracking-uri", store, "--json", str(tmp_path / "audit.json")])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    if not (tmp_path / "audit.json").exists():  # an audit that ended before its verdict: say why it did
+        pytest.fail(f"exit {code} and no verdict: {err[-3000:]}")
     return code, out, json.loads((tmp_path / "audit.json").read_text())
 
 
