@@ -153,6 +153,23 @@ def test_a_command_that_saves_into_its_trial_dir_is_audited(tmp_path, store, cap
 
 
 @pytest.mark.slow
+def test_a_script_run_in_its_trial_dir_is_audited(tmp_path, store, capsys):
+    """cwd = "{trial_dir}" (a trial's own folder to run in) is each audit run's own: the audit ran the script in a
+    folder literally named {trial_dir}, and failed."""
+    path = tmp_path / "in_trial_dir.toml"
+    path.write_text(f'''name = "plain"
+[program]
+command = ["{{python}}", "{PLAIN}", "--batch-size", "{{physical_batch}}", "--accum", "{{accum_steps}}",
+           "--seed", "{{seed}}", "--case", "plain", "--epochs", "1", "--out", "."]
+cwd = "{{trial_dir}}"
+''')
+    code = main(["--study", str(path), "--physical-batch", "8", "--accum-steps", "4", "--tracking-uri", store,
+                 "--json", str(tmp_path / "audit.json")])
+    out, err = capsys.readouterr()
+    assert code == 0 and json.loads((tmp_path / "audit.json").read_text())["verdicts"] == ["exact"], out + err
+
+
+@pytest.mark.slow
 def test_dropout_in_a_second_model_the_loop_calls_apart_is_seen(tmp_path, store, capsys):
     """head(net(x)), the head a model of its own whose functional dropouts draw in another order at (b, k): the
     runs part, and the audit says why (it read `unexplained`, exit status 1: only the first model was watched)."""

@@ -73,6 +73,13 @@ class Auditor:
         self.bar = None  # _main's bar over the steps of the run being made (how many runs is not known ahead)
         self.runs: list[ScriptRun] = []
 
+    def _cwd(self, values: dict) -> str | None:
+        """Where the script runs: the study's cwd with its placeholders filled ("{trial_dir}": each run's own)."""
+        cwd = self.study.program.folder(values)
+        if cwd is not None:
+            Path(cwd).mkdir(parents=True, exist_ok=True)
+        return cwd
+
     def run(self, name: str, b: int, k: int, max_steps: int, nproc: int | None = None) -> ScriptRun:
         """The script at (b, k) on `nproc` ranks (default: the audit's), stopped by the tracer after `max_steps`
         optimizer steps (0: an epoch, or the script's own length where its command takes no {epochs}); an
@@ -109,7 +116,7 @@ class Auditor:
         output = program.Output()
         self.started(record)
         try:
-            ended = program.run(self.study.program.argv(values), env, self.study.program.cwd, None, output,
+            ended = program.run(self.study.program.argv(values), env, self._cwd(values), None, output,
                                 lambda row: self.read(row))
         finally:
             self.tracker.client.log_text(run_id, scrub(output.text(), self.tracker.uri), "log.txt")
