@@ -113,7 +113,8 @@ dataset = "tests.factories:blobs1k"
     assert "run the same command again to resume" in err and "Traceback" not in err
     storage, client = stores(tmp_path)
     trials = optuna.load_study(study_name="accum_lr", storage=storage).trials
-    assert all(t.state.is_finished() for t in trials)
+    assert all(t.state.is_finished() for t in trials), (  # (what a trial left RUNNING held, to tell why)
+        [(t.number, t.state.name, t.user_attrs) for t in trials if not t.state.is_finished()], err[-3000:])
     interrupted = [t for t in trials if t.state == State.FAIL]
     assert 1 <= len(interrupted) <= workers, (  # a worker may have been between two trials
         [(t.number, t.user_attrs.get("reason")) for t in interrupted], err[-3000:])
