@@ -185,10 +185,15 @@ def best_set(study: StudyRuns, t: pd.DataFrame) -> Best | None:
 def members(t: pd.DataFrame, fields: list[str], configurations: pd.DataFrame) -> pd.Index:
     """The trials of `t` that are one of `configurations` (at B = base_batch, whichever LR rule they ran)."""
     t = one_at_base(t, fields)
-    marked = pd.Series(False, index=t.index)
+    return t.index[_any_of(t, fields, configurations)]
+
+
+def _any_of(frame: pd.DataFrame, fields: list[str], configurations: pd.DataFrame) -> pd.Series:
+    """Which rows of `frame` are one of `configurations`."""
+    marked = pd.Series(False, index=frame.index)
     for _, row in configurations.iterrows():
-        marked |= of(t, fields, row)
-    return t.index[marked]
+        marked |= of(frame, fields, row)
+    return marked
 
 
 def diverged_in_a_seed(trials: pd.DataFrame, fields: list[str]) -> pd.DataFrame:
@@ -208,7 +213,4 @@ def stopped_in(trials: pd.DataFrame) -> str:
 
 def without(frame: pd.DataFrame, fields: list[str], configurations: pd.DataFrame) -> pd.DataFrame:
     """`frame`'s rows that are none of `configurations`."""
-    keep = pd.Series(True, index=frame.index)
-    for _, row in configurations.iterrows():
-        keep &= ~of(frame, fields, row)
-    return frame[keep]
+    return frame[~_any_of(frame, fields, configurations)]
