@@ -17,7 +17,7 @@ from .findings import bn_against_true, exact_by_model, lr_exponent
 from .measures import Measure, finished, full_scale, measure, one_batch, stopped_verb, tuned, unmoved
 from .plotting import in_order
 from .rules import decided, diverged, rule_comparisons, rules_at, twin_pairs, unshared, went
-from .runs import StudyRuns, quantum
+from .runs import StudyRuns, paired, quantum
 from .space import identical_spread, label, shown, times
 from .verdicts import judge
 from .wording import listed, lowered, stated
@@ -48,25 +48,29 @@ def _memory(t: pd.DataFrame, b: int, k: int) -> str:
     return f", {rows['peak_memory_bytes'].mean() / MIB:,.2f} MiB" if len(rows) else ""
 
 
-def _under(key: dict) -> str:
-    """The other rules a twin pair ran under (BN momentum's), as its verdict is prefixed."""
-    named = [f"BN {key[f]}" if f == "bn_momentum_rule" else f"{f} {key[f]}" for f in sorted(key)
-             if f not in ("lr_rule", "effective_batch")]
+def _under(key: dict, every_rule: bool = False) -> str:
+    """The other rules a twin pair ran under (BN momentum's; the LR rule's too where `every_rule`), as its verdict
+    is prefixed."""
+    named = [f"BN {key[f]}" if f == "bn_momentum_rule" else f"{key[f]}" if f == "lr_rule" else f"{f} {key[f]}"
+             for f in sorted(key, key=lambda f: (f != "lr_rule", f))
+             if f != "effective_batch" and (every_rule or f != "lr_rule")]
     return f"under {', '.join(named)}: " if named else ""
 
 
-def _batching(t: pd.DataFrame, rule: str, b: int, twins: list, m: Measure) -> str:
-    """How to make B: accumulated or true batch, as the twins' verdicts under `rule` at B read (one per value of
-    each other rule varied, BN momentum's named), at the (b, k) that ran there, and what each cost in memory. A b
-    is advised only where accumulation was shown equivalent to the true batch, or resolved from it."""
-    mine = [(key, v) for key, v in twins if key.get("lr_rule", rule) == rule and key["effective_batch"] == b]
+def _batching(t: pd.DataFrame, rule: str | None, b: int, twins: list, m: Measure) -> str:
+    """How to make B: accumulated or true batch, as the twins' verdicts under `rule` (None: every LR rule, each
+    named) at B read (one per value of each other rule varied, BN momentum's named), at the (b, k) that ran there,
+    and what each cost in memory. A b is advised only where accumulation was shown equivalent to the true batch,
+    or resolved from it."""
+    mine = [(key, v) for key, v in twins if (rule is None or key.get("lr_rule", rule) == rule)
+            and key["effective_batch"] == b]
     if not mine:
         return ""
-    ran = t[(t["effective_batch"] == b) & ((t["lr_rule"] == rule) if "lr_rule" in t else True)]
+    ran = t[(t["effective_batch"] == b) & ((t["lr_rule"] == rule) if "lr_rule" in t and rule else True)]
     made = ran[["physical_batch", "accum_steps"]].drop_duplicates().sort_values("accum_steps", ascending=False)
     accumulated = [f"b = {bb:.0f}, k = {k:.0f}{_memory(t, bb, k)}" for bb, k in made.itertuples(index=False) if k > 1]
     averaged = " (each seed's runs averaged)" if len(accumulated) > 1 else ""
-    said = "; ".join(_under(key) + stated(v.d, 'higher', 'lower', m, v) for key, v in mine)
+    said = "; ".join(_under(key, rule is None) + stated(v.d, 'higher', 'lower', m, v) for key, v in mine)
     made = (f"accumulating ({'; '.join(accumulated)}){averaged} against the true batch (b = {b}, k = 1"
             f"{_memory(t, b, 1)}): {said}")
     plan = f"`{commands.command('plan')} --target-batch {b} --memory-budget SIZE`"
@@ -89,37 +93,85 @@ def _pooled(study: StudyRuns, t: pd.DataFrame) -> str:
     return f" (over {'; '.join(named)}, each seed's runs averaged)" if named else ""
 
 
+def _which(at, m: Measure) -> str:
+    """The rule picked at a B (or at one half of it) with its ties and the rules resolved worse than it."""
+    out_ = (f"; {listed([went(r, x) for r, x in at.diverged.items()])}, not compared over the seeds that "
+            f"finished" if at.diverged else "")
+    below = [f"{r} {stated(c.d, m=m, v=c)}" for r, c in zip(at.means.index[1:], at.verdicts) if r not in at.ties]
+    return (f"the {at.best} LR rule ({m.level(at.means[at.best])}; it {decided(at, m)}"
+            + (f"; {listed(at.ties)} cannot be told from it" if at.ties else "")
+            + (f"; resolved worse than it: {'; '.join(below)}" if below else "") + out_ + ")")
+
+
+def _halves(t: pd.DataFrame, b: int, picks: dict, compared: list, m: Measure, pooled: str) -> str | None:
+    """A B whose twins were resolved apart, each half picked on its own (a pick over both would hold for neither):
+    each half's rule and that half's own cost against the smallest B, judged with the block's other costs."""
+    halves = [(key[1], at) for key, at in picks.items() if isinstance(key, tuple) and key[0] == b]
+    if not halves:
+        return None
+    said = []
+    for half, at in halves:
+        rows = t[(t["effective_batch"] == b) & (t["batch"] == half)]
+        made = ", ".join(f"b = {bb:.0f}, k = {k:.0f}" for bb, k in
+                         rows[["physical_batch", "accum_steps"]].drop_duplicates().itertuples(index=False))
+        base, v = next(((base, v) for (r, bb, base), v in compared if r == at.best and bb == (b, half)),
+                       (None, None))
+        against = (f"against B = {base} (this half alone): {stated(v.d, m=m, v=v)}" if v is not None else
+                   f"against the smallest B: cannot be compared: the {at.best} LR rule ran no seed at both Bs")
+        said.append(f"{half} ({made}): {_which(at, m)}; {against}")
+    return (f"At B = {b}{pooled}, accumulation and the true batch were resolved apart (below), so each half is "
+            f"picked on its own: " + "; ".join(said) + ".")
+
+
+def _costs(t: pd.DataFrame, compared: list, split: frozenset, m: Measure, step: float) -> list:
+    """The block's costs against the smallest B, one family: the findings' comparisons, a B of `split` by each
+    of its halves (its own runs against the smallest B's, paired by seed) in place of their average."""
+    keyed = []
+    for rule, b, base, d in compared:
+        if b not in split or d is None:
+            keyed.append(((rule, b, base), d))
+            continue
+        rows = t[t["lr_rule"] == rule]
+        for half in in_order("batch", rows.loc[rows["effective_batch"] == b, "batch"].unique()):
+            half_rows = rows[(rows["effective_batch"] == b) & (rows["batch"] == half)]
+            keyed.append(((rule, (b, half), base), paired(half_rows, rows[rows["effective_batch"] == base],
+                                                          m.name, step)))
+    return list(zip([k for k, _ in keyed], judge([d for _, d in keyed], m.margin)))
+
+
 def per_batch(study: StudyRuns, m: Measure) -> list[str]:
     """For each B the study reached above the smallest: the LR rule of the best mean there with those that cannot
     be told from it (one family over every B's contrasts), its cost against the smallest B (the findings'
-    family), and how to make B."""
+    family), and how to make B. Where the twins at a B were resolved apart, each half is picked on its own."""
     found = rule_comparisons(study.trials, m)
     if found is None:
         return []
     t, compared, verdicts = found
-    cost = {(rule, b): (base, v) for (rule, b, base, _), v in zip(compared, verdicts)}
     pairs = twin_pairs(study.trials, m)  # (keyed by every rule varied: one verdict per BN rule, none overwritten)
     twins = [(key, v) for (key, _), v in zip(pairs, judge([d for _, d in pairs], m.margin))]
+    split = frozenset(key["effective_batch"] for key, v in twins if v is not None and v.resolved)
+    step = quantum(t[m.name])
+    costs = _costs(t, compared, split, m, step) if split else [((r, b, base), v) for (r, b, base, _), v in
+                                                                 zip(compared, verdicts)]
+    cost = {(rule, b): (base, v) for (rule, b, base), v in costs}
     sizes = sorted(int(b) for b in t["effective_batch"].unique())
     gone = diverged(study.trials)
-    picks = rules_at(t, sizes, m, quantum(t[m.name]), gone)
+    picks = rules_at(t, sizes, m, step, gone, split)
     pooled, out = _pooled(study, t), []
     for b in sizes[1:]:
         why, at = unshared(t, b, gone), picks.get(b)
         if why:
             out.append(f"At B = {b}{pooled}: {why}.")
+        if (halves := _halves(t, b, picks, costs, m, pooled)) is not None:
+            out.append(halves[:-1] + _batching(t, None, b, twins, m) + ".")
+            continue
         if at is None or (at.best, b) not in cost:
             continue
         base, v = cost[(at.best, b)]
-        out_ = (f"; {listed([went(r, x) for r, x in at.diverged.items()])}, not compared over the seeds that "
-                f"finished" if at.diverged else "")
-        below = [f"{r} {stated(c.d, m=m, v=c)}" for r, c in zip(at.means.index[1:], at.verdicts) if r not in at.ties]
-        which = (f"the {at.best} LR rule ({m.level(at.means[at.best])}; it {decided(at, m)}"
-                 + (f"; {listed(at.ties)} cannot be told from it" if at.ties else "")
-                 + (f"; resolved worse than it: {'; '.join(below)}" if below else "") + out_ + ")")
         against = (stated(v.d, m=m, v=v) if v is not None else
                    f"cannot be compared: the {at.best} LR rule ran no seed at both Bs")
-        out.append(f"At B = {b}{pooled}: {which}; against B = {base}: {against}{_batching(t, at.best, b, twins, m)}.")
+        out.append(f"At B = {b}{pooled}: {_which(at, m)}; against B = {base}: {against}"
+                   f"{_batching(t, at.best, b, twins, m)}.")
     return out
 
 

@@ -160,21 +160,27 @@ def unshared(t: pd.DataFrame, b: int, gone: dict) -> str | None:
 
 
 def rules_at(t: pd.DataFrame, sizes: list[int], m: Measure, step: float,
-             gone: dict[tuple[str, int], tuple[int, int]] | None = None) -> dict[int, AtB]:
+             gone: dict[tuple[str, int], tuple[int, int]] | None = None,
+             split: frozenset = frozenset()) -> dict:
     """The LR rules at each B of `sizes` against the one of the best mean there, paired by seed, under one
     Benjamini-Hochberg over every B's contrasts (a block that names a rule at each B is one family). Where a rule
     is resolved above the pick on the seeds the two share, it is the pick instead. A rule that diverged there in
     a seed (`gone`, diverged()) is neither picked nor compared. A B is left out where it is base_batch (every rule
     one configuration), one rule ran, the rules share fewer than 2 seeds (unshared()), or the picks go round in a
-    circle."""
+    circle. At a B of `split` (where accumulation and its true-batch twin were resolved apart, so that a pick over
+    both halves would hold for neither) each half is picked on its own, keyed (B, 'accumulated' or 'true batch')."""
     tables, gone = {}, gone or {}
     for b in sizes:
         out_ = {r: x for (r, bb), x in gone.items() if bb == b}
-        at = t[(t["effective_batch"] == b) & ~t["lr_rule"].isin(list(out_))]
-        means = _means(at, m) if len(at) else pd.Series(dtype=float)
-        if (len(means) >= 1 and len(means) + len(out_) >= 2 and unshared(t, b, gone) is None
-                and not ("base_batch" in at and (at["effective_batch"] == at["base_batch"]).all())):
-            tables[b] = (at, means, out_)
+        here = t[t["effective_batch"] == b]
+        cells = ({(b, half): here[here["batch"] == half] for half in in_order("batch", here["batch"].unique())}
+                 if b in split else {b: here})
+        for key, rows in cells.items():
+            at = rows[~rows["lr_rule"].isin(list(out_))]
+            means = _means(at, m) if len(at) else pd.Series(dtype=float)
+            if (len(means) >= 1 and len(means) + len(out_) >= 2 and unshared(rows, b, gone) is None
+                    and not ("base_batch" in at and (at["effective_batch"] == at["base_batch"]).all())):
+                tables[key] = (at, means, out_)
     order = {b: list(means.index) for b, (_, means, _) in tables.items()}
     moved: set[int] = set()
     for _ in range(1 + max((len(o) for o in order.values()), default=0)):
