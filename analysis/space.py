@@ -262,20 +262,26 @@ def memory_front(study: StudyRuns) -> Figure | None:
     t = _objective_trials(study)
     fields = naming(study, t)
     value, direction = study.objectives[0]
-    if "peak_memory_bytes" not in t or not fields or len(t) < 2:
+    if "peak_memory_bytes" not in t or not fields or len(t) < 2 or t["peak_memory_bytes"].isna().all():
         return None
-    t = t.dropna(subset=["peak_memory_bytes"])
+    # Every finished trial ranks, as for the best line; a configuration's memory is the mean over the seeds that
+    # measured it (dropping a trial with no memory ranked the rest on other seeds, and named another best).
     seeds = per_seed(one_at_base(t.assign(memory_mib=t["peak_memory_bytes"] / MIB), fields), fields,
                       [value, "memory_mib"])
     gone = diverged_in_a_seed(study.trials, fields)  # (their means are over the seeds that survived)
     seeds = without(seeds, fields, gone)
     points = per_configuration(seeds, fields, value, "memory_mib")
+    unmeasured = points[points["memory_mib"].isna()]
+    points, seeds = points[points["memory_mib"].notna()], without(seeds, fields, unmeasured)
     if len(points) < 2:
         return None
     percent, maximize = as_percent(value, t[value]), direction == "maximize"
     finding = _budget_sentence(seeds, points, fields, "memory_mib", value, percent, maximize,
                                lambda mib: f"{mib:,.1f} MiB of peak memory", "peak memory",
                                [label(row, fields) for _, row in gone.iterrows()], stopped_in(study.trials))
+    if len(unmeasured):
+        finding += (f" Left out, no peak memory measured in any seed: "
+                    f"{'; '.join(label(row, fields) for _, row in unmeasured.iterrows())}.")
     return _front_figure(points, fields, "memory_mib", value, "peak memory, MiB", percent, maximize, "memory_front",
                          f"Pareto front: {value} against peak memory", t, finding)
 
