@@ -22,6 +22,7 @@ from .verdicts import judge
 LENGTHS = ("batch_warmup", "epochs")  # how long (and at which B) a run trained: not a choice compared at one budget
 CONTINUOUS = 12  # a numeric field with more values than this was searched, not gridded: no cells to cross
 EVERY_RULE = "every LR rule (B = base_batch)"
+EVERY_BN = "every BN momentum rule (k = 1)"  # at k = 1 every BN rule is the default momentum: one configuration
 
 
 def _crossed(t: pd.DataFrame, a: str, b: str) -> bool:
@@ -65,17 +66,22 @@ def naming(study: StudyRuns, t: pd.DataFrame) -> list[str]:
 
 
 def one_at_base(t: pd.DataFrame, fields: list[str]) -> pd.DataFrame:
-    """At B = base_batch every LR rule gives the same learning rate: one configuration run once per rule. Its
-    runs are labelled with no rule, so that none is called best there; each seed's copies are averaged later
-    (per_seed), so its seeds are counted once, and no copy is chosen over another."""
-    if "lr_rule" not in fields or not {"base_batch", "effective_batch"} <= set(t):
-        return t
-    at_base = pd.to_numeric(t["effective_batch"]) == pd.to_numeric(t["base_batch"])
-    if not at_base.any():
+    """At B = base_batch every LR rule gives the same learning rate, and at k = 1 every BN momentum rule the same
+    momentum: one configuration run once per rule, bitwise copies. Their runs are labelled with no rule, so that
+    none is called best there and the copies count once (in the ties, the false-discovery family and the lists of
+    those that cannot be told apart); each seed's copies are averaged later (per_seed)."""
+    copies = []
+    if "lr_rule" in fields and {"base_batch", "effective_batch"} <= set(t):
+        copies.append(("lr_rule", pd.to_numeric(t["effective_batch"]) == pd.to_numeric(t["base_batch"]), EVERY_RULE))
+    if "bn_momentum_rule" in fields and "accum_steps" in t:
+        copies.append(("bn_momentum_rule", pd.to_numeric(t["accum_steps"]) == 1, EVERY_BN))
+    copies = [(f, at, name) for f, at, name in copies if at.any()]
+    if not copies:
         return t
     t = t.copy()
-    t["lr_rule"] = t["lr_rule"].astype(object)
-    t.loc[at_base, "lr_rule"] = EVERY_RULE
+    for f, at, name in copies:
+        t[f] = t[f].astype(object)
+        t.loc[at, f] = name
     return t
 
 

@@ -16,8 +16,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from .best import (EVERY_RULE, choices, diverged_in_a_seed, highest, naming, of, one_at_base, per_configuration,
-                   per_seed, picked, stopped_in, ties, without)
+from .best import (EVERY_BN, EVERY_RULE, choices, diverged_in_a_seed, highest, naming, of, one_at_base,
+                   per_configuration, per_seed, picked, stopped_in, ties, without)
 from .measures import finished, stopped_verb
 from .plotting import Draw, Figure, context, in_order, log_scale
 from .runs import TARGET_SHARE, StudyRuns, ci95
@@ -76,7 +76,7 @@ def label(row: pd.Series | dict, fields: list[str]) -> str:
         elif f in SHORT:
             parts.append(f"{SHORT[f]} = {_value(v)}")
         elif f in ("lr_rule", "bn_momentum_rule"):
-            parts.append(str(v) if f == "lr_rule" else f"BN {v}")
+            parts.append(str(v) if f == "lr_rule" or v == EVERY_BN else f"BN {v}")
         else:
             parts.append(f"{f} = {_value(v)}")
     return ", ".join(parts)
@@ -297,11 +297,16 @@ def time_to_target(trials: pd.DataFrame, history: pd.DataFrame, metric: str, tar
 
 
 def identical_spread(t: pd.DataFrame, fields: list[str]) -> float | None:
-    """How far apart the times of identical runs (B = base_batch under each LR rule, one seed) came: what two
-    measurements of one configuration differ by. None where the study holds no such runs."""
-    if "lr_rule" not in fields or not {"base_batch", "seed"} <= set(t):
+    """How far apart the times of identical runs (one_at_base's copies: B = base_batch under each LR rule, k = 1
+    under each BN momentum rule; one seed) came: what two measurements of one configuration differ by. None where
+    the study holds no such runs."""
+    if "seed" not in t:
         return None
-    copies = t[(t["lr_rule"] == EVERY_RULE) & t["seconds"].notna()].groupby("seed")["seconds"]
+    copy = pd.Series(False, index=t.index)
+    for f, name in (("lr_rule", EVERY_RULE), ("bn_momentum_rule", EVERY_BN)):
+        if f in fields:
+            copy |= t[f] == name
+    copies = t[copy & t["seconds"].notna()].groupby([*fields, "seed"], dropna=False)["seconds"]
     spread = (copies.max() - copies.min())[copies.size() > 1]
     return float(spread.max()) if len(spread) else None
 
@@ -312,7 +317,10 @@ def _timing_note(t: pd.DataFrame, fields: list[str], saving: float) -> str:
     said = " Each time is one wall-clock measurement of one run (a configuration's: the median over its seeds)"
     spread = identical_spread(t, fields)
     if spread is not None:
-        said += f"; identical runs (B = base_batch under each LR rule, one seed) took times up to {spread:,.1f} s apart"
+        which = [said for f, name, said in (("lr_rule", EVERY_RULE, "B = base_batch under each LR rule"),
+                                            ("bn_momentum_rule", EVERY_BN, "k = 1 under each BN momentum rule"))
+                 if f in fields and (t[f] == name).any()]
+        said += f"; identical runs ({', or '.join(which)}, one seed) took times up to {spread:,.1f} s apart"
         if 0 < saving <= spread:
             said += f", more than the {saving:,.1f} s saved, so that saving is not resolved"
     return said + "."

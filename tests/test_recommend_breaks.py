@@ -54,3 +54,28 @@ def test_the_memory_front_ranks_on_every_seed_as_the_best_line_does():
     finding = memory_front(_study(rows, VARIED)).finding  # (no memory at all for the best: left out, and said)
     assert finding.endswith("Left out, no peak memory measured in any seed: b = 32, k = 1, every LR rule "
                             "(B = base_batch)."), finding
+
+
+def _bn_rows(values) -> list[dict]:
+    """bn_momentum's design: b = 32 at k = 1, 4, 16 under three BN momentum rules, and the true-batch twins."""
+    rows = []
+    for seed in range(3):
+        for bn in ("default", "scaled", "matched"):
+            for b, k in ((32, 1), (32, 4), (32, 16), (128, 1), (512, 1)):
+                rows.append(dict(seed=seed, bn_momentum_rule=bn, physical_batch=b, accum_steps=k,
+                                 effective_batch=b * k, base_batch=32, lr_rule="sqrt", status="FINISHED",
+                                 val_acc=round(values(seed, bn, b, k), 3)))
+    return rows
+
+
+def test_bn_momentum_rules_at_k_1_are_one_configuration():
+    """At k = 1 every BN momentum rule is the default momentum: the three runs per seed are bitwise copies. They
+    were three configurations: in the best's ties, in its Benjamini-Hochberg family (14 comparisons for 9
+    configurations) and in the trials table's ★."""
+    rows = _bn_rows(lambda s, bn, b, k: 0.96 + 0.001 * s if b * k == 32 else 0.95 - 0.01 * (k > 1) + 0.001 * s)
+    study = _study(rows, ("physical_batch", "accum_steps", "bn_momentum_rule"))
+    [best] = [line for line in recommend(study) if line.startswith("The best")]
+    assert best.startswith("The best accuracy: b = 32, k = 1, every BN momentum rule (k = 1) (96.1% over 3 seeds, "
+                           "the highest of 9 configurations"), best
+    assert best.endswith("Benjamini-Hochberg at 5% over 8 comparisons."), best
+    assert "k = 1, BN " not in best, best
