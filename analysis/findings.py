@@ -367,9 +367,9 @@ def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFram
     if not m.points:
         aimed = has_accuracy(finished(trials))  # (steps to a target and warmup aim at an accuracy)
         lead = (f"Configurations are compared in the study's objective, {m.name}{m.better}, not in val_acc; steps "
-                f"to a target accuracy are in val_acc." if aimed else f"No finished trial has an accuracy (val_acc): "
-                f"configurations are compared in {m.name}{m.better}, and steps to a target accuracy and batch warmup "
-                f"are left out.")
+                f"to a target accuracy are in val_acc; {m.margin_why}." if aimed else f"No finished trial has an "
+                f"accuracy (val_acc): configurations are compared in {m.name}{m.better}, and steps to a target "
+                f"accuracy and batch warmup are left out; {m.margin_why}.")
         aimed_at = [*steps(trials, history, evals), *warmup(trials, history, evals),
                     *branching.finding(trials, history)] if aimed else []
         lead = [lead] if compared or not aimed else []  # (where no sentence compares in it, it is not said)

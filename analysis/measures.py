@@ -50,8 +50,17 @@ class Measure:
 
     name: str = "val_acc"
     maximize: bool = True
-    margin: float = 0.01  # equivalence margin: 1 accuracy point; for a metric of its own, 1% of its median
+    margin: float = 0.01  # equivalence margin: 1 accuracy point; for a metric of its own, own_margin()
     full: float = 1.0  # an accuracy's value at 100%: 1, or 100 where a script logs it in percent
+
+    @property
+    def margin_why(self) -> str:
+        """What the margin δ of a metric of its own is, and why (accuracy's 1 point goes without saying)."""
+        if self.points:
+            return ""
+        return (f"±{self.margin_text} is the equivalence margin δ: a tenth of the spread of the finished trials' "
+                f"{self.name} (10th to 90th percentile), small beside what the choices studied change, and unmoved by "
+                f"a constant added to the metric (a share of its median value would move with its zero point)")
 
     @property
     def margin_text(self) -> str:
@@ -129,8 +138,20 @@ def measure(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> M
             continue
         values = pd.to_numeric(t[name], errors="coerce") if name in t else pd.Series(dtype=float)
         if np.isfinite(values).any():
-            return Measure(name, direction == "maximize", 0.01 * float(values[np.isfinite(values)].abs().median()))
+            return Measure(name, direction == "maximize", own_margin(values[np.isfinite(values)]))
     return None
+
+
+SPREAD_SHARE = 0.1  # δ for a metric of its own, as a share of the spread of its values over the trials
+
+
+def own_margin(values: pd.Series) -> float:
+    """The equivalence margin of a metric with no scale of its own to read a point in: a tenth of the spread of
+    its finished values between their 10th and 90th percentiles (a stray diverging trial does not widen it). It
+    moves with the metric's scale and not with its zero point, as a difference does; 1% of the median (as it
+    was) called a loss offset by a constant equivalent where the same loss was not."""
+    lo, hi = np.percentile(values.astype(float), [10, 90])
+    return SPREAD_SHARE * float(hi - lo)
 
 
 def one_batch(trials: pd.DataFrame) -> pd.DataFrame:

@@ -435,4 +435,5 @@ def _recommend(study: StudyRuns) -> list[str]:
                 "findings below answer its own question)."]
     if not lines:
         return ["Nothing is recommended: too few trials finished to compare configurations."]
-    return lines
+    margin = [f"In these lines {m.margin_why}."] if m.margin_why and any(m.margin_text in s for s in lines) else []
+    return lines + margin

@@ -362,7 +362,8 @@ def test_a_study_without_accuracy_reports_what_it_has(tmp_path):
     history = pd.DataFrame([dict(run_id=r, epoch=e, val_loss=1.0 / e) for r in trials.run_id for e in (1, 2)])
     sentences = " ".join(summarize(trials, history, objective=("val_loss", "minimize")))
     assert "No finished trial has an accuracy (val_acc): configurations are compared in val_loss (lower is " \
-           "better), and steps to a target accuracy and batch warmup are left out." in sentences
+           "better), and steps to a target accuracy and batch warmup are left out; ±" in sentences
+    assert "in val_loss is the equivalence margin δ: a tenth of the spread of the finished trials' val_loss" in sentences
     assert "at B = 512 rose (val_loss 0.031 higher, 95% CI +0.030 to +0.032 over 3 seeds; kept by " \
            "Benjamini-Hochberg at 5% over 12 comparisons" in sentences  # a loss that rose did worse
     assert "The sqrt LR rule against B = 32 over 3 seeds: at B = 64 not resolved with 3 seeds (val_loss +0.0000 ± " \

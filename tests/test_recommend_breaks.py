@@ -4,6 +4,7 @@ as configurations, a margin that moves with the metric's zero, lines missing whe
 one B, a best over two models, and values read back as strings."""
 import numpy as np
 
+from batchsweep.analysis.findings import summarize
 from batchsweep.analysis.recommend import recommend
 from batchsweep.analysis.space import memory_front
 from tests.test_recommend_edges import _rows, _study
@@ -79,3 +80,30 @@ def test_bn_momentum_rules_at_k_1_are_one_configuration():
                            "the highest of 9 configurations"), best
     assert best.endswith("Benjamini-Hochberg at 5% over 8 comparisons."), best
     assert "k = 1, BN " not in best, best
+
+
+def _loss_study(offset: float):
+    """linear loses 0.004 in val_loss per doubling of B, none 0.03; `offset` is added to every value."""
+    rng, rows = np.random.default_rng(7), []
+    for seed in range(3):
+        for rule in ("none", "linear"):
+            for k in (1, 2, 4, 8):
+                loss = 0.3 + (0.004 if rule == "linear" else 0.03) * np.log2(k) + rng.normal(0, 0.001)
+                rows.append(dict(seed=seed, lr_rule=rule, physical_batch=32, accum_steps=k, effective_batch=32 * k,
+                                 base_batch=32, status="FINISHED", val_loss=offset + loss))
+    return _study(rows, VARIED, ("val_loss", "minimize"))
+
+
+def test_the_margin_of_a_metric_of_its_own_does_not_move_with_its_zero_point():
+    """The same losses, and the same losses plus 10: with δ = 1% of the median |value| the offset loss had a margin
+    of 0.1, and called every B equivalent to B = 32, none's 0.09 rise at B = 256 too."""
+    lines = {offset: recommend(_loss_study(offset)) for offset in (0.0, 10.0)}
+    free = {offset: next(line for line in said if "shown to cost less than" in line) for offset, said in lines.items()}
+    assert free[0.0].split(": B =")[0] == free[10.0].split(": B =")[0], free
+    assert free[0.0].split("under the")[1][:8] == free[10.0].split("under the")[1][:8], free
+    assert "under the none LR rule" not in free[10.0], free[10.0]
+    for said in lines.values():
+        assert said[-1].startswith("In these lines ±0.0") and "a tenth of the spread of the finished trials' val_loss" \
+            in said[-1] and "unmoved by a constant added to the metric" in said[-1], said[-1]
+    findings = summarize(_loss_study(10.0).trials, None, None, ("val_loss", "minimize"))
+    assert any("is the equivalence margin δ: a tenth of the spread" in s for s in findings), findings
