@@ -158,14 +158,24 @@ def per_batch(study: StudyRuns, m: Measure) -> list[str]:
     gone = diverged(study.trials)
     picks = rules_at(t, sizes, m, step, gone, split)
     pooled, out = _pooled(study, t), []
-    for b in sizes[1:]:
+    ran = one_batch(study.trials)
+    for b in sorted({*sizes[1:], *(bb for _, bb in gone if bb > sizes[0])}):
         why, at = unshared(t, b, gone), picks.get(b)
+        rules = in_order("lr_rule", ran.loc[ran["effective_batch"] == b, "lr_rule"].dropna().unique())
+        if rules and all((r, b) in gone for r in rules):  # (no rule to pick: said, not left out)
+            out.append(f"At B = {b}{pooled}: every LR rule {stopped_verb(stopped_in(study.trials))} in a seed "
+                       f"({listed([went(r, gone[(r, b)]) for r in rules])}), so none is picked there.")
+            continue
         if why:
             out.append(f"At B = {b}{pooled}: {why}.")
         if (halves := _halves(t, b, picks, costs, m, pooled)) is not None:
             out.append(halves[:-1] + _batching(t, None, b, twins, m) + ".")
             continue
-        if at is None or (at.best, b) not in cost:
+        if at is None:
+            continue
+        if (at.best, b) not in cost:  # (the pick's own smallest B: nothing below it to cost against)
+            out.append(f"At B = {b}{pooled}: {_which(at, m)}; B = {b} is the smallest B the {at.best} LR rule ran, "
+                       f"so what it costs against a smaller B is not measured{_batching(t, at.best, b, twins, m)}.")
             continue
         base, v = cost[(at.best, b)]
         against = (stated(v.d, m=m, v=v) if v is not None else

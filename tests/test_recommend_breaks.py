@@ -107,3 +107,30 @@ def test_the_margin_of_a_metric_of_its_own_does_not_move_with_its_zero_point():
             in said[-1] and "unmoved by a constant added to the metric" in said[-1], said[-1]
     findings = summarize(_loss_study(10.0).trials, None, None, ("val_loss", "minimize"))
     assert any("is the equivalence margin δ: a tenth of the spread" in s for s in findings), findings
+
+
+def test_a_b_where_every_rule_diverged_and_a_pick_at_its_rules_smallest_b_each_get_their_line():
+    """At B = 512 none diverged in every seed, sqrt in seed 2 and linear in seeds 1 and 2; linear ran from B = 64
+    up, and is picked at B = 64, 1 point above sqrt. Neither B had a line in the block."""
+    def status(seed, rule, b, k):
+        lost = {"none": (0, 1, 2), "sqrt": (2,), "linear": (1, 2)}[rule]
+        return "diverged" if b * k == 512 and seed in lost else None
+
+    rows = []
+    for seed in range(3):
+        for rule, bs in (("none", ((32, 1), (32, 4), (128, 1), (32, 16), (512, 1))),
+                         ("sqrt", ((32, 1), (64, 1), (32, 4), (128, 1), (32, 16), (512, 1))),
+                         ("linear", ((64, 1), (32, 4), (128, 1), (32, 16), (512, 1)))):
+            for b, k in bs:
+                why = status(seed, rule, b, k)
+                rows.append(dict(seed=seed, lr_rule=rule, physical_batch=b, accum_steps=k, effective_batch=b * k,
+                                 base_batch=32, status="FAILED" if why else "FINISHED", reason=why,
+                                 val_acc=np.nan if why else round(0.95 - 0.002 * np.log2(b * k) + 0.001 * seed
+                                                                  + 0.01 * (rule == "linear"), 3)))
+    lines = recommend(_study(rows, VARIED))
+    [at_512] = [line for line in lines if line.startswith("At B = 512")]
+    assert at_512 == ("At B = 512: every LR rule diverged in a seed (none diverged in 3 of 3 seeds, sqrt diverged in 1 "
+                      "of 3 seeds and linear diverged in 2 of 3 seeds), so none is picked there."), at_512
+    [at_64] = [line for line in lines if line.startswith("At B = 64")]
+    assert at_64.startswith("At B = 64: the linear LR rule (") and "B = 64 is the smallest B the linear LR rule ran, so " \
+        "what it costs against a smaller B is not measured" in at_64, at_64
