@@ -426,6 +426,20 @@ def recommend(study: StudyRuns) -> list[str]:
     return out
 
 
+def _one_b_search(study: StudyRuns, t: pd.DataFrame, m: Measure) -> list[str]:
+    """An LR search that ran one B: how the LR should change with B needs 2 Bs or more; at its B, the best LR with
+    those that cannot be told from it (the best line's comparison), or with one seed, what to run."""
+    sizes = sorted(int(b) for b in pd.to_numeric(t["effective_batch"], errors="coerce").dropna().unique())
+    if len(sizes) != 1:
+        return []
+    head = (f"This LR search ran one B (B = {sizes[0]}), so it cannot say how the learning rate should change "
+            f"with B: that needs the search at 2 Bs or more")
+    if "seed" not in t or t["seed"].nunique() < 2:
+        return [f"{head}. {_one_seed(study, t)}"]
+    found = best(study, m)
+    return [f"{head}. At B = {sizes[0]}: {lowered(found[0])}" if found else f"{head}."]
+
+
 def _recommend(study: StudyRuns) -> list[str]:
     t = finished(study.trials)
     m = measure(study.trials, study.objectives[0])
@@ -434,7 +448,8 @@ def _recommend(study: StudyRuns) -> list[str]:
     if study.objectives[0][0] == "param_rel_diff":  # (a measurement of exactness, not a goal to rank k by)
         return exact_use(study)
     if tuned(t):  # a search of the LR at each B: its answer is the best LR against B, with its interval
-        return [f"The learning rate to use at each B: {lowered(s)}" for s in lr_exponent(study.trials, m)]
+        said = [f"The learning rate to use at each B: {lowered(s)}" for s in lr_exponent(study.trials, m)]
+        return said or _one_b_search(study, t, m)
     if ("seed" not in t or t["seed"].nunique() < 2) and len(t) > 1:
         return [_one_seed(study, t)]
     if said := unmoved(t, m):  # (the time to a target is still measured)

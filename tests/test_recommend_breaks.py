@@ -134,3 +134,23 @@ def test_a_b_where_every_rule_diverged_and_a_pick_at_its_rules_smallest_b_each_g
     [at_64] = [line for line in lines if line.startswith("At B = 64")]
     assert at_64.startswith("At B = 64: the linear LR rule (") and "B = 64 is the smallest B the linear LR rule ran, so " \
         "what it costs against a smaller B is not measured" in at_64, at_64
+
+
+def _lr_search(seeds=range(3)):
+    rng, rows = np.random.default_rng(0), []
+    for seed in seeds:
+        for lr in (0.0125, 0.025, 0.05, 0.1, 0.2):
+            rows.append(dict(seed=seed, physical_batch=128, accum_steps=1, effective_batch=128, base_lr=lr, lr=lr,
+                             lr_rule="none", base_batch=128, status="FINISHED",
+                             val_acc=round(0.95 - 0.02 * abs(np.log2(lr / 0.05)) + rng.normal(0, 0.002), 3)))
+    return _study(rows, ("base_lr",))
+
+
+def test_an_lr_search_at_one_b_says_what_it_can():
+    """A search of the LR at B = 128 alone: the block was empty (the LR against B needs 2 Bs)."""
+    [line] = recommend(_lr_search())
+    assert line.startswith("This LR search ran one B (B = 128), so it cannot say how the learning rate should change "
+                           "with B: that needs the search at 2 Bs or more. At B = 128: the best accuracy: base_lr = "
+                           "0.05 (94.9% over 3 seeds, the highest of 5 configurations"), line
+    [line] = recommend(_lr_search(seeds=(0,)))
+    assert line.startswith("This LR search ran one B (B = 128)") and "--seeds 3`" in line, line
