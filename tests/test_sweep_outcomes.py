@@ -282,3 +282,33 @@ def test_out_of_memory_is_recorded_and_the_next_trial_runs(tmp_path):
     assert [(t.state, t.user_attrs["reason"]) for t in trials] == [(State.PRUNED, "oom")] * 2
     assert [t.constraints for t in trials] == [{"infeasible": 1.0}] * 2  # what TPE and NSGA-II read
     assert [(r.info.status, r.data.tags["reason"]) for r in runs_by_trial(client, trials)] == [("FAILED", "oom")] * 2
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_a_stop_inside_optunas_ask_leaves_no_trial_running(tmp_path, monkeypatch, fuse):
+    """A stop that lands after Optuna has created a trial but before the worker has given it an owner (here, in
+    the sampler's before_trial, which Optuna calls inside ask()) waits until the owner is set, then ends that
+    trial as interrupted: before, it was left RUNNING for the next invocation to fail after the heartbeat's grace."""
+    import os
+
+    from batchsweep.sweeps.study.search import Pinned
+    from batchsweep.trainers import interrupt
+
+    before = Pinned.before_trial
+
+    def stopped_at_the_second(self, study, trial):
+        before(self, study, trial)
+        if trial.number == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered at once, in this (the main) thread
+
+    monkeypatch.setattr(Pinned, "before_trial", stopped_at_the_second)
+    (tmp_path / "study.toml").write_text('name = "accum_lr"\n[grid]\naccum_steps = [1, 2, 4, 8]\n')
+    with interrupt.trapped():
+        done = sweep(tmp_path, "--study", "study.toml", *TINY, *([] if fuse else ["--no-fuse"]))
+    assert done.returncode == 130, done.stderr[-2000:]
+    trials = optuna.load_study(study_name="accum_lr", storage=stores(tmp_path)[0]).trials
+    # Alone, the first trial trained and completed; fused, it was claimed into the group that the stop ended.
+    assert trials[0].state == (State.FAIL if fuse else State.COMPLETE), trials[0].user_attrs
+    assert all(t.state.is_finished() for t in trials), [(t.number, t.state.name, t.user_attrs) for t in trials]
+    assert trials[1].state == State.FAIL and trials[1].user_attrs["reason"] == "interrupted"
+    assert trials[1].user_attrs.get("owner"), trials[1].user_attrs

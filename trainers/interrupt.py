@@ -19,6 +19,7 @@ _interrupted = False
 _signal: int | None = None  # the first stop signal since trap()
 _first_at = 0.0
 _once = False  # a worker's: a second signal only sets the flag (its main process ends it at once where asked)
+_held = False  # between hold() and release(): a stop only sets the flag
 
 
 def _handler(signum, frame) -> None:
@@ -27,6 +28,8 @@ def _handler(signum, frame) -> None:
     if first:
         _first_at = time.monotonic()
     _interrupted, _signal = True, _signal or signum
+    if _held:
+        return
     if first or not _once and time.monotonic() - _first_at >= REPEAT_S:
         raise KeyboardInterrupt
 
@@ -90,6 +93,21 @@ def handled() -> None:
     with none pending."""
     global _interrupted, _signal
     _interrupted, _signal = False, None
+
+
+def hold() -> None:
+    """Until release(), a stop only sets the flag. Optuna creates a trial RUNNING before the objective can give it
+    an owner; a stop that lands between the two would leave a trial that nobody records as interrupted."""
+    global _held
+    _held = True
+
+
+def release() -> None:
+    """End hold(), raising the stop it held; where none is held, nothing."""
+    global _held
+    if _held:
+        _held = False
+        check()
 
 
 def check() -> None:

@@ -90,22 +90,30 @@ class Group:
     def _claim(self, units: list[Unit]) -> TrialRun | None:
         """Ask Optuna for a trial and take the next free point among `units` (None: another trial holds it)."""
         worker = self.worker
-        with warnings.catch_warnings():  # Optuna's note that heartbeats are meant for optimize(): we run it here
-            warnings.filterwarnings("ignore", "Heartbeat of storage")
-            trial = self.study.ask()
-        beat = get_heartbeat_thread(trial._trial_id, worker.storage)
-        beat.start()
-        self.beats.append(beat)
-        trial.set_user_attr("owner", owner())
-        trial.set_user_attr("owner_processes", PROCESSES)
+        interrupt.hold()  # a stop waits until the new trial has its owner, then lands where it is recorded
         try:
+            with warnings.catch_warnings():  # Optuna's note that heartbeats are meant for optimize(): we run it here
+                warnings.filterwarnings("ignore", "Heartbeat of storage")
+                trial = self.study.ask()
+            beat = get_heartbeat_thread(trial._trial_id, worker.storage)
+            beat.start()
+            self.beats.append(beat)
+            trial.set_user_attr("owner", owner())
+            trial.set_user_attr("owner_processes", PROCESSES)
+        except BaseException:
+            interrupt.release()
+            raise
+        try:
+            interrupt.release()
             point, seed = worker.inv.search.next_point(trial, units, worker.failed_here, worker.index)
         except Duplicate:
             trial.set_user_attr("reason", "duplicate")
             self.study.tell(trial, state=TrialState.PRUNED)
             self.told.append(trial.number)
             return None
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                trial.set_user_attr("reason", "interrupted")
             self.study.tell(trial, state=TrialState.FAIL)
             raise
         return TrialRun(worker, trial, point, seed)

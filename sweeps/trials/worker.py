@@ -161,10 +161,14 @@ class Worker:
         self._last_number = -1
         try:
             # optimize() (not ask/tell) so that the RDB storage's heartbeat covers the trial;
-            # it marks a trial that raises as FAIL before passing the exception on.
+            # it marks a trial that raises as FAIL before passing the exception on. A stop waits until the
+            # objective has given the new trial its owner (trial() releases it).
+            interrupt.hold()
             study.optimize(lambda trial: self.trial(trial, mine), n_trials=1)
         except Exception as exc:
             return self.trial_failed(exc, self._last_number)
+        finally:
+            interrupt.release()  # (where the objective never ran)
         return True
 
     def _group(self, group: Group, most: int | None) -> list[int]:
@@ -231,6 +235,7 @@ class Worker:
         try:
             trial.set_user_attr("owner", owner())
             trial.set_user_attr("owner_processes", PROCESSES)  # a container that shares the host name sees others
+            interrupt.release()  # a stop held since the ask lands now, on a trial with its owner
             try:
                 point, seed = self.inv.search.next_point(trial, mine, self.failed_here, self.index)
             except Duplicate as exc:
