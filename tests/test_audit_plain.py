@@ -175,6 +175,35 @@ def test_dropout_in_a_second_model_the_loop_calls_apart_is_seen(tmp_path, store,
     runs part, and the audit says why (it read `unexplained`, exit status 1: only the first model was watched)."""
     code, out, found = audited(tmp_path, store, capsys, "--case", "head_dropout")
     assert code == 2 and found["verdicts"] == ["random_forward"], out
+    # (what drew is said: no module is random by kind, the draws are F.dropout's; it read "none by kind")
+    assert "from torch's default generator (a functional draw in the forward, such as F.dropout or torch.rand: no " \
+           "module random by kind)" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rng, named", [("random", "Python's random"), ("numpy", "NumPy's global generator")])
+def test_a_layerdrop_drawn_from_python_or_numpy_is_seen(rng, named, tmp_path, store, capsys):
+    """Hidden layers skipped where random.uniform(0, 1) < 0.5 (np.random.uniform), as some transformers models
+    write LayerDrop: each micro-batch's forward draws its own, k a window against one, so the runs part. Only
+    torch's generator was watched, and this correct loop read as a mistake (exit status 1); now the generator is
+    named and whether the loop is right cannot be told."""
+    code, out, found = audited(tmp_path, store, capsys, "--case", "layerdrop", "--rng", rng)
+    assert code == 2 and found["verdicts"] == ["random_forward"], out
+    assert found["random_generators"] == rng and f"from {named} (a draw in the forward's own code" in out, out
+    assert "no module random by kind" in out and "cannot be told" in out, out
+
+
+@pytest.mark.slow
+def test_an_augmentation_in_the_step_is_named_where_the_data_differ(tmp_path, store, capsys):
+    """Each micro-batch's inputs scaled by a factor drawn for the batch in the step, before its forward: k draws a
+    window at (b, k) against one, so the windows hold other inputs (data_differs). The advice named draws before
+    training alone; it names the draws in the step and what to do with them."""
+    code, out, found = audited(tmp_path, store, capsys, "--case", "augment")
+    assert code == 2 and found["verdicts"] == ["data_differs"] and found["data_window"] == 1, out
+    assert found["step_generators"] == "torch's default generator", out
+    assert "The training step drew from torch's default generator between its forwards" in out, out
+    assert "draw it per sample from a generator seeded by {seed}" in out, out
+    assert "or switch it off for the audit" in out and "these runs do not tell" in out, out
 
 
 @pytest.mark.slow

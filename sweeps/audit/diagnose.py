@@ -9,8 +9,8 @@ from .compare import (LOW_PRECISION_ROUNDING, Update, buffers_differ, gradients,
                       update, weight_penalty, weights)
 from . import ranks
 from .runs import Auditor, ScriptRun
-from .traces import (SHORT_WINDOW, data_parting, lr_parting, norm_parting, rows_part, seen_in_loop,
-                     refutes, skipped_windows)
+from .traces import (GENERATORS, SHORT_WINDOW, data_parting, drew, generators, lr_parting, norm_parting,
+                     random_figures, rows_part, seen_in_loop, refutes, skipped_windows)
 from .verdicts import Finding, site
 
 def classify(ratio: float, cos: float, k: int, first: bool, last: bool, clipped: bool = False, short: int = 0) -> str:
@@ -58,15 +58,13 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
     trace = ea.trace
     # (a module random by kind that never drew, as one that is never called, is no randomness: the generators
     # say whether anything drew)
-    if trace.random_draws and finding.compared[0][1] > finding.figures["tolerance"]:
+    if drew(trace, "forward") and finding.compared[0][1] > finding.figures["tolerance"]:
         # The runs drew random numbers and part: a verdict that other draws could make (a turned update) is not
         # given; one of a factor (k, m/k), a call seen, or the step counts, random numbers do not make.
         seen = finding.figures.get("zero_grad_step")
         guesses = [v for v in finding.verdicts if v in GUESSES or v == "zero_grad_per_micro_batch" and not seen]
         if guesses:
-            finding.figures.update(random_modules=", ".join(trace.random_modules) or "none by kind",
-                                   random_draws=" and ".join(trace.random_draws) or "forward",
-                                   random_fields=", ".join(trace.random_fields) or "none")
+            finding.figures.update(random_figures(trace))
             finding.verdicts = list(dict.fromkeys(v if v not in guesses else "random_forward"
                                                   for v in finding.verdicts))
     if auditor.nproc > 1:
@@ -102,7 +100,7 @@ def diagnose(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
     parted = data_parting(ea, et, limit)
     if parted:
         figures["data_window"] = parted
-        return Finding([*seen, same_samples(auditor.run("repeat", B, 1, steps), et, figures)], figures, compared,
+        return Finding([*seen, same_samples(auditor.run("repeat", B, 1, steps), ea, et, figures)], figures, compared,
                        notes)
     lr_step = lr_parting(ea, et)
     if lr_step and na == nt:  # a constant factor is the script's own scaling; one that changes, a schedule out of step
@@ -152,10 +150,14 @@ def counted(ea: ScriptRun, et: ScriptRun, k: int, seen: list[str], figures: dict
     return False
 
 
-def same_samples(again: ScriptRun, et: ScriptRun, figures: dict[str, Any]) -> str:
+def same_samples(again: ScriptRun, ea: ScriptRun, et: ScriptRun, figures: dict[str, Any]) -> str:
     """Windows that held other samples: the script's doing at b (data_differs) where the true batch repeats its own
-    samples, else a script that differs from itself."""
+    samples, else a script that differs from itself. Where a run's step drew random numbers between its forwards
+    (an augmentation, or batches drawn there), the figures name the generators."""
     if not data_parting(again, et):
+        step = next((run.trace for run in (ea, et) if drew(run.trace, "step")), None)
+        if step:  # (the sentence names the draws in the step beside those before training)
+            figures["step_generators"] = " and ".join(GENERATORS[n] for n in generators(step, "step"))
         return "data_differs"
     figures["repeat_rel_diff"] = rel(again, et)
     return "not_reproducible"
@@ -164,11 +166,11 @@ def same_samples(again: ScriptRun, et: ScriptRun, figures: dict[str, Any]) -> st
 def randomness(a: ScriptRun, agree: bool) -> list[str]:
     """Where the forward drew random numbers and the runs agree all the same: a note (one dropout layer draws its
     masks in the same order at (b, k) as at (b*k, 1); two do not)."""
-    if not (a.trace and a.trace.random_draws and agree):
+    if not (drew(a.trace, "forward") and agree):
         return []
-    modules = ", ".join(a.trace.random_modules) or "no module random by kind"
-    return [f"the training {' and '.join(a.trace.random_draws) or 'forward'} drew random numbers ({modules}), and "
-            f"the two runs agreed all the same: they drew them in the same order"]
+    return [f"the training forward drew random numbers {random_figures(a.trace)['random_drew']}, and the two runs "
+            "agreed all the same: the draws fell alike at (b, k) and at (b*k, 1) in these runs (one dropout layer "
+            "draws its masks in the same order in both)"]
 
 
 def kept_apart(a: ScriptRun, t: ScriptRun, tol: float) -> list[str]:

@@ -7,7 +7,7 @@ from typing import Any
 
 from .compare import LOW_PRECISION_ROUNDING, gradients, live_batchnorm, rel, update, weights
 from .runs import AuditError, Auditor, ScriptRun
-from .traces import lr_parting, norm_parting
+from .traces import drew, lr_parting, norm_parting, random_figures
 from .verdicts import VERDICTS, Finding
 
 # |ratio / N − 1| (or |ratio · N − 1|) below this, at cosine above 0.999: the update is N (or 1/N) times the global
@@ -132,10 +132,8 @@ def reduction(auditor: Auditor, et: ScriptRun, eg: ScriptRun, B: int, steps: int
         f.update(lr_step=lr_step, lr_a=et.lrs[lr_step - 1], lr_t=eg.lrs[lr_step - 1])
         return "lr_differs_by_world"
     trace = et.trace
-    if trace and trace.random_draws:  # (a module random by kind that never drew is no randomness)
-        f.update(random_modules=", ".join(trace.random_modules) or "none by kind",
-                 random_draws=" and ".join(trace.random_draws) or "forward",
-                 random_fields=", ".join(trace.random_fields) or "none")
+    if drew(trace, "forward"):  # (a module random by kind that never drew is no randomness)
+        f.update(random_figures(trace))
         return "random_across_ranks"
     if live_batchnorm(et, eg):
         return "batchnorm_across_ranks"

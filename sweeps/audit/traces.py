@@ -88,8 +88,39 @@ def refutes(verdict: str, a: ScriptRun, t: ScriptRun, k: int, figures: dict[str,
             len(steps) == len(t.steps) and sum(sum(s.samples) for s in steps) == sum(sum(s.samples) for s in t.steps) \
             and all(sum(s.samples) == sum(steps[0].samples) for s in steps)
     if verdict == "random_forward":
-        return not (a.trace and a.trace.random_draws)
+        return not drew(a.trace, "forward")
     return False
+
+
+GENERATORS = {"torch": "torch's default generator", "random": "Python's random",
+              "numpy": "NumPy's global generator"}
+OWN_CODE = {"random": "random.uniform", "numpy": "np.random.uniform"}
+
+
+def drew(trace, where: str) -> bool:
+    """Whether a default generator moved there in the first windows: "forward" (a model's training forward) or
+    "step" (between the forwards: an augmentation, a batch drawn there)."""
+    return bool(trace and where in trace.random_draws)
+
+
+def generators(trace, where: str) -> list[str]:
+    """The generators that moved there, by name (a trace written before they were named: torch's)."""
+    return trace.random_generators.get(where) or ["torch"]
+
+
+def random_figures(trace) -> dict[str, str]:
+    """What drew in the training forward, for random_forward's and random_across_ranks' sentences: the generators,
+    and the modules random by kind or what else drew ("a functional draw in the forward: no module random by
+    kind")."""
+    names = generators(trace, "forward")
+    modules = ", ".join(trace.random_modules)
+    own = [f"a draw in the forward's own code, such as a LayerDrop by {OWN_CODE[n]}" for n in names if n in OWN_CODE]
+    if not modules and "torch" in names:
+        own.insert(0, "a functional draw in the forward, such as F.dropout or torch.rand")
+    what = ", and ".join([modules] * bool(modules) + own) + ("" if modules else ": no module random by kind")
+    return {"random_modules": modules or "none by kind", "random_generators": ", ".join(names),
+            "random_drew": f"from {' and '.join(GENERATORS.get(n, n) for n in names)} ({what})",
+            "random_fields": ", ".join(trace.random_fields) or "none"}
 
 
 def at(figures: dict[str, Any], verdict: str, site: str | None, phrase: str = "{}") -> None:

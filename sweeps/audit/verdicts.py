@@ -112,15 +112,15 @@ VERDICTS = {
                         "evaluation over random batches of b samples, torch.randint(..., (b,))) that move the "
                         "generator the training data are drawn from. Draw the training batches from a generator "
                         "of their own, seeded from {{seed}}, or switch such an evaluation off for the audit."),
-    "random_forward": (2, "the training {random_draws} drew random numbers ({random_modules}), and the runs part: "
-                          "at (b, k) the micro-batches may draw them in another order than (b*k, 1) does (two dropout "
-                          "layers draw layer 1 then layer 2 for each micro-batch, against layer 1 for all samples "
-                          "then layer 2), so the two may have trained on other random numbers, and whether the loop "
-                          "is right cannot be told from them: a mistake of the loop would look the same. Switch the "
-                          "randomness off for the audit (this model's config: {random_fields}; "
-                          "transformers' configs: every *dropout* and *pdrop* field; timm: drop_rate and "
-                          "drop_path_rate), or draw them from a generator of "
-                          "their own that each sample seeds alike."),
+    "random_forward": (2, "the training forward drew random numbers {random_drew}, and the runs part: at (b, k) "
+                          "each micro-batch's forward draws its own, k forwards a window against one at (b*k, 1), "
+                          "in another order or number (two dropout layers draw layer 1 then layer 2 for each "
+                          "micro-batch, against layer 1 for all samples then layer 2; a LayerDrop draws once a "
+                          "forward), so the two may have trained on other random numbers, and whether the loop is "
+                          "right cannot be told from these runs: a mistake of the loop would look the same. Switch "
+                          "the randomness off for the audit (this model's config: {random_fields}; transformers' "
+                          "configs: every *dropout*, *pdrop* and *layerdrop* field; timm: drop_rate and "
+                          "drop_path_rate), or draw it from a generator of its own that each sample seeds alike."),
     "stateful_forward": (2, "buffers that the model's training forward updates ({stateful_buffers}) differ between "
                             "the runs where they part: at (b, k) each micro-batch's forward updates them, k times a "
                             "window, against once at (b*k, 1) (spectral_norm's power iteration, a running average), "
@@ -178,7 +178,7 @@ VERDICTS = {
                                   "by {nproc}, or a mean of the ranks' means, would pass). Audit it with BatchNorm "
                                   "frozen (eval mode), where the reduction is checked; where the ranks must agree "
                                   "with one, convert it with torch.nn.SyncBatchNorm.convert_sync_batchnorm (GPUs)."),
-    "random_across_ranks": (2, "the training {random_draws} drew random numbers ({random_modules}), and {nproc} "
+    "random_across_ranks": (2, "the training forward drew random numbers {random_drew}, and {nproc} "
                                "ranks part from one: each rank draws from its own generator, so they trained on "
                                "other random numbers than one rank, and whether the loop is right across ranks "
                                "cannot be told from them: a mistake would look the same. Switch the randomness off "
@@ -249,6 +249,8 @@ def sentence(verdict: str, figures: dict[str, Any]) -> str:
     sentence = VERDICTS[verdict][1].format(**f)
     if verdict == "grads_not_synced" and "rank_parting_window" in f:
         sentence = SHORT_UNSYNCED.format(**f)
+    if verdict == "data_differs" and "step_generators" in f:
+        sentence = DRAWN_IN_STEP.format(**f)
     if "rank_weights_agree" in f and verdict in ACROSS_MEASURED:
         clip = f["rank_weights_agree"]
         sentence += f" The weights on {f['nproc']} ranks and on one agree all the same: " + (
@@ -302,6 +304,22 @@ SHORT_UNSYNCED = ("rank {rank_parted}'s weights part from rank 0's ({rank_rel_di
                   "shorter window never reaches. Switch it on at each window's own last micro-batch: take the "
                   "window first (micro = list(islice(loader, k))) and test micro_step == len(micro) - 1, or keep "
                   "no_sync() for all but the last batch the iterator gives.")
+
+
+# data_differs where a run's training step drew random numbers between its forwards in the first windows: an
+# augmentation there, or batches drawn there (alike in both runs) after draws before training moved the generator.
+DRAWN_IN_STEP = ("the two runs' window {data_window} did not hold the same samples (their count or the sums of their "
+                 "inputs differ), so (b, k) cannot be compared with (b*k, 1) there, whatever the loop does; the "
+                 "script repeats itself at (b*k, 1), so this is no unseeded randomness in general. The training step "
+                 "drew from {step_generators} between its forwards (before a micro-batch's forward, in the first "
+                 "windows). A random augmentation drawn there (a scale or mixup's λ per batch, noise on the inputs) "
+                 "draws per micro-batch, k times a window at (b, k) against once at (b*k, 1), so the windows can hold "
+                 "other inputs: draw it per sample from a generator seeded by {{seed}} and the sample's index, or "
+                 "switch it off for the audit. Where those draws only pick the batches (torch.randint, as minimal "
+                 "GPT trainers draw them), both runs draw them alike, and the cause is random draws before training "
+                 "whose number depends on b (an evaluation over random batches of b samples) that move the "
+                 "generator the batches are drawn from: draw the training batches from a generator of their own, "
+                 "seeded from {{seed}}, or switch such an evaluation off. Which of the two, these runs do not tell.")
 
 
 # The verdicts across ranks that the first differing update (or window's gradient) of N ranks against one names.

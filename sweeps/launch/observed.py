@@ -110,7 +110,8 @@ class Trace:
     peak_allocated_bytes: int | None = None  # the CUDA allocator's peak from the first training forward on
     trained: list[str] | None = None  # the names of the parameters the optimizer trains, in the saved state
     random_modules: list[str] = field(default_factory=list)  # modules in training mode that draw (dropout)
-    random_draws: list[str] = field(default_factory=list)  # "forward" where the first model's forward drew
+    random_draws: list[str] = field(default_factory=list)  # where a default generator moved: "forward", "step"
+    random_generators: dict[str, list[str]] = field(default_factory=dict)  # which, there: "torch", "random", "numpy"
     random_fields: list[str] = field(default_factory=list)  # a transformers config's dropout fields above 0
     sites: list[str] = field(default_factory=list)  # the places ("file:line") of the script's calls
     dangling: str = ""  # the events after the last step: backward() calls that never stepped
@@ -200,6 +201,7 @@ def parse(path: Path) -> Trace:
             trace.trained, trace.sites = row["trained"], row["sites"]
             trace.random_modules, trace.random_draws = row["random_modules"], row["random_draws"]
             trace.compiled, trace.random_fields = row.get("compiled", False), row.get("random_fields", [])
+            trace.random_generators = row.get("random_generators", {})
         elif "dangling" in row:
             trace.dangling = row["dangling"]
         elif "drawn" in row:

@@ -24,6 +24,10 @@ Cases, and [the verdict `batchsweep audit` must give]:
     dropout      --dropout P on --drops hidden layers [exact; 2 layers: random_forward]
     unused_dropout  a dropout layer the forward never calls [exact, no note: nothing drew]
     head_dropout head(net(x)), the head a model of its own with two functional dropouts [random_forward]
+    layerdrop    each hidden layer skipped at a training forward where random.uniform(0, 1) < 0.5 (--rng numpy:
+                 np.random.uniform), as some transformers models write LayerDrop [random_forward]
+    augment      each micro-batch's inputs scaled by a factor drawn for the batch in the step, before the forward
+                 (a batch-level augmentation, as mixup's λ is drawn) [data_differs]
     skip_tokens  a token loss, each micro-batch's token mean over k, the epoch's short window backwarded but
                  never stepped (the next window's zero_grad drops it) [short_window_skipped,
                  mean_of_micro_batch_means]
@@ -43,9 +47,11 @@ import contextlib
 import gc
 import json
 import os
+import random
 import sys
 import weakref
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -85,6 +91,8 @@ def model_for(args) -> nn.Module:
     layers = [first, nn.Tanh()]
     for i in range(args.drops):
         layers += [nn.Dropout(args.dropout), nn.Linear(HIDDEN, HIDDEN), nn.Tanh()] if i else [nn.Dropout(args.dropout)]
+    if args.case == "layerdrop":
+        return LayerDrop(args.rng)
     if args.case == "counter":
         layers += [Counted(HIDDEN), nn.Tanh()]
     net = nn.Sequential(*layers, nn.Linear(HIDDEN, 3))
@@ -101,6 +109,24 @@ class Head(nn.Module):
     def forward(self, h):
         h = torch.nn.functional.dropout(self.a(h), 0.1, training=self.training)
         return self.b(torch.nn.functional.dropout(h, 0.1, training=self.training))
+
+
+class LayerDrop(nn.Module):
+    """Hidden layers each skipped at a training forward with probability 1/2, drawn from Python's random or NumPy's
+    global generator: a micro-batch's forward draws its own, k a window at (b, k) against one at (b*k, 1)."""
+
+    def __init__(self, rng: str):
+        super().__init__()
+        self.first, self.last = nn.Linear(6, HIDDEN), nn.Linear(HIDDEN, 3)
+        self.hidden = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(3))
+        self.uniform = random.uniform if rng == "random" else np.random.uniform
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        for layer in self.hidden:
+            if not self.training or self.uniform(0, 1) >= 0.5:
+                h = torch.tanh(layer(h))
+        return self.last(h)
 
 
 class Unused(nn.Module):
@@ -125,6 +151,7 @@ def main() -> int:
     p.add_argument("--case", default="plain")
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--drops", type=int, default=0, help="dropout layers (case dropout)")
+    p.add_argument("--rng", default="random", choices=["random", "numpy"], help="case layerdrop: whose generator")
     p.add_argument("--dtype", default="float64")
     p.add_argument("--rows", default="no", choices=["yes", "no"])
     p.add_argument("--text", default="no", choices=["yes", "no"], help="rows as text, not JSON")
@@ -157,6 +184,8 @@ def train(args, rank: int | None = None) -> int:
     tokens = args.case == "skip_tokens"
     x, y = data(args.n, tokens)
     torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
     b, k = args.batch_size, args.accum
     if args.case == "gan":
         return gan(args, x)
@@ -228,6 +257,8 @@ def train(args, rank: int | None = None) -> int:
 
 def backward(args, model, trained, x, y, count: int) -> float:
     """One micro-batch's forward and backward; its loss."""
+    if args.case == "augment":  # one draw a micro-batch: k a window at (b, k), one at (b*k, 1)
+        x = x * torch.empty(()).uniform_(0.9, 1.1)
     out = model(x)
     k = args.accum
     if args.case == "skip_tokens":

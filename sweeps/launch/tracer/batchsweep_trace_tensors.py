@@ -2,6 +2,8 @@
 draws random numbers, and sums of squares per device read as Python floats only when a row is written."""
 from __future__ import annotations
 
+import sys
+
 
 def first_tensor(args, kwargs):
     """The model's input: its first tensor argument, or its first tensor keyword (input_ids, x, ...)."""
@@ -18,9 +20,13 @@ def value(lr):
     return lr.detach().clone() if hasattr(lr, "detach") else lr
 
 
+RANDOM_FIELDS = ("dropout", "pdrop", "layerdrop")  # (wav2vec2's layerdrop, BART's encoder_layerdrop: LayerDrop)
+
+
 def randomness(models: list) -> tuple[list[str], list[str]]:
     """(the models' modules in training mode that draw random numbers: dropout and drop-path layers above 0, named
-    with their p; the dropout fields above 0 that a transformers model's config names: resid_pdrop, ...)."""
+    with their p; the dropout fields above 0 that a transformers model's config names: resid_pdrop, layerdrop,
+    ...)."""
     import torch
 
     dropout = torch.nn.modules.dropout._DropoutNd
@@ -31,19 +37,28 @@ def randomness(models: list) -> tuple[list[str], list[str]]:
                                     "DropPath" in type(sub).__name__ and getattr(sub, "drop_prob", 0))]
     configs = [getattr(model, "config", None) for model in models]
     fields = sorted({f"{key}={value}" for config in configs if hasattr(config, "to_dict")
-                     for key, value in config.to_dict().items() if ("dropout" in key or "pdrop" in key)
+                     for key, value in config.to_dict().items() if any(word in key for word in RANDOM_FIELDS)
                      and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0})
     return modules, fields
 
 
-def generator_states(cuda) -> tuple:
-    """The default generators' states: the CPU's, and the GPU's where the model trains on one."""
+def generator_states(cuda) -> dict:
+    """The default generators' states, by name: torch's (the CPU's, and the GPU's where the model trains on one),
+    Python's `random` and, where the script imported NumPy, its global one (a LayerDrop by random.uniform or
+    np.random.uniform draws from those). Read over the first windows only: a few microseconds each."""
+    import random
+
     import torch
 
     states = [torch.random.get_rng_state()]
     if cuda is not None:
         states.append(torch.cuda.get_rng_state(cuda))
-    return tuple(bytes(state.numpy()) for state in states)
+    found = {"torch": tuple(bytes(state.numpy()) for state in states), "random": random.getstate()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        kind, keys, *rest = numpy.random.get_state(legacy=True)
+        found["numpy"] = (kind, keys.tobytes(), *rest)
+    return found
 
 
 def grad_norm(optimizer):

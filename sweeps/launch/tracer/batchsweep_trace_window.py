@@ -60,8 +60,12 @@ class Tracer:
         self.trained: list[str] = []  # the names of the parameters it trains (what the audit compares)
         self.random_modules: list[str] = []
         self.random_fields: list[str] = []  # a transformers config's dropout fields above 0
-        self.draws: set = set()  # "forward" where a default generator moved in the first model's training forward
-        self.generators = None  # their states before the forward (or after the last backward) being watched
+        # Where a default generator moved in the first windows ("forward": in a model's training forward; "step":
+        # between a forward, or the step before, and the next forward: an augmentation, a batch drawn there), and
+        # which: {"forward": {"torch", "random"}, ...}
+        self.draws: dict[str, set] = {}
+        self.generators = None  # their states before the forward being watched
+        self.between = None  # their states after the last forward or step, in the first windows
         self.optimizers = weakref.WeakKeyDictionary()  # index by first step; an optimizer let go is not kept alive
         self.stepped = 0  # optimizers that have stepped: the next one's index
         self.opt = 0  # the index of the optimizer stepping now
@@ -131,16 +135,23 @@ class Tracer:
                 handle.remove()
         elif module.training and torch.is_grad_enabled():
             self.generators = generator_states(self.cuda)
+            self.moved("step", self.between, self.generators)
 
     def other_forward(self, module, args, output) -> None:
         if self.steps < RANDOM_WINDOWS and module.training and not compiling():
-            self.drew("forward")
+            self.drew()
 
-    def drew(self, where: str) -> None:
-        """Whether a default generator moved since the states were taken (dropout, a random augmentation)."""
-        if self.generators is not None and generator_states(self.cuda) != self.generators:
-            self.draws.add(where)
-        self.generators = None
+    def drew(self) -> None:
+        """After a watched forward: which default generators it moved (dropout, a LayerDrop), and the states that
+        the next forward's are compared with (what the step draws between them)."""
+        now = generator_states(self.cuda)
+        self.moved("forward", self.generators, now)
+        self.generators, self.between = None, now
+
+    def moved(self, where: str, before, now) -> None:
+        for name, state in (before or {}).items():
+            if now.get(name) != state:
+                self.draws.setdefault(where, set()).add(name)
 
     def choose(self) -> None:
         """At the first step (or clip): the models and their weights before any update. Every root's state is saved
@@ -178,7 +189,7 @@ class Tracer:
         if self.last is None:
             self.last = time.perf_counter()
         if self.steps < RANDOM_WINDOWS:
-            self.drew("forward")
+            self.drew()
         x = first_tensor(args, kwargs)
         self.events.append("F")
         if x is None:
@@ -322,6 +333,8 @@ class Tracer:
 
     def after_step(self, optimizer, args, kwargs) -> None:
         self._end_window("S")
+        if self.steps < RANDOM_WINDOWS:  # (draws between the last forward and the step, as noise added to the
+            self.between = generator_states(self.cuda)  # gradients, are no input's: not counted)
 
     def known(self, optimizer) -> None:
         if optimizer not in self.optimizers:
@@ -380,7 +393,9 @@ class Tracer:
         if self.steps:
             self.pending.append({"trained": self.trained, "random_modules": self.random_modules,
                                  "random_fields": self.random_fields,
-                                 "random_draws": sorted(self.draws), "sites": list(self.sites),
+                                 "random_draws": sorted(self.draws),
+                                 "random_generators": {where: sorted(names) for where, names in self.draws.items()},
+                                 "sites": list(self.sites),
                                  "compiled": self.compiled})
         if self.loaders and self.steps:
             self.pending.append({"loaders": sorted(self.loaders, key=str)})
