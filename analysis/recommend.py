@@ -408,22 +408,37 @@ def exact_use(study: StudyRuns) -> list[str]:
     return out
 
 
-def recommend(study: StudyRuns) -> list[str]:
-    """The recommendation's lines: per B, then the pick for each goal the study can speak to; per model (and
-    dataset) where the study ran several, as the findings are: a pick pooled over models holds for none of them."""
+def per_model(study: StudyRuns) -> list[tuple[str, StudyRuns]]:
+    """The study as one ('', study), or per model (and dataset) where it ran several, each with its own runs: a
+    pick pooled over models holds for none of them."""
     keys = [c for c in ("model", "dataset") if c in study.trials and study.trials[c].nunique() > 1]
-    if not keys or study.objectives[0][0] == "param_rel_diff":  # (exactness already speaks per model)
-        return _recommend(study)
+    if not keys:
+        return [("", study)]
     out = []
     for group, rows in study.trials.groupby(keys):
         name = " on ".join(map(str, group if isinstance(group, tuple) else (group,)))
         history = study.history[study.history["run_id"].isin(rows["run_id"])] if not study.history.empty else \
             study.history
         evals = study.evals[study.evals["run_id"].isin(rows["run_id"])] if study.evals is not None else None
-        one = replace(study, trials=rows, history=history, evals=evals,
-                      varied=tuple(f for f in study.varied if f not in keys))
-        out += [f"On {name}: {lowered(line)}" for line in _recommend(one)]
+        out.append((name, replace(study, trials=rows, history=history, evals=evals,
+                                  varied=tuple(f for f in study.varied if f not in keys))))
     return out
+
+
+def starred(study: StudyRuns) -> pd.Index | None:
+    """The trials the trials table marks ★: each model's best and ties (named_best), None where none is named."""
+    named = [named_best(one) for _, one in per_model(study)]
+    named = [n.trials for n in named if n is not None and not n.refused]
+    return named[0].append(named[1:]) if named else None
+
+
+def recommend(study: StudyRuns) -> list[str]:
+    """The recommendation's lines: per B, then the pick for each goal the study can speak to; per model (and
+    dataset) where the study ran several, as the findings are (per_model())."""
+    groups = per_model(study)
+    if len(groups) == 1 or study.objectives[0][0] == "param_rel_diff":  # (exactness already speaks per model)
+        return _recommend(study)
+    return [f"On {name}: {lowered(line)}" for name, one in groups for line in _recommend(one)]
 
 
 def _one_b_search(study: StudyRuns, t: pd.DataFrame, m: Measure) -> list[str]:

@@ -29,7 +29,7 @@ from .figures import candidates
 from .findings import summarize
 from .measures import has_accuracy
 from .plotting import Draw, Figure, protocol
-from .recommend import named_best, recommend
+from .recommend import recommend, starred
 from .runs import StudyRuns
 from .space import pareto_trials, space_candidates
 
@@ -72,10 +72,10 @@ def _table(study: StudyRuns) -> pd.DataFrame:
     if len(study.objectives) > 1:
         marked, name = set(pareto_trials(study)), "front"
     elif metric in trials:
-        named = named_best(study)  # (the recommendation's best and ties: none where it names none)
-        if named is None or named.refused:
+        named = starred(study)  # (the recommendation's best and ties, per model: none where it names none)
+        if named is None:
             return table
-        marked, name = set(named.trials), "best or tied"
+        marked, name = set(named), "best or tied"
     else:
         return table
     return table.assign(**{name: ["★" if i in marked else "" for i in table.index]})[[name, *table.columns]]
