@@ -333,3 +333,41 @@ def test_a_gpu_metric_nvml_cannot_read_is_warned_once_not_every_second(monkeypat
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 2 and any("utilization" in m for m in warned) and any("power" in m for m in warned)
     assert len(gpus._metrics["gpu_0_memory_usage_percentage"]) == 5  # what NVML can read is still sampled
+
+
+@pytest.mark.parametrize("room", ["fits", "too small"])
+def test_a_fused_group_on_a_gpu_holds_its_members_peaks_together_or_trains_them_alone(tmp_path, monkeypatch, capsys,
+                                                                                     room):
+    """A fused group on a (simulated) GPU holds the sum of its members' predicted peaks, and each member's run
+    says what was held for it and for the group; a group whose sum the GPU does not offer trains its members
+    alone, each placed as a solo trial, after one line saying why."""
+    import optuna
+    from mlflow import MlflowClient
+
+    from batchsweep.sweeps.cli import build_invocation, parse_args
+    from batchsweep.sweeps.trials.driver import run_invocation
+
+    monkeypatch.chdir(tmp_path)
+    args = parse_args(["--model", "mlp", "--dataset", "tests.factories:blobs1k", "--epochs", "1", "--seeds", "1",
+                       "--set", "warmup_epochs=0", "--log-models", "none", "--n-trials", "3", "--no-report"])
+    inv = build_invocation(args)
+    # One worker's context is taken off the GPU's memory: "too small" offers 1 byte, which one trial is given
+    # (a trial larger than its GPU starts when the GPU is empty) but a group of three is not.
+    total = CONTEXT_BYTES + (GIB if room == "fits" else 0)
+    assert run_invocation(inv, 1, [Gpu("0", "simulated", total, "simulated-uuid")]) == 0
+    trials = optuna.load_study(study_name="accum_lr", storage=inv.storage).trials
+    assert len(trials) == 3 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    client = MlflowClient(inv.tracking_uri)
+    runs = client.search_runs([client.get_experiment_by_name("accum_lr").experiment_id],
+                              "tags.`mlflow.parentRunId` != ''")
+    tags = [run.data.tags for run in runs]
+    err = capsys.readouterr().err
+    if room == "fits":
+        assert all(t["fused_members"] == "3" for t in tags), tags
+        held = [int(t["gpu_memory_held_bytes"]) for t in tags]
+        assert all(0 < h for h in held) and {int(t["group_gpu_memory_held_bytes"]) for t in tags} == {sum(held)}
+        assert "train alone" not in err
+    else:
+        assert all(t.get("fused_members", "0") == "0" and "group_gpu_memory_held_bytes" not in t for t in tags), tags
+        assert all(t["gpu_memory_held_bytes"] == "1" for t in tags)
+        assert "train alone: fused they would need 3 B, more than the 1 B this GPU offers" in err, err

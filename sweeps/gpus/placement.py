@@ -296,12 +296,12 @@ class Placement:
         return shared() or self._held(self.capacity, True, probe)
 
     def run(self, config: TrainConfig, batch: int, train: Callable[[], T], again: Callable[[], None],
-            tags: dict) -> T:
-        """Train where the GPU has room for a trial whose largest physical batch is `batch`. A trial that runs out
-        of memory while it shared the GPU trains again alone (after `again()`); only an out-of-memory alone
-        passes on. `tags` receives the trial's placement: its GPU, the bytes held for it, whether it shared the
-        GPU, and whether it ran again alone."""
-        need, alone = self.need(config, batch)
+            tags: dict, need: int | None = None) -> T:
+        """Train where the GPU has room for a trial whose largest physical batch is `batch` (or for `need` bytes:
+        a fused group's). A trial that runs out of memory while it shared the GPU trains again alone (after
+        `again()`); only an out-of-memory alone passes on. `tags` receives the trial's placement: its GPU, the
+        bytes held for it, whether it shared the GPU, and whether it ran again alone."""
+        need, alone = self.need(config, batch) if need is None else (min(need, self.capacity), False)
         tags.update(gpu=self.gpu.index, gpu_memory_held_bytes=need)
         try:
             return self._held(need, alone, train, tags)

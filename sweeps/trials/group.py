@@ -10,10 +10,11 @@ import warnings
 from typing import Callable
 
 import optuna
+import torch
 from optuna.storages._heartbeat import get_heartbeat_thread  # what study.optimize runs around each trial
 from optuna.trial import TrialState
 
-from batchsweep.trainers import Checkpointing, NotFusable, group_key, interrupt, load, train_fused
+from batchsweep.trainers import Checkpointing, NotFusable, format_bytes, group_key, interrupt, load, train_fused
 
 from .objective import Trained
 from .record import TrialRun
@@ -161,10 +162,16 @@ class Group:
                 member.on_epoch(group_times(row))
             return on_epoch
 
-        try:
-            configs = [m.config for m in live]
+        configs = [m.config for m in live]
+
+        def train() -> list:
             return train_fused(configs, [callback(m) for m in live], data=load(configs[0]),
                                checkpoints=[Checkpointing(str(m.folder)) if m.folder else None for m in live])
+
+        try:
+            if worker.placement is None:
+                return train()
+            return self._placed(live, train, shown)
         except NotFusable as exc:
             self._say(f"trials {', '.join(str(m.trial.number) for m in live)} train alone: {exc}")
         except Exception as exc:  # a member that cannot run (b*k above the data, say) records it alone
@@ -174,6 +181,35 @@ class Group:
                 self._say(f"trials {', '.join(str(m.trial.number) for m in live)} train alone: the group raised "
                           f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
         return None
+
+    def _placed(self, live: list[TrialRun], train: Callable[[], list], shown: set) -> list | None:
+        """On a GPU: the group holds the sum of its members' predicted peaks (their stacked weights, optimizer
+        states and activations are each member's own, held at once). A group that does not fit the GPU, or runs
+        out of memory even alone on it, trains its members alone (None), each then placed as a solo trial."""
+        placement = self.worker.placement
+        needs = [placement.need(m.config, self.worker.objective.widest(m.config))[0] for m in live]
+        numbers = ", ".join(str(m.trial.number) for m in live)
+        if sum(needs) > placement.capacity:
+            self._say(f"trials {numbers} train alone: fused they would need {format_bytes(sum(needs))}, more than "
+                      f"the {format_bytes(placement.capacity)} this GPU offers")
+            return None
+        tags: dict = {}
+
+        def again() -> None:  # (an out-of-memory beside other trials: the members' rows come again, alone)
+            shown.clear()
+            for member in live:
+                member.history.clear()
+
+        try:
+            results = placement.run(live[0].config, 0, train, again, tags, need=sum(needs))
+        except torch.OutOfMemoryError:
+            again()
+            self._say(f"trials {numbers} train alone: fused, they ran out of memory alone on the GPU")
+            return None
+        for member, need in zip(live, needs):
+            member.placed.update(tags, gpu_memory_held_bytes=need, group_gpu_memory_held_bytes=tags[
+                "gpu_memory_held_bytes"])
+        return results
 
     def _trained(self, member: TrialRun, result) -> Trained:
         if isinstance(result, BaseException):

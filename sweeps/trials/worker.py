@@ -62,9 +62,9 @@ class Worker:
         self.storage_failures: list[str] = []  # consecutive failures of the storage, latest last
         self.datasets_logged: set[str] = set()  # digests logged as inputs of the parent run
         self.cleanup = Cleanup(inv, self.storage, self.tracker)
-        # Trials train as fused groups where they can (sweeps/trials/group.py): in this process, on a worker not
-        # placed on a GPU (whose ledger holds one trial's memory at a time).
-        self.fuses = inv.fuse and inv.study.fuse and self.objective.fuses() and placement is None \
+        # Trials train as fused groups where they can (sweeps/trials/group.py), on a GPU holding the sum of the
+        # members' predicted peaks.
+        self.fuses = inv.fuse and inv.study.fuse and self.objective.fuses() \
             and not set(inv.study.metrics) & set(GROUP_TIMES)  # (an objective of time: a member's is not its own)
         self.said: set[str] = set()  # why groups trained alone, said once
 
