@@ -23,7 +23,7 @@ from .measures import (ACCURACY, Measure, finished, has_accuracy, measure, one_b
                        unmoved)
 from .plotting import in_order
 from .rules import ended_worse, lr_rules, twins, went
-from .runs import paired, quantum
+from .runs import paired, quantum, typed
 from .targets import steps, warmup
 from .verdicts import control, judge
 from .wording import listed, lowered, significant, stated
@@ -383,6 +383,7 @@ def summarize(trials: pd.DataFrame, history: pd.DataFrame | None = None, evals: 
     """The findings. Sentences that compare configurations hold one model and one dataset at a time, in accuracy
     or, for a study without one, in its first objective (`objective`: metric and direction)."""
     history = pd.DataFrame() if history is None else history
+    trials = typed(trials, [objective[0]] if objective else [])  # (numbers read back as text)
     keys = [c for c in ("model", "dataset") if c in trials and trials[c].nunique() > 1]
     if keys:
         comparisons = []

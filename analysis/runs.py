@@ -38,6 +38,31 @@ class StudyRuns:
     evals: pd.DataFrame | None = None  # evaluations within epochs (eval_every_steps): one row per (run_id, step)
     run_as: str = ""  # the arguments of `run` that run this study again: --study (and --study-name where it differs)
 
+    def __post_init__(self):
+        self.trials = typed(self.trials, [m for m, _ in self.objectives])
+        self.history = typed(self.history, ["val_acc"])
+
+
+METRICS = ("val_acc", "val_loss", "train_loss", "samples_per_s", "peak_memory_bytes", "noise_scale")
+
+
+def typed(frame: pd.DataFrame, metrics: list[str] = ()) -> pd.DataFrame:
+    """A frame whose numbers may be strings (MLflow params and tags, a CSV read back as text) with each column
+    given back its type; a metric that is not a number (`metrics`, and the names every study logs) is refused in
+    one line, as every comparison of it would fail."""
+    text = [c for c in frame.columns if frame[c].dtype == object or pd.api.types.is_string_dtype(frame[c])]
+    if not text:
+        return frame
+    metrics = list(dict.fromkeys([*metrics, *METRICS]))
+    missing = {"nan": math.nan, "NaN": math.nan, "None": math.nan, "": math.nan}  # (a metric not logged, as text)
+    frame = frame.assign(**{c: _typed(frame[c].replace(missing) if c in metrics else frame[c]) for c in text})
+    for c in metrics:
+        if c in text and c in frame and not pd.api.types.is_numeric_dtype(frame[c]):
+            bad = frame[c][frame[c].notna() & pd.to_numeric(frame[c], errors="coerce").isna()].iloc[0]
+            raise AnalysisError(f"{c} holds values that are not numbers (such as {str(bad)!r}): log {c} as a number "
+                                f"(mlflow.log_metric), then make the report again")
+    return frame
+
 
 def _run_as(name: str, tags: dict) -> str:
     """--study as the latest invocation named it (a built-in by its name, else its file or import path), and

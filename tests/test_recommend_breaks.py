@@ -3,10 +3,13 @@ table: a pick pooled over twins that differ, a front ranked on other seeds than 
 as configurations, a margin that moves with the metric's zero, lines missing where a B diverged, an LR search at
 one B, a best over two models, and values read back as strings."""
 import numpy as np
+import pandas as pd
+import pytest
 
 from batchsweep.analysis.findings import summarize
 from batchsweep.analysis.recommend import recommend
 from batchsweep.analysis.render import _table
+from batchsweep.analysis.runs import AnalysisError
 from batchsweep.analysis.space import memory_front
 from tests.test_recommend_edges import _rows, _study
 
@@ -177,3 +180,18 @@ def test_the_trials_table_stars_each_models_best():
     [best] = [line for line in recommend(study) if line.startswith("On cnn: the best")]
     assert best.startswith("On cnn: the best accuracy: b = 128, k = 1, sqrt ("), best
     assert set(marked.loc[marked["model"] == "mlp", "lr_rule"]) and len(marked) < len(study.trials)
+
+
+def test_numbers_read_back_as_text_are_converted_and_a_metric_that_is_not_a_number_is_refused_in_one_line():
+    """MLflow gives params back as strings, and a trials.csv read as text holds its metrics as strings: the block
+    and the findings raised TypeError ("dtype 'str' does not support operation 'mean'")."""
+    rows = _rows(lambda s, rule, b, k: 0.95 + 0.001 * s - 0.01 * (b * k > 32))
+    typed = recommend(_study(rows, VARIED))
+    text = [{**r, **{f: str(r[f]) for f in ("val_acc", "physical_batch", "seed")}} for r in rows]
+    assert recommend(_study(text, VARIED)) == typed
+    assert summarize(pd.DataFrame(text)) == summarize(pd.DataFrame(rows))
+    text[0]["val_acc"] = "n/a"
+    with pytest.raises(AnalysisError) as refused:
+        _study(text, VARIED)
+    assert str(refused.value) == ("val_acc holds values that are not numbers (such as 'n/a'): log val_acc as a number "
+                                  "(mlflow.log_metric), then make the report again")
