@@ -195,3 +195,15 @@ def test_numbers_read_back_as_text_are_converted_and_a_metric_that_is_not_a_numb
         _study(text, VARIED)
     assert str(refused.value) == ("val_acc holds values that are not numbers (such as 'n/a'): log val_acc as a number "
                                   "(mlflow.log_metric), then make the report again")
+
+
+def test_the_largest_b_shown_free_is_not_a_pool_of_two_halves_that_differ():
+    """none at B = 128 is 1 point below B = 32 accumulated and 1 point above it as the true batch: pooled, it read
+    "shown to cost less than 1 point" (+0.0 ± 0.1), which holds for neither half."""
+    level = {("none", 1): 0.95, ("sqrt", 1): 0.97, ("linear", 1): 0.92,
+             ("none", 4): 0.93, ("sqrt", 4): 0.90, ("linear", 4): 0.92}
+    rows = _rows(lambda s, rule, b, k: 0.94 + 0.001 * s if b * k == 32 else level[(rule, k)] + 0.001 * s)
+    [free] = [line for line in recommend(_study(rows, VARIED)) if "cost less than" in line]
+    assert "B = 128 under the none LR rule, equivalent" not in free, free
+    assert free.startswith("No B above the smallest was shown to cost less than 1 point"), free
+    assert "(in its accumulated half: accumulation and the true batch were resolved apart there)" in free, free
