@@ -3,6 +3,10 @@ run by hand, one after another. The overhead is everything around the script (cl
 run, launching, reading the output, sampling memory, recording the outcome): the study's time from its first
 trial's start to its last trial's end, divided by N, less the mean time of the command by hand.
 Prints `overhead_share=<of the script's time>` and, on the last line, `overhead_s=<seconds per trial>`.
+The two sides are separate processes, one set after the other, not pairs: the script's --seconds are wall-clock
+time, which a busy machine does not stretch, so only the interpreter's start varies between them; the range of
+each side is printed (the commands by hand; the trials start to start), and the figure is resolved where the
+two ranges do not overlap.
 
     python benchmarks/program_overhead.py [--trials 10] [--seconds 10]
 
@@ -59,10 +63,14 @@ repeat = {list(range(args.trials))}
         if len(complete) != args.trials:
             raise SystemExit(f"error: {len(complete)} of {args.trials} trials completed: nothing measured")
         span = (max(t.datetime_complete for t in trials) - min(t.datetime_start for t in trials)).total_seconds()
+        starts = sorted(t.datetime_start for t in trials)
+        cycles = [(b - a).total_seconds() for a, b in zip(starts, starts[1:])]
     hand = sum(by_hand) / len(by_hand)
     per_trial = span / args.trials
     print(f"by hand: {hand:.3f} s a command; in the study: {per_trial:.3f} s a trial ({args.trials} trials of a "
           f"{args.seconds:g}-s script)")
+    print(f"ranges: by hand {min(by_hand):.3f} to {max(by_hand):.3f} s; in the study, start to start, "
+          f"{min(cycles or [span]):.3f} to {max(cycles or [span]):.3f} s")
     print(f"overhead_share={(per_trial - hand) / hand:.4f}")
     print(f"overhead_s={per_trial - hand:.3f}")
 

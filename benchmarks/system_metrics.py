@@ -1,8 +1,10 @@
-"""What --system-metrics costs the trainer: 12-epoch runs of the default configuration, alternately with and
-without MLflow's system-metrics monitor sampling beside them (a thread; every second, as the sweeps do; a
-SQLite store), and the median time of each. Prints `ratio=<with / without>` on the last line.
+"""What --system-metrics costs the trainer: 12-epoch runs of the default configuration, in pairs in one process,
+with and without MLflow's system-metrics monitor sampling beside them (a thread; every second, as the sweeps do; a
+SQLite store), the order turned each pair (with, without; then without, with) so that a drift cancels. Prints each
+pair, the median of the pairs' ratios with its distribution-free 95% interval (6 pairs at least: the least and
+the greatest ratio), and `ratio=<with / without>` on the last line.
 
-    python benchmarks/system_metrics.py [--repeats 3]
+    python benchmarks/system_metrics.py [--pairs 6]
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import statistics
 import tempfile
 import time
 
+from paired import summary
+
 from batchsweep.sweeps.gpus.placement import system_metrics
 from batchsweep.sweeps.stores.mlflow_store import Tracker
 from batchsweep.trainers import TrainConfig, train
@@ -20,29 +24,34 @@ from batchsweep.trainers.cli import run_script
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--data-dir", default="data")
     args = parser.parse_args()
     logging.getLogger("mlflow").setLevel(logging.ERROR)
     config = TrainConfig(epochs=args.epochs, data_dir=args.data_dir)
     train(config)  # warm-up: data cache, allocator
-    times: dict[str, list[float]] = {"without": [], "with": []}
+    ratios = []
     with tempfile.TemporaryDirectory() as folder:
         tracker = Tracker(f"sqlite:///{folder}/mlflow.db", "system_metrics")
-        for _ in range(args.repeats):
-            for mode in times:
+        for pair in range(args.pairs):
+            times = {}
+            for mode in (("with", "without") if pair % 2 == 0 else ("without", "with")):
                 run = tracker.start_parent(mode, {}, {})
                 monitor = system_metrics(run, tracker.uri) if mode == "with" else None
                 start = time.perf_counter()
                 train(config)
-                times[mode].append(time.perf_counter() - start)
+                times[mode] = time.perf_counter() - start
                 if monitor is not None:
                     monitor.finish()
                 tracker.end(run, "FINISHED")
-    for mode, values in times.items():
-        print(f"{mode} system metrics: " + ", ".join(f"{v:.2f}" for v in values) + " s")
-    print(f"ratio={statistics.median(times['with']) / statistics.median(times['without']):.3f}")
+            ratios.append(times["with"] / times["without"])
+            print(f"pair {pair + 1}: {times['without']:.2f} s without system metrics, {times['with']:.2f} s with "
+                  f"({ratios[-1] - 1:+.1%})", flush=True)
+    if not ratios:
+        raise SystemExit("error: no pair ran: nothing measured")
+    print(summary(ratios, "system metrics cost"))
+    print(f"ratio={statistics.median(ratios):.3f}")
 
 
 if __name__ == "__main__":

@@ -72,6 +72,8 @@ class Tracer:
         self.scheduling = 0  # inside a scheduler's construction or step: its children's steps are not the script's
         self.schedulers = weakref.WeakKeyDictionary()  # by first step
         self.sites: dict[str, int] = {}  # "file:line" of a call: its index
+        self.places: dict = {}  # (code, line, suffix) of a call: its index (a call's site named once, not per call)
+        self.inside: dict = {}  # code: whether it is torch's or the tracer's own (skipped when naming a site)
         self.steps = 0  # of every optimizer
         self.compiled = False  # a module compiled in place (module.compile()), whose hooks run in its graph
         self.pending: list[dict] = []
@@ -213,13 +215,24 @@ class Tracer:
         self.at.append(self.site())
 
     def site(self, suffix: str = "") -> int:
-        """The index of the caller's place outside torch and this file: "file:line"."""
-        frame = sys._getframe(2)
-        while frame is not None and (frame.f_code.co_filename.startswith(TORCH) or
-                                     os.path.dirname(frame.f_code.co_filename) == HERE):
+        """The index of the caller's place outside torch and this file: "file:line". Each backward() names one,
+        so what is known of a code object and of a place is kept (a place's name costs a getcwd)."""
+        frame, inside = sys._getframe(2), self.inside
+        while frame is not None and inside.get(frame.f_code, None) is not False and self._inside(frame.f_code):
             frame = frame.f_back
-        where = "?" if frame is None else f"{relative(frame.f_code.co_filename)}:{frame.f_lineno}{suffix}"
-        return self.sites.setdefault(where, len(self.sites))
+        place = frame and (frame.f_code, frame.f_lineno, suffix)
+        index = self.places.get(place)
+        if index is None:
+            where = "?" if frame is None else f"{relative(frame.f_code.co_filename)}:{frame.f_lineno}{suffix}"
+            index = self.places[place] = self.sites.setdefault(where, len(self.sites))
+        return index
+
+    def _inside(self, code) -> bool:
+        inside = self.inside.get(code)
+        if inside is None:
+            name = code.co_filename
+            inside = self.inside[code] = name.startswith(TORCH) or os.path.dirname(name) == HERE
+        return inside
 
     def backward(self, tensors) -> None:
         import torch
