@@ -146,6 +146,10 @@ def per_batch(study: StudyRuns, m: Measure) -> list[str]:
         if (halves := _halves(t, b, picks, costs, m, pooled)) is not None:
             out.append(halves[:-1] + _batching(t, None, b, twins, m) + ".")
             continue
+        if b in split:  # (no half with rules to pick from: a pick over both would hold for neither)
+            out.append(f"At B = {b}{pooled}: accumulation and the true batch were resolved apart, and neither half "
+                       f"has 2 LR rules finished in 2 shared seeds to pick from{_batching(t, None, b, twins, m)}.")
+            continue
         if at is None:
             continue
         if (at.best, b) not in cost:  # (the pick's own smallest B: nothing below it to cost against)

@@ -207,3 +207,12 @@ def test_the_largest_b_shown_free_is_not_a_pool_of_two_halves_that_differ():
     assert "B = 128 under the none LR rule, equivalent" not in free, free
     assert free.startswith("No B above the smallest was shown to cost less than 1 point"), free
     assert "(in its accumulated half: accumulation and the true batch were resolved apart there)" in free, free
+
+
+def test_a_b_whose_twins_differ_with_no_half_to_pick_from_says_so():
+    """Only none ran B = 128, where accumulation is 2 points below its twin: no rule to pick in either half."""
+    rows = [r for r in _rows(lambda s, rule, b, k: 0.95 + 0.001 * s - 0.02 * (k > 1))
+            if r["lr_rule"] != "linear" and (r["lr_rule"] == "none" or r["effective_batch"] == 32)]
+    [at_128] = [line for line in recommend(_study(rows, VARIED)) if line.startswith("At B = 128")]
+    assert at_128.startswith("At B = 128: accumulation and the true batch were resolved apart, and neither half has "
+                             "2 LR rules finished in 2 shared seeds to pick from; accumulating (b = 32, k = 4"), at_128
