@@ -19,7 +19,7 @@ import torch
 
 from batchsweep.trainers import TrainConfig, train
 from batchsweep.trainers.fused import train_fused
-from batchsweep.trainers.loop import load
+from batchsweep.trainers.build import load
 
 
 def group(args) -> list[TrainConfig]:

@@ -55,7 +55,7 @@ from torch.utils.data import DataLoader
 from batchsweep.trainers import ConfigError, TrainConfig, train
 from batchsweep.trainers.batches import aligned, apply, forward, label_shift, split
 from batchsweep.trainers.cli import add_config_flags, config_from_args, run_script
-from batchsweep.trainers.loop import make_optimizer, prepare
+from batchsweep.trainers.build import make_optimizer, prepare
 from batchsweep.trainers.order import permutation
 from batchsweep.trainers.probes import Probe
 

@@ -4,6 +4,7 @@ import ast
 import importlib.util
 import re
 import subprocess
+import sys
 import tempfile
 
 from tests.conftest import ROOT
@@ -210,3 +211,18 @@ def test_an_installed_batchsweep_claims_one_top_level_name():
                              timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_config_followed_from_train_comes_back_to_at_most_10_files_it_left(monkeypatch):
+    """The walk of benchmarks/walk.py (its docstring gives the rule): a configuration followed from `train`
+    through a resumed run. Its setup (device, data, model, optimizer, loss, probes, checkpoint, resume, schedule)
+    reads as one path: at most 2 returns, both to loop.py for the schedule."""
+    spec = importlib.util.spec_from_file_location("walk", ROOT / "benchmarks" / "walk.py")
+    walk = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "walk", walk)  # (its dataclass looks its module up there)
+    spec.loader.exec_module(walk)
+    from batchsweep import trainers
+
+    stays, setup = walk.walk(trainers, **walk.TINY)
+    path = " > ".join(stay.file for stay in stays)
+    assert walk.returns(stays[:setup]) <= 2 and walk.returns(stays) <= 10, path

@@ -20,9 +20,9 @@ _SURFACE = {
     "BatchsweepError": ("errors", "BatchsweepError"), "ConfigError": ("errors", "ConfigError"),
     "DataError": ("errors", "DataError"), "import_object": ("imports", "import_object"),
     "interrupt": ("interrupt", None), "METRICS": ("loop", "METRICS"), "TrainResult": ("loop", "TrainResult"),
-    "device_name": ("loop", "device_name"), "memory_source": ("loop", "memory_source"),
-    "load": ("loop", "load"), "preflight": ("loop", "preflight"), "prepare": ("loop", "prepare"),
-    "resolve_device": ("loop", "resolve_device"), "train": ("loop", "train"),
+    "device_name": ("build", "device_name"), "memory_source": ("build", "memory_source"),
+    "load": ("build", "load"), "preflight": ("build", "preflight"), "prepare": ("build", "prepare"),
+    "resolve_device": ("build", "resolve_device"), "train": ("loop", "train"),
     "fold_noise": ("noise", "fold"), "noise_scale": ("noise", "value"),
     "NotFusable": ("fused", "NotFusable"), "group_key": ("fused", "group_key"), "train_fused": ("fused", "train_fused"),
 }

@@ -204,9 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     import torch  # after parsing: --help and bad flags answer before torch is imported
 
+    from .build import preflight
     from .checkpoint import Checkpointing
     from .distributed import check_launch, launched_rank
-    from .loop import preflight, train
+    from .loop import train
 
     checkpoint, lead = None, launched_rank() == 0  # under torchrun, rank 0 alone reports
     try:

@@ -108,9 +108,6 @@ class Feed:
                                      persistent_workers=workers > 0, prefetch_factor=config.prefetch_factor
                                      if workers else None, generator=torch.Generator().manual_seed(config.seed))
 
-    def steps_per_epoch(self, config: TrainConfig) -> int:
-        return len(windows(torch.arange(self.n), config))
-
     def epoch(self, epoch: int, config: TrainConfig) -> Iterator[Window]:
         """The epoch's windows, of `config`'s B (the run's, or under batch_warmup the epoch's)."""
         if self.loader is None:

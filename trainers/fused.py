@@ -20,26 +20,21 @@ import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
 
+from .build import load
+from .checkpoint import Checkpointing
 from .config import TrainConfig
 from .data import Data
-from .distributed import NO_CONTEXT, ONE_PROCESS
 from .errors import ConfigError
-from .evaluation import evaluate, load_metrics
 from .feed import Feed, Window
-from .health import coverage_warnings
 from .interrupt import check as check_interrupt
-from .loop import (EpochCallback, TrainResult, Trainee, _end_epoch, _replayed, _result, _save, end_window, load, lr_at,
-                   make_optimizer, optimizer_groups, prepare, train, warmup_steps)
-from .checkpoint import Checkpointer, Checkpointing, Progress, restore
-from .losses import add_counts, load_loss
-from .order import windows
-from .probes import Health, LossTerms, Micro, Noise, PeakMemory, Probe, Probes, Run
-from .shrink import Retry
+from .loop import (EpochCallback, Setup, TrainResult, end_epoch, end_window, lr_at, plan, replayed, result, save, set_up,
+                   train)
+from .losses import add_counts
+from .probes import Health, Micro, Noise, PeakMemory, Probe
 
 # What decides a member's micro-batches and its forward: equal in every member of a group.
 SHARED = ("model", "dataset", "loss", "metrics", "label_key", "norm", "physical_batch", "seed", "epochs", "dtype",
@@ -71,18 +66,11 @@ def group_key(config: TrainConfig) -> tuple | None:
 
 @dataclass
 class Member:
-    """One configuration of the group, as `train` would set it up for one process."""
+    """One configuration of the group, set up as `train` sets up one process, and where it stands in the epoch."""
 
-    config: TrainConfig
-    t: Trainee
-    model: nn.Module
-    progress: Progress
-    measure: Callable[[], dict[str, float]]
-    notes: list[str]
+    run: Setup
     steps: list[int]  # its optimizer steps in each epoch
     warmup: int
-    checkpointer: Checkpointer | None
-    resumed_after: int  # the epoch of the checkpoint it went on from (0: none)
     windows: list[Window] = dataclasses.field(default_factory=list)  # the epoch's, of k micro-batches each
     step: int = 0
     lr: float = 0.0
@@ -119,52 +107,50 @@ def train_fused(configs: list[TrainConfig], on_epoch: list[EpochCallback | None]
         return _train(members, on_epoch or [None] * len(members))
     finally:
         for m in members:
-            if m.checkpointer:  # (stopped by an exception: the last write lands before anyone reads or removes it)
-                m.checkpointer.join()
+            if m.run.checkpointer:  # (stopped by an exception: the last write lands before anyone reads or removes it)
+                m.run.checkpointer.join()
 
 
 def _train(members: list[Member], callbacks: list[EpochCallback | None]) -> list[TrainResult | Exception]:
     """The group's epochs from where its members stand, then each member's result."""
-    active = [m for m in members if not m.progress.finished]
-    if len({m.progress.epoch for m in active}) > 1:
+    active = [m for m in members if not m.run.progress.finished]
+    if len({m.run.progress.epoch for m in active}) > 1:
         raise NotFusable(f"their checkpoints stand at different epochs "
-                         f"({', '.join(str(e) for e in sorted({m.progress.epoch for m in active}))})")
+                         f"({', '.join(str(e) for e in sorted({m.run.progress.epoch for m in active}))})")
     for m, callback in zip(members, callbacks):
-        for row in _replayed(m.progress) if callback is not None else ():
+        for row in replayed(m.run.progress) if callback is not None else ():
             _tell(m, callback, row)
-    active = [m for m in members if not m.progress.finished]
+    active = [m for m in members if not m.run.progress.finished]
     first = members[0]
-    base = dataclasses.replace(first.config, accum_steps=1)  # its windows are the micro-batches
-    feed = Feed(first.measure.data, base, first.measure.device, first.t.loss)
-    forward = _stacked_forward(first.model)
+    base = dataclasses.replace(first.run.config, accum_steps=1)  # its windows are the micro-batches
+    feed = Feed(first.run.data, base, first.run.device, first.run.t.loss)
+    forward = _stacked_forward(first.run.model)
     buffers = _stack_buffers(active) if active else {}
-    for epoch in range(active[0].progress.epoch + 1 if active else base.epochs + 1, base.epochs + 1):
+    for epoch in range(active[0].run.progress.epoch + 1 if active else base.epochs + 1, base.epochs + 1):
         start = time.perf_counter()
         micro = list(feed.epoch(epoch, base))
         for m in active:
-            m.windows = _windows(micro, m.config.accum_steps)
+            m.windows = _windows(micro, m.run.config.accum_steps)
             m.samples = 0
         for i, part in enumerate(micro):
             _micro_batch(active, forward, buffers, part, i, len(micro) - 1, epoch == 1 and i == 0)
             check_interrupt()
         trained = time.perf_counter()
         for m in active:  # each member's training time is the group's (the others' evaluations are not in it)
-            row = _end_epoch(m.config, m.t, m.measure.data, m.progress, m.measure, epoch, m.step, m.lr, m.samples,
-                             start, time.perf_counter() - trained, (0, 0))
-            _save(m.t, m.model, m.progress, m.checkpointer)
+            row = end_epoch(m.run, epoch, m.step, m.lr, m.samples, start, time.perf_counter() - trained, (0, 0))
+            save(m.run)
             callback = callbacks[members.index(m)]
             if callback is not None:
                 _tell(m, callback, row)
-        if any(m.progress.finished for m in active):  # a member that diverged or was stopped ends; the others go on
-            active = [m for m in active if not m.progress.finished]
+        if any(m.run.progress.finished for m in active):  # a member that diverged or was stopped ends; the others go on
+            active = [m for m in active if not m.run.progress.finished]
             if not active:
                 break
             buffers = _stack_buffers(active)
     for m in members:
-        if m.checkpointer and not m.stopped:
-            m.checkpointer.wait()
-    return [m.stopped or _result(m.config, m.t, m.model, m.measure.data, feed, m.progress, m.notes,
-                                 m.measure.device, m.resumed_after) for m in members]
+        if m.run.checkpointer and not m.stopped:
+            m.run.checkpointer.wait()
+    return [m.stopped or result(m.run) for m in members]
 
 
 def _tell(m: Member, callback: EpochCallback, row: dict[str, float]) -> None:
@@ -172,46 +158,18 @@ def _tell(m: Member, callback: EpochCallback, row: dict[str, float]) -> None:
     try:
         callback(row)
     except Exception as exc:
-        m.stopped, m.progress.finished = exc, True
-
-
-class Measure:
-    """A member's evaluation on the test set, as `train` measures it (its data and device kept for the rest)."""
-
-    def __init__(self, model: nn.Module, data: Data, device: torch.device, config: TrainConfig, loss):
-        self.model, self.data, self.device, self.config, self.loss = model, data, device, config, loss
-        self.metrics = load_metrics(config.metrics)
-        self.feed = Feed(data, config, device, loss)
-
-    def __call__(self) -> dict[str, float]:
-        return evaluate(self.model, self.feed.test(), self.loss, self.config.precision, self.metrics)
+        m.stopped, m.run.progress.finished = exc, True
 
 
 def _member(config: TrainConfig, data: Data, extra: list[Probe], peak: PeakMemory | None,
             spec: Checkpointing | None) -> Member:
-    """The setup of `train` for one process: the same model, optimizer, loss, probes and checkpoint (`peak`: its
-    diagnostics, its peak memory measured alone; None: no diagnostics)."""
-    diagnostics = peak is not None
-    checkpointer = Checkpointer(spec, config) if spec else None
-    saved = checkpointer.load() if checkpointer else None
-    prepared = prepare(config, data)
-    model = prepared.model
-    model.train()
-    optimizer = make_optimizer(config, optimizer_groups(model))
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    loss = load_loss(config.loss, model)
-    if getattr(loss.fn, "__self__", None) is model:
+    """A member, set up by `train`'s own path (`peak`: its diagnostics, its peak memory measured alone; None: no
+    diagnostics)."""
+    run = set_up(config, data, [*([peak, Health(), Noise()] if peak is not None else []), *extra], spec)
+    if getattr(run.t.loss.fn, "__self__", None) is run.model:
         raise NotFusable("a model's own loss method reads its own parameters, not the stacked ones")
-    probes = Probes(LossTerms(), [*([peak, Health(), Noise()] if diagnostics else []), *extra])
-    probes.start(Run(config, model, optimizer, params, prepared.device, prepared.data.n_train, None,
-                     loss.divide_after))
-    progress = restore(saved, model, optimizer, probes, 0, checkpointer.spec.path) if saved else Progress()
-    t = Trainee(model, loss, optimizer, params, config.grad_clip, lambda: NO_CONTEXT, ONE_PROCESS, probes,
-                Retry(model, config, optimizer, probes, progress), config.physical_batch)
-    steps = [len(windows(torch.arange(prepared.data.n_train), config))] * config.epochs
-    return Member(config, t, model, progress, Measure(model, prepared.data, prepared.device, config, loss),
-                  prepared.notes + coverage_warnings(model, optimizer), steps, warmup_steps(config, steps),
-                  checkpointer, progress.epoch, step=progress.step)
+    _, steps, warmup = plan(config, run.data.n_train)
+    return Member(run, steps, warmup, step=run.progress.step)
 
 
 def _peak_alone(config: TrainConfig, data: Data, measured: dict[TrainConfig, tuple[float, int]]) -> PeakMemory:
@@ -223,8 +181,8 @@ def _peak_alone(config: TrainConfig, data: Data, measured: dict[TrainConfig, tup
                               weight_decay=0.0, wd_rule="none", epochs=1, max_steps=1)
     if key not in measured:
         probe = PeakMemory()
-        result = train(dataclasses.replace(config, max_steps=1), probes=[probe], diagnostics=False, data=data)
-        measured[key] = result.metrics["peak_memory_bytes"], probe.saved.peak
+        solo = train(dataclasses.replace(config, max_steps=1), probes=[probe], diagnostics=False, data=data)
+        measured[key] = solo.metrics["peak_memory_bytes"], probe.saved.peak
     return PeakMemory(*measured[key])
 
 
@@ -261,11 +219,11 @@ def _stack_buffers(members: list[Member]) -> dict[str, torch.Tensor]:
     """The members' buffers stacked, each member's model then holding a view of its own slice (so that the
     stacked forward's in-place updates of BatchNorm's statistics are the member's own)."""
     stacked = {}
-    for name, _ in members[0].model.named_buffers():
-        stacked[name] = torch.stack([m.model.get_buffer(name) for m in members])
+    for name, _ in members[0].run.model.named_buffers():
+        stacked[name] = torch.stack([m.run.model.get_buffer(name) for m in members])
         owner, _, leaf = name.rpartition(".")
         for i, m in enumerate(members):
-            m.model.get_submodule(owner)._buffers[leaf] = stacked[name][i]
+            m.run.model.get_submodule(owner)._buffers[leaf] = stacked[name][i]
     return stacked
 
 
@@ -276,8 +234,8 @@ def _micro_batch(active: list[Member], forward, buffers: dict[str, torch.Tensor]
     (x, y), = part.cut(part.rows)
     if isinstance(x, Mapping):
         raise NotFusable("only tensor inputs train fused")
-    params = {name: torch.stack([m.model.get_parameter(name) for m in active])
-              for name, _ in active[0].model.named_parameters()}
+    params = {name: torch.stack([m.run.model.get_parameter(name) for m in active])
+              for name, _ in active[0].run.model.named_parameters()}
     try:
         out = forward(params, buffers, x)
     except RuntimeError as exc:
@@ -286,25 +244,25 @@ def _micro_batch(active: list[Member], forward, buffers: dict[str, torch.Tensor]
         raise
     shares, terms = [], []
     for j, m in enumerate(active):
-        window = m.windows[i // m.config.accum_steps]
-        if i % m.config.accum_steps == 0:  # the window's first micro-batch: the schedule
-            m.lr = lr_at(m.config, m.step, sum(m.steps), m.warmup)
-            for group in m.t.optimizer.param_groups:
+        window = m.windows[i // m.run.config.accum_steps]
+        if i % m.run.config.accum_steps == 0:  # the window's first micro-batch: the schedule
+            m.lr = lr_at(m.run.config, m.step, sum(m.steps), m.warmup)
+            for group in m.run.t.optimizer.param_groups:
                 group["lr"] = m.lr
-        with m.t.probes.forward(m.step):
-            terms.append(m.t.loss.terms(out[j], y))
-        shares.append(m.t.loss.share(terms[j], window.counts))
+        with m.run.t.probes.forward(m.step):
+            terms.append(m.run.t.loss.terms(out[j], y))
+        shares.append(m.run.t.loss.share(terms[j], window.counts))
     sum(shares[1:], shares[0]).backward()
     for j, m in enumerate(active):
-        k = m.config.accum_steps
+        k = m.run.config.accum_steps
         window = m.windows[i // k]
-        m.t.probes.after_micro(Micro(m.step, window.size, x, y, terms[j]))
-        if m.t.loss.divide_after:
+        m.run.t.probes.after_micro(Micro(m.step, window.size, x, y, terms[j]))
+        if m.run.t.loss.divide_after:
             m.counted = m.counted + next(iter(terms[j].values()))[1]
         if i % k == k - 1 or i == last:  # its window ends (the epoch's last may hold fewer than k)
             _step(m, window)
 
 
 def _step(m: Member, window: Window) -> None:
-    end_window(m.t, m.step, window.size, m.counted)
+    end_window(m.run.t, m.step, window.size, m.counted)
     m.step, m.samples, m.counted = m.step + 1, m.samples + window.size, 0

@@ -1,15 +1,13 @@
 """Train one configuration with exact gradient accumulation, and measure it.
 
 Read from the top: the window step (one optimizer step over k micro-batches, nanoGPT's accumulation loop), then
-`train`, the setup of one run as one straight path (checkpoint, device, data and model, ranks, optimizer, loss,
-probes, feed, resume), the epochs that call the step, the end of an epoch and of the run; last, the helpers
-that the benchmarks and the sweeps also call (prepare, preflight, the schedule, the optimizer)."""
+`train`: the setup of one run as one straight path (`set_up`: checkpoint, device, data and model, optimizer,
+ranks, loss, probes, feed, resume), the epochs that call the step, the end of an epoch and of the run; last, the
+schedule. How the parts are built (device, data, model, optimizer) is trainers/build.py."""
 from __future__ import annotations
 
 import math
-import platform
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -17,19 +15,18 @@ import torch
 from torch import nn
 
 from .batches import forward
+from .build import device_name, make_optimizer, memory_source, optimizer_groups, prepare
 from .checkpoint import Checkpointer, Checkpointing, Progress, restore, rng_states
 from .config import ADAM_RULES, TrainConfig
-from .data import Data, load_data
-from .distributed import NO_CONTEXT, OneProcess, launched_rank, local_device, setup
-from .errors import BatchsweepError, ConfigError, DataError
+from .data import Data
+from .distributed import NO_CONTEXT, OneProcess, launched_rank, setup
 from .evaluation import evaluate, load_metrics
 from .feed import Feed, Window
 from .health import coverage_warnings, verdict
-from .imports import load_factory
 from .interrupt import check as check_interrupt
 from .losses import Loss, load_loss
-from .models import (MODELS, bn_population_error, build_model, check_inputs, has_conv2d, set_bn_momentum,
-                     use_ghost_batch)
+from .models import bn_population_error, set_bn_momentum
+from .order import steps_per_epoch
 from .probes import LossTerms, Micro, Probe, Probes, Run
 from .probes import diagnostics as builtin_diagnostics
 from .shrink import Retry, at
@@ -37,7 +34,8 @@ from .shrink import Retry, at
 
 @dataclass
 class Trainee:
-    """What the window step works on: a model and what steps it (fused trials will give it a stack of members)."""
+    """What the window step works on: a model and what steps it (each member of a fused group has its own, whose
+    windows end in `end_window`)."""
 
     net: nn.Module  # what the forward calls: the model, or its DistributedDataParallel wrapper
     loss: Loss
@@ -146,93 +144,123 @@ def train(config: TrainConfig, on_epoch: EpochCallback | None = None, probes: li
 
     `data` is what `load(config)` returned for the same dataset, data_dir, seed and label_key: runs that differ
     in anything else (b, k, the LR, the epochs) can share one load instead of calling the factory each."""
+    run = set_up(config, data, [*(builtin_diagnostics() if diagnostics else []), *probes], checkpoint, no_sync)
+    finished = False
+    try:
+        _epochs(run, on_epoch)
+        trained = result(run)
+        finished = True
+        return trained
+    finally:
+        if run.checkpointer:  # stopped by on_epoch (pruned, say): the last write lands before anyone reads or removes it
+            run.checkpointer.join()
+        run.t.parallel.close(finished)
+
+
+@dataclass
+class Setup:
+    """One run, set up: what its epochs, their ends and its result work on."""
+
+    config: TrainConfig
+    t: Trainee
+    model: nn.Module  # the model itself (t.net may be its DDP wrapper)
+    data: Data  # on the device
+    device: torch.device
+    feed: Feed
+    measure: Callable[[], dict[str, float]]  # the evaluation on the test set
+    progress: Progress
+    notes: list[str]
+    checkpointer: Checkpointer | None
+    resumed_after: int  # the epoch of the checkpoint it resumed from (0: it did not)
+
+
+def set_up(config: TrainConfig, data: Data | None, probes: list[Probe], checkpoint: Checkpointing | None,
+           no_sync: bool = True) -> Setup:
+    """The setup of one run, one straight path in the order it needs it: the checkpoint, the device, data and
+    model, the optimizer, the ranks, the loss, the probes, the feed, the resume and the retry path. `probes`:
+    every probe beside the loss terms, the diagnostics included."""
     checkpointer = Checkpointer(checkpoint, config, writes=launched_rank() == 0) if checkpoint else None
     # Read before preparing the data (a checkpoint of another configuration is refused at once); under torchrun,
     # once every rank has arrived (rank 0's last write, of a run before in this process, has landed).
     saved = checkpointer.load() if checkpointer and config.world_size == 1 else None
-    prepared = prepare(config, data)  # the device, the data on it, the model
+    prepared = prepare(config, data)
+    model = net = prepared.model
+    model.train()
+    # Before DDP wraps the model, as nanoGPT does (--sync-bn's SyncBatchNorm layers keep these same parameters).
+    optimizer = make_optimizer(config, optimizer_groups(model))
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     parallel = setup(config, prepared.device)
     if checkpointer and parallel.world > 1:
         saved = checkpointer.load()
-    finished = False
     try:
-        result = _run(config, prepared, parallel, on_epoch, list(probes), diagnostics, checkpointer, saved, no_sync)
-        finished = True
-        return result
-    finally:
-        if checkpointer:  # stopped by on_epoch (pruned, say): the last write lands before anyone reads or removes it
-            checkpointer.join()
-        parallel.close(finished)
+        if parallel.world > 1:
+            net = parallel.wrap(model, prepared.device, no_sync)
+            model = net.module  # (with --sync-bn, its BatchNorm layers are now SyncBatchNorm)
+        loss = load_loss(config.loss, model)
+        probes = Probes(LossTerms(), probes)
+        probes.start(Run(config, model, optimizer, params, prepared.device, prepared.data.n_train,
+                         parallel if parallel.world > 1 else None, loss.divide_after))
+        metrics = load_metrics(config.metrics)
+        feed = Feed(prepared.data, config, prepared.device, loss, parallel)
+        notes = prepared.notes + coverage_warnings(model, optimizer)
+        progress = Progress()
+        if saved:  # the run goes on after its last finished epoch, at the b it had reached
+            progress = restore(saved, model, optimizer, probes, parallel.rank, checkpointer.spec.path)
+        b = progress.physical_batch or config.physical_batch
+        if b != config.physical_batch:  # resumed after shrinking
+            set_bn_momentum(model, at(config, b).bn_momentum)
+        retry = Retry(model, config, optimizer, probes, progress)
+        device_type = prepared.device.type
+        # (a disabled torch.autocast still costs about 4 µs a micro-batch: none in fp32)
+        amp = (lambda: torch.autocast(device_type, torch.bfloat16)) if config.precision == "bf16" else lambda: NO_CONTEXT
+        t = Trainee(net, loss, optimizer, params, config.grad_clip, amp, parallel, probes, retry, b)
+        measure = lambda: evaluate(model, feed.test(), loss, config.precision, metrics)
+        return Setup(config, t, model, prepared.data, prepared.device, feed, measure, progress, notes, checkpointer,
+                     progress.epoch)
+    except BaseException:
+        parallel.close(False)
+        raise
 
 
-def _run(config: TrainConfig, prepared: Prepared, parallel: OneProcess, on_epoch: EpochCallback | None,
-         probes: list[Probe], diagnostics: bool, checkpointer: Checkpointer | None, saved: dict | None,
-         no_sync: bool) -> TrainResult:
-    """The rest of the setup, in the order the run needs it, then its epochs and its result."""
-    model = net = prepared.model
-    model.train()
-    if parallel.world > 1:
-        net = parallel.wrap(model, prepared.device, no_sync)
-        model = net.module  # (with --sync-bn, its BatchNorm layers are now SyncBatchNorm)
-    optimizer = make_optimizer(config, optimizer_groups(model))
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    loss = load_loss(config.loss, model)
-    probes = Probes(LossTerms(), [*(builtin_diagnostics() if diagnostics else []), *probes])
-    probes.start(Run(config, model, optimizer, params, prepared.device, prepared.data.n_train,
-                     parallel if parallel.world > 1 else None, loss.divide_after))
-    metrics = load_metrics(config.metrics)
-    feed = Feed(prepared.data, config, prepared.device, loss, parallel)
-    notes = prepared.notes + coverage_warnings(model, optimizer)
-    progress = Progress()
-    if saved:  # the run goes on after its last finished epoch, at the b it had reached
-        progress = restore(saved, model, optimizer, probes, parallel.rank, checkpointer.spec.path)
-    b = progress.physical_batch or config.physical_batch
-    if b != config.physical_batch:  # resumed after shrinking
-        set_bn_momentum(model, at(config, b).bn_momentum)
-    device_type = prepared.device.type
-    # (a disabled torch.autocast still costs about 4 µs a micro-batch: none in fp32)
-    amp = (lambda: torch.autocast(device_type, torch.bfloat16)) if config.precision == "bf16" else lambda: NO_CONTEXT
-    t = Trainee(net, loss, optimizer, params, config.grad_clip, amp, parallel, probes,
-                Retry(model, config, optimizer, probes, progress), b)
-    resumed_after = progress.epoch
-    measure = lambda: evaluate(model, feed.test(), loss, config.precision, metrics)
-    _epochs(config, t, model, prepared.data, feed, progress, measure, on_epoch, checkpointer)
-    return _result(config, t, model, prepared.data, feed, progress, notes, prepared.device, resumed_after)
-
-
-def _epochs(config: TrainConfig, t: Trainee, model: nn.Module, data: Data, feed: Feed, progress: Progress,
-            measure: Callable[[], dict[str, float]], on_epoch: EpochCallback | None,
-            checkpointer: Checkpointer | None) -> None:
+def _epochs(run: Setup, on_epoch: EpochCallback | None) -> None:
     """The epochs not run yet: each window one `window_step` at the schedule's LR, then the epoch's row."""
-    for row in _replayed(progress) if on_epoch is not None else ():
+    config, t, progress = run.config, run.t, run.progress
+    for row in replayed(progress) if on_epoch is not None else ():
         on_epoch(row)
-    plan = [config.at_epoch(epoch) for epoch in range(1, config.epochs + 1)]  # one config unless batch_warmup
-    steps = [feed.steps_per_epoch(now) for now in plan]
-    total_steps, warmup, step, lr = sum(steps), warmup_steps(config, steps), progress.step, config.lr
+    configs, steps, warmup = plan(config, run.data.n_train)
+    total_steps, step, lr = sum(steps), progress.step, config.lr
     for epoch in range(progress.epoch + 1, config.epochs + 1):
         if progress.finished:
             break
-        now = _settle(config, t, model, plan[epoch - 1])
+        now = _settle(config, t, run.model, configs[epoch - 1])
         start, samples, evaluating = time.perf_counter(), 0, 0.0
         synced = (t.parallel.all_reduces.calls, t.parallel.all_reduces.bytes)
-        for window in feed.epoch(epoch, now):
+        for window in run.feed.epoch(epoch, now):
             lr = lr_at(now, step, total_steps, warmup)
             window_step(t, window, step, lr)
             step, samples = step + 1, samples + window.size
             if config.eval_every_steps and step % config.eval_every_steps == 0:
-                evaluating += _evaluate_at(measure, progress, step, progress.samples + samples, on_epoch)
+                evaluating += _evaluate_at(run.measure, progress, step, progress.samples + samples, on_epoch)
             check_interrupt()
             if step == config.max_steps:
                 break
-        row = _end_epoch(config, t, data, progress, measure, epoch, step, lr, samples, start, evaluating, synced)
-        _save(t, model, progress, checkpointer)
+        row = end_epoch(run, epoch, step, lr, samples, start, evaluating, synced)
+        save(run)
         if on_epoch is not None:
             on_epoch(row)
-    if checkpointer:
-        checkpointer.wait()
+    if run.checkpointer:
+        run.checkpointer.wait()
 
 
-def _replayed(progress: Progress) -> list[dict[str, float]]:
+def plan(config: TrainConfig, n: int) -> tuple[list[TrainConfig], list[int], int]:
+    """Each epoch's configuration (one unless batch_warmup), its optimizer steps over n samples, and the
+    warmup's steps: what the schedule reads."""
+    configs = [config.at_epoch(epoch) for epoch in range(1, config.epochs + 1)]
+    steps = [steps_per_epoch(now, n) for now in configs]
+    return configs, steps, warmup_steps(config, steps)
+
+
+def replayed(progress: Progress) -> list[dict[str, float]]:
     """A resumed run's rows so far, in the order they came: each epoch's after the evaluations within it."""
     return sorted(progress.history + progress.evals, key=lambda row: (row.get("steps", row.get("step")),
                                                                       "epoch" in row))
@@ -266,22 +294,22 @@ def _evaluate_at(measure: Callable[[], dict[str, float]], progress: Progress, st
     return time.perf_counter() - start
 
 
-def _end_epoch(config: TrainConfig, t: Trainee, data: Data, progress: Progress,
-               measure: Callable[[], dict[str, float]], epoch: int, step: int, lr: float, samples: int,
-               start: float, evaluating: float, synced: tuple[int, int]) -> dict[str, float]:
+def end_epoch(run: Setup, epoch: int, step: int, lr: float, samples: int, start: float, evaluating: float,
+              synced: tuple[int, int]) -> dict[str, float]:
     """The epoch's row (its one synchronization with the device), evaluated; the progress moves on. `evaluating`:
     the seconds of the evaluations within it (not training time); `synced`: the all-reduce counters at its start."""
+    config, t, progress = run.config, run.t, run.progress
     row = {"epoch": epoch, **t.probes.terms.epoch_end(epoch)}
     elapsed = time.perf_counter() - start - evaluating  # (after the synchronization: every kernel has run)
     if math.isfinite(row["train_loss"]):
-        row.update(measure())
+        row.update(run.measure())
     else:
         progress.status = "diverged"
         row.update(val_loss=math.nan, val_acc=math.nan)
     epoch_time = time.perf_counter() - start
     row.update(current_lr=lr, steps=step, samples=progress.samples + samples, epoch_time_s=epoch_time,
                samples_per_s=samples / elapsed)
-    if data.classification and data.y_test.dim() == 2:  # tokens
+    if run.data.classification and run.data.y_test.dim() == 2:  # tokens
         val_loss = row["val_loss"]
         row["val_perplexity"] = math.exp(min(val_loss, 700.0)) if math.isfinite(val_loss) else math.nan
     if config.shrink_on_oom:  # how often a micro-batch ran out of memory, and the smallest b that did
@@ -299,52 +327,32 @@ def _end_epoch(config: TrainConfig, t: Trainee, data: Data, progress: Progress,
     return row
 
 
-def _save(t: Trainee, model: nn.Module, progress: Progress, checkpointer: Checkpointer | None) -> None:
+def save(run: Setup) -> None:
     """The epoch's checkpoint, when one is due (by rank 0's clock under torchrun, with every rank's RNG states)."""
-    if checkpointer and t.parallel.rank0(checkpointer.due(progress)):
-        checkpointer.save(progress, model, t.optimizer, t.probes, t.parallel.every_rank(rng_states()))
+    t, checkpointer = run.t, run.checkpointer
+    if checkpointer and t.parallel.rank0(checkpointer.due(run.progress)):
+        checkpointer.save(run.progress, run.model, t.optimizer, t.probes, t.parallel.every_rank(rng_states()))
 
 
-def _result(config: TrainConfig, t: Trainee, model: nn.Module, data: Data, feed: Feed, progress: Progress,
-            notes: list[str], device: torch.device, resumed_after: int) -> TrainResult:
-    history = progress.history
+def result(run: Setup) -> TrainResult:
+    config, data, progress, history = run.config, run.data, run.progress, run.progress.history
     metrics = {**history[-1], "samples_per_s": progress.samples / progress.train_time,
                "wall_time_s": progress.wall_time}
     if config.shrink_on_oom:
-        metrics["physical_batch_used"] = t.b
+        metrics["physical_batch_used"] = run.t.b
     if "peak_memory_bytes" in metrics:
         metrics["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in history)
     if progress.status == "ok":
-        metrics.update(bn_population_error(model, feed.inputs(config.eval_batch)))
+        metrics.update(bn_population_error(run.model, run.feed.inputs(config.eval_batch)))
     health, health_epoch = verdict(progress.status, history, data.chance,
                                    data.num_classes if data.classification else None)
     dataset = {"name": config.dataset, "digest": data.digest, "train_size": data.n_train,
                "test_size": data.n_test}
-    return TrainResult(config=config, status=progress.status, metrics=metrics, history=history, model=model,
-                       device_name=device_name(device), dataset=dataset,
-                       memory_source=memory_source(device),
-                       warnings=notes + t.probes.notes(), health=health, health_epoch=health_epoch,
-                       resumed_after=resumed_after)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device 'cuda' is not available on this machine: use --device cpu or auto")
-    return torch.device(name)
-
-
-def memory_source(device: torch.device) -> str:
-    """What peak_memory_bytes measures on this device: the CUDA allocator's peak, or the bytes saved for backward."""
-    return "cuda_allocator" if device.type == "cuda" else "saved_tensors"
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    threads = torch.get_num_threads()
-    return f"cpu ({platform.machine()}, {threads} thread{'s' * (threads != 1)})"
+    return TrainResult(config=config, status=progress.status, metrics=metrics, history=history, model=run.model,
+                       device_name=device_name(run.device), dataset=dataset,
+                       memory_source=memory_source(run.device),
+                       warnings=run.notes + run.t.probes.notes(), health=health, health_epoch=health_epoch,
+                       resumed_after=run.resumed_after)
 
 
 def lr_at(config: TrainConfig, step: int, total_steps: int, warmup_steps: int) -> float:
@@ -359,95 +367,3 @@ def lr_at(config: TrainConfig, step: int, total_steps: int, warmup_steps: int) -
 def warmup_steps(config: TrainConfig, steps: list[int]) -> int:
     """The optimizer steps of the first warmup_epochs epochs (`steps`: each epoch's), a fraction of the last."""
     return round(sum(min(max(config.warmup_epochs - i, 0.0), 1.0) * n for i, n in enumerate(steps)))
-
-
-def optimizer_groups(model: nn.Module) -> list:
-    """The model's own `param_groups()` when it defines one (e.g. no weight decay on biases), else every
-    parameter that requires a gradient."""
-    if callable(getattr(model, "param_groups", None)):
-        return list(model.param_groups())
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-def make_optimizer(config: TrainConfig, params: list) -> torch.optim.Optimizer:
-    if config.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
-                                 weight_decay=config.decay)
-    return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov,
-                           weight_decay=config.weight_decay)
-
-
-@dataclass
-class Prepared:
-    """A configuration's device, data (on the device) and model, built the same way for every (b, k)."""
-
-    device: torch.device
-    data: Data
-    model: nn.Module
-    notes: list[str]
-
-
-def prepare(config: TrainConfig, data: Data | None = None) -> Prepared:
-    """`data`: what `load(config)` gave for this dataset and seed, reused (none: it is loaded here)."""
-    device = local_device(resolve_device(config.device))
-    dtype = getattr(torch, config.dtype)
-    data = (data or load_data(config.dataset, config.data_dir, config.seed, config.label_key)).with_digest()
-    n = data.n_train
-    if config.effective_batch > n:
-        ranks = f" x world_size {config.world_size}" if config.world_size > 1 else ""
-        raise ConfigError(f"effective batch {config.effective_batch} (physical_batch {config.physical_batch} x "
-                          f"accum_steps {config.accum_steps}{ranks}) is larger than the training set ({n} samples)",
-                          "lower --physical-batch, --accum-steps or --effective-batch")
-    torch.manual_seed(config.seed)  # same seed, same initial weights, whatever b and k are
-    example = data.example(1)
-    check_inputs(config.model, config.dataset, example)
-    model = build_model(config.model, data.input_shape, data.num_classes, config.norm)
-    notes = list(data.notes)
-    if config.label_key != TrainConfig.label_key and not isinstance(example, Mapping):
-        notes.append(f"label_key={config.label_key!r} has no effect: the samples of {config.dataset!r} are "
-                     f"(input, target) pairs, not mappings")
-    bn_layers = set_bn_momentum(model, config.bn_momentum)
-    if bn_layers == 0 and config.bn_momentum_rule != "default":
-        notes.append(f"bn_momentum_rule={config.bn_momentum_rule!r} has no effect: model {config.model!r} "
-                     f"has no BatchNorm layer")
-    if config.ghost_batch and not use_ghost_batch(model, config.ghost_batch):
-        notes.append(f"ghost_batch has no effect: model {config.model!r} has no BatchNorm layer")
-    model = model.to(device, dtype)
-    data = data.to(device, dtype)
-    if config.channels_last:
-        if has_conv2d(model):
-            model = model.to(memory_format=torch.channels_last)
-            if data.x_train is not None:
-                data.x_train = data.x_train.contiguous(memory_format=torch.channels_last)
-            if data.x_test is not None:
-                data.x_test = data.x_test.contiguous(memory_format=torch.channels_last)
-        else:
-            notes.append("channels_last has no effect: the model has no 2-D convolution")
-    return Prepared(device, data, model, notes)
-
-
-def preflight(config: TrainConfig) -> Data | None:
-    """What would make every trial of a study fail alike, checked once before it starts: its device is on this
-    machine, each import path imports, and a built-in model can take the dataset's samples (the one check that
-    loads the dataset; the data it loaded is returned, for a caller that needs it, and None otherwise)."""
-    resolve_device(config.device)
-    load_metrics(config.metrics)
-    for path, what in ((config.model, "model"), (config.dataset, "dataset"), (config.loss, "loss")):
-        if ":" in path and not path.startswith("hf:"):
-            load_factory(path, what)
-    if config.model not in MODELS:
-        return None
-    data = load(config)
-    check_inputs(config.model, config.dataset, data.example(1))
-    return data
-
-
-def load(config: TrainConfig) -> Data:
-    """The config's data, as a trial loads it, for several `train(..., data=)` of the same dataset and seed (a
-    user's factory may tokenize for minutes); a factory that raises is one line, as a trial would record it."""
-    try:
-        return load_data(config.dataset, config.data_dir, config.seed, config.label_key)
-    except BatchsweepError:
-        raise
-    except Exception as exc:  # the user's factory: one line, as a trial would record it
-        raise DataError(f"dataset {config.dataset!r} raised {type(exc).__name__}: {exc}") from None

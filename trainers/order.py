@@ -24,6 +24,11 @@ def windows(order: torch.Tensor, config: TrainConfig) -> list[torch.Tensor]:
     return parts
 
 
+def steps_per_epoch(config: TrainConfig, n: int) -> int:
+    """The windows (optimizer steps) of an epoch of n samples."""
+    return len(windows(torch.arange(n), config))
+
+
 def shard(window: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """A data-parallel rank's contiguous part of a window: the ranks' parts, in rank order, are the window.
     Sizes differ by at most one; a part is empty when the window is shorter than the world."""
