@@ -16,8 +16,8 @@ only: a reader reads it once, whatever the epochs and windows that call it again
 calls too). Consecutive steps in one file are one stay; a stay in a file that an earlier stay had
 already been in is a return. The setup is the stays before the first epoch's windows are asked for (`Feed.epoch`: device, data, model,
 optimizer, loss, probes, checkpoint, resume and the schedule). Prints the stays
-(file and the functions entered, in order), the setup's stays and returns, then `stays=<n> files=<n>
-returns=<n>` on its last line.
+(file and the functions entered, in order), the setup's stays and returns, the stays and files, and last
+`returns=<n>`.
 
 `--package trainers` measures a checkout from before batchsweep's one installed name (the trainer was then the
 top-level package `trainers`): `PYTHONPATH=/path/to/that/checkout python benchmarks/walk.py --package trainers`.
@@ -122,7 +122,8 @@ def main() -> None:
         if i == setup:
             print("    (the first epoch's windows)")
     print(f"the setup: stays={setup} returns={returns(stays[:setup])}")
-    print(f"stays={len(stays)} files={len(seen)} returns={returns(stays)}")
+    print(f"stays={len(stays)} files={len(seen)}")
+    print(f"returns={returns(stays)}")
     if not stays:
         raise SystemExit(1)
 

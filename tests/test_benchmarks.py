@@ -39,6 +39,7 @@ RUNS = {
                             "--seeds", "1", "--set", "warmup_epochs=0"], "speedup"),
     # a step of each kind but the context (CUDA only) and those run above as they are (memory.py, gpu_workers.py)
     "gpu_figures.py": ([], ["--tiny", "--only", "throughput,study,metrics,program", "--out", "figures"], "measured"),
+    "walk.py": ([], [], "returns"),
     "ddp_sync.py": (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
                     [*TINY, "--pairs", "1", "--accum-steps", "2", "--physical-batch", "32"], "epoch_time_ratio"),
 }

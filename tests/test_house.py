@@ -213,7 +213,7 @@ def test_an_installed_batchsweep_claims_one_top_level_name():
     assert out.stdout.strip() == "[]", out.stdout
 
 
-def test_a_config_followed_from_train_comes_back_to_at_most_10_files_it_left(monkeypatch):
+def test_a_config_followed_from_train_comes_back_to_at_most_10_files_it_left(monkeypatch, data_dir):
     """The walk of benchmarks/walk.py (its docstring gives the rule): a configuration followed from `train`
     through a resumed run. Its setup (device, data, model, optimizer, loss, probes, checkpoint, resume, schedule)
     reads as one path: at most 2 returns, both to loop.py for the schedule."""
@@ -223,6 +223,6 @@ def test_a_config_followed_from_train_comes_back_to_at_most_10_files_it_left(mon
     spec.loader.exec_module(walk)
     from batchsweep import trainers
 
-    stays, setup = walk.walk(trainers, **walk.TINY)
+    stays, setup = walk.walk(trainers, **{**walk.TINY, "data_dir": data_dir})
     path = " > ".join(stay.file for stay in stays)
     assert walk.returns(stays[:setup]) <= 2 and walk.returns(stays) <= 10, path
