@@ -7,6 +7,8 @@ The steps, in order (--only picks groups):
 
     context     the GPU memory a worker holds outside PyTorch's allocator, against CONTEXT_BYTES, and what
                 the allocator reserves against its peak, against the placement's MARGIN
+    fused       fused.py: trials of cnn1d and of gpt trained as one against each alone, in one process;
+                fused_study.py: accum_lr's trials an hour fused against --no-fuse, 4 workers on the GPU
     memory      memory.py: peak memory and samples/s at k = 1, 4, 16 against the true batch, for cnn1d, gpt
                 and resnet18 (synthetic:cifar_shaped), in fp32 and bf16
     throughput  throughput.py: the trainer against the hand-written loop, for the same three models, then
@@ -46,7 +48,7 @@ from batchsweep.trainers.cli import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
-GROUPS = ("context", "memory", "throughput", "workers", "study", "metrics", "program")
+GROUPS = ("context", "fused", "memory", "throughput", "workers", "study", "metrics", "program")
 LEAST_S = 20  # a step is not started with less time left than this
 
 # Measured after a real training step, so that every library the trainer loads (cuBLAS, cuDNN, their
@@ -160,6 +162,15 @@ def steps(device: str, tiny: bool, data: str) -> list[Step]:
     on = ["--device", device, "--data-dir", data]
     out = [] if tiny else [Step("context", "context", ["-c", CONTEXT.replace("DATA", repr(data))], "context_share",
                                 120)]
+    for model, dataset, accum, epochs in [("mlp", "synthetic:blobs", ["1", "2"], 1)] if tiny else [
+            ("cnn1d", "mnist1d", ["1", "2", "4", "8", "16"], 2), ("gpt", "pytext", ["1", "2", "4"], 1)]:
+        out.append(Step("fused", f"fused {model}, k = {', '.join(accum)}", [
+            str(BENCH / "fused.py"), "--device", device, "--data-dir", data, "--model", model, "--dataset", dataset,
+            "--accum", *accum, "--epochs", str(epochs), "--repeats", "1" if tiny else "3"], "speedup", 240))
+    small = ["--seeds", "1", "--epochs", "1", "--workers", "1", "--set", "warmup_epochs=0", "--set", "max_steps=2"] \
+        if tiny else ["--workers", "4"]
+    out.append(Step("fused", "accum_lr fused against --no-fuse", [
+        str(BENCH / "fused_study.py"), *small, "--set", f"device={device}", "--set", f"data_dir={data}"], "ratio", 420))
     for model, dataset, b, epochs, _, flags in models:
         for precision in ("fp32", "bf16"):
             out.append(Step("memory", f"memory {model} {precision}", [
