@@ -116,10 +116,13 @@ def over_training(trials: pd.DataFrame, history: pd.DataFrame, metric: str, dire
     reason = trials["reason"] if "reason" in trials else pd.Series(None, index=trials.index, dtype=object)
     out = []
     for epoch in sorted(rows["epoch"].unique()):
-        value = trials["run_id"].map(rows[rows["epoch"] == epoch].set_index("run_id")[metric])
+        now = rows[rows["epoch"] == epoch].set_index("run_id")
+        value = trials["run_id"].map(now[metric])
         seen = value.notna()
         at = trials.assign(**{metric: value, "status": np.where(seen, "FINISHED", "FAILED"),
                               "reason": reason.where(~seen, None)})
+        if "noise_scale" in now:  # the noise scale of that epoch, not the run's last
+            at["noise_scale"] = trials["run_id"].map(now["noise_scale"])
         try:
             out.append((int(epoch), best_lr_against_b(at, metric, direction, seed)))
         except ValueError:  # (too few Bs or seeds there)

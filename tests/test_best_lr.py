@@ -118,7 +118,8 @@ def _moving(seeds: int, second_peak: float = 256) -> list:
                 run = f"b{b}s{s}lr{lr}"
                 for epoch, peak in ((1, 64), (2, second_peak)):
                     best = 0.05 * math.exp(-math.log2(b / peak) ** 2 / 4 + shift)
-                    history.append(dict(run_id=run, epoch=epoch, val_loss=0.5 + 0.02 * math.log2(lr / best) ** 2))
+                    history.append(dict(run_id=run, epoch=epoch, val_loss=0.5 + 0.02 * math.log2(lr / best) ** 2,
+                                        noise_scale=10.0 * epoch))
                 rows.append(dict(run_id=run, seed=s, effective_batch=b, lr=lr, status="FINISHED",
                                  val_loss=history[-1]["val_loss"]))
     return best_lr.over_training(pd.DataFrame(rows), pd.DataFrame(history), "val_loss", "minimize")
@@ -130,6 +131,7 @@ def test_a_peak_that_moves_during_training_is_said_to_move_only_where_the_seeds_
     five = _moving(5)
     assert 48 < five[0][1].peak < 100 and 190 < five[1][1].peak < 340, five  # (Li et al.'s curve fitted to a grid)
     assert all(r.shape == "rises then falls" for _, r in five)
+    assert [r.noise_scale for _, r in five] == [10.0, 20.0]  # each epoch's own, from the history
     said = best_lr.moved(five)
     assert "the highest at B = 64 after epoch 1, 256 after epoch 2." in said and said.endswith(
         "it moved beyond the seeds' spread."), said
