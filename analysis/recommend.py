@@ -129,10 +129,23 @@ def fastest(study: StudyRuns) -> list[str]:
     any is, none is resolved fastest, and they are named."""
     found = times(study)
     if found is None:
-        return []
+        return _fused(study)
     line = _fastest(study.objectives[0][0], *found[:5])
     gone = found[5]  # (a median over the seeds that survived would be a pick among survivors)
     return [line[:-1] + f"; left out as {stopped_in(study.trials)} in a seed: {'; '.join(gone)}." if gone else line]
+
+
+def _fused(study: StudyRuns) -> list[str]:
+    """Where the trials trained fused (several in one process: each logged its group's time, not its own), that no
+    time to the target is given, and what measures one."""
+    h = study.history
+    if h.empty or "group_epoch_time_s" not in h:
+        return []
+    fused = h.loc[h["group_epoch_time_s"].notna(), "run_id"].nunique()
+    return [f"No time to the target is given: {fused} of the {study.trials['run_id'].nunique()} trials trained fused "
+            f"(several configurations at once in one process), each with its group's time, not its own, and the "
+            f"rest are too few to compare; `{commands.command('run')} "
+            f"{study.run_as or '--study ' + study.name} --no-fuse` in a new folder times each trial alone."]
 
 
 def _fastest(value: str, t: pd.DataFrame, _, points: pd.DataFrame, fields: list[str], target: float) -> str:

@@ -216,3 +216,18 @@ def test_a_b_whose_twins_differ_with_no_half_to_pick_from_says_so():
     [at_128] = [line for line in recommend(_study(rows, VARIED)) if line.startswith("At B = 128")]
     assert at_128.startswith("At B = 128: accumulation and the true batch were resolved apart, and neither half has "
                              "2 LR rules finished in 2 shared seeds to pick from; accumulating (b = 32, k = 4"), at_128
+
+
+def test_a_fused_study_says_why_it_gives_no_time_to_the_target():
+    """Fused trials log their group's time (group_epoch_time_s), not their own: the block left the time line out
+    without a word."""
+    rows = _rows(lambda s, rule, b, k: 0.95 + 0.001 * s)
+    for i, r in enumerate(rows):
+        r["run_id"] = f"r{i}"
+    study = _study(rows, VARIED)
+    study.history = pd.DataFrame([dict(run_id=r["run_id"], epoch=e, val_acc=0.95 * e / 2, group_epoch_time_s=3.0)
+                                  for r in rows for e in (1, 2)])
+    [line] = [line for line in recommend(study) if "time to the target" in line]
+    assert line.startswith("No time to the target is given: 27 of the 27 trials trained fused (several "
+                           "configurations at once in one process), each with its group's time, not its own"), line
+    assert line.endswith("--study s --no-fuse` in a new folder times each trial alone."), line
