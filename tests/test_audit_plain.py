@@ -223,3 +223,24 @@ def test_a_mistake_beside_a_counter_or_one_dropout_layer_is_still_named(case, tm
     `stateful_forward` and `random_forward`)."""
     code, out, found = audited(tmp_path, store, capsys, "--case", *case, "--undivided", "yes")
     assert code == 1 and found["verdicts"] == ["loss_not_divided"], out
+
+
+@pytest.mark.parametrize("modules, drawn", [([], ["torch"]), (["2: Dropout(p=0.1)"], ["torch", "random"]),
+                                            ([], ["numpy"])])
+def test_the_sentences_of_a_random_forward_say_what_drew_and_never_judge_the_loop(modules, drawn):
+    """random_forward and random_across_ranks name the generators and what drew (a functional draw, the forward's
+    own code) and say the loop cannot be told right or wrong; neither says the loop is right or has no mistake."""
+    from batchsweep.sweeps.audit.traces import random_figures
+    from batchsweep.sweeps.audit.verdicts import sentence
+    from batchsweep.sweeps.launch.observed import Trace
+
+    trace = Trace(random_modules=modules, random_draws=["forward"], random_generators={"forward": drawn})
+    figures = {"nproc": 2, **random_figures(trace)}
+    for verdict in ("random_forward", "random_across_ranks"):
+        said = sentence(verdict, figures)
+        judged = said.replace("whether the loop is right", "")  # (the one way it may be named: as not told)
+        assert "cannot be told" in said and "no mistake" not in judged and " right" not in judged, said
+        assert "exact" not in judged and "is wrong" not in judged, said
+        assert ("no module random by kind" in said) == (not modules), said
+        assert ("a functional draw in the forward" in said) == (not modules and "torch" in drawn), said
+    assert figures["random_generators"] == ", ".join(drawn)
