@@ -3,8 +3,10 @@ and its result, against its solo `train`; a member that diverges ends alone; wha
 before any step."""
 import math
 
+import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from batchsweep.trainers import TrainConfig, train
 from batchsweep.trainers.fused import NotFusable, alone, group_key, train_fused
@@ -150,3 +152,34 @@ def test_the_default_studys_group_steps_as_its_solo_runs_over_two_epochs(data_di
         assert len(probe.seen) == len(alone_seen) > 0
         assert max(relative(a, b) for a, b in zip(probe.seen, alone_seen)) < 1e-10, config
         assert result.history[-1]["val_acc"] == pytest.approx(alone_result.history[-1]["val_acc"], abs=1e-12)
+
+
+EVENTS: list[str] = []  # what logged_mlp's models did, in order: each build, each forward
+
+
+class Logged(nn.Sequential):
+    def forward(self, x):
+        EVENTS.append("forward")
+        return super().forward(x)
+
+
+def logged_mlp(input_shape, num_classes, **_):
+    EVENTS.append("built")
+    return Logged(nn.Flatten(), nn.Linear(int(np.prod(input_shape)), 8), nn.ReLU(), nn.Linear(8, num_classes))
+
+
+def test_every_members_peak_is_measured_before_any_member_is_built():
+    """On a GPU the allocator's peak counts every tensor resident, so a member measured alone after others were
+    built would count their weights too: each peak run (a build, then its forwards) comes first, then the members'
+    builds one after the other. (Here on the CPU the peak counts the run's own tensors whatever the order; that
+    the CUDA figure then equals a solo run's needs a GPU.)"""
+    EVENTS.clear()
+    configs = [TrainConfig(**{**BASE, "model": "tests.test_fused:logged_mlp", "epochs": 1, **m})
+               for m in (dict(accum_steps=1), dict(accum_steps=2), dict(accum_steps=1, lr_rule="linear"))]
+    fused = train_fused(configs)
+    built = [i for i, e in enumerate(EVENTS) if e == "built"]
+    assert len(built) == 2 + 3  # two measured alone (the LR rule allocates nothing), three members
+    assert built[-3:] == [built[-3], built[-3] + 1, built[-3] + 2]  # the members', nothing run in between
+    assert "forward" in EVENTS[built[0]:built[1]] and "forward" in EVENTS[built[1]:built[2]]
+    for config, result in zip(configs, fused):
+        assert result.metrics["peak_memory_bytes"] == train(config).metrics["peak_memory_bytes"]

@@ -100,9 +100,11 @@ def train_fused(configs: list[TrainConfig], on_epoch: list[EpochCallback | None]
         raise NotFusable("only datasets of tensors train fused (this one is read through a DataLoader)")
     extra = probes or [[] for _ in configs]
     specs = checkpoints or [None] * len(configs)
-    peaks: dict[TrainConfig, tuple[float, int]] = {}
-    members = [_member(c, data, extra[i], _peak_alone(c, data, peaks) if diagnostics else None, specs[i])
-               for i, c in enumerate(configs)]
+    # Every member's peak before any member is built: on a GPU the allocator's peak counts whatever is resident,
+    # and the members built before it (their weights, optimizer state, data) are no part of a solo run's.
+    measured: dict[TrainConfig, tuple[float, int]] = {}
+    peaks = [_peak_alone(c, data, measured) if diagnostics else None for c in configs]
+    members = [_member(c, data, extra[i], peaks[i], specs[i]) for i, c in enumerate(configs)]
     try:
         return _train(members, on_epoch or [None] * len(members))
     finally:
