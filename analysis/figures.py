@@ -91,16 +91,20 @@ def memory_vs_batch(trials: pd.DataFrame) -> Figure | None:
 
 
 def throughput(trials: pd.DataFrame) -> Figure | None:
-    t = finished(trials)
-    if "samples_per_s" not in t or not varies(t, "physical_batch"):
+    """Samples/s against b, over the trials that measured their own (a fused trial logs its group's instead)."""
+    done = finished(trials)
+    t = done[done["samples_per_s"].notna()] if "samples_per_s" in done else done.iloc[0:0]
+    if not varies(t, "physical_batch"):
         return None
+    alone = (f" ({len(t)} of {len(done)} finished trials timed alone; fused trials have only their group's time)"
+             if len(t) < len(done) else "")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     sns.lineplot(data=t, x="physical_batch", y="samples_per_s", hue="accum_steps", marker="o", palette="crest",
                  errorbar=None, ax=ax)
     log2_axis(ax, t["physical_batch"])
     ax.set(xlabel="physical batch b", ylabel="training samples / s")
-    return Figure("throughput", "Training throughput against physical batch (hue: accumulation steps k)", fig,
-                  context(t))
+    return Figure("throughput", f"Training throughput against physical batch (hue: accumulation steps k){alone}",
+                  fig, context(t))
 
 
 def learning_curves(trials: pd.DataFrame, history: pd.DataFrame,

@@ -231,3 +231,19 @@ def test_a_fused_study_says_why_it_gives_no_time_to_the_target():
     assert line.startswith("No time to the target is given: 27 of the 27 trials trained fused (several "
                            "configurations at once in one process), each with its group's time, not its own"), line
     assert line.endswith("--study s --no-fuse` in a new folder times each trial alone."), line
+
+
+def test_the_throughput_figure_draws_only_trials_timed_alone_and_says_how_many():
+    """79 of 81 trials of a fused study log their group's samples/s: the figure drew two points under the caption
+    "81 trials", with a legend of k values that had none."""
+    from batchsweep.analysis.figures import throughput
+
+    rows = _rows(lambda s, rule, b, k: 0.95)
+    for r in rows:
+        r["samples_per_s"] = 1e4 * r["physical_batch"] / 128 if r["accum_steps"] == 1 and r["seed"] == 0 else np.nan
+    figure = throughput(pd.DataFrame(rows))
+    assert figure.title.endswith("(6 of 27 finished trials timed alone; fused trials have only their group's time)")
+    assert figure.context.endswith("; 6 trials"), figure.context
+    for r in rows:
+        r["samples_per_s"] = np.nan if r["physical_batch"] == 128 else r["samples_per_s"]
+    assert throughput(pd.DataFrame(rows)) is None  # (one b measured: nothing against b)
