@@ -3,7 +3,8 @@ hooks, with no edit to the script. sitecustomize.py (beside this file, on PYTHON
 process of a command that batchsweep launches, children included; it needs torch and nothing else, so that it
 runs in whatever interpreter the command names. Its files sit beside this one, each imported here at start-up
 (while the tracer's folder is on sys.path): batchsweep_trace_window.py (the record of the process),
-batchsweep_trace_hooks.py (the hooks that feed it) and batchsweep_trace_tensors.py (how it reads tensors).
+batchsweep_trace_hooks.py (the hooks that feed it), batchsweep_trace_tensors.py (how it reads tensors) and
+batchsweep_trace_sites.py (where in the script a call was made).
 
 It writes one JSON line per optimizer step into $BATCHSWEEP_TRACE/trace-<pid>.jsonl:
     {"step": 3, "events": "ZFBFBCS", "samples": [8, 8], "fingerprint": [s, s2], "lrs": [0.1],

@@ -6,6 +6,7 @@ import atexit
 import os
 import sys
 
+import batchsweep_trace_sites as sites
 import batchsweep_trace_window as window
 from batchsweep_trace_window import Tracer
 
@@ -16,7 +17,7 @@ def install_hooks(tracer: Tracer) -> None:
     from torch.nn.modules import module as modules
     from torch.optim import lr_scheduler, optimizer as optimizers
 
-    window.TORCH = os.path.dirname(torch.__file__) + os.sep
+    sites.TORCH = os.path.dirname(torch.__file__) + os.sep
     # (torch.compiler.is_compiling from torch 2.3 on; before, Dynamo's own, where Dynamo has been imported)
     window.compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (
         lambda: "torch._dynamo" in sys.modules and sys.modules["torch._dynamo"].is_compiling())

@@ -1,15 +1,15 @@
 """The tracer's record of one process (batchsweep_trace.py starts it): what the script did between two optimizer
 steps, from the hooks' calls, written as a JSON line per step, and the model's weights and windows' gradients
 saved where asked. The hooks that call it are batchsweep_trace_hooks.py's; the tensors it reads,
-batchsweep_trace_tensors.py's."""
+batchsweep_trace_tensors.py's; the places of the script's calls, batchsweep_trace_sites.py's."""
 from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 import weakref
 
+from batchsweep_trace_sites import Sites
 from batchsweep_trace_tensors import first_tensor, generator_states, grad_norm, plain, randomness, squares, value
 
 FLUSH_EVERY = 32  # steps held before their figures are read (a .item() on a GPU waits for the step's kernels)
@@ -17,8 +17,6 @@ FLUSH_EVERY = 32  # steps held before their figures are read (a .item() on a GPU
 # over it (three foreach operations), as the trainer's (trainers/noise.py): about 15% of a micro-batch of the
 # example GPT loop, so a few windows are measured, as the trainer does (about 2% a micro-batch on average).
 NOISE_EVERY = 8
-TORCH = os.sep + "torch" + os.sep  # torch's folder, once it is imported: calls from inside it are not the script's
-HERE = os.path.dirname(__file__)  # the tracer's files: a call made from them is not the script's
 RANDOM_WINDOWS = 3  # windows over which the default generators are watched for draws in a forward or before a step
 
 
@@ -71,9 +69,7 @@ class Tracer:
         self.opt = 0  # the index of the optimizer stepping now
         self.scheduling = 0  # inside a scheduler's construction or step: its children's steps are not the script's
         self.schedulers = weakref.WeakKeyDictionary()  # by first step
-        self.sites: dict[str, int] = {}  # "file:line" of a call: its index
-        self.places: dict = {}  # (code, line, suffix) of a call: its index (a call's site named once, not per call)
-        self.inside: dict = {}  # code: whether it is torch's or the tracer's own (skipped when naming a site)
+        self.sites = Sites()  # the places of the script's calls
         self.steps = 0  # of every optimizer
         self.compiled = False  # a module compiled in place (module.compile()), whose hooks run in its graph
         self.pending: list[dict] = []
@@ -212,27 +208,7 @@ class Tracer:
 
     def event(self, mark: str) -> None:
         self.events.append(mark)
-        self.at.append(self.site())
-
-    def site(self, suffix: str = "") -> int:
-        """The index of the caller's place outside torch and this file: "file:line". Each backward() names one,
-        so what is known of a code object and of a place is kept (a place's name costs a getcwd)."""
-        frame, inside = sys._getframe(2), self.inside
-        while frame is not None and inside.get(frame.f_code, None) is not False and self._inside(frame.f_code):
-            frame = frame.f_back
-        place = frame and (frame.f_code, frame.f_lineno, suffix)
-        index = self.places.get(place)
-        if index is None:
-            where = "?" if frame is None else f"{relative(frame.f_code.co_filename)}:{frame.f_lineno}{suffix}"
-            index = self.places[place] = self.sites.setdefault(where, len(self.sites))
-        return index
-
-    def _inside(self, code) -> bool:
-        inside = self.inside.get(code)
-        if inside is None:
-            name = code.co_filename
-            inside = self.inside[code] = name.startswith(TORCH) or os.path.dirname(name) == HERE
-        return inside
+        self.at.append(self.sites.index())
 
     def backward(self, tensors) -> None:
         import torch
@@ -283,7 +259,7 @@ class Tracer:
             self.schedulers[scheduler] = len(self.schedulers)
         self.events.append("L")
         n = self.schedulers[scheduler]
-        self.at.append(self.site(f" (scheduler {n + 1})" if n else ""))
+        self.at.append(self.sites.index(f" (scheduler {n + 1})" if n else ""))
 
     def clipping(self, parameters, max_norm) -> None:
         """Before clip_grad_norm_ runs: the gradient it is about to cut is the window's."""
@@ -408,7 +384,7 @@ class Tracer:
                                  "random_fields": self.random_fields,
                                  "random_draws": sorted(self.draws),
                                  "random_generators": {where: sorted(names) for where, names in self.draws.items()},
-                                 "sites": list(self.sites),
+                                 "sites": list(self.sites.names),
                                  "compiled": self.compiled})
         if self.loaders and self.steps:
             self.pending.append({"loaders": sorted(self.loaders, key=str)})
@@ -453,8 +429,3 @@ def compiling() -> bool:
     """Whether Dynamo is tracing the call (set to torch's own test once torch is imported)."""
     return False
 
-
-def relative(path: str) -> str:
-    """A script's path as the user knows it: from the current folder where it is inside it."""
-    here = os.getcwd() + os.sep
-    return path[len(here):] if path.startswith(here) else path
