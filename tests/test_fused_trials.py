@@ -236,3 +236,19 @@ def test_a_study_that_measures_each_trials_time_trains_it_alone(tmp_path):
     run(tmp_path / "alone", grid=GRID.replace("[grid]", "[search]\nfuse = false\n[grid]"))
     for r, _ in recorded(tmp_path / "alone").values():
         assert "fused_members" not in r.data.tags and "samples_per_s" in r.data.metrics
+
+
+def test_each_member_holds_its_groups_system_metrics(tmp_path, monkeypatch):
+    """With --system-metrics, one monitor samples while the group trains and each member's run holds its samples
+    (the same steps and values in every member's), tagged as the group's."""
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.01")  # (the group trains for far longer)
+    run(tmp_path / "s", "--system-metrics", "--epochs", "5")
+    _, client = stores(tmp_path / "s")
+    samples = []
+    for r, _ in recorded(tmp_path / "s").values():
+        assert r.data.tags["fused_members"] == "6" and r.data.tags["system_metrics_of"] == "group"
+        assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(r.data.metrics)
+        history = client.get_metric_history(r.info.run_id, "system/cpu_utilization_percentage")
+        samples.append([(m.step, m.value, m.timestamp) for m in history])
+    assert len(samples) == 6 and samples[0] and all(s == samples[0] for s in samples)
+    assert sorted(step for step, _, _ in samples[0]) == list(range(len(samples[0])))  # each sample once

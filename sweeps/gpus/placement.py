@@ -81,12 +81,26 @@ def free_now(uuid: str) -> int | None:
 SYSTEM_METRICS_INTERVAL_S = 1.0
 
 
-def system_metrics(run_id: str, uri: str, gpu_uuid: str = ""):
+def system_metrics(run_id: str, uri: str, gpu_uuid: str = "", also: list[str] = ()):
     """Start MLflow's own system-metrics monitor for one run (a thread); call .finish() when the trial ends.
-    With `gpu_uuid` (a worker placed on a GPU), its GPU metrics are those of that GPU alone."""
+    With `gpu_uuid` (a worker placed on a GPU), its GPU metrics are those of that GPU alone. `also`: more runs that
+    get the same samples (the members of a fused group: one monitor, whatever their number). A run that holds
+    samples already (a member whose group then trained it alone) goes on after their last step."""
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+    from mlflow.utils.autologging_utils import BatchMetricsLogger
 
-    monitor = SystemMetricsMonitor(run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S, tracking_uri=uri)
+    class EachRun(BatchMetricsLogger):
+        """MLflow's batching, each batch logged to every run."""
+
+        def _timed_log_batch(self):
+            for each in (run_id, *also):
+                self.run_id = each
+                super()._timed_log_batch()
+
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S, tracking_uri=uri,
+                                   resume_logging=True)
+    if also:
+        monitor.mlflow_logger = EachRun(run_id, tracking_uri=uri)
     if gpu_uuid:
         own_gpu(monitor, gpu_uuid)
     monitor.start()

@@ -18,6 +18,7 @@ from batchsweep.trainers import Checkpointing, NotFusable, format_bytes, group_k
 
 from .objective import Trained
 from .record import TrialRun
+from ..gpus.placement import system_metrics
 from ..stores.mlflow_store import PROCESSES
 from ..stores.optuna_store import owner
 from ..study.search import Duplicate, Unit
@@ -168,6 +169,10 @@ class Group:
             return train_fused(configs, [callback(m) for m in live], data=load(configs[0]),
                                checkpoints=[Checkpointing(str(m.folder)) if m.folder else None for m in live])
 
+        # With --system-metrics, one monitor for the group: its samples, the group's, go to every member's run.
+        monitor = system_metrics(live[0].run_id, worker.inv.tracking_uri,
+                                 worker.placement.gpu.uuid if worker.placement else "",
+                                 [m.run_id for m in live[1:]]) if worker.inv.system_metrics else None
         try:
             if worker.placement is None:
                 return train()
@@ -180,6 +185,9 @@ class Group:
             if any(m.history for m in live):
                 self._say(f"trials {', '.join(str(m.trial.number) for m in live)} train alone: the group raised "
                           f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+        finally:
+            if monitor is not None:
+                monitor.finish()
         return None
 
     def _placed(self, live: list[TrialRun], train: Callable[[], list], shown: set) -> list | None:

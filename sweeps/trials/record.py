@@ -100,6 +100,7 @@ class TrialRun:
         """Train, and map what stopped the training to its outcome."""
         worker, inv = self.worker, self.worker.inv
         placed_on = worker.placement.gpu.uuid if worker.placement else ""
+        # (a fused member's samples are its group's, from the group's one monitor: sweeps/trials/group.py)
         monitor = system_metrics(self.run_id, inv.tracking_uri, placed_on) if inv.system_metrics and not given \
             else None
         urls = [v for v in self.own.values() if isinstance(v, str) and "://" in v]  # the study's own, too
@@ -195,9 +196,11 @@ class TrialRun:
             # two then leaves a run that the next invocation closes by the trial's state.
             logged = {k: v for k, v in metrics.items() if k not in self.in_run} if metrics else metrics
             history = self.worker.objective.history(self.history)
+            group = "group" if self.fused and self.worker.inv.system_metrics else None  # whose samples it holds
             error = self.worker.tracker.finish(self.run_id, outcome.status, history=history, metrics=logged,
                                                tags={"reason": reason, "state": outcome.state.name, **self.placed,
-                                                     "fused_members": self.fused, **extra},
+                                                     "fused_members": self.fused, "system_metrics_of": group,
+                                                     **extra},
                                                end=name != "complete", dataset=dataset)
         if error:
             self.worker.hooks.say(f"trial {trial.number} ({self.name}): trained, but recording it in "
