@@ -13,16 +13,48 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 
 from .measures import WORSE, stopped
 from .runs import StudyRuns, ci95, paired, quantum
 from .verdicts import judge
 
+SHORT = {"physical_batch": "b", "accum_steps": "k"}
 LENGTHS = ("batch_warmup", "epochs")  # how long (and at which B) a run trained: not a choice compared at one budget
 CONTINUOUS = 12  # a numeric field with more values than this was searched, not gridded: no cells to cross
 EVERY_RULE = "every LR rule (B = base_batch)"
 EVERY_BN = "every BN momentum rule (k = 1)"  # at k = 1 every BN rule is the default momentum: one configuration
+
+
+def shown_value(value) -> str:
+    """A field's value as a label shows it: 0.05, 32, sqrt."""
+    if isinstance(value, float) and not value.is_integer():
+        return f"{value:.3g}"
+    return str(int(value)) if isinstance(value, (int, float, np.integer)) and not isinstance(value, bool) else str(value)
+
+
+def _warmup(value: str) -> str:
+    """A batch warmup's B per epoch, a repeated B once with its epochs: a critical-batch branch's eight epochs
+    at the reference's B are '32 for 8 epochs'."""
+    sizes = value.split(",")
+    return f"{sizes[0]} for {len(sizes)} epochs" if len(sizes) > 1 and len(set(sizes)) == 1 else ", ".join(sizes)
+
+
+def label(row: pd.Series | dict, fields: list[str]) -> str:
+    """A configuration as people say it: 'b = 64, k = 8, sqrt'."""
+    parts = []
+    for f in fields:
+        v = row[f]
+        if f == "batch_warmup":
+            parts.append(f"warmup B = {_warmup(v)}" if isinstance(v, str) and v else "fixed B")
+        elif f in SHORT:
+            parts.append(f"{SHORT[f]} = {shown_value(v)}")
+        elif f in ("lr_rule", "bn_momentum_rule"):
+            parts.append(str(v) if f == "lr_rule" or v == EVERY_BN else f"BN {v}")
+        else:
+            parts.append(f"{f} = {shown_value(v)}")
+    return ", ".join(parts)
 
 
 def _crossed(t: pd.DataFrame, a: str, b: str) -> bool:

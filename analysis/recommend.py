@@ -13,12 +13,12 @@ import pandas as pd
 from batchsweep.sweeps import commands
 
 from .at_batch import largest_free, per_batch
-from .best import EVERY_RULE, Best, best_set, choices, diverged_in_a_seed, members, picked, stopped_in
+from .best import EVERY_RULE, Best, best_set, choices, diverged_in_a_seed, label, members, picked, stopped_in
 from .findings import bn_against_true, exact_by_model, lr_exponent
 from .measures import Measure, finished, full_scale, measure, stopped_verb, tuned, unmoved
 from .rules import rule_comparisons
 from .runs import StudyRuns
-from .space import identical_spread, label, shown, times
+from .space import identical_spread, shown, times
 from .wording import listed, lowered, stated
 from .wording import percent as full_percent
 

@@ -16,14 +16,13 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from .best import (EVERY_BN, EVERY_RULE, choices, diverged_in_a_seed, highest, naming, of, one_at_base,
-                   per_configuration, per_seed, picked, stopped_in, ties, without)
+from .best import (EVERY_BN, EVERY_RULE, SHORT, choices, diverged_in_a_seed, highest, label, naming, of,
+                   one_at_base, per_configuration, per_seed, picked, shown_value, stopped_in, ties, without)
 from .measures import finished, stopped_verb
 from .plotting import Draw, Figure, context, in_order, log_scale
 from .runs import TARGET_SHARE, StudyRuns, ci95
 
 MIN_IMPORTANCE_TRIALS = 10  # fewer finished trials say nothing about which field mattered
-SHORT = {"physical_batch": "b", "accum_steps": "k"}
 MIB = 2 ** 20
 
 
@@ -51,35 +50,6 @@ def _choices(column: pd.Series) -> list[str]:
 
 def _log(values: pd.Series) -> bool:
     return bool((values > 0).all() and values.max() / values.min() >= 4)
-
-
-def _value(value) -> str:
-    if isinstance(value, float) and not value.is_integer():
-        return f"{value:.3g}"
-    return str(int(value)) if isinstance(value, (int, float, np.integer)) and not isinstance(value, bool) else str(value)
-
-
-def _warmup(value: str) -> str:
-    """A batch warmup's B per epoch, a repeated B once with its epochs: a critical-batch branch's eight epochs
-    at the reference's B are '32 for 8 epochs'."""
-    sizes = value.split(",")
-    return f"{sizes[0]} for {len(sizes)} epochs" if len(sizes) > 1 and len(set(sizes)) == 1 else ", ".join(sizes)
-
-
-def label(row: pd.Series | dict, fields: list[str]) -> str:
-    """A configuration as people say it: 'b = 64, k = 8, sqrt'."""
-    parts = []
-    for f in fields:
-        v = row[f]
-        if f == "batch_warmup":
-            parts.append(f"warmup B = {_warmup(v)}" if isinstance(v, str) and v else "fixed B")
-        elif f in SHORT:
-            parts.append(f"{SHORT[f]} = {_value(v)}")
-        elif f in ("lr_rule", "bn_momentum_rule"):
-            parts.append(str(v) if f == "lr_rule" or v == EVERY_BN else f"BN {v}")
-        else:
-            parts.append(f"{f} = {_value(v)}")
-    return ", ".join(parts)
 
 
 def as_percent(metric: str, values: pd.Series) -> bool:
@@ -162,7 +132,7 @@ def parallel_coordinates(study: StudyRuns) -> Figure | None:
             if len(shown_values) > 6 or name in metrics:
                 shown_values = [values.min(), values.max()]
             ticks[name] = [(float(((np.log(v) if _log(values) else v) - low) / (high - low)) if high > low else 0.5,
-                            _value(v) if name not in metrics else f"{v:.4g}") for v in shown_values]
+                            shown_value(v) if name not in metrics else f"{v:.4g}") for v in shown_values]
         else:
             names = _choices(column)
             step = 1 / (len(names) - 1) if len(names) > 1 else 0
