@@ -123,9 +123,8 @@ def per_batch(study: StudyRuns, m: Measure) -> list[str]:
     if found is None:
         return []
     t, compared, verdicts = found
-    pairs = twin_pairs(study.trials, m)  # (keyed by every rule varied: one verdict per BN rule, none overwritten)
-    twins = [(key, v) for (key, _), v in zip(pairs, judge([d for _, d in pairs], m.margin))]
-    split = frozenset(key["effective_batch"] for key, v in twins if v is not None and v.resolved)
+    twins = _twins(study, m)
+    split = _split(twins)
     step = quantum(t[m.name])
     costs = _costs(t, compared, split, m, step) if split else []  # (a split B's halves; the rest as the findings)
     cost = {(rule, b): (base, v) for (rule, b, base, _), v in zip(compared, verdicts)}
@@ -238,7 +237,7 @@ def _half(x) -> str:
 def _worse_half(t: pd.DataFrame, judged: list, study: StudyRuns, m: Measure) -> list:
     """Where accumulation and its twin were resolved apart at a B, a cost pooled over both halves holds for
     neither: that B costs what its worse half costs (the block's per-half family, as its per-B line says)."""
-    split = _split(study, m)
+    split = _split(_twins(study, m))
     if not split:
         return judged
     halves = {}
@@ -259,11 +258,15 @@ def _worse_half(t: pd.DataFrame, judged: list, study: StudyRuns, m: Measure) -> 
     return out
 
 
-def _split(study: StudyRuns, m: Measure) -> frozenset:
-    """The Bs where accumulation and its true-batch twin were resolved apart (under any rule)."""
+def _twins(study: StudyRuns, m: Measure) -> list:
+    """Each twin pair's key and verdict, keyed by every rule varied (one verdict per BN rule, none overwritten)."""
     pairs = twin_pairs(study.trials, m)
-    return frozenset(key["effective_batch"] for (key, _), v in zip(pairs, judge([d for _, d in pairs], m.margin))
-                     if v is not None and v.resolved)
+    return [(key, v) for (key, _), v in zip(pairs, judge([d for _, d in pairs], m.margin))]
+
+
+def _split(twins: list) -> frozenset:
+    """The Bs where accumulation and its true-batch twin were resolved apart (under any rule)."""
+    return frozenset(key["effective_batch"] for key, v in twins if v is not None and v.resolved)
 
 
 def _costs_little(v, m: Measure) -> bool:
