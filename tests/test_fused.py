@@ -183,3 +183,15 @@ def test_every_members_peak_is_measured_before_any_member_is_built():
     assert "forward" in EVENTS[built[0]:built[1]] and "forward" in EVENTS[built[1]:built[2]]
     for config, result in zip(configs, fused):
         assert result.metrics["peak_memory_bytes"] == train(config).metrics["peak_memory_bytes"]
+
+
+def test_members_are_evaluated_together_as_each_alone_with_the_configs_own_metrics():
+    """The epoch's evaluation runs one stacked forward a test batch for every member: each member's row, its own
+    metric functions' terms included, is its solo run's."""
+    configs = [TrainConfig(**{**BASE, "metrics": "tests.factories:margin", **m}) for m in MEMBERS[:3]]
+    for result, config in zip(train_fused(configs), configs):
+        alone_result = train(config)
+        for mine, theirs in zip(result.history, alone_result.history):
+            assert "val_margin" in mine
+            assert {n: mine[n] for n in mine if n.startswith("val_")} == pytest.approx(
+                {n: theirs[n] for n in theirs if n.startswith("val_")}, rel=1e-12, abs=1e-14)

@@ -29,10 +29,11 @@ from .checkpoint import Checkpointing
 from .config import TrainConfig
 from .data import Data
 from .errors import ConfigError
+from .evaluation import Scores, load_metrics
 from .feed import Feed, Window
 from .interrupt import check as check_interrupt
 from .loop import (EpochCallback, Setup, TrainResult, end_epoch, end_window, lr_at, plan, replayed, result, save, set_up,
-                   train)
+                   window_step)
 from .losses import add_counts
 from .probes import Health, Micro, Noise, PeakMemory, Probe
 
@@ -77,6 +78,7 @@ class Member:
     samples: int = 0  # trained this epoch
     counted: object = 0  # a loss without counts(): the items its window's terms counted so far
     stopped: Exception | None = None  # what its on_epoch raised: it ended there, alone
+    weights: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # its model's parameters, by name
 
 
 def train_fused(configs: list[TrainConfig], on_epoch: list[EpochCallback | None] | None = None,
@@ -138,7 +140,9 @@ def _train(members: list[Member], callbacks: list[EpochCallback | None]) -> list
             _micro_batch(active, forward, buffers, part, i, len(micro) - 1, epoch == 1 and i == 0)
             check_interrupt()
         trained = time.perf_counter()
-        for m in active:  # each member's training time is the group's (the others' evaluations are not in it)
+        for m, row in zip(active, _evaluate(active, forward, buffers)):
+            m.run.measure = lambda row=row: row
+        for m in active:  # each member's training time is the group's (the evaluation is not in it)
             row = end_epoch(m.run, epoch, m.step, m.lr, m.samples, start, time.perf_counter() - trained, (0, 0))
             save(m.run)
             callback = callbacks[members.index(m)]
@@ -171,20 +175,24 @@ def _member(config: TrainConfig, data: Data, extra: list[Probe], peak: PeakMemor
     if getattr(run.t.loss.fn, "__self__", None) is run.model:
         raise NotFusable("a model's own loss method reads its own parameters, not the stacked ones")
     _, steps, warmup = plan(config, run.data.n_train)
-    return Member(run, steps, warmup, step=run.progress.step)
+    return Member(run, steps, warmup, step=run.progress.step, weights=dict(run.model.named_parameters()))
 
 
 def _peak_alone(config: TrainConfig, data: Data, measured: dict[TrainConfig, tuple[float, int]]) -> PeakMemory:
     """The member's peak memory as its solo run measures it, from one window of its own (the planner's probe):
-    on a CPU the first window's saved tensors and the state after a step, which is all a solo run counts. The
+    on a CPU the first window's saved tensors and the state after a step, which is all a solo run counts; on a
+    GPU the allocator's peak over that window and an evaluation. The
     learning rate and its schedule allocate nothing: members that differ only there share one measurement
     (`measured`, by the configuration without them)."""
     key = dataclasses.replace(config, lr_rule="none", base_lr=0.1, warmup_epochs=0.0, schedule="constant",
                               weight_decay=0.0, wd_rule="none", epochs=1, max_steps=1)
     if key not in measured:
         probe = PeakMemory()
-        solo = train(dataclasses.replace(config, max_steps=1), probes=[probe], diagnostics=False, data=data)
-        measured[key] = solo.metrics["peak_memory_bytes"], probe.saved.peak
+        run = set_up(config, data, [probe], None)
+        window_step(run.t, next(iter(run.feed.epoch(1, config))), 0, config.lr)
+        if run.device.type == "cuda":  # a solo run's first epoch ends in its evaluation, which the allocator counts
+            run.measure()
+        measured[key] = probe.epoch_end(1)["peak_memory_bytes"], probe.saved.peak
     return PeakMemory(*measured[key])
 
 
@@ -217,6 +225,23 @@ def _stacked_forward(model: nn.Module):
     return forward
 
 
+def _evaluate(active: list[Member], forward, buffers: dict[str, torch.Tensor]) -> list[dict[str, float]]:
+    """Each member's evaluation on the test set, as `evaluate` gives it alone, in one stacked forward a batch."""
+    first = active[0].run
+    metrics = load_metrics(first.config.metrics)
+    scores = [Scores(m.run.t.loss.shift, metrics) for m in active]
+    first.model.eval()  # (the stacked forward runs its modules: BatchNorm reads each member's running statistics)
+    try:
+        with torch.inference_mode():
+            params = {name: torch.stack([m.weights[name] for m in active]) for name in active[0].weights}
+            for inputs, target in first.feed.test():
+                for m, out, score in zip(active, forward(params, buffers, inputs), scores):
+                    score.add(out, target, m.run.t.loss.terms(out, target))
+    finally:
+        first.model.train()
+    return [score.row() for score in scores]
+
+
 def _stack_buffers(members: list[Member]) -> dict[str, torch.Tensor]:
     """The members' buffers stacked, each member's model then holding a view of its own slice (so that the
     stacked forward's in-place updates of BatchNorm's statistics are the member's own)."""
@@ -236,8 +261,7 @@ def _micro_batch(active: list[Member], forward, buffers: dict[str, torch.Tensor]
     (x, y), = part.cut(part.rows)
     if isinstance(x, Mapping):
         raise NotFusable("only tensor inputs train fused")
-    params = {name: torch.stack([m.run.model.get_parameter(name) for m in active])
-              for name, _ in active[0].run.model.named_parameters()}
+    params = {name: torch.stack([m.weights[name] for m in active]) for name in active[0].weights}
     try:
         out = forward(params, buffers, x)
     except RuntimeError as exc:
