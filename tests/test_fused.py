@@ -185,9 +185,10 @@ def test_every_members_peak_is_measured_before_any_member_is_built():
         assert result.metrics["peak_memory_bytes"] == train(config).metrics["peak_memory_bytes"]
 
 
-def test_members_are_evaluated_together_as_each_alone_with_the_configs_own_metrics():
-    """The epoch's evaluation runs one stacked forward a test batch for every member: each member's row, its own
-    metric functions' terms included, is its solo run's."""
+def test_each_members_evaluation_is_its_solo_runs_with_the_configs_own_metrics():
+    """Each member's evaluation, its own metric functions' terms included, is its solo run's (each member evaluates
+    alone: on the CPU a stacked forward of 15 cnn1d members over 1,000 test samples took 0.85 s against 0.15 s for
+    the 15 alone, its tensors too large for the caches)."""
     configs = [TrainConfig(**{**BASE, "metrics": "tests.factories:margin", **m}) for m in MEMBERS[:3]]
     for result, config in zip(train_fused(configs), configs):
         alone_result = train(config)

@@ -27,28 +27,13 @@ def evaluate(model: nn.Module, batches: Iterable[tuple[Any, torch.Tensor]], loss
     loss = loss or Loss(builtin, "built-in")
     was_training = model.training
     model.eval()
-    scores = Scores(loss.shift, metrics)
+    terms, measured = Sums(), Sums()
     for inputs, target in batches:
         with torch.autocast(target.device.type, torch.bfloat16, enabled=precision == "bf16"):
             output = forward(model, inputs)
-            terms = loss.terms(output, target)
-        scores.add(output, target, terms)
-    model.train(was_training)
-    return scores.row()
-
-
-class Scores:
-    """An evaluation's sums over its batches: the loss terms, accuracy and top-5, and each metric function's terms
-    (a fused group adds each member's outputs to its own)."""
-
-    def __init__(self, shift: int, metrics: list[Metric] = ()):
-        self.shift, self.metrics, self.terms, self.measured = shift, metrics, Sums(), Sums()
-
-    def add(self, output, target: torch.Tensor, terms: dict[str, tuple]) -> None:
-        """A batch's `output`, and its loss `terms` (computed under the precision's autocast)."""
-        self.terms.add(terms)
-        self.measured.add(accuracy(output, target, self.shift))
-        for metric in self.metrics:
+            terms.add(loss.terms(output, target))
+        measured.add(accuracy(output, target, loss.shift))
+        for metric in metrics:
             own = metric(output, target)
             clash = set(own) & set(OWN)
             if clash:
@@ -57,11 +42,10 @@ class Scores:
             odd = unloggable(own)
             if odd:
                 raise ConfigError(f"metric {getattr(metric, '__name__', metric)} returns {odd}")
-            self.measured.add(own)
-
-    def row(self) -> dict[str, float]:
-        row = {"val_loss": sum(self.terms.means().values()), "val_acc": math.nan}
-        return {**row, **{f"val_{name}": value for name, value in self.measured.means().items()}}
+            measured.add(own)
+    model.train(was_training)
+    row = {"val_loss": sum(terms.means().values()), "val_acc": math.nan}
+    return {**row, **{f"val_{name}": value for name, value in measured.means().items()}}
 
 
 class Sums(dict):

@@ -29,7 +29,6 @@ from .checkpoint import Checkpointing
 from .config import TrainConfig
 from .data import Data
 from .errors import ConfigError
-from .evaluation import Scores, load_metrics
 from .feed import Feed, Window
 from .interrupt import check as check_interrupt
 from .loop import (EpochCallback, Setup, TrainResult, end_epoch, end_window, lr_at, plan, replayed, result, save, set_up,
@@ -140,9 +139,7 @@ def _train(members: list[Member], callbacks: list[EpochCallback | None]) -> list
             _micro_batch(active, forward, buffers, part, i, len(micro) - 1, epoch == 1 and i == 0)
             check_interrupt()
         trained = time.perf_counter()
-        for m, row in zip(active, _evaluate(active, forward, buffers)):
-            m.run.measure = lambda row=row: row
-        for m in active:  # each member's training time is the group's (the evaluation is not in it)
+        for m in active:  # each member's training time is the group's (the others' evaluations are not in it)
             row = end_epoch(m.run, epoch, m.step, m.lr, m.samples, start, time.perf_counter() - trained, (0, 0))
             save(m.run)
             callback = callbacks[members.index(m)]
@@ -223,23 +220,6 @@ def _stacked_forward(model: nn.Module):
             return stacked(params, buffers, x)
 
     return forward
-
-
-def _evaluate(active: list[Member], forward, buffers: dict[str, torch.Tensor]) -> list[dict[str, float]]:
-    """Each member's evaluation on the test set, as `evaluate` gives it alone, in one stacked forward a batch."""
-    first = active[0].run
-    metrics = load_metrics(first.config.metrics)
-    scores = [Scores(m.run.t.loss.shift, metrics) for m in active]
-    first.model.eval()  # (the stacked forward runs its modules: BatchNorm reads each member's running statistics)
-    try:
-        with torch.inference_mode():
-            params = {name: torch.stack([m.weights[name] for m in active]) for name in active[0].weights}
-            for inputs, target in first.feed.test():
-                for m, out, score in zip(active, forward(params, buffers, inputs), scores):
-                    score.add(out, target, m.run.t.loss.terms(out, target))
-    finally:
-        first.model.train()
-    return [score.row() for score in scores]
 
 
 def _stack_buffers(members: list[Member]) -> dict[str, torch.Tensor]:
