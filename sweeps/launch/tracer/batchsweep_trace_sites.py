@@ -20,7 +20,10 @@ class Sites:
     def index(self, suffix: str = "") -> int:
         """The index of the place of the call being made now, outside torch and the tracer."""
         frame, inside = sys._getframe(1), self.inside
-        while frame is not None and inside.get(frame.f_code, None) is not False and self._inside(frame.f_code):
+        while frame is not None:
+            known = inside.get(frame.f_code)
+            if not (self._inside(frame.f_code) if known is None else known):
+                break
             frame = frame.f_back
         place = frame and (frame.f_code, frame.f_lineno, suffix)
         index = self.places.get(place)
