@@ -120,7 +120,7 @@ def train_fused(configs: list[TrainConfig], on_epoch: list[EpochCallback | None]
     saved = max((peak.saved_peak for peak in peaks if peak is not None), default=0)
     if saved > saved_most and resolve_device(configs[0].device).type == "cpu":
         raise NotFusable(f"on the CPU, members whose micro-batch saves {saved / 2**20:.1f} MiB for backward (more "
-                         f"than {saved_most / 2**20:.1f}) train alone: there they ran slower fused")
+                         f"than {saved_most / 2**20:.1f}) train alone: such groups ran slower fused (docs/trainer.md)")
     members = [_member(c, data, extra[i], peaks[i], specs[i]) for i, c in enumerate(configs)]
     try:
         return _train(members, on_epoch or [None] * len(members))
