@@ -40,10 +40,11 @@ def _one_seed(study: StudyRuns, t: pd.DataFrame) -> str:
     return f"With one seed no configuration can be told from another, so nothing is recommended: run {run}."
 
 
-def _below_per_b(study: StudyRuns, m: Measure, top: pd.Series, tied: pd.DataFrame, fields: list[str]) -> list[str]:
-    """The ties that the per-B lines resolve below the best, where the best is at the smallest B: a (rule, B)
-    whose cost against the smallest B is resolved worse there (that contrast pools the (b, k) that make B, and is
-    controlled over the per-B family), which the best's own contrast, one (b, k) at a time, left open."""
+def _below_per_b(study: StudyRuns, m: Measure, tied: pd.DataFrame, fields: list[str]) -> list[str]:
+    """The ties that the per-B lines resolve worse than a configuration that is itself the best or one of its
+    ties: a (rule, B) whose cost against its smallest B is resolved worse there (that contrast pools the (b, k)
+    that make B, and is controlled over the per-B family), where that smallest B's configuration is in `tied`;
+    the best's own contrast, one (b, k) at a time, left it open. Each reads 'label (worse than B = 32)'."""
     found = rule_comparisons(study.trials, m)
     if found is None or not {"lr_rule", "physical_batch", "accum_steps"} <= set(fields):
         return []
@@ -52,11 +53,12 @@ def _below_per_b(study: StudyRuns, m: Measure, top: pd.Series, tied: pd.DataFram
 
     def batch(row) -> int:
         return int(row["physical_batch"] * row["accum_steps"])
+    anchors = {(row["lr_rule"], batch(row)) for _, row in tied.iterrows()}
     below = []
     for _, row in tied.iloc[1:].iterrows():
         base, v = cost.get((row["lr_rule"], batch(row)), (None, None))
-        if (v is not None and v.resolved and m.worse(v.d) and base == batch(top)
-                and top["lr_rule"] in (EVERY_RULE, row["lr_rule"])):
+        if (v is not None and v.resolved and m.worse(v.d)
+                and anchors & {(EVERY_RULE, base), (row["lr_rule"], base)}):
             below.append(label(row, fields))
     return below
 
@@ -89,7 +91,7 @@ def named_best(study: StudyRuns, m: Measure | None = None) -> Named | None:
     out_ = [label(row, fields) for _, row in tied.iterrows() if label(row, fields) in gone]
     refused = bool(out_) and label(tied.iloc[0], fields) in gone
     tied = tied[[label(row, fields) not in gone for _, row in tied.iterrows()]]
-    lower = [] if refused else _below_per_b(study, m, tied.iloc[0], tied, fields)
+    lower = [] if refused else _below_per_b(study, m, tied, fields)
     tied = tied[[label(row, fields) not in lower for _, row in tied.iterrows()]]
     return Named(found, tied, pd.Index([]) if refused else members(t, fields, tied), out_, lower, refused)
 
@@ -116,8 +118,8 @@ def best(study: StudyRuns, m: Measure) -> list[str]:
     ties = (f"{len(tied) - 1} other{'s' * (len(tied) > 2)} cannot be told from it ({named_})" if len(tied) > 1 else
             "every other configuration was resolved worse than it" if not out_ else "no other configuration")
     ties += f"; left out as {stopped_in(study.trials)} in a seed: {'; '.join(out_)}" if out_ else ""
-    ties += (f"; resolved below it where each B's (b, k) are pooled (each rule's B against B = "
-             f"{int(top['physical_batch'] * top['accum_steps'])}, as the per-B lines compare): {'; '.join(lower)}"
+    ties += (f"; not tied with it, as the per-B lines resolve each worse than its rule's smallest B "
+             f"(each B's (b, k) pooled), which is the best or cannot be told from it: {'; '.join(lower)}"
              if lower else "")
     pick = picked(top, named.found.highest, fields, configurations, m.maximize, label(named.found.highest, fields))
     return [f"The best {what}: {label(top, fields)} ({m.level(top[m.name])} over {n} seeds, {pick}); {ties}; "
