@@ -286,6 +286,14 @@ def _reading(found, trials: pd.DataFrame) -> str:
     if found.shape == "rises then falls" or (found.shape == "not resolved" and
                                              (found.slope_low > 0 or found.slope_high < 0)):
         return " No LR rule is read from the slope: the best LR does not move with B as one power of it here."
+    lrs = [p.lr for p in found.points]
+    against = [(a, b) for a, b, x, y in zip(found.points, found.points[1:], lrs, lrs[1:])
+               if found.slope and np.sign(y - x) == -np.sign(found.slope)]
+    if against:  # a line through means that go up and down is no rule to scale by, resolved or not
+        a, b = against[0]
+        return (f" No LR rule is read from the slope: the mean best LR moved against it from B = {a.batch} to "
+                f"{b.batch} ({a.lr:.3g} to {b.lr:.3g}), so no one power of B describes it here; use each B's best "
+                f"LR.")
     return f" {lr_rule_reading(found.slope_low, found.slope_high)}."
 
 

@@ -229,10 +229,11 @@ def test_a_mean_that_falls_at_the_last_b_unresolved_is_no_clean_rise_and_leaves_
            "range is not resolved." in result.sentence(), result.sentence()
 
 
-def _search(best_of, seeds_of, lrs=tuple(0.0125 * 2 ** i for i in range(6)), noise=0.002):
-    """An LR search in val_acc at B = 32 to 512: a parabola in log2 LR around best_of(B, seed)."""
+def _search(best_of, seeds_of, lrs=tuple(0.0125 * 2 ** i for i in range(6)), noise=0.002,
+            batches=(32, 64, 128, 256, 512)):
+    """An LR search in val_acc at B = 32 to 512 (or `batches`): a parabola in log2 LR around best_of(B, seed)."""
     rng, rows = np.random.default_rng(0), []
-    for b in (32, 64, 128, 256, 512):
+    for b in batches:
         for s in seeds_of(b):
             rows += [dict(seed=s, lr_rule="none", physical_batch=b, accum_steps=1, effective_batch=b, base_batch=32,
                           base_lr=lr, lr=lr, status="FINISHED", val_acc=round(
@@ -268,3 +269,15 @@ def test_seeds_that_do_not_pair_across_the_bs_put_no_interval_on_the_exponent():
     [line] = lr_exponent(_search(lambda b, s: 0.05 * np.sqrt(b / 32), lambda b: [3 * b + i for i in range(3)]))
     assert "bootstrap" not in line and "95%" not in line and "reads as" not in line, line
     assert "none run at every B" in line and "no LR rule is read from it" in line, line
+
+
+def test_a_best_lr_that_rises_then_dips_unresolved_reads_no_rule():
+    """The best LR doubles from B = 8 to 64 and dips at 256 within the seeds' spread (adam_lr_search's shape): the
+    slope's interval may hold 0 alone, but "reads as no scaling" would tell a user to keep an LR that doubled."""
+    def best_of(b, s):
+        return {8: 0.012, 16: 0.017, 64: 0.024, 256: 0.022}[b] * (1.0, 1.3, 0.75)[s] ** (b == 256)
+
+    [line] = lr_exponent(_search(best_of, lambda b: range(3), tuple(0.003 * 2 ** i for i in range(6)),
+                                 batches=(8, 16, 64, 256)))
+    assert "reads as" not in line and "moved against it from B = 64 to 256" in line, line
+    assert line.endswith("use each B's best LR."), line
