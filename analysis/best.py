@@ -167,10 +167,12 @@ def picked(top: pd.Series, first: pd.Series, fields: list[str], configurations: 
             f"the {'highest' if maximize else 'lowest'} mean over the seeds every configuration ran")
 
 
-def ties(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], value: str, maximize: bool) -> pd.DataFrame:
+def ties(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], value: str,
+         maximize: bool) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The configurations that cannot be told from the one of the best mean: each compared with it, paired by
     seed, under Benjamini-Hochberg over those comparisons (the best is picked from all of them, so its own mean is
-    biased upward by the pick). The best is the first row.
+    biased upward by the pick). The best is the first row. Second, those that share fewer than two seeds with it:
+    not compared, so neither tied nor resolved (a column `shared` counts the seeds they share).
 
     The means rank over the seeds every configuration finished (one with seeds of its own would rank by their
     luck), a configuration with one finished seed is never the best, and one resolved above the pick on the seeds
@@ -190,8 +192,9 @@ def ties(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], value: st
         if not above or attempt == len(points):
             break
         order = [above[0], *(i for i in order if i != above[0])]
-    tied = [order[0]] + [i for i, v in zip(order[1:], verdicts) if v is None or not v.resolved]
-    return points.iloc[tied]
+    tied = [order[0]] + [i for i, v in zip(order[1:], verdicts) if v is not None and v.d.n >= 2 and not v.resolved]
+    apart = [(i, 0 if v is None else v.d.n) for i, v in zip(order[1:], verdicts) if v is None or v.d.n < 2]
+    return points.iloc[tied], points.iloc[[i for i, _ in apart]].assign(shared=[n for _, n in apart])
 
 
 @dataclass
@@ -200,7 +203,17 @@ class Best:
     fields: list[str]  # the fields that name a configuration
     tied: pd.DataFrame  # the best configuration and those that cannot be told from it, best first
     configurations: int  # how many there were
+    uncompared: pd.DataFrame  # those that share fewer than two seeds with the best (column `shared`)
     highest: pd.Series  # the configuration of the best mean (the best, unless a contrast overturned it)
+
+
+def not_compared(apart: pd.DataFrame, fields: list[str]) -> str:
+    """'; not compared with it (no seed shared): a; b', for ties()'s second frame; '' where there is none."""
+    said = []
+    for n, rows in apart.groupby("shared"):
+        said.append(f"not compared with it ({'no seed' if n == 0 else 'one seed'} shared): "
+                    + "; ".join(label(row, fields) for _, row in rows.iterrows()))
+    return "".join(f"; {s}" for s in said)
 
 
 def best_set(study: StudyRuns, t: pd.DataFrame) -> Best | None:
@@ -215,9 +228,9 @@ def best_set(study: StudyRuns, t: pd.DataFrame) -> Best | None:
     points = per_configuration(seeds.assign(_cost=0.0), fields, value, "_cost")
     if len(points) < 2:
         return None
-    tied = ties(seeds, points, fields, value, direction == "maximize")
-    return Best(members(t, fields, tied), fields, tied, len(points), highest(seeds, points, fields, value,
-                                                                             direction == "maximize"))
+    tied, apart = ties(seeds, points, fields, value, direction == "maximize")
+    return Best(members(t, fields, tied), fields, tied, len(points), apart,
+                highest(seeds, points, fields, value, direction == "maximize"))
 
 
 def members(t: pd.DataFrame, fields: list[str], configurations: pd.DataFrame) -> pd.Index:

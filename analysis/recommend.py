@@ -13,7 +13,8 @@ import pandas as pd
 from batchsweep.sweeps import commands
 
 from .at_batch import largest_free, per_batch
-from .best import EVERY_RULE, Best, best_set, choices, diverged_in_a_seed, label, members, picked, stopped_in
+from .best import (EVERY_RULE, Best, best_set, choices, diverged_in_a_seed, label, members, not_compared, picked,
+                   stopped_in)
 from .findings import bn_against_true, exact_by_model, lr_exponent
 from .measures import Measure, finished, full_scale, measure, stopped_verb, tuned, unmoved
 from .rules import rule_comparisons
@@ -112,18 +113,22 @@ def best(study: StudyRuns, m: Measure) -> list[str]:
                 f"survivors is no pick; run the study "
                 f"with more seeds or a smaller LR there."]
     top = tied.iloc[0]
+    compared = configurations - 1 - len(named.found.uncompared)
     n = int(top["n"])  # (its own finished seeds: a configuration that failed in a seed has fewer)
     named_ = "; ".join(label(row, fields) for _, row in tied.iloc[1:6].iterrows()) + ("; …" if len(tied) > 6 else "")
     what = "accuracy" if m.points else f"{m.name}{m.better}"
     ties = (f"{len(tied) - 1} other{'s' * (len(tied) > 2)} cannot be told from it ({named_})" if len(tied) > 1 else
-            "every other configuration was resolved worse than it" if not out_ else "no other configuration")
+            "" if not compared else
+            f"every other configuration{' compared' * (not named.found.uncompared.empty)} was resolved worse than it"
+            if not out_ else "no other configuration was tied with it")
     ties += f"; left out as {stopped_in(study.trials)} in a seed: {'; '.join(out_)}" if out_ else ""
+    ties = (ties + not_compared(named.found.uncompared, fields)).removeprefix("; ")
     ties += (f"; not tied with it, as the per-B lines resolve each worse than its rule's smallest B "
              f"(each B's (b, k) pooled), which is the best or cannot be told from it: {'; '.join(lower)}"
              if lower else "")
     pick = picked(top, named.found.highest, fields, configurations, m.maximize, label(named.found.highest, fields))
-    return [f"The best {what}: {label(top, fields)} ({m.level(top[m.name])} over {n} seeds, {pick}); {ties}; "
-            f"paired by seed, Benjamini-Hochberg at 5% over {configurations - 1} comparisons."]
+    return [f"The best {what}: {label(top, fields)} ({m.level(top[m.name])} over {n} seeds, {pick}); {ties}"
+            f"{'; paired by seed, Benjamini-Hochberg at 5% over ' + str(compared) + ' comparisons' if compared else ''}."]
 
 
 def fastest(study: StudyRuns) -> list[str]:

@@ -16,8 +16,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from .best import (EVERY_BN, EVERY_RULE, SHORT, choices, diverged_in_a_seed, highest, label, naming, of,
-                   one_at_base, per_configuration, per_seed, picked, shown_value, stopped_in, ties, without)
+from .best import (EVERY_BN, EVERY_RULE, SHORT, choices, diverged_in_a_seed, highest, label, naming, not_compared,
+                   of, one_at_base, per_configuration, per_seed, picked, shown_value, stopped_in, ties, without)
 from .measures import finished, stopped_verb
 from .plotting import Draw, Figure, context, in_order, log_scale
 from .runs import TARGET_SHARE, StudyRuns, ci95
@@ -199,11 +199,12 @@ def _budget_sentence(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str
     """The configuration of the best mean, the set that cannot be told from it, and the cheapest of that set.
     `against` names the cost, so that the memory and time sentences read apart in the findings; `gone`, the
     configurations left out as `as_` ('diverged', 'pruned', 'diverged or pruned') in a seed."""
-    tied = ties(seeds, points, fields, value, maximize)
+    tied, apart = ties(seeds, points, fields, value, maximize)
     top, n = tied.iloc[0], int(seeds.groupby(fields, dropna=False).size().min())
     cheap = tied.sort_values([cost, value], ascending=[True, not maximize]).iloc[0]
-    control = (f"paired by seed over {n} seeds, Benjamini-Hochberg at 5% over {len(points) - 1} "
-               f"comparison{'s' * (len(points) > 2)}" if n > 1 else "one seed: none can be told apart")
+    compared = len(points) - 1 - len(apart)
+    control = (f"paired by seed over {n} seeds, Benjamini-Hochberg at 5% over {compared} "
+               f"comparison{'s' * (compared != 1)}" if n > 1 else "one seed: none can be told apart")
     first = highest(seeds, points, fields, value, maximize)
     pick = picked(top, first, fields, len(points), maximize, label(first, fields))
     plain = pick.startswith("the ")  # (no contrast overturned the best mean)
@@ -213,8 +214,10 @@ def _budget_sentence(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str
             f"{label(top, fields)} "
             f"({shown(top[value], percent=percent)}, at {unit(top[cost])}; {why}"
             f"{f'; left out as {as_} in a seed: ' + '; '.join(gone) if gone else ''})")
+    said += not_compared(apart, fields)
     if len(tied) == 1:
-        return said + f"; every other configuration was resolved below it ({control})."
+        return said + (f"; every other configuration{' compared' * (not apart.empty)} was resolved "
+                       f"{'below' if maximize else 'above'} it ({control}).")
     named = (": " + "; ".join(label(row, fields) for _, row in tied.iloc[1:].iterrows())) if len(tied) <= 5 else ""
     said += f"; {len(tied) - 1} other{'s' * (len(tied) > 2)} cannot be told from it ({control}){named}"
     if {"physical_batch", "accum_steps", "lr_rule"} <= set(fields):  # (which comparison: not the per-B one)
@@ -341,7 +344,7 @@ def time_front(study: StudyRuns) -> Figure | None:
     finding = _budget_sentence(seeds[kept], points, fields, "seconds", value, percent, True,
                                lambda s: f"{s:,.1f} s to reach {value} {target_text}", "time to the target", gone,
                                stopped_in(study.trials))
-    tied = ties(seeds[kept], points, fields, value, True)
+    tied, _ = ties(seeds[kept], points, fields, value, True)
     saving = float(tied["seconds"].iloc[0] - tied["seconds"].min())
     finding += _timing_note(t, fields, saving)
     return _front_figure(points, fields, "seconds", value, f"seconds to reach {value} {target_text} (median over seeds)",

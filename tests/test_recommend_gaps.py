@@ -138,8 +138,9 @@ def test_a_configuration_the_per_b_contrast_resolves_lower_is_no_tie_of_the_best
                                                            if rule == "none" and b * k == 128 else 0))
     study = _study(rows, ("physical_batch", "accum_steps", "lr_rule"))
     [best] = [line for line in recommend(study) if line.startswith("The best")]
-    ties, _, below = best.partition("; resolved below it where each B's (b, k) are pooled (each rule's B against "
-                                    "B = 32, as the per-B lines compare): ")
+    ties, _, below = best.partition("; not tied with it, as the per-B lines resolve each worse than its rule's "
+                                    "smallest B (each B's (b, k) pooled), which is the best or cannot be told from "
+                                    "it: ")
     assert below.startswith("b = 32, k = 4, none; b = 128, k = 1, none;"), best
     assert ", none" not in ties, best
     starred = _starred(study)  # the trials table marks what the line names, not the ties it resolved lower

@@ -40,3 +40,22 @@ def test_a_configuration_resolved_below_a_tie_of_the_best_is_neither_tied_nor_st
     [line] = [s for s in recommend(study) if s.startswith("The best accuracy")]
     ties = line.split("cannot be told from it")[1].split(";  not tied")[0].split("not tied")[0]
     assert "none" not in ties and "worse than its rule's smallest B" in line and "b = 128, k = 1, none" in line, line
+
+
+def test_a_configuration_sharing_no_seed_with_the_best_is_not_compared_not_tied_nor_starred():
+    """B = 32 ran seeds 0-2, B = 128 seeds 3-5: no B = 128 configuration can be paired with the best, so none is a
+    tie, none is starred, and none counts in the false-discovery family."""
+    rng, rows = np.random.default_rng(4), []
+    for seed in range(6):
+        for rule in ("none", "sqrt", "linear"):
+            for b, k in ((32, 1), (32, 4), (128, 1)):
+                if (b * k == 32) != (seed < 3):
+                    continue
+                rows.append(dict(seed=seed, lr_rule=rule, physical_batch=b, accum_steps=k, effective_batch=b * k,
+                                 base_batch=32, status="FINISHED",
+                                 val_acc=round((0.96 if b * k == 32 else 0.90) + rng.normal(0, 0.002), 3)))
+    study = _study(rows, RULES)
+    [line] = [s for s in recommend(study) if s.startswith("The best accuracy")]
+    assert "cannot be told from it" not in line and "comparisons" not in line, line
+    assert "not compared with it (no seed shared): " in line and line.count("b = 128, k = 1") == 3, line
+    assert set(starred(study)) == set(study.trials.index[study.trials.effective_batch == 32])

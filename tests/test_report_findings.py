@@ -339,6 +339,6 @@ def test_the_memory_noise_and_best_sentences_recomputed_by_an_independent_path()
                            f"{len(means)} configurations")
     # The block names apart the ties that the per-B contrasts (a B's (b, k) pooled) resolve lower: with them, the
     # same set as recomputed here.
-    below = line.partition(" as the per-B lines compare): ")[2].partition("; paired by seed")[0]
+    below = line.partition(", which is the best or cannot be told from it: ")[2].partition("; paired by seed")[0]
     below = below.split("; ") if below else []
     assert f"; {len(tied) - len(below)} others cannot be told from it" in line, line
