@@ -177,8 +177,9 @@ def _fastest(value: str, t: pd.DataFrame, _, points: pd.DataFrame, fields: list[
 
 
 def bn_rules(study: StudyRuns, m: Measure) -> list[str]:
-    """Per k, the BN momentum rules shown to match the true batch's final accuracy (equivalent within the margin),
-    as the findings compare them; or that none was, and the nearest."""
+    """Per k, against the true batch's final value of the metric, as the findings compare them: the BN momentum
+    rules resolved better than it, those shown to match it (equivalent within the margin, not resolved apart),
+    those within the margin but resolved worse; or that none was any of these, and the nearest."""
     out = []
     for k, b, rules, verdicts, gone in bn_against_true(study.trials, m):
         judged = [(r, v) for r, v in zip(rules, verdicts) if v is not None and v.d.n >= 2]
@@ -188,15 +189,23 @@ def bn_rules(study: StudyRuns, m: Measure) -> list[str]:
             if gone:
                 out.append(f"BN momentum at k = {k} (B = {b}): no rule compared with the true batch{out_}.")
             continue
-        same = [r for r, v in judged if v.equivalent and not (v.resolved and m.worse(v.d))]
-        head = f"BN momentum at k = {k} (B = {b}), against the true batch's final accuracy"
-        if same:
-            out.append(f"{head}: {listed(same)} shown to match it (" + "; ".join(
-                f"{r} {stated(v.d, 'above', 'below', m, v)}" for r, v in judged if r in same) + f"){out_}.")
-        else:
+        better = [r for r, v in judged if v.resolved and not m.worse(v.d)]
+        same = [r for r, v in judged if v.equivalent and not v.resolved]
+        close = [r for r, v in judged if v.equivalent and v.resolved and m.worse(v.d)]
+        words = {r: stated(v.d, "above", "below", m, v) for r, v in judged}
+
+        def each(names: list[str]) -> str:
+            return "; ".join(f"{r} {words[r]}" for r in names)
+        parts = [f"{listed(better)} resolved better than it ({each(better)})" if better else "",
+                 f"{listed(same)} shown to match it ({each(same)})" if same else "",
+                 f"{listed(close)} within ±{m.margin_text} of it but resolved worse ({each(close)})" if close else ""]
+        parts = [p for p in parts if p]
+        if not parts:
             r, v = min(judged, key=lambda x: abs(x[1].d.mean) + x[1].d.half)
-            out.append(f"{head}: no rule shown to match it within ±{m.margin_text}; the nearest, {r}: "
-                       f"{stated(v.d, 'above', 'below', m, v)}{out_}.")
+            parts = [f"no rule shown to match it within ±{m.margin_text} or to do better; the nearest, {r}: {words[r]}"]
+        what = "accuracy" if m.points else m.name
+        out.append(f"BN momentum at k = {k} (B = {b}), against the true batch's final {what}: {'; '.join(parts)}"
+                   f"{out_}.")
     return out
 
 

@@ -59,3 +59,32 @@ def test_a_configuration_sharing_no_seed_with_the_best_is_not_compared_not_tied_
     assert "cannot be told from it" not in line and "comparisons" not in line, line
     assert "not compared with it (no seed shared): " in line and line.count("b = 128, k = 1") == 3, line
     assert set(starred(study)) == set(study.trials.index[study.trials.effective_batch == 32])
+
+
+def _bn(loss: bool):
+    """Per k: default 3 points below the true batch, scaled 0.4 below (inside ±1 point, resolved), matched 2
+    above; as val_loss = 2 - accuracy where `loss`."""
+    rng, rows = np.random.default_rng(5), []
+    for seed in range(3):
+        for k in (2, 4, 8):
+            true = 0.95 - 0.005 * np.log2(k) + rng.normal(0, 0.001)
+            runs = [(32 * k, 1, "default", true)] + [(32, k, bn, true + off + rng.normal(0, 0.001)) for bn, off in
+                                                     (("default", -0.03), ("scaled", -0.004), ("matched", 0.02))]
+            for b, kk, bn, v in runs:
+                rows.append(dict(seed=seed, lr_rule="sqrt", bn_momentum_rule=bn, physical_batch=b, accum_steps=kk,
+                                 effective_batch=32 * k, base_batch=32, status="FINISHED",
+                                 **({"val_loss": round(2 - v, 3)} if loss else {"val_acc": round(v, 3)})))
+        rows.append(dict(seed=seed, lr_rule="sqrt", bn_momentum_rule="default", physical_batch=32, accum_steps=1,
+                         effective_batch=32, base_batch=32, status="FINISHED",
+                         **({"val_loss": round(1.05, 3)} if loss else {"val_acc": 0.95})))
+    return _study(rows, ("accum_steps", "bn_momentum_rule"), ("val_loss", "minimize") if loss else
+                  ("val_acc", "maximize"))
+
+
+def test_a_bn_rule_resolved_better_than_the_true_batch_is_named_and_one_resolved_worse_inside_the_margin_is_so_said():
+    lines = [s for s in recommend(_bn(False)) if s.startswith("BN momentum at k = 2")]
+    assert len(lines) == 1 and "no rule shown" not in lines[0], lines
+    assert "final accuracy: matched resolved better than it (matched 2.0 points above" in lines[0], lines
+    assert "scaled within ±1 point of it but resolved worse (scaled 0." in lines[0], lines
+    [loss] = [s for s in recommend(_bn(True)) if s.startswith("BN momentum at k = 2")]
+    assert "final val_loss: matched resolved better than it (matched val_loss 0.02" in loss and "below" in loss, loss
