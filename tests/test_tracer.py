@@ -281,3 +281,27 @@ def test_the_noise_scale_of_a_model_spread_over_two_devices_is_taken_per_device(
     if device != "meta":
         assert tracing.plain(norm) == pytest.approx(
             float(sum(p.grad.pow(2).sum().cpu() for p in model.parameters())) ** 0.5, rel=1e-12)
+
+
+def test_modules_random_by_kind_include_those_holding_a_probability_in_training_mode():
+    """Dropout of any kind, and any module in training mode whose p, dropout or drop_prob is a probability above
+    0 (torchvision's StochasticDepth, nn.MultiheadAttention(dropout=...), timm's DropPath), is random by kind;
+    one in eval mode, one at 0, and a p that is no probability (a pooling's norm) are not."""
+    sys.path.insert(0, str(ROOT / "sweeps" / "launch" / "tracer"))
+    try:
+        from batchsweep_trace_tensors import randomness
+    finally:
+        sys.path.pop(0)
+
+    class StochasticDepth(torch.nn.Module):  # (torchvision's keeps p as a float, as this one does)
+        def __init__(self, p):
+            super().__init__()
+            self.p = p
+
+    frozen = torch.nn.Dropout(0.5).eval()
+    model = torch.nn.ModuleDict({"attention": torch.nn.MultiheadAttention(8, 2, dropout=0.1), "depth":
+                                 StochasticDepth(0.2), "drop": torch.nn.AlphaDropout(0.3), "off": torch.nn.Dropout(0),
+                                 "frozen": frozen, "pool": torch.nn.LPPool1d(2, 2), "gem": StochasticDepth(3.0)})
+    modules, fields = randomness([model])
+    assert modules == ["attention: MultiheadAttention(dropout=0.1)", "depth: StochasticDepth(p=0.2)",
+                       "drop: AlphaDropout(p=0.3)"] and fields == []

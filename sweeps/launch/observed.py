@@ -113,6 +113,7 @@ class Trace:
     random_draws: list[str] = field(default_factory=list)  # where a default generator moved: "forward", "step"
     random_generators: dict[str, list[str]] = field(default_factory=dict)  # which, there: "torch", "random", "numpy"
     random_fields: list[str] = field(default_factory=list)  # a transformers config's dropout fields above 0
+    random_late: list[str] = field(default_factory=list)  # modules random by kind at the run's end only (p raised)
     sites: list[str] = field(default_factory=list)  # the places ("file:line") of the script's calls
     dangling: str = ""  # the events after the last step: backward() calls that never stepped
     drawn: dict[str, dict[int, int]] = field(default_factory=dict)  # torch.randint's first dims, randperm's sizes
@@ -202,6 +203,7 @@ def parse(path: Path) -> Trace:
             trace.random_modules, trace.random_draws = row["random_modules"], row["random_draws"]
             trace.compiled, trace.random_fields = row.get("compiled", False), row.get("random_fields", [])
             trace.random_generators = row.get("random_generators", {})
+            trace.random_late = row.get("random_late", [])
         elif "dangling" in row:
             trace.dangling = row["dangling"]
         elif "drawn" in row:

@@ -11,8 +11,10 @@ It writes one JSON line per optimizer step into $BATCHSWEEP_TRACE/trace-<pid>.js
      "grad_norm": 1.7, "clip": 1.0, "skipped": false, "wall_s": 0.012, ...}
 (the steps of every optimizer, each window holding what happened since the step before, whichever optimizer made
 it; "opt" numbers them where more than one stepped), and at the process's end the model ({"trained": [...],
-"random_modules": [...], "random_draws": [...]}), the DataLoaders it iterated ({"loaders": [[size, batch], ...]}),
-the places of its calls ({"sites": [...]}) and on a GPU the allocator's peak.
+"random_modules": [...], "random_draws": [...], "random_late": [...]}: modules random by kind at the first step,
+where a generator moved in the first windows, modules random by kind at the end only), the DataLoaders it
+iterated ({"loaders": [[size, batch], ...]}), the places of its calls ({"sites": [...]}) and on a GPU the
+allocator's peak.
 `events` are what happened since the step before, in order: F a training forward of a model (a root module call
 with parameters, in training mode, with grad enabled), B backward(), Z zero_grad(), C clip_grad_norm_(), L a
 scheduler step (a scheduler's own construction, and the steps a SequentialLR or ChainedScheduler makes of its

@@ -24,22 +24,28 @@ RANDOM_FIELDS = ("dropout", "pdrop", "layerdrop")  # (wav2vec2's layerdrop, BART
 
 
 def randomness(models: list) -> tuple[list[str], list[str]]:
-    """(the models' modules in training mode that draw random numbers: dropout and drop-path layers above 0, named
-    with their p; the dropout fields above 0 that a transformers model's config names: resid_pdrop, layerdrop,
-    ...)."""
-    import torch
-
-    dropout = torch.nn.modules.dropout._DropoutNd
-    modules = [f"{name or 'model'}: {type(sub).__name__}(p={getattr(sub, 'p', None) or sub.drop_prob})"
+    """(the models' modules in training mode that draw random numbers, named with their p: dropout of any kind,
+    and any module whose `p`, `dropout` or `drop_prob` is a probability above 0, as torchvision's StochasticDepth,
+    nn.MultiheadAttention(dropout=...) and timm's DropPath hold it; the dropout fields above 0 that a transformers
+    model's config names: resid_pdrop, layerdrop, ...)."""
+    modules = [f"{name or 'model'}: {type(sub).__name__}({key}={chance})"
                for i, model in enumerate(models) for name, sub in model.named_modules(
                    prefix=f"{i}" if len(models) > 1 else "")
-               if sub.training and (isinstance(sub, dropout) and sub.p > 0 or
-                                    "DropPath" in type(sub).__name__ and getattr(sub, "drop_prob", 0))]
+               if sub.training for key, chance in [drawn(sub)] if key]
     configs = [getattr(model, "config", None) for model in models]
     fields = sorted({f"{key}={value}" for config in configs if hasattr(config, "to_dict")
                      for key, value in config.to_dict().items() if any(word in key for word in RANDOM_FIELDS)
                      and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0})
     return modules, fields
+
+
+def drawn(module) -> tuple[str | None, float]:
+    """The attribute that makes a module random by kind, and its probability; (None, 0) where none is above 0."""
+    for key in ("p", "dropout", "drop_prob"):
+        chance = getattr(module, key, None)
+        if isinstance(chance, (int, float)) and not isinstance(chance, bool) and 0 < chance <= 1:
+            return key, chance
+    return None, 0
 
 
 def generator_states(cuda) -> dict:

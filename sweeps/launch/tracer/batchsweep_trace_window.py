@@ -380,7 +380,10 @@ class Tracer:
         if self.steps and "B" in self.events:  # backward calls after the last step, which no step took
             self.pending.append({"dangling": "".join(self.events)})
         if self.steps:
+            # Listed again at the end (cheap, once): a dropout whose p rises after the first step is random too.
+            late = [m for m in randomness(self.models or [])[0] if m not in self.random_modules]
             self.pending.append({"trained": self.trained, "random_modules": self.random_modules,
+                                 "random_late": late,
                                  "random_fields": self.random_fields,
                                  "random_draws": sorted(self.draws),
                                  "random_generators": {where: sorted(names) for where, names in self.draws.items()},
