@@ -33,10 +33,12 @@ from .verdicts import sentence, taken_out
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = Parser("audit", description="Run your training script (the [program] of a study file) at (b, k) and at "
-               "(b*k, 1) from the same start, and name every accumulation mistake that separates them. Exit status, "
-               "the worst of the verdicts': 0 exact or batchnorm, 1 a mistake, 2 bad input, a script that differs from "
-               "itself, windows that hold other samples, a forward that draws random numbers or updates its own "
-               "buffers, a difference within rounding, a step that a GradScaler skipped in the true batch alone, or "
+               "(b*k, 1) from the same start, and name every accumulation mistake that separates them. Exit status: "
+               "1 where a mistake is named (beside anything else), otherwise 0 exact or batchnorm, 2 bad input, a "
+               "script that differs from itself, windows that hold other samples, a forward or a step that draws "
+               "random numbers, a forward that updates its own buffers, a zero_grad signature the trace "
+               "contradicts, a difference within rounding, a step that a GradScaler skipped in the true batch "
+               "alone, or "
                "a micro-batch that holds the whole epoch; on ranks (--nproc), also ranks that train apart or "
                "whose windows hold other samples, another LR or other random numbers than one rank's.",
                epilog="The script's command passes {physical_batch} and {accum_steps} on (and {seed}); batchsweep "

@@ -55,22 +55,42 @@ def audit(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
     if refuted:
         finding.figures["contradicted"] = ", ".join(refuted)
         finding.verdicts = list(dict.fromkeys(v if v not in refuted else "unexplained" for v in finding.verdicts))
-    trace = ea.trace
-    # (a module random by kind that never drew, as one that is never called, is no randomness: the generators
-    # say whether anything drew)
-    if drew(trace, "forward") and finding.compared[0][1] > finding.figures["tolerance"]:
-        # The runs drew random numbers and part: a verdict that other draws could make (a turned update) is not
-        # given; one of a factor (k, m/k), a call seen, or the step counts, random numbers do not make.
-        seen = finding.figures.get("zero_grad_step")
-        guesses = [v for v in finding.verdicts if v in GUESSES or v == "zero_grad_per_micro_batch" and not seen]
-        if guesses:
-            finding.figures.update(random_figures(trace))
-            finding.verdicts = list(dict.fromkeys(v if v not in guesses else "random_forward"
-                                                  for v in finding.verdicts))
+    randomized(finding, ea.trace)
+    if "zero_grad_step" not in finding.figures:
+        # Its signature, but the tracer saw one zero_grad() a window: what else makes it cannot be told from it.
+        finding.verdicts = list(dict.fromkeys("zero_grad_unseen" if v == "zero_grad_per_micro_batch" else v
+                                              for v in finding.verdicts))
     if auditor.nproc > 1:
         auditor.config = config
         ranks.across(auditor, finding, b, k, steps)
     return finding
+
+
+def randomized(finding: Finding, trace) -> None:
+    """Where random numbers were drawn and the runs part by any measure (the weights, the windows' gradients, the
+    study's schedule), a verdict that other draws could make too is not given: `random_forward` where the training
+    forward drew (or a module random by kind was in training at the run's end: a p raised after the first
+    windows), else `random_step` where the step drew outside the forward (noise on the targets or the gradients, a
+    teacher in training mode under no_grad). A verdict of a factor (k, m/k), a call seen, or the step counts,
+    random numbers do not make, and stays. Where the forward drew and the windows held other samples, its draws
+    moved the generator the batches are drawn from: `random_forward` too. The note that the forward drew and the
+    runs agreed all the same is given beside `exact` alone."""
+    forward = drew(trace, "forward") or bool(trace and trace.random_late)
+    if finding.verdicts == ["exact"]:
+        finding.notes += randomness(trace)
+        return
+    if not (forward or drew(trace, "step")):
+        return
+    seen = finding.figures.get("zero_grad_step")
+    guesses = [v for v in finding.verdicts if v in GUESSES or v == "zero_grad_per_micro_batch" and not seen
+               or v == "data_differs" and forward]
+    if guesses:
+        if forward:
+            finding.figures.update(random_figures(trace))
+        else:
+            finding.figures["step_generators"] = " and ".join(GENERATORS[n] for n in generators(trace, "step"))
+        instead = "random_forward" if forward else "random_step"
+        finding.verdicts = list(dict.fromkeys(v if v not in guesses else instead for v in finding.verdicts))
 
 
 # The verdicts that a difference of another kind (other random numbers, state the forward reads) can make too.
@@ -91,7 +111,7 @@ def diagnose(auditor: Auditor, b: int, k: int, steps: int) -> Finding:
     compared = [(f"after {counts} step{'' if counts == '1' else 's'}", rel(ea, et))]
     figures = {"dtype": dtype, "tolerance": tol, "steps_accumulated": na, "steps_true_batch": nt}
     seen = seen_in_loop(ea, et, k, figures)
-    notes = randomness(ea, compared[0][1] <= tol)
+    notes: list[str] = []  # (the forward's randomness is noted in audit, once the verdict is known)
     if "step_per_micro_batch" in seen:  # windows that do not line up
         return Finding(seen, figures, compared, notes)
     limit = counted(ea, et, k, seen, figures)  # the steps both runs made over the same windows
@@ -163,14 +183,14 @@ def same_samples(again: ScriptRun, ea: ScriptRun, et: ScriptRun, figures: dict[s
     return "not_reproducible"
 
 
-def randomness(a: ScriptRun, agree: bool) -> list[str]:
+def randomness(trace) -> list[str]:
     """Where the forward drew random numbers and the runs agree all the same: a note (one dropout layer draws its
     masks in the same order at (b, k) as at (b*k, 1); two do not)."""
-    if not (drew(a.trace, "forward") and agree):
+    if not drew(trace, "forward"):
         return []
-    return [f"the training forward drew random numbers {random_figures(a.trace)['random_drew']}, and the two runs "
-            "agreed all the same: the draws fell alike at (b, k) and at (b*k, 1) in these runs (one dropout layer "
-            "draws its masks in the same order in both)"]
+    return [f"the training forward drew random numbers {random_figures(trace)['random_drew']}, and the two runs "
+            "agreed all the same: the draws fell alike at (b, k) and at (b*k, 1) in these runs (as one dropout "
+            "layer's masks do)"]
 
 
 def kept_apart(a: ScriptRun, t: ScriptRun, tol: float) -> list[str]:

@@ -88,7 +88,9 @@ def refutes(verdict: str, a: ScriptRun, t: ScriptRun, k: int, figures: dict[str,
             len(steps) == len(t.steps) and sum(sum(s.samples) for s in steps) == sum(sum(s.samples) for s in t.steps) \
             and all(sum(s.samples) == sum(steps[0].samples) for s in steps)
     if verdict == "random_forward":
-        return not drew(a.trace, "forward")
+        return not (drew(a.trace, "forward") or a.trace.random_late)
+    if verdict == "random_step":
+        return not drew(a.trace, "step")
     return False
 
 
@@ -113,7 +115,7 @@ def random_figures(trace) -> dict[str, str]:
     and the modules random by kind or what else drew ("a functional draw in the forward: no module random by
     kind")."""
     names = generators(trace, "forward")
-    modules = ", ".join(trace.random_modules)
+    modules = ", ".join(trace.random_modules + [f"{m} from a later step" for m in trace.random_late])
     own = [f"a draw in the forward's own code, such as a LayerDrop by {OWN_CODE[n]}" for n in names if n in OWN_CODE]
     if not modules and "torch" in names:
         own.insert(0, "a functional draw in the forward, such as F.dropout or torch.rand")

@@ -120,7 +120,26 @@ VERDICTS = {
                           "right cannot be told from these runs: a mistake of the loop would look the same. Switch "
                           "the randomness off for the audit (this model's config: {random_fields}; transformers' "
                           "configs: every *dropout*, *pdrop* and *layerdrop* field; timm: drop_rate and "
-                          "drop_path_rate), or draw it from a generator of its own that each sample seeds alike."),
+                          "drop_path_rate), or draw it per sample from a generator seeded by {{seed}} and the "
+                          "sample's index (one generator of its own for the whole run draws in another order too, "
+                          "and the audit does not watch it)."),
+    "random_step": (2, "the training step drew random numbers from {step_generators} outside the forward, between "
+                       "the micro-batches' forwards (noise on the targets or on the gradients, a teacher model left "
+                       "in training mode under no_grad, a random mask on the loss), and the runs part: at (b, k) "
+                       "those draws come k times a window, over b samples each, against once over b*k at (b*k, 1), "
+                       "and torch draws some kinds (randn: in blocks of 16) by another path for another count, so "
+                       "the two may have trained on other random numbers, and whether the loop is right cannot be "
+                       "told from these runs: a mistake of the loop would look the same. Switch those draws off for "
+                       "the audit (a teacher: teacher.eval()), or draw them per sample from a generator seeded by "
+                       "{{seed}} and the sample's index."),
+    "zero_grad_unseen": (2, "the first differing update matches zero_grad_per_micro_batch (the accumulated one is "
+                            "{update_ratio:.4g} x the true batch's along it, at cosine {update_cosine:.4g}), but "
+                            "the tracer saw one zero_grad() a window, so that mistake is not named. The same "
+                            "signature comes from the gradients dropped by hand in the micro-batch loop "
+                            "(p.grad = None), and from randomness the tracer does not watch: a generator object of "
+                            "the script's own (np.random.default_rng(), random.Random(), a torch.Generator) drawn "
+                            "in the forward or the step. Which one, these runs do not tell: drop the gradients "
+                            "only after step(), switch such randomness off for the audit, and audit again."),
     "stateful_forward": (2, "buffers that the model's training forward updates ({stateful_buffers}) differ between "
                             "the runs where they part: at (b, k) each micro-batch's forward updates them, k times a "
                             "window, against once at (b*k, 1) (spectral_norm's power iteration, a running average), "
@@ -214,8 +233,10 @@ class Finding:
 
     @property
     def status(self) -> int:
-        """The worst of the verdicts' exit statuses: 2 (cannot be audited) over 1 (a mistake) over 0."""
-        return max(VERDICTS[v][0] for v in self.verdicts)
+        """1 where a verdict is a mistake (found beside what cannot be audited, it still fails a CI gate), else the
+        worst of the verdicts' exit statuses: 2 (cannot be audited) over 0."""
+        codes = {VERDICTS[v][0] for v in self.verdicts}
+        return 1 if 1 in codes else max(codes)
 
 
 # The call each verdict concerns, named with the place in the script where the tracer saw it made.
@@ -251,6 +272,10 @@ def sentence(verdict: str, figures: dict[str, Any]) -> str:
         sentence = SHORT_UNSYNCED.format(**f)
     if verdict == "data_differs" and "step_generators" in f:
         sentence = DRAWN_IN_STEP.format(**f)
+    if verdict == "random_forward" and "data_window" in f:
+        sentence += (f" These draws also moved the generator the batches are drawn from: window {f['data_window']} "
+                     "held other samples in the two runs (k forwards draw between a window's batch draws at (b, k), "
+                     "one at (b*k, 1)).")
     if "rank_weights_agree" in f and verdict in ACROSS_MEASURED:
         clip = f["rank_weights_agree"]
         sentence += f" The weights on {f['nproc']} ranks and on one agree all the same: " + (
@@ -313,8 +338,10 @@ DRAWN_IN_STEP = ("the two runs' window {data_window} did not hold the same sampl
                  "script repeats itself at (b*k, 1), so this is no unseeded randomness in general. The training step "
                  "drew from {step_generators} between its forwards (before a micro-batch's forward, in the first "
                  "windows). A random augmentation drawn there (a scale or mixup's λ per batch, noise on the inputs) "
-                 "draws per micro-batch, k times a window at (b, k) against once at (b*k, 1), so the windows can hold "
-                 "other inputs: draw it per sample from a generator seeded by {{seed}} and the sample's index, or "
+                 "draws k times a window at (b, k), over b samples each, against once at (b*k, 1), and torch draws "
+                 "some kinds per element by another path for another count (randn: in blocks of 16), so the windows "
+                 "can hold other inputs: draw it per sample from a generator seeded by {{seed}} and the sample's "
+                 "index, or "
                  "switch it off for the audit. Where those draws only pick the batches (torch.randint, as minimal "
                  "GPT trainers draw them), both runs draw them alike, and the cause is random draws before training "
                  "whose number depends on b (an evaluation over random batches of b samples) that move the "
@@ -327,7 +354,8 @@ ACROSS_MEASURED = ("loss_scaled_by_world", "mean_of_rank_means", "unexplained_ac
 
 
 # The verdicts whose sentence cites the figures of the compared updates: the gradients' where they were compared.
-GRADIENT_FIGURES = {"update_scaled": ("update_ratio",), "weight_penalty_per_micro_batch": (),
+GRADIENT_FIGURES = {"update_scaled": ("update_ratio",), "zero_grad_unseen": ("update_ratio", "update_cosine"),
+                    "weight_penalty_per_micro_batch": (),
                     "differs_under_clipping": ("update_length_ratio", "update_cosine")}
 
 

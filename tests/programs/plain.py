@@ -25,13 +25,25 @@ Cases, and [the verdict `batchsweep audit` must give]:
     unused_dropout  a dropout layer the forward never calls [exact, no note: nothing drew]
     head_dropout head(net(x)), the head a model of its own with two functional dropouts [random_forward]
     layerdrop    each hidden layer skipped at a training forward where random.uniform(0, 1) < 0.5 (--rng numpy:
-                 np.random.uniform), as some transformers models write LayerDrop [random_forward]
+                 np.random.uniform; --rng generator: a np.random.default_rng object of its own, which the tracer
+                 does not watch), as some transformers models write LayerDrop [random_forward; generator:
+                 zero_grad_unseen]
+    late_dropout --drops 2 --dropout 0, each dropout's p raised to 0.1 after step 4 [random_forward, named from
+                 the modules listed at the run's end]
+    attention    nn.MultiheadAttention(dropout=0.1), whose dropout is a float, no Dropout module [random_forward]
+    random_batches  each micro-batch drawn by torch.randint from the global generator in the step, as minimal GPT
+                 trainers draw them; with --drops 2 the forward's masks move that generator between the draws
+                 [random_forward]
+    target_noise noise added to the one-hot targets in the step, after the forward (a squared loss) [random_step]
+    teacher      a distillation teacher with two dropouts left in training mode, called under no_grad after the
+                 student's forward [random_step]
     augment      each micro-batch's inputs scaled by a factor drawn for the batch in the step, before the forward
                  (a batch-level augmentation, as mixup's λ is drawn) [data_differs]
     skip_tokens  a token loss, each micro-batch's token mean over k, the epoch's short window backwarded but
                  never stepped (the next window's zero_grad drops it) [short_window_skipped,
                  mean_of_micro_batch_means]
     short_mean   each micro-batch's sample mean over k, the epoch's short window too [short_window_divided_by_k]
+                 (skip_tokens with --drops 2: two dropouts beside it [short_window_skipped, random_forward])
     spawn        the plain loop under DDP on 2 gloo ranks started by torch.multiprocessing.spawn, the ranks
                  passed as arguments (PyTorch's tutorial pattern), no_sync() but at a window's last micro-batch
 
@@ -84,7 +96,10 @@ class Counted(nn.Module):
 
 def model_for(args) -> nn.Module:
     if args.case == "skip_tokens":
-        return nn.Sequential(nn.Embedding(VOCAB, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, VOCAB))
+        drops = [nn.Dropout(args.dropout) for _ in range(args.drops)]
+        return nn.Sequential(nn.Embedding(VOCAB, HIDDEN), nn.Tanh(), *drops, nn.Linear(HIDDEN, VOCAB))
+    if args.case == "attention":
+        return Attention()
     first = nn.Linear(6, HIDDEN)
     if args.case == "spectral":
         first = nn.utils.spectral_norm(first)
@@ -119,7 +134,8 @@ class LayerDrop(nn.Module):
         super().__init__()
         self.first, self.last = nn.Linear(6, HIDDEN), nn.Linear(HIDDEN, 3)
         self.hidden = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(3))
-        self.uniform = random.uniform if rng == "random" else np.random.uniform
+        self.uniform = {"random": random.uniform, "numpy": np.random.uniform,
+                        "generator": np.random.default_rng(0).uniform}[rng]
 
     def forward(self, x):
         h = torch.tanh(self.first(x))
@@ -127,6 +143,19 @@ class LayerDrop(nn.Module):
             if not self.training or self.uniform(0, 1) >= 0.5:
                 h = torch.tanh(layer(h))
         return self.last(h)
+
+
+class Attention(nn.Module):
+    """Self-attention over the 6 features as tokens, its attention weights dropped by nn.MultiheadAttention itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.out = nn.Linear(1, HIDDEN), nn.Linear(HIDDEN, 3)
+        self.attention = nn.MultiheadAttention(HIDDEN, 2, dropout=0.1, batch_first=True)
+
+    def forward(self, x):
+        h = self.embed(x[..., None])
+        return self.out(self.attention(h, h, h)[0].mean(1))
 
 
 class Unused(nn.Module):
@@ -151,7 +180,8 @@ def main() -> int:
     p.add_argument("--case", default="plain")
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--drops", type=int, default=0, help="dropout layers (case dropout)")
-    p.add_argument("--rng", default="random", choices=["random", "numpy"], help="case layerdrop: whose generator")
+    p.add_argument("--rng", default="random", choices=["random", "numpy", "generator"],
+                   help="case layerdrop: whose generator")
     p.add_argument("--dtype", default="float64")
     p.add_argument("--rows", default="no", choices=["yes", "no"])
     p.add_argument("--text", default="no", choices=["yes", "no"], help="rows as text, not JSON")
@@ -204,6 +234,9 @@ def train(args, rank: int | None = None) -> int:
         trained = nn.ModuleList([net, head])
     else:
         model = trained = model_for(args)
+    if args.case == "teacher":  # frozen, and left in training mode: its dropouts draw
+        args.teacher = nn.Sequential(nn.Linear(6, HIDDEN), nn.Tanh(), nn.Dropout(0.1), nn.Linear(HIDDEN, HIDDEN),
+                                     nn.Tanh(), nn.Dropout(0.1), nn.Linear(HIDDEN, 3))
     if args.compile == "function":
         model = torch.compile(model, fullgraph=True, backend="eager")
     elif args.compile == "module":
@@ -217,6 +250,8 @@ def train(args, rank: int | None = None) -> int:
     for epoch in range(args.epochs):
         order = torch.randperm(args.n, generator=torch.Generator().manual_seed(args.seed * 100 + epoch))
         windows = order.split(b * k * (1 if rank is None else 2))
+        if args.case == "random_batches":  # (as many windows; each micro-batch drawn in the step, below)
+            windows = [torch.zeros(len(w), dtype=torch.long) for w in windows]
         for i, window in enumerate(windows):
             if rank is not None:
                 window = window.chunk(2)[rank] if len(window) > 1 else window
@@ -225,6 +260,8 @@ def train(args, rank: int | None = None) -> int:
             opt.zero_grad()
             shown = 0.0
             for j, m in enumerate(micro):
+                if args.case == "random_batches":
+                    m = torch.randint(args.n, (len(m),))
                 sync = rank is None or j == len(micro) - 1
                 with (model.no_sync() if not sync else contextlib.nullcontext()):
                     shown += backward(args, model, trained, x[m], y[m], count)
@@ -239,6 +276,10 @@ def train(args, rank: int | None = None) -> int:
             elif schedule is not None:
                 schedule.step()
             step += 1
+            if args.case == "late_dropout" and step == 4:
+                for layer in trained.modules():
+                    if isinstance(layer, nn.Dropout):
+                        layer.p = 0.1
             if args.case == "two_phase" and step == 4:  # phase two: a new optimizer and schedule
                 first = weakref.ref(opt)
                 opt = torch.optim.SGD(trained.parameters(), lr=args.lr / 2, momentum=0.5)
@@ -261,7 +302,13 @@ def backward(args, model, trained, x, y, count: int) -> float:
         x = x * torch.empty(()).uniform_(0.9, 1.1)
     out = model(x)
     k = args.accum
-    if args.case == "skip_tokens":
+    if args.case == "teacher":
+        with torch.no_grad():
+            y = nn.functional.softmax(args.teacher(x), -1)  # soft targets, its dropouts drawn in the step
+    if args.case == "target_noise":
+        target = nn.functional.one_hot(y, 3).to(out.dtype) + 0.1 * torch.randn(len(y), 3)
+        loss = ((out - target) ** 2).sum() / count
+    elif args.case == "skip_tokens":
         s = nn.functional.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1), ignore_index=-100, reduction="sum")
         loss = s / int((y != -100).sum()) / k  # the mistake: a token mean per micro-batch, over k
     elif args.case == "short_mean":
