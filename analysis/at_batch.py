@@ -50,8 +50,14 @@ def _batching(t: pd.DataFrame, rule: str | None, b: int, twins: list, m: Measure
     made = (f"accumulating ({'; '.join(accumulated)}){averaged} against the true batch (b = {b}, k = 1"
             f"{_memory(t, b, 1)}): {said}")
     plan = f"`{commands.command('plan')} --target-batch {b} --memory-budget SIZE`"
-    if any(v.resolved for _, v in mine):
-        return f"; {made}; they differ: the better one, where it fits ({plan})"
+    ahead = {_under(key, rule is None).removesuffix(": ") or "here": "accumulation" if (v.d.mean > 0) == m.maximize
+             else "the true batch" for key, v in mine if v.resolved}
+    if ahead:
+        better = (f"{list(ahead.values())[0]} was resolved better" if len(set(ahead.values())) == 1 else
+                  "; ".join(f"{w}, {x} was resolved better" for w, x in ahead.items()))
+        use = ("the one resolved better under your rule" if len(set(ahead.values())) > 1 else
+               "the true batch where it fits your memory" if "the true batch" in ahead.values() else "accumulation")
+        return f"; {made}; they differ: {better}; use {use} ({plan})"
     if all(v.equivalent for _, v in mine):
         return f"; {made}; b: the largest that fits your memory ({plan})"
     n = min(v.d.n for _, v in mine)
@@ -220,7 +226,7 @@ def largest_free(study: StudyRuns, m: Measure) -> list[str]:
     above = f"; shown to cost less than {m.margin_text}, but above a B of its rule that was not: {'; '.join(above)}" \
         if above else ""
     return [f"No B above the smallest was shown to cost less than {m.margin_text} (its whole 95% interval within "
-            f"±{m.margin_text}, or above the smallest B's) together with every B below it; the nearest was B = {b} "
+            f"±{m.margin_text}, or better than the smallest B's) together with every B below it; the nearest was B = {b} "
             f"under the {rule} LR rule against B = {base}: {stated(v.d, m=m, v=v)}{_half(nearest)}{above}."]
 
 

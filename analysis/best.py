@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .measures import WORSE, stopped
+from .measures import WORSE, rounded, stopped
 from .runs import StudyRuns, ci95, paired, quantum
 from .verdicts import judge
 
@@ -144,24 +144,34 @@ def of(seeds: pd.DataFrame, fields: list[str], row: pd.Series) -> pd.Series:
 def _ranked(mine: list[pd.DataFrame], shared: set, value: str, sign: int) -> list[int]:
     """The configurations by their mean over the seeds every one finished, best first; one finished in a single
     seed last."""
-    rank = [rows[rows["seed"].isin(shared)][value].mean() if len(shared) >= 2 else rows[value].mean()
+    rank = [rounded(rows[rows["seed"].isin(shared)][value].mean() if len(shared) >= 2 else rows[value].mean())
             for rows in mine]
     return sorted(range(len(mine)), key=lambda i: (mine[i][value].notna().sum() < 2, -sign * rank[i]))
 
 
 def highest(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], value: str, maximize: bool) -> pd.Series:
-    """The configuration of the best mean, as ties() ranks before any contrast overturns it."""
+    """The configuration of the best mean, as ties() ranks before any contrast overturns it; its `level` lists
+    the others whose mean is the same (an exact tie: the pick among them is their order)."""
     mine = [seeds[of(seeds, fields, row)] for _, row in points.iterrows()]
     shared = set.intersection(*(set(rows["seed"]) for rows in mine))
-    return points.iloc[_ranked(mine, shared, value, 1 if maximize else -1)[0]]
+    order = _ranked(mine, shared, value, 1 if maximize else -1)
+
+    def mean(i: int) -> float:
+        rows = mine[i]
+        return rounded(rows[rows["seed"].isin(shared)][value].mean() if len(shared) >= 2 else rows[value].mean())
+    top = points.iloc[order[0]].copy()
+    top["level"] = [label(points.iloc[i], fields) for i in order[1:] if mean(i) == mean(order[0])]
+    return top
 
 
 def picked(top: pd.Series, first: pd.Series, fields: list[str], configurations: int, maximize: bool,
            named: str) -> str:
     """What made `top` the best: the pick of the best mean of all (biased by the pick), or a contrast resolved
     above `first`, the configuration of the best mean (`named`, as a sentence labels it)."""
+    level = first.get("level", [])
     if all(top[f] == first[f] or (pd.isna(top[f]) and pd.isna(first[f])) for f in fields):
-        return (f"the {'highest' if maximize else 'lowest'} of {configurations} configurations, so biased "
+        even = f"tied for the {'highest' if maximize else 'lowest'} mean with {'; '.join(level)}, " if level else ""
+        return (f"{even}the {'highest' if maximize else 'lowest'} of {configurations} configurations, so biased "
                 f"{'upward' if maximize else 'downward'} by the pick")
     return (f"resolved {'above' if maximize else 'below'} {named} on the seeds the two share, though that one had "
             f"the {'highest' if maximize else 'lowest'} mean over the seeds every configuration ran")

@@ -25,6 +25,12 @@ def stopped_verb(word: str) -> str:
     return word.replace("pruned", "was pruned")
 
 
+def rounded(x: float) -> float:
+    """A mean to 9 significant digits, where means rank: the same per-seed values summed in another order differ
+    in their last bits (2.914 and 2.9139999999999997), and an exact tie is a tie, not a win."""
+    return float(f"{x:.9g}") if math.isfinite(x) else x
+
+
 def finished(trials: pd.DataFrame) -> pd.DataFrame:
     """The trials that finished as they were asked to: a script that did not (config_mismatch) compares nothing."""
     done = trials["status"] == "FINISHED"

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .measures import ACCURACY, WORSE, Measure, finished, one_batch, stopped, stopped_verb, tuned
+from .measures import ACCURACY, WORSE, Measure, finished, one_batch, rounded, stopped, stopped_verb, tuned
 from .plotting import in_order
 from .runs import Difference, paired, quantum
 from .verdicts import judge
@@ -142,7 +142,7 @@ def _means(at: pd.DataFrame, m: Measure) -> pd.Series:
     seeds' luck), best first."""
     seeds = at.groupby(["lr_rule", "seed"])[m.name].mean().unstack("seed")
     shared = seeds.dropna(axis="columns")
-    means = (shared if shared.shape[1] >= 2 else seeds).mean(axis="columns")
+    means = (shared if shared.shape[1] >= 2 else seeds).mean(axis="columns").map(rounded)
     return means.reindex(in_order("lr_rule", means.index)).sort_values(ascending=not m.maximize, kind="stable")
 
 
@@ -206,11 +206,12 @@ def rules_at(t: pd.DataFrame, sizes: list[int], m: Measure, step: float,
 
 
 def decided(at: AtB, m: Measure) -> str:
-    """What made the pick: the best mean, or a contrast resolved above the rule of the best mean."""
+    """What made the pick: the best mean, or a contrast resolved better than the rule of the best mean."""
     most = "highest" if m.maximize else "lowest"
+    level = [r for r in at.means.index if r != at.best and at.means[r] == at.means[at.best]]
     if at.overturned is None:
-        return f"had the {most} mean"
-    return (f"was resolved above {at.overturned} on the seeds the two share ({at.overturned} had the {most} mean "
+        return f"was tied for the {most} mean with {listed(level)}" if level else f"had the {most} mean"
+    return (f"was resolved better than {at.overturned} on the seeds the two share ({at.overturned} had the {most} mean "
             f"over the seeds every rule ran)")
 
 

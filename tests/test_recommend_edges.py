@@ -307,10 +307,10 @@ def test_a_pick_overturned_by_a_resolved_contrast_says_so():
     study = _study(_rows(values, seeds=range(10)), ("physical_batch", "accum_steps", "lr_rule"))
     lines = recommend(study)
     [at_128] = [line for line in lines if line.startswith("At B = 128")]
-    assert at_128.startswith("At B = 128: the sqrt LR rule (94.9%; it was resolved above none on the seeds the two "
-                             "share (none had the highest mean over the seeds every rule ran)"), at_128
+    assert at_128.startswith("At B = 128: the sqrt LR rule (94.9%; it was resolved better than none on the seeds the "
+                             "two share (none had the highest mean over the seeds every rule ran)"), at_128
     [largest] = [s for s in summarize(study.trials, study.history) if s.startswith("At the largest batch")]
-    assert "the sqrt rule was resolved above none on the seeds the two share" in largest, largest
+    assert "the sqrt rule was resolved better than none on the seeds the two share" in largest, largest
     [best] = [line for line in lines if line.startswith("The best accuracy: ")]
     assert best.startswith("The best accuracy: b = 32, k = 4, sqrt (") or best.startswith(
         "The best accuracy: b = 128, k = 1, sqrt ("), best

@@ -88,3 +88,54 @@ def test_a_bn_rule_resolved_better_than_the_true_batch_is_named_and_one_resolved
     assert "scaled within ±1 point of it but resolved worse (scaled 0." in lines[0], lines
     [loss] = [s for s in recommend(_bn(True)) if s.startswith("BN momentum at k = 2")]
     assert "final val_loss: matched resolved better than it (matched val_loss 0.02" in loss and "below" in loss, loss
+
+
+def test_an_exact_tie_of_means_is_said_as_a_tie_not_crowned_by_float_rounding():
+    """B = 32 and b = 64, none end at 0.965/0.972/0.977 and 0.966/0.973/0.975: both sum to 2.914, which float
+    addition makes 2.914 and 2.9139999999999997. At B = 128 sqrt and linear end alike in every seed."""
+    vals = {(32, 1): (0.965, 0.972, 0.977), (64, 1): (0.966, 0.973, 0.975), (128, 1): (0.95, 0.955, 0.951)}
+    rows = []
+    for seed in range(3):
+        for rule in ("none", "sqrt", "linear"):
+            for (b, k), v in vals.items():
+                drop = {"none": 0.0 if b < 128 else 0.03, "sqrt": 0.01, "linear": 0.01}[rule] if b > 32 else 0.0
+                drop = 0.0 if (b, rule) == (64, "none") else drop
+                rows.append(dict(seed=seed, lr_rule=rule, physical_batch=b, accum_steps=k, effective_batch=b * k,
+                                 base_batch=32, status="FINISHED", val_acc=round(v[seed] - drop, 3)))
+    study = _study(rows, RULES)
+    lines = recommend(study)
+    [best] = [s for s in lines if s.startswith("The best accuracy")]
+    assert "tied for the highest mean with b = 64, none" in best, best
+    [at_128] = [s for s in lines if s.startswith("At B = 128")]
+    assert "was tied for the highest mean with " in at_128 and "had the highest mean" not in at_128, at_128
+
+
+def test_a_metric_where_lower_is_better_reads_better_and_worse_not_above_and_below():
+    """val_loss rises with B under every rule: the B line's 'or better than the smallest B's' and the best line's
+    ties resolved 'worse' (a loss above the smallest B's is worse, not 'resolved below it')."""
+    rng, rows = np.random.default_rng(1), []
+    for seed in range(3):
+        for rule in ("none", "sqrt", "linear"):
+            for b, k in ((32, 1), (32, 4), (128, 1), (32, 16), (512, 1)):
+                v = 0.30 + {"none": 0.05, "sqrt": 0.02, "linear": 0.005}[rule] * np.log2(b * k / 32) / 2
+                rows.append(dict(seed=seed, lr_rule=rule, physical_batch=b, accum_steps=k, effective_batch=b * k,
+                                 base_batch=32, status="FINISHED", val_loss=v + rng.normal(0, 0.003)))
+    lines = recommend(_study(rows, RULES, ("val_loss", "minimize")))
+    said = " ".join(s for s in lines if s.startswith(("The best", "No B")))
+    assert "or better than the smallest B's" in said and "above the smallest B's" not in said, said
+    assert "resolved below" not in said and "resolved worse than it" in said, said
+
+
+def test_twins_resolved_apart_name_the_better_of_the_two():
+    """perplexity (lower is better): accumulating to B = 256 at b = 16 ends 4 higher than the true batch under both
+    rules; the B line names the true batch as the better, not 'the better one'."""
+    rng, rows = np.random.default_rng(8), []
+    for seed in range(3):
+        for rule in ("none", "linear"):
+            for b, k in ((16, 1), (16, 4), (64, 1), (16, 16), (256, 1)):
+                v = 30 + {"none": 3, "linear": 0.5}[rule] * np.log2(b * k / 16) + 4 * ((b, k) == (16, 16))
+                rows.append(dict(seed=seed, lr_rule=rule, physical_batch=b, accum_steps=k, effective_batch=b * k,
+                                 base_batch=16, status="FINISHED", perplexity=v + rng.normal(0, 0.2)))
+    [at_256] = [s for s in recommend(_study(rows, RULES, ("perplexity", "minimize"))) if s.startswith("At B = 256")]
+    assert "they differ: the true batch was resolved better; use the true batch where it fits your memory" in at_256
+    assert "the better one" not in at_256, at_256
