@@ -98,8 +98,9 @@ def _n(x: float) -> str:
     return f"{x:,.0f}"
 
 
-def reading(points: pd.DataFrame, noise: pd.DataFrame) -> str:
-    """One series' steps per doubling, its fitted B_crit, and the noise scale at the target, in words."""
+def reading(points: pd.DataFrame, noise: pd.DataFrame, lost: list[int] = ()) -> str:
+    """One series' steps per doubling, its fitted B_crit, and the noise scale at the target, in words. `lost`: the
+    Bs run but left out of the fit, as most of their runs never reached the target."""
     medians = points.groupby("effective_batch")["steps"].median().sort_index()
     sizes = list(medians.index)
     ratios = [(medians.iloc[i] / medians.iloc[i - 1]) ** (1 / math.log2(sizes[i] / sizes[i - 1]))
@@ -111,10 +112,14 @@ def reading(points: pd.DataFrame, noise: pd.DataFrame) -> str:
         said += "; B_crit could not be fitted (fewer than 3 Bs reached the target)"
     elif f.b_crit > max(f.sizes):
         last = f"{ratios[-1]:.2f}" if ratios else "?"
-        said += (f"; B_crit is above the largest B run ({max(f.sizes)}), so the fit cannot bound it: the last doubling "
-                 f"still took the steps to {last} of the B before (0.50 is perfect scaling, 1 none)")
+        said += (f"; B_crit is above the largest B fitted ({max(f.sizes)}), so the fit cannot bound it: the last "
+                 f"doubling still took the steps to {last} of the B before (0.50 is perfect scaling, 1 none)")
+        above = [b for b in lost if b > max(f.sizes)]
+        if above:  # (right-censored: their steps to the target exceed the runs' length, which no fit here counts)
+            said += (f"; at B = {', '.join(map(str, above))} most runs never reached the target in their epochs, "
+                     f"which argues against a B_crit far above {max(f.sizes)} (those runs are censored, not fitted)")
     elif f.b_crit < min(f.sizes):
-        said += f"; B_crit is below the smallest B run ({min(f.sizes)}): the fit cannot bound it"
+        said += f"; B_crit is below the smallest B fitted ({min(f.sizes)}): the fit cannot bound it"
     else:
         seeds = points["seed"].nunique()
         if seeds < FEWEST_SEEDS:
@@ -122,7 +127,7 @@ def reading(points: pd.DataFrame, noise: pd.DataFrame) -> str:
         elif math.isnan(f.lo):
             spread = "no bootstrap interval: too few resamples of the seeds could be fitted"
         else:
-            hi = f"above {max(f.sizes)}, the largest B run" if f.hi > max(f.sizes) else _n(f.hi)
+            hi = f"above {max(f.sizes)}, the largest B fitted" if f.hi > max(f.sizes) else _n(f.hi)
             spread = f"95% bootstrap interval over the {points['seed'].nunique()} seeds {_n(f.lo)} to {hi}"
         said += (f"; B_crit ≈ {_n(f.b_crit)} ({spread}; S_min ≈ {_n(f.s_min)} steps; from {f.runs} runs at "
                  f"B = {f.sizes[0]} to {f.sizes[-1]})")

@@ -63,7 +63,7 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
         if kept.empty:
             out.append(f"{name}, no B had most of its runs reach it{left}.")
             continue
-        out.append(f"{name}{left}, {critical.reading(kept, noise[noise['run_id'].isin(rows['run_id'])])}.")
+        out.append(f"{name}{left}, {critical.reading(kept, noise[noise['run_id'].isin(rows['run_id'])], lost)}.")
     return out
 
 

@@ -285,14 +285,26 @@ def test_steps_that_keep_halving_or_were_never_reached_leave_the_critical_batch_
     history = reaching(trials, lambda r: 4 if r.lr_rule == "sqrt" or r.effective_batch > 32 else 99)
     sentences = " ".join(summarize(trials, history))
     assert ("For none (at B = 32 most runs never reached it: left out of the fit), each doubling of B took the median "
-            "steps to 0.50, 0.48, 0.47 of the B before; B_crit is above the largest B run (512), so the fit cannot "
+            "steps to 0.50, 0.48, 0.47 of the B before; B_crit is above the largest B fitted (512), so the fit cannot "
             "bound it: the last doubling still took the steps to 0.47 of the B before (0.50 is perfect scaling, 1 "
             "none); no reliable noise scale was measured") in sentences
     assert "close to 1/B" not in sentences
     assert "For sqrt, each doubling of B took the median steps to 0.50, 0.50, 0.48, 0.47 of the B before; B_crit is " \
-           "above the largest B run (512)" in sentences
+           "above the largest B fitted (512)" in sentences
     one = trials[trials.effective_batch <= 64]  # two Bs: nothing to fit
     assert "B_crit could not be fitted" not in " ".join(summarize(one, history))  # (fewer than 3 Bs: no sentence)
+
+
+def test_a_largest_b_that_never_reached_the_target_is_not_called_the_largest_b_run():
+    """sqrt halves its steps up to B = 256, and at B = 512 no run reached the target: the fit's largest B is 256,
+    and B = 512's runs, censored, argue against a B_crit far above it."""
+    trials = synthetic(flat)
+    trials = trials[trials.physical_batch == 32].drop_duplicates(["seed", "effective_batch"]).assign(lr_rule="sqrt")
+    history = reaching(trials, lambda r: 99 if r.effective_batch == 512 else 4)
+    [sentence] = [s for s in summarize(trials, history) if s.startswith("For sqrt") or s.startswith("Over every")]
+    assert "B_crit is above the largest B fitted (256)" in sentence and "largest B run" not in sentence, sentence
+    assert ("at B = 512 most runs never reached the target in their epochs, which argues against a B_crit far above "
+            "256") in sentence, sentence
 
 
 def test_bn_rules_are_compared_by_their_running_statistics():

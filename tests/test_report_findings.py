@@ -240,7 +240,7 @@ def test_the_default_studys_sentences_recomputed_by_an_independent_path():
         sentence = next(s for s in sentences if s.startswith(f"For {rule}"))
         b_crit = math.exp(log_b)
         if b_crit > points.B.max():
-            assert f"B_crit is above the largest B run ({points.B.max()})" in sentence
+            assert f"B_crit is above the largest B fitted ({points.B.max()})" in sentence
         else:
             assert f"B_crit ≈ {b_crit:,.0f} " in sentence and f"S_min ≈ {math.exp(log_s):,.0f} steps" in sentence
         assert f"was {mine.noise.median():,.0f} (median of the {mine.noise.notna().sum()} runs" in sentence
