@@ -21,7 +21,10 @@ MIB = 2 ** 20
 
 def _memory(t: pd.DataFrame, b: int, k: int) -> str:
     rows = t[(t["physical_batch"] == b) & (t["accum_steps"] == k)] if "peak_memory_bytes" in t else t.iloc[0:0]
-    return f", {rows['peak_memory_bytes'].mean() / MIB:,.2f} MiB" if len(rows) else ""
+    if not len(rows):
+        return ""
+    peak = pd.to_numeric(rows["peak_memory_bytes"], errors="coerce").mean()  # (the runs that logged it)
+    return f", {peak / MIB:,.2f} MiB" if pd.notna(peak) else ", memory not measured"
 
 
 def _under(key: dict, every_rule: bool = False) -> str:
@@ -140,33 +143,59 @@ def per_batch(study: StudyRuns, m: Measure) -> list[str]:
     pooled, out = _pooled(study, t), []
     ran = one_batch(study.trials)
     for b in sorted({*sizes[1:], *(bb for _, bb in gone if bb > sizes[0])}):
-        why, at = unshared(t, b, gone), picks.get(b)
-        rules = in_order("lr_rule", ran.loc[ran["effective_batch"] == b, "lr_rule"].dropna().unique())
-        if rules and all((r, b) in gone for r in rules):  # (no rule to pick: said, not left out)
-            out.append(f"At B = {b}{pooled}: every LR rule {stopped_verb(stopped_in(study.trials))} in a seed "
-                       f"({listed([went(r, gone[(r, b)]) for r in rules])}), so none is picked there.")
-            continue
-        if why:
-            out.append(f"At B = {b}{pooled}: {why}.")
-        if (halves := _halves(t, b, picks, costs, m, pooled)) is not None:
-            out.append(halves[:-1] + _batching(t, None, b, twins, m) + ".")
-            continue
-        if b in split:  # (no half with rules to pick from: a pick over both would hold for neither)
-            out.append(f"At B = {b}{pooled}: accumulation and the true batch were resolved apart, and neither half "
-                       f"has 2 LR rules finished in 2 shared seeds to pick from{_batching(t, None, b, twins, m)}.")
-            continue
-        if at is None:
-            continue
-        if (at.best, b) not in cost:  # (the pick's own smallest B: nothing below it to cost against)
-            out.append(f"At B = {b}{pooled}: {_which(at, m)}; B = {b} is the smallest B the {at.best} LR rule ran, "
-                       f"so what it costs against a smaller B is not measured{_batching(t, at.best, b, twins, m)}.")
-            continue
-        base, v = cost[(at.best, b)]
-        against = (stated(v.d, m=m, v=v) if v is not None else
-                   f"cannot be compared: the {at.best} LR rule ran no seed at both Bs")
-        out.append(f"At B = {b}{pooled}: {_which(at, m)}; against B = {base}: {against}"
-                   f"{_batching(t, at.best, b, twins, m)}.")
+        before, oom = len(out), _out_of_memory(study.trials, b)
+        _line(b, t, study, m, gone, picks, costs, cost, split, twins, pooled, ran, out)
+        out[before:] = [line[:-1] + oom + "." for line in out[before:]]
     return out
+
+
+def _line(b: int, t: pd.DataFrame, study: StudyRuns, m: Measure, gone: dict, picks: dict, costs: list, cost: dict,
+          split: frozenset, twins: list, pooled: str, ran: pd.DataFrame, out: list[str]) -> None:
+    """B's line (or lines), appended to `out`."""
+    why, at = unshared(t, b, gone), picks.get(b)
+    rules = in_order("lr_rule", ran.loc[ran["effective_batch"] == b, "lr_rule"].dropna().unique())
+    if rules and all((r, b) in gone for r in rules):  # (no rule to pick: said, not left out)
+        out.append(f"At B = {b}{pooled}: every LR rule {stopped_verb(stopped_in(study.trials))} in a seed "
+                   f"({listed([went(r, gone[(r, b)]) for r in rules])}), so none is picked there.")
+        return
+    if why:
+        out.append(f"At B = {b}{pooled}: {why}.")
+    if (halves := _halves(t, b, picks, costs, m, pooled)) is not None:
+        out.append(halves[:-1] + _batching(t, None, b, twins, m) + ".")
+        return
+    if b in split:  # (no half with rules to pick from: a pick over both would hold for neither)
+        out.append(f"At B = {b}{pooled}: accumulation and the true batch were resolved apart, and neither half "
+                   f"has 2 LR rules finished in 2 shared seeds to pick from{_batching(t, None, b, twins, m)}.")
+        return
+    if at is None:
+        return
+    if (at.best, b) not in cost:  # (the pick's own smallest B: nothing below it to cost against)
+        out.append(f"At B = {b}{pooled}: {_which(at, m)}; B = {b} is the smallest B the {at.best} LR rule ran, "
+                   f"so what it costs against a smaller B is not measured{_batching(t, at.best, b, twins, m)}.")
+        return
+    base, v = cost[(at.best, b)]
+    against = (stated(v.d, m=m, v=v) if v is not None else
+               f"cannot be compared: the {at.best} LR rule ran no seed at both Bs")
+    out.append(f"At B = {b}{pooled}: {_which(at, m)}; against B = {base}: {against}"
+               f"{_batching(t, at.best, b, twins, m)}.")
+
+
+def _out_of_memory(trials: pd.DataFrame, b: int) -> str:
+    """Where the true batch at B ran out of memory: that accumulation is how B is reached, or, in some seeds only,
+    that those seeds' values at B are the accumulated half alone (each seed's runs at B are averaged)."""
+    if not {"reason", "seed", "accum_steps"} <= set(trials):
+        return ""
+    true = one_batch(trials)
+    true = true[(true["effective_batch"] == b) & (true["accum_steps"] == 1)]
+    oom = sorted(int(s) for s in true.loc[true["reason"] == "oom", "seed"].unique())
+    if not oom:
+        return ""
+    if set(oom) >= set(true["seed"]):
+        return (f"; the true batch (b = {b}, k = 1) ran out of memory here in every seed: accumulation is how B is "
+                f"reached")
+    seeds = listed([str(s) for s in oom])
+    return (f"; the true batch (b = {b}, k = 1) ran out of memory in seed{'s' * (len(oom) > 1)} {seeds}, so there "
+            f"each seed's value at B is the accumulated half alone, elsewhere the mean of both halves")
 
 
 def _gap(trials: pd.DataFrame, rule: str, b: int, gone: dict) -> str:

@@ -85,6 +85,15 @@ class Measure:
         largest = max((abs(x) for x in xs if math.isfinite(x)), default=0.0)
         return 1 if self.points else (min(4, max(0, 1 - math.floor(math.log10(largest)))) if largest else 2)
 
+    def interval_places(self, half: float) -> int:
+        """Decimals that give an interval's half-width two significant digits (accuracy points: one, and at least
+        one decimal), so that its ends read apart: neither '+14 to +14' nor 'val_loss 0.31 ± 0.0'."""
+        h = abs(self.scaled(half))
+        if not math.isfinite(h) or h == 0:
+            return 1 if self.points else 2
+        need = -math.floor(math.log10(h))
+        return max(1, min(need, 3)) if self.points else max(0, min(need + 1, 6))
+
     def shown(self, x: float, places: int, sign: str = "") -> str:
         """`places` decimals, or for a metric of its own two significant digits where those would round x to zero
         (an exact twin's loss differs by 3e-08, not by 0.0000)."""

@@ -128,7 +128,7 @@ def best(study: StudyRuns, m: Measure) -> list[str]:
              if lower else "")
     pick = picked(top, named.found.highest, fields, configurations, m.maximize, label(named.found.highest, fields))
     return [f"The best {what}: {label(top, fields)} ({m.level(top[m.name])} over {n} seeds, {pick}); {ties}"
-            f"{'; paired by seed, Benjamini-Hochberg at 5% over ' + str(compared) + ' comparisons' if compared else ''}."]
+            + (f"; paired by seed, Benjamini-Hochberg at 5% over {compared} comparisons" if compared else "") + "."]
 
 
 def fastest(study: StudyRuns) -> list[str]:
@@ -155,6 +155,9 @@ def _fused(study: StudyRuns) -> list[str]:
             f"{study.run_as or '--study ' + study.name} --no-fuse` in a new folder times each trial alone."]
 
 
+TIME_FLOOR = 0.05  # the least share of a time that two single wall-clock measurements are taken to resolve
+
+
 def _fastest(value: str, t: pd.DataFrame, _, points: pd.DataFrame, fields: list[str], target: float) -> str:
     points = points.sort_values("seconds")
     top = points.iloc[0]
@@ -165,15 +168,17 @@ def _fastest(value: str, t: pd.DataFrame, _, points: pd.DataFrame, fields: list[
         return (f"The shortest median time {to}: {label(top, fields)} ({top['seconds']:,.1f} s over its seeds); each "
                 f"time is one wall-clock measurement, and no identical runs show how far two measurements of one "
                 f"configuration lie apart, so it is not shown to be the fastest.")
-    near = points[points["seconds"] - top["seconds"] <= spread]
+    # (identical runs that happened to log equal times do not make one wall-clock reading exact)
+    floor = max(spread, TIME_FLOOR * top["seconds"])
+    why = (f"{floor:,.1f} s is the larger of what identical runs came apart by ({spread:,.1f} s) and "
+           f"{100 * TIME_FLOOR:.0f}% of the shortest time: single wall-clock measurements cannot resolve less")
+    near = points[points["seconds"] - top["seconds"] <= floor]
     if len(near) == 1:
         return (f"The shortest time {to}: {label(top, fields)} ({top['seconds']:,.1f} s, the median over its seeds), "
-                f"ahead of every other configuration by more than the {spread:,.1f} s identical runs came apart (each "
-                f"time is one wall-clock measurement).")
+                f"ahead of every other configuration by more than {floor:,.1f} s ({why}).")
     return (f"No configuration was resolved fastest {to}: {len(near)} of the {len(points)} reached it within "
-            f"{spread:,.1f} s of the shortest median ({top['seconds']:,.1f} s), what identical runs came apart by "
-            f"(each time is one wall-clock measurement): "
-            + "; ".join(f"{label(r, fields)} ({r['seconds']:,.1f} s)" for _, r in near.iterrows()) + ".")
+            f"{floor:,.1f} s of the shortest median ({top['seconds']:,.1f} s): "
+            + "; ".join(f"{label(r, fields)} ({r['seconds']:,.1f} s)" for _, r in near.iterrows()) + f"; {why}.")
 
 
 def bn_rules(study: StudyRuns, m: Measure) -> list[str]:
@@ -202,7 +207,8 @@ def bn_rules(study: StudyRuns, m: Measure) -> list[str]:
         parts = [p for p in parts if p]
         if not parts:
             r, v = min(judged, key=lambda x: abs(x[1].d.mean) + x[1].d.half)
-            parts = [f"no rule shown to match it within ±{m.margin_text} or to do better; the nearest, {r}: {words[r]}"]
+            parts = [f"no rule shown to match it within ±{m.margin_text} or to do better; the nearest, {r}: "
+                     f"{words[r]}"]
         what = "accuracy" if m.points else m.name
         out.append(f"BN momentum at k = {k} (B = {b}), against the true batch's final {what}: {'; '.join(parts)}"
                    f"{out_}.")

@@ -37,8 +37,12 @@ def significant(x: float, sign: str = "") -> str:
 
 
 def plus_minus(d: Difference, m: Measure, places: int) -> str:
+    """'+0.4 ± 1.2 points'; a mean in points that rounds to zero reads '0.0', unsigned (not '-0.0'); a metric of
+    its own shows such a mean in two significant digits (Measure.shown)."""
     label, unit = ("", " points") if m.points else (f"{m.name} ", "")
-    return f"{label}{m.shown(m.scaled(d.mean), places, '+')} ± {m.shown(m.scaled(d.half), places)}{unit}"
+    mean = m.scaled(d.mean)
+    mean = m.shown(mean, places, "+") if round(mean, places) or not m.points else f"{0:.{places}f}"
+    return f"{label}{mean} ± {m.shown(m.scaled(d.half), places)}{unit}"
 
 
 def stated(d: Difference, ahead: str = "higher", behind: str = "lower", m: Measure = ACCURACY,
@@ -49,9 +53,11 @@ def stated(d: Difference, ahead: str = "higher", behind: str = "lower", m: Measu
     if d.n < 2:
         return f"{m.amount(d.mean)} {ahead if d.mean > 0 else behind} in one seed, which cannot be told from seed noise"
     v = v or judge([d], m.margin)[0]
-    places = m.places(d.mean, d.half)
+    places = m.interval_places(d.half)
     if v.resolved:
         lo, hi = m.scaled(d.mean - d.half), m.scaled(d.mean + d.half)
+        while places < 6 and not (round(lo, places) and round(hi, places)):  # (an end that read 0 would reach it)
+            places += 1
         inside = f", inside the ±{m.margin_text} equivalence margin" if v.equivalent else ""
         return (f"{m.amount(d.mean, places)} {ahead if d.mean > 0 else behind}, 95% CI {signed_end(lo, places)} to "
                 f"{signed_end(hi, places)} over {d.n} seeds; {control(v)}{inside}")
