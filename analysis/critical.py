@@ -98,6 +98,27 @@ def _n(x: float) -> str:
     return f"{x:,.0f}"
 
 
+def _granular(points: pd.DataFrame, sizes: list) -> str:
+    """Where the steps are known only to within an evaluation (column `before`: the steps at the evaluation before
+    the one that reached the target) and that leaves a ratio's range with ends twofold or more apart (perfect scaling
+    and none alike): said so, with the ranges."""
+    if "before" not in points or points["before"].isna().all():
+        return ""
+    hi = points.groupby("effective_batch")["steps"].median()
+    lo = points.groupby("effective_batch")["before"].median()
+    spans = []
+    for a, b in zip(sizes, sizes[1:]):
+        power = 1 / math.log2(b / a)
+        least = (lo[b] / hi[a]) ** power
+        most = (hi[b] / lo[a]) ** power if lo[a] > 0 else math.inf
+        if least == 0 or most / least >= 2:
+            spans.append(f"B = {b}: {least:.2f} to {'∞' if math.isinf(most) else f'{most:.2f}'}")
+    if not spans:
+        return ""
+    return (f" (not resolved at this evaluation's granularity where the steps, known only to within an evaluation, "
+            f"leave a range whose ends lie twofold or more apart: {'; '.join(spans)})")
+
+
 def reading(points: pd.DataFrame, noise: pd.DataFrame, lost: list[int] = ()) -> str:
     """One series' steps per doubling, its fitted B_crit, and the noise scale at the target, in words. `lost`: the
     Bs run but left out of the fit, as most of their runs never reached the target."""
@@ -107,6 +128,7 @@ def reading(points: pd.DataFrame, noise: pd.DataFrame, lost: list[int] = ()) -> 
               for i in range(1, len(sizes))]
     said = (f"each doubling of B took the median steps to {', '.join(f'{r:.2f}' for r in ratios)} of the B before"
             if ratios else f"only B = {sizes[0]} reached it")
+    said += _granular(points, sizes)
     f = critical(points)
     if f is None:
         said += "; B_crit could not be fitted (fewer than 3 Bs reached the target)"

@@ -262,13 +262,17 @@ def reached(trials: pd.DataFrame, history: pd.DataFrame, target: float,
             evals: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per trial (run_id): the optimizer steps and training samples at its first evaluation at or above the
     target validation accuracy, at an epoch's end or within one (`evals`, with eval_every_steps); NaN where it
-    never got there. Runs logged before `samples` was counted take steps x B."""
+    never got there. Runs logged before `samples` was counted take steps x B. `before`: the steps at the evaluation
+    before that one (0 where it was the first): the target was reached somewhere after it."""
     columns = ["run_id", "steps", "samples", "val_acc"]
     points = history.reindex(columns=columns)
     if evals is not None and "step_val_acc" in evals:
         within = evals.rename(columns={"step": "steps", "step_samples": "samples", "step_val_acc": "val_acc"})
         points = pd.concat([points, within.reindex(columns=columns)], ignore_index=True)
     hits = points[points["val_acc"] >= target].sort_values("steps").groupby("run_id")[["steps", "samples"]].first()
+    evaluated = points[["run_id", "steps"]].dropna().drop_duplicates().sort_values(["run_id", "steps"])
+    evaluated["before"] = evaluated.groupby("run_id")["steps"].shift(1).fillna(0.0)
+    hits = hits.reset_index().merge(evaluated, on=["run_id", "steps"], how="left")
     out = trials[["run_id", "effective_batch"]].merge(hits, on="run_id", how="left")
     out["samples"] = out["samples"].fillna(out["steps"] * out["effective_batch"])
     return out.drop(columns="effective_batch")

@@ -60,12 +60,13 @@ def test_a_difference_outside_the_noise_is_stated():
     # The rules in their own order, as the figures draw them, whatever order the trials came in.
     assert sentences.index("The none LR rule") < sentences.index("The sqrt LR rule") < \
         sentences.index("The linear LR rule")
-    assert ("The linear LR rule against B = 32 over 3 seeds: equivalent within ±1 point at B = 64 (+0.0 ± 0.1 points), "
-            "128 (+0.0 ± 0.1 points) and 256 (+0.0 ± 0.1 points); at B = 512 fell (2.1 points lower, 95% CI -2.2 to "
+    assert ("The linear LR rule against B = 32 over 3 seeds: equivalent within ±1 point at B = 64 (0.0 ± 0.1 points), "
+            "128 (0.0 ± 0.1 points) and 256 (0.0 ± 0.1 points); at B = 512 fell (2.1 points lower, 95% CI -2.2 to "
             "-2.0 over 3 seeds; kept by Benjamini-Hochberg at 5% over 12 comparisons, adjusted p 0.0015).") in sentences
     assert "The sqrt LR rule against B = 32 over 3 seeds: equivalent within ±1 point at B = 64" in sentences
-    assert ("the none rule had the highest mean (95.1%; sqrt 95.1%, linear 93.0%); against it: sqrt equivalent within ±1 "
-            "point (+0.0 ± 0.1 points over 3 seeds); linear 2.1 points lower") in sentences
+    assert ("the none rule was tied for the highest mean with sqrt (95.1%; sqrt 95.1%, linear 93.0%); against it: sqrt "
+            "equivalent within ±1 "
+            "point (0.0 ± 0.1 points over 3 seeds); linear 2.1 points lower") in sentences
     assert "the best there is one of none and sqrt: no contrast between them is resolved." in sentences
     assert "fell" not in " ".join(summarize(synthetic(flat)))
 
@@ -202,7 +203,7 @@ def test_a_batch_warmup_is_paired_with_the_fixed_batches_it_grows_from_and_to():
     assert "(steps and samples stated where Benjamini-Hochberg at 5% over their 4 comparisons keeps them)" in sentences
     # The same 20 steps in every seed, counted every 4 steps: an interval as wide as that step, never zero.
     assert ("against a fixed B = 256: +20 steps, 95% CI +16 to +24 over 3 seeds; -3,944 samples, 95% CI -5,991 to "
-            "-1,897 over 3 seeds; final accuracy equivalent within ±1 point (+0.0 ± 0.1 points over 3 seeds); and "
+            "-1,897 over 3 seeds; final accuracy equivalent within ±1 point (0.0 ± 0.1 points over 3 seeds); and "
             "against a fixed B = 32: -60 steps, 95% CI -64 to -56 over 3 seeds; -1,128 samples, 95% CI -1,307 to -949 "
             "over 3 seeds; final accuracy equivalent within ±1 point") in sentences
     assert warmup_curves(trials, evals).name == "batch_warmup" and warmup_curves(trials, None) is None
@@ -295,6 +296,20 @@ def test_steps_that_keep_halving_or_were_never_reached_leave_the_critical_batch_
     assert "B_crit could not be fitted" not in " ".join(summarize(one, history))  # (fewer than 3 Bs: no sentence)
 
 
+def test_steps_known_only_to_within_an_epoch_leave_a_ratio_unresolved_and_say_so():
+    """Every run reached the target at its first or second epoch's end: a ratio of 1.00 or 0.50 per doubling is
+    the epoch's granularity, not a measurement of scaling; the sentence says each such ratio's range."""
+    trials = synthetic(flat)
+    trials = trials[trials.physical_batch == 32].drop_duplicates(["seed", "effective_batch"]).assign(lr_rule="sqrt")
+    history = reaching(trials, lambda r: 1 if r.effective_batch <= 64 else 2)
+    [sentence] = [s for s in summarize(trials, history) if s.startswith("For sqrt") or s.startswith("Over every")]
+    assert "not resolved at this evaluation's granularity" in sentence, sentence
+    assert "B = 64: 0.00 to ∞" in sentence, sentence
+    # At the fourth epoch's end each ratio's range (0.37 to 0.66) lies within a factor of 2: resolved as measured.
+    later = summarize(trials, reaching(trials, lambda r: 4))
+    assert not any("granularity" in s for s in later), later
+
+
 def test_a_largest_b_that_never_reached_the_target_is_not_called_the_largest_b_run():
     """sqrt halves its steps up to B = 256, and at B = 512 no run reached the target: the fit's largest B is 256,
     and B = 512's runs, censored, argue against a B_crit far above it."""
@@ -376,11 +391,12 @@ def test_a_study_without_accuracy_reports_what_it_has(tmp_path):
     assert "No finished trial has an accuracy (val_acc): configurations are compared in val_loss (lower is " \
            "better), and steps to a target accuracy and batch warmup are left out; ±" in sentences
     assert "in val_loss is the equivalence margin δ: a tenth of the spread of the finished trials' val_loss" in sentences
-    assert "at B = 512 rose (val_loss 0.031 higher, 95% CI +0.030 to +0.032 over 3 seeds; kept by " \
+    assert "at B = 512 rose (val_loss 0.0310 higher, 95% CI +0.0300 to +0.0320 over 3 seeds; kept by " \
            "Benjamini-Hochberg at 5% over 12 comparisons" in sentences  # a loss that rose did worse
     assert "The sqrt LR rule against B = 32 over 3 seeds: at B = 64 not resolved with 3 seeds (val_loss +0.0000 ± " \
            "0.0010; the difference seen is 0)" in sentences
-    assert "At the largest batch, B = 512, the none rule had the lowest mean (val_loss 0.101; sqrt val_loss 0.101, " \
+    assert "At the largest batch, B = 512, the none rule was tied for the lowest mean with sqrt (val_loss 0.101; sqrt " \
+           "val_loss 0.101, " \
            "linear val_loss 0.132); against it: sqrt not resolved" in sentences
     assert "resolved in 1: sqrt at B = 128: val_loss 0.0042 accumulated ahead" in sentences
     assert "The gradient noise scale" in sentences and "peak memory" in sentences
@@ -407,7 +423,7 @@ def test_a_study_without_accuracy_reports_what_it_has(tmp_path):
     write_report([study], tmp_path)
     assert tmp_path.joinpath("trials.csv").read_text().splitlines()[0].split(",")[:9] == [
         "effective_batch", "physical_batch", "accum_steps", "lr_rule", "model", "seed", "status", "reason", "val_loss"]
-    assert "at B = 512 rose (val_loss 0.031 higher" in tmp_path.joinpath("report.md").read_text()
+    assert "at B = 512 rose (val_loss 0.0310 higher" in tmp_path.joinpath("report.md").read_text()
 
 
 def test_a_rule_keeps_its_colour_and_place_in_every_figure():
@@ -564,7 +580,8 @@ def test_an_interval_that_excludes_zero_never_reads_as_reaching_it():
     from batchsweep.analysis.runs import Difference
 
     # adam_lr's linear rule at B = 128 on a 2-core CPU: 1.3 points lower, the interval ending 0.04 below zero
-    assert stated(Difference(-0.0130, 0.0126, 3)) == ("1.3 points lower, 95% CI -2.6 to -0.04 over 3 seeds; paired "
+    # (both ends in the decimals that keep the nearer one off zero: not "-2.6 to -0.04")
+    assert stated(Difference(-0.0130, 0.0126, 3)) == ("1.30 points lower, 95% CI -2.56 to -0.04 over 3 seeds; paired "
                                                       "t-test p 0.047, the one comparison")
     assert stated(Difference(0.0210, 0.0050, 3)).startswith("2.1 points higher, 95% CI +1.6 to +2.6 over 3 seeds")
 
