@@ -207,8 +207,11 @@ def _budget_sentence(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str
                f"comparison{'s' * (compared != 1)}" if n > 1 else "one seed: none can be told apart")
     first = highest(seeds, points, fields, value, maximize)
     pick = picked(top, first, fields, len(points), maximize, label(first, fields))
-    plain = pick.startswith("the ")  # (no contrast overturned the best mean)
-    why = f"picked as the {'highest, so biased upward' if maximize else 'lowest, so biased downward'}" if plain else pick
+    plain = not pick.startswith("resolved")  # (no contrast overturned the best mean)
+    even = (f"tied for the {'highest' if maximize else 'lowest'} mean with {'; '.join(first['level'])}; "
+            if plain and first.get("level") else "")
+    why = (f"{even}picked as the {'highest, so biased upward' if maximize else 'lowest, so biased downward'}" if plain
+           else pick)
     said = (f"Against {against}, the best{' mean' * plain} of the {len(points)} configurations"
             f"{f' that {stopped_verb(as_)} in no seed' * bool(gone)} was "
             f"{label(top, fields)} "

@@ -104,8 +104,13 @@ def test_an_exact_tie_of_means_is_said_as_a_tie_not_crowned_by_float_rounding():
                 drop = {"none": 0.0 if b < 128 else 0.03, "sqrt": 0.01, "linear": 0.01}[rule] if b > 32 else 0.0
                 drop = 0.0 if (b, rule) == (64, "none") else drop
                 rows.append(dict(seed=seed, lr_rule=rule, physical_batch=b, accum_steps=k, effective_batch=b * k,
-                                 base_batch=32, status="FINISHED", val_acc=round(v[seed] - drop, 3)))
+                                 base_batch=32, status="FINISHED", val_acc=round(v[seed] - drop, 3),
+                                 peak_memory_bytes=b * 20000.0))
     study = _study(rows, RULES)
+    from batchsweep.analysis.space import memory_front
+
+    finding = memory_front(study).finding
+    assert "tied for the highest mean with b = 64, none; picked as the highest, so biased upward" in finding, finding
     lines = recommend(study)
     [best] = [s for s in lines if s.startswith("The best accuracy")]
     assert "tied for the highest mean with b = 64, none" in best, best
