@@ -309,3 +309,13 @@ def test_modules_random_by_kind_are_named_late_or_without_a_dropout_module(case,
     assert named in out and "no module random by kind" not in out, out
     if case[0] == "late_dropout":
         assert code == 2 and found["verdicts"] == ["random_forward"], out
+
+
+@pytest.mark.slow
+def test_modules_random_by_kind_that_draw_from_a_generator_of_their_own_say_it_cannot_be_told(tmp_path, store, capsys):
+    """Two dropout layers drawing from one torch.Generator of the script's own: no default generator moves, so the
+    forward's draws were not seen, but the modules random by kind were; it read `unexplained`, exit 1, on a
+    correct loop."""
+    code, out, found = audited(tmp_path, store, capsys, "--case", "own_generator")
+    assert code == 2 and found["verdicts"] == ["random_forward"], out
+    assert "OwnDrop(p=0.1)" in out and "a generator of their own" in out, out

@@ -79,6 +79,13 @@ def randomized(finding: Finding, trace) -> None:
     if finding.verdicts == ["exact"]:
         finding.notes += randomness(trace)
         return
+    # Modules random by kind in training, though no generator the tracer watches moved: they may draw from one of
+    # their own (or not be called); a guess is then not given either.
+    own = not forward and bool(trace and trace.random_modules)
+    if own and any(v in GUESSES for v in finding.verdicts):
+        finding.figures.update(random_figures(trace, own=True))
+        finding.verdicts = list(dict.fromkeys("random_forward" if v in GUESSES else v for v in finding.verdicts))
+        return
     if not (forward or drew(trace, "step")):
         return
     seen = finding.figures.get("zero_grad_step")

@@ -110,12 +110,18 @@ def generators(trace, where: str) -> list[str]:
     return trace.random_generators.get(where) or ["torch"]
 
 
-def random_figures(trace) -> dict[str, str]:
+def random_figures(trace, own: bool = False) -> dict[str, str]:
     """What drew in the training forward, for random_forward's and random_across_ranks' sentences: the generators,
     and the modules random by kind or what else drew ("a functional draw in the forward: no module random by
-    kind")."""
-    names = generators(trace, "forward")
+    kind"). `own`: modules random by kind were in training, but no generator the tracer watches moved."""
     modules = ", ".join(trace.random_modules + [f"{m} from a later step" for m in trace.random_late])
+    if own:
+        return {"random_modules": modules, "random_generators": "none watched",
+                "random_drew": f"(or may have: modules random by kind were in training, {modules}, though no "
+                               f"generator the audit watches moved; they may draw from a generator of their own, "
+                               f"which it does not watch)",
+                "random_fields": ", ".join(trace.random_fields) or "none"}
+    names = generators(trace, "forward")
     own = [f"a draw in the forward's own code, such as a LayerDrop by {OWN_CODE[n]}" for n in names if n in OWN_CODE]
     if not modules and "torch" in names:
         own.insert(0, "a functional draw in the forward, such as F.dropout or torch.rand")

@@ -108,6 +108,10 @@ def model_for(args) -> nn.Module:
         layers += [nn.Dropout(args.dropout), nn.Linear(HIDDEN, HIDDEN), nn.Tanh()] if i else [nn.Dropout(args.dropout)]
     if args.case == "layerdrop":
         return LayerDrop(args.rng)
+    if args.case == "own_generator":
+        own = torch.Generator().manual_seed(args.seed)
+        return nn.Sequential(first, nn.Tanh(), OwnDrop(own), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), OwnDrop(own),
+                             nn.Linear(HIDDEN, 3))
     if args.case == "counter":
         layers += [Counted(HIDDEN), nn.Tanh()]
     net = nn.Sequential(*layers, nn.Linear(HIDDEN, 3))
@@ -143,6 +147,19 @@ class LayerDrop(nn.Module):
             if not self.training or self.uniform(0, 1) >= 0.5:
                 h = torch.tanh(layer(h))
         return self.last(h)
+
+
+class OwnDrop(nn.Module):
+    """Dropout drawn from one torch.Generator of the script's own for the whole run (not a default generator)."""
+
+    def __init__(self, generator: torch.Generator, p: float = 0.1):
+        super().__init__()
+        self.generator, self.p = generator, p
+
+    def forward(self, h):
+        if not self.training:
+            return h
+        return h * torch.bernoulli(torch.full_like(h, 1 - self.p), generator=self.generator) / (1 - self.p)
 
 
 class Attention(nn.Module):
