@@ -307,8 +307,8 @@ def test_modules_random_by_kind_are_named_late_or_without_a_dropout_module(case,
     float, no Dropout module: it was said "no module random by kind"."""
     code, out, found = audited(tmp_path, store, capsys, "--case", *case, "--epochs", "1")
     assert named in out and "no module random by kind" not in out, out
-    if case[0] == "late_dropout":
-        assert code == 2 and found["verdicts"] == ["random_forward"], out
+    if case[0] == "late_dropout":  # (drawn after the first windows, where the generators are watched: inferred)
+        assert code == 2 and found["verdicts"] == ["random_forward"] and "drew random numbers (or may have" in out
 
 
 @pytest.mark.slow

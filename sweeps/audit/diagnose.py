@@ -83,7 +83,7 @@ def randomized(finding: Finding, trace) -> None:
     # their own (or not be called); a guess is then not given either.
     own = not forward and bool(trace and trace.random_modules)
     if own and any(v in GUESSES for v in finding.verdicts):
-        finding.figures.update(random_figures(trace, own=True))
+        finding.figures.update(random_figures(trace))
         finding.verdicts = list(dict.fromkeys("random_forward" if v in GUESSES else v for v in finding.verdicts))
         return
     if not (forward or drew(trace, "step")):

@@ -110,16 +110,17 @@ def generators(trace, where: str) -> list[str]:
     return trace.random_generators.get(where) or ["torch"]
 
 
-def random_figures(trace, own: bool = False) -> dict[str, str]:
+def random_figures(trace) -> dict[str, str]:
     """What drew in the training forward, for random_forward's and random_across_ranks' sentences: the generators,
     and the modules random by kind or what else drew ("a functional draw in the forward: no module random by
-    kind"). `own`: modules random by kind were in training, but no generator the tracer watches moved."""
+    kind"). Where no watched generator moved in the forward, the modules random by kind in training say only
+    that it may have drawn (later than the first windows, or from a generator of their own)."""
     modules = ", ".join(trace.random_modules + [f"{m} from a later step" for m in trace.random_late])
-    if own:
+    if not drew(trace, "forward"):
         return {"random_modules": modules, "random_generators": "none watched",
                 "random_drew": f"(or may have: modules random by kind were in training, {modules}, though no "
-                               f"generator the audit watches moved; they may draw from a generator of their own, "
-                               f"which it does not watch)",
+                               f"generator the audit watches moved in the first windows, where it watches them; "
+                               f"they may draw later, or from a generator of their own)",
                 "random_fields": ", ".join(trace.random_fields) or "none"}
     names = generators(trace, "forward")
     own = [f"a draw in the forward's own code, such as a LayerDrop by {OWN_CODE[n]}" for n in names if n in OWN_CODE]
