@@ -123,7 +123,7 @@ def best(study: StudyRuns, m: Measure) -> list[str]:
             if not out_ else "no other configuration was tied with it")
     ties += f"; left out as {stopped_in(study.trials)} in a seed: {'; '.join(out_)}" if out_ else ""
     ties = (ties + not_compared(named.found.uncompared, fields)).removeprefix("; ")
-    ties += (f"; not tied with it, as the per-B lines resolve each worse than its rule's smallest B "
+    ties += (f"; set apart, though each alone cannot be told from it: the per-B lines resolve each worse than its rule's smallest B "
              f"(each B's (b, k) pooled), which is the best or cannot be told from it: {'; '.join(lower)}"
              if lower else "")
     pick = picked(top, named.found.highest, fields, configurations, m.maximize, label(named.found.highest, fields))

@@ -75,7 +75,7 @@ def _table(study: StudyRuns) -> pd.DataFrame:
         named = starred(study)  # (the recommendation's best and ties, per model: none where it names none)
         if named is None:
             return table
-        marked, name = set(named), "best or tied"
+        marked, name = set(named), "best or not told apart"
     else:
         return table
     return table.assign(**{name: ["★" if i in marked else "" for i in table.index]})[[name, *table.columns]]

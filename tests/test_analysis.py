@@ -872,7 +872,7 @@ def test_table_columns_keep_one_format_and_mark_the_best():
                            "peak_memory_bytes": [3 * MIB] * 3 + [5.5 * MIB] * 3})
     study = StudyRuns("s", trials, pd.DataFrame(), None, "", varied=("effective_batch",))
     headers, rows = _display(_table(study))
-    assert headers == ["best or tied", "effective_batch", "lr", "seed", "status", "val_acc, %", "samples/s",
+    assert headers == ["best or not told apart", "effective_batch", "lr", "seed", "status", "val_acc, %", "samples/s",
                        "peak memory, MiB"]
     assert [[text for text, _ in row] for row in rows][2:4] == [
         ["", "32", "0.0500", "2", "FINISHED", "90.50", "9,934", "3.0"],
@@ -886,9 +886,9 @@ def test_the_tables_mark_names_ties_as_ties_and_nothing_with_one_seed():
     trials = pd.DataFrame({"effective_batch": [32] * 3 + [64] * 3, "seed": [0, 1, 2] * 2, "status": ["FINISHED"] * 6,
                            "val_acc": [0.910, 0.915, 0.905, 0.912, 0.913, 0.907]})
     study = StudyRuns("s", trials, pd.DataFrame(), None, "", varied=("effective_batch",))
-    assert _table(study)["best or tied"].tolist() == ["★"] * 6
+    assert _table(study)["best or not told apart"].tolist() == ["★"] * 6
     study.trials = trials[trials.seed == 0]
-    assert "best or tied" not in _table(study)
+    assert "best or not told apart" not in _table(study)
 
 
 def test_the_table_shows_the_studys_objectives_and_marks_their_front():
@@ -905,7 +905,7 @@ def test_the_table_shows_the_studys_objectives_and_marks_their_front():
                                    "samples_per_s"]
     assert table["front"].tolist() == ["★", "★", "", ""]
     study.objectives = (("val_loss", "minimize"),)
-    assert "best or tied" not in _table(study)  # one trial per configuration: nothing can be told apart
+    assert "best or not told apart" not in _table(study)  # one trial per configuration: nothing can be told apart
 
 
 def test_a_loggers_own_epoch_metric_does_not_break_the_history(tmp_path):

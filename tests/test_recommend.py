@@ -132,7 +132,7 @@ def test_each_built_in_study_shows_the_sections_its_design_supports(name):
     if name == "lr_search":  # a search of the LR per B answers with the best LR against B and its exponent
         assert lines[0].startswith("The learning rate to use at each B: the best learning rate went from "), lines
     if not sections:  # no best overall anywhere: not in the block, not as a mark in the table
-        assert not any(line.startswith("The best ") for line in lines) and "best or tied" not in _table(study)
+        assert not any(line.startswith("The best ") for line in lines) and "best or not told apart" not in _table(study)
     if name in ("critical_batch", "batch_warmup"):
         assert lines == ["Nothing here is a choice to recommend: the study varies no field as an independent choice "
                          "(its findings below answer its own question)."]

@@ -174,7 +174,7 @@ def test_the_trials_table_stars_each_models_best():
                                      val_acc=round(v + rng.normal(0, 0.002), 3)))
     study = _study(rows, ("model", "physical_batch", "accum_steps", "lr_rule"))
     table = _table(study)
-    marked = study.trials.loc[table.index[table["best or tied"] == "★"]]
+    marked = study.trials.loc[table.index[table["best or not told apart"] == "★"]]
     cnn = {(r.lr_rule, r.physical_batch, r.accum_steps) for r in marked[marked["model"] == "cnn"].itertuples()}
     assert cnn == {("sqrt", 128, 1)}, cnn
     [best] = [line for line in recommend(study) if line.startswith("On cnn: the best")]

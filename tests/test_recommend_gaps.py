@@ -138,7 +138,7 @@ def test_a_configuration_the_per_b_contrast_resolves_lower_is_no_tie_of_the_best
                                                            if rule == "none" and b * k == 128 else 0))
     study = _study(rows, ("physical_batch", "accum_steps", "lr_rule"))
     [best] = [line for line in recommend(study) if line.startswith("The best")]
-    ties, _, below = best.partition("; not tied with it, as the per-B lines resolve each worse than its rule's "
+    ties, _, below = best.partition("; set apart, though each alone cannot be told from it: the per-B lines resolve each worse than its rule's "
                                     "smallest B (each B's (b, k) pooled), which is the best or cannot be told from "
                                     "it: ")
     assert below.startswith("b = 32, k = 4, none; b = 128, k = 1, none;"), best
@@ -148,11 +148,11 @@ def test_a_configuration_the_per_b_contrast_resolves_lower_is_no_tie_of_the_best
 
 
 def _starred(study: StudyRuns) -> set[tuple]:
-    """The configurations whose trials the trials table marks ★ (best or tied)."""
+    """The configurations whose trials the trials table marks ★ (best or not told apart)."""
     table = _table(study)
-    if "best or tied" not in table:
+    if "best or not told apart" not in table:
         return set()
-    rows = study.trials.loc[table.index[table["best or tied"] == "★"]]
+    rows = study.trials.loc[table.index[table["best or not told apart"] == "★"]]
     return {(r.lr_rule, int(r.physical_batch), int(r.accum_steps)) for r in rows.itertuples()}
 
 
