@@ -223,7 +223,7 @@ def largest_free(study: StudyRuns, m: Measure) -> list[str]:
     judged = _worse_half(t, [(r, b, base, v) for (r, b, base, _), v in zip(compared, verdicts)], study, m)
     judged = [x for x in judged if x[3] is not None and x[3].d.n >= 2]
     tried = one_batch(study.trials)
-    shown_free, broken = None, {}
+    ends, broken = [], {}  # each rule's largest B shown free
     for rule in dict.fromkeys(r for r, *_ in judged):
         mine = {x[1]: x for x in judged if x[0] == rule}
         ran = pd.to_numeric(tried.loc[tried["lr_rule"] == rule, "effective_batch"], errors="coerce").dropna()
@@ -234,14 +234,18 @@ def largest_free(study: StudyRuns, m: Measure) -> list[str]:
                 broken[rule] = b if x is None else None
                 break
             free.append(x)
-        if free and (shown_free is None or free[-1][1] > shown_free[1]):
-            shown_free = free[-1]
-    if shown_free:
-        rule, b, base, v = shown_free
-        between = ", and every B between them too" if any(x[0] == rule and x[1] < b for x in judged) else ""
-        gap = f"; {_gap(study.trials, rule, broken[rule], diverged(study.trials))}" if broken.get(rule) else ""
-        return [f"The largest B shown to cost less than {m.margin_text}: B = {b} under the {rule} LR rule, "
-                f"{stated(v.d, m=m, v=v)} against B = {base}{_half(shown_free)}{between}{gap}."]
+        if free:
+            ends.append(free[-1])
+    top = max((x[1] for x in ends), default=None)
+    if top is not None:  # (rules that reach the same largest B are each named: the one listed first is no pick)
+        said = []
+        for shown_free in [x for x in ends if x[1] == top]:
+            rule, b, base, v = shown_free
+            between = ", and every B between them too" if any(x[0] == rule and x[1] < b for x in judged) else ""
+            gap = f"; {_gap(study.trials, rule, broken[rule], diverged(study.trials))}" if broken.get(rule) else ""
+            said.append(f"under the {rule} LR rule, {stated(v.d, m=m, v=v)} against B = {base}{_half(shown_free)}"
+                        f"{between}{gap}")
+        return [f"The largest B shown to cost less than {m.margin_text}: B = {top} " + "; and ".join(said) + "."]
     costly = [x for x in judged if not _costs_little(x[3], m)]
     if not costly:  # (each rule's run broken by a B with no comparison below those shown to cost little)
         gaps = "; ".join(f"{r} {_gap(study.trials, r, b, diverged(study.trials))}" for r, b in broken.items() if b)

@@ -204,3 +204,23 @@ def test_a_true_batch_out_of_memory_is_said_at_its_b_and_a_mixed_per_seed_averag
     assert ("the true batch (b = 128, k = 1) ran out of memory in seed 2, so there each seed's value at B is the "
             "accumulated half alone") in at_128, at_128
     assert "ran out of memory" not in " ".join(recommend(_drop(oom_true_batch=False)))
+
+
+def test_rules_that_reach_the_same_largest_free_b_are_each_named():
+    """sqrt and linear are each shown to cost less than 1 point up to B = 128 (none is pruned at B = 512 in two
+    seeds): the line named sqrt alone, the first rule met, while the B = 128 line resolves sqrt worse than
+    linear; both are named now."""
+    rng, rows = np.random.default_rng(2), []
+    for seed in range(3):
+        for rule in ("none", "sqrt", "linear"):
+            for b, k in ((32, 1), (32, 4), (128, 1), (32, 16), (512, 1)):
+                v = 0.96 - {"none": 0.02, "sqrt": 0.01, "linear": 0.005}[rule] * np.log2(b * k / 32) / 4 \
+                    + rng.normal(0, 0.002)
+                pruned = rule == "none" and (b, k) == (512, 1) and seed > 0
+                rows.append(dict(seed=seed, lr_rule=rule, physical_batch=b, accum_steps=k, effective_batch=b * k,
+                                 base_batch=32, status="PRUNED" if pruned else "FINISHED",
+                                 reason="pruned" if pruned else None, val_acc=np.nan if pruned else round(v, 3)))
+    [line] = [s for s in recommend(_study(rows, ("physical_batch", "accum_steps", "lr_rule")))
+              if s.startswith("The largest B shown")]
+    assert line.startswith("The largest B shown to cost less than 1 point: B = 128 under the "), line
+    assert "under the sqrt LR rule" in line and "under the linear LR rule" in line, line
