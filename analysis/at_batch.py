@@ -194,8 +194,10 @@ def _out_of_memory(trials: pd.DataFrame, b: int) -> str:
         return (f"; the true batch (b = {b}, k = 1) ran out of memory here in every seed: accumulation is how B is "
                 f"reached")
     seeds = listed([str(s) for s in oom])
-    return (f"; the true batch (b = {b}, k = 1) ran out of memory in seed{'s' * (len(oom) > 1)} {seeds}, so there "
-            f"each seed's value at B is the accumulated half alone, elsewhere the mean of both halves")
+    these = "that seed's value" if len(oom) == 1 else "those seeds' values"
+    return (f"; the true batch (b = {b}, k = 1) ran out of memory in seed{'s' * (len(oom) > 1)} {seeds}, so "
+            f"{these} at B {'is' if len(oom) == 1 else 'are'} the accumulated half alone, the other seeds' the mean "
+            f"of both halves")
 
 
 def _gap(trials: pd.DataFrame, rule: str, b: int, gone: dict) -> str:

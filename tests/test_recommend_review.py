@@ -201,8 +201,8 @@ def test_a_true_batch_out_of_memory_is_said_at_its_b_and_a_mixed_per_seed_averag
     [at_512] = [s for s in lines if s.startswith("At B = 512")]
     assert at_512.endswith("the true batch (b = 512, k = 1) ran out of memory here in every seed: accumulation is "
                            "how B is reached."), at_512
-    assert ("the true batch (b = 128, k = 1) ran out of memory in seed 2, so there each seed's value at B is the "
-            "accumulated half alone") in at_128, at_128
+    assert ("the true batch (b = 128, k = 1) ran out of memory in seed 2, so that seed's value at B is the "
+            "accumulated half alone, the other seeds' the mean of both halves") in at_128, at_128
     assert "ran out of memory" not in " ".join(recommend(_drop(oom_true_batch=False)))
 
 
