@@ -234,6 +234,11 @@ def test_models_chosen_and_logged(tmp_path):
             assert {"model/state_dict.pt", "model/model.json"} <= names
             weights = torch.load(f"{run.artifact_uri.removeprefix('file://')}/model/state_dict.pt", weights_only=True)
             assert all(torch.equal(weights[k], v) for k, v in trained.model.state_dict().items())
+            built = json.loads(Path(f"{run.artifact_uri.removeprefix('file://')}/model/model.json").read_text())
+            from batchsweep.trainers import TrainConfig, prepare  # as model.json says to build it
+
+            assert built["build"].startswith("batchsweep.trainers.prepare(TrainConfig(**config)).model")
+            prepare(TrainConfig(**built["config"])).model.load_state_dict(weights)
 
 
 LOG_A_MODEL = """

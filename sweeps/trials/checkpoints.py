@@ -115,7 +115,7 @@ def log_model(tracker, run_id: str, config: TrainConfig, folder: Path) -> str:
             target.mkdir()
             torch.save(model.state_dict(), target / "state_dict.pt")
             (target / "model.json").write_text(json.dumps({
-                "model": config.model, "build": "batchsweep.trainers.loop.prepare(TrainConfig(**config)).model, then "
+                "model": config.model, "build": "batchsweep.trainers.prepare(TrainConfig(**config)).model, then "
                 "load_state_dict(torch.load('state_dict.pt'))", "config": dataclasses.asdict(config)}, indent=2))
             kind = "state_dict"
         tracker.log_artifacts(run_id, str(target), "model")
