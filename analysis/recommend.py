@@ -182,9 +182,9 @@ def _fastest(value: str, t: pd.DataFrame, _, points: pd.DataFrame, fields: list[
 
 
 def bn_rules(study: StudyRuns, m: Measure) -> list[str]:
-    """Per k, against the true batch's final value of the metric, as the findings compare them: the BN momentum
-    rules resolved better than it, those shown to match it (equivalent within the margin, not resolved apart),
-    those within the margin but resolved worse; or that none was any of these, and the nearest."""
+    """Per k, against the true batch's final value of the metric, as the findings compare them, every rule placed
+    with its interval: resolved better than it, shown to match it (equivalent within the margin, not resolved
+    apart), within the margin but resolved worse, resolved worse, or neither resolved nor shown to match it."""
     out = []
     for k, b, rules, verdicts, gone in bn_against_true(study.trials, m):
         judged = [(r, v) for r, v in zip(rules, verdicts) if v is not None and v.d.n >= 2]
@@ -197,21 +197,22 @@ def bn_rules(study: StudyRuns, m: Measure) -> list[str]:
         better = [r for r, v in judged if v.resolved and not m.worse(v.d)]
         same = [r for r, v in judged if v.equivalent and not v.resolved]
         close = [r for r, v in judged if v.equivalent and v.resolved and m.worse(v.d)]
+        worse = [r for r, v in judged if not v.equivalent and v.resolved and m.worse(v.d)]
+        open_ = [r for r, v in judged if not v.equivalent and not v.resolved]
         words = {r: stated(v.d, "above", "below", m, v) for r, v in judged}
 
         def each(names: list[str]) -> str:
             return "; ".join(f"{r} {words[r]}" for r in names)
         parts = [f"{listed(better)} resolved better than it ({each(better)})" if better else "",
                  f"{listed(same)} shown to match it ({each(same)})" if same else "",
-                 f"{listed(close)} within ±{m.margin_text} of it but resolved worse ({each(close)})" if close else ""]
-        parts = [p for p in parts if p]
-        if not parts:
-            r, v = min(judged, key=lambda x: abs(x[1].d.mean) + x[1].d.half)
-            parts = [f"no rule shown to match it within ±{m.margin_text} or to do better; the nearest, {r}: "
-                     f"{words[r]}"]
+                 f"{listed(close)} within ±{m.margin_text} of it but resolved worse ({each(close)})" if close else "",
+                 f"{listed(worse)} resolved worse than it ({each(worse)})" if worse else "",
+                 f"{listed(open_)} neither shown to match it within ±{m.margin_text} nor resolved from it "
+                 f"({each(open_)})" if open_ else ""]
+        none = "" if better or same or close else f"no rule shown to match it within ±{m.margin_text} or to do better: "
         what = "accuracy" if m.points else m.name
-        out.append(f"BN momentum at k = {k} (B = {b}), against the true batch's final {what}: {'; '.join(parts)}"
-                   f"{out_}.")
+        out.append(f"BN momentum at k = {k} (B = {b}), against the true batch's final {what}: "
+                   f"{none}{'; '.join(p for p in parts if p)}{out_}.")
     return out
 
 

@@ -224,3 +224,20 @@ def test_rules_that_reach_the_same_largest_free_b_are_each_named():
               if s.startswith("The largest B shown")]
     assert line.startswith("The largest B shown to cost less than 1 point: B = 128 under the "), line
     assert "under the sqrt LR rule" in line and "under the linear LR rule" in line, line
+
+
+def test_every_bn_rule_at_a_k_is_placed_with_its_interval_not_only_those_that_match_or_do_better():
+    """At k = 4: scaled matches the true batch, default is 3 points below in every seed (resolved worse), and
+    matched spreads from 1.5 points below to 1 above (neither shown to match within ±1 point nor resolved): the
+    line named scaled alone; each rule is placed now."""
+    rows = []
+    for seed, base in enumerate((0.950, 0.955, 0.948)):
+        for b, k, bn, off in ((128, 1, "default", 0.0), (32, 4, "default", -0.03), (32, 4, "scaled", -0.001 * seed),
+                              (32, 4, "matched", (0.01, -0.015, 0.004)[seed])):
+            rows.append(dict(seed=seed, lr_rule="sqrt", bn_momentum_rule=bn, physical_batch=b, accum_steps=k,
+                             effective_batch=b * k, base_batch=32, status="FINISHED", val_acc=round(base + off, 3)))
+    [line] = [s for s in recommend(_study(rows, ("accum_steps", "bn_momentum_rule"))) if s.startswith("BN momentum")]
+    assert "scaled shown to match it (scaled equivalent within ±1 point" in line, line
+    assert "; default resolved worse than it (default 3.0 points below, 95% CI " in line, line
+    assert re.search(r"; matched neither shown to match it within ±1 point nor resolved from it \(matched not "
+                     r"resolved with 3 seeds \([-+]?\d\.\d ± \d\.\d points", line), line
