@@ -98,25 +98,26 @@ def _n(x: float) -> str:
     return f"{x:,.0f}"
 
 
-def _granular(points: pd.DataFrame, sizes: list) -> str:
-    """Where the steps are known only to within an evaluation (column `before`: the steps at the evaluation before
-    the one that reached the target) and that leaves a ratio's range with ends twofold or more apart (perfect scaling
-    and none alike): said so, with the ranges."""
+def _unresolved(points: pd.DataFrame, sizes: list) -> dict[int, tuple[float, float]]:
+    """Per B (against the B before it): the range of its ratio where the steps are known only to within an evaluation
+    (column `before`: the steps at the evaluation before the one that reached the target) and that range's ends lie
+    twofold or more apart (perfect scaling and none alike): no ratio measured there."""
     if "before" not in points or points["before"].isna().all():
-        return ""
+        return {}
     hi = points.groupby("effective_batch")["steps"].median()
     lo = points.groupby("effective_batch")["before"].median()
-    spans = []
+    spans = {}
     for a, b in zip(sizes, sizes[1:]):
         power = 1 / math.log2(b / a)
         least = (lo[b] / hi[a]) ** power
         most = (hi[b] / lo[a]) ** power if lo[a] > 0 else math.inf
         if least == 0 or most / least >= 2:
-            spans.append(f"B = {b}: {least:.2f} to {'∞' if math.isinf(most) else f'{most:.2f}'}")
-    if not spans:
-        return ""
-    return (f" (not resolved at this evaluation's granularity where the steps, known only to within an evaluation, "
-            f"leave a range whose ends lie twofold or more apart: {'; '.join(spans)})")
+            spans[b] = (least, most)
+    return spans
+
+
+def _span(least: float, most: float) -> str:
+    return f"{least:.2f} to {'∞' if math.isinf(most) else f'{most:.2f}'}"
 
 
 def reading(points: pd.DataFrame, noise: pd.DataFrame, lost: list[int] = ()) -> str:
@@ -126,16 +127,26 @@ def reading(points: pd.DataFrame, noise: pd.DataFrame, lost: list[int] = ()) -> 
     sizes = list(medians.index)
     ratios = [(medians.iloc[i] / medians.iloc[i - 1]) ** (1 / math.log2(sizes[i] / sizes[i - 1]))
               for i in range(1, len(sizes))]
-    said = (f"each doubling of B took the median steps to {', '.join(f'{r:.2f}' for r in ratios)} of the B before"
-            if ratios else f"only B = {sizes[0]} reached it")
-    said += _granular(points, sizes)
+    spans = _unresolved(points, sizes)
+    if not ratios:
+        said = f"only B = {sizes[0]} reached it"
+    elif not spans:
+        said = f"each doubling of B took the median steps to {', '.join(f'{r:.2f}' for r in ratios)} of the B before"
+    else:  # (a ratio the evaluations cannot resolve is its range, never a number first)
+        each = [f"not resolved at B = {b} ({_span(*spans[b])})" if b in spans else f"{r:.2f} at B = {b}"
+                for b, r in zip(sizes[1:], ratios)]
+        said = (f"each doubling of B took the median steps to this share of the B before's: {'; '.join(each)} (a "
+                f"ratio is not resolved at this evaluation's granularity where the steps, known only to within an "
+                f"evaluation, leave a range whose ends lie twofold or more apart)")
     f = critical(points)
     if f is None:
         said += "; B_crit could not be fitted (fewer than 3 Bs reached the target)"
     elif f.b_crit > max(f.sizes):
-        last = f"{ratios[-1]:.2f}" if ratios else "?"
-        said += (f"; B_crit is above the largest B fitted ({max(f.sizes)}), so the fit cannot bound it: the last "
-                 f"doubling still took the steps to {last} of the B before (0.50 is perfect scaling, 1 none)")
+        scale = "0.50 is perfect scaling, 1 none"
+        last = (f"the last doubling's share of the steps of the B before is not resolved ({_span(*spans[sizes[-1]])}; "
+                f"{scale})" if sizes[-1] in spans else
+                f"the last doubling still took the steps to {ratios[-1]:.2f} of the B before ({scale})")
+        said += f"; B_crit is above the largest B fitted ({max(f.sizes)}), so the fit cannot bound it: {last}"
         above = [b for b in lost if b > max(f.sizes)]
         if above:  # (right-censored: their steps to the target exceed the runs' length, which no fit here counts)
             said += (f"; at B = {', '.join(map(str, above))} most runs never reached the target in their epochs, "

@@ -304,7 +304,7 @@ def test_steps_known_only_to_within_an_epoch_leave_a_ratio_unresolved_and_say_so
     history = reaching(trials, lambda r: 1 if r.effective_batch <= 64 else 2)
     [sentence] = [s for s in summarize(trials, history) if s.startswith("For sqrt") or s.startswith("Over every")]
     assert "not resolved at this evaluation's granularity" in sentence, sentence
-    assert "B = 64: 0.00 to ∞" in sentence, sentence
+    assert "not resolved at B = 64 (0.00 to ∞)" in sentence, sentence
     # At the fourth epoch's end each ratio's range (0.37 to 0.66) lies within a factor of 2: resolved as measured.
     later = summarize(trials, reaching(trials, lambda r: 4))
     assert not any("granularity" in s for s in later), later

@@ -241,3 +241,23 @@ def test_every_bn_rule_at_a_k_is_placed_with_its_interval_not_only_those_that_ma
     assert "; default resolved worse than it (default 3.0 points below, 95% CI " in line, line
     assert re.search(r"; matched neither shown to match it within ±1 point nor resolved from it \(matched not "
                      r"resolved with 3 seeds \([-+]?\d\.\d ± \d\.\d points", line), line
+
+
+def test_a_steps_ratio_the_evaluations_cannot_resolve_is_not_quoted_as_a_measurement_first():
+    """Every run reached the target at its first epoch's end up to B = 64 and its second above: the median steps
+    per doubling read '0.50, 1.00, 0.48, 0.47' before '(not resolved ...: B = 128: 0.50 to ∞)'. At the third
+    epoch up to B = 128, the last doubling 'still took the steps to 0.47', whose range is 0.31 to 0.70."""
+    from tests.test_analysis import flat, reaching, synthetic
+
+    trials = synthetic(flat)
+    trials = trials[trials.physical_batch == 32].drop_duplicates(["seed", "effective_batch"]).assign(lr_rule="sqrt")
+    [early] = [s for s in summarize(trials, reaching(trials, lambda r: 1 if r.effective_batch <= 64 else 2))
+               if s.startswith("Over every run")]
+    assert "1.00" not in early and "took the median steps to 0." not in early, early
+    assert ("each doubling of B took the median steps to this share of the B before's: not resolved at B = 64 (0.00 "
+            "to ∞); not resolved at B = 128 (0.50 to ∞); ") in early, early
+    [late] = [s for s in summarize(trials, reaching(trials, lambda r: 6 if r.effective_batch <= 64 else 3))
+              if s.startswith("Over every run")]
+    assert "0.50 at B = 64; 0.25 at B = 128; not resolved at B = 256 (0.32 to 0.73)" in late, late
+    assert ("the last doubling's share of the steps of the B before is not resolved (0.31 to 0.70; 0.50 is perfect "
+            "scaling, 1 none)") in late and "0.47" not in late, late
