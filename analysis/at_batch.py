@@ -83,8 +83,11 @@ def _which(at, m: Measure) -> str:
     out_ = (f"; {listed([went(r, x) for r, x in at.diverged.items()])}, not compared over the seeds that "
             f"finished" if at.diverged else "")
     below = [f"{r} {stated(c.d, m=m, v=c)}" for r, c in zip(at.means.index[1:], at.verdicts) if r not in at.ties]
+    # (a rule whose mean ties the pick's exactly is named once, in decided()'s "tied for the highest mean with")
+    level = [r for r in at.ties if at.overturned is None and at.means[r] == at.means[at.best]]
+    ties = [r for r in at.ties if r not in level]
     return (f"the {at.best} LR rule ({m.level(at.means[at.best])}; it {decided(at, m)}"
-            + (f"; {listed(at.ties)} cannot be told from it" if at.ties else "")
+            + (f"; {listed(ties)} cannot be told from it" if ties else "")
             + (f"; resolved worse than it: {'; '.join(below)}" if below else "") + out_ + ")")
 
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .measures import WORSE, rounded, stopped
+from .measures import WORSE, Measure, rounded, stopped
+from .rules import rule_comparisons
 from .runs import StudyRuns, ci95, paired, quantum
 from .verdicts import judge
 
@@ -165,24 +166,30 @@ def highest(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], value:
 
 
 def picked(top: pd.Series, first: pd.Series, fields: list[str], configurations: int, maximize: bool,
-           named: str) -> str:
-    """What made `top` the best: the pick of the best mean of all (biased by the pick), or a contrast resolved
-    above `first`, the configuration of the best mean (`named`, as a sentence labels it)."""
+           named: str, settled: str = "") -> str:
+    """What made `top` the best: the pick of the best mean of all (biased by the pick), one of an exact tie of it
+    (named `settled`: how the first of the tie was chosen), or a contrast resolved above `first`, the configuration
+    of the best mean (`named`, as a sentence labels it)."""
     level = first.get("level", [])
+    most = "highest" if maximize else "lowest"
     if all(top[f] == first[f] or (pd.isna(top[f]) and pd.isna(first[f])) for f in fields):
-        even = f"tied for the {'highest' if maximize else 'lowest'} mean with {'; '.join(level)}, " if level else ""
-        return (f"{even}the {'highest' if maximize else 'lowest'} of {configurations} configurations, so biased "
-                f"{'upward' if maximize else 'downward'} by the pick")
+        bias = (f"the {most} of {configurations} configurations, so biased {'upward' if maximize else 'downward'} by "
+                f"the pick")
+        if level:
+            return (f"tied for the {most} mean with {'; '.join(level)}, and named {settled}; "
+                    f"{'both' if len(level) == 1 else 'all'} {bias}")
+        return bias
     return (f"resolved {'above' if maximize else 'below'} {named} on the seeds the two share, though that one had "
-            f"the {'highest' if maximize else 'lowest'} mean over the seeds every configuration ran")
+            f"the {most} mean over the seeds every configuration ran")
 
 
 def ties(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], value: str,
-         maximize: bool) -> tuple[pd.DataFrame, pd.DataFrame]:
+         maximize: bool) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """The configurations that cannot be told from the one of the best mean: each compared with it, paired by
     seed, under Benjamini-Hochberg over those comparisons (the best is picked from all of them, so its own mean is
     biased upward by the pick). The best is the first row. Second, those that share fewer than two seeds with it:
-    not compared, so neither tied nor resolved (a column `shared` counts the seeds they share).
+    not compared, so neither tied nor resolved (a column `shared` counts the seeds they share). Third, those
+    resolved from it (a column `better`: resolved better, which only picks that go round in a circle leave).
 
     The means rank over the seeds every configuration finished (one with seeds of its own would rank by their
     luck), a configuration with one finished seed is never the best, and one resolved above the pick on the seeds
@@ -204,7 +211,10 @@ def ties(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], value: st
         order = [above[0], *(i for i in order if i != above[0])]
     tied = [order[0]] + [i for i, v in zip(order[1:], verdicts) if v is not None and v.d.n >= 2 and not v.resolved]
     apart = [(i, 0 if v is None else v.d.n) for i, v in zip(order[1:], verdicts) if v is None or v.d.n < 2]
-    return points.iloc[tied], points.iloc[[i for i, _ in apart]].assign(shared=[n for _, n in apart])
+    resolved = [(i, sign * v.d.mean < 0) for i, v in zip(order[1:], verdicts)
+                if v is not None and v.d.n >= 2 and v.resolved]
+    return (points.iloc[tied], points.iloc[[i for i, _ in apart]].assign(shared=[n for _, n in apart]),
+            points.iloc[[i for i, _ in resolved]].assign(better=[b for _, b in resolved]))
 
 
 @dataclass
@@ -215,6 +225,49 @@ class Best:
     configurations: int  # how many there were
     uncompared: pd.DataFrame  # those that share fewer than two seeds with the best (column `shared`)
     highest: pd.Series  # the configuration of the best mean (the best, unless a contrast overturned it)
+    resolved: pd.DataFrame  # those resolved from the best (column `better`)
+    settled: str  # how the first of an exact tie of the best mean was named
+
+
+def below_per_b(study: StudyRuns, m: Measure, tied: pd.DataFrame, fields: list[str]) -> list[str]:
+    """The ties that the per-B lines resolve worse than a configuration that is itself the best or one of its
+    ties: a (rule, B) whose cost against its smallest B is resolved worse there (that contrast pools the (b, k)
+    that make B, and is controlled over the per-B family), where that smallest B's configuration is in `tied`;
+    the best's own contrast, one (b, k) at a time, left it open. Each reads 'label (worse than B = 32)'."""
+    found = rule_comparisons(study.trials, m)
+    if found is None or not {"lr_rule", "physical_batch", "accum_steps"} <= set(fields):
+        return []
+    _, compared, verdicts = found
+    cost = {(r, b): (base, v) for (r, b, base, _), v in zip(compared, verdicts)}
+
+    def batch(row) -> int:
+        return int(row["physical_batch"] * row["accum_steps"])
+    anchors = {(row["lr_rule"], batch(row)) for _, row in tied.iterrows()}
+    below = []
+    for _, row in tied.iloc[1:].iterrows():
+        base, v = cost.get((row["lr_rule"], batch(row)), (None, None))
+        if (v is not None and v.resolved and m.worse(v.d)
+                and anchors & {(EVERY_RULE, base), (row["lr_rule"], base)}):
+            below.append(label(row, fields))
+    return below
+
+
+def accounted(ties: list[str], lower: list[str], resolved: pd.DataFrame, fields: list[str],
+              shown: int = 5) -> list[str]:
+    """The configurations compared with the best, each group counted and named (up to `shown` of a long one), so
+    that the counts add up to the comparisons: those that cannot be told from it, those the per-B lines resolve
+    worse (below_per_b), and those resolved from it directly."""
+    def names(rows: list[str]) -> str:
+        return "; ".join(rows[:shown]) + ("; …" if len(rows) > shown else "")
+    worse = [label(row, fields) for _, row in resolved.iterrows() if not row["better"]]
+    better = [label(row, fields) for _, row in resolved.iterrows() if row["better"]]
+    return [f"{len(ties)} other{'s' * (len(ties) > 1)} cannot be told from it ({names(ties)})" if ties else "",
+            f"{len(lower)} set apart, though each alone cannot be told from it: the per-B lines resolve each worse "
+            f"than its rule's smallest B (each B's (b, k) pooled), which is the best or cannot be told from it: "
+            f"{'; '.join(lower)}" if lower else "",
+            f"{len(worse)} resolved worse than it: {names(worse)}" if worse else "",
+            f"{len(better)} resolved better than it on the seeds all share, where the picks went round in a circle: "
+            f"{names(better)}" if better else ""]
 
 
 def not_compared(apart: pd.DataFrame, fields: list[str]) -> str:
@@ -234,13 +287,18 @@ def best_set(study: StudyRuns, t: pd.DataFrame) -> Best | None:
     if not fields or "seed" not in t or t["seed"].nunique() < 2 or value not in t:
         return None
     t = one_at_base(t, fields)
-    seeds = per_seed(t, fields, [value])
-    points = per_configuration(seeds.assign(_cost=0.0), fields, value, "_cost")
+    memory = "peak_memory_bytes" in t and t["peak_memory_bytes"].notna().any()
+    seeds = per_seed(t.assign(_cost=t["peak_memory_bytes"] if memory else 0.0), fields, [value, "_cost"])
+    points = per_configuration(seeds, fields, value, "_cost")
     if len(points) < 2:
         return None
-    tied, apart = ties(seeds, points, fields, value, direction == "maximize")
+    # An exact tie of the best mean goes to the one of least peak memory, where every configuration measured it.
+    settled = "for the least peak memory of them" if points["_cost"].notna().all() and memory else \
+        f"first in the order of {', then '.join(SHORT.get(f, f) for f in fields)}"
+    points = points.sort_values("_cost", kind="stable") if settled.startswith("for") else points
+    tied, apart, resolved = ties(seeds, points, fields, value, direction == "maximize")
     return Best(members(t, fields, tied), fields, tied, len(points), apart,
-                highest(seeds, points, fields, value, direction == "maximize"))
+                highest(seeds, points, fields, value, direction == "maximize"), resolved, settled)
 
 
 def members(t: pd.DataFrame, fields: list[str], configurations: pd.DataFrame) -> pd.Index:

@@ -13,11 +13,10 @@ import pandas as pd
 from batchsweep.sweeps import commands
 
 from .at_batch import largest_free, per_batch
-from .best import (EVERY_RULE, Best, best_set, choices, diverged_in_a_seed, label, members, not_compared, picked,
-                   stopped_in)
+from .best import (Best, accounted, below_per_b, best_set, choices, diverged_in_a_seed, label, members, not_compared,
+                   picked, stopped_in)
 from .findings import bn_against_true, exact_by_model, lr_exponent
 from .measures import Measure, finished, full_scale, measure, stopped_verb, tuned, unmoved
-from .rules import rule_comparisons
 from .runs import StudyRuns
 from .space import identical_spread, shown, times
 from .wording import listed, lowered, stated
@@ -39,29 +38,6 @@ def _one_seed(study: StudyRuns, t: pd.DataFrame) -> str:
         return (f"Nothing here is a choice to recommend: the study varies no field as an independent choice (its "
                 f"findings below answer its own question); with one seed they have no intervals: run {run}.")
     return f"With one seed no configuration can be told from another, so nothing is recommended: run {run}."
-
-
-def _below_per_b(study: StudyRuns, m: Measure, tied: pd.DataFrame, fields: list[str]) -> list[str]:
-    """The ties that the per-B lines resolve worse than a configuration that is itself the best or one of its
-    ties: a (rule, B) whose cost against its smallest B is resolved worse there (that contrast pools the (b, k)
-    that make B, and is controlled over the per-B family), where that smallest B's configuration is in `tied`;
-    the best's own contrast, one (b, k) at a time, left it open. Each reads 'label (worse than B = 32)'."""
-    found = rule_comparisons(study.trials, m)
-    if found is None or not {"lr_rule", "physical_batch", "accum_steps"} <= set(fields):
-        return []
-    _, compared, verdicts = found
-    cost = {(r, b): (base, v) for (r, b, base, _), v in zip(compared, verdicts)}
-
-    def batch(row) -> int:
-        return int(row["physical_batch"] * row["accum_steps"])
-    anchors = {(row["lr_rule"], batch(row)) for _, row in tied.iterrows()}
-    below = []
-    for _, row in tied.iloc[1:].iterrows():
-        base, v = cost.get((row["lr_rule"], batch(row)), (None, None))
-        if (v is not None and v.resolved and m.worse(v.d)
-                and anchors & {(EVERY_RULE, base), (row["lr_rule"], base)}):
-            below.append(label(row, fields))
-    return below
 
 
 @dataclass
@@ -92,7 +68,7 @@ def named_best(study: StudyRuns, m: Measure | None = None) -> Named | None:
     out_ = [label(row, fields) for _, row in tied.iterrows() if label(row, fields) in gone]
     refused = bool(out_) and label(tied.iloc[0], fields) in gone
     tied = tied[[label(row, fields) not in gone for _, row in tied.iterrows()]]
-    lower = [] if refused else _below_per_b(study, m, tied, fields)
+    lower = [] if refused else below_per_b(study, m, tied, fields)
     tied = tied[[label(row, fields) not in lower for _, row in tied.iterrows()]]
     return Named(found, tied, pd.Index([]) if refused else members(t, fields, tied), out_, lower, refused)
 
@@ -115,19 +91,22 @@ def best(study: StudyRuns, m: Measure) -> list[str]:
     top = tied.iloc[0]
     compared = configurations - 1 - len(named.found.uncompared)
     n = int(top["n"])  # (its own finished seeds: a configuration that failed in a seed has fewer)
-    named_ = "; ".join(label(row, fields) for _, row in tied.iloc[1:6].iterrows()) + ("; …" if len(tied) > 6 else "")
+    first = named.found.highest.copy()
+    # (an exact tie of the best mean is named once, in the pick's words: the ties that stay ties, not left out)
+    first["level"] = [x for x in first.get("level", []) if x in {label(row, fields) for _, row in tied.iterrows()}
+                      and label(first, fields) == label(top, fields)]
+    others = [label(row, fields) for _, row in tied.iloc[1:].iterrows() if label(row, fields) not in first["level"]]
     what = "accuracy" if m.points else f"{m.name}{m.better}"
-    ties = (f"{len(tied) - 1} other{'s' * (len(tied) > 2)} cannot be told from it ({named_})" if len(tied) > 1 else
-            "" if not compared else
-            f"every other configuration{' compared' * (not named.found.uncompared.empty)} was resolved worse than it"
-            if not out_ else "no other configuration was tied with it")
-    ties += f"; left out as {stopped_in(study.trials)} in a seed: {'; '.join(out_)}" if out_ else ""
-    ties = (ties + not_compared(named.found.uncompared, fields)).removeprefix("; ")
-    ties += (f"; set apart, though each alone cannot be told from it: the per-B lines resolve each worse than its rule's smallest B "
-             f"(each B's (b, k) pooled), which is the best or cannot be told from it: {'; '.join(lower)}"
-             if lower else "")
-    pick = picked(top, named.found.highest, fields, configurations, m.maximize, label(named.found.highest, fields))
-    return [f"The best {what}: {label(top, fields)} ({m.level(top[m.name])} over {n} seeds, {pick}); {ties}"
+    parts = accounted(others, lower, named.found.resolved, fields)
+    parts.insert(1, f"{len(out_)} left out as {stopped_in(study.trials)} in a seed: {'; '.join(out_)}" if out_ else "")
+    if compared and len(named.found.resolved) == compared and not named.found.resolved["better"].any():
+        parts = [f"every other configuration{' compared' * (not named.found.uncompared.empty)} was resolved worse "
+                 f"than it"]
+    ties = ("; ".join(p for p in parts if p) + not_compared(named.found.uncompared, fields)).removeprefix("; ")
+    pick = picked(top, first, fields, configurations, m.maximize, label(named.found.highest, fields),
+                  named.found.settled)
+    return [f"The best {what}: {label(top, fields)} ({m.level(top[m.name])} over {n} seeds, {pick})"
+            + (f"; {ties}" if ties else "")
             + (f"; paired by seed, Benjamini-Hochberg at 5% over {compared} comparisons" if compared else "") + "."]
 
 

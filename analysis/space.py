@@ -16,9 +16,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from .best import (EVERY_BN, EVERY_RULE, SHORT, choices, diverged_in_a_seed, highest, label, naming, not_compared,
-                   of, one_at_base, per_configuration, per_seed, picked, shown_value, stopped_in, ties, without)
-from .measures import finished, stopped_verb
+from .best import (EVERY_BN, EVERY_RULE, SHORT, accounted, below_per_b, choices, diverged_in_a_seed, highest, label,
+                   naming, not_compared, of, one_at_base, per_configuration, per_seed, picked, shown_value, stopped_in,
+                   ties, without)
+from .measures import Measure, finished, measure, stopped_verb
 from .plotting import Draw, Figure, context, in_order, log_scale
 from .runs import TARGET_SHARE, StudyRuns, ci95
 
@@ -194,22 +195,30 @@ def _front_figure(points: pd.DataFrame, fields: list[str], cost: str, value: str
     return Figure(name, title, fig, context(trials), finding)
 
 
-def _budget_sentence(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], cost: str, value: str,
-                     percent: bool, maximize: bool, unit, against: str, gone: list[str], as_: str) -> str:
-    """The configuration of the best mean, the set that cannot be told from it, and the cheapest of that set.
-    `against` names the cost, so that the memory and time sentences read apart in the findings; `gone`, the
-    configurations left out as `as_` ('diverged', 'pruned', 'diverged or pruned') in a seed."""
-    tied, apart = ties(seeds, points, fields, value, maximize)
+def _budget_sentence(study: StudyRuns, seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], cost: str,
+                     value: str, percent: bool, maximize: bool, unit, against: str, gone: list[str], as_: str) -> str:
+    """The configuration of the best mean (an exact tie of it settled by the cost), the set that cannot be told from
+    it, and the cheapest of that set; every other configuration counted where it went (set apart by the per-B lines,
+    resolved from it, not compared). `against` names the cost, so that the memory and time sentences read apart in
+    the findings; `gone`, the configurations left out as `as_` ('diverged', 'pruned', 'diverged or pruned') in a
+    seed."""
+    points = points.sort_values(cost, kind="stable")  # (of an exact tie of the best mean, the cheapest first)
+    tied, apart, resolved = ties(seeds, points, fields, value, maximize)
     top, n = tied.iloc[0], int(seeds.groupby(fields, dropna=False).size().min())
-    cheap = tied.sort_values([cost, value], ascending=[True, not maximize]).iloc[0]
+    m = measure(study.trials, study.objectives[0])
+    lower = below_per_b(study, m if m is not None and m.name == value else Measure(value, maximize), tied, fields)
+    kept = tied[[label(row, fields) not in lower for _, row in tied.iterrows()]]
+    cheap = kept.sort_values([cost, value], ascending=[True, not maximize]).iloc[0]
     compared = len(points) - 1 - len(apart)
     control = (f"paired by seed over {n} seeds, Benjamini-Hochberg at 5% over {compared} "
                f"comparison{'s' * (compared != 1)}" if n > 1 else "one seed: none can be told apart")
     first = highest(seeds, points, fields, value, maximize)
     pick = picked(top, first, fields, len(points), maximize, label(first, fields))
     plain = not pick.startswith("resolved")  # (no contrast overturned the best mean)
-    even = (f"tied for the {'highest' if maximize else 'lowest'} mean with {'; '.join(first['level'])}; "
-            if plain and first.get("level") else "")
+    level = [x for x in first.get("level", []) if x not in lower] if plain else []
+    what = against.removeprefix("peak ")
+    even = (f"tied for the {'highest' if maximize else 'lowest'} mean with {'; '.join(level)}, and named for the "
+            f"least {against} of them; {'both' if len(level) == 1 else 'all'} " if level else "")
     why = (f"{even}picked as the {'highest, so biased upward' if maximize else 'lowest, so biased downward'}" if plain
            else pick)
     said = (f"Against {against}, the best{' mean' * plain} of the {len(points)} configurations"
@@ -218,19 +227,16 @@ def _budget_sentence(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str
             f"({shown(top[value], percent=percent)}, at {unit(top[cost])}; {why}"
             f"{f'; left out as {as_} in a seed: ' + '; '.join(gone) if gone else ''})")
     said += not_compared(apart, fields)
-    if len(tied) == 1:
+    if compared and len(resolved) == compared and not resolved["better"].any():
         return said + (f"; every other configuration{' compared' * (not apart.empty)} was resolved "
                        f"{'below' if maximize else 'above'} it ({control}).")
-    named = (": " + "; ".join(label(row, fields) for _, row in tied.iloc[1:].iterrows())) if len(tied) <= 5 else ""
-    said += f"; {len(tied) - 1} other{'s' * (len(tied) > 2)} cannot be told from it ({control}){named}"
-    if {"physical_batch", "accum_steps", "lr_rule"} <= set(fields):  # (which comparison: not the per-B one)
-        said += (" (each (b, k) against it on its own; the LR-rule sentences pool the (b, k) that make a B, and may "
-                 "resolve one of these lower)")
-    what = against.removeprefix("peak ")
+    others = [label(row, fields) for _, row in kept.iloc[1:].iterrows() if label(row, fields) not in level]
+    parts = accounted(others, lower, resolved, fields)
+    said += "".join(f"; {p}" for p in parts if p) + f"; {control}"
     if cheap[cost] < top[cost]:
-        return said + (f"; the least {what} among them: {label(cheap, fields)} ({shown(cheap[value], percent=percent)})"
-                       f" at {unit(cheap[cost])}.")
-    return said + f"; none of them needed less {what}."
+        return said + (f"; the least {against} among it and its ties: {label(cheap, fields)} "
+                       f"({shown(cheap[value], percent=percent)}) at {unit(cheap[cost])}.")
+    return said + (f"; none of its ties needed less {what}." if len(kept) > 1 else ".")
 
 
 def memory_front(study: StudyRuns) -> Figure | None:
@@ -252,7 +258,7 @@ def memory_front(study: StudyRuns) -> Figure | None:
     if len(points) < 2:
         return None
     percent, maximize = as_percent(value, t[value]), direction == "maximize"
-    finding = _budget_sentence(seeds, points, fields, "memory_mib", value, percent, maximize,
+    finding = _budget_sentence(study, seeds, points, fields, "memory_mib", value, percent, maximize,
                                lambda mib: f"{mib:,.1f} MiB of peak memory", "peak memory",
                                [label(row, fields) for _, row in gone.iterrows()], stopped_in(study.trials))
     if len(unmeasured):
@@ -344,10 +350,10 @@ def time_front(study: StudyRuns) -> Figure | None:
         kept |= of(seeds, fields, row)
     percent = as_percent(value, t[value])
     target_text = shown(target, percent=percent)
-    finding = _budget_sentence(seeds[kept], points, fields, "seconds", value, percent, True,
+    finding = _budget_sentence(study, seeds[kept], points, fields, "seconds", value, percent, True,
                                lambda s: f"{s:,.1f} s to reach {value} {target_text}", "time to the target", gone,
                                stopped_in(study.trials))
-    tied, _ = ties(seeds[kept], points, fields, value, True)
+    tied, _, _ = ties(seeds[kept], points.sort_values("seconds", kind="stable"), fields, value, True)
     saving = float(tied["seconds"].iloc[0] - tied["seconds"].min())
     finding += _timing_note(t, fields, saving)
     return _front_figure(points, fields, "seconds", value, f"seconds to reach {value} {target_text} (median over seeds)",

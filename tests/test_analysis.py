@@ -807,8 +807,9 @@ def test_pareto_fronts_answer_a_budget():
     tied = study.trials.assign(val_acc=lambda t: t.val_acc.where(t.physical_batch != 32,
                                                                  t.seed.map({0: 0.870, 1: 0.855})))
     assert memory_front(StudyRuns("budget", tied, study.history, None, "", varied=("physical_batch",))).finding \
-        .endswith("1 other cannot be told from it (paired by seed over 2 seeds, Benjamini-Hochberg at 5% over 3 "
-                  "comparisons): b = 32; the least memory among them: b = 32 (86.2%) at 32.0 MiB of peak memory.")
+        .endswith("; 1 other cannot be told from it (b = 32); 2 resolved worse than it: b = 16; b = 8; paired by seed "
+                  "over 2 seeds, Benjamini-Hochberg at 5% over 3 comparisons; the least peak memory among it and its "
+                  "ties: b = 32 (86.2%) at 32.0 MiB of peak memory.")
     assert [len(c.get_offsets()) for c in time.figure.axes[0].collections] == [1, 1]  # b = 32 dominated, 64 on it
     points = pd.DataFrame({"cost": [1, 2, 2, 3], "value": [0.5, 0.7, 0.6, 0.7]})
     assert list(front(points, "cost", "value")) == [True, True, False, False]

@@ -86,7 +86,9 @@ def test_a_configuration_resolved_above_the_best_is_the_best_not_its_tie():
     seeds is higher only by the 2 seeds sqrt never ran."""
     [best] = [line for line in recommend(_unbalanced(0.015)) if line.startswith("The best accuracy: ")]
     assert best.startswith("The best accuracy: b = 128, k = 1, sqrt (95.5% over 3 seeds, "), best
-    assert "every LR rule (B = base_batch)" not in best  # resolved below the pick: no tie
+    ties = best.split("cannot be told from it")[1].split("resolved worse than it")[0]
+    assert "every LR rule" not in ties and "3 resolved worse than it: b = 32, k = 1, every LR rule (B = base_batch); " \
+        in best, best  # resolved below the pick: no tie, and counted where it went
 
 
 def test_a_configuration_finished_in_one_seed_is_never_crowned():

@@ -138,7 +138,7 @@ def test_a_configuration_the_per_b_contrast_resolves_lower_is_no_tie_of_the_best
                                                            if rule == "none" and b * k == 128 else 0))
     study = _study(rows, ("physical_batch", "accum_steps", "lr_rule"))
     [best] = [line for line in recommend(study) if line.startswith("The best")]
-    ties, _, below = best.partition("; set apart, though each alone cannot be told from it: the per-B lines resolve each worse than its rule's "
+    ties, _, below = best.partition("; 2 set apart, though each alone cannot be told from it: the per-B lines resolve each worse than its rule's "
                                     "smallest B (each B's (b, k) pooled), which is the best or cannot be told from "
                                     "it: ")
     assert below.startswith("b = 32, k = 4, none; b = 128, k = 1, none;"), best
@@ -211,15 +211,17 @@ def test_branches_that_do_not_bracket_the_critical_batch_say_so_with_the_seeds_b
 
 def test_the_memory_fronts_ties_say_which_comparison_they_use():
     """The front's ties compare each (b, k) with the best on its own; the LR-rule sentences pool a B's (b, k) and
-    resolved one of them lower: the sentence says which comparison it uses."""
+    resolve two of them lower: the sentence counts those apart, as the best line does (it counted them among the
+    ties and said the LR-rule sentences 'may resolve one of these lower')."""
     swing = {0: 0.02, 1: -0.02, 2: 0.0}
     rows = [{**r, "peak_memory_bytes": 1e5 * r["physical_batch"]}
             for r in _rows(lambda s, rule, b, k: 0.95 + 0.001 * s - (0.01 + (swing[s] if k > 1 else -swing[s])
                                                                      if rule == "none" and b * k == 128 else 0))]
     finding = memory_front(_study(rows, ("physical_batch", "accum_steps", "lr_rule"))).finding
-    assert "cannot be told from it (paired by seed over 3 seeds" in finding and \
-        "(each (b, k) against it on its own; the LR-rule sentences pool the (b, k) that make a B, and may resolve " \
-        "one of these lower)" in finding, finding
+    assert ("; 2 set apart, though each alone cannot be told from it: the per-B lines resolve each worse than its "
+            "rule's smallest B (each B's (b, k) pooled), which is the best or cannot be told from it: b = 32, k = 4, "
+            "none; b = 128, k = 1, none; paired by seed over 3 seeds") in finding and "may resolve" not in finding, \
+        finding
 
 
 def test_the_memory_front_leaves_out_a_configuration_that_diverged_in_a_seed():

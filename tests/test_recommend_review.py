@@ -7,6 +7,7 @@ import numpy as np
 
 from batchsweep.analysis.findings import summarize
 from batchsweep.analysis.recommend import named_best, recommend, starred
+from batchsweep.analysis.space import memory_front
 from tests.test_recommend_edges import _study
 
 RULES = ("physical_batch", "accum_steps", "lr_rule")
@@ -107,10 +108,9 @@ def test_an_exact_tie_of_means_is_said_as_a_tie_not_crowned_by_float_rounding():
                                  base_batch=32, status="FINISHED", val_acc=round(v[seed] - drop, 3),
                                  peak_memory_bytes=b * 20000.0))
     study = _study(rows, RULES)
-    from batchsweep.analysis.space import memory_front
-
     finding = memory_front(study).finding
-    assert "tied for the highest mean with b = 64, none; picked as the highest, so biased upward" in finding, finding
+    assert ("tied for the highest mean with b = 64, none, and named for the least peak memory of them; both picked "
+            "as the highest, so biased upward") in finding, finding
     lines = recommend(study)
     [best] = [s for s in lines if s.startswith("The best accuracy")]
     assert "tied for the highest mean with b = 64, none" in best, best
@@ -261,3 +261,73 @@ def test_a_steps_ratio_the_evaluations_cannot_resolve_is_not_quoted_as_a_measure
     assert "0.50 at B = 64; 0.25 at B = 128; not resolved at B = 256 (0.32 to 0.73)" in late, late
     assert ("the last doubling's share of the steps of the B before is not resolved (0.31 to 0.70; 0.50 is perfect "
             "scaling, 1 none)") in late and "0.47" not in late, late
+
+
+def _default_like(memory_at_32: float = 32 * 20000.0, memory: bool = True):
+    """The default study's shape (B = 32, and b = 32 accumulated against the true batch at B = 64 to 512, under
+    three rules: 25 configurations): b = 64, none ties B = 32's mean exactly; none at B = 512 falls 15 points in
+    every seed (resolved directly, both halves); sqrt's two halves at B = 512 swing ±1.5 points with the seed but
+    average 3 below (resolved by the per-B line only); at B = 128 sqrt and linear tie exactly."""
+    special = {(64, 1, "none"): (0.971, 0.970, 0.972),
+               (512, 1, "none"): (0.820, 0.822, 0.821), (32, 16, "none"): (0.821, 0.823, 0.822),
+               (32, 16, "sqrt"): (0.93, 0.96, 0.94), (512, 1, "sqrt"): (0.95, 0.92, 0.94),
+               (32, 16, "linear"): (0.96, 0.97, 0.95), (512, 1, "linear"): (0.975, 0.95, 0.96),
+               (32, 4, "sqrt"): (0.968, 0.966, 0.973), (32, 4, "linear"): (0.966, 0.973, 0.968),
+               (128, 1, "sqrt"): (0.966, 0.972, 0.970), (128, 1, "linear"): (0.972, 0.966, 0.970)}
+    rng, rows = np.random.default_rng(3), []
+    for seed in range(3):
+        for rule in ("none", "sqrt", "linear"):
+            for b, k in ((32, 1), (32, 2), (64, 1), (32, 4), (128, 1), (32, 8), (256, 1), (32, 16), (512, 1)):
+                v = special.get((b, k, rule))
+                v = v[seed] if v else (0.970, 0.972, 0.971)[seed] - (
+                    0 if b * k == 32 else round(abs(rng.normal(0.004, 0.003)) + 0.001, 3))
+                rows.append(dict(seed=seed, lr_rule=rule, physical_batch=b, accum_steps=k, effective_batch=b * k,
+                                 base_batch=32, status="FINISHED", val_acc=round(v, 3),
+                                 **({"peak_memory_bytes": memory_at_32 if b * k == 32 else b * 20000.0}
+                                    if memory else {})))
+    return _study(rows, RULES)
+
+
+def _counts(line: str) -> dict[str, int]:
+    return {what: int(n) for n, what in re.findall(r"; (\d+) (others? cannot be told|set apart|resolved worse)", line)}
+
+
+def test_the_best_lines_count_every_other_configuration_once_where_it_went_and_the_counts_add_up():
+    """The best line said '15 others cannot be told from it' and 'set apart, ...: <6>' beside a family of 24, and
+    left out the 2 configurations resolved worse than the best directly; the memory line counted 22 as 'cannot
+    be told from it', 6 of which the per-B lines resolve worse. Each names the exact tie once."""
+    study = _default_like()
+    [best] = [s for s in recommend(study) if s.startswith("The best accuracy")]
+    memory = memory_front(study).finding
+    for line in (best, memory):
+        assert "tied for the highest mean with b = 64, k = 1, none, and named for the least peak memory" in line, line
+        assert line.count("b = 64, k = 1, none") == 1, line
+        assert _counts(line) == {"others cannot be told": 15, "set apart": 6, "resolved worse": 2}, line
+        assert 1 + 15 + 6 + 2 == 24 and "Benjamini-Hochberg at 5% over 24 comparisons" in line, line
+        assert "; 2 resolved worse than it: b = 32, k = 16, none; b = 512, k = 1, none; " in line, line
+    assert "may resolve" not in memory, memory
+
+
+def test_an_exact_tie_of_the_best_mean_says_how_the_one_named_first_was_picked():
+    """B = 32 measured more peak memory than b = 64, none, whose mean ties it: b = 64, none is named, for its
+    least peak memory, in the best line and the memory line alike ('picked as the highest' said of a tie whose
+    order settled it); without memory, the order of the fields settles it, and the line says so."""
+    study = _default_like(memory_at_32=5e6)
+    [best] = [s for s in recommend(study) if s.startswith("The best accuracy")]
+    assert best.startswith("The best accuracy: b = 64, k = 1, none (97.1% over 3 seeds, tied for the highest mean "
+                           "with b = 32, k = 1, every LR rule (B = base_batch), and named for the least peak memory of "
+                           "them; both the highest of 25 configurations, so biased upward by the pick); "), best
+    assert ("was b = 64, k = 1, none (97.1%, at 1.2 MiB of peak memory; tied for the highest mean with b = 32, k = 1, "
+            "every LR rule (B = base_batch), and named for the least peak memory of them; both picked as the highest, "
+            "so biased upward)") in memory_front(study).finding
+    [plain] = [s for s in recommend(_default_like(memory=False)) if s.startswith("The best accuracy")]
+    assert ("The best accuracy: b = 32, k = 1, every LR rule (B = base_batch) (97.1% over 3 seeds, tied for the "
+            "highest mean with b = 64, k = 1, none, and named first in the order of b, then k, then lr_rule; both the "
+            "highest of 25 configurations") in plain, plain
+
+
+def test_a_rule_tied_exactly_with_the_pick_at_a_b_is_named_once():
+    """At B = 128 sqrt and linear tie exactly: 'it was tied for the highest mean with linear; linear and none
+    cannot be told from it' named linear twice."""
+    [at_128] = [s for s in recommend(_default_like()) if s.startswith("At B = 128")]
+    assert "(96.9%; it was tied for the highest mean with linear; none cannot be told from it)" in at_128, at_128

@@ -11,6 +11,7 @@ the fit by curve_fit), then find each number in the sentences as the report prin
 """
 import io
 import math
+import re
 
 import numpy as np
 import pandas as pd
@@ -331,14 +332,25 @@ def test_the_memory_noise_and_best_sentences_recomputed_by_an_independent_path()
     name = f"b = {b}, k = {k}, " + ("every LR rule (B = base_batch)" if rule == "every" else rule)
     assert (f"Against peak memory, the best mean of the {len(means)} configurations was {name} "
             f"({100 * means[best]:.1f}%") in finding
-    assert (f"{len(tied)} others cannot be told from it (paired by seed over 3 seeds, Benjamini-Hochberg at 5% over "
-            f"{len(others)} comparisons)") in finding
+    # Every other configuration counted once where it went: tied exactly, cannot be told, set apart by the per-B
+    # lines, resolved worse; the counts add up to the comparisons.
+    def count(what: str, text: str) -> int:
+        found = re.search(rf"; (\d+) {what}", text)
+        return int(found.group(1)) if found else 0
+    level = finding.partition("tied for the highest mean with ")[2].partition(", and named")[0]
+    exact = len(level.split("; ")) if level else 0
+    apart = count("set apart", finding)
+    assert count(r"others? cannot be told from it", finding) + apart + exact == len(tied), finding
+    assert count("resolved worse than it", finding) == len(others) - len(tied), finding
+    assert f"paired by seed over 3 seeds, Benjamini-Hochberg at 5% over {len(others)} comparisons" in finding
     line = next(s for s in recommend(StudyRuns("accum_lr", trials, history, None, "", varied=VARIED))
                 if s.startswith("The best accuracy: "))
     assert line.startswith(f"The best accuracy: {name} ({100 * means[best]:.1f}% over 3 seeds, the highest of "
                            f"{len(means)} configurations")
     # The block names apart the ties that the per-B contrasts (a B's (b, k) pooled) resolve lower: with them, the
     # same set as recomputed here.
-    below = line.partition(", which is the best or cannot be told from it: ")[2].partition("; paired by seed")[0]
+    below = re.split(r"; \d+ resolved|; paired by seed", line.partition(", which is the best or cannot be told from "
+                                                                      "it: ")[2])[0]
     below = below.split("; ") if below else []
     assert f"; {len(tied) - len(below)} others cannot be told from it" in line, line
+    assert count("resolved worse than it", line) == len(others) - len(tied) and count("set apart", line) == len(below)
