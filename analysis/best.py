@@ -233,7 +233,7 @@ def below_per_b(study: StudyRuns, m: Measure, tied: pd.DataFrame, fields: list[s
     """The ties that the per-B lines resolve worse than a configuration that is itself the best or one of its
     ties: a (rule, B) whose cost against its smallest B is resolved worse there (that contrast pools the (b, k)
     that make B, and is controlled over the per-B family), where that smallest B's configuration is in `tied`;
-    the best's own contrast, one (b, k) at a time, left it open. Each reads 'label (worse than B = 32)'."""
+    the best's own contrast, one (b, k) at a time, left it open. Each by its label."""
     found = rule_comparisons(study.trials, m)
     if found is None or not {"lr_rule", "physical_batch", "accum_steps"} <= set(fields):
         return []

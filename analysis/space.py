@@ -232,7 +232,7 @@ def _budget_sentence(study: StudyRuns, seeds: pd.DataFrame, points: pd.DataFrame
                        f"{'below' if maximize else 'above'} it ({control}).")
     others = [label(row, fields) for _, row in kept.iloc[1:].iterrows() if label(row, fields) not in level]
     parts = accounted(others, lower, resolved, fields)
-    said += "".join(f"; {p}" for p in parts if p) + f"; {control}"
+    said += "".join(f"; {p}" for p in parts if p) + (f"; {control}" if compared else "")
     if cheap[cost] < top[cost]:
         return said + (f"; the least {against} among it and its ties: {label(cheap, fields)} "
                        f"({shown(cheap[value], percent=percent)}) at {unit(cheap[cost])}.")
