@@ -142,26 +142,24 @@ def of(seeds: pd.DataFrame, fields: list[str], row: pd.Series) -> pd.Series:
     return at
 
 
-def _ranked(mine: list[pd.DataFrame], shared: set, value: str, sign: int) -> list[int]:
-    """The configurations by their mean over the seeds every one finished, best first; one finished in a single
-    seed last."""
-    rank = [rounded(rows[rows["seed"].isin(shared)][value].mean() if len(shared) >= 2 else rows[value].mean())
-            for rows in mine]
-    return sorted(range(len(mine)), key=lambda i: (mine[i][value].notna().sum() < 2, -sign * rank[i]))
+def _ranked(mine: list[pd.DataFrame], value: str, sign: int, stopped: list[bool]) -> list[int]:
+    """The configurations by their mean over their own finished seeds, best first (the mean a sentence prints; a
+    mean over the seeds all share would let one configuration's missing seed reorder all the others); one
+    finished in a single seed last, and before it one stopped for doing worse in a seed (`stopped`: its mean is
+    over the seeds that survived)."""
+    rank = [rounded(rows[value].mean()) for rows in mine]
+    return sorted(range(len(mine)), key=lambda i: (mine[i][value].notna().sum() < 2, stopped[i], -sign * rank[i]))
 
 
-def highest(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], value: str, maximize: bool) -> pd.Series:
+def highest(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], value: str, maximize: bool,
+            stopped: list[bool] | None = None) -> pd.Series:
     """The configuration of the best mean, as ties() ranks before any contrast overturns it; its `level` lists
     the others whose mean is the same (an exact tie: the pick among them is their order)."""
     mine = [seeds[of(seeds, fields, row)] for _, row in points.iterrows()]
-    shared = set.intersection(*(set(rows["seed"]) for rows in mine))
-    order = _ranked(mine, shared, value, 1 if maximize else -1)
-
-    def mean(i: int) -> float:
-        rows = mine[i]
-        return rounded(rows[rows["seed"].isin(shared)][value].mean() if len(shared) >= 2 else rows[value].mean())
+    order = _ranked(mine, value, 1 if maximize else -1, stopped or [False] * len(mine))
+    mean = [rounded(rows[value].mean()) for rows in mine]
     top = points.iloc[order[0]].copy()
-    top["level"] = [label(points.iloc[i], fields) for i in order[1:] if mean(i) == mean(order[0])]
+    top["level"] = [label(points.iloc[i], fields) for i in order[1:] if mean[i] == mean[order[0]]]
     return top
 
 
@@ -180,25 +178,25 @@ def picked(top: pd.Series, first: pd.Series, fields: list[str], configurations: 
                     f"{'both' if len(level) == 1 else 'all'} {bias}")
         return bias
     return (f"resolved {'above' if maximize else 'below'} {named} on the seeds the two share, though that one had "
-            f"the {most} mean over the seeds every configuration ran")
+            f"the {most} mean")
 
 
 def ties(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], value: str,
-         maximize: bool) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+         maximize: bool, stopped: list[bool] | None = None) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """The configurations that cannot be told from the one of the best mean: each compared with it, paired by
     seed, under Benjamini-Hochberg over those comparisons (the best is picked from all of them, so its own mean is
     biased upward by the pick). The best is the first row. Second, those that share fewer than two seeds with it:
     not compared, so neither tied nor resolved (a column `shared` counts the seeds they share). Third, those
     resolved from it (a column `better`: resolved better, which only picks that go round in a circle leave).
 
-    The means rank over the seeds every configuration finished (one with seeds of its own would rank by their
-    luck), a configuration with one finished seed is never the best, and one resolved above the pick on the seeds
+    Each mean ranks over the configuration's own finished seeds (the mean a sentence prints), a configuration with
+    one finished seed is never the best, and one resolved above the pick on the seeds
     the two share is the pick instead. Where such picks go round in a circle (different seeds in each pair), the
     comparisons keep to the seeds all share, where they cannot."""
     sign = 1 if maximize else -1
     mine = [seeds[of(seeds, fields, row)] for _, row in points.iterrows()]
     shared = set.intersection(*(set(rows["seed"]) for rows in mine))
-    ranked = _ranked(mine, shared, value, sign)
+    ranked = _ranked(mine, value, sign, stopped or [False] * len(mine))
     step, order = quantum(seeds[value]), ranked
     for attempt in range(len(points) + 1):
         within, order = (seeds[seeds["seed"].isin(shared)], ranked) if attempt == len(points) else (seeds, order)
@@ -296,9 +294,11 @@ def best_set(study: StudyRuns, t: pd.DataFrame) -> Best | None:
     settled = "for the least peak memory of them" if points["_cost"].notna().all() and memory else \
         f"first in the order of {', then '.join(SHORT.get(f, f) for f in fields)}"
     points = points.sort_values("_cost", kind="stable") if settled.startswith("for") else points
-    tied, apart, resolved = ties(seeds, points, fields, value, direction == "maximize")
+    gone = diverged_in_a_seed(study.trials, fields)
+    stopped = [bool(_any_of(gone, fields, points.iloc[[i]]).any()) for i in range(len(points))]
+    tied, apart, resolved = ties(seeds, points, fields, value, direction == "maximize", stopped)
     return Best(members(t, fields, tied), fields, tied, len(points), apart,
-                highest(seeds, points, fields, value, direction == "maximize"), resolved, settled)
+                highest(seeds, points, fields, value, direction == "maximize", stopped), resolved, settled)
 
 
 def members(t: pd.DataFrame, fields: list[str], configurations: pd.DataFrame) -> pd.Index:

@@ -298,7 +298,8 @@ def test_per_b_contrasts_are_controlled_over_the_whole_block():
 
 def test_a_pick_overturned_by_a_resolved_contrast_says_so():
     """none and sqrt ran 10 seeds, linear 2. On the 2 seeds all ran none has the highest mean; on the 10 that none
-    and sqrt share, sqrt is resolved above it. The pick is sqrt, and no line calls it the highest mean."""
+    and sqrt share, sqrt is resolved above it. The pick at B = 128 is sqrt; the best, ranked by each
+    configuration's own seeds, is sqrt as the highest mean."""
     def values(seed, rule, b, k):
         if rule == "linear" and seed > 1:
             return None
@@ -316,7 +317,8 @@ def test_a_pick_overturned_by_a_resolved_contrast_says_so():
     [best] = [line for line in lines if line.startswith("The best accuracy: ")]
     assert best.startswith("The best accuracy: b = 32, k = 4, sqrt (") or best.startswith(
         "The best accuracy: b = 128, k = 1, sqrt ("), best
-    assert "resolved above b = " in best and "highest of" not in best, best
+    # (ranked by its own 10 seeds, sqrt's mean is the highest: 94.9% against none's 94.6%)
+    assert "highest of 7 configurations" in best and "b = 128, k = 1, none" in best.split("resolved worse")[1], best
 
 
 def test_one_seed_advice_gives_a_command_that_works_for_the_study():
