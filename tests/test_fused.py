@@ -73,6 +73,97 @@ def test_one_step_of_every_member_in_float32_is_its_solo_step():
         assert relative(probe.seen[0], solo(config)[1][0]) < 1e-6, config
 
 
+# Members whose windows end at the same micro-batch step in one batched update where their optimizer's settings
+# agree (k = 1 under none and linear at B = base_batch: the same LR), one update each where they differ
+# (momentum, nesterov, weight decay, AdamW's betas and eps), and alone with clipping.
+TOGETHER = [dict(accum_steps=1, lr_rule="none", weight_decay=0.01),
+            dict(accum_steps=1, lr_rule="linear", weight_decay=0.01),
+            dict(accum_steps=2, momentum=0.5, nesterov=True), dict(accum_steps=2, momentum=0.0),
+            dict(accum_steps=3, weight_decay=0.05), dict(accum_steps=3, grad_clip=0.5),
+            dict(accum_steps=1, optimizer="adamw", base_lr=0.01, weight_decay=0.01),
+            dict(accum_steps=1, optimizer="adamw", lr_rule="linear", base_lr=0.01, weight_decay=0.01),
+            dict(accum_steps=2, optimizer="adamw", base_lr=0.01, adam_beta1=0.8, adam_beta2=0.99, adam_eps=1e-6)]
+
+
+def test_members_that_end_a_window_together_step_as_one_and_as_their_solo_runs(monkeypatch):
+    """Every member's weights after each step, and its optimizer's state at the end (momentum buffers, AdamW's
+    moments and step), are its solo run's; members of equal settings share one update, and only the member
+    that clips steps through its own optimizer.step()."""
+    from torch.optim import adam, sgd
+
+    configs = [TrainConfig(**{**BASE, **m}) for m in TOGETHER]
+    sizes, stepped = [], []
+    for module, name in ((sgd, "sgd"), (adam, "adam")):
+        def spy(params, *args, _real=getattr(module, name), _name=name, **kwargs):
+            sizes.append((_name, len(params)))
+            return _real(params, *args, **kwargs)
+        monkeypatch.setattr(module, name, spy)
+    for kind in (torch.optim.SGD, torch.optim.AdamW):
+        def step(self, *args, _real=kind.step, **kwargs):
+            stepped.append(self)
+            return _real(self, *args, **kwargs)
+        monkeypatch.setattr(kind, "step", step)
+    probes = [[Weights()] for _ in configs]
+    fused = train_fused(configs, probes=probes)
+    members = {id(probe.run.optimizer): i for i, (probe,) in enumerate(probes)}
+    assert {members[id(o)] for o in stepped if id(o) in members} == {5}  # the clipping member's own step alone
+    per_member = len(list(fused[0].model.parameters()))
+    assert max(n for name, n in sizes if name == "sgd") == 2 * per_member  # k = 1's two SGD members as one
+    assert max(n for name, n in sizes if name == "adam") == 2 * per_member  # and its two AdamW members
+    monkeypatch.undo()
+    for config, (probe,) in zip(configs, probes):
+        alone = Weights()
+        train(config, probes=[alone])
+        assert len(probe.seen) == len(alone.seen) == 2 * math.ceil(10 / config.accum_steps)
+        assert max(relative(a, b) for a, b in zip(probe.seen, alone.seen)) < 1e-10, config
+        mine, theirs = probe.run.optimizer.state_dict()["state"], alone.run.optimizer.state_dict()["state"]
+        assert mine.keys() == theirs.keys() and all(s.keys() == theirs[i].keys() for i, s in mine.items()), config
+        for name in {name for state in theirs.values() for name in state}:  # (over every tensor: a bias before
+            a, b = (torch.cat([s[i][name].double().flatten() for i in s]) for s in (mine, theirs))  # BN has ~0)
+            assert relative(a, b) < 1e-10, (config, name)
+
+
+def test_batchnorm_in_the_stacked_forward_is_one_batch_norm_over_the_members_channels(monkeypatch):
+    """The stacked forward's BatchNorm (2d, 1d, without affine weights, without running statistics) runs as one
+    batch_norm over the members' channels side by side, with the outputs, gradients and running statistics of
+    vmap's own batching rule (each member's own statistics, updated in place)."""
+    import torch.nn.functional as F
+    from batchsweep.trainers.fused import _stacked_forward
+
+    def net(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 3, 1),
+                             nn.BatchNorm2d(3, affine=False), nn.Flatten(), nn.Linear(48, 5),
+                             nn.BatchNorm1d(5, track_running_stats=False)).double()
+
+    members = [net(seed) for seed in range(3)]
+    x = torch.randn(8, 2, 6, 6, dtype=torch.float64)
+    shapes = []
+
+    def batch_norm(input, *args, _real=F.batch_norm, **kwargs):
+        shapes.append(tuple(input.shape))
+        return _real(input, *args, **kwargs)
+
+    def run(forward):
+        params, buffers = torch.func.stack_module_state(members)
+        params = {name: p.detach().requires_grad_() for name, p in params.items()}
+        buffers = {name: b.clone() for name, b in buffers.items()}
+        out = forward(params, buffers, x)
+        (out * torch.arange(5.0, dtype=out.dtype)).square().sum().backward()
+        return [out.detach(), *(p.grad for p in params.values()), *buffers.values()]
+
+    monkeypatch.setattr(F, "batch_norm", batch_norm)
+    side_by_side = run(_stacked_forward(members[0]))
+    assert (8, 3 * 4, 4, 4) in shapes and (8, 3 * 3, 4, 4) in shapes and (8, 3 * 5) in shapes
+    shapes.clear()
+    vmapped = run(torch.func.vmap(lambda p, b, x: torch.func.functional_call(members[0], (p, b), (x,)),
+                                  in_dims=(0, 0, None)))
+    assert (8, 3 * 4, 4, 4) not in shapes  # (vmap's rule: not through F.batch_norm)
+    assert len(side_by_side) == len(vmapped)
+    for a, b in zip(side_by_side, vmapped):  # (a bias before BatchNorm has a gradient of ~1e-17: absolute there)
+        assert float((a - b).double().norm()) <= 1e-12 * (1 + float(b.double().norm())), tuple(b.shape)
+
+
 def test_a_member_that_diverges_ends_alone_and_the_others_go_on():
     configs = [TrainConfig(**{**BASE, "epochs": 4, **MEMBERS[0]}),
                TrainConfig(**{**BASE, "epochs": 4, "accum_steps": 2, "base_lr": 1e30, "warmup_epochs": 0})]

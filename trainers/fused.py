@@ -5,16 +5,20 @@ The order of an epoch depends on the seed only (trainers/order.py), so configura
 the data, b, the seed and the epochs feed the same micro-batches in the same order, whatever their k. Such
 members may differ in k, the LR rule and base LR, warmup and schedule, weight decay and the optimizer's
 settings. Each keeps its own parameters and its own torch.optim optimizer, the solo run's, stepped when its
-window of k micro-batches ends, at its own schedule's LR. The forward runs once for all members, through
-torch.func.vmap over their stacked parameters; one backward of the members' summed window shares gives each
-member exactly its own gradient (a sum's gradient is each term's). BatchNorm's running statistics live in
-stacked buffers that each member's model views, so a member's evaluation is its solo evaluation.
+window of k micro-batches ends, at its own schedule's LR: the members whose windows end at the same micro-batch
+in one foreach update where their settings agree, into each one's own optimizer state (trainers/together.py).
+The forward runs once for all members, through torch.func.vmap over their stacked parameters, BatchNorm as one
+batch_norm over their channels side by side (trainers/stacked_norm.py); one backward of the members' summed
+window shares gives each member exactly its own gradient (a sum's gradient is each term's). BatchNorm's
+running statistics live in stacked buffers that each member's model views, so a member's evaluation is its
+solo evaluation.
 
 What can change a member's forward or its micro-batches is refused (`alone`); a forward that draws random
 numbers (dropout) is refused at its first micro-batch, before any step (`NotFusable`), since a stacked forward
 cannot draw what each solo run would."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import warnings
@@ -34,7 +38,10 @@ from .interrupt import check as check_interrupt
 from .loop import (EpochCallback, Setup, TrainResult, end_epoch, end_window, lr_at, plan, replayed, result, save, set_up,
                    window_step)
 from .losses import add_counts
+from .models import batchnorm_layers
 from .probes import Health, Micro, Noise, PeakMemory, Probe
+from .stacked_norm import side_by_side
+from .together import batched, step_together
 
 # What decides a member's micro-batches and its forward: equal in every member of a group.
 SHARED = ("model", "dataset", "loss", "metrics", "label_key", "norm", "physical_batch", "seed", "epochs", "dtype",
@@ -226,11 +233,14 @@ def _stacked_forward(model: nn.Module):
         return torch.func.functional_call(model, (params, buffers), (x,))
 
     stacked = torch.func.vmap(one, in_dims=(0, 0, None), randomness="error")
+    # BatchNorm as one batch_norm over the members' channels (trainers/stacked_norm.py); the mode sees every
+    # torch call of the forward, so only where there is BatchNorm.
+    norm = side_by_side if batchnorm_layers(model) else contextlib.nullcontext
 
     def forward(params, buffers, x):
         # An op with no batching rule (attention on the CPU) runs member by member, exact as before; torch's note
         # of it would print once per study on the user's terminal.
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), norm():
             warnings.filterwarnings("ignore", "There is a performance drop because we have not yet implemented the "
                                     "batching rule")
             return stacked(params, buffers, x)
@@ -275,6 +285,7 @@ def _micro_batch(active: list[Member], forward, buffers: dict[str, torch.Tensor]
             terms.append(m.run.t.loss.terms(out[j], y))
         shares.append(m.run.t.loss.share(terms[j], window.counts))
     sum(shares[1:], shares[0]).backward()
+    ending = []
     for j, m in enumerate(active):
         k = m.run.config.accum_steps
         window = m.windows[i // k]
@@ -282,9 +293,14 @@ def _micro_batch(active: list[Member], forward, buffers: dict[str, torch.Tensor]
         if m.run.t.loss.divide_after:
             m.counted = m.counted + next(iter(terms[j].values()))[1]
         if i % k == k - 1 or i == last:  # its window ends (the epoch's last may hold fewer than k)
-            _step(m, window)
+            ending.append((m, window))
+    _step(ending)
 
 
-def _step(m: Member, window: Window) -> None:
-    end_window(m.run.t, m.step, window.size, m.counted)
-    m.step, m.samples, m.counted = m.step + 1, m.samples + window.size, 0
+def _step(ending: list[tuple[Member, Window]]) -> None:
+    """The members whose windows end here step: those `batched` allows in one update, the others each alone."""
+    step_together([(m.run.t, m.step, window.size) for m, window in ending if batched(m.run.t)])
+    for m, window in ending:
+        if not batched(m.run.t):
+            end_window(m.run.t, m.step, window.size, m.counted)
+        m.step, m.samples, m.counted = m.step + 1, m.samples + window.size, 0
