@@ -22,6 +22,7 @@ from .measures import WORSE  # (a trial that ended so was tried and did worse th
 
 RESAMPLES = 2000  # bootstrap resamples of the seeds
 ALSO_SCALED = ("beta1", "beta2", "eps", "decay", "bn_momentum")  # what an LR rule may move besides the LR
+STILL = 1e-9  # a spread of log best LR over B below this is one LR at every B (float noise of equal LRs)
 PEAKS = np.linspace(-4.0, 4.0, 801)  # candidate log2(peak / geometric middle of the Bs): 16x beyond either end
 
 
@@ -52,7 +53,7 @@ class BestLR:
     noise_scale: float  # median over the best trials that measured it (NaN: none did)
     noise_range: tuple[float, float]
     noise_trials: int
-    shape: str  # "rises then falls" | "only rises" | "only falls" | "not resolved" (see _shape)
+    shape: str  # "rises then falls" | "only rises" | "only falls" | "did not move" | "not resolved" (see _shape)
 
     def sentence(self) -> str:
         """What the seeds resolve, in one paragraph."""
@@ -61,6 +62,9 @@ class BestLR:
         if n < 2:
             text = (f"With one seed no shape of the best LR against B can be told from seed noise (slope "
                     f"{_two(self.slope)} in log-log between B = {lo} and {hi}).")
+        elif self.shape == "did not move":
+            text = (f"The best LR did not move with B from {lo} to {hi}: each seed's best LR was the same at every B "
+                    f"(slope 0).")
         elif self.shape == "rises then falls":
             spread = (f"95% bootstrap interval over {n} seeds {self.peak_low:.0f} to {self.peak_high:.0f}"
                       if n >= 5 else f"resampling {n} seeds moves it from {self.peak_low:.0f} to "
@@ -192,13 +196,16 @@ def best_lr_against_b(trials: pd.DataFrame, metric: str, direction: str, seed: i
     points = tuple(BestAt(b, math.exp(c), *np.exp(_interval(row)), tuple(np.exp(row)),
                           sum(best[b, s][1] for s in seeds)) for b, c, row in zip(batches, centre, logs))
     peak, peak_low, peak_high = _peak_with_interval(x, logs, seed)
-    slope_low, slope_high = _interval(np.polyfit(x, logs, 1)[0])  # each seed's slope
+    # Each seed's best the same at every B: a slope of exactly 0, not polyfit's rounding (-1e-16 read as a fall).
+    still = bool(np.ptp(logs, axis=0).max() < STILL)
+    slope_low, slope_high = (0.0, 0.0) if still else _interval(np.polyfit(x, logs, 1)[0])  # each seed's slope
     steps = tuple((a, b, *_interval(logs[i + 1] - logs[i])) for i, (a, b) in enumerate(zip(batches, batches[1:])))
     top = int(np.argmax(centre))  # a turn: the best LR at an inside B resolved above both ends', seed by seed
     turned = 0 < top < len(batches) - 1 and all(_interval(logs[top] - logs[end])[0] > 0 for end in (0, -1))
     noise = _noise(done, [best[b, s][2] for b in batches for s in seeds])
-    return BestLR(metric, direction, points, peak, peak_low, peak_high, float(np.polyfit(x, centre, 1)[0]),
-                  slope_low, slope_high, steps, *noise, _shape(turned, slope_low, slope_high, steps))
+    slope = 0.0 if still else float(np.polyfit(x, centre, 1)[0])
+    return BestLR(metric, direction, points, peak, peak_low, peak_high, slope, slope_low, slope_high, steps,
+                  *noise, "did not move" if still else _shape(turned, slope_low, slope_high, steps))
 
 
 def _interval(values: np.ndarray) -> tuple[float, float]:

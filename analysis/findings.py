@@ -286,14 +286,23 @@ def _reading(found, trials: pd.DataFrame) -> str:
     if found.shape == "rises then falls" or (found.shape == "not resolved" and
                                              (found.slope_low > 0 or found.slope_high < 0)):
         return " No LR rule is read from the slope: the best LR does not move with B as one power of it here."
-    lrs = [p.lr for p in found.points]
-    against = [(a, b) for a, b, x, y in zip(found.points, found.points[1:], lrs, lrs[1:])
-               if found.slope and np.sign(y - x) == -np.sign(found.slope)]
-    if against:  # a line through means that go up and down is no rule to scale by, resolved or not
+    # A step resolved against the slope's direction (its interval over the seeds excludes 0): a line through
+    # means that go up and down is no rule to scale by; a wiggle the seeds do not resolve is no move.
+    at = {p.batch: p for p in found.points}
+    against = [(at[a], at[b]) for a, b, low, high in found.steps
+               if (found.slope > 0 and high < 0) or (found.slope < 0 and low > 0)]
+    if against:
         a, b = against[0]
-        return (f" No LR rule is read from the slope: the mean best LR moved against it from B = {a.batch} to "
-                f"{b.batch} ({a.lr:.3g} to {b.lr:.3g}), so no one power of B describes it here; use each B's best "
-                f"LR.")
+        return (f" No LR rule is read from the slope: the best LR moved against it from B = {a.batch} to "
+                f"{b.batch} ({a.lr:.3g} to {b.lr:.3g}, beyond the seeds' spread), so no one power of B describes it "
+                f"here; use each B's best LR.")
+    # An interval that holds 0 beside a step the seeds resolve: the flat reading would deny that move.
+    moves = [(at[a], at[b]) for a, b, low, high in found.steps if low > 0 or high < 0]
+    if moves and round(found.slope_low, 2) <= 0 <= round(found.slope_high, 2):
+        a, b = moves[0]
+        return (f" No LR rule is read from the slope: its interval holds 0, but the best LR moved from B = "
+                f"{a.batch} to {b.batch} ({a.lr:.3g} to {b.lr:.3g}, beyond the seeds' spread), so no one power of B "
+                f"describes it here; use each B's best LR.")
     return f" {lr_rule_reading(found.slope_low, found.slope_high)}."
 
 

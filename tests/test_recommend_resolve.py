@@ -32,3 +32,29 @@ def test_the_best_is_ranked_by_its_own_seeds_mean_not_moved_by_another_configura
     assert line.startswith("The best accuracy: b = 32, k = 1, every LR rule (B = base_batch) (97.3%"), line
     front = memory_front(study)
     assert "was b = 32, k = 1, every LR rule (B = base_batch) (97.3%" in front.finding, front.finding
+
+
+def _lr_search(best_at):
+    """An LR search over B = 32 to 256, 3 seeds, the best LR at B being best_at(B)."""
+    rng, rows = np.random.default_rng(0), []
+    for seed in range(3):
+        for b in (32, 64, 128, 256):
+            for lr in (5e-4, 1.4e-3, 4e-3, 1.1e-2, 3.2e-2, 9e-2):
+                rows.append(dict(seed=seed, physical_batch=32, accum_steps=b // 32, effective_batch=b, base_lr=lr,
+                                 lr=lr, lr_rule="none", base_batch=32, status="FINISHED",
+                                 val_acc=round(0.95 - abs(np.log(lr / best_at(b))) * 0.02 + rng.normal(0, 0.002), 3)))
+    [line] = recommend(_study(rows, ("physical_batch", "accum_steps", "base_lr")))
+    return line
+
+
+def test_a_best_lr_the_same_at_every_b_did_not_move_and_does_not_fall():
+    """Every seed's best LR is the grid's top at every B: polyfit's slope of a constant (-1e-16) is no fall."""
+    line = _lr_search(lambda b: 9e-2 * b / 32)
+    assert "only falls" not in line and "The best LR did not move with B from 32 to 256" in line, line
+
+
+def test_a_wiggle_the_seeds_do_not_resolve_is_no_move_against_the_slope():
+    """The best LR is 0.011 at every B: its geometric means wiggle (0.0111 to 0.011) inside the seeds' spread, so
+    the slope's interval (-0.02 to 0.02) reads as no scaling, not as a move against it."""
+    line = _lr_search(lambda b: 1.1e-2)
+    assert "moved against" not in line and "It reads as no scaling" in line, line
