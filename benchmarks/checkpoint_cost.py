@@ -7,9 +7,13 @@ measure alone. The file's write and fsync run in the background during the next 
 lengthen. Each pair gives the checkpoint's share of its median epoch (training and evaluation): the longer gap
 and the longer epoch together, against the run without; two runs' epochs differ by more than a checkpoint costs,
 so the figure is the median of the pairs' shares with its distribution-free 95% interval (6 pairs at least).
+Torch runs one thread, as a study's worker does (at two, a busy machine's OpenMP waits spin and count as CPU
+time). Time is the process's CPU time by default (--clock cpu), every thread's, the background write's included: wall
+time also counts the moments other processes hold the cores, which no checkpoint causes (single pairs of wall-clock
+epochs ranged from -98% to +390% at a load of 2.5 to 3; --clock wall measures it so).
 Prints each pair, the median gaps and epochs, the file's size and, last, `checkpoint_share=<x>`.
 
-    python benchmarks/checkpoint_cost.py [--epochs 10] [--pairs 6] [--model resnet18 --dataset cifar_shaped]
+    python benchmarks/checkpoint_cost.py [--epochs 10] [--pairs 6] [--clock cpu|wall] [--model resnet18 ...]
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+
 from paired import summary
 
 from batchsweep.trainers import train
@@ -29,20 +35,24 @@ from batchsweep.trainers.probes import Probe
 
 
 class Gaps(Probe):
-    """The seconds between one epoch's end of measurement and the next epoch's first forward."""
+    """The seconds between one epoch's end of measurement and the next epoch's first forward, and from one
+    epoch's end to the next's (training, evaluation and the gap), by `clock`."""
 
-    def __init__(self):
-        self.gaps, self.ended = [], None
+    def __init__(self, clock):
+        self.clock, self.gaps, self.epochs, self.ended, self.last_end = clock, [], [], None, None
 
     @contextmanager
     def forward(self, step: int):
         if self.ended is not None:
-            self.gaps.append(time.perf_counter() - self.ended)
+            self.gaps.append(self.clock() - self.ended)
             self.ended = None
         yield
 
     def epoch_end(self, epoch: int) -> dict[str, float]:
-        self.ended = time.perf_counter()
+        self.ended = self.clock()
+        if self.last_end is not None:
+            self.epochs.append(self.ended - self.last_end)
+        self.last_end = self.ended
         return {}
 
 
@@ -50,8 +60,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_flags(parser)
     parser.add_argument("--pairs", type=int, default=6, help="runs with and without checkpoints, in turns")
+    parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     args = parser.parse_args()
     config = config_from_args(args)
+    torch.set_num_threads(1)
     gaps: dict[bool, list[float]] = {True: [], False: []}
     epochs: dict[bool, list[float]] = {True: [], False: []}
     size, shares = 0, []
@@ -59,10 +71,10 @@ def main() -> None:
         for pair in range(args.pairs):
             own = {}  # this pair's (median gap, median epoch) with and without
             for saving in ((False, True) if pair % 2 == 0 else (True, False)):
-                probe = Gaps()
+                probe = Gaps(time.process_time if args.clock == "cpu" else time.perf_counter)
                 folder = Path(scratch) / f"run{pair}"
                 result = train(config, probes=[probe], checkpoint=Checkpointing(str(folder)) if saving else None)
-                run_epochs = [row["epoch_time_s"] for row in result.history[1:]]
+                run_epochs = probe.epochs  # from the first epoch's end: each holds a gap and a checkpoint
                 gaps[saving] += probe.gaps
                 epochs[saving] += run_epochs
                 own[saving] = (statistics.median(probe.gaps), statistics.median(run_epochs))
@@ -76,8 +88,8 @@ def main() -> None:
           f"device={result.device_name} checkpoint={format_bytes(size)}")
     print(f"gap between epochs: {without * 1e3:.2f} ms without checkpoints, {with_ * 1e3:.2f} ms with "
           f"({len(gaps[True])} gaps each)")
-    print(f"median epoch after the first: {epoch * 1e3:.1f} ms without, {epoch_with * 1e3:.1f} ms with (the "
-          f"background write overlaps it)")
+    print(f"median epoch after the first ({args.clock} time): {epoch * 1e3:.1f} ms without, {epoch_with * 1e3:.1f} "
+          f"ms with (the background write overlaps it)")
     print(f"gap_share={(with_ - without) / epoch:.4f}")
     print(summary([1 + share for share in shares], "checkpoint share of an epoch"))
     print(f"checkpoint_share={statistics.median(shares):.4f}")
