@@ -18,7 +18,7 @@ from .best import (Best, accounted, below_per_b, best_set, choices, diverged_in_
 from .findings import bn_against_true, exact_by_model, lr_exponent
 from .measures import Measure, finished, full_scale, measure, stopped_verb, tuned, unmoved
 from .runs import StudyRuns
-from .space import identical_spread, shown, times
+from .space import identical_spread, not_timed, shown, times
 from .wording import listed, lowered, stated
 from .wording import percent as full_percent
 
@@ -114,11 +114,17 @@ def fastest(study: StudyRuns) -> list[str]:
     """The least median time to the target, and every configuration within what identical runs differ by: where
     any is, none is resolved fastest, and they are named."""
     found = times(study)
+    value, direction = study.objectives[0]
+    if found is None and direction != "maximize":  # (fused or not, no trial is timed to a target of a loss)
+        timed = not study.history.empty and bool({"epoch_time_s", "group_epoch_time_s"} & set(study.history))
+        return [f"No time to the target is given: the target is a share of the best mean of an objective to "
+                f"maximize, and this study minimizes {value}."] if timed else []
     if found is None:
         return _fused(study)
     line = _fastest(study.objectives[0][0], *found[:5])
     gone = found[5]  # (a median over the seeds that survived would be a pick among survivors)
-    return [line[:-1] + f"; left out as {stopped_in(study.trials)} in a seed: {'; '.join(gone)}." if gone else line]
+    line = line[:-1] + f"; left out as {stopped_in(study.trials)} in a seed: {'; '.join(gone)}." if gone else line
+    return [line[:-1] + not_timed(study, found[6]) + "."]
 
 
 def _fused(study: StudyRuns) -> list[str]:
@@ -127,10 +133,11 @@ def _fused(study: StudyRuns) -> list[str]:
     h = study.history
     if h.empty or "group_epoch_time_s" not in h:
         return []
-    fused = h.loc[h["group_epoch_time_s"].notna(), "run_id"].nunique()
-    return [f"No time to the target is given: {fused} of the {study.trials['run_id'].nunique()} trials trained fused "
-            f"(several configurations at once in one process), each with its group's time, not its own, and the "
-            f"rest are too few to compare; `{commands.command('run')} "
+    fused, total = h.loc[h["group_epoch_time_s"].notna(), "run_id"].nunique(), study.trials["run_id"].nunique()
+    rest = "" if fused >= total else ", and the rest are too few to compare"
+    return [f"No time to the target is given: {'every one' if fused >= total else fused} of the {total} trials "
+            f"trained fused (several configurations at once in one process), each with its group's time, not its "
+            f"own{rest}; `{commands.command('run')} "
             f"{study.run_as or '--study ' + study.name} --no-fuse` in a new folder times each trial alone."]
 
 

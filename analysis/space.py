@@ -16,6 +16,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+from batchsweep.sweeps import commands
+
 from .best import (EVERY_BN, EVERY_RULE, SHORT, accounted, below_per_b, choices, diverged_in_a_seed, highest, label,
                    naming, not_compared, of, one_at_base, per_configuration, per_seed, picked, shown_value, stopped_in,
                    ties, without)
@@ -311,8 +313,10 @@ def _timing_note(t: pd.DataFrame, fields: list[str], saving: float) -> str:
 def times(study: StudyRuns):
     """Each configuration's median seconds to the target over its seeds, where most of them reached it: (trials
     with their seconds, per-seed rows, per-configuration points, fields, target, the configurations left out as
-    diverged in a seed); None where the study has no accuracy to maximize, no epoch times or fewer than two
-    configurations that got there."""
+    diverged in a seed, those left out as not timed alone); None where the study has no accuracy to maximize, no
+    epoch times or fewer than two configurations that got there. A seed that never reached the target counts in
+    the median as slower than every seed that did; a trial with no epoch time of its own (fused: it logged its
+    group's time) is not timed, and a configuration with no seed timed is left out by label."""
     t = _objective_trials(study)
     fields = naming(study, t)
     value, direction = study.objectives[0]
@@ -323,19 +327,41 @@ def times(study: StudyRuns):
     seconds = time_to_target(t, study.history, value, target)
     if seconds is None:
         return None
-    t = one_at_base(t.assign(seconds=seconds.values), fields)
-    # A configuration counts when most of its seeds reached the target; its time is their median.
+    own = study.history.groupby("run_id")["epoch_time_s"].count()
+    timed = t["run_id"].map(own).fillna(0).gt(0).to_numpy()
+    # (never reached: beyond every time, so the median is not moved by a seed that failed; not timed: NaN)
+    censored = np.where(timed, seconds.fillna(np.inf).to_numpy(), np.nan)
+    t = one_at_base(t.assign(seconds=seconds.values, _censored=censored), fields)
+    # A configuration counts when most of its timed seeds reached the target; its time is their median.
     gone = diverged_in_a_seed(study.trials, fields)  # (a diverged seed never reached it: no median over the rest)
-    seeds = without(per_seed(t, fields, [value, "seconds"]), fields, gone)
-    rows = []
+    seeds = per_seed(t, fields, [value, "seconds", "_censored"])
+    untimed_gone = without(gone, fields, seeds[seeds["_censored"].notna()])  # (one never timed is said untimed)
+    gone = gone.drop(untimed_gone.index)
+    seeds = without(seeds, fields, gone)
+    rows, untimed = [], []
     for key, g in seeds.groupby(fields, dropna=False):
         key = key if isinstance(key, tuple) else (key,)
-        if g["seconds"].notna().sum() * 2 > len(g):
+        clock = g["_censored"].dropna()
+        if clock.empty:
+            untimed.append(label(dict(zip(fields, key)), fields))
+        elif np.isfinite(clock).sum() * 2 > len(clock):
             rows.append({**dict(zip(fields, key)), value: g[value].mean(), "half": ci95(g[value]),
-                         "seconds": g["seconds"].median()})
+                         "seconds": float(clock.median())})
     points = pd.DataFrame(rows)
     gone = [label(row, fields) for _, row in gone.iterrows()]
-    return None if len(points) < 2 else (t, seeds, points, fields, target, gone)
+    return None if len(points) < 2 else (t, seeds, points, fields, target, gone, untimed)
+
+
+def not_timed(study: StudyRuns, untimed: list[str], shown: int = 5) -> str:
+    """'; N configurations not timed: …', for times()'s configurations whose trials trained fused (each logged its
+    group's time, not its own), with the command that times them; '' where every configuration was timed."""
+    if not untimed:
+        return ""
+    names = "; ".join(untimed[:shown]) + ("; …" if len(untimed) > shown else "")
+    return (f"; {len(untimed)} configuration{'s' * (len(untimed) != 1)} not timed, {'its' if len(untimed) == 1 else 'their'} "
+            f"trials trained fused (several at once in one process, each logging its group's time, not its own): "
+            f"{names}; `{commands.command('run')} {study.run_as or '--study ' + study.name} --no-fuse` in a new "
+            f"folder times each trial alone")
 
 
 def time_front(study: StudyRuns) -> Figure | None:
@@ -343,7 +369,7 @@ def time_front(study: StudyRuns) -> Figure | None:
     found = times(study)
     if found is None:
         return None
-    t, seeds, points, fields, target, gone = found
+    t, seeds, points, fields, target, gone, untimed = found
     value = study.objectives[0][0]
     kept = pd.Series(False, index=seeds.index)
     for _, row in points.iterrows():
@@ -355,7 +381,7 @@ def time_front(study: StudyRuns) -> Figure | None:
                                stopped_in(study.trials))
     tied, _, _ = ties(seeds[kept], points.sort_values("seconds", kind="stable"), fields, value, True)
     saving = float(tied["seconds"].iloc[0] - tied["seconds"].min())
-    finding += _timing_note(t, fields, saving)
+    finding = finding[:-1] + not_timed(study, untimed) + "." + _timing_note(t, fields, saving)
     return _front_figure(points, fields, "seconds", value, f"seconds to reach {value} {target_text} (median over seeds)",
                          percent, True, "time_front", f"Pareto front: {value} against time to the target", t, finding)
 

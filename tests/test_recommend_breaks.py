@@ -228,7 +228,7 @@ def test_a_fused_study_says_why_it_gives_no_time_to_the_target():
     study.history = pd.DataFrame([dict(run_id=r["run_id"], epoch=e, val_acc=0.95 * e / 2, group_epoch_time_s=3.0)
                                   for r in rows for e in (1, 2)])
     [line] = [line for line in recommend(study) if "time to the target" in line]
-    assert line.startswith("No time to the target is given: 27 of the 27 trials trained fused (several "
+    assert line.startswith("No time to the target is given: every one of the 27 trials trained fused (several "
                            "configurations at once in one process), each with its group's time, not its own"), line
     assert line.endswith("--study s --no-fuse` in a new folder times each trial alone."), line
 

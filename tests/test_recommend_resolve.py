@@ -58,3 +58,70 @@ def test_a_wiggle_the_seeds_do_not_resolve_is_no_move_against_the_slope():
     the slope's interval (-0.02 to 0.02) reads as no scaling, not as a move against it."""
     line = _lr_search(lambda b: 1.1e-2)
     assert "moved against" not in line and "It reads as no scaling" in line, line
+
+
+def _timed(fused=(), never=(), objective=("val_acc", "maximize")):
+    """Three rules at (b, k) in (32, 1), (32, 2), (64, 1), (128, 1); two epochs, each run reaching 0.95 at its
+    second; `fused` configurations log only their group's time; `never` (configuration, seed) never reach it."""
+    import pandas as pd
+
+    seconds = {(32, 1): 10.0, (32, 2): 12.0, (64, 1): 6.0, (128, 1): 4.0}
+    rows, history = [], []
+    for seed in range(3):
+        for rule in ("none", "sqrt", "linear"):
+            for (b, k), sec in seconds.items():
+                rows.append(dict(seed=seed, lr_rule=rule, physical_batch=b, accum_steps=k, effective_batch=b * k,
+                                 base_batch=32, status="FINISHED", val_acc=0.95, val_loss=0.2, run_id=f"r{len(rows)}"))
+                sec = sec + seed * 0.5 + {"none": 0.0, "sqrt": 0.3, "linear": 0.6}[rule] * (b * k > 32)
+                late = ((b, k, rule), seed) in never
+                clock = "group_epoch_time_s" if (b, k, rule) in fused or (b, k) in fused else "epoch_time_s"
+                history += [dict(run_id=rows[-1]["run_id"], epoch=e, val_acc=(0.5 if late else 0.95) * e / 2,
+                                 val_loss=0.2, **{clock: sec / 2}) for e in (1, 2)]
+    study = _study(rows, RULES, objective)
+    study.history = pd.DataFrame(history)
+    return study
+
+
+def _time_line(study):
+    return [s for s in recommend(study) if s.startswith(("The shortest", "No configuration was resolved", "No time"))]
+
+
+def test_a_minimized_objective_says_why_it_has_no_time_line_and_fusing_is_not_it():
+    [line] = _time_line(_timed(fused=((32, 2), (64, 1)), objective=("val_loss", "minimize")))
+    assert "minimizes val_loss" in line and "fused" not in line and "--no-fuse" not in line, line
+
+
+def test_every_trial_fused_is_said_so_not_as_a_rest_too_few_to_compare():
+    [line] = _time_line(_timed(fused=tuple((b, k) for b, k in ((32, 1), (32, 2), (64, 1), (128, 1)))))
+    assert "every one of the 36 trials trained fused" in line and "the rest" not in line, line
+
+
+def test_the_time_lines_name_the_configurations_not_timed_alone_and_how_to_time_them():
+    """b = 128 is fastest among those timed alone; b = 32, k = 2 and b = 64 trained fused: left out, said so."""
+    study = _timed(fused=((32, 2), (64, 1)))
+    [line] = _time_line(study)
+    assert "6 configurations not timed" in line and "b = 64, k = 1, none" in line and "--no-fuse" in line, line
+    from batchsweep.analysis.space import time_front
+    assert "6 configurations not timed" in time_front(study).finding
+
+
+def test_a_seed_that_never_reached_the_target_counts_as_slower_in_the_median():
+    """b = 128, k = 1, none took 4.0, 4.5 and 5.0 s; in seed 0 it never reached the target: its median is 5.0 s
+    (the never-reached seed beyond both others), not 4.75 s (the mean of the two that reached it)."""
+    from batchsweep.analysis.space import times
+
+    points = times(_timed(never=(((128, 1, "none"), 0),)))[2]
+    [seconds] = points[(points.physical_batch == 128) & (points.lr_rule == "none")]["seconds"]
+    assert seconds == 5.0, seconds
+
+
+def test_a_configuration_never_timed_is_not_said_left_out_of_the_times_as_diverged():
+    """b = 64, k = 1, linear trained fused and diverged in seed 2: it is among those not timed, not 'left out as
+    diverged' from times it never had."""
+    study = _timed(fused=((32, 2), (64, 1)))
+    t = study.trials
+    at = (t.physical_batch == 64) & (t.lr_rule == "linear") & (t.seed == 2)
+    t["reason"] = None
+    t.loc[at, ["status", "reason", "val_acc"]] = ["FAILED", "diverged", np.nan]
+    [line] = _time_line(study)
+    assert "left out as diverged" not in line and "b = 64, k = 1, linear" in line.split("not timed")[1], line
