@@ -228,7 +228,7 @@ def largest_free(study: StudyRuns, m: Measure) -> list[str]:
     judged = _worse_half(t, [(r, b, base, v) for (r, b, base, _), v in zip(compared, verdicts)], study, m)
     judged = [x for x in judged if x[3] is not None and x[3].d.n >= 2]
     tried = one_batch(study.trials)
-    ends, broken = [], {}  # each rule's largest B shown free
+    ends, broken, runs = [], {}, []  # each rule's largest B shown free, and every B in such a run
     for rule in dict.fromkeys(r for r, *_ in judged):
         mine = {x[1]: x for x in judged if x[0] == rule}
         ran = pd.to_numeric(tried.loc[tried["lr_rule"] == rule, "effective_batch"], errors="coerce").dropna()
@@ -241,6 +241,12 @@ def largest_free(study: StudyRuns, m: Measure) -> list[str]:
             free.append(x)
         if free:
             ends.append(free[-1])
+        runs += free
+    # (a B shown to cost little above one that was not is no run from the smallest B: named, not picked)
+    above = [f"B = {x[1]} under the {x[0]} LR rule ({stated(x[3].d, m=m, v=x[3])}{_half(x)})" for x in judged
+             if _costs_little(x[3], m) and x not in runs]
+    above = f"; shown to cost less than {m.margin_text}, but above a B of its rule that was not: {'; '.join(above)}" \
+        if above else ""
     top = max((x[1] for x in ends), default=None)
     if top is not None:  # (rules that reach the same largest B are each named: the one listed first is no pick)
         said = []
@@ -250,7 +256,8 @@ def largest_free(study: StudyRuns, m: Measure) -> list[str]:
             gap = f"; {_gap(study.trials, rule, broken[rule], diverged(study.trials))}" if broken.get(rule) else ""
             said.append(f"under the {rule} LR rule, {stated(v.d, m=m, v=v)} against B = {base}{_half(shown_free)}"
                         f"{between}{gap}")
-        return [f"The largest B shown to cost less than {m.margin_text}: B = {top} " + "; and ".join(said) + "."]
+        return [f"The largest B shown to cost less than {m.margin_text}: B = {top} " + "; and ".join(said) + above
+                + "."]
     costly = [x for x in judged if not _costs_little(x[3], m)]
     if not costly:  # (each rule's run broken by a B with no comparison below those shown to cost little)
         gaps = "; ".join(f"{r} {_gap(study.trials, r, b, diverged(study.trials))}" for r, b in broken.items() if b)
@@ -258,11 +265,6 @@ def largest_free(study: StudyRuns, m: Measure) -> list[str]:
                 f"{gaps or 'no B was compared'}."]
     nearest = min(costly, key=lambda x: abs(x[3].d.mean) + x[3].d.half)
     rule, b, base, v = nearest
-    # (a B shown to cost little above one that was not is no run from the smallest B: named, not picked)
-    above = [f"B = {x[1]} under the {x[0]} LR rule ({stated(x[3].d, m=m, v=x[3])}{_half(x)})" for x in judged
-             if _costs_little(x[3], m)]
-    above = f"; shown to cost less than {m.margin_text}, but above a B of its rule that was not: {'; '.join(above)}" \
-        if above else ""
     return [f"No B above the smallest was shown to cost less than {m.margin_text} (its whole 95% interval within "
             f"±{m.margin_text}, or better than the smallest B's) together with every B below it; the nearest was B = {b} "
             f"under the {rule} LR rule against B = {base}: {stated(v.d, m=m, v=v)}{_half(nearest)}{above}."]

@@ -149,7 +149,8 @@ def test_a_b_that_finished_no_trial_ends_the_run_of_bs_shown_free():
     the margin through every B the rule ran is 64, and the line says why it stops there."""
     [line] = _free("FAILED")
     assert line.startswith("The largest B shown to cost less than 1 point: B = 64 under the linear LR rule, "), line
-    assert line.endswith("against B = 32; B = 128 finished no trial to compare.")
+    assert ("against B = 32; B = 128 finished no trial to compare; shown to cost less than 1 point, but above a B of "
+            "its rule that was not: B = 256 under the linear LR rule (equivalent within ±1 point") in line, line
     [line] = _free("FINISHED")
     assert line.startswith("The largest B shown to cost less than 1 point: B = 256 under the linear LR rule, ") and \
         line.endswith("against B = 32, and every B between them too."), line

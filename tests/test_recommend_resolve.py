@@ -125,3 +125,19 @@ def test_a_configuration_never_timed_is_not_said_left_out_of_the_times_as_diverg
     t.loc[at, ["status", "reason", "val_acc"]] = ["FAILED", "diverged", np.nan]
     [line] = _time_line(study)
     assert "left out as diverged" not in line and "b = 64, k = 1, linear" in line.split("not timed")[1], line
+
+
+def test_a_b_shown_to_cost_little_above_one_that_was_not_is_named_beside_the_largest():
+    """sqrt costs nothing at B = 64 and 256 but 3 points at 128: the largest B is 64, and 256 is named as shown to
+    cost little above a B that was not."""
+    rng, rows = np.random.default_rng(2), []
+    for seed in range(3):
+        for rule in ("none", "sqrt"):
+            for k in (1, 2, 4, 8):
+                drop = 0.03 * np.log2(k) if rule == "none" else 0.03 * (k == 4)
+                rows.append(dict(seed=seed, lr_rule=rule, physical_batch=32, accum_steps=k, effective_batch=32 * k,
+                                 base_batch=32, status="FINISHED",
+                                 val_acc=round(0.95 - drop + rng.normal(0, 0.001), 4)))
+    [line] = [s for s in recommend(_study(rows, RULES)) if s.startswith("The largest B")]
+    assert line.startswith("The largest B shown to cost less than 1 point: B = 64"), line
+    assert "above a B of its rule that was not: B = 256 under the sqrt LR rule" in line, line
