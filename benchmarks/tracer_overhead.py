@@ -16,7 +16,7 @@ pairs' ratios: no assumption on their distribution), whether the goal (3%) is me
 from it, and, on the last line, `overhead=<share of a micro-batch>`. Exits 1 where the interval reaches further
 than --precision (1 point) from the median: more pairs then.
 
-    python benchmarks/tracer_overhead.py [--pairs 200] [--windows 32] [--clock cpu|wall] [--noise]
+    python benchmarks/tracer_overhead.py [--pairs 400] [--windows 32] [--clock cpu|wall] [--noise]
 
 --noise: with the noise scale's measurement too, as a [program] trial at k >= 2 runs.
 """
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=200)
+    parser.add_argument("--pairs", type=int, default=400)
     parser.add_argument("--windows", type=int, default=32, help="windows a block (the tracer writes every 32 steps)")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--accum", type=int, default=4)
