@@ -75,8 +75,8 @@ def test_a_b_finished_in_one_seed_is_said_so_and_no_rule_is_picked_there_from_on
     """linear at B = 128 finished in seed 0 only: the run of Bs shown free stops there "finished in only 1 seed"
     (it read "finished no trial"), and B = 128's pick is not linear's one seed against none's 3-seed mean."""
     [line] = _free("FAILED", one_seed_at_128=True)
-    assert line.endswith("against B = 32; B = 128 finished in only 1 seed of the 3 it ran, which cannot be told "
-                         "from seed noise."), line
+    assert ("against B = 32; B = 128 finished in only 1 seed of the 3 it ran, which cannot be told from seed noise; "
+            "shown to cost less than 1 point, but above a B of its rule that was not: B = 256") in line, line
     rng, rows = np.random.default_rng(7), []
     for seed in range(3):
         for rule in ("none", "linear"):
