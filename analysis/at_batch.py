@@ -11,7 +11,7 @@ from batchsweep.sweeps import commands
 from .best import stopped_in
 from .measures import Measure, finished, one_batch, stopped_verb
 from .plotting import in_order
-from .rules import decided, diverged, rule_comparisons, rules_at, twin_pairs, unshared, went
+from .rules import decided, diverged, missing_halves, rule_comparisons, rules_at, twin_pairs, unshared, went
 from .runs import StudyRuns, paired, quantum
 from .verdicts import judge
 from .wording import listed, stated
@@ -183,24 +183,24 @@ def _line(b: int, t: pd.DataFrame, study: StudyRuns, m: Measure, gone: dict, pic
                f"{_batching(t, at.best, b, twins, m)}.")
 
 
+THAT_SEED, THOSE_SEEDS = "that seed's value", "those seeds' values"
+
+
 def _out_of_memory(trials: pd.DataFrame, b: int) -> str:
-    """Where the true batch at B ran out of memory: that accumulation is how B is reached, or, in some seeds only,
-    that those seeds' values at B are the accumulated half alone (each seed's runs at B are averaged)."""
+    """Where the true batch at B ran out of memory in every seed: that accumulation is how B is reached; where a
+    half at B is missing in some seeds only (out of memory, an error), that those seeds' values at B are the other
+    half alone (each seed's runs at B are averaged)."""
     if not {"reason", "seed", "accum_steps"} <= set(trials):
         return ""
     true = one_batch(trials)
     true = true[(true["effective_batch"] == b) & (true["accum_steps"] == 1)]
     oom = sorted(int(s) for s in true.loc[true["reason"] == "oom", "seed"].unique())
-    if not oom:
-        return ""
-    if set(oom) >= set(true["seed"]):
+    if oom and set(oom) >= set(true["seed"]):
         return (f"; the true batch (b = {b}, k = 1) ran out of memory here in every seed: accumulation is how B is "
                 f"reached")
-    seeds = listed([str(s) for s in oom])
-    these = "that seed's value" if len(oom) == 1 else "those seeds' values"
-    return (f"; the true batch (b = {b}, k = 1) ran out of memory in seed{'s' * (len(oom) > 1)} {seeds}, so "
-            f"{these} at B {'is' if len(oom) == 1 else 'are'} the accumulated half alone, the other seeds' the mean "
-            f"of both halves")
+    return "".join(f"; {x}, so {THAT_SEED if n == 1 else THOSE_SEEDS} at B "
+                   f"{'is' if n == 1 else 'are'} the {half} half alone, the other seeds' the mean of both halves"
+                   for x, n, half in missing_halves(trials, b))
 
 
 def _gap(trials: pd.DataFrame, rule: str, b: int, gone: dict) -> str:

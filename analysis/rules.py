@@ -14,9 +14,41 @@ from .verdicts import judge
 from .wording import controlled, listed, plus_minus, stated, where_at
 
 
-def _halves_note(t: pd.DataFrame) -> list[str]:
+def missing_halves(trials: pd.DataFrame, b: int | None = None) -> list[tuple[str, int, str]]:
+    """Where a (b, k) that makes a B did not finish in a seed for a reason other than doing worse (out of memory, an
+    error) while another (b, k) there did, that seed's value at B is the other half alone: each such case ('the true
+    batch (b = 512, k = 1) under sqrt ended with an error in seed 2 at B = 512', its number of seeds, the other
+    half: 'accumulated'), at B = `b` or at every B."""
+    if not {"physical_batch", "accum_steps", "seed", "lr_rule", "status"} <= set(trials):
+        return []
+    rows = one_batch(trials)
+    rows = rows if b is None else rows[rows["effective_batch"] == b]
+    reason = rows["reason"] if "reason" in rows else pd.Series(None, index=rows.index, dtype=object)
+    done = rows[rows["status"] == "FINISHED"]
+    lost = rows[(rows["status"] != "FINISHED") & ~reason.isin(WORSE)]
+    said = []
+    for (bb, pb, k, why), g in lost.assign(_why=reason.fillna("error")).groupby(
+            ["effective_batch", "physical_batch", "accum_steps", "_why"]):
+        other = done[(done["effective_batch"] == bb) & ((done["physical_batch"] != pb) | (done["accum_steps"] != k))]
+        g = g[[((other["lr_rule"] == r) & (other["seed"] == sd)).any() for r, sd in zip(g["lr_rule"], g["seed"])]]
+        if g.empty:
+            continue
+        seeds = sorted(int(x) for x in g["seed"].unique())
+        ended = "ran out of memory" if why == "oom" else f"ended with an {why}" if why == "error" else f"ended ({why})"
+        rules = in_order("lr_rule", g["lr_rule"].unique())
+        under = "" if set(rules) >= set(rows.loc[rows["effective_batch"] == bb, "lr_rule"]) else \
+            f" under {listed(rules)}"
+        said.append((f"{'the true batch' if k == 1 else 'accumulation'} (b = {int(pb)}, k = {int(k)}){under} {ended} "
+                     f"in seed{'s' * (len(seeds) > 1)} {listed([str(x) for x in seeds])}"
+                     + (f" at B = {int(bb)}" if b is None else ""), len(seeds),
+                     "accumulated" if k == 1 else "true-batch"))
+    return said
+
+
+def _halves_note(t: pd.DataFrame, trials: pd.DataFrame) -> list[str]:
     """Where a B is made by several (b, k), as an accumulated run and its true-batch twin make it, every one of
-    them counts: a seed's runs at that B are averaged before they are paired."""
+    them counts: a seed's runs at that B are averaged before they are paired; where one half is missing in a
+    seed, that seed's value is the other half alone, and the sentence says where."""
     if not {"physical_batch", "accum_steps"} <= set(t):
         return []
     made = t.groupby("effective_batch")[["physical_batch", "accum_steps"]].apply(lambda g: len(g.drop_duplicates()))
@@ -25,8 +57,10 @@ def _halves_note(t: pd.DataFrame) -> list[str]:
         return []
     at = f"B = {mixed[0]}" if len(mixed) == 1 else f"B = {listed([str(b) for b in mixed])}"
     return [f"The LR rules are compared over every trial at a B: at {at}, each seed's runs at the (b, k) that "
-            f"make that B (accumulated and true batch) are averaged, then paired by seed; the sentence on "
-            f"accumulation compares the two."]
+            f"make that B (accumulated and true batch) are averaged, then paired by seed"
+            + "".join(f"; where {x}, {'that seed' if n == 1 else 'those seeds'} count{'s' * (n == 1)} the {half} "
+                      f"half alone" for x, n, half in missing_halves(trials))
+            + "; the sentence on accumulation compares the two."]
 
 
 def ended_worse(rows: pd.DataFrame) -> tuple[int, int, str] | None:
@@ -87,7 +121,7 @@ def lr_rules(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
         return []
     t, compared, verdicts = found
     step, rules = quantum(t[m.name]), in_order("lr_rule", t["lr_rule"])
-    out, gone = _halves_note(t), diverged(trials)
+    out, gone = _halves_note(t, trials), diverged(trials)
     side = ("fell", "rose") if m.maximize else ("rose", "fell")  # (a loss that rose did worse)
     for rule in rules:
         mine = [(b, base, v) for (r, b, base, _), v in zip(compared, verdicts) if r == rule]

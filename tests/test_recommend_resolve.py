@@ -141,3 +141,22 @@ def test_a_b_shown_to_cost_little_above_one_that_was_not_is_named_beside_the_lar
     [line] = [s for s in recommend(_study(rows, RULES)) if s.startswith("The largest B")]
     assert line.startswith("The largest B shown to cost less than 1 point: B = 64"), line
     assert "above a B of its rule that was not: B = 256 under the sqrt LR rule" in line, line
+
+
+def test_a_half_that_ended_with_an_error_in_a_seed_is_said_in_the_per_b_line_and_the_findings():
+    """The true batch at B = 128 under sqrt ended with an error in seed 2: that seed's value at B = 128 is the
+    accumulated half alone, which both the per-B line and the findings say (for an out-of-memory only the
+    recommendation did)."""
+    from batchsweep.analysis.findings import summarize
+    from tests.test_recommend_review import _drop
+
+    study = _drop(oom_true_batch=False)
+    t = study.trials
+    t["reason"] = t["reason"].astype(object)
+    at = (t.physical_batch == 128) & (t.accum_steps == 1) & (t.lr_rule == "sqrt") & (t.seed == 2)
+    t.loc[at, ["status", "reason", "val_acc"]] = ["FAILED", "error", np.nan]
+    said = "the true batch (b = 128, k = 1) under sqrt ended with an error in seed 2"
+    [at_128] = [s for s in recommend(study) if s.startswith("At B = 128")]
+    assert said + ", so that seed's value at B is the accumulated half alone" in at_128, at_128
+    [halves] = [s for s in summarize(study.trials, study.history) if s.startswith("The LR rules are compared")]
+    assert said + " at B = 128, that seed counts the accumulated half alone" in halves, halves
