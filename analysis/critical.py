@@ -120,9 +120,10 @@ def _span(least: float, most: float) -> str:
     return f"{least:.2f} to {'∞' if math.isinf(most) else f'{most:.2f}'}"
 
 
-def reading(points: pd.DataFrame, noise: pd.DataFrame, lost: list[int] = ()) -> str:
+def reading(points: pd.DataFrame, noise: pd.DataFrame, lost: list[int] = (), censored: list[int] = ()) -> str:
     """One series' steps per doubling, its fitted B_crit, and the noise scale at the target, in words. `lost`: the
-    Bs run but left out of the fit, as most of their runs never reached the target."""
+    Bs run but left out of the fit, as most of their runs never reached the target; `censored`: the B of each run
+    at a fitted B that never reached it (not fitted: its steps are beyond its length)."""
     medians = points.groupby("effective_batch")["steps"].median().sort_index()
     sizes = list(medians.index)
     ratios = [(medians.iloc[i] / medians.iloc[i - 1]) ** (1 / math.log2(sizes[i] / sizes[i - 1]))
@@ -164,6 +165,9 @@ def reading(points: pd.DataFrame, noise: pd.DataFrame, lost: list[int] = ()) -> 
             spread = f"95% bootstrap interval over the {points['seed'].nunique()} seeds {_n(f.lo)} to {hi}"
         said += (f"; B_crit ≈ {_n(f.b_crit)} ({spread}; S_min ≈ {_n(f.s_min)} steps; from {f.runs} runs at "
                  f"B = {f.sizes[0]} to {f.sizes[-1]})")
+    if f is not None and censored:
+        said += (f"; {len(censored)} run{'s' * (len(censored) > 1)} at B = {', '.join(map(str, sorted(set(censored))))} "
+                 f"that never reached it {'is' if len(censored) == 1 else 'are'} not in the fit (censored)")
     if noise.empty:
         return said + "; no reliable noise scale was measured at the epoch the target was reached"
     lo, hi = _interval(_resamples(noise, lambda p: float(p["noise"].median())))

@@ -63,7 +63,10 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
         if kept.empty:
             out.append(f"{name}, no B had most of its runs reach it{left}.")
             continue
-        out.append(f"{name}{left}, {critical.reading(kept, noise[noise['run_id'].isin(rows['run_id'])], lost)}.")
+        # (the noise scale of the runs fitted; a run at a fitted B that never reached the target is said, not fitted)
+        censored = rows[rows["effective_batch"].isin(counted[counted].index) & rows["steps"].isna()]
+        out.append(f"{name}{left}, "
+                   f"{critical.reading(kept, noise[noise['run_id'].isin(kept['run_id'])], lost, censored['effective_batch'].astype(int).tolist())}.")
     return out
 
 

@@ -160,3 +160,34 @@ def test_a_half_that_ended_with_an_error_in_a_seed_is_said_in_the_per_b_line_and
     assert said + ", so that seed's value at B is the accumulated half alone" in at_128, at_128
     [halves] = [s for s in summarize(study.trials, study.history) if s.startswith("The LR rules are compared")]
     assert said + " at B = 128, that seed counts the accumulated half alone" in halves, halves
+
+
+def _critical(never):
+    """Steps to the target about 100 (1 + 128 / B); the runs (B, seed) in `never` never reach it; each run's noise
+    scale at the target is its B."""
+    import pandas as pd
+
+    from batchsweep.analysis.findings import summarize
+    from tests.test_analysis import flat, reaching, synthetic
+
+    trials = synthetic(flat)
+    trials = trials[trials.physical_batch == 32].drop_duplicates(["seed", "effective_batch"]).assign(lr_rule="sqrt")
+    history = reaching(trials, lambda r: 99 if (r.effective_batch, r.seed) in never else
+                       round(100 * (1 + 128 / r.effective_batch) * r.effective_batch / 4000))
+    history = history.merge(trials[["run_id", "effective_batch"]], on="run_id")
+    history = history.assign(noise_scale=history.pop("effective_batch").astype(float), noise_scale_reliable=1.0)
+    [sentence] = [s for s in summarize(trials, pd.DataFrame(history)) if s.startswith("Over every run")]
+    return sentence
+
+
+def test_a_run_at_a_fitted_b_that_never_reached_the_target_is_said_left_out_of_the_fit():
+    sentence = _critical({(512, 0)})
+    assert "from 14 runs at B = 32 to 512); 1 run at B = 512 that never reached it is not in the fit" in sentence, \
+        sentence
+
+
+def test_the_noise_scale_beside_the_fit_is_the_fitted_runs_median_not_a_left_out_bs():
+    """B = 512 reached the target in seed 2 only, so it is left out of the fit; its run's noise scale (512) is
+    left out of the median beside the fit too: 96 over the 12 fitted runs, not 128 over 13."""
+    sentence = _critical({(512, 0), (512, 1)})
+    assert "left out of the fit" in sentence and "was 96 (median of the 12 runs" in sentence, sentence

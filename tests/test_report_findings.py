@@ -244,7 +244,7 @@ def test_the_default_studys_sentences_recomputed_by_an_independent_path():
             assert f"B_crit is above the largest B fitted ({points.B.max()})" in sentence
         else:
             assert f"B_crit ≈ {b_crit:,.0f} " in sentence and f"S_min ≈ {math.exp(log_s):,.0f} steps" in sentence
-        assert f"was {mine.noise.median():,.0f} (median of the {mine.noise.notna().sum()} runs" in sentence
+        assert f"was {points.noise.median():,.0f} (median of the {points.noise.notna().sum()} runs" in sentence
     assert "factor of 2" not in said
 
 
