@@ -163,6 +163,15 @@ def highest(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], value:
     return top
 
 
+def settled_by(points: pd.DataFrame, first: pd.Series, fields: list[str], cost: str, least: str, order: str) -> str:
+    """How the first of an exact tie of the best mean was named: `least` ('for the least peak memory of them') where
+    its `cost` is below every tied one's; `order` where they cost the same (the sort by cost kept their order)."""
+    tied = points[[label(row, fields) in first.get("level", []) for _, row in points.iterrows()]]
+    if tied.empty or (tied[cost] > first[cost]).all():
+        return least
+    return order if (tied[cost] == first[cost]).all() else f"{least}, then {order}"
+
+
 def picked(top: pd.Series, first: pd.Series, fields: list[str], configurations: int, maximize: bool,
            named: str, settled: str = "") -> str:
     """What made `top` the best: the pick of the best mean of all (biased by the pick), one of an exact tie of it
@@ -291,14 +300,16 @@ def best_set(study: StudyRuns, t: pd.DataFrame) -> Best | None:
     if len(points) < 2:
         return None
     # An exact tie of the best mean goes to the one of least peak memory, where every configuration measured it.
-    settled = "for the least peak memory of them" if points["_cost"].notna().all() and memory else \
-        f"first in the order of {', then '.join(SHORT.get(f, f) for f in fields)}"
+    order = f"first in the order of {', then '.join(SHORT.get(f, f) for f in fields)}"
+    settled = "for the least peak memory of them" if points["_cost"].notna().all() and memory else order
     points = points.sort_values("_cost", kind="stable") if settled.startswith("for") else points
     gone = diverged_in_a_seed(study.trials, fields)
     stopped = [bool(_any_of(gone, fields, points.iloc[[i]]).any()) for i in range(len(points))]
     tied, apart, resolved = ties(seeds, points, fields, value, direction == "maximize", stopped)
-    return Best(members(t, fields, tied), fields, tied, len(points), apart,
-                highest(seeds, points, fields, value, direction == "maximize", stopped), resolved, settled)
+    first = highest(seeds, points, fields, value, direction == "maximize", stopped)
+    if settled.startswith("for"):
+        settled = settled_by(points, first, fields, "_cost", settled, order)
+    return Best(members(t, fields, tied), fields, tied, len(points), apart, first, resolved, settled)
 
 
 def members(t: pd.DataFrame, fields: list[str], configurations: pd.DataFrame) -> pd.Index:

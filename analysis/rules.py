@@ -339,7 +339,8 @@ def twins(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
     equivalent = [w for (w, _), v in zip(pairs, verdicts) if v.equivalent and not v.resolved]
     open_ = [(w, v) for (w, _), v in zip(pairs, verdicts) if not v.resolved and not v.equivalent]
     halves = [v.d.half for v in verdicts]
-    parts = [f"equivalent within ±{m.margin_text} in {len(equivalent)}"]
+    named = f" ({'; '.join(equivalent)})" if equivalent else ""  # (each named, as the open pairs are)
+    parts = [f"equivalent within ±{m.margin_text} in {len(equivalent)}{named}"]
     if open_:
         parts.append(f"not resolved in {len(open_)} (" + "; ".join(
             f"{w}: {plus_minus(v.d, m, m.places(v.d.mean, v.d.half))}" for w, v in open_) + ")")

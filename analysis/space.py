@@ -19,8 +19,8 @@ import pandas as pd
 from batchsweep.sweeps import commands
 
 from .best import (EVERY_BN, EVERY_RULE, SHORT, accounted, below_per_b, choices, diverged_in_a_seed, highest, label,
-                   naming, not_compared, of, one_at_base, per_configuration, per_seed, picked, shown_value, stopped_in,
-                   ties, without)
+                   naming, not_compared, of, one_at_base, per_configuration, per_seed, picked, settled_by, shown_value,
+                   stopped_in, ties, without)
 from .measures import Measure, finished, measure, stopped_verb
 from .plotting import Draw, Figure, context, in_order, log_scale
 from .runs import TARGET_SHARE, StudyRuns, ci95
@@ -219,8 +219,10 @@ def _budget_sentence(study: StudyRuns, seeds: pd.DataFrame, points: pd.DataFrame
     plain = not pick.startswith("resolved")  # (no contrast overturned the best mean)
     level = [x for x in first.get("level", []) if x not in lower] if plain else []
     what = against.removeprefix("peak ")
-    even = (f"tied for the {'highest' if maximize else 'lowest'} mean with {'; '.join(level)}, and named for the "
-            f"least {against} of them; {'both' if len(level) == 1 else 'all'} " if level else "")
+    named = settled_by(points, first, fields, cost, f"for the least {against} of them",
+                       f"first in the order of {', then '.join(SHORT.get(f, f) for f in fields)}")
+    even = (f"tied for the {'highest' if maximize else 'lowest'} mean with {'; '.join(level)}, and named {named}; "
+            f"{'both' if len(level) == 1 else 'all'} " if level else "")
     why = (f"{even}picked as the {'highest, so biased upward' if maximize else 'lowest, so biased downward'}" if plain
            else pick)
     said = (f"Against {against}, the best{' mean' * plain} of the {len(points)} configurations"
@@ -358,8 +360,9 @@ def not_timed(study: StudyRuns, untimed: list[str], shown: int = 5) -> str:
     if not untimed:
         return ""
     names = "; ".join(untimed[:shown]) + ("; …" if len(untimed) > shown else "")
-    return (f"; {len(untimed)} configuration{'s' * (len(untimed) != 1)} not timed, {'its' if len(untimed) == 1 else 'their'} "
-            f"trials trained fused (several at once in one process, each logging its group's time, not its own): "
+    return (f"; {len(untimed)} configuration{'s' * (len(untimed) != 1)} not timed, "
+            f"{'its' if len(untimed) == 1 else 'their'} trials trained fused (several at once in one process, each "
+            f"logging its group's time, not its own): "
             f"{names}; `{commands.command('run')} {study.run_as or '--study ' + study.name} --no-fuse` in a new "
             f"folder times each trial alone")
 

@@ -191,3 +191,34 @@ def test_the_noise_scale_beside_the_fit_is_the_fitted_runs_median_not_a_left_out
     left out of the median beside the fit too: 96 over the 12 fitted runs, not 128 over 13."""
     sentence = _critical({(512, 0), (512, 1)})
     assert "left out of the fit" in sentence and "was 96 (median of the 12 runs" in sentence, sentence
+
+
+def test_an_exact_tie_at_equal_peak_memory_is_named_by_the_order_not_for_less_memory():
+    """B = 32 and b = 64, none tie the best mean and both measured 1.28 MB of peak memory: neither needs less, so
+    the first is named by the order of the fields, in the best line and the memory line alike."""
+    from tests.test_recommend_review import _default_like
+
+    study = _default_like(memory_at_32=64 * 20000.0)
+    [best] = [s for s in recommend(study) if s.startswith("The best accuracy")]
+    assert ("tied for the highest mean with b = 64, k = 1, none, and named first in the order of b, then k, then "
+            "lr_rule; both") in best, best
+    memory = memory_front(study).finding
+    assert "named first in the order of b, then k, then lr_rule; both" in memory and "least peak memory" not in \
+        memory.split("picked as")[0], memory
+
+
+def test_the_twin_pairs_shown_equivalent_are_named_as_the_open_ones_are():
+    """Accumulation matches its twin exactly at B = 128 under each rule and differs by seed noise elsewhere: the
+    sentence names each equivalent pair, not only their count."""
+    from batchsweep.analysis.findings import summarize
+
+    rng, rows = np.random.default_rng(6), []
+    for seed in range(3):
+        for rule in ("none", "sqrt"):
+            for b, k in ((32, 1), (32, 4), (128, 1), (32, 16), (512, 1)):
+                v = 0.95 if b * k == 128 else 0.95 + rng.normal(0, 0.02)
+                rows.append(dict(seed=seed, lr_rule=rule, physical_batch=b, accum_steps=k, effective_batch=b * k,
+                                 base_batch=32, status="FINISHED", val_acc=round(v, 3)))
+    study = _study(rows, RULES)
+    [twins] = [s for s in summarize(study.trials, study.history) if s.startswith("Accumulation and its")]
+    assert "equivalent within ±1 point in 2 (none at B = 128; sqrt at B = 128)" in twins, twins

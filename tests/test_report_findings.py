@@ -225,7 +225,9 @@ def test_the_default_studys_sentences_recomputed_by_an_independent_path():
     resolved = [pr for pr, adj in zip(pairs, twin_adjusted) if abs(pr[1]) > pr[2] and adj <= 0.05]
     open_ = [pr for pr in pairs if pr not in equivalent and pr not in resolved]
     assert (f"(95% t-intervals, median half-width {100 * np.median([pr[2] for pr in pairs]):.1f} points): equivalent "
-            f"within ±1 point in {len(equivalent)}; not resolved in {len(open_)} (") in said
+            f"within ±1 point in {len(equivalent)}"
+            + (f" ({'; '.join(pr[0] for pr in equivalent)})" if equivalent else "")
+            + f"; not resolved in {len(open_)} (") in said
     for where, mean, half, *_ in open_:
         assert f"{where}: {100 * mean:+.1f} ± {100 * half:.1f} points" in said
     assert f"resolved in {len(resolved)}" in said
@@ -292,7 +294,7 @@ def test_the_twins_sentence_says_equivalence_only_inside_the_margin():
     trials, _ = default_study()
     [sentence, _] = twins(trials)
     assert "indistinguishable" not in sentence and "median |difference|" not in sentence
-    counts = [int(x) for x in (sentence.split("equivalent within ±1 point in ")[1].split(";")[0],
+    counts = [int(x) for x in (sentence.split("equivalent within ±1 point in ")[1].split(";")[0].split(" (")[0],
                                sentence.split("not resolved in ")[1].split(" ")[0],
                                sentence.split("resolved in ")[-1].split(".")[0].split(":")[0])]
     assert sum(counts) == 12 and counts[1] > 0
