@@ -166,8 +166,9 @@ def reading(points: pd.DataFrame, noise: pd.DataFrame, lost: list[int] = (), cen
         said += (f"; B_crit ≈ {_n(f.b_crit)} ({spread}; S_min ≈ {_n(f.s_min)} steps; from {f.runs} runs at "
                  f"B = {f.sizes[0]} to {f.sizes[-1]})")
     if f is not None and censored:
-        said += (f"; {len(censored)} run{'s' * (len(censored) > 1)} at B = {', '.join(map(str, sorted(set(censored))))} "
-                 f"that never reached it {'is' if len(censored) == 1 else 'are'} not in the fit (censored)")
+        at = ", ".join(map(str, sorted(set(censored))))
+        said += (f"; {len(censored)} run{'s' * (len(censored) > 1)} at B = {at} that never reached it "
+                 f"{'is' if len(censored) == 1 else 'are'} not in the fit (censored)")
     if noise.empty:
         return said + "; no reliable noise scale was measured at the epoch the target was reached"
     lo, hi = _interval(_resamples(noise, lambda p: float(p["noise"].median())))

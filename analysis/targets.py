@@ -65,8 +65,9 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
             continue
         # (the noise scale of the runs fitted; a run at a fitted B that never reached the target is said, not fitted)
         censored = rows[rows["effective_batch"].isin(counted[counted].index) & rows["steps"].isna()]
+        fitted = noise[noise["run_id"].isin(kept["run_id"])]
         out.append(f"{name}{left}, "
-                   f"{critical.reading(kept, noise[noise['run_id'].isin(kept['run_id'])], lost, censored['effective_batch'].astype(int).tolist())}.")
+                   f"{critical.reading(kept, fitted, lost, censored['effective_batch'].astype(int).tolist())}.")
     return out
 
 
