@@ -160,8 +160,8 @@ def lr_rules(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
 
 @dataclass
 class AtB:
-    """The LR rules at one B: each rule's mean over the seeds every rule ran there (the pick first), the others'
-    verdicts against the pick, those that cannot be told from it, and `overturned`: the rule of the best mean where
+    """The LR rules at one B: each rule's mean over its own finished seeds there (the pick first), the others'
+    verdicts against the pick (paired on the seeds the two share), those that cannot be told from it, and `overturned`: the rule of the best mean where
     a contrast resolved the pick above it on the seeds the two share (else None)."""
     means: pd.Series
     verdicts: list
@@ -172,11 +172,11 @@ class AtB:
 
 
 def _means(at: pd.DataFrame, m: Measure) -> pd.Series:
-    """Each rule's mean over the seeds every rule ran (a rule with seeds of its own would otherwise rank by its
-    seeds' luck), best first."""
-    seeds = at.groupby(["lr_rule", "seed"])[m.name].mean().unstack("seed")
-    shared = seeds.dropna(axis="columns")
-    means = (shared if shared.shape[1] >= 2 else seeds).mean(axis="columns").map(rounded)
+    """Each rule's mean over its own finished seeds (a seed's runs at B averaged first), best first: the mean the
+    line prints. A mean over the seeds every rule shares would let one rule's missing seed reorder the others;
+    what pairs by seed is each contrast with the pick."""
+    seeds = at.groupby(["lr_rule", "seed"])[m.name].mean()
+    means = seeds.groupby(level="lr_rule").mean().map(rounded)
     return means.reindex(in_order("lr_rule", means.index)).sort_values(ascending=not m.maximize, kind="stable")
 
 
@@ -245,8 +245,7 @@ def decided(at: AtB, m: Measure) -> str:
     level = [r for r in at.means.index if r != at.best and at.means[r] == at.means[at.best]]
     if at.overturned is None:
         return f"was tied for the {most} mean with {listed(level)}" if level else f"had the {most} mean"
-    return (f"was resolved better than {at.overturned} on the seeds the two share ({at.overturned} had the {most} mean "
-            f"over the seeds every rule ran)")
+    return f"was resolved better than {at.overturned} on the seeds the two share ({at.overturned} had the {most} mean)"
 
 
 def _at_largest(t: pd.DataFrame, m: Measure, step: float, gone: dict) -> list[str]:

@@ -298,28 +298,26 @@ def test_per_b_contrasts_are_controlled_over_the_whole_block():
 
 
 def test_a_pick_overturned_by_a_resolved_contrast_says_so():
-    """none and sqrt ran 10 seeds, linear 2. On the 2 seeds all ran none has the highest mean; on the 10 that none
-    and sqrt share, sqrt is resolved above it. The pick at B = 128 is sqrt; the best, ranked by each
-    configuration's own seeds, is sqrt as the highest mean."""
+    """none ran 10 seeds, sqrt seeds 2 to 9, linear seeds 2 and 3. Above B = 32 none has the highest mean over its
+    own seeds (95.0%: 97.0% in seeds 0 and 1), sqrt 94.7%; on the 8 seeds the two share, sqrt is 0.2 points above
+    none in each, resolved. The pick at B = 128 is sqrt, said overturned, and so is the best."""
     def values(seed, rule, b, k):
-        if rule == "linear" and seed > 1:
+        if (rule == "sqrt" and seed < 2) or (rule == "linear" and seed not in (2, 3)):
             return None
         if b * k == 32:
             return 0.94
-        return {"none": 0.950 if seed < 2 else 0.945, "sqrt": 0.949, "linear": 0.90}[rule]
+        return {"none": 0.970 if seed < 2 else 0.945, "sqrt": 0.947, "linear": 0.90}[rule]
 
     study = _study(_rows(values, seeds=range(10)), ("physical_batch", "accum_steps", "lr_rule"))
     lines = recommend(study)
     [at_128] = [line for line in lines if line.startswith("At B = 128")]
-    assert at_128.startswith("At B = 128: the sqrt LR rule (94.9%; it was resolved better than none on the seeds the "
-                             "two share (none had the highest mean over the seeds every rule ran)"), at_128
+    assert at_128.startswith("At B = 128: the sqrt LR rule (94.7%; it was resolved better than none on the seeds the "
+                             "two share (none had the highest mean)"), at_128
     [largest] = [s for s in summarize(study.trials, study.history) if s.startswith("At the largest batch")]
     assert "the sqrt rule was resolved better than none on the seeds the two share" in largest, largest
     [best] = [line for line in lines if line.startswith("The best accuracy: ")]
-    assert best.startswith("The best accuracy: b = 32, k = 4, sqrt (") or best.startswith(
-        "The best accuracy: b = 128, k = 1, sqrt ("), best
-    # (ranked by its own 10 seeds, sqrt's mean is the highest: 94.9% against none's 94.6%)
-    assert "highest of 7 configurations" in best and "b = 128, k = 1, none" in best.split("resolved worse")[1], best
+    assert best.startswith(("The best accuracy: b = 32, k = 4, sqrt (94.7%", "The best accuracy: b = 128, k = 1, "
+                            "sqrt (94.7%")) and "resolved above" in best, best
 
 
 def test_one_seed_advice_gives_a_command_that_works_for_the_study():
