@@ -18,7 +18,7 @@ from .best import (Best, accounted, below_per_b, best_set, choices, diverged_in_
 from .findings import bn_against_true, exact_by_model, lr_exponent
 from .measures import Measure, finished, full_scale, measure, stopped_verb, tuned, unmoved
 from .runs import StudyRuns
-from .space import identical_spread, not_timed, shown, times
+from .space import identical_spread, never_reached, not_timed, shown, times
 from .wording import listed, lowered, stated
 from .wording import percent as full_percent
 
@@ -124,7 +124,7 @@ def fastest(study: StudyRuns) -> list[str]:
     line = _fastest(study.objectives[0][0], *found[:5])
     gone = found[5]  # (a median over the seeds that survived would be a pick among survivors)
     line = line[:-1] + f"; left out as {stopped_in(study.trials)} in a seed: {'; '.join(gone)}." if gone else line
-    return [line[:-1] + not_timed(study, found[6]) + "."]
+    return [line[:-1] + never_reached(found[7]) + not_timed(study, found[6]) + "."]
 
 
 def _fused(study: StudyRuns) -> list[str]:

@@ -315,10 +315,12 @@ def _timing_note(t: pd.DataFrame, fields: list[str], saving: float) -> str:
 def times(study: StudyRuns):
     """Each configuration's median seconds to the target over its seeds, where most of them reached it: (trials
     with their seconds, per-seed rows, per-configuration points, fields, target, the configurations left out as
-    diverged in a seed, those left out as not timed alone); None where the study has no accuracy to maximize, no
-    epoch times or fewer than two configurations that got there. A seed that never reached the target counts in
-    the median as slower than every seed that did; a trial with no epoch time of its own (fused: it logged its
-    group's time) is not timed, and a configuration with no seed timed is left out by label."""
+    diverged in a seed, those left out as not timed alone, those left out as never reaching the target in at least
+    half their timed seeds, each with its count); None where the study has no accuracy to maximize, no epoch times
+    or fewer than two configurations that got there. A seed that never reached the target counts in the median as
+    slower than every seed that did (where such seeds are half or more, the median is one of them: no time); a
+    trial with no epoch time of its own (fused: it logged its group's time) is not timed, and a configuration with
+    no seed timed is left out by label."""
     t = _objective_trials(study)
     fields = naming(study, t)
     value, direction = study.objectives[0]
@@ -340,7 +342,7 @@ def times(study: StudyRuns):
     untimed_gone = without(gone, fields, seeds[seeds["_censored"].notna()])  # (one never timed is said untimed)
     gone = gone.drop(untimed_gone.index)
     seeds = without(seeds, fields, gone)
-    rows, untimed = [], []
+    rows, untimed, late = [], [], []
     for key, g in seeds.groupby(fields, dropna=False):
         key = key if isinstance(key, tuple) else (key,)
         clock = g["_censored"].dropna()
@@ -349,9 +351,22 @@ def times(study: StudyRuns):
         elif np.isfinite(clock).sum() * 2 > len(clock):
             rows.append({**dict(zip(fields, key)), value: g[value].mean(), "half": ci95(g[value]),
                          "seconds": float(clock.median())})
+        else:
+            late.append(f"{label(dict(zip(fields, key)), fields)} (in {int(np.isinf(clock).sum())} of {len(clock)} "
+                        f"seeds{' timed' * (len(clock) < len(g))})")
     points = pd.DataFrame(rows)
     gone = [label(row, fields) for _, row in gone.iterrows()]
-    return None if len(points) < 2 else (t, seeds, points, fields, target, gone, untimed)
+    return None if len(points) < 2 else (t, seeds, points, fields, target, gone, untimed, late)
+
+
+def never_reached(late: list[str]) -> str:
+    """'; N configurations have no median time, …', for times()'s configurations that never reached the target
+    in at least half their timed seeds; '' where none."""
+    if not late:
+        return ""
+    one = len(late) == 1
+    return (f"; {len(late)} configuration{'s' * (not one)} {'has' if one else 'have'} no median time, having never "
+            f"reached the target in at least half {'its' if one else 'their'} timed seeds: {'; '.join(late)}")
 
 
 def not_timed(study: StudyRuns, untimed: list[str], shown: int = 5) -> str:
@@ -372,7 +387,7 @@ def time_front(study: StudyRuns) -> Figure | None:
     found = times(study)
     if found is None:
         return None
-    t, seeds, points, fields, target, gone, untimed = found
+    t, seeds, points, fields, target, gone, untimed, late = found
     value = study.objectives[0][0]
     kept = pd.Series(False, index=seeds.index)
     for _, row in points.iterrows():
@@ -384,7 +399,7 @@ def time_front(study: StudyRuns) -> Figure | None:
                                stopped_in(study.trials))
     tied, _, _ = ties(seeds[kept], points.sort_values("seconds", kind="stable"), fields, value, True)
     saving = float(tied["seconds"].iloc[0] - tied["seconds"].min())
-    finding = finding[:-1] + not_timed(study, untimed) + "." + _timing_note(t, fields, saving)
+    finding = finding[:-1] + never_reached(late) + not_timed(study, untimed) + "." + _timing_note(t, fields, saving)
     return _front_figure(points, fields, "seconds", value, f"seconds to reach {value} {target_text} (median over seeds)",
                          percent, True, "time_front", f"Pareto front: {value} against time to the target", t, finding)
 

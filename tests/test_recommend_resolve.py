@@ -115,6 +115,19 @@ def test_a_seed_that_never_reached_the_target_counts_as_slower_in_the_median():
     assert seconds == 5.0, seconds
 
 
+def test_a_configuration_that_never_reached_the_target_in_most_seeds_is_named_not_dropped():
+    """b = 128, k = 1, none never reached the target in seeds 0 and 1: its median is beyond the training, so it has
+    no time to rank; the time line and the time front name it with its count, not leave it out unsaid."""
+    from batchsweep.analysis.space import time_front
+
+    study = _timed(never=(((128, 1, "none"), 0), ((128, 1, "none"), 1)))
+    said = ("1 configuration has no median time, having never reached the target in at least half its timed seeds: "
+            "b = 128, k = 1, none (in 2 of 3 seeds)")
+    [line] = _time_line(study)
+    assert said in line, line
+    assert said in time_front(study).finding, time_front(study).finding
+
+
 def test_a_configuration_never_timed_is_not_said_left_out_of_the_times_as_diverged():
     """b = 64, k = 1, linear trained fused and diverged in seed 2: it is among those not timed, not 'left out as
     diverged' from times it never had."""
