@@ -161,8 +161,8 @@ def lr_rules(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
 @dataclass
 class AtB:
     """The LR rules at one B: each rule's mean over its own finished seeds there (the pick first), the others'
-    verdicts against the pick (paired on the seeds the two share), those that cannot be told from it, and `overturned`: the rule of the best mean where
-    a contrast resolved the pick above it on the seeds the two share (else None)."""
+    verdicts against the pick (paired on the seeds the two share), those that cannot be told from it, and
+    `overturned`: the rule of the best mean where a contrast resolved the pick above it (else None)."""
     means: pd.Series
     verdicts: list
     ties: list[str]
