@@ -124,21 +124,29 @@ def reading(points: pd.DataFrame, noise: pd.DataFrame, lost: list[int] = (), cen
     """One series' steps per doubling, its fitted B_crit, and the noise scale at the target, in words. `lost`: the
     Bs run but left out of the fit, as most of their runs never reached the target; `censored`: the B of each run
     at a fitted B that never reached it (not fitted: its steps are beyond its length)."""
-    medians = points.groupby("effective_batch")["steps"].median().sort_index()
+    # A censored run took more steps than its B's runs last, so more than every run there that reached it: in the
+    # medians it counts as slower than all of them (fewer than half of a fitted B's runs are censored, so each
+    # median is the true one; leaving them out would bias it low).
+    beyond = pd.DataFrame({"effective_batch": list(censored), "steps": math.inf, "before": math.inf})
+    every = pd.concat([points, beyond]) if censored else points
+    medians = every.groupby("effective_batch")["steps"].median().sort_index()
     sizes = list(medians.index)
     ratios = [(medians.iloc[i] / medians.iloc[i - 1]) ** (1 / math.log2(sizes[i] / sizes[i - 1]))
               for i in range(1, len(sizes))]
-    spans = _unresolved(points, sizes)
+    spans = _unresolved(every if "before" in points and points["before"].notna().any() else points, sizes)
+    slow = (f" (a run that never reached it counted as slower than every run that did: {len(censored)} "
+            f"run{'s' * (len(censored) > 1)} at B = {', '.join(map(str, sorted(set(censored))))})" if censored else "")
     if not ratios:
         said = f"only B = {sizes[0]} reached it"
     elif not spans:
-        said = f"each doubling of B took the median steps to {', '.join(f'{r:.2f}' for r in ratios)} of the B before"
+        said = (f"each doubling of B took the median steps to {', '.join(f'{r:.2f}' for r in ratios)} of the B "
+                f"before{slow}")
     else:  # (a ratio the evaluations cannot resolve is its range, never a number first)
         each = [f"not resolved at B = {b} ({_span(*spans[b])})" if b in spans else f"{r:.2f} at B = {b}"
                 for b, r in zip(sizes[1:], ratios)]
         said = (f"each doubling of B took the median steps to this share of the B before's: {'; '.join(each)} (a "
                 f"ratio is not resolved at this evaluation's granularity where the steps, known only to within an "
-                f"evaluation, leave a range whose ends lie twofold or more apart)")
+                f"evaluation, leave a range whose ends lie twofold or more apart){slow}")
     f = critical(points)
     if f is None:
         said += "; B_crit could not be fitted (fewer than 3 Bs reached the target)"
