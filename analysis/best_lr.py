@@ -1,7 +1,9 @@
 """The best learning rate against the effective batch B, from a study's trials: at each B the LR each seed did
 best at, their geometric mean with a 95% interval over the seeds, and the curve's shape. Li et al. (2024)
 find that Adam's best LR rises and then falls with B, peaking near the gradient noise scale; for SGD it only
-rises (McCandlish et al. 2018). A shape is named only where the seeds resolve it.
+rises (McCandlish et al. 2018). A shape is named only where the seeds resolve it, and no interval is narrower
+than the grid of LRs tried allows: each seed's best is known to half the spacing of the LRs tried around it (the
+curve near its best taken as symmetric in log LR), which seeds that agree cannot narrow.
 
     python -m batchsweep.analysis.best_lr STUDY [STUDY ...] [--tracking-uri URI] [--figure best_lr.png] [--by-epoch]
 
@@ -28,7 +30,8 @@ PEAKS = np.linspace(-4.0, 4.0, 801)  # candidate log2(peak / geometric middle of
 
 @dataclass(frozen=True)
 class BestAt:
-    """The best LR at one B: the geometric mean over the seeds of each seed's best, and its 95% t-interval."""
+    """The best LR at one B: the geometric mean over the seeds of each seed's best, and its 95% t-interval (never
+    narrower than the grid's rounding, `grid`)."""
 
     batch: int
     lr: float
@@ -36,6 +39,8 @@ class BestAt:
     high: float
     seeds: tuple[float, ...]  # each seed's best LR, in seed order
     at_edge: int  # seeds whose best was the lowest or highest LR they tried: the true best may lie beyond
+    at_top: int  # of those, the seeds whose best was the highest
+    grid: float  # half the log spacing of the LRs tried around the seeds' bests (the widest of the seeds)
 
 
 @dataclass(frozen=True)
@@ -49,22 +54,33 @@ class BestLR:
     slope: float  # of log best LR against log B, a line through every B; its 95% t-interval over the seeds
     slope_low: float
     slope_high: float
-    steps: tuple[tuple[int, int, float, float], ...]  # (B, next B, 95% t-interval of log(best there / best here))
+    steps: tuple[tuple[int, int, float, float], ...]  # (B, next B, 95% interval of log(best there / best here))
     noise_scale: float  # median over the best trials that measured it (NaN: none did)
     noise_range: tuple[float, float]
     noise_trials: int
     shape: str  # "rises then falls" | "only rises" | "only falls" | "did not move" | "not resolved" (see _shape)
+    # | "beyond the LRs tried" (every seed's best the same end of the LRs tried at every B: no slope is read)
+    ends: tuple[float, float]  # the lowest and highest base LR tried (the study's setting; the LR where none)
 
     def sentence(self) -> str:
         """What the seeds resolve, in one paragraph."""
         n = min(len(p.seeds) for p in self.points)
         lo, hi = self.points[0].batch, self.points[-1].batch
-        if n < 2:
+        if self.shape == "beyond the LRs tried":
+            top = self.points[0].at_top > 0
+            end = self.ends[1] if top else self.ends[0]
+            text = (f"At every B from {lo} to {hi} every seed's best LR was the {'highest' if top else 'lowest'} LR "
+                    f"tried, so whether the best LR moves with B is not known: widen the LR grid: "
+                    f"{'raise the highest' if top else 'lower the lowest'} base_lr tried ({end:.3g}; a study file's "
+                    f"[tune.base_lr] {'high' if top else 'low'}, or its [grid] base_lr values) and run the study "
+                    f"again.")
+        elif n < 2:
             text = (f"With one seed no shape of the best LR against B can be told from seed noise (slope "
                     f"{_two(self.slope)} in log-log between B = {lo} and {hi}).")
         elif self.shape == "did not move":
-            text = (f"The best LR did not move with B from {lo} to {hi}: each seed's best LR was the same at every B "
-                    f"(slope 0).")
+            text = (f"The best LR tried did not move with B from {lo} to {hi}: each seed's best LR was the same at "
+                    f"every B (slope 0; each best is known to half the spacing of the LRs tried around it, so the "
+                    f"slope's 95% interval is {_two(self.slope_low)} to {_two(self.slope_high)}).")
         elif self.shape == "rises then falls":
             spread = (f"95% bootstrap interval over {n} seeds {self.peak_low:.0f} to {self.peak_high:.0f}"
                       if n >= 5 else f"resampling {n} seeds moves it from {self.peak_low:.0f} to "
@@ -92,10 +108,10 @@ class BestLR:
             text = (f"No peak is resolved between B = {lo} and {hi} with {n} seeds, nor a direction (slope "
                     f"{_two(self.slope)}, 95% interval {_two(self.slope_low)} to {_two(self.slope_high)}).")
         falls = [f"{a} to {b}" for a, b, _, high in self.steps if high < 0]
-        if falls and self.shape != "only falls":
-            text += f" It falls, beyond the seeds' spread, from B = {', '.join(falls)}."
+        if falls and self.shape not in ("only falls", "beyond the LRs tried"):
+            text += f" It falls, beyond the seeds' spread and the LR grid's spacing, from B = {', '.join(falls)}."
         edges = [p.batch for p in self.points if p.at_edge]
-        if edges:
+        if edges and self.shape != "beyond the LRs tried":
             text += (f" At B = {', '.join(map(str, edges))} some seed's best LR is the edge of the LRs tried: "
                      f"the true best may lie beyond it.")
         if math.isnan(self.noise_scale):
@@ -178,7 +194,7 @@ def best_lr_against_b(trials: pd.DataFrame, metric: str, direction: str, seed: i
     done = trials[kept & trials["effective_batch"].notna()].assign(_value=value)
     if not np.isfinite(done["_value"]).any():
         raise ValueError(f"no finished trial has {metric}: nothing to find a best LR from")
-    best = {}  # (B, seed) -> (log best LR, at the edge, the best trial's index)
+    best = {}  # (B, seed) -> (log best LR, at the edge, the best trial's index, at the top, half the spacing)
     for (batch, s), group in done.groupby(["effective_batch", "seed"]):
         other = [c for c in ALSO_SCALED if c in group and group[c].nunique() > 1]
         if other:
@@ -193,28 +209,45 @@ def best_lr_against_b(trials: pd.DataFrame, metric: str, direction: str, seed: i
         raise ValueError("the best LR against B needs at least 2 effective batches with the same seeds")
     logs = np.array([[best[b, s][0] for s in seeds] for b in batches])  # (B, seed)
     centre, x = logs.mean(axis=1), np.log(np.array(batches, dtype=float))
-    points = tuple(BestAt(b, math.exp(c), *np.exp(_interval(row)), tuple(np.exp(row)),
-                          sum(best[b, s][1] for s in seeds)) for b, c, row in zip(batches, centre, logs))
+    grid = np.array([max(best[b, s][4] for s in seeds) for b in batches])  # (B,)
+    points = tuple(BestAt(b, math.exp(c), *np.exp(_interval(row, g)), tuple(np.exp(row)),
+                          sum(best[b, s][1] for s in seeds), sum(best[b, s][3] for s in seeds), g)
+                   for b, c, row, g in zip(batches, centre, logs, grid))
     peak, peak_low, peak_high = _peak_with_interval(x, logs, seed)
     # Each seed's best the same at every B: a slope of exactly 0, not polyfit's rounding (-1e-16 read as a fall).
     still = bool(np.ptp(logs, axis=0).max() < STILL)
-    slope_low, slope_high = (0.0, 0.0) if still else _interval(np.polyfit(x, logs, 1)[0])  # each seed's slope
-    steps = tuple((a, b, *_interval(logs[i + 1] - logs[i])) for i, (a, b) in enumerate(zip(batches, batches[1:])))
+    # The most rounding each B's best to its grid (up to grid[i] in log) can move a least-squares slope.
+    weights = (x - x.mean()) / ((x - x.mean()) ** 2).sum()
+    slopes = np.zeros(len(seeds)) if still else np.polyfit(x, logs, 1)[0]  # each seed's slope
+    slope_low, slope_high = _interval(slopes, float(np.abs(weights) @ grid))
+    steps = tuple((a, b, *_interval(logs[i + 1] - logs[i], grid[i] + grid[i + 1]))
+                  for i, (a, b) in enumerate(zip(batches, batches[1:])))
     top = int(np.argmax(centre))  # a turn: the best LR at an inside B resolved above both ends', seed by seed
-    turned = 0 < top < len(batches) - 1 and all(_interval(logs[top] - logs[end])[0] > 0 for end in (0, -1))
+    turned = 0 < top < len(batches) - 1 and all(_interval(logs[top] - logs[end], grid[top] + grid[end])[0] > 0
+                                                 for end in (0, -1))
     noise = _noise(done, [best[b, s][2] for b in batches for s in seeds])
     slope = 0.0 if still else float(np.polyfit(x, centre, 1)[0])
+    # Every seed's best the top (or every one the bottom) of the LRs tried at every B: the true bests lie beyond,
+    # anywhere, so no slope between them is read.
+    n = len(seeds)
+    beyond = all(p.at_top == n for p in points) or all(p.at_edge - p.at_top == n for p in points)
+    shape = ("beyond the LRs tried" if beyond else "did not move" if still
+             else _shape(turned, slope_low, slope_high, steps))
+    axis = "base_lr" if "base_lr" in done and done["base_lr"].notna().all() else "lr"
+    ends = (float(done[axis].min()), float(done[axis].max()))
     return BestLR(metric, direction, points, peak, peak_low, peak_high, slope, slope_low, slope_high, steps,
-                  *noise, "did not move" if still else _shape(turned, slope_low, slope_high, steps))
+                  *noise, shape, ends)
 
 
-def _interval(values: np.ndarray) -> tuple[float, float]:
-    """The 95% t-interval of the mean over the seeds (NaN with one seed): with 3 seeds a bootstrap would call
-    any three that agree in sign resolved, which chance does one time in four."""
+def _interval(values: np.ndarray, grid: float = 0.0) -> tuple[float, float]:
+    """The 95% t-interval of the mean over the seeds (NaN with one seed), never narrower than ±grid, the most the
+    LR grid's rounding can move that mean: seeds that round to the same LRs share that error, so their spread
+    does not show it (where they disagree by more, the rounding is in their spread). With 3 seeds a bootstrap
+    would call any three that agree in sign resolved, which chance does one time in four."""
     n = len(values)
     if n < 2:
         return math.nan, math.nan
-    half = stats.t.ppf(0.975, n - 1) * np.std(values, ddof=1) / math.sqrt(n)
+    half = max(stats.t.ppf(0.975, n - 1) * np.std(values, ddof=1) / math.sqrt(n), grid)
     return float(np.mean(values) - half), float(np.mean(values) + half)
 
 
@@ -242,17 +275,23 @@ def _shape(turned: bool, slope_low: float, slope_high: float, steps: tuple) -> s
     return "not resolved"
 
 
-def _best_of(group: pd.DataFrame) -> tuple[float, bool, object]:
-    """The log of the LR one seed did best at, one B's trials sorted by LR. Between two neighbours the vertex of
-    the parabola through the three (in log LR) refines it, kept between them; at an end it is the end, and the
-    best may lie beyond (unless the next LR was tried and diverged or was pruned)."""
+def _best_of(group: pd.DataFrame) -> tuple[float, bool, object, bool, float]:
+    """The log of the LR one seed did best at, one B's trials sorted by LR, whether it is an end of the LRs tried
+    and the top one, and half the widest log spacing from it to its neighbours (how far the true best may sit from
+    it). Between two neighbours the vertex of the parabola through the three (in log LR) refines it, kept between
+    them; at an end it is the end, and the best may lie beyond (unless the next LR was tried and diverged or was
+    pruned)."""
     values, logs = group["_value"].to_numpy(), np.log(group["lr"].to_numpy(dtype=float))
     i = int(np.argmax(values))
+    tried = np.unique(logs)
+    at = int(np.searchsorted(tried, logs[i]))
+    spacing = max(np.diff(tried[max(at - 1, 0):at + 2]), default=0.0) / 2
     if 0 < i < len(values) - 1 and np.isfinite(values[i - 1:i + 2]).all():
         a, b, _ = np.polyfit(logs[i - 1:i + 2], values[i - 1:i + 2], 2)
         vertex = -b / (2 * a) if a < 0 else logs[i]
-        return float(np.clip(vertex, logs[i - 1], logs[i + 1])), False, group.index[i]
-    return float(logs[i]), len(values) > 1 and i in (0, len(values) - 1), group.index[i]
+        return float(np.clip(vertex, logs[i - 1], logs[i + 1])), False, group.index[i], False, float(spacing)
+    edge = len(values) > 1 and i in (0, len(values) - 1)
+    return float(logs[i]), edge, group.index[i], edge and i == len(values) - 1, float(spacing)
 
 
 def _peak(x: np.ndarray, y: np.ndarray) -> float:

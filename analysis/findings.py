@@ -267,7 +267,7 @@ def _reading(found, trials: pd.DataFrame) -> str:
     """The LR rule the slope's interval reads as, where it can: a slope through a best LR at the edge of the LRs
     tried is a bound from one side at most, and one through a curve that does not move as one power of B (a
     turn, or a step against the slope's direction) is no rule."""
-    if not math.isfinite(found.slope_low):
+    if not math.isfinite(found.slope_low) or found.shape == "beyond the LRs tried":  # (its sentence says why)
         return ""
     edges = [p for p in found.points if p.at_edge]
     if edges:
@@ -294,15 +294,15 @@ def _reading(found, trials: pd.DataFrame) -> str:
     if against:
         a, b = against[0]
         return (f" No LR rule is read from the slope: the best LR moved against it from B = {a.batch} to "
-                f"{b.batch} ({a.lr:.3g} to {b.lr:.3g}, beyond the seeds' spread), so no one power of B describes it "
-                f"here; use each B's best LR.")
+                f"{b.batch} ({a.lr:.3g} to {b.lr:.3g}, beyond the seeds' spread and the LR grid's spacing), so no "
+                f"one power of B describes it here; use each B's best LR.")
     # An interval that holds 0 beside a step the seeds resolve: the flat reading would deny that move.
     moves = [(at[a], at[b]) for a, b, low, high in found.steps if low > 0 or high < 0]
     if moves and round(found.slope_low, 2) <= 0 <= round(found.slope_high, 2):
         a, b = moves[0]
         return (f" No LR rule is read from the slope: its interval holds 0, but the best LR moved from B = "
-                f"{a.batch} to {b.batch} ({a.lr:.3g} to {b.lr:.3g}, beyond the seeds' spread), so no one power of B "
-                f"describes it here; use each B's best LR.")
+                f"{a.batch} to {b.batch} ({a.lr:.3g} to {b.lr:.3g}, beyond the seeds' spread and the LR grid's "
+                f"spacing), so no one power of B describes it here; use each B's best LR.")
     return f" {lr_rule_reading(found.slope_low, found.slope_high)}."
 
 
