@@ -256,8 +256,9 @@ def largest_free(study: StudyRuns, m: Measure) -> list[str]:
             gap = f"; {_gap(study.trials, rule, broken[rule], diverged(study.trials))}" if broken.get(rule) else ""
             said.append(f"under the {rule} LR rule, {stated(v.d, m=m, v=v)} against B = {base}{_half(shown_free)}"
                         f"{between}{gap}")
-        return [f"The largest B shown to cost less than {m.margin_text}: B = {top} " + "; and ".join(said) + above
-                + "."]
+        # ("together with every B below it": a B shown to cost little above one that was not is named after it)
+        return [f"The largest B shown to cost less than {m.margin_text} together with every B below it: B = {top} "
+                + "; and ".join(said) + above + "."]
     costly = [x for x in judged if not _costs_little(x[3], m)]
     if not costly:  # (each rule's run broken by a B with no comparison below those shown to cost little)
         gaps = "; ".join(f"{r} {_gap(study.trials, r, b, diverged(study.trials))}" for r, b in broken.items() if b)

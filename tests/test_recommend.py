@@ -48,7 +48,8 @@ def test_each_pick_at_a_b_is_the_findings_own_comparison():
     assert per_b[-1].startswith(f"At B = 512: the {best} LR rule")
     # Nothing is called free that the findings do not show equivalent; the best is named with its ties.
     free = next(line for line in lines if "shown to cost less than 1 point" in line)
-    found = re.match(r"The largest B shown to cost less than 1 point: B = (\d+) under the (\w+) LR rule, "
+    found = re.match(r"The largest B shown to cost less than 1 point together with every B below it: "
+                     r"B = (\d+) under the (\w+) LR rule, "
                      r"(equivalent .*?\)) ", free)
     if found:  # (this table: linear at B = 64, -0.6 ± 0.4 points)
         said = next(s for s in findings if s.startswith(f"The {found[2]} LR rule against B = 32"))

@@ -148,11 +148,13 @@ def test_a_b_that_finished_no_trial_ends_the_run_of_bs_shown_free():
     """Every linear trial at B = 128 failed; B = 64 and 256 are equivalent to B = 32: the largest B shown within
     the margin through every B the rule ran is 64, and the line says why it stops there."""
     [line] = _free("FAILED")
-    assert line.startswith("The largest B shown to cost less than 1 point: B = 64 under the linear LR rule, "), line
+    assert line.startswith("The largest B shown to cost less than 1 point together with every B below it: "
+                           "B = 64 under the linear LR rule, "), line
     assert ("against B = 32; B = 128 finished no trial to compare; shown to cost less than 1 point, but above a B of "
             "its rule that was not: B = 256 under the linear LR rule (equivalent within ±1 point") in line, line
     [line] = _free("FINISHED")
-    assert line.startswith("The largest B shown to cost less than 1 point: B = 256 under the linear LR rule, ") and \
+    assert line.startswith("The largest B shown to cost less than 1 point together with every B below it: "
+                           "B = 256 under the linear LR rule, ") and \
         line.endswith("against B = 32, and every B between them too."), line
 
 
@@ -160,7 +162,8 @@ def test_equivalence_is_worded_as_a_cost_below_the_margin_never_as_nothing():
     """linear costs 0.4 points at every B above 32: equivalent within ±1 point shows a cost below 1 point, which
     is what the line says (an interval such as -0.6 ± 0.4 excludes 0: "nothing" would be false)."""
     [line] = _free("FINISHED", gap=0.004)
-    assert "cost nothing" not in line and line.startswith("The largest B shown to cost less than 1 point: B = "), line
+    assert "cost nothing" not in line, line
+    assert line.startswith("The largest B shown to cost less than 1 point together with every B below it: B = "), line
     assert re.search(r"equivalent within ±1 point \(-0\.\d ± 0\.\d points over 3 seeds\) against B = 32", line), line
 
 
@@ -254,7 +257,8 @@ def test_an_accuracy_logged_in_percent_reads_in_percent_with_a_margin_of_one_poi
     [best] = [line for line in lines if line.startswith("The best accuracy: ")]
     assert re.search(r"\(9\d\.\d% over 3 seeds", best) and "9611" not in best and "%" in best, best
     [free] = [line for line in lines if "cost less than" in line]
-    assert free.startswith("The largest B shown to cost less than 1 point: B = 256 under the linear LR rule"), free
+    assert free.startswith("The largest B shown to cost less than 1 point together with every B below it: "
+                           "B = 256 under the linear LR rule"), free
     assert re.search(r"equivalent within ±1 point \([-+]0\.\d ± 0\.\d points over 3 seeds\)", free), free
 
 

@@ -222,7 +222,8 @@ def test_rules_that_reach_the_same_largest_free_b_are_each_named():
                                  reason="pruned" if pruned else None, val_acc=np.nan if pruned else round(v, 3)))
     [line] = [s for s in recommend(_study(rows, ("physical_batch", "accum_steps", "lr_rule")))
               if s.startswith("The largest B shown")]
-    assert line.startswith("The largest B shown to cost less than 1 point: B = 128 under the "), line
+    assert line.startswith("The largest B shown to cost less than 1 point together with every B below it: "
+                           "B = 128 under the "), line
     assert "under the sqrt LR rule" in line and "under the linear LR rule" in line, line
 
 

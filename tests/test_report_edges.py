@@ -30,7 +30,8 @@ def test_a_b_resolved_above_the_smallest_b_costs_nothing_either():
         return 0.93 + 0.001 * s + gain + rng.normal(0, 0.001)
     study = _study(_rows(value, bs=((32, 1), (32, 4), (128, 1), (32, 16), (512, 1))), GRID)
     line = _free_line(study)
-    assert line.startswith("The largest B shown to cost less than 1 point: B = 512 under the linear LR rule, "), line
+    assert line.startswith("The largest B shown to cost less than 1 point together with every B below it: "
+                           "B = 512 under the linear LR rule, "), line
     assert "points higher" in line and line.endswith("against B = 32, and every B between them too."), line
 
 
@@ -43,7 +44,8 @@ def test_a_resolved_difference_inside_the_margin_is_shown_to_cost_less_than_it()
         return 0.95 - (0 if b * k == 32 else {"none": 0.02, "sqrt": 0.006, "linear": 0.015}[rule]) \
             + rng.normal(0, 0.001)
     line = _free_line(_study(_rows(value), GRID))
-    assert line.startswith("The largest B shown to cost less than 1 point: B = 128 under the sqrt LR rule, "), line
+    assert line.startswith("The largest B shown to cost less than 1 point together with every B below it: "
+                           "B = 128 under the sqrt LR rule, "), line
     assert "inside the ±1 point equivalence margin" in line, line
 
 
