@@ -18,7 +18,7 @@ from .best import (Best, accounted, below_per_b, best_set, choices, diverged_in_
 from .findings import bn_against_true, exact_by_model, lr_exponent
 from .measures import Measure, finished, full_scale, measure, stopped_verb, tuned, unmoved
 from .runs import StudyRuns
-from .space import identical_spread, never_reached, not_timed, shown, times
+from .space import identical_spread, never_reached, not_timed, shown, timed, times
 from .wording import listed, lowered, stated
 from .wording import percent as full_percent
 
@@ -134,11 +134,28 @@ def _fused(study: StudyRuns) -> list[str]:
     if h.empty or "group_epoch_time_s" not in h:
         return []
     fused, total = h.loc[h["group_epoch_time_s"].notna(), "run_id"].nunique(), study.trials["run_id"].nunique()
-    rest = "" if fused >= total else ", and the rest are too few to compare"
+    rest = "" if fused >= total else _alone(study)
     return [f"No time to the target is given: {'every one' if fused >= total else fused} of the {total} trials "
             f"trained fused (several configurations at once in one process), each with its group's time, not its "
             f"own{rest}; `{commands.command('run')} "
             f"{study.run_as or '--study ' + study.name} --no-fuse` in a new folder times each trial alone."]
+
+
+def _alone(study: StudyRuns) -> str:
+    """Why the trials timed alone beside fused ones give no time line: too few configurations, or too few of
+    them reached the target in most of their seeds."""
+    found = timed(study)
+    reached, late, gone = (0, [], []) if found is None else (len(found[2]), found[7], found[5])
+    alone = reached + len(late)
+    if alone < 2:
+        return (f", and {'only ' * (alone == 1)}{alone or 'no'} configuration{'s' * (alone != 1)} "
+                f"{'was' if alone == 1 else 'were'} timed alone: too few to compare")
+    t, target = found[0], found[4]
+    value = study.objectives[0][0]
+    to = f"{value} {full_percent(target, full_scale(t[value])) if 'acc' in value else shown(target)}"
+    left = f" ({len(gone)} more left out as {stopped_in(study.trials)} in a seed)" if gone else ""
+    return (f", and of the {alone} configurations timed alone{left}, {'only one' if reached else 'none'} reached "
+            f"{to} in most of {'its' if reached else 'their'} seeds")
 
 
 TIME_FLOOR = 0.05  # the least share of a time that two single wall-clock measurements are taken to resolve

@@ -313,14 +313,19 @@ def _timing_note(t: pd.DataFrame, fields: list[str], saving: float) -> str:
 
 
 def times(study: StudyRuns):
+    """timed(), where at least two configurations have a median time to compare; else None."""
+    found = timed(study)
+    return None if found is None or len(found[2]) < 2 else found
+
+
+def timed(study: StudyRuns):
     """Each configuration's median seconds to the target over its seeds, where most of them reached it: (trials
     with their seconds, per-seed rows, per-configuration points, fields, target, the configurations left out as
     diverged in a seed, those left out as not timed alone, those left out as never reaching the target in at least
-    half their timed seeds, each with its count); None where the study has no accuracy to maximize, no epoch times
-    or fewer than two configurations that got there. A seed that never reached the target counts in the median as
-    slower than every seed that did (where such seeds are half or more, the median is one of them: no time); a
-    trial with no epoch time of its own (fused: it logged its group's time) is not timed, and a configuration with
-    no seed timed is left out by label."""
+    half their timed seeds, each with its count); None where the study has no accuracy to maximize or no epoch
+    times. A seed that never reached the target counts in the median as slower than every seed that did (where
+    such seeds are half or more, the median is one of them: no time); a trial with no epoch time of its own (fused:
+    it logged its group's time) is not timed, and a configuration with no seed timed is left out by label."""
     t = _objective_trials(study)
     fields = naming(study, t)
     value, direction = study.objectives[0]
@@ -356,7 +361,7 @@ def times(study: StudyRuns):
                         f"seeds{' timed' * (len(clock) < len(g))})")
     points = pd.DataFrame(rows)
     gone = [label(row, fields) for _, row in gone.iterrows()]
-    return None if len(points) < 2 else (t, seeds, points, fields, target, gone, untimed, late)
+    return t, seeds, points, fields, target, gone, untimed, late
 
 
 def never_reached(late: list[str]) -> str:
