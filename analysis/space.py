@@ -321,11 +321,12 @@ def times(study: StudyRuns):
 def timed(study: StudyRuns):
     """Each configuration's median seconds to the target over its seeds, where most of them reached it: (trials
     with their seconds, per-seed rows, per-configuration points, fields, target, the configurations left out as
-    diverged in a seed, those left out as not timed alone, those left out as never reaching the target in at least
-    half their timed seeds, each with its count); None where the study has no accuracy to maximize or no epoch
-    times. A seed that never reached the target counts in the median as slower than every seed that did (where
-    such seeds are half or more, the median is one of them: no time); a trial with no epoch time of its own (fused:
-    it logged its group's time) is not timed, and a configuration with no seed timed is left out by label."""
+    diverged in a seed, those left out as not timed alone (each with whether its trials trained fused), those left
+    out as never reaching the target in at least half their timed seeds, each with its count); None where the study
+    has no accuracy to maximize or no epoch times. A seed that never reached the target counts in the median as
+    slower than every seed that did (where such seeds are half or more, the median is one of them: no time); a trial
+    with no epoch time of its own (fused: it logged its group's time; or none logged) is not timed, and a
+    configuration with no seed timed is left out by label."""
     t = _objective_trials(study)
     fields = naming(study, t)
     value, direction = study.objectives[0]
@@ -336,14 +337,16 @@ def timed(study: StudyRuns):
     seconds = time_to_target(t, study.history, value, target)
     if seconds is None:
         return None
-    own = study.history.groupby("run_id")["epoch_time_s"].count()
-    timed = t["run_id"].map(own).fillna(0).gt(0).to_numpy()
+    h = study.history
+    alone = t["run_id"].map(h.groupby("run_id")["epoch_time_s"].count()).fillna(0).gt(0).to_numpy()
+    # (a trial that logged its group's time trained fused; one that logged neither, no time at all)
+    fused = t["run_id"].isin(h.loc[h["group_epoch_time_s"].notna(), "run_id"] if "group_epoch_time_s" in h else [])
     # (never reached: beyond every time, so the median is not moved by a seed that failed; not timed: NaN)
-    censored = np.where(timed, seconds.fillna(np.inf).to_numpy(), np.nan)
-    t = one_at_base(t.assign(seconds=seconds.values, _censored=censored), fields)
+    censored = np.where(alone, seconds.fillna(np.inf).to_numpy(), np.nan)
+    t = one_at_base(t.assign(seconds=seconds.values, _censored=censored, _fused=fused.astype(float).values), fields)
     # A configuration counts when most of its timed seeds reached the target; its time is their median.
     gone = diverged_in_a_seed(study.trials, fields)  # (a diverged seed never reached it: no median over the rest)
-    seeds = per_seed(t, fields, [value, "seconds", "_censored"])
+    seeds = per_seed(t, fields, [value, "seconds", "_censored", "_fused"])
     untimed_gone = without(gone, fields, seeds[seeds["_censored"].notna()])  # (one never timed is said untimed)
     gone = gone.drop(untimed_gone.index)
     seeds = without(seeds, fields, gone)
@@ -352,7 +355,7 @@ def timed(study: StudyRuns):
         key = key if isinstance(key, tuple) else (key,)
         clock = g["_censored"].dropna()
         if clock.empty:
-            untimed.append(label(dict(zip(fields, key)), fields))
+            untimed.append((label(dict(zip(fields, key)), fields), bool(g["_fused"].max() > 0)))
         elif np.isfinite(clock).sum() * 2 > len(clock):
             rows.append({**dict(zip(fields, key)), value: g[value].mean(), "half": ci95(g[value]),
                          "seconds": float(clock.median())})
@@ -374,17 +377,24 @@ def never_reached(late: list[str]) -> str:
             f"reached the target in at least half {'its' if one else 'their'} timed seeds: {'; '.join(late)}")
 
 
-def not_timed(study: StudyRuns, untimed: list[str], shown: int = 5) -> str:
-    """'; N configurations not timed: …', for times()'s configurations whose trials trained fused (each logged its
-    group's time, not its own), with the command that times them; '' where every configuration was timed."""
-    if not untimed:
-        return ""
-    names = "; ".join(untimed[:shown]) + ("; …" if len(untimed) > shown else "")
-    return (f"; {len(untimed)} configuration{'s' * (len(untimed) != 1)} not timed, "
-            f"{'its' if len(untimed) == 1 else 'their'} trials trained fused (several at once in one process, each "
-            f"logging its group's time, not its own): "
-            f"{names}; `{commands.command('run')} {study.run_as or '--study ' + study.name} --no-fuse` in a new "
-            f"folder times each trial alone")
+def not_timed(study: StudyRuns, untimed: list[tuple[str, bool]], shown: int = 5) -> str:
+    """'; N configurations not timed, …', for times()'s configurations with no time of their own: those whose
+    trials trained fused (each logged its group's time, not its own), with the command that times them, and those
+    that logged no epoch time at all (--no-fuse would not time them); '' where every configuration was timed."""
+    said = ""
+    for fused, why in ((True, "{its} trials trained fused (several at once in one process, each logging its "
+                               "group's time, not its own)"),
+                       (False, "no epoch time logged for {its} trials")):
+        names = [name for name, f in untimed if f == fused]
+        if not names:
+            continue
+        one = len(names) == 1
+        said += (f"; {len(names)} configuration{'s' * (not one)} not timed, {why.format(its='its' if one else 'their')}"
+                 f": {'; '.join(names[:shown])}{'; …' * (len(names) > shown)}")
+        if fused:
+            said += (f"; `{commands.command('run')} {study.run_as or '--study ' + study.name} --no-fuse` in a new "
+                     f"folder times each trial alone")
+    return said
 
 
 def time_front(study: StudyRuns) -> Figure | None:
