@@ -124,6 +124,26 @@ def reading(points: pd.DataFrame, noise: pd.DataFrame, lost: list[int] = (), cen
     """One series' steps per doubling, its fitted B_crit, and the noise scale at the target, in words. `lost`: the
     Bs run but left out of the fit, as most of their runs never reached the target; `censored`: the B of each run
     at a fitted B that never reached it (not fitted: its steps are beyond its length)."""
+    said, sizes, ratios, spans = _doublings(points, censored)
+    f = critical(points)
+    said += _fitted(points, f, sizes, ratios, spans, lost)
+    if f is not None and censored:
+        at = ", ".join(map(str, sorted(set(censored))))
+        said += (f"; {len(censored)} run{'s' * (len(censored) > 1)} at B = {at} that never reached it "
+                 f"{'is' if len(censored) == 1 else 'are'} not in the fit (censored)")
+    if noise.empty:
+        return said + "; no reliable noise scale was measured at the epoch the target was reached"
+    lo, hi = _interval(_resamples(noise, lambda p: float(p["noise"].median())))
+    seeds = noise["seed"].nunique()
+    spread = f"; {_too_few(seeds)}" if seeds < FEWEST_SEEDS else "" if math.isnan(lo) else \
+        f", 95% bootstrap interval over the seeds {_n(lo)} to {_n(hi)}"
+    return (said + f"; the gradient noise scale at the epoch the target was reached was {_n(noise['noise'].median())}"
+            f" (median of the {len(noise)} runs that measured it there{spread})")
+
+
+def _doublings(points: pd.DataFrame, censored: list[int]) -> tuple[str, list[int], list[float], dict]:
+    """The median steps' share from each B to the next, in words, with the Bs, the shares and the unresolved
+    spans."""
     # A censored run took more steps than its B's runs last, so more than every run there that reached it: in the
     # medians it counts as slower than all of them (fewer than half of a fitted B's runs are censored, so each
     # median is the true one; leaving them out would bias it low).
@@ -137,51 +157,42 @@ def reading(points: pd.DataFrame, noise: pd.DataFrame, lost: list[int] = (), cen
     slow = (f" (a run that never reached it counted as slower than every run that did: {len(censored)} "
             f"run{'s' * (len(censored) > 1)} at B = {', '.join(map(str, sorted(set(censored))))})" if censored else "")
     if not ratios:
-        said = f"only B = {sizes[0]} reached it"
-    elif not spans:
-        said = (f"each doubling of B took the median steps to {', '.join(f'{r:.2f}' for r in ratios)} of the B "
-                f"before{slow}")
-    else:  # (a ratio the evaluations cannot resolve is its range, never a number first)
-        each = [f"not resolved at B = {b} ({_span(*spans[b])})" if b in spans else f"{r:.2f} at B = {b}"
-                for b, r in zip(sizes[1:], ratios)]
-        said = (f"each doubling of B took the median steps to this share of the B before's: {'; '.join(each)} (a "
-                f"ratio is not resolved at this evaluation's granularity where the steps, known only to within an "
-                f"evaluation, leave a range whose ends lie twofold or more apart){slow}")
-    f = critical(points)
+        return f"only B = {sizes[0]} reached it", sizes, ratios, spans
+    if not spans:
+        return (f"each doubling of B took the median steps to {', '.join(f'{r:.2f}' for r in ratios)} of the B "
+                f"before{slow}"), sizes, ratios, spans
+    # (a ratio the evaluations cannot resolve is its range, never a number first)
+    each = [f"not resolved at B = {b} ({_span(*spans[b])})" if b in spans else f"{r:.2f} at B = {b}"
+            for b, r in zip(sizes[1:], ratios)]
+    return (f"each doubling of B took the median steps to this share of the B before's: {'; '.join(each)} (a "
+            f"ratio is not resolved at this evaluation's granularity where the steps, known only to within an "
+            f"evaluation, leave a range whose ends lie twofold or more apart){slow}"), sizes, ratios, spans
+
+
+def _fitted(points: pd.DataFrame, f, sizes: list[int], ratios: list[float], spans: dict, lost: list[int]) -> str:
+    """What the fit of S = S_min (1 + B_crit / B) says, or why it bounds nothing."""
     if f is None:
-        said += "; B_crit could not be fitted (fewer than 3 Bs reached the target)"
-    elif f.b_crit > max(f.sizes):
+        return "; B_crit could not be fitted (fewer than 3 Bs reached the target)"
+    if f.b_crit > max(f.sizes):
         scale = "0.50 is perfect scaling, 1 none"
         last = (f"the last doubling's share of the steps of the B before is not resolved ({_span(*spans[sizes[-1]])}; "
                 f"{scale})" if sizes[-1] in spans else
                 f"the last doubling still took the steps to {ratios[-1]:.2f} of the B before ({scale})")
-        said += f"; B_crit is above the largest B fitted ({max(f.sizes)}), so the fit cannot bound it: {last}"
+        said = f"; B_crit is above the largest B fitted ({max(f.sizes)}), so the fit cannot bound it: {last}"
         above = [b for b in lost if b > max(f.sizes)]
         if above:  # (right-censored: their steps to the target exceed the runs' length, which no fit here counts)
             said += (f"; at B = {', '.join(map(str, above))} most runs never reached the target in their epochs, "
                      f"which argues against a B_crit far above {max(f.sizes)} (those runs are censored, not fitted)")
-    elif f.b_crit < min(f.sizes):
-        said += f"; B_crit is below the smallest B fitted ({min(f.sizes)}): the fit cannot bound it"
+        return said
+    if f.b_crit < min(f.sizes):
+        return f"; B_crit is below the smallest B fitted ({min(f.sizes)}): the fit cannot bound it"
+    seeds = points["seed"].nunique()
+    if seeds < FEWEST_SEEDS:
+        spread = _too_few(seeds)
+    elif math.isnan(f.lo):
+        spread = "no bootstrap interval: too few resamples of the seeds could be fitted"
     else:
-        seeds = points["seed"].nunique()
-        if seeds < FEWEST_SEEDS:
-            spread = _too_few(seeds)
-        elif math.isnan(f.lo):
-            spread = "no bootstrap interval: too few resamples of the seeds could be fitted"
-        else:
-            hi = f"above {max(f.sizes)}, the largest B fitted" if f.hi > max(f.sizes) else _n(f.hi)
-            spread = f"95% bootstrap interval over the {points['seed'].nunique()} seeds {_n(f.lo)} to {hi}"
-        said += (f"; B_crit ≈ {_n(f.b_crit)} ({spread}; S_min ≈ {_n(f.s_min)} steps; from {f.runs} runs at "
-                 f"B = {f.sizes[0]} to {f.sizes[-1]})")
-    if f is not None and censored:
-        at = ", ".join(map(str, sorted(set(censored))))
-        said += (f"; {len(censored)} run{'s' * (len(censored) > 1)} at B = {at} that never reached it "
-                 f"{'is' if len(censored) == 1 else 'are'} not in the fit (censored)")
-    if noise.empty:
-        return said + "; no reliable noise scale was measured at the epoch the target was reached"
-    lo, hi = _interval(_resamples(noise, lambda p: float(p["noise"].median())))
-    seeds = noise["seed"].nunique()
-    spread = f"; {_too_few(seeds)}" if seeds < FEWEST_SEEDS else "" if math.isnan(lo) else \
-        f", 95% bootstrap interval over the seeds {_n(lo)} to {_n(hi)}"
-    return (said + f"; the gradient noise scale at the epoch the target was reached was {_n(noise['noise'].median())}"
-            f" (median of the {len(noise)} runs that measured it there{spread})")
+        hi = f"above {max(f.sizes)}, the largest B fitted" if f.hi > max(f.sizes) else _n(f.hi)
+        spread = f"95% bootstrap interval over the {seeds} seeds {_n(f.lo)} to {hi}"
+    return (f"; B_crit ≈ {_n(f.b_crit)} ({spread}; S_min ≈ {_n(f.s_min)} steps; from {f.runs} runs at "
+            f"B = {f.sizes[0]} to {f.sizes[-1]})")
