@@ -14,11 +14,18 @@ from .verdicts import judge
 from .wording import controlled, listed, plus_minus, stated, where_at
 
 
+# How a run with no reason logged ended, by its MLflow status (FINISHED runs are never missing).
+STATES = {"RUNNING": "is still marked running", "KILLED": "was killed", "SCHEDULED": "never started",
+          "FAILED": "failed with no reason logged"}
+ABSENT = "has no run logged"  # a (b, k) that makes a B in other seeds, with no row in this one (never logged)
+
+
 def missing_halves(trials: pd.DataFrame, b: int | None = None) -> list[tuple[str, int, str]]:
     """Where a (b, k) that makes a B did not finish in a seed for a reason other than doing worse (out of memory, an
-    error) while another (b, k) there did, that seed's value at B is the other half alone: each such case ('the true
-    batch (b = 512, k = 1) under sqrt ended with an error in seed 2 at B = 512', its number of seeds, the other
-    half: 'accumulated'), at B = `b` or at every B."""
+    error, killed, still running, or no run logged at all while the other halves at that B have one) while another
+    (b, k) there did, that seed's value at B is the other half alone: each such case ('the true batch (b = 512,
+    k = 1) under sqrt ended with an error in seed 2 at B = 512', its number of seeds, the other half:
+    'accumulated'), at B = `b` or at every B."""
     if not {"physical_batch", "accum_steps", "seed", "lr_rule", "status"} <= set(trials):
         return []
     rows = one_batch(trials)
@@ -26,23 +33,45 @@ def missing_halves(trials: pd.DataFrame, b: int | None = None) -> list[tuple[str
     reason = rows["reason"] if "reason" in rows else pd.Series(None, index=rows.index, dtype=object)
     done = rows[rows["status"] == "FINISHED"]
     lost = rows[(rows["status"] != "FINISHED") & ~reason.isin(WORSE)]
+    lost = lost.assign(_why=[_ended(r, st) for r, st in zip(reason[lost.index], lost["status"])])
     said = []
-    for (bb, pb, k, why), g in lost.assign(_why=reason.fillna("error")).groupby(
+    for (bb, pb, k, why), g in pd.concat([lost, _absent(rows)]).groupby(
             ["effective_batch", "physical_batch", "accum_steps", "_why"]):
         other = done[(done["effective_batch"] == bb) & ((done["physical_batch"] != pb) | (done["accum_steps"] != k))]
         g = g[[((other["lr_rule"] == r) & (other["seed"] == sd)).any() for r, sd in zip(g["lr_rule"], g["seed"])]]
         if g.empty:
             continue
         seeds = sorted(int(x) for x in g["seed"].unique())
-        ended = "ran out of memory" if why == "oom" else f"ended with an {why}" if why == "error" else f"ended ({why})"
         rules = in_order("lr_rule", g["lr_rule"].unique())
         under = "" if set(rules) >= set(rows.loc[rows["effective_batch"] == bb, "lr_rule"]) else \
             f" under {listed(rules)}"
-        said.append((f"{'the true batch' if k == 1 else 'accumulation'} (b = {int(pb)}, k = {int(k)}){under} {ended} "
+        said.append((f"{'the true batch' if k == 1 else 'accumulation'} (b = {int(pb)}, k = {int(k)}){under} {why} "
                      f"in seed{'s' * (len(seeds) > 1)} {listed([str(x) for x in seeds])}"
                      + (f" at B = {int(bb)}" if b is None else ""), len(seeds),
                      "accumulated" if k == 1 else "true-batch"))
     return said
+
+
+def _ended(reason, status: str) -> str:
+    """How a run that did not finish ended, in words: its reason where one was logged, else its status."""
+    if reason == "oom":
+        return "ran out of memory"
+    if reason == "error":
+        return "ended with an error"
+    if isinstance(reason, str) and reason:
+        return f"ended ({reason})"
+    return STATES.get(str(status), f"ended with status {status}")
+
+
+def _absent(rows: pd.DataFrame) -> pd.DataFrame:
+    """The (B, b, k, LR rule, seed) cells with no row: a (b, k) under a rule that ran at its B in some seed, in a
+    seed that ran at that B, with no run logged (an interrupted study, a run never recorded)."""
+    keys = ["effective_batch", "physical_batch", "accum_steps", "lr_rule"]
+    seeds = rows[["effective_batch", "seed"]].drop_duplicates()
+    cells = rows[keys].drop_duplicates().merge(seeds, on="effective_batch")
+    seen = rows[[*keys, "seed"]].drop_duplicates().assign(_seen=True)
+    cells = cells.merge(seen, on=[*keys, "seed"], how="left")
+    return cells[cells["_seen"].isna()].drop(columns="_seen").assign(_why=ABSENT)
 
 
 def _halves_note(t: pd.DataFrame, trials: pd.DataFrame) -> list[str]:

@@ -2,6 +2,7 @@
 a seed, why a configuration has no time of its own, and over how many seeds each comparison was paired."""
 import numpy as np
 
+from batchsweep.analysis.recommend import recommend
 from tests.test_recommend_resolve import _time_line, _timed
 
 
@@ -41,3 +42,41 @@ def test_configurations_fused_and_with_no_epoch_time_are_each_said_as_they_are()
     assert ("3 configurations not timed, their trials trained fused (several at once in one process, each logging "
             "its group's time, not its own): b = 64, k = 1, linear; b = 64, k = 1, none; b = 64, k = 1, sqrt; ") \
         in line and "1 configuration not timed, no epoch time logged for its trials: b = 32, k = 2, none" in line, line
+
+
+def _half_128(status):
+    """_drop's study, all finished, but for the true batch at B = 128 under sqrt in seed 2: its row absent (None)
+    or of `status` with no reason logged."""
+    from tests.test_recommend_review import _drop
+
+    study = _drop(oom_true_batch=False)
+    t = study.trials
+    t["reason"] = t["reason"].astype(object)
+    at = (t.physical_batch == 128) & (t.accum_steps == 1) & (t.lr_rule == "sqrt") & (t.seed == 2)
+    if status is None:
+        study.trials = t[~at].reset_index(drop=True)
+    else:
+        t.loc[at, ["status", "val_acc"]] = [status, np.nan]
+    return study
+
+
+def _halves_said(study, said):
+    from batchsweep.analysis.findings import summarize
+
+    [at_128] = [s for s in recommend(study) if s.startswith("At B = 128")]
+    assert said + ", so that seed's value at B is the accumulated half alone" in at_128, at_128
+    [halves] = [s for s in summarize(study.trials, study.history) if s.startswith("The LR rules are compared")]
+    assert said + " at B = 128, that seed counts the accumulated half alone" in halves, halves
+
+
+def test_a_half_whose_run_was_never_logged_is_found_and_said():
+    """The true batch at B = 128 under sqrt has no row in seed 2 (an interrupted study): that seed's value at B is
+    the accumulated half alone, said as for a half that failed, not mixed in unsaid."""
+    _halves_said(_half_128(None), "the true batch (b = 128, k = 1) under sqrt has no run logged in seed 2")
+
+
+def test_a_half_running_or_killed_with_no_reason_is_said_in_its_state_not_as_an_error():
+    for status, state in (("RUNNING", "is still marked running"), ("KILLED", "was killed")):
+        study = _half_128(status)
+        _halves_said(study, f"the true batch (b = 128, k = 1) under sqrt {state} in seed 2")
+        assert "error" not in " ".join(recommend(study)), status
