@@ -195,8 +195,9 @@ def ties(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], value: st
     """The configurations that cannot be told from the one of the best mean: each compared with it, paired by
     seed, under Benjamini-Hochberg over those comparisons (the best is picked from all of them, so its own mean is
     biased upward by the pick). The best is the first row. Second, those that share fewer than two seeds with it:
-    not compared, so neither tied nor resolved (a column `shared` counts the seeds they share). Third, those
-    resolved from it (a column `better`: resolved better, which only picks that go round in a circle leave).
+    not compared, so neither tied nor resolved. Third, those resolved from it (a column `better`: resolved better,
+    which only picks that go round in a circle leave). In each, a column `shared` counts the seeds a comparison
+    with the best paired (NaN for the best itself).
 
     Each mean ranks over the configuration's own finished seeds (the mean a sentence prints), a configuration with
     one finished seed is never the best, and one resolved above the pick on the seeds
@@ -216,12 +217,14 @@ def ties(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], value: st
         if not above or attempt == len(points):
             break
         order = [above[0], *(i for i in order if i != above[0])]
-    tied = [order[0]] + [i for i, v in zip(order[1:], verdicts) if v is not None and v.d.n >= 2 and not v.resolved]
+    tied = [(i, v.d.n) for i, v in zip(order[1:], verdicts) if v is not None and v.d.n >= 2 and not v.resolved]
     apart = [(i, 0 if v is None else v.d.n) for i, v in zip(order[1:], verdicts) if v is None or v.d.n < 2]
-    resolved = [(i, sign * v.d.mean < 0) for i, v in zip(order[1:], verdicts)
+    resolved = [(i, sign * v.d.mean < 0, v.d.n) for i, v in zip(order[1:], verdicts)
                 if v is not None and v.d.n >= 2 and v.resolved]
-    return (points.iloc[tied], points.iloc[[i for i, _ in apart]].assign(shared=[n for _, n in apart]),
-            points.iloc[[i for i, _ in resolved]].assign(better=[b for _, b in resolved]))
+    return (points.iloc[[order[0], *(i for i, _ in tied)]].assign(shared=[np.nan, *(n for _, n in tied)]),
+            points.iloc[[i for i, _ in apart]].assign(shared=[n for _, n in apart]),
+            points.iloc[[i for i, _, _ in resolved]].assign(better=[b for _, b, _ in resolved],
+                                                            shared=[n for _, _, n in resolved]))
 
 
 @dataclass

@@ -206,14 +206,17 @@ def _budget_sentence(study: StudyRuns, seeds: pd.DataFrame, points: pd.DataFrame
     seed."""
     points = points.sort_values(cost, kind="stable")  # (of an exact tie of the best mean, the cheapest first)
     tied, apart, resolved = ties(seeds, points, fields, value, maximize)
-    top, n = tied.iloc[0], int(seeds.groupby(fields, dropna=False).size().min())
+    top = tied.iloc[0]
     m = measure(study.trials, study.objectives[0])
     lower = below_per_b(study, m if m is not None and m.name == value else Measure(value, maximize), tied, fields)
     kept = tied[[label(row, fields) not in lower for _, row in tied.iterrows()]]
     cheap = kept.sort_values([cost, value], ascending=[True, not maximize]).iloc[0]
     compared = len(points) - 1 - len(apart)
-    control = (f"paired by seed over {n} seeds, Benjamini-Hochberg at 5% over {compared} "
-               f"comparison{'s' * (compared != 1)}" if n > 1 else "one seed: none can be told apart")
+    # (the seeds each comparison with the best paired: a configuration that lost a seed pairs fewer than the rest)
+    paired = [int(n) for n in pd.concat([tied["shared"].iloc[1:], resolved["shared"]])] or [0]
+    over = f"{min(paired)}" + (f" to {max(paired)}" if max(paired) > min(paired) else "")
+    control = (f"paired by seed over {over} seeds, Benjamini-Hochberg at 5% over {compared} "
+               f"comparison{'s' * (compared != 1)}")
     first = highest(seeds, points, fields, value, maximize)
     pick = picked(top, first, fields, len(points), maximize, label(first, fields))
     plain = not pick.startswith("resolved")  # (no contrast overturned the best mean)

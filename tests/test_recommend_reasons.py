@@ -80,3 +80,24 @@ def test_a_half_running_or_killed_with_no_reason_is_said_in_its_state_not_as_an_
         study = _half_128(status)
         _halves_said(study, f"the true batch (b = 128, k = 1) under sqrt {state} in seed 2")
         assert "error" not in " ".join(recommend(study)), status
+
+
+def test_the_budget_sentences_give_the_seeds_each_comparison_was_paired_over_not_the_fewest_alone():
+    """b = 512, k = 1, sqrt crashed in seed 0: its comparison with the best is over 2 seeds, every other over 3;
+    the memory line says 'over 2 to 3 seeds', not 'over 2 seeds' as if every comparison had 2."""
+    from batchsweep.analysis.space import memory_front
+    from tests.test_recommend_resolve import RULES
+    from tests.test_recommend_edges import _study
+
+    rng, rows = np.random.default_rng(1), []
+    for seed in range(3):
+        for rule in ("none", "sqrt", "linear"):
+            for b, k in ((32, 1), (32, 2), (64, 1), (512, 1)):
+                crash = (b, rule, seed) == (512, "sqrt", 0)
+                v = 0.95 - 0.01 * np.log2(b * k / 32) + rng.normal(0, 0.002)
+                rows.append(dict(seed=seed, lr_rule=rule, physical_batch=b, accum_steps=k, effective_batch=b * k,
+                                 base_batch=32, status="FAILED" if crash else "FINISHED",
+                                 reason="error" if crash else None, val_acc=np.nan if crash else round(v, 3),
+                                 peak_memory_bytes=1000.0 * b))
+    finding = memory_front(_study(rows, RULES)).finding
+    assert "paired by seed over 2 to 3 seeds, Benjamini-Hochberg" in finding, finding
