@@ -353,7 +353,7 @@ def failures(trials: pd.DataFrame) -> list[str]:
     bad = trials[trials["status"] != "FINISHED"]
     if bad.empty:
         return []
-    reasons = bad["reason"].fillna("unknown").value_counts()
+    reasons = bad["reason"].astype(object).fillna("unknown").value_counts()  # (a column of NaN alone is float)
     listing = ", ".join(f"{n} {reason}" for reason, n in reasons.items())
     health = ", except training health, which draws every trial" if "grad_norm" in trials else ""
     they = "it is" if len(bad) == 1 else "they are"
