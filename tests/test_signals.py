@@ -201,3 +201,42 @@ def test_a_stopped_audit_stops_its_script_and_ends_its_runs(tmp_path, how):
     runs = audit_runs()
     assert len(runs) == 4 and not [r for r in runs if r.info.status == "RUNNING"]
     assert {(r.info.status, r.data.tags.get("reason")) for r in runs} == {("KILLED", "interrupted")}
+
+
+def test_a_stop_that_lands_as_the_store_commits_a_trials_run_leaves_it_among_the_runs_ended(tmp_path):
+    """The store makes a trial's run RUNNING in one commit; a stop that lands right after it (sent from
+    SQLAlchemy's after_commit of the session that inserted the run) reaches the caller with the run among
+    `open_runs`, which every way out of a worker ends: it was left RUNNING after a Ctrl-C."""
+    from mlflow.store.tracking.dbmodels.models import SqlRun
+    from sqlalchemy import event
+    from sqlalchemy.orm import Session
+
+    from batchsweep.sweeps.stores.mlflow_store import Tracker
+
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "stops")
+    parent = tracker.start_parent("parent", {}, {})
+    inserted, sent = set(), []
+
+    def flushed(session, context):
+        if any(isinstance(row, SqlRun) for row in session.new):
+            inserted.add(id(session))
+
+    def committed(session):
+        if id(session) in inserted and not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    event.listen(Session, "after_flush", flushed)
+    event.listen(Session, "after_commit", committed)
+    try:
+        with interrupt.trapped(), pytest.raises(KeyboardInterrupt):
+            tracker.start_trial(parent, "0: stopped", {}, {})
+    finally:
+        event.remove(Session, "after_flush", flushed)
+        event.remove(Session, "after_commit", committed)
+        interrupt.handled()
+    assert sent, "the run's commit was never seen"
+    runs = [r for r in tracker.client.search_runs([tracker.experiment_id]) if r.info.run_id != parent]
+    assert [r.info.status for r in runs] == ["RUNNING"] and {r.info.run_id for r in runs} <= tracker.open_runs
+    tracker.end_open_runs("KILLED")
+    assert [tracker.client.get_run(r.info.run_id).info.status for r in runs] == ["KILLED"]

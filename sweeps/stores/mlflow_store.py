@@ -20,7 +20,7 @@ from mlflow.store.artifact.artifact_repository_registry import get_artifact_repo
 from mlflow.utils.mlflow_tags import (MLFLOW_DATASET_CONTEXT, MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NOTE,
                                      MLFLOW_SOURCE_NAME, MLFLOW_SOURCE_TYPE, MLFLOW_USER)
 
-from batchsweep.trainers import BatchsweepError, pid_alive
+from batchsweep.trainers import BatchsweepError, interrupt, pid_alive
 
 from .outcomes import INTERRUPTED
 from .urls import redact, sqlite_path, unreachable
@@ -218,11 +218,17 @@ class Tracker:
 
     def start_trial(self, parent_run_id: str, run_name: str, params: dict[str, Any],
                     tags: dict[str, Any]) -> str:
-        run = retry(lambda: self.client.create_run(
-            self.experiment_id, run_name=run_name,
-            tags={**_strings(tags), **self._owner_tags(), MLFLOW_PARENT_RUN_ID: parent_run_id}))
-        self.artifact_uris[run.info.run_id] = run.info.artifact_uri
-        self.open_runs.add(run.info.run_id)
+        # A stop that lands after the store made the run RUNNING but before it is known here would leave it
+        # RUNNING after the study ends: held until the run is one of open_runs, which every way out ends.
+        interrupt.hold()
+        try:
+            run = retry(lambda: self.client.create_run(
+                self.experiment_id, run_name=run_name,
+                tags={**_strings(tags), **self._owner_tags(), MLFLOW_PARENT_RUN_ID: parent_run_id}))
+            self.artifact_uris[run.info.run_id] = run.info.artifact_uri
+            self.open_runs.add(run.info.run_id)
+        finally:
+            interrupt.release()
         self.log(run.info.run_id, params=params)
         return run.info.run_id
 
