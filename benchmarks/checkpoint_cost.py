@@ -1,16 +1,16 @@
 """Cost of checkpoints at the default interval (every epoch), as a share of the epoch's time.
 
-Runs with and without `--checkpoint-dir` take turns in pairs, the order turned each pair. A probe notes when each epoch's last measurement ends and
-when the next epoch's first forward starts: the gap between them holds the checkpoint's serialization (model,
-optimizer, probes, RNG states, history) and the loop's own bookkeeping, which the runs without checkpoints
-measure alone. The file's write and fsync run in the background during the next epoch, whose time they may
-lengthen. Each pair gives the checkpoint's share of its median epoch (training and evaluation): the longer gap
-and the longer epoch together, against the run without; two runs' epochs differ by more than a checkpoint costs,
-so the figure is the median of the pairs' shares with its distribution-free 95% interval (6 pairs at least).
-Torch runs one thread, as a study's worker does (at two, a busy machine's OpenMP waits spin and count as CPU
-time). Time is the process's CPU time by default (--clock cpu), every thread's, the background write's included: wall
-time also counts the moments other processes hold the cores, which no checkpoint causes (single pairs of wall-clock
-epochs ranged from -98% to +390% at a load of 2.5 to 3; --clock wall measures it so).
+Runs with and without `--checkpoint-dir` take turns in pairs, the order turned each pair. A probe notes when
+each epoch's last measurement ends and when the next epoch's first forward starts: the gap between them holds the
+checkpoint's serialization (model, optimizer, probes, RNG states, history) and the loop's own bookkeeping, which
+the runs without checkpoints measure alone. The file's write and fsync run in the background during the next
+epoch. Each pair gives the checkpoint's share of its median epoch, from one epoch's end to the next's (the gap,
+the training and evaluation, and the write beside them), with against without; two runs' epochs differ by more
+than a checkpoint costs, so the figure is the median of the pairs' shares with its distribution-free 95% interval
+(6 pairs at least). Torch runs one thread, as a study's worker does (at two, a busy machine's OpenMP waits spin
+and count as CPU time). Time is the process's CPU time by default (--clock cpu), every thread's, the background
+write's included: wall time also counts the moments other processes hold the cores, which no checkpoint causes
+(single pairs of wall-clock epochs ranged from -98% to +390% at a load of 2.5 to 3; --clock wall measures it so).
 Prints each pair, the median gaps and epochs, the file's size and, last, `checkpoint_share=<x>`.
 
     python benchmarks/checkpoint_cost.py [--epochs 10] [--pairs 6] [--clock cpu|wall] [--model resnet18 ...]
@@ -80,7 +80,7 @@ def main() -> None:
                 own[saving] = (statistics.median(probe.gaps), statistics.median(run_epochs))
                 if saving:
                     size = (folder / FILE).stat().st_size
-            shares.append((own[True][0] - own[False][0] + own[True][1] - own[False][1]) / own[False][1])
+            shares.append((own[True][1] - own[False][1]) / own[False][1])  # (an epoch's span holds its gap)
             print(f"pair {pair + 1}: checkpoint share {shares[-1]:+.2%}", flush=True)
     without, with_ = statistics.median(gaps[False]), statistics.median(gaps[True])
     epoch, epoch_with = statistics.median(epochs[False]), statistics.median(epochs[True])
