@@ -147,13 +147,13 @@ def _alone(study: StudyRuns) -> str:
     found = timed(study)
     reached, late, gone = (0, [], []) if found is None else (len(found[2]), found[7], found[5])
     alone = reached + len(late)
+    left = f" ({len(gone)} more left out as {stopped_in(study.trials)} in a seed)" if gone else ""
     if alone < 2:
         return (f", and {'only ' * (alone == 1)}{alone or 'no'} configuration{'s' * (alone != 1)} "
-                f"{'was' if alone == 1 else 'were'} timed alone: too few to compare")
+                f"{'was' if alone == 1 else 'were'} timed alone{left}: too few to compare")
     t, target = found[0], found[4]
     value = study.objectives[0][0]
     to = f"{value} {full_percent(target, full_scale(t[value])) if 'acc' in value else shown(target)}"
-    left = f" ({len(gone)} more left out as {stopped_in(study.trials)} in a seed)" if gone else ""
     return (f", and of the {alone} configurations timed alone{left}, {'only one' if reached else 'none'} reached "
             f"{to} in most of {'its' if reached else 'their'} seeds")
 

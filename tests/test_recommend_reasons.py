@@ -101,3 +101,16 @@ def test_the_budget_sentences_give_the_seeds_each_comparison_was_paired_over_not
                                  peak_memory_bytes=1000.0 * b))
     finding = memory_front(_study(rows, RULES)).finding
     assert "paired by seed over 2 to 3 seeds, Benjamini-Hochberg" in finding, finding
+
+
+def test_configurations_timed_alone_left_out_as_diverged_are_counted_where_too_few_remain():
+    """b = 32, k = 2 and b = 64 trained fused; of the 4 configurations timed alone, the 3 at b = 128 diverged in
+    seed 0: one remains, too few to compare, and the line says the 3 left out (it read 'only 1 configuration was
+    timed alone')."""
+    study = _timed(fused=((32, 2), (64, 1)))
+    t = study.trials
+    t["reason"] = None  # (a study with nothing but finished trials logs no reason column)
+    at = (t.physical_batch == 128) & (t.seed == 0)
+    t.loc[at, ["status", "reason", "val_acc"]] = ["FAILED", "diverged", np.nan]
+    [line] = _time_line(study)
+    assert "only 1 configuration was timed alone (3 more left out as diverged in a seed): too few" in line, line
