@@ -299,8 +299,9 @@ def _micro_batch(active: list[Member], forward, buffers: dict[str, torch.Tensor]
 
 def _step(ending: list[tuple[Member, Window]]) -> None:
     """The members whose windows end here step: those `batched` allows in one update, the others each alone."""
-    step_together([(m.run.t, m.step, window.size) for m, window in ending if batched(m.run.t)])
-    for m, window in ending:
-        if not batched(m.run.t):
+    together = [batched(m.run.t) for m, _ in ending]
+    step_together([(m.run.t, m.step, window.size) for (m, window), both in zip(ending, together) if both])
+    for (m, window), both in zip(ending, together):
+        if not both:
             end_window(m.run.t, m.step, window.size, m.counted)
         m.step, m.samples, m.counted = m.step + 1, m.samples + window.size, 0
