@@ -3,7 +3,9 @@ best at, their geometric mean with a 95% interval over the seeds, and the curve'
 find that Adam's best LR rises and then falls with B, peaking near the gradient noise scale; for SGD it only
 rises (McCandlish et al. 2018). A shape is named only where the seeds resolve it, and no interval is narrower
 than the grid of LRs tried allows: each seed's best is known to half the spacing of the LRs tried around it (the
-curve near its best taken as symmetric in log LR), which seeds that agree cannot narrow.
+curve near its best taken as symmetric in log LR), which seeds that agree cannot narrow. A seed whose best is the
+lowest (highest) LR tried at a B leaves every interval through that B open on the side the true best beyond it
+would move: a step, or the slope, is not resolved where a best beyond the grid could undo it.
 
     python -m batchsweep.analysis.best_lr STUDY [STUDY ...] [--tracking-uri URI] [--figure best_lr.png] [--by-epoch]
 
@@ -31,7 +33,7 @@ PEAKS = np.linspace(-4.0, 4.0, 801)  # candidate log2(peak / geometric middle of
 @dataclass(frozen=True)
 class BestAt:
     """The best LR at one B: the geometric mean over the seeds of each seed's best, and its 95% t-interval (never
-    narrower than the grid's rounding, `grid`)."""
+    narrower than the grid's rounding, `grid`; 0 below or inf above where a seed's best is that edge of the grid)."""
 
     batch: int
     lr: float
@@ -54,11 +56,14 @@ class BestLR:
     slope: float  # of log best LR against log B, a line through every B; its 95% t-interval over the seeds
     slope_low: float
     slope_high: float
-    steps: tuple[tuple[int, int, float, float], ...]  # (B, next B, 95% interval of log(best there / best here))
+    # (B, next B, the seeds' mean of log(best there / best here) and its 95% interval, -inf or inf on a side a best at
+    # the edge of the LRs tried leaves open)
+    steps: tuple[tuple[int, int, float, float, float], ...]
     noise_scale: float  # median over the best trials that measured it (NaN: none did)
     noise_range: tuple[float, float]
     noise_trials: int
     shape: str  # "rises then falls" | "only rises" | "only falls" | "did not move" | "not resolved" (see _shape)
+    # (the slope's interval is -inf or inf on a side a seed's best at the edge of the LRs tried leaves open)
     # | "beyond the LRs tried" (every seed's best the same end of the LRs tried at every B: no slope is read)
     ends: tuple[float, float]  # the lowest and highest base LR tried (the study's setting; the LR where none)
 
@@ -81,6 +86,12 @@ class BestLR:
             text = (f"The best LR tried did not move with B from {lo} to {hi}: each seed's best LR was the same at "
                     f"every B (slope 0; each best is known to half the spacing of the LRs tried around it, so the "
                     f"slope's 95% interval is {_two(self.slope_low)} to {_two(self.slope_high)}).")
+        elif self.slope == 0 and all(np.allclose(p.seeds, self.points[0].seeds) for p in self.points):
+            side = ("on either side" if math.isinf(self.slope_low) and math.isinf(self.slope_high)
+                    else "above" if math.isinf(self.slope_high) else "below")
+            text = (f"Each seed's best of the LRs tried was the same at every B from {lo} to {hi}, but with a best at "
+                    f"the edge of the LRs tried the slope's 95% interval is not bounded {side}: whether the best LR "
+                    f"moves with B is not resolved.")
         elif self.shape == "rises then falls":
             spread = (f"95% bootstrap interval over {n} seeds {self.peak_low:.0f} to {self.peak_high:.0f}"
                       if n >= 5 else f"resampling {n} seeds moves it from {self.peak_low:.0f} to "
@@ -88,32 +99,32 @@ class BestLR:
             text = (f"The best LR rises and then falls with B: Li et al.'s curve peaks at B ≈ {self.peak:.0f} "
                     f"({spread}).")
         elif self.shape == "only rises":
-            text = (f"The best LR only rises with B from {lo} to {hi} (slope {_two(self.slope)} in log-log, 95% "
-                    f"interval {_two(self.slope_low)} to {_two(self.slope_high)}; no fall between neighbouring Bs is "
-                    f"resolved): no peak in the range.")
+            text = (f"The best LR only rises with B from {lo} to {hi} (slope {_two(self.slope)} in log-log, "
+                    f"{_span(self.slope_low, self.slope_high)}; no fall between neighbouring Bs is resolved): no peak "
+                    f"in the range.")
         elif self.shape == "only falls":
-            text = (f"The best LR only falls with B from {lo} to {hi} (slope {_two(self.slope)}, 95% interval "
-                    f"{_two(self.slope_low)} to {_two(self.slope_high)}): no peak in the range; a peak, if any, lies "
-                    f"below B = {lo}.")
+            text = (f"The best LR only falls with B from {lo} to {hi} (slope {_two(self.slope)}, "
+                    f"{_span(self.slope_low, self.slope_high)}): no peak in the range; a peak, if any, lies below B = "
+                    f"{lo}.")
         elif self.slope_low > 0 or self.slope_high < 0:
             rises = self.slope_low > 0
-            against = [f"{a} to {b}" for a, b, low, high in self.steps
-                       if (low + high < 0 if rises else low + high > 0) and low <= 0 <= high]
+            against = [f"{a} to {b}" for a, b, mean, low, high in self.steps
+                       if (mean < 0 if rises else mean > 0) and low <= 0 <= high]
             text = (f"The best LR {'rises' if rises else 'falls'} with B from {lo} to {hi} overall (slope "
-                    f"{_two(self.slope)} in log-log, 95% interval {_two(self.slope_low)} to {_two(self.slope_high)})"
+                    f"{_two(self.slope)} in log-log, {_span(self.slope_low, self.slope_high)})"
                     + (f", but its mean {'falls' if rises else 'rises'} from B = {', '.join(against)}, which {n} "
                        f"seeds do not resolve: whether it has a peak in the range is not resolved."
                        if against else f", but not at every step; no peak is resolved with {n} seeds."))
         else:
             text = (f"No peak is resolved between B = {lo} and {hi} with {n} seeds, nor a direction (slope "
-                    f"{_two(self.slope)}, 95% interval {_two(self.slope_low)} to {_two(self.slope_high)}).")
-        falls = [f"{a} to {b}" for a, b, _, high in self.steps if high < 0]
+                    f"{_two(self.slope)}, {_span(self.slope_low, self.slope_high)}).")
+        falls = [f"{a} to {b}" for a, b, _, _, high in self.steps if high < 0]
         if falls and self.shape not in ("only falls", "beyond the LRs tried"):
             text += f" It falls, beyond the seeds' spread and the LR grid's spacing, from B = {', '.join(falls)}."
         edges = [p.batch for p in self.points if p.at_edge]
         if edges and self.shape != "beyond the LRs tried":
             text += (f" At B = {', '.join(map(str, edges))} some seed's best LR is the edge of the LRs tried: "
-                     f"the true best may lie beyond it.")
+                     f"the true best may lie beyond it, so no move it could undo is read as resolved.")
         if math.isnan(self.noise_scale):
             return text + " No trial measured the noise scale (it needs accum_steps >= 2)."
         text += (f" The gradient noise scale measured by the best trials is {self.noise_scale:.0f} (median of "
@@ -180,6 +191,17 @@ def _two(x: float) -> str:
     return f"{round(x, 2) + 0.0:.2f}"
 
 
+def _span(low: float, high: float) -> str:
+    """The slope's 95% interval in words, a side left open by a best at the edge of the LRs tried said so."""
+    if math.isinf(low) and math.isinf(high):
+        return "95% interval not bounded on either side: a seed's best sat at the edge of the LRs tried"
+    if math.isinf(high):
+        return f"95% interval {_two(low)} or more, not bounded above: a seed's best sat at the edge of the LRs tried"
+    if math.isinf(low):
+        return f"95% interval {_two(high)} or less, not bounded below: a seed's best sat at the edge of the LRs tried"
+    return f"95% interval {_two(low)} to {_two(high)}"
+
+
 def best_lr_against_b(trials: pd.DataFrame, metric: str, direction: str, seed: int = 0) -> BestLR:
     """From one row per trial (effective_batch, lr, seed, the metric; status FINISHED counts): at each B each
     seed's best LR, refined by a parabola in log LR through its neighbours, then the shape over B."""
@@ -210,28 +232,41 @@ def best_lr_against_b(trials: pd.DataFrame, metric: str, direction: str, seed: i
     logs = np.array([[best[b, s][0] for s in seeds] for b in batches])  # (B, seed)
     centre, x = logs.mean(axis=1), np.log(np.array(batches, dtype=float))
     grid = np.array([max(best[b, s][4] for s in seeds) for b in batches])  # (B,)
-    points = tuple(BestAt(b, math.exp(c), *np.exp(_interval(row, g)), tuple(np.exp(row)),
+    # A seed's best at the lowest (highest) LR tried: the true best may lie anywhere below (above) it.
+    bottom = np.array([any(best[b, s][1] and not best[b, s][3] for s in seeds) for b in batches])
+    up = np.array([any(best[b, s][3] for s in seeds) for b in batches])
+    points = tuple(BestAt(b, math.exp(c), *np.exp(_open(_interval(row, g), below, above)), tuple(np.exp(row)),
                           sum(best[b, s][1] for s in seeds), sum(best[b, s][3] for s in seeds), g)
-                   for b, c, row, g in zip(batches, centre, logs, grid))
+                   for b, c, row, g, below, above in zip(batches, centre, logs, grid, bottom, up))
+
+    def change(i: int, j: int) -> tuple[float, float, float]:
+        """log(best at batches[j] / best at batches[i]): the seeds' mean and its interval, open on a side a best
+        beyond the grid at either end could move it to."""
+        d = logs[j] - logs[i]
+        return float(d.mean()), *_open(_interval(d, grid[i] + grid[j]), up[i] or bottom[j], bottom[i] or up[j])
+
     peak, peak_low, peak_high = _peak_with_interval(x, logs, seed)
     # Each seed's best the same at every B: a slope of exactly 0, not polyfit's rounding (-1e-16 read as a fall).
     still = bool(np.ptp(logs, axis=0).max() < STILL)
     # The most rounding each B's best to its grid (up to grid[i] in log) can move a least-squares slope.
     weights = (x - x.mean()) / ((x - x.mean()) ** 2).sum()
     slopes = np.zeros(len(seeds)) if still else np.polyfit(x, logs, 1)[0]  # each seed's slope
-    slope_low, slope_high = _interval(slopes, float(np.abs(weights) @ grid))
-    steps = tuple((a, b, *_interval(logs[i + 1] - logs[i], grid[i] + grid[i + 1]))
-                  for i, (a, b) in enumerate(zip(batches, batches[1:])))
+    # A best beyond the grid at a B of nonzero weight can pull the slope without bound the way it leans.
+    lean = np.where(np.abs(weights) > 1e-9 * np.abs(weights).max(), np.sign(weights), 0)
+    slope_low, slope_high = _open(_interval(slopes, float(np.abs(weights) @ grid)),
+                                  bool(np.any(up & (lean < 0) | bottom & (lean > 0))),
+                                  bool(np.any(up & (lean > 0) | bottom & (lean < 0))))
+    steps = tuple((a, b, *change(i, i + 1)) for i, (a, b) in enumerate(zip(batches, batches[1:])))
     top = int(np.argmax(centre))  # a turn: the best LR at an inside B resolved above both ends', seed by seed
-    turned = 0 < top < len(batches) - 1 and all(_interval(logs[top] - logs[end], grid[top] + grid[end])[0] > 0
-                                                 for end in (0, -1))
+    turned = 0 < top < len(batches) - 1 and all(change(end, top)[1] > 0 for end in (0, len(batches) - 1))
     noise = _noise(done, [best[b, s][2] for b in batches for s in seeds])
     slope = 0.0 if still else float(np.polyfit(x, centre, 1)[0])
     # Every seed's best the top (or every one the bottom) of the LRs tried at every B: the true bests lie beyond,
     # anywhere, so no slope between them is read.
     n = len(seeds)
     beyond = all(p.at_top == n for p in points) or all(p.at_edge - p.at_top == n for p in points)
-    shape = ("beyond the LRs tried" if beyond else "did not move" if still
+    bounded = math.isfinite(slope_low) and math.isfinite(slope_high)
+    shape = ("beyond the LRs tried" if beyond else "did not move" if still and bounded
              else _shape(turned, slope_low, slope_high, steps))
     axis = "base_lr" if "base_lr" in done and done["base_lr"].notna().all() else "lr"
     ends = (float(done[axis].min()), float(done[axis].max()))
@@ -251,6 +286,12 @@ def _interval(values: np.ndarray, grid: float = 0.0) -> tuple[float, float]:
     return float(np.mean(values) - half), float(np.mean(values) + half)
 
 
+def _open(interval: tuple[float, float], below: bool, above: bool) -> tuple[float, float]:
+    """The interval with its lower (upper) end at -inf (inf) where a best beyond the LRs tried could move it there."""
+    low, high = interval
+    return (-math.inf if below and not math.isnan(low) else low), (math.inf if above and not math.isnan(high) else high)
+
+
 def _peak_with_interval(x: np.ndarray, logs: np.ndarray, seed: int) -> tuple[float, float, float]:
     """Li et al.'s peak fitted to the seeds' mean, and its 95% interval by a bootstrap over the seeds (with 3
     seeds, 10 distinct resamples: a rough interval)."""
@@ -268,9 +309,9 @@ def _shape(turned: bool, slope_low: float, slope_high: float, steps: tuple) -> s
     peak: "only rises" would deny it); otherwise not resolved."""
     if turned:
         return "rises then falls"
-    if slope_low > 0 and all(low + high >= 0 for _, _, low, high in steps):
+    if slope_low > 0 and all(mean >= 0 for _, _, mean, _, _ in steps):
         return "only rises"
-    if slope_high < 0 and all(low + high <= 0 for _, _, low, high in steps):
+    if slope_high < 0 and all(mean <= 0 for _, _, mean, _, _ in steps):
         return "only falls"
     return "not resolved"
 
@@ -338,8 +379,14 @@ def draw(result: BestLR):
     for p in result.points:
         ax.scatter([p.batch] * len(p.seeds), p.seeds, color="0.6", s=12, zorder=2)
     lrs = np.array([p.lr for p in result.points])
-    ax.errorbar(batches, lrs, yerr=[lrs - [p.low for p in result.points], [p.high for p in result.points] - lrs],
+    low, high = np.array([p.low for p in result.points]), np.array([p.high for p in result.points])
+    ax.errorbar(batches, lrs, yerr=[np.where(low > 0, lrs - low, 0), np.where(np.isfinite(high), high - lrs, 0)],
                 fmt="o-", color="C0", capsize=3, label="best LR (geometric mean over seeds, 95% interval)")
+    for side, marker in ((low == 0, "v"), (~np.isfinite(high), "^")):  # (an interval a best at an edge leaves open)
+        if side.any():
+            ax.scatter(batches[side], lrs[side], marker=marker, s=60, color="C3", zorder=3,
+                       label=f"interval not bounded {'below' if marker == 'v' else 'above'} (a best at the edge "
+                             f"of the LRs tried)")
     if result.shape == "rises then falls":
         grid = np.geomspace(batches[0], batches[-1], 100)
         curve = 1 / (np.sqrt(result.peak / grid) + np.sqrt(grid / result.peak))
@@ -365,7 +412,10 @@ def table(result: BestLR) -> str:
     rows = ["| B | best LR | 95% interval | each seed's best | at the edge |", "|---|---|---|---|---|"]
     for p in result.points:
         seeds = ", ".join(f"{v:.3g}" for v in p.seeds)
-        rows.append(f"| {p.batch} | {p.lr:.3g} | {p.low:.3g} to {p.high:.3g} | {seeds} | {p.at_edge} |")
+        span = (f"{p.low:.3g} to {p.high:.3g}" if 0 < p.low and p.high < math.inf else "not bounded"
+                if p.low == 0 and p.high == math.inf else f"{p.high:.3g} or less" if p.low == 0
+                else f"{p.low:.3g} or more")
+        rows.append(f"| {p.batch} | {p.lr:.3g} | {span} | {seeds} | {p.at_edge} |")
     return "\n".join(rows)
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import pandas as pd
 
 from . import branching
@@ -264,32 +263,20 @@ def lr_exponent(trials: pd.DataFrame, m: Measure = ACCURACY, history: pd.DataFra
 
 
 def _reading(found, trials: pd.DataFrame) -> str:
-    """The LR rule the slope's interval reads as, where it can: a slope through a best LR at the edge of the LRs
-    tried is a bound from one side at most, and one through a curve that does not move as one power of B (a
-    turn, or a step against the slope's direction) is no rule."""
-    if not math.isfinite(found.slope_low) or found.shape == "beyond the LRs tried":  # (its sentence says why)
+    """The LR rule the slope's interval reads as, where it can: none through a best LR at the edge of the LRs tried
+    (the sentence gives the slope's interval, open on the side the edge leaves open), nor through a curve that
+    does not move as one power of B (a turn, or a step against the slope's direction)."""
+    if math.isnan(found.slope_low) or found.shape == "beyond the LRs tried":  # (its sentence says why)
         return ""
-    edges = [p for p in found.points if p.at_edge]
-    if edges:
-        lr = trials.assign(lr=trials[trained_lr(trials)])
-        middle = np.mean([math.log(p.batch) for p in found.points])
-        # (by the edge each seed's best sat at: the geometric mean of the seeds lies inside the grid)
-        tried = {p.batch: lr.loc[lr["effective_batch"] == p.batch, "lr"] for p in edges}
-        signs = {(1 if math.isclose(s, tried[p.batch].max(), rel_tol=1e-6) else -1)
-                 * np.sign(math.log(p.batch) - middle) for p in edges for s in p.seeds
-                 if math.isclose(s, tried[p.batch].max(), rel_tol=1e-6)
-                 or math.isclose(s, tried[p.batch].min(), rel_tol=1e-6)}
-        bound = ("a lower bound at most (the true best LR there may be larger, the slope steeper)" if signs == {1}
-                 else "an upper bound at most" if signs == {-1} else "no bound from either side")
-        return (f" With a best LR at the edge of the LRs tried, the slope's interval ({found.slope_low:.2f} to "
-                f"{found.slope_high:.2f}) is {bound}: no LR rule is read from it; widen the LR grid there.")
+    if any(p.at_edge for p in found.points):
+        return " No LR rule is read from the slope while a best sits at the edge of the LRs tried: widen the LR grid."
     if found.shape == "rises then falls" or (found.shape == "not resolved" and
                                              (found.slope_low > 0 or found.slope_high < 0)):
         return " No LR rule is read from the slope: the best LR does not move with B as one power of it here."
     # A step resolved against the slope's direction (its interval over the seeds excludes 0): a line through
     # means that go up and down is no rule to scale by; a wiggle the seeds do not resolve is no move.
     at = {p.batch: p for p in found.points}
-    against = [(at[a], at[b]) for a, b, low, high in found.steps
+    against = [(at[a], at[b]) for a, b, _, low, high in found.steps
                if (found.slope > 0 and high < 0) or (found.slope < 0 and low > 0)]
     if against:
         a, b = against[0]
@@ -297,7 +284,7 @@ def _reading(found, trials: pd.DataFrame) -> str:
                 f"{b.batch} ({a.lr:.3g} to {b.lr:.3g}, beyond the seeds' spread and the LR grid's spacing), so no "
                 f"one power of B describes it here; use each B's best LR.")
     # An interval that holds 0 beside a step the seeds resolve: the flat reading would deny that move.
-    moves = [(at[a], at[b]) for a, b, low, high in found.steps if low > 0 or high < 0]
+    moves = [(at[a], at[b]) for a, b, _, low, high in found.steps if low > 0 or high < 0]
     if moves and round(found.slope_low, 2) <= 0 <= round(found.slope_high, 2):
         a, b = moves[0]
         return (f" No LR rule is read from the slope: its interval holds 0, but the best LR moved from B = "
