@@ -198,9 +198,10 @@ def _out_of_memory(trials: pd.DataFrame, b: int) -> str:
     if oom and set(oom) >= set(true["seed"]):
         return (f"; the true batch (b = {b}, k = 1) ran out of memory here in every seed: accumulation is how B is "
                 f"reached")
-    return "".join(f"; {x}, so {THAT_SEED if n == 1 else THOSE_SEEDS} at B "
+    return "".join(f"; {x}, so every seed's value at B is the {half} half alone" if every else
+                   f"; {x}, so {THAT_SEED if n == 1 else THOSE_SEEDS} at B "
                    f"{'is' if n == 1 else 'are'} the {half} half alone, the other seeds' the mean of both halves"
-                   for x, n, half in missing_halves(trials, b))
+                   for x, n, half, every in missing_halves(trials, b))
 
 
 def _gap(trials: pd.DataFrame, rule: str, b: int, gone: dict) -> str:

@@ -20,20 +20,23 @@ STATES = {"RUNNING": "is still marked running", "KILLED": "was killed", "SCHEDUL
 ABSENT = "has no run logged"  # a (b, k) that makes a B in other seeds, with no row in this one (never logged)
 
 
-def missing_halves(trials: pd.DataFrame, b: int | None = None) -> list[tuple[str, int, str]]:
-    """Where a (b, k) that makes a B did not finish in a seed for a reason other than doing worse (out of memory, an
-    error, killed, still running, or no run logged at all while the other halves at that B have one) while another
-    (b, k) there did, that seed's value at B is the other half alone: each such case ('the true batch (b = 512,
-    k = 1) under sqrt ended with an error in seed 2 at B = 512', its number of seeds, the other half:
-    'accumulated'), at B = `b` or at every B."""
+def missing_halves(trials: pd.DataFrame, b: int | None = None) -> list[tuple[str, int, str, bool]]:
+    """Where a (b, k) that makes a B did not finish as asked in a seed for a reason other than doing worse (out of
+    memory, an error, killed, still running, a script that did not run as asked, or no run logged at all while
+    another rule or seed ran it at that B) while another (b, k) there did, that seed's value at B is the other half
+    alone: each such case ('the true batch (b = 512, k = 1) under sqrt ended with an error in seed 2 at B = 512',
+    its number of seeds, the other half: 'accumulated', whether that is every seed that ran at B), at B = `b` or at
+    every B."""
     if not {"physical_batch", "accum_steps", "seed", "lr_rule", "status"} <= set(trials):
         return []
     rows = one_batch(trials)
     rows = rows if b is None else rows[rows["effective_batch"] == b]
     reason = rows["reason"] if "reason" in rows else pd.Series(None, index=rows.index, dtype=object)
-    done = rows[rows["status"] == "FINISHED"]
-    lost = rows[(rows["status"] != "FINISHED") & ~reason.isin(WORSE)]
-    lost = lost.assign(_why=[_ended(r, st) for r, st in zip(reason[lost.index], lost["status"])])
+    mismatch = rows["config_mismatch"] if "config_mismatch" in rows else pd.Series(None, index=rows.index, dtype=object)
+    done = finished(rows)  # (a run that did not run as asked compares nothing: its half is missing as well)
+    lost = rows[~rows.index.isin(done.index) & ~reason.isin(WORSE)]
+    lost = lost.assign(_why=[_ended(r, st, m) for r, st, m in
+                             zip(reason[lost.index], lost["status"], mismatch[lost.index])])
     said = []
     for (bb, pb, k, why), g in pd.concat([lost, _absent(rows)]).groupby(
             ["effective_batch", "physical_batch", "accum_steps", "_why"]):
@@ -41,19 +44,28 @@ def missing_halves(trials: pd.DataFrame, b: int | None = None) -> list[tuple[str
         g = g[[((other["lr_rule"] == r) & (other["seed"] == sd)).any() for r, sd in zip(g["lr_rule"], g["seed"])]]
         if g.empty:
             continue
+        at = rows[rows["effective_batch"] == bb]
         seeds = sorted(int(x) for x in g["seed"].unique())
         rules = in_order("lr_rule", g["lr_rule"].unique())
-        under = "" if set(rules) >= set(rows.loc[rows["effective_batch"] == bb, "lr_rule"]) else \
-            f" under {listed(rules)}"
-        said.append((f"{'the true batch' if k == 1 else 'accumulation'} (b = {int(pb)}, k = {int(k)}){under} {why} "
-                     f"in seed{'s' * (len(seeds) > 1)} {listed([str(x) for x in seeds])}"
-                     + (f" at B = {int(bb)}" if b is None else ""), len(seeds),
-                     "accumulated" if k == 1 else "true-batch"))
+        under = "" if set(rules) >= set(at["lr_rule"]) else f" under {listed(rules)}"
+        every = set(seeds) >= set(at["seed"]) and len(seeds) > 1
+        if every and why == ABSENT:  # (a run the other rules have there: not the study's design, as far as it shows)
+            ran = in_order("lr_rule", at.loc[(at["physical_batch"] == pb) & (at["accum_steps"] == k), "lr_rule"]
+                           .unique())
+            where = f" in any seed ({listed(ran)} ran it)"
+        else:
+            where = f" in seed{'s' * (len(seeds) > 1)} {listed([str(x) for x in seeds])}"
+        said.append((f"{'the true batch' if k == 1 else 'accumulation'} (b = {int(pb)}, k = {int(k)}){under} {why}"
+                     f"{where}" + (f" at B = {int(bb)}" if b is None else ""), len(seeds),
+                     "accumulated" if k == 1 else "true-batch", every))
     return said
 
 
-def _ended(reason, status: str) -> str:
-    """How a run that did not finish ended, in words: its reason where one was logged, else its status."""
+def _ended(reason, status: str, mismatch=None) -> str:
+    """How a run that did not finish as asked ended, in words: the mismatch the tracer saw, its reason where one was
+    logged, else its status."""
+    if isinstance(mismatch, str) and mismatch:
+        return f"did not run as it was asked to ({mismatch})"
     if reason == "oom":
         return "ran out of memory"
     if reason == "error":
@@ -64,11 +76,13 @@ def _ended(reason, status: str) -> str:
 
 
 def _absent(rows: pd.DataFrame) -> pd.DataFrame:
-    """The (B, b, k, LR rule, seed) cells with no row: a (b, k) under a rule that ran at its B in some seed, in a
-    seed that ran at that B, with no run logged (an interrupted study, a run never recorded)."""
+    """The (B, b, k, LR rule, seed) cells with no row: a (b, k) that ran at its B under some rule, under a rule and
+    in a seed that ran at that B, with no run logged (an interrupted study, a run never recorded)."""
     keys = ["effective_batch", "physical_batch", "accum_steps", "lr_rule"]
     seeds = rows[["effective_batch", "seed"]].drop_duplicates()
-    cells = rows[keys].drop_duplicates().merge(seeds, on="effective_batch")
+    rules = rows[["effective_batch", "lr_rule"]].dropna().drop_duplicates()
+    made = rows[["effective_batch", "physical_batch", "accum_steps"]].drop_duplicates()
+    cells = made.merge(rules, on="effective_batch").merge(seeds, on="effective_batch")
     seen = rows[[*keys, "seed"]].drop_duplicates().assign(_seen=True)
     cells = cells.merge(seen, on=[*keys, "seed"], how="left")
     return cells[cells["_seen"].isna()].drop(columns="_seen").assign(_why=ABSENT)
@@ -87,9 +101,13 @@ def _halves_note(t: pd.DataFrame, trials: pd.DataFrame) -> list[str]:
     at = f"B = {mixed[0]}" if len(mixed) == 1 else f"B = {listed([str(b) for b in mixed])}"
     return [f"The LR rules are compared over every trial at a B: at {at}, each seed's runs at the (b, k) that "
             f"make that B (accumulated and true batch) are averaged, then paired by seed"
-            + "".join(f"; where {x}, {'that seed' if n == 1 else 'those seeds'} count{'s' * (n == 1)} the {half} "
-                      f"half alone" for x, n, half in missing_halves(trials))
+            + "".join(f"; where {x}, {_counts(n, every)} the {half} half alone"
+                      for x, n, half, every in missing_halves(trials))
             + "; the sentence on accumulation compares the two."]
+
+
+def _counts(n: int, every: bool) -> str:
+    return "every seed counts" if every else "that seed counts" if n == 1 else "those seeds count"
 
 
 def ended_worse(rows: pd.DataFrame) -> tuple[int, int, str] | None:

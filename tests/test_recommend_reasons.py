@@ -114,3 +114,31 @@ def test_configurations_timed_alone_left_out_as_diverged_are_counted_where_too_f
     t.loc[at, ["status", "reason", "val_acc"]] = ["FAILED", "diverged", np.nan]
     [line] = _time_line(study)
     assert "only 1 configuration was timed alone (3 more left out as diverged in a seed): too few" in line, line
+
+
+def test_a_half_no_seed_ran_under_one_rule_while_the_others_ran_it_is_named():
+    """The true batch at B = 128 has no row under sqrt in any seed, while none and linear ran it: every seed's sqrt
+    value at B is the accumulated half alone, against the others' mean of both halves (it went unsaid: only a
+    (b, k) that a rule ran in some seed was looked for)."""
+    study = _half_128(None)
+    t = study.trials
+    study.trials = t[~((t.physical_batch == 128) & (t.accum_steps == 1) & (t.lr_rule == "sqrt"))].reset_index(drop=True)
+    from batchsweep.analysis.findings import summarize
+
+    said = "the true batch (b = 128, k = 1) under sqrt has no run logged in any seed (none and linear ran it)"
+    [at_128] = [s for s in recommend(study) if s.startswith("At B = 128")]
+    assert said + ", so every seed's value at B is the accumulated half alone" in at_128, at_128
+    [halves] = [s for s in summarize(study.trials, study.history) if s.startswith("The LR rules are compared")]
+    assert said + " at B = 128, every seed counts the accumulated half alone" in halves, halves
+
+
+def test_a_half_that_finished_but_did_not_run_as_asked_is_said_with_its_mismatch():
+    """The true batch at B = 128 under sqrt finished in seed 2, but its script did not accumulate as asked: it is
+    left out of every comparison, so that seed's value at B is the accumulated half alone (it went unsaid)."""
+    study = _half_128("FINISHED")
+    t = study.trials
+    at = (t.physical_batch == 128) & (t.accum_steps == 1) & (t.lr_rule == "sqrt") & (t.seed == 2)
+    t["config_mismatch"] = np.where(at, "accum_steps 1 passed, 2 observed", None)
+    t.loc[at, "val_acc"] = 0.9
+    _halves_said(study, "the true batch (b = 128, k = 1) under sqrt did not run as it was asked to (accum_steps 1 "
+                        "passed, 2 observed) in seed 2")
