@@ -3,6 +3,8 @@ target (critical.py), and each batch-size warmup against a fixed B, paired by se
 the best configuration's mean final accuracy, on the accuracy's own scale."""
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 
 from . import critical
@@ -27,22 +29,37 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
     if finals.empty:
         return []
     target = TARGET_SHARE * float(finals["mean"].max())
-    runs = t[["run_id", "seed", *keys, "effective_batch", *searched]].merge(reached(t, history, target, evals),
-                                                                          on="run_id")
-    # A run that diverged or was pruned did not reach it: counted at its B, as one that never did.
+    columns = ["run_id", "seed", *keys, "effective_batch", *searched]
+    runs = t[columns].merge(reached(t, history, target, evals), on="run_id")
+    # A run that diverged did not reach it: counted at its B, as one that never did. A run pruned before it reached
+    # it is censored at its last evaluation (`pruned_at`): slower than the runs that reached it by then, and where
+    # it stands against the rest is not known.
     worse = one_batch(trials[trials["reason"].isin(WORSE)]) if "reason" in trials else t.iloc[0:0].assign(reason="")
-    runs = pd.concat([runs, worse[["run_id", "seed", *keys, "effective_batch", *searched]].assign(steps=float("nan"))])
-    tuned_note = ""
+    pruned = worse[worse["reason"] == "pruned"]
+    cut = pruned[columns].merge(reached(pruned, history, target, evals), on="run_id")
+    cut["pruned_at"] = cut["run_id"].map(_last_step(history, evals)).fillna(0.0).where(cut["steps"].isna())
+    runs = pd.concat([runs, worse.loc[worse["reason"] != "pruned", columns].assign(steps=math.nan), cut])
+    runs["pruned_at"] = pd.to_numeric(runs["pruned_at"], errors="coerce")  # (a column of no run is text)
+    tuned_note, open_at = "", {}
     if searched:  # Shallue et al.: at each B, the LR that reached the target in the fewest steps
         # (a run that never reached it counts as slower than every run that did: a median over those that reached
         # it would pick an LR that reached it in one seed of three)
-        slowest = runs.assign(steps=runs["steps"].fillna(float("inf")))
-        fastest = slowest.groupby([*keys, "effective_batch", "base_lr"])["steps"].median()
-        best = fastest.groupby(level=list(range(len(keys) + 1))).idxmin()
-        runs = runs[runs.set_index([*keys, "effective_batch", "base_lr"]).index.isin(best.values)]
-        tuned_note = (f"; at each B the base_lr whose runs reached it in the fewest steps, a run that never did "
-                      f"counted as slower than every one that did (Shallue et al. 2018: the LR tuned per B, "
-                      f"{runs['base_lr'].nunique()} of the {t['base_lr'].nunique()} searched)")
+        picked = []
+        for at, g in runs.groupby([*keys, "effective_batch"]):
+            fastest, known = _fastest(g)
+            if not known:  # (the pruned runs could rank anywhere the pick turns on: ranked without them)
+                open_at[int(at[-1] if isinstance(at, tuple) else at)] = int(g["pruned_at"].notna().sum())
+                g = g[g["pruned_at"].isna()]
+                if g.empty:
+                    continue
+                fastest, _ = _fastest(g)
+            picked.append(g[g["base_lr"] == fastest])
+        cut_short = (", and one pruned before it did as slower only than those that reached it before it was pruned"
+                     if runs["pruned_at"].notna().any() else "")
+        runs = pd.concat(picked)
+        tuned_note = (f"; at each B the base_lr whose runs reached it in the fewest steps (median), a run that never "
+                      f"did counted as slower than every one that did{cut_short} (Shallue et al. 2018: the LR tuned "
+                      f"per B, {runs['base_lr'].nunique()} of the {t['base_lr'].nunique()} searched)" + _open(open_at))
     noise = critical.noise_at_target(t, history, target)
     groups = list(runs.groupby(keys)) if keys else [(("",), runs)]
     if len(keys) == 1:  # the rules in their own order, as the figures draw them
@@ -57,6 +74,7 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
            f"epoch in which each run reached it."]
     for group, rows in groups:
         name = f"For {listed([str(g) for g in group])}" if keys else "Over every run"
+        rows, dropped = _censored(rows)
         counted = rows.groupby("effective_batch")["steps"].apply(lambda s: s.notna().sum() * 2 > len(s))
         kept = rows[rows["effective_batch"].isin(counted[counted].index) & rows["steps"].notna()]
         lost = sorted(int(b) for b in counted[~counted].index)
@@ -71,8 +89,57 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
         censored = rows[rows["effective_batch"].isin(counted[counted].index) & rows["steps"].isna()]
         fitted = noise[noise["run_id"].isin(kept["run_id"])]
         out.append(f"{name}{left}, "
-                   f"{critical.reading(kept, fitted, lost, censored['effective_batch'].astype(int).tolist())}.")
+                   f"{critical.reading(kept, fitted, lost, censored['effective_batch'].astype(int).tolist())}"
+                   f"{_open(dropped, 'median steps')}.")
     return out
+
+
+def _last_step(history: pd.DataFrame, evals: pd.DataFrame | None) -> pd.Series:
+    """Per run_id, the steps at its last evaluation: where a pruned run was last seen short of the target."""
+    seen = [history[["run_id", "steps"]]]
+    if evals is not None and {"run_id", "step"} <= set(evals):
+        seen.append(evals[["run_id", "step"]].rename(columns={"step": "steps"}))
+    return pd.concat(seen).groupby("run_id")["steps"].max()
+
+
+def _medians(g: pd.DataFrame) -> tuple[float, float]:
+    """The median steps of `g`'s runs with each pruned run at the step it was pruned and with it never reaching the
+    target: the least and the most its median can be."""
+    never = g["steps"].fillna(math.inf)
+    return float(g["steps"].fillna(g["pruned_at"]).fillna(math.inf).median()), float(never.median())
+
+
+def _fastest(g: pd.DataFrame) -> tuple[float, bool]:
+    """The base_lr of `g` (one B's runs) whose median steps is the least, and whether that holds wherever its pruned
+    runs would have reached the target: its most is no more than every other base_lr's least."""
+    bounds = {lr: _medians(runs) for lr, runs in g.groupby("base_lr")}
+    best = min(bounds, key=lambda lr: bounds[lr][1])
+    return best, all(bounds[best][1] <= least for lr, (least, _) in bounds.items() if lr != best)
+
+
+def _censored(rows: pd.DataFrame) -> tuple[pd.DataFrame, dict[int, int]]:
+    """A series' runs with those pruned before they reached the target kept as runs that never did where that
+    leaves their B's median as it is, wherever they would have reached it, and otherwise left out (counted by B)."""
+    dropped, kept = {}, []
+    for b, g in rows.groupby("effective_batch"):
+        least, most = _medians(g)
+        if least != most:
+            dropped[int(b)] = int(g["pruned_at"].notna().sum())
+            g = g[g["pruned_at"].isna()]
+        kept.append(g)
+    return pd.concat(kept), dropped
+
+
+def _open(counts: dict[int, int], what: str = "base_lr ranking") -> str:
+    """The runs pruned before they reached the target that were left out, where where they would stand is not
+    known."""
+    if not counts:
+        return ""
+    n = sum(counts.values())
+    at = listed([f"{c} at B = {b}" for b, c in sorted(counts.items())])
+    return (f"; {n} run{'s' * (n > 1)} pruned before {'it' if n == 1 else 'they'} reached it left out of the {what} "
+            f"({at}): where {'it' if n == 1 else 'they'} would stand against the runs that reached it later is not "
+            f"known")
 
 
 def _counted(v: Verdict | None, unit: str) -> str:

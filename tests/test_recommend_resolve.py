@@ -1,6 +1,7 @@
 """The report says only what its statistics resolve: a mean is ranked as it is printed, a slope of zero is no
 fall, a reason given is the true one, and a missing half or a seed that never reached a target is said, not
 mixed in."""
+import math
 import re
 
 import numpy as np
@@ -297,3 +298,47 @@ def test_the_lr_tuned_per_b_for_steps_to_target_counts_a_run_that_never_reached_
     said = " ".join(steps(pd.DataFrame(trials), pd.DataFrame(history)))
     assert "left out of the fit" not in said and "could not be fitted" not in said, said
     assert "from 9 runs at B = 32 to 128" in said and "never did counted as slower" in said, said
+
+
+def _tuned(reach: dict) -> list[str]:
+    """Steps to 0.9 with base_lr searched at each B: reach[(B, base_lr)] per seed, the step a run reached it at,
+    None where it never did, or ("pruned", step) where it was pruned at that step without reaching it."""
+    import pandas as pd
+
+    from batchsweep.analysis.targets import steps
+
+    trials, history = [], []
+    for (B, lr), per_seed in reach.items():
+        for seed, at in enumerate(per_seed):
+            run, cut = f"r{len(trials)}", at[1] if isinstance(at, tuple) else None
+            trials.append(dict(run_id=run, seed=seed, effective_batch=B, physical_batch=B, accum_steps=1, base_lr=lr,
+                               val_acc=math.nan if cut else 0.95 if at else 0.80,
+                               status="PRUNED" if cut else "FINISHED", reason="pruned" if cut else None))
+            history += [dict(run_id=run, steps=s, val_acc=0.96 if at and not cut and s >= at else 0.80)
+                        for s in range(50, (cut or 500) + 1, 50)]
+    return steps(pd.DataFrame(trials), pd.DataFrame(history))
+
+
+SEARCHED = {(32, 0.1): [400, 420, 410], (32, 0.2): [300, 310, 320], (64, 0.1): [250, 260, 255],
+            (64, 0.2): [180, 190, 185], (128, 0.2): [150, 160, 155]}
+
+
+def test_a_run_pruned_before_the_target_is_slower_only_than_runs_that_reached_it_before_its_pruning():
+    """At B = 128 base_lr 0.4 reached the target at 100 and 150 steps and its third seed was pruned at 100: that
+    run is slower than the one at 100, but against the one at 150 where it stands is not known, so the median (100
+    to 150) is not known; it read 'a run that never reached it counted as slower than every run that did: 1 run at
+    B = 128', a median of 150."""
+    said = " ".join(_tuned({**SEARCHED, (128, 0.4): [100, 150, ("pruned", 100)]}))
+    assert "never reached it counted as slower than every run that did: 1 run at B = 128" not in said, said
+    assert ("1 run pruned before it reached it left out of the median steps (1 at B = 128): where it would stand "
+            "against the runs that reached it later is not known") in said, said
+    assert "one pruned before it did as slower only than those that reached it before it was pruned" in said, said
+
+
+def test_runs_pruned_where_they_could_turn_the_pick_of_the_lr_leave_the_ranking_and_are_said():
+    """At B = 128 base_lr 0.4 reached the target at 100 steps in seed 0 and was pruned at 100 in seeds 1 and 2: had
+    they reached it by 150, 0.4 was faster than 0.2 (155), so the pick turns on where they stand. They were ranked
+    as never reaching it, and 0.2 picked, unsaid."""
+    said = " ".join(_tuned({**SEARCHED, (128, 0.4): [100, ("pruned", 100), ("pruned", 100)]}))
+    assert ("2 runs pruned before they reached it left out of the base_lr ranking (2 at B = 128): where they would "
+            "stand against the runs that reached it later is not known") in said, said
