@@ -1,9 +1,10 @@
 """Write a report: figures as PNG, the trials as CSV, report.md, and a stand-alone report.html.
 
 Every string from the data (names, params, tags, messages) is escaped: the HTML by a Jinja2 environment with
-autoescape, the Markdown by a backslash before each character Markdown would act on. The report folder's
-name is derived from the study names and never leaves the output folder; the report deletes and uploads only
-the files it wrote itself (listed in the folder's manifest).
+autoescape, the Markdown by a backslash before each character Markdown would act on; a command a sentence marks
+with backticks is a code span in both (<code>), whose content neither acts on. The report folder's name is
+derived from the study names and never leaves the output folder; the report deletes and uploads only the files
+it wrote itself (listed in the folder's manifest).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from functools import partial
 from pathlib import Path
 
 import jinja2
-from markupsafe import Markup
+from markupsafe import Markup, escape
 import matplotlib.pyplot as plt
 import pandas as pd
 from tqdm import tqdm
@@ -156,9 +157,27 @@ MD_SPECIAL = re.compile(r"([\\`*\[\]<>|~&])|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])|(
                         r"|(?<=(?<![A-Za-z0-9])www)(\.)", re.IGNORECASE)
 
 
+def _spans(text: str) -> list[str]:
+    """The text split at its backticks where they pair up, the odd parts a command the sentence marks; else the text
+    whole: a stray backtick or an empty span marks nothing, nor one holding '|' (it would split a table cell) or
+    '<', '>', '&' (a renderer that reads HTML in a code span would act on them; escaped, they show as text)."""
+    parts = text.split("`")
+    if len(parts) % 2 == 0 or any(not p.strip() or set(p) & set("|<>&") for p in parts[1::2]):
+        return [text]
+    return parts
+
+
 def md(text) -> str:
-    """Text that Markdown shows as it is: no markup, no link, no HTML, one line."""
-    return re.sub(r"[\r\n]+", " ", MD_SPECIAL.sub(lambda m: "\\" + m.group(0), str(text)))
+    """Text that Markdown shows as it is: no markup, no link, no HTML, one line; a command marked with backticks a
+    code span, whose content Markdown shows as it is (escaped, it showed the backslashes and the backticks)."""
+    parts = _spans(re.sub(r"[\r\n]+", " ", str(text)))
+    return "".join(f"`{p}`" if i % 2 else MD_SPECIAL.sub(lambda m: "\\" + m.group(0), p) for i, p in enumerate(parts))
+
+
+def code(text) -> Markup:
+    """A sentence as HTML: escaped, a command marked with backticks in <code>."""
+    return Markup("".join(f"<code>{escape(p)}</code>" if i % 2 else str(escape(p))
+                          for i, p in enumerate(_spans(str(text)))))
 
 
 def _md_table(frame: pd.DataFrame) -> str:
@@ -182,12 +201,12 @@ TEMPLATE = jinja2.Environment(autoescape=True).from_string("""<!DOCTYPE html>
 <p class='meta'>Made {{ stamp }} from {{ source }}. Reproduce with <code>{{ reproduce }}</code>.</p>
 {% for name, lines in advice %}
 <div class='summary'><h2>What to use: {{ name }}</h2><ul>
-{% for s in lines %}<li>{{ s }}</li>{% endfor %}
+{% for s in lines %}<li>{{ code(s) }}</li>{% endfor %}
 </ul></div>
 {% endfor %}
 {% for name, sentences, how in summaries %}
 <div class='summary'><h2>Findings: {{ name }}</h2><p class='meta'>Protocol: {{ how }}.</p><ul>
-{% for s in sentences %}<li>{{ s }}</li>{% endfor %}
+{% for s in sentences %}<li>{{ code(s) }}</li>{% endfor %}
 </ul></div>
 {% endfor %}
 {% for section, items in sections %}
@@ -240,7 +259,7 @@ def _markdown(studies, title: str, stamp: str, source: str, reproduce: str, summ
               health: list, models: list, advice: list) -> str:
     """report.md: the same sections as the page, every string from the data escaped by md()."""
     md_lines = [f"# batchsweep report: {md(title)}", "", f"Made {stamp} from {md(source)}. Reproduce with: "
-                f"{md(reproduce)}", ""]
+                f"{md(f'`{reproduce}`')}", ""]
     for name, lines in advice:
         md_lines += [f"## What to use: {md(name)}", "", *(f"- {md(s)}" for s in lines), ""]
     for name, sentences, how in summaries:
@@ -340,7 +359,7 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
 
     page = TEMPLATE.render(
         title=title, css=Markup(CSS), stamp=stamp, source=source, reproduce=reproduce,
-        advice=advice, summaries=summaries, health=health, html_table=_html_table, models=models,
+        advice=advice, summaries=summaries, health=health, html_table=_html_table, models=models, code=code,
         sections=[(t, [(label, fig, base64.b64encode(path.read_bytes()).decode(), caption)
                        for label, fig, path, caption in items]) for t, items in sections],
         trials=[(s.name, _table(s)) for s in studies])

@@ -197,3 +197,21 @@ def test_a_study_where_every_trial_ended_at_one_value_compares_nothing():
     assert recommend(study) == [said]
     found = summarize(study.trials, study.history, None, study.objectives[0])
     assert found[0] == said, found  # (the findings' comparisons follow it, with the width they have)
+
+
+def test_a_command_a_sentence_marks_with_backticks_is_a_code_span_not_escaped_text():
+    """The report's Markdown showed '\\`python sweeps/run.py --study accum_lr --no-fuse\\`': the sentence's own
+    backticks escaped as if they were data. Paired, they make a code span (<code> in the HTML), whose content
+    Markdown shows as it is; a stray backtick, or markup around the span, is still escaped."""
+    from batchsweep.analysis.render import code, md
+
+    said = "`python sweeps/run.py --study accum_lr --no-fuse` in a new folder times each trial alone"
+    assert md(said) == said
+    assert str(code(said)) == ("<code>python sweeps/run.py --study accum_lr --no-fuse</code> in a new folder times "
+                               "each trial alone")
+    assert md("a `x*y*` and <i>y</i>") == "a `x*y*` and \\<i\\>y\\</i\\>"
+    assert str(code("a `x*y*` and <i>y</i>")) == "a <code>x*y*</code> and &lt;i&gt;y&lt;/i&gt;"
+    assert md("a `<b>x</b>`") == "a \\`\\<b\\>x\\</b\\>\\`"  # (markup in a span stays escaped text)
+    assert str(code("a `<b>x</b>`")) == "a `&lt;b&gt;x&lt;/b&gt;`"
+    assert md("one ` stray and *this*") == "one \\` stray and \\*this\\*"
+    assert md("`a | b`") == "\\`a \\| b\\`"  # (a '|' in a span would still split a table cell)
