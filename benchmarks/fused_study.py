@@ -1,14 +1,18 @@
 """Trials an hour of a study through `sweeps/run.py`, fused (the default) against `--no-fuse`, with the same
 workers: each run is the whole command (workers, MLflow, checkpoints, the models kept; no report) in a fresh
-folder, and trials an hour are its complete trials over its wall-clock time. Prints both and, last, their ratio
-as `ratio=<x>`; exits 1 when a run failed or completed nothing.
+folder, and trials an hour are its complete trials over its wall-clock time. Each pair runs both, the side
+that goes first alternating from pair to pair (other work on the machine moves a single run by a fifth and more);
+prints each run, each pair's ratio, their range and, last, the median pair's as `ratio=<x>`; exits 1 when a
+run failed or completed nothing.
 
-    python benchmarks/fused_study.py [--study accum_lr] [--seeds 3] [--epochs N] [--workers N] [--set KEY=VALUE] [--first alone]
+    python benchmarks/fused_study.py [--study accum_lr] [--seeds 3] [--epochs N] [--workers N] [--set KEY=VALUE]
+                                     [--pairs 1] [--first alone]
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,22 +58,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, help="default: the study's own")
     p.add_argument("--workers", type=int, help="default: the study's own")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a trainer field for every trial")
+    p.add_argument("--pairs", type=int, default=1, help="runs of each side, in alternating order")
     p.add_argument("--first", choices=("fused", "alone"), default="fused", help="which run goes first")
     args = p.parse_args(argv)
-    rates = {}
-    for fuse in ((True, False) if args.first == "fused" else (False, True)):
-        measured = one_run(args, fuse)
-        if measured is None or measured[0] == 0:
-            continue
-        trials, seconds = measured
-        rates[fuse] = trials / seconds * 3600
-        print(f"{'fused' if fuse else 'alone'}: {trials} trials in {seconds:.0f} s = {rates[fuse]:.0f} trials an hour "
-              f"(load {os.getloadavg()[0]:.1f} at the end)", flush=True)
-    if len(rates) < 2:
+    if args.pairs < 1:
+        p.error("--pairs must be at least 1")
+    ratios = []
+    for pair in range(args.pairs):
+        rates, first = {}, (args.first == "fused") == (pair % 2 == 0)
+        for fuse in (first, not first):
+            measured = one_run(args, fuse)
+            if measured is None or measured[0] == 0:
+                break
+            trials, seconds = measured
+            rates[fuse] = trials / seconds * 3600
+            print(f"{'fused' if fuse else 'alone'}: {trials} trials in {seconds:.0f} s = {rates[fuse]:.0f} trials an "
+                  f"hour (load {os.getloadavg()[0]:.1f} at the end)", flush=True)
+        if len(rates) == 2:
+            ratios.append(rates[True] / rates[False])
+            print(f"pair {pair + 1}: {ratios[-1]:.3f}", flush=True)
+    if not ratios:
         print("nothing was measured", file=sys.stderr)
         return 1
-    print(f"ratio={rates[True] / rates[False]:.3f}")
-    return 0
+    if len(ratios) > 1:
+        print(f"{len(ratios)} pairs: {min(ratios):.3f} to {max(ratios):.3f}")
+    print(f"ratio={statistics.median(ratios):.3f}")
+    return 0 if len(ratios) == args.pairs else 1
 
 
 if __name__ == "__main__":
