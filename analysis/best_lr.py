@@ -118,6 +118,11 @@ class BestLR:
         else:
             text = (f"No peak is resolved between B = {lo} and {hi} with {n} seeds, nor a direction (slope "
                     f"{_two(self.slope)}, {_span(self.slope_low, self.slope_high)}).")
+        return text + self._beside()
+
+    def _beside(self) -> str:
+        """What the sentence adds after the shape: the falls resolved, the edges of the LRs tried, the noise scale."""
+        text = ""
         falls = [f"{a} to {b}" for a, b, _, _, high in self.steps if high < 0]
         if falls and self.shape not in ("only falls", "beyond the LRs tried"):
             text += f" It falls, beyond the seeds' spread and the LR grid's spacing, from B = {', '.join(falls)}."
@@ -238,27 +243,15 @@ def best_lr_against_b(trials: pd.DataFrame, metric: str, direction: str, seed: i
     points = tuple(BestAt(b, math.exp(c), *np.exp(_open(_interval(row, g), below, above)), tuple(np.exp(row)),
                           sum(best[b, s][1] for s in seeds), sum(best[b, s][3] for s in seeds), g)
                    for b, c, row, g, below, above in zip(batches, centre, logs, grid, bottom, up))
-
-    def change(i: int, j: int) -> tuple[float, float, float]:
-        """log(best at batches[j] / best at batches[i]): the seeds' mean and its interval, open on a side a best
-        beyond the grid at either end could move it to."""
-        d = logs[j] - logs[i]
-        return float(d.mean()), *_open(_interval(d, grid[i] + grid[j]), up[i] or bottom[j], bottom[i] or up[j])
-
     peak, peak_low, peak_high = _peak_with_interval(x, logs, seed)
     # Each seed's best the same at every B: a slope of exactly 0, not polyfit's rounding (-1e-16 read as a fall).
     still = bool(np.ptp(logs, axis=0).max() < STILL)
-    # The most rounding each B's best to its grid (up to grid[i] in log) can move a least-squares slope.
-    weights = (x - x.mean()) / ((x - x.mean()) ** 2).sum()
-    slopes = np.zeros(len(seeds)) if still else np.polyfit(x, logs, 1)[0]  # each seed's slope
-    # A best beyond the grid at a B of nonzero weight can pull the slope without bound the way it leans.
-    lean = np.where(np.abs(weights) > 1e-9 * np.abs(weights).max(), np.sign(weights), 0)
-    slope_low, slope_high = _open(_interval(slopes, float(np.abs(weights) @ grid)),
-                                  bool(np.any(up & (lean < 0) | bottom & (lean > 0))),
-                                  bool(np.any(up & (lean > 0) | bottom & (lean < 0))))
-    steps = tuple((a, b, *change(i, i + 1)) for i, (a, b) in enumerate(zip(batches, batches[1:])))
+    slope_low, slope_high = _slope_interval(x, logs, grid, still, bottom, up)
+    steps = tuple((a, b, *_change(logs, grid, bottom, up, i, i + 1))
+                  for i, (a, b) in enumerate(zip(batches, batches[1:])))
     top = int(np.argmax(centre))  # a turn: the best LR at an inside B resolved above both ends', seed by seed
-    turned = 0 < top < len(batches) - 1 and all(change(end, top)[1] > 0 for end in (0, len(batches) - 1))
+    turned = 0 < top < len(batches) - 1 and all(_change(logs, grid, bottom, up, end, top)[1] > 0
+                                                 for end in (0, len(batches) - 1))
     noise = _noise(done, [best[b, s][2] for b in batches for s in seeds])
     slope = 0.0 if still else float(np.polyfit(x, centre, 1)[0])
     # Every seed's best the top (or every one the bottom) of the LRs tried at every B: the true bests lie beyond,
@@ -284,6 +277,27 @@ def _interval(values: np.ndarray, grid: float = 0.0) -> tuple[float, float]:
         return math.nan, math.nan
     half = max(stats.t.ppf(0.975, n - 1) * np.std(values, ddof=1) / math.sqrt(n), grid)
     return float(np.mean(values) - half), float(np.mean(values) + half)
+
+
+def _change(logs: np.ndarray, grid: np.ndarray, bottom: np.ndarray, up: np.ndarray, i: int, j: int
+            ) -> tuple[float, float, float]:
+    """log(best at the j-th B / best at the i-th), `logs` by (B, seed): the seeds' mean and its interval, open on a
+    side a best beyond the grid at either B (`bottom`, `up`: some seed's best the lowest, the highest LR tried)
+    could move it to."""
+    d = logs[j] - logs[i]
+    return float(d.mean()), *_open(_interval(d, grid[i] + grid[j]), up[i] or bottom[j], bottom[i] or up[j])
+
+
+def _slope_interval(x: np.ndarray, logs: np.ndarray, grid: np.ndarray, still: bool, bottom: np.ndarray,
+                    up: np.ndarray) -> tuple[float, float]:
+    """The 95% interval of the slope of log best LR against log B (x) over the seeds' own slopes, never narrower
+    than the most rounding each B's best to its grid (up to grid[i] in log) can move a least-squares slope, and
+    open on a side a best beyond the grid at a B of nonzero weight could pull it without bound."""
+    weights = (x - x.mean()) / ((x - x.mean()) ** 2).sum()
+    slopes = np.zeros(logs.shape[1]) if still else np.polyfit(x, logs, 1)[0]  # each seed's slope
+    lean = np.where(np.abs(weights) > 1e-9 * np.abs(weights).max(), np.sign(weights), 0)
+    return _open(_interval(slopes, float(np.abs(weights) @ grid)), bool(np.any(up & (lean < 0) | bottom & (lean > 0))),
+                 bool(np.any(up & (lean > 0) | bottom & (lean < 0))))
 
 
 def _open(interval: tuple[float, float], below: bool, above: bool) -> tuple[float, float]:

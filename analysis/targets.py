@@ -29,37 +29,11 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
     if finals.empty:
         return []
     target = TARGET_SHARE * float(finals["mean"].max())
-    columns = ["run_id", "seed", *keys, "effective_batch", *searched]
-    runs = t[columns].merge(reached(t, history, target, evals), on="run_id")
-    # A run that diverged did not reach it: counted at its B, as one that never did. A run pruned before it reached
-    # it is censored at its last evaluation (`pruned_at`): slower than the runs that reached it by then, and where
-    # it stands against the rest is not known.
     worse = one_batch(trials[trials["reason"].isin(WORSE)]) if "reason" in trials else t.iloc[0:0].assign(reason="")
-    pruned = worse[worse["reason"] == "pruned"]
-    cut = pruned[columns].merge(reached(pruned, history, target, evals), on="run_id")
-    cut["pruned_at"] = cut["run_id"].map(_last_step(history, evals)).fillna(0.0).where(cut["steps"].isna())
-    runs = pd.concat([runs, worse.loc[worse["reason"] != "pruned", columns].assign(steps=math.nan), cut])
-    runs["pruned_at"] = pd.to_numeric(runs["pruned_at"], errors="coerce")  # (a column of no run is text)
-    tuned_note, open_at = "", {}
+    runs = _every_run(t, worse, ["run_id", "seed", *keys, "effective_batch", *searched], history, target, evals)
+    tuned_note = ""
     if searched:  # Shallue et al.: at each B, the LR that reached the target in the fewest steps
-        # (a run that never reached it counts as slower than every run that did: a median over those that reached
-        # it would pick an LR that reached it in one seed of three)
-        picked = []
-        for at, g in runs.groupby([*keys, "effective_batch"]):
-            fastest, known = _fastest(g)
-            if not known:  # (the pruned runs could rank anywhere the pick turns on: ranked without them)
-                open_at[int(at[-1] if isinstance(at, tuple) else at)] = int(g["pruned_at"].notna().sum())
-                g = g[g["pruned_at"].isna()]
-                if g.empty:
-                    continue
-                fastest, _ = _fastest(g)
-            picked.append(g[g["base_lr"] == fastest])
-        cut_short = (", and one pruned before it did as slower only than those that reached it before it was pruned"
-                     if runs["pruned_at"].notna().any() else "")
-        runs = pd.concat(picked)
-        tuned_note = (f"; at each B the base_lr whose runs reached it in the fewest steps (median), a run that never "
-                      f"did counted as slower than every one that did{cut_short} (Shallue et al. 2018: the LR tuned "
-                      f"per B, {runs['base_lr'].nunique()} of the {t['base_lr'].nunique()} searched)" + _open(open_at))
+        runs, tuned_note = _tuned_per_b(runs, keys, t["base_lr"].nunique())
     noise = critical.noise_at_target(t, history, target)
     groups = list(runs.groupby(keys)) if keys else [(("",), runs)]
     if len(keys) == 1:  # the rules in their own order, as the figures draw them
@@ -92,6 +66,42 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
                    f"{critical.reading(kept, fitted, lost, censored['effective_batch'].astype(int).tolist())}"
                    f"{_open(dropped, 'median steps')}.")
     return out
+
+
+def _every_run(t: pd.DataFrame, worse: pd.DataFrame, columns: list[str], history: pd.DataFrame, target: float,
+               evals: pd.DataFrame | None) -> pd.DataFrame:
+    """The finished runs (`t`) and those that ended worse, each with the steps it reached the target at (NaN where
+    it did not). A run that diverged counts at its B as one that never did; a run pruned before it reached it is
+    censored at its last evaluation (`pruned_at`): slower than the runs that reached it by then, and where it
+    stands against the rest is not known."""
+    runs = t[columns].merge(reached(t, history, target, evals), on="run_id")
+    pruned = worse[worse["reason"] == "pruned"]
+    cut = pruned[columns].merge(reached(pruned, history, target, evals), on="run_id")
+    cut["pruned_at"] = cut["run_id"].map(_last_step(history, evals)).fillna(0.0).where(cut["steps"].isna())
+    runs = pd.concat([runs, worse.loc[worse["reason"] != "pruned", columns].assign(steps=math.nan), cut])
+    return runs.assign(pruned_at=pd.to_numeric(runs["pruned_at"], errors="coerce"))  # (a column of no run is text)
+
+
+def _tuned_per_b(runs: pd.DataFrame, keys: list[str], searched: int) -> tuple[pd.DataFrame, str]:
+    """At each B (of each series of `keys`) the runs of the base_lr that reached the target in the fewest steps, a
+    run that never did counted as slower than every one that did (a median over those that reached it would pick
+    an LR that reached it in one seed of three), and the note that says so."""
+    picked, open_at = [], {}
+    for at, g in runs.groupby([*keys, "effective_batch"]):
+        fastest, known = _fastest(g)
+        if not known:  # (the pruned runs could rank anywhere the pick turns on: ranked without them)
+            open_at[int(at[-1] if isinstance(at, tuple) else at)] = int(g["pruned_at"].notna().sum())
+            g = g[g["pruned_at"].isna()]
+            if g.empty:
+                continue
+            fastest, _ = _fastest(g)
+        picked.append(g[g["base_lr"] == fastest])
+    cut_short = (", and one pruned before it did as slower only than those that reached it before it was pruned"
+                 if runs["pruned_at"].notna().any() else "")
+    runs = pd.concat(picked)
+    return runs, (f"; at each B the base_lr whose runs reached it in the fewest steps (median), a run that never "
+                  f"did counted as slower than every one that did{cut_short} (Shallue et al. 2018: the LR tuned "
+                  f"per B, {runs['base_lr'].nunique()} of the {searched} searched)" + _open(open_at))
 
 
 def _last_step(history: pd.DataFrame, evals: pd.DataFrame | None) -> pd.Series:
