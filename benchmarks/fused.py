@@ -7,7 +7,8 @@ diagnostics and noise scale on both sides; fused whatever the members' size, whe
 train them alone), in alternating order after one untimed epoch of each side, and prints both times; last, the
 median of the repeats' ratios (alone / fused) as `speedup=<x>`. Exits 1 when nothing was measured.
 
-    python benchmarks/fused.py [--epochs 2] [--repeats 3] [--device cuda] [--dtype float64]
+    python benchmarks/fused.py [--epochs 2] [--repeats 3] [--physical-batch 32] [--accum 1 2 4 8 16] [--device cuda]
+                               [--dtype float64]
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from batchsweep.trainers.build import load
 
 
 def group(args) -> list[TrainConfig]:
-    fixed = dict(model=args.model, dataset=args.dataset, physical_batch=32, epochs=args.epochs,
+    fixed = dict(model=args.model, dataset=args.dataset, physical_batch=args.physical_batch, epochs=args.epochs,
                  warmup_epochs=min(2, args.epochs), schedule="cosine", weight_decay=5e-4, base_lr=0.05, base_batch=32,
                  device=args.device, dtype=args.dtype, data_dir=args.data_dir)
     return [TrainConfig(**fixed, accum_steps=k, lr_rule=rule) for k in args.accum for rule in ("none", "linear", "sqrt")]
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="cnn1d")
     p.add_argument("--dataset", default="mnist1d")
     p.add_argument("--accum", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="the members' k")
+    p.add_argument("--physical-batch", type=int, default=32, help="the members' b (the study's twins: --accum 1)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="auto")
