@@ -64,7 +64,7 @@ def stated(d: Difference, ahead: str = "higher", behind: str = "lower", m: Measu
     if v.equivalent:
         return f"equivalent within ±{m.margin_text} ({plus_minus(d, m, places)} over {d.n} seeds)"
     why = f"; its own interval excludes 0, but it is {control(v)}" if d.separated else ""
-    return f"not resolved with {d.n} seeds ({plus_minus(d, m, places)}{why}; {needed(v)})"
+    return f"not resolved with {d.n} seeds ({plus_minus(d, m, places)}{why}; {needed(v, m.margin_text)})"
 
 
 def controlled(labelled: list[tuple[str, Difference | None]], what: str) -> list[str]:

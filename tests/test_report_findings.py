@@ -153,6 +153,10 @@ def bh(p: list[float]) -> list[float]:
 
 
 def seeds_for(mean: float, sd: float, family: int) -> int:
+    """Seeds whose 95% interval would lie inside ±1 point where the mean does; else that would exclude 0 at 5%/m."""
+    if abs(mean) < 0.01:
+        return next(n for n in range(2, 1002)
+                    if abs(mean) + scipy.stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n) < 0.01)
     level = 0.05 / family
     return next(n for n in range(2, 1002)
                 if scipy.stats.t.ppf(1 - level / 2, n - 1) * sd / math.sqrt(n) < abs(mean))
@@ -177,7 +181,7 @@ def clause(mean, half, p, sd, adjusted, family) -> str:
     why = (f"; its own interval excludes 0, but it is not kept by Benjamini-Hochberg at 5% over {family} comparisons, "
            f"adjusted p {adjusted:.2g}" if abs(mean) > half else "")
     return (f"not resolved with 3 seeds ({100 * mean:+.1f} ± {100 * half:.1f} points{why}; about "
-            f"{seeds_for(mean, sd, family)} seeds would resolve")
+            f"{seeds_for(mean, sd, family)} seeds would {'show equivalence' if abs(mean) < 0.01 else 'resolve'}")
 
 
 def test_the_default_studys_sentences_recomputed_by_an_independent_path():
