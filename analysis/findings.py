@@ -365,9 +365,11 @@ def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFram
         return ["No finished trial has an accuracy (val_acc) or a value of the study's objective, in which "
                 "configurations are compared: the comparisons are left out; the table holds each trial's metrics.",
                 *noise_scale(trials), *memory(trials)]
-    # Where every trial ended at one value, its comparisons' intervals have no width: said first.
-    compared = [*filter(None, [unmoved(trials, m)]), *lr_rules(trials, m), *twins(trials, m), *bn(trials, m),
-                *lr_exponent(trials, m, history)]
+    # Where every trial ended at one value, the values show no recording step to set an interval's width by, and
+    # nothing differs to compare: that one sentence stands for the comparisons (the block says the same).
+    still = unmoved(trials, m)
+    compared = [still] if still else [*lr_rules(trials, m), *twins(trials, m), *bn(trials, m),
+                                      *lr_exponent(trials, m, history)]
     if not m.points:
         aimed = has_accuracy(finished(trials))  # (steps to a target and warmup aim at an accuracy)
         lead = (f"Configurations are compared in the study's objective, {m.name}{m.better}, not in val_acc; steps "

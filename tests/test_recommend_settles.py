@@ -9,6 +9,9 @@ from batchsweep.analysis.measures import ACCURACY
 from batchsweep.analysis.runs import Difference
 from batchsweep.analysis.verdicts import judge
 from batchsweep.analysis.wording import stated
+from tests.test_recommend_edges import _study
+
+RULES = ("physical_batch", "accum_steps", "lr_rule")
 
 
 def _seeds_inside(mean: float, sd: float, margin: float) -> int:
@@ -33,3 +36,29 @@ def test_a_difference_beyond_the_margin_gives_the_seeds_that_would_resolve_it_fr
     [v] = judge([d], ACCURACY.margin)
     assert not v.shows_equivalence
     assert "seeds would resolve a difference this size from 0 at this spread" in stated(d, m=ACCURACY, v=v)
+
+
+def _grid(value, seeds=(0, 1, 2), rules=("none", "sqrt", "linear"), made=((32, 1), (32, 2), (64, 1), (32, 4),
+                                                                          (128, 1)), **extra):
+    """Three LR rules over B = 32 to 128, twins at 64 and 128; value(rule, b, k, seed) is the accuracy."""
+    import numpy as np
+
+    rows = []
+    for seed in seeds:
+        for rule in rules:
+            for b, k in made:
+                rows.append(dict(seed=seed, lr_rule=rule, physical_batch=b, accum_steps=k, effective_batch=b * k,
+                                 base_batch=32, status="FINISHED", reason=None, run_id=f"r{len(rows)}",
+                                 val_acc=round(float(value(rule, b, k, seed)), 3), peak_memory_bytes=1000.0 * b,
+                                 **extra))
+    return np.random.default_rng(0), rows
+
+
+def test_a_metric_that_never_moved_is_one_sentence_with_no_comparison_of_zero_width():
+    from batchsweep.analysis.findings import summarize
+
+    _, rows = _grid(lambda *_: 0.97)
+    study = _study(rows, RULES)
+    said = summarize(study.trials, study.history)
+    assert said[0].startswith("Every finished trial ended at the same accuracy (97.0%)"), said
+    assert not any("± 0.0" in s or "equivalent within" in s or "LR rule against" in s for s in said), said
