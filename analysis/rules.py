@@ -228,13 +228,16 @@ def _means(at: pd.DataFrame, m: Measure) -> pd.Series:
 
 
 def unshared(t: pd.DataFrame, b: int, gone: dict) -> str | None:
-    """Why no rule is picked at B where the rules that did not diverge finished together in fewer than 2 seeds (a
-    mean over one seed set against a mean over others is no comparison), or None."""
+    """Why no rule is picked at B where the rules that did not diverge finished together in fewer than 2 seeds (one
+    seed cannot tell them apart; a mean over one seed set against a mean over others is no comparison), or None."""
     at = t[(t["effective_batch"] == b) & ~t["lr_rule"].isin([r for r, x in gone if x == b])]
     seeds = at.groupby("lr_rule")["seed"].unique()
     if len(seeds) < 2 or len(set.intersection(*(set(s) for s in seeds))) >= 2:
         return None
     shared = len(set.intersection(*(set(s) for s in seeds)))
+    if shared and all(len(s) == shared for s in seeds):  # (every rule's mean is over that one same seed)
+        return ("no LR rule is picked: every rule finished in the same one seed there, and one seed cannot tell them "
+                "apart")
     each = listed([f"{r} in {len(seeds[r])}" for r in in_order("lr_rule", seeds.index)])
     return (f"no LR rule is picked: the rules finished together in {shared} seed{'s' * (shared != 1)} there (each "
             f"finished in: {each}), and a mean over some seeds is not set against a mean over others")

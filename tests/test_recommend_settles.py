@@ -62,3 +62,13 @@ def test_a_metric_that_never_moved_is_one_sentence_with_no_comparison_of_zero_wi
     said = summarize(study.trials, study.history)
     assert said[0].startswith("Every finished trial ended at the same accuracy (97.0%)"), said
     assert not any("± 0.0" in s or "equivalent within" in s or "LR rule against" in s for s in said), said
+
+
+def test_one_seed_at_the_largest_b_says_one_seed_cannot_tell_the_rules_apart_not_that_seeds_differ():
+    from batchsweep.analysis.findings import summarize
+
+    rng, rows = _grid(lambda rule, b, k, seed: 0.95 - 0.01 * math.log2(b * k / 32) * (rule == "none"), seeds=(0,))
+    study = _study(rows, RULES)
+    [line] = [s for s in summarize(study.trials, study.history) if s.startswith("At the largest batch")]
+    assert line == ("At the largest batch, B = 128, no LR rule is picked: every rule finished in the same one seed "
+                    "there, and one seed cannot tell them apart."), line
