@@ -11,7 +11,8 @@ from batchsweep.sweeps import commands
 from .best import stopped_in
 from .measures import Measure, finished, one_batch, stopped_verb
 from .plotting import in_order
-from .rules import decided, diverged, missing_halves, rule_comparisons, rules_at, twin_pairs, unshared, went
+from .rules import (decided, diverged, missing_halves, one_half, rule_comparisons, rules_at, twin_pairs, unshared,
+                    went)
 from .runs import StudyRuns, paired, quantum
 from .verdicts import judge
 from .wording import listed, stated
@@ -143,10 +144,10 @@ def per_batch(study: StudyRuns, m: Measure) -> list[str]:
     sizes = sorted(int(b) for b in t["effective_batch"].unique())
     gone = diverged(study.trials)
     picks = rules_at(t, sizes, m, step, gone, split)
-    pooled, out = _pooled(study, t), []
+    pooled, out, alone = _pooled(study, t), [], one_half(study.trials)
     ran = one_batch(study.trials)
     for b in sorted({*sizes[1:], *(bb for _, bb in gone if bb > sizes[0])}):
-        before, oom = len(out), _out_of_memory(study.trials, b)
+        before, oom = len(out), _out_of_memory(study.trials, b) + (f"; {alone[b]}" if b in alone else "")
         _line(b, t, study, m, gone, picks, costs, cost, split, twins, pooled, ran, out)
         out[before:] = [line[:-1] + oom + "." for line in out[before:]]
     return out

@@ -61,6 +61,28 @@ def missing_halves(trials: pd.DataFrame, b: int | None = None) -> list[tuple[str
     return said
 
 
+def one_half(trials: pd.DataFrame) -> dict[int, str]:
+    """The Bs above the smallest b at which only one half ran (no run of the other logged in any seed or status),
+    in a study that ran both halves at another such B: B -> 'only the true batch (b = 512, k = 1) ran, so accumulation was
+    not measured'. A half that ran and did not finish is missing_halves()'s."""
+    t = one_batch(trials)
+    if not {"batch", "physical_batch", "accum_steps", "effective_batch"} <= set(t) or t["batch"].nunique() < 2:
+        return {}
+    above = t[t["effective_batch"] > t["physical_batch"].min()]
+    if not (above.groupby("effective_batch")["batch"].nunique() > 1).any():  # (a study with no twins at all)
+        return {}
+    out = {}
+    for b, rows in above.groupby("effective_batch"):
+        if rows["batch"].nunique() > 1:
+            continue
+        made = rows[["physical_batch", "accum_steps"]].drop_duplicates().sort_values("accum_steps")
+        pairs = listed([f"b = {pb:.0f}, k = {k:.0f}" for pb, k in made.itertuples(index=False)])
+        ran, other = (("the true batch", "accumulation") if rows["batch"].iloc[0] == "true batch" else
+                      ("accumulation", "the true batch"))
+        out[int(b)] = f"only {ran} ({pairs}) ran, so {other} was not measured"
+    return out
+
+
 def _ended(reason, status: str, mismatch=None) -> str:
     """How a run that did not finish as asked ended, in words: the mismatch the tracer saw, its reason where one was
     logged, else its status."""
@@ -371,8 +393,10 @@ def twins(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
     gone = [f"{where_at(key.pop('effective_batch'), **key)}: {said}" for key, said in twins_diverged(trials)]
     how = stopped_verb(stopped(trials.loc[trials["reason"].isin(WORSE), "reason"])) if gone else ""
     left = f" Not compared where a run {how} in a seed: {'; '.join(gone)}." if gone else ""
+    alone = one_half(trials)
+    left += "".join(f" At B = {b} {said}." for b, said in alone.items())
     if not pairs:
-        return [left.strip()] if gone else []
+        return [left.strip()] if left else []
     ahead = m.ranked("accumulated ahead", "true batch ahead")
     one = [(w, d) for w, d in pairs if d.n < 2]  # (said apart: a pair of one seed does not set the others' n)
     pairs = [(w, d) for w, d in pairs if d.n >= 2]

@@ -6,6 +6,7 @@ import math
 from scipy import stats
 
 from batchsweep.analysis.measures import ACCURACY
+from batchsweep.analysis.recommend import recommend
 from batchsweep.analysis.runs import Difference
 from batchsweep.analysis.verdicts import judge
 from batchsweep.analysis.wording import stated
@@ -72,3 +73,27 @@ def test_one_seed_at_the_largest_b_says_one_seed_cannot_tell_the_rules_apart_not
     [line] = [s for s in summarize(study.trials, study.history) if s.startswith("At the largest batch")]
     assert line == ("At the largest batch, B = 128, no LR rule is picked: every rule finished in the same one seed "
                     "there, and one seed cannot tell them apart."), line
+
+
+def test_a_b_where_only_the_true_batch_ran_says_accumulation_was_not_measured_there():
+    """Twins at B = 64; at B = 128 only b = 128, k = 1 ran: the findings named the twin verdicts at 64 and said
+    nothing of 128, and the block's line at 128 read as if accumulation had been weighed there."""
+    from batchsweep.analysis.findings import summarize
+
+    rng, rows = _grid(lambda rule, b, k, seed: 0.95 - 0.01 * math.log2(b * k / 32) * (rule == "none")
+                      + 0.002 * seed, made=((32, 1), (32, 2), (64, 1), (128, 1)))
+    study = _study(rows, RULES)
+    said = "only the true batch (b = 128, k = 1) ran, so accumulation was not measured"
+    twins = next(s for s in summarize(study.trials, study.history) if s.startswith("Accumulation and its"))
+    assert f"At B = 128 {said}." in twins, twins
+    at_128 = next(s for s in recommend(study) if s.startswith("At B = 128"))
+    assert at_128.endswith(f"; {said}.") and "accumulating" not in at_128, at_128
+
+
+def test_a_study_with_no_twins_says_nothing_of_a_half_not_measured():
+    from batchsweep.analysis.findings import summarize
+
+    rng, rows = _grid(lambda rule, b, k, seed: 0.95 - 0.01 * math.log2(b * k / 32) * (rule == "none")
+                      + 0.002 * seed, made=((32, 1), (32, 2), (32, 4)))
+    study = _study(rows, RULES)
+    assert not any("was not measured" in s for s in [*summarize(study.trials, study.history), *recommend(study)])
