@@ -1,8 +1,9 @@
 """The critical batch from steps to a target accuracy, as McCandlish et al. (2018) and Shallue et al. (2018)
 define it: S = S_min (1 + B_crit / B) fitted to the optimizer steps each run took to reach the target against its
 B, beside the gradient noise scale measured at the epoch the target was reached (B_noise, which McCandlish et al.
-find close to B_crit). Both intervals are bootstraps over the seeds, said only from FEWEST_SEEDS seeds; a B_crit the
-Bs run do not bound is said so.
+find close to B_crit). B_crit's interval is a t-interval on log B_crit over each seed's own fit (a bootstrap over 5
+seeds covered about 84% where it claimed 95%); one that passes the Bs fitted says B_crit is not bounded there. The
+noise scale's interval is a bootstrap over the seeds, said only from FEWEST_SEEDS seeds.
 """
 from __future__ import annotations
 
@@ -11,23 +12,27 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+from scipy import stats
 from scipy.optimize import least_squares
 
+from .wording import listed
+
 BOOTSTRAPS = 1000
-# Below this a bootstrap over the seeds has too few distinct resamples (3 seeds: 10) to cover 95%: no interval is
-# said (best_lr.py bootstraps from the same number).
+# Below this a bootstrap over the seeds has too few distinct resamples (3 seeds: 10) to cover 95%: the noise scale's
+# interval is not said (best_lr.py bootstraps from the same number).
 FEWEST_SEEDS = 5
 FAR = 64  # the fit searches B_crit within this factor of the Bs run; beyond the range it is not bounded anyway
 
 
 @dataclass
 class Fit:
-    b_crit: float
+    b_crit: float  # over every run fitted
     s_min: float
-    lo: float  # 95% bootstrap interval of b_crit over the seeds (NaN where fewer than half the resamples fit)
+    lo: float  # 95% t-interval over the seeds of log B_crit, each seed fitted on its own (NaN: fewer than 2 seeds fit)
     hi: float
     sizes: list[int]  # the Bs the fit used
     runs: int
+    seeds: list[float]  # each seed's own B_crit, in seed order (the seeds with 3 Bs or more)
 
 
 def fit(sizes, steps) -> tuple[float, float] | None:
@@ -66,12 +71,22 @@ def _interval(draws: list[float]) -> tuple[float, float]:
 
 
 def critical(points: pd.DataFrame) -> Fit | None:
-    """The fit over every run that reached the target (columns seed, effective_batch, steps)."""
+    """The fit over every run that reached the target (columns seed, effective_batch, steps), and the t-interval of
+    log B_crit over the seeds' own fits."""
     found = fit(points["effective_batch"], points["steps"])
     if found is None:
         return None
-    draws = _resamples(points, lambda p: (fit(p["effective_batch"], p["steps"]) or (math.nan,))[0])
-    return Fit(*found, *_interval(draws), sorted(int(b) for b in points["effective_batch"].unique()), len(points))
+    own = [f[0] for _, p in sorted(points.groupby("seed")) if (f := fit(p["effective_batch"], p["steps"]))]
+    return Fit(*found, *_log_t(own), sorted(int(b) for b in points["effective_batch"].unique()), len(points), own)
+
+
+def _log_t(values: list[float]) -> tuple[float, float]:
+    """The 95% t-interval of the geometric mean of `values` (NaN with fewer than 2)."""
+    if len(values) < 2:
+        return math.nan, math.nan
+    logs = np.log(values)
+    half = stats.t.ppf(0.975, len(logs) - 1) * logs.std(ddof=1) / math.sqrt(len(logs))
+    return float(math.exp(logs.mean() - half)), float(math.exp(logs.mean() + half))
 
 
 def noise_at_target(trials: pd.DataFrame, history: pd.DataFrame, target: float) -> pd.DataFrame:
@@ -120,17 +135,23 @@ def _span(least: float, most: float) -> str:
     return f"{least:.2f} to {'∞' if math.isinf(most) else f'{most:.2f}'}"
 
 
-def reading(points: pd.DataFrame, noise: pd.DataFrame, lost: list[int] = (), censored: list[int] = ()) -> str:
-    """One series' steps per doubling, its fitted B_crit, and the noise scale at the target, in words. `lost`: the
-    Bs run but left out of the fit, as most of their runs never reached the target; `censored`: the B of each run
-    at a fitted B that never reached it (not fitted: its steps are beyond its length)."""
+def reading(points: pd.DataFrame, noise: pd.DataFrame, lost: dict[int, tuple[int, int]] | None = None,
+            censored: list[int] = ()) -> str:
+    """One series' steps per doubling, its fitted B_crit, and the noise scale at the target, in words. `lost`: per B
+    run but left out of the doublings and the fit as most of its runs never reached the target, (those runs, all
+    runs); `censored`: the B of each run that never reached it at a B whose other runs did. Those Bs count in the
+    doublings (the run as slower than every one that reached it) but not in the fit: the runs there that reached
+    it would enter it as if they were all, the slowest taken out."""
     said, sizes, ratios, spans = _doublings(points, censored)
-    f = critical(points)
-    said += _fitted(points, f, sizes, ratios, spans, lost)
-    if f is not None and censored:
-        at = ", ".join(map(str, sorted(set(censored))))
-        said += (f"; {len(censored)} run{'s' * (len(censored) > 1)} at B = {at} that never reached it "
-                 f"{'is' if len(censored) == 1 else 'are'} not in the fit (censored)")
+    out = sorted(set(censored))
+    f = critical(points[~points["effective_batch"].isin(out)])
+    said += _fitted(f, sizes, ratios, spans, lost or {})
+    if out:
+        runs = points["effective_batch"].value_counts()
+        each = ", ".join(f"{list(censored).count(b)} of {runs.get(b, 0) + list(censored).count(b)} at B = {b}"
+                         for b in out)
+        said += (f"; B = {', '.join(map(str, out))} left out of the fit, as some runs there never reached it "
+                 f"({each}): the runs there that did would enter it as if complete, the slowest left out")
     if noise.empty:
         return said + "; no reliable noise scale was measured at the epoch the target was reached"
     lo, hi = _interval(_resamples(noise, lambda p: float(p["noise"].median())))
@@ -169,30 +190,41 @@ def _doublings(points: pd.DataFrame, censored: list[int]) -> tuple[str, list[int
             f"evaluation, leave a range whose ends lie twofold or more apart){slow}"), sizes, ratios, spans
 
 
-def _fitted(points: pd.DataFrame, f, sizes: list[int], ratios: list[float], spans: dict, lost: list[int]) -> str:
-    """What the fit of S = S_min (1 + B_crit / B) says, or why it bounds nothing."""
+def _fitted(f: Fit | None, sizes: list[int], ratios: list[float], spans: dict,
+            lost: dict[int, tuple[int, int]]) -> str:
+    """What the fit of S = S_min (1 + B_crit / B) says: B_crit with the t-interval of the seeds' own fits, or the
+    side of the Bs fitted that interval passes, where it bounds nothing."""
     if f is None:
-        return "; B_crit could not be fitted (fewer than 3 Bs reached the target)"
-    if f.b_crit > max(f.sizes):
-        scale = "0.50 is perfect scaling, 1 none"
-        last = (f"the last doubling's share of the steps of the B before is not resolved ({_span(*spans[sizes[-1]])}; "
-                f"{scale})" if sizes[-1] in spans else
-                f"the last doubling still took the steps to {ratios[-1]:.2f} of the B before ({scale})")
-        said = f"; B_crit is above the largest B fitted ({max(f.sizes)}), so the fit cannot bound it: {last}"
-        above = [b for b in lost if b > max(f.sizes)]
-        if above:  # (right-censored: their steps to the target exceed the runs' length, which no fit here counts)
-            said += (f"; at B = {', '.join(map(str, above))} most runs never reached the target in their epochs, "
-                     f"which argues against a B_crit far above {max(f.sizes)} (those runs are censored, not fitted)")
-        return said
-    if f.b_crit < min(f.sizes):
-        return f"; B_crit is below the smallest B fitted ({min(f.sizes)}): the fit cannot bound it"
-    seeds = points["seed"].nunique()
-    if seeds < FEWEST_SEEDS:
-        spread = _too_few(seeds)
-    elif math.isnan(f.lo):
-        spread = "no bootstrap interval: too few resamples of the seeds could be fitted"
+        return "; B_crit could not be fitted (fewer than 3 Bs where every run reached the target)"
+    n, top = len(f.seeds), max(f.sizes) * FAR * 0.999  # (a fit at the search's bound: beyond, not a value)
+    fitted = f"from {f.runs} runs at B = {f.sizes[0]} to {f.sizes[-1]}"
+    if n < 2 or np.ptp(np.log(f.seeds)) < 1e-9:  # (seeds whose steps agree: their spread is no measure of B_crit's)
+        lo = hi = f.b_crit if n < 2 else f.seeds[0]
+        at = f"above {_n(top / 0.999)}" if lo >= top else _n(lo)
+        own = (f"{'no seed' if n == 0 else 'only 1 seed'} reached the target at 3 Bs or more to be fitted on its "
+               f"own, so there is no spread over seeds; the fit over every run gave {at}" if n < 2 else
+               f"each of the {n} seeds' own fits gave {at}, so their spread measures nothing")
     else:
-        hi = f"above {max(f.sizes)}, the largest B fitted" if f.hi > max(f.sizes) else _n(f.hi)
-        spread = f"95% bootstrap interval over the {seeds} seeds {_n(f.lo)} to {hi}"
-    return (f"; B_crit ≈ {_n(f.b_crit)} ({spread}; S_min ≈ {_n(f.s_min)} steps; from {f.runs} runs at "
-            f"B = {f.sizes[0]} to {f.sizes[-1]})")
+        lo, hi = f.lo, f.hi
+        own = (f"each seed's own fit {', '.join(f'above {_n(top / 0.999)}' if b >= top else _n(b) for b in f.seeds)}"
+               f", 95% t-interval over the {n} seeds (on log B_crit) {_n(lo)} to {_n(hi)}")
+    above, below = hi > max(f.sizes), lo < min(f.sizes)
+    if not above and not below:
+        if lo == hi:
+            return f"; B_crit has no interval: {own} (a point estimate only; {fitted})"
+        return f"; B_crit ≈ {_n(math.sqrt(lo * hi))} ({own}; S_min ≈ {_n(f.s_min)} steps over every run; {fitted})"
+    side = "on either side" if above and below else "above" if above else "below"
+    past = listed([f"the {w} B fitted ({b})" for w, b, on in (("smallest", min(f.sizes), below),
+                                                                ("largest", max(f.sizes), above)) if on])
+    said = (f"; B_crit is not bounded {side} by the Bs fitted: {'the fit lies' if lo == hi else 'its interval reaches'} "
+            f"past {past} ({own}; {fitted})")
+    if above:
+        scale = "0.50 is perfect scaling, 1 none"
+        said += (f": the last doubling's share of the steps of the B before is not resolved "
+                 f"({_span(*spans[sizes[-1]])}; {scale})" if sizes[-1] in spans else
+                 f": the last doubling took the steps to {ratios[-1]:.2f} of the B before ({scale})")
+        beyond = [f"{never} of {runs} at B = {b}" for b, (never, runs) in sorted(lost.items()) if b > max(f.sizes)]
+        if beyond:  # (right-censored: their steps to the target exceed the runs' length, which no fit here counts)
+            said += (f"; runs beyond it never reached the target in their epochs ({', '.join(beyond)}), which "
+                     f"argues against a B_crit far above {max(f.sizes)} (those runs are censored, not fitted)")
+    return said

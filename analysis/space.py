@@ -18,6 +18,7 @@ import pandas as pd
 
 from batchsweep.sweeps import commands
 
+from . import targets
 from .best import (EVERY_BN, EVERY_RULE, SHORT, accounted, below_per_b, choices, diverged_in_a_seed, highest, label,
                    naming, not_compared, of, one_at_base, per_configuration, per_seed, picked, settled_by, shown_value,
                    stopped_in, ties, without)
@@ -335,8 +336,11 @@ def timed(study: StudyRuns):
     value, direction = study.objectives[0]
     if direction != "maximize" or not fields or len(t) < 2:
         return None
-    # The target, as for steps to target: a share of the best configuration's mean final value.
-    target = TARGET_SHARE * float(t.groupby(fields, dropna=False)[value].mean().max())
+    # The target: the steps to the target's (targets.py) for an accuracy, else a share of the best configuration's
+    # mean final value.
+    steps_target = targets.target(study.trials) if value == "val_acc" else None
+    target = steps_target[0] if steps_target else \
+        TARGET_SHARE * float(t.groupby(fields, dropna=False)[value].mean().max())
     seconds = time_to_target(t, study.history, value, target)
     if seconds is None:
         return None

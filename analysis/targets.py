@@ -1,6 +1,7 @@
 """Steps and samples to a target accuracy: against B, fitted for the critical batch beside the noise scale at the
-target (critical.py), and each batch-size warmup against a fixed B, paired by seed. The target is TARGET_SHARE of
-the best configuration's mean final accuracy, on the accuracy's own scale."""
+target (critical.py), and each batch-size warmup against a fixed B, paired by seed. The target (target(), which the times to the
+target count to as well) is TARGET_SHARE of the highest mean final accuracy of an LR rule at a B, on the accuracy's
+own scale."""
 from __future__ import annotations
 
 import math
@@ -25,47 +26,68 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
         return []
     keys = [c for c in ("lr_rule", "bn_momentum_rule") if c in t and t[c].nunique() > 1]
     searched = ["base_lr"] if tuned(t) else []
-    finals = aggregate(t, [*keys, "effective_batch", *searched], "val_acc")
-    if finals.empty:
+    found = target(trials)
+    if found is None:
         return []
-    target = TARGET_SHARE * float(finals["mean"].max())
+    goal, of = found
     worse = one_batch(trials[trials["reason"].isin(WORSE)]) if "reason" in trials else t.iloc[0:0].assign(reason="")
-    runs = _every_run(t, worse, ["run_id", "seed", *keys, "effective_batch", *searched], history, target, evals)
+    runs = _every_run(t, worse, ["run_id", "seed", *keys, "effective_batch", *searched], history, goal, evals)
     tuned_note = ""
     if searched:  # Shallue et al.: at each B, the LR that reached the target in the fewest steps
         runs, tuned_note = _tuned_per_b(runs, keys, t["base_lr"].nunique())
-    noise = critical.noise_at_target(t, history, target)
+    noise = critical.noise_at_target(t, history, goal)
     groups = list(runs.groupby(keys)) if keys else [(("",), runs)]
     if len(keys) == 1:  # the rules in their own order, as the figures draw them
         order = in_order(keys[0], runs[keys[0]])
         groups.sort(key=lambda g: order.index(g[0][0]))
     both = "accum_steps" in t and (t["accum_steps"] > 1).any() and (t["accum_steps"] == 1).any()
     alike = ", accumulated and true batch alike" if both else ""
-    out = [f"Steps to reach {percent(target, full_scale(t['val_acc']))} validation accuracy "
-           f"({100 * TARGET_SHARE:.0f}% of the best configuration's mean; {resolution(t, evals)}{tuned_note}), each "
+    out = [f"Steps to reach {percent(goal, full_scale(t['val_acc']))} validation accuracy "
+           f"({of}; {resolution(t, evals)}{tuned_note}), each "
            f"run that reached it one point{alike}, fitted by S = S_min (1 + B_crit / B) "
            f"(McCandlish et al. 2018; least squares on log steps), beside the gradient noise scale at the end of the "
            f"epoch in which each run reached it."]
     for group, rows in groups:
         name = f"For {listed([str(g) for g in group])}" if keys else "Over every run"
         rows, dropped = _censored(rows)
-        counted = rows.groupby("effective_batch")["steps"].apply(lambda s: s.notna().sum() * 2 > len(s))
+        runs_at = rows.groupby("effective_batch")["steps"]
+        counted = runs_at.apply(lambda s: s.notna().sum() * 2 > len(s))
         kept = rows[rows["effective_batch"].isin(counted[counted].index) & rows["steps"].notna()]
-        lost = sorted(int(b) for b in counted[~counted].index)
+        lost = {int(b): (int(s.isna().sum()), len(s)) for b, s in runs_at if not counted[b]}
         ended = worse[worse["run_id"].isin(rows["run_id"]) & worse["effective_batch"].isin(lost)]["reason"]
         how = f" or {stopped(ended)} first" if len(ended) else ""
-        left = (f" (at B = {listed([str(b) for b in lost])} most runs never reached it{how}: left out of the fit)"
-                if lost else "")
+        never = listed([f"at B = {b}, {n} of {of} runs" for b, (n, of) in lost.items()]) if lost else ""
+        left = f" ({never} never reached it{how}: half or more, left out of the fit)" if lost else ""
         if kept.empty:
             out.append(f"{name}, no B had most of its runs reach it{left}.")
             continue
-        # (the noise scale of the runs fitted; a run at a fitted B that never reached the target is said, not fitted)
+        # (the noise scale of the runs fitted; a run at a B whose others reached the target keeps that B out of the fit)
         censored = rows[rows["effective_batch"].isin(counted[counted].index) & rows["steps"].isna()]
-        fitted = noise[noise["run_id"].isin(kept["run_id"])]
+        out_of_fit = censored["effective_batch"].astype(int).tolist()
+        fitted = noise[noise["run_id"].isin(kept.loc[~kept["effective_batch"].isin(out_of_fit), "run_id"])]
         out.append(f"{name}{left}, "
-                   f"{critical.reading(kept, fitted, lost, censored['effective_batch'].astype(int).tolist())}"
+                   f"{critical.reading(kept, fitted, lost, out_of_fit)}"
                    f"{_open(dropped, 'median steps')}.")
     return out
+
+
+def target(trials: pd.DataFrame) -> tuple[float, str] | None:
+    """The validation accuracy that steps and times to the target count to, and what it is of in words:
+    TARGET_SHARE of the highest mean final accuracy over the seeds of an LR rule (BN momentum rule, base_lr searched)
+    at a B, every run there counted, accumulated and true batch alike. None without a finished run at one B."""
+    t = one_batch(finished(trials))
+    if "effective_batch" not in t or "val_acc" not in t:
+        return None
+    keys = [c for c in ("lr_rule", "bn_momentum_rule", "base_lr") if c in t and t[c].nunique() > 1
+            and (c != "base_lr" or tuned(t))]
+    finals = aggregate(t, [*keys, "effective_batch"], "val_acc")
+    if finals.empty:
+        return None
+    names = {"lr_rule": "an LR rule", "bn_momentum_rule": "a BN momentum rule", "base_lr": "a base_lr"}
+    of = f"{listed([names[k] for k in keys])} at a B" if keys else "a B"
+    return (TARGET_SHARE * float(finals["mean"].max()),
+            f"{100 * TARGET_SHARE:.0f}% of the highest mean final accuracy of {of}, over the seeds, every run there "
+            f"counted")
 
 
 def _every_run(t: pd.DataFrame, worse: pd.DataFrame, columns: list[str], history: pd.DataFrame, target: float,

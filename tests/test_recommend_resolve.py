@@ -199,10 +199,15 @@ def _critical(never):
     return sentence
 
 
-def test_a_run_at_a_fitted_b_that_never_reached_the_target_is_said_left_out_of_the_fit():
+def test_a_b_where_one_run_never_reached_the_target_is_left_out_of_the_fit_not_fitted_from_the_rest():
+    """Seed 0 never reached the target at B = 512: the two runs there that did would enter the fit as if they were
+    all, the slowest left out, so B = 512 is left out of the fit (and of the noise scale beside it) and said; the
+    doublings still count it, the run that never reached it as slower than the rest."""
     sentence = _critical({(512, 0)})
-    assert "from 14 runs at B = 32 to 512); 1 run at B = 512 that never reached it is not in the fit" in sentence, \
-        sentence
+    assert "from 12 runs at B = 32 to 256)" in sentence, sentence
+    assert ("B = 512 left out of the fit, as some runs there never reached it (1 of 3 at B = 512)") in sentence, sentence
+    assert "(a run that never reached it counted as slower than every run that did: 1 run at B = 512)" in sentence
+    assert "was 96 (median of the 12 runs" in sentence, sentence
 
 
 def test_the_noise_scale_beside_the_fit_is_the_fitted_runs_median_not_a_left_out_bs():

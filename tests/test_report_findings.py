@@ -235,21 +235,24 @@ def test_the_default_studys_sentences_recomputed_by_an_independent_path():
     for where, mean, half, *_ in open_:
         assert f"{where}: {100 * mean:+.1f} ± {100 * half:.1f} points" in said
     assert f"resolved in {len(resolved)}" in said
-    # The critical batch: S = S_min (1 + B_crit / B) by curve_fit on log steps, per rule, over the runs that
-    # reached the target at the Bs where most did; the noise scale there, its median.
+    # The critical batch: each seed's own S = S_min (1 + B_crit / B) by curve_fit on log steps, per rule, over the
+    # Bs where every run reached the target; a 95% t-interval on log B_crit over the seeds; the noise scale there.
     runs = pd.read_csv(io.StringIO(TABLE)).assign(B=lambda t: t.physical_batch * t.accum_steps)
     for rule in RULES:
         mine = runs[runs.lr_rule == rule]
-        most = mine.groupby("B").steps.apply(lambda s: s.notna().sum() * 2 > len(s))
-        points = mine[mine.B.isin(most[most].index) & mine.steps.notna()]
-        (log_s, log_b), _ = scipy.optimize.curve_fit(lambda b, ls, lb: ls + np.log1p(np.exp(lb) / b), points.B,
-                                                     np.log(points.steps), p0=(4.0, 5.0), maxfev=20_000)
+        every = mine.groupby("B").steps.apply(lambda s: s.notna().all())
+        points = mine[mine.B.isin(every[every].index)]
+        logs = np.array([scipy.optimize.curve_fit(lambda b, ls, lb: ls + np.log1p(np.exp(lb) / b), p.B,
+                                                  np.log(p.steps), p0=(4.0, 5.0), maxfev=20_000)[0][1]
+                         for _, p in points.groupby("seed")])
+        half = scipy.stats.t.ppf(0.975, len(logs) - 1) * logs.std(ddof=1) / math.sqrt(len(logs))
+        lo, hi = math.exp(logs.mean() - half), math.exp(logs.mean() + half)
         sentence = next(s for s in sentences if s.startswith(f"For {rule}"))
-        b_crit = math.exp(log_b)
-        if b_crit > points.B.max():
-            assert f"B_crit is above the largest B fitted ({points.B.max()})" in sentence
+        assert f"(on log B_crit) {lo:,.0f} to {hi:,.0f}" in sentence, sentence
+        if hi > points.B.max():
+            assert "B_crit is not bounded above by the Bs fitted" in sentence and "B_crit ≈" not in sentence
         else:
-            assert f"B_crit ≈ {b_crit:,.0f} " in sentence and f"S_min ≈ {math.exp(log_s):,.0f} steps" in sentence
+            assert f"B_crit ≈ {math.exp(logs.mean()):,.0f} " in sentence
         assert f"was {points.noise.median():,.0f} (median of the {points.noise.notna().sum()} runs" in sentence
     assert "factor of 2" not in said
 
