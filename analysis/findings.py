@@ -71,9 +71,10 @@ def memory(trials: pd.DataFrame) -> list[str]:
     return [sentence + "."]
 
 
-def bn(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
-    """BN momentum rules: the final measure (paired against the true batch) and, what a momentum rule changes,
-    how far the running statistics are from the population statistics of the final weights."""
+def bn(trials: pd.DataFrame, m: Measure = ACCURACY, final_too: bool = True) -> list[str]:
+    """BN momentum rules: the final measure (paired against the true batch; not where `final_too` is False) and,
+    what a momentum rule changes, how far the running statistics are from the population statistics of the final
+    weights."""
     t = finished(trials)
     if "bn_momentum_rule" not in t or t["bn_momentum_rule"].nunique() < 2:
         return []
@@ -111,7 +112,7 @@ def bn(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
         final = "; ".join(f"{r} {stated(v.d, 'above', 'below', m, v)}" if r not in gone else
                           f"{gone[r]}, not compared over the seeds that finished"
                           for r, v in zip(rules, verdicts) if v is not None or r in gone)
-        if final:
+        if final and final_too:
             out.append(f"Final {'accuracy' if m.points else m.name} at k = {k} against the true batch: {final}.")
     return out
 
@@ -366,10 +367,11 @@ def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFram
                 "configurations are compared: the comparisons are left out; the table holds each trial's metrics.",
                 *noise_scale(trials), *memory(trials)]
     # Where every trial ended at one value, the values show no recording step to set an interval's width by, and
-    # nothing differs to compare: that one sentence stands for the comparisons (the block says the same).
+    # nothing differs to compare: that one sentence stands for the comparisons in it (the block says the same);
+    # the BN running statistics are another measurement, still compared.
     still = unmoved(trials, m)
-    compared = [still] if still else [*lr_rules(trials, m), *twins(trials, m), *bn(trials, m),
-                                      *lr_exponent(trials, m, history)]
+    compared = [still, *bn(trials, m, final_too=False)] if still else [
+        *lr_rules(trials, m), *twins(trials, m), *bn(trials, m), *lr_exponent(trials, m, history)]
     if not m.points:
         aimed = has_accuracy(finished(trials))  # (steps to a target and warmup aim at an accuracy)
         lead = (f"Configurations are compared in the study's objective, {m.name}{m.better}, not in val_acc; steps "
