@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .runs import Difference
+from .runs import Difference, quantum
 
 WORSE = ("diverged", "pruned")  # a trial that ended so was stopped for doing worse: evidence, not a missing seed
 
@@ -58,15 +58,20 @@ class Measure:
     maximize: bool = True
     margin: float = 0.01  # equivalence margin: 1 accuracy point; for a metric of its own, own_margin()
     full: float = 1.0  # an accuracy's value at 100%: 1, or 100 where a script logs it in percent
+    reference: str = ""  # for a metric of its own: what its margin was read from ('B = 32, sd 0.015 over 3 seeds')
 
     @property
     def margin_why(self) -> str:
         """What the margin δ of a metric of its own is, and why (accuracy's 1 point goes without saying)."""
         if self.points:
             return ""
-        return (f"±{self.margin_text} is the equivalence margin δ: a tenth of the spread of the finished trials' "
-                f"{self.name} (10th to 90th percentile), small beside what the choices studied change, and unmoved by "
-                f"a constant added to the metric (a share of its median value would move with its zero point)")
+        if not self.margin:
+            return (f"no equivalence margin δ is set for {self.name}: {self.reference}, so nothing is called "
+                    f"equivalent")
+        return (f"±{self.margin_text} is the equivalence margin δ: {REFERENCE_SDS:g} times the sd of {self.name} over "
+                f"the seeds of the reference, the smallest B ({self.reference}); a difference inside it is smaller than "
+                f"what reseeding the reference moves it by (about 95% of reseeds fall within ±2 sd), and no other "
+                f"setting of the study, nor a constant added to the metric, moves δ")
 
     @property
     def margin_text(self) -> str:
@@ -153,20 +158,39 @@ def measure(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> M
             continue
         values = pd.to_numeric(t[name], errors="coerce") if name in t else pd.Series(dtype=float)
         if np.isfinite(values).any():
-            return Measure(name, direction == "maximize", own_margin(values[np.isfinite(values)]))
+            margin, reference = own_margin(t, name)
+            return Measure(name, direction == "maximize", margin, reference=reference)
     return None
 
 
-SPREAD_SHARE = 0.1  # δ for a metric of its own, as a share of the spread of its values over the trials
+REFERENCE_SDS = 2.0  # δ for a metric of its own, in sds of its values over the reference's seeds
+# (what tells configurations apart at the reference; a share of its values would move with their zero point)
+CONFIGURATION = ("physical_batch", "accum_steps", "lr", "lr_rule", "bn_momentum_rule", "base_lr")
 
 
-def own_margin(values: pd.Series) -> float:
-    """The equivalence margin of a metric with no scale of its own to read a point in: a tenth of the spread of
-    its finished values between their 10th and 90th percentiles (a stray diverging trial does not widen it). It
-    moves with the metric's scale and not with its zero point, as a difference does; 1% of the median (as it
-    was) called a loss offset by a constant equivalent where the same loss was not."""
-    lo, hi = np.percentile(values.astype(float), [10, 90])
-    return SPREAD_SHARE * float(hi - lo)
+def own_margin(trials: pd.DataFrame, name: str) -> tuple[float, str]:
+    """The equivalence margin of a metric with no scale of its own to read a point in, and what it was read from:
+    twice the sd of its values over the seeds of the reference, the finished trials at the smallest B (pooled
+    within each configuration there; a seed's runs of one configuration averaged), never below the metric's
+    recording step / sqrt(6). It depends on the reference alone: a tenth of the 10-90% spread over every trial (as
+    it was) grew from 0.020 to 0.137 when one badly training B was added to the study, and called Bs equivalent
+    that were not. 0, said, where the reference ran fewer than 2 seeds."""
+    t = finished(trials)
+    t = t[np.isfinite(pd.to_numeric(t[name], errors="coerce"))]
+    if "effective_batch" in t and t["effective_batch"].notna().any():
+        t = t[t["effective_batch"] == t["effective_batch"].min()]
+        where = f"B = {t['effective_batch'].iloc[0]:.0f}"
+    else:
+        where = "every configuration"
+    keys = [c for c in CONFIGURATION if c in t and t[c].notna().any()]
+    seeds = t.groupby([*keys, "seed"], dropna=False)[name].mean() if "seed" in t else pd.Series(dtype=float)
+    by = seeds.groupby(level=list(range(len(keys)))) if keys else seeds.groupby(lambda _: 0)
+    dof = (by.count() - 1).clip(lower=0)
+    if dof.sum() < 1:
+        return 0.0, f"the reference, the smallest B ({where}), ran fewer than 2 seeds"
+    pooled = math.sqrt(float((by.var(ddof=1).fillna(0.0) * dof).sum() / dof.sum()))
+    sd = max(pooled, quantum(trials[name]) / math.sqrt(6))
+    return REFERENCE_SDS * sd, f"{where}, sd {sd:.2g} over {int(seeds.index.get_level_values('seed').nunique())} seeds"
 
 
 def one_batch(trials: pd.DataFrame) -> pd.DataFrame:

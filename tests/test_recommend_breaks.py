@@ -107,10 +107,11 @@ def test_the_margin_of_a_metric_of_its_own_does_not_move_with_its_zero_point():
     assert free[0.0].split("under the")[1][:8] == free[10.0].split("under the")[1][:8], free
     assert "under the none LR rule" not in free[10.0], free[10.0]
     for said in lines.values():
-        assert said[-1].startswith("In these lines ±0.0") and "a tenth of the spread of the finished trials' val_loss" \
-            in said[-1] and "unmoved by a constant added to the metric" in said[-1], said[-1]
+        assert said[-1].startswith("In these lines ±0.0") and "2 times the sd of val_loss over the seeds of the " \
+            "reference, the smallest B (B = 32" in said[-1] and "nor a constant added to the metric" in said[-1], said[-1]
     findings = summarize(_loss_study(10.0).trials, None, None, ("val_loss", "minimize"))
-    assert any("is the equivalence margin δ: a tenth of the spread" in s for s in findings), findings
+    assert any("is the equivalence margin δ: 2 times the sd of val_loss over the seeds of the reference" in s
+               for s in findings), findings
 
 
 def test_a_b_where_every_rule_diverged_and_a_pick_at_its_rules_smallest_b_each_get_their_line():

@@ -97,3 +97,28 @@ def test_a_study_with_no_twins_says_nothing_of_a_half_not_measured():
                       + 0.002 * seed, made=((32, 1), (32, 2), (32, 4)))
     study = _study(rows, RULES)
     assert not any("was not measured" in s for s in [*summarize(study.trials, study.history), *recommend(study)])
+
+
+def test_the_margin_of_a_metric_of_its_own_is_set_by_the_reference_and_not_moved_by_a_bad_b():
+    """val_loss rises 0.004 per doubling (seeds 0.01 apart): B = 64 to 256 were not equivalent to B = 32 within the
+    margin. Adding B = 1024, where training went badly (loss 1.5), widened δ (a tenth of the spread over every
+    trial) from 0.02 to 0.14, and the same comparisons read 'equivalent'. δ is read from B = 32's seeds alone."""
+    from batchsweep.analysis.findings import summarize
+    from batchsweep.analysis.measures import measure
+
+    def rows(bad: bool):
+        rng, out = _grid(lambda *_: 0.9, made=((32, 1), (32, 2), (32, 4), (32, 8), *(((32, 32),) if bad else ())))
+        for r in out:
+            k = r["accum_steps"]
+            wobble = 0.001 * ((r["seed"] * 7 + k + len(r["lr_rule"])) % 3 - 1) * (k > 1)  # (B = 32: one run)
+            r["val_loss"] = 0.1 + 0.01 * r["seed"] + 0.004 * math.log2(k) + wobble + 1.4 * (k == 32)
+        return _study(out, RULES, ("val_loss", "minimize"))
+
+    plain, bad = rows(False), rows(True)
+    margins = [measure(s.trials, s.objectives[0]).margin for s in (plain, bad)]
+    assert margins[0] == margins[1], margins
+    ref = plain.trials[plain.trials["accum_steps"] == 1].groupby("seed")["val_loss"].mean()
+    assert math.isclose(margins[0], 2 * ref.std(ddof=1), rel_tol=1e-9), margins
+    said = [s for s in summarize(bad.trials, bad.history, None, bad.objectives[0]) if "LR rule against" in s]
+    assert said and not any("equivalent within" in s and "at B = 256" in s.split("equivalent within")[1].split(";")[0]
+                            for s in said), said
