@@ -41,6 +41,23 @@ def _seed_note(t: pd.DataFrame) -> list[str]:
     return []
 
 
+def one_bn_rule(trials: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """Where the trials record a model without BatchNorm (`norm` none or group in every finished trial) and vary
+    the BN momentum rule, that rule sets a momentum no layer uses: its runs are identical, one configuration, not
+    several to rank. The trials of the first rule alone, and the sentence that says so; else (trials, '')."""
+    t = finished(trials)
+    if "norm" not in t or "bn_momentum_rule" not in t or t["bn_momentum_rule"].nunique() < 2:
+        return trials, ""
+    norms = t["norm"].dropna().astype(str)
+    if len(norms) < len(t) or (norms == "batch").any():
+        return trials, ""
+    rules = in_order("bn_momentum_rule", t["bn_momentum_rule"].dropna().unique())
+    kept = trials[trials["bn_momentum_rule"] == rules[0]]
+    return kept, (f"The model has no BatchNorm (norm = {' and '.join(sorted(norms.unique()))}): the BN momentum "
+                  f"rules {listed(rules)} set a momentum no layer uses, so their runs are identical and count as one "
+                  f"configuration (the runs under {rules[0]}); no BN momentum rule is ranked.")
+
+
 def memory(trials: pd.DataFrame) -> list[str]:
     t = finished(trials)
     t = t.dropna(subset=["peak_memory_bytes"]) if "peak_memory_bytes" in t else t  # (a k not measured spans nothing)
@@ -389,17 +406,19 @@ def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFram
 def summarize(trials: pd.DataFrame, history: pd.DataFrame | None = None, evals: pd.DataFrame | None = None,
               objective: tuple[str, str] | None = None) -> list[str]:
     """The findings. Sentences that compare configurations hold one model and one dataset at a time, in accuracy
-    or, for a study without one, in its first objective (`objective`: metric and direction)."""
+    or, for a study without one, in its first objective (`objective`: metric and direction); a model without
+    BatchNorm's BN momentum rules as one configuration (one_bn_rule())."""
     history = pd.DataFrame() if history is None else history
     trials = typed(trials, [objective[0]] if objective else [])  # (numbers read back as text)
-    keys = [c for c in ("model", "dataset") if c in trials and trials[c].nunique() > 1]
+    compared, no_bn = one_bn_rule(trials)
+    keys = [c for c in ("model", "dataset") if c in compared and compared[c].nunique() > 1]
     if keys:
         comparisons = []
-        for group, rows in trials.groupby(keys):
+        for group, rows in compared.groupby(keys):
             label = " on ".join(map(str, group if isinstance(group, tuple) else (group,)))
             part = history[history["run_id"].isin(rows["run_id"])] if not history.empty else history
             comparisons += [f"{label}: {lowered(s)}" for s in _comparisons(rows, part, evals, objective)]
     else:
-        comparisons = _comparisons(trials, history, evals, objective)
-    return [*exactness(trials), *comparisons, *_seed_note(finished(trials)), *mismatches(trials), *failures(trials),
-            *health(trials), *script_note(trials)]
+        comparisons = _comparisons(compared, history, evals, objective)
+    return [*filter(None, [no_bn]), *exactness(trials), *comparisons, *_seed_note(finished(trials)),
+            *mismatches(trials), *failures(trials), *health(trials), *script_note(trials)]

@@ -15,7 +15,7 @@ from batchsweep.sweeps import commands
 from .at_batch import largest_free, per_batch
 from .best import (Best, accounted, below_per_b, best_set, choices, diverged_in_a_seed, label, members, not_compared,
                    picked, stopped_in)
-from .findings import bn_against_true, exact_by_model, lr_exponent
+from .findings import bn_against_true, exact_by_model, lr_exponent, one_bn_rule
 from .measures import Measure, finished, full_scale, measure, stopped_verb, tuned, unmoved
 from .runs import StudyRuns
 from .space import identical_spread, never_reached, not_timed, shown, timed, times
@@ -257,7 +257,7 @@ def per_model(study: StudyRuns) -> list[tuple[str, StudyRuns]]:
 
 def starred(study: StudyRuns) -> pd.Index | None:
     """The trials the trials table marks ★: each model's best and ties (named_best), None where none is named."""
-    named = [named_best(one) for _, one in per_model(study)]
+    named = [named_best(one) for _, one in per_model(replace(study, trials=one_bn_rule(study.trials)[0]))]
     named = [n.trials for n in named if n is not None and not n.refused]
     return named[0].append(named[1:]) if named else None
 
@@ -265,6 +265,9 @@ def starred(study: StudyRuns) -> pd.Index | None:
 def recommend(study: StudyRuns) -> list[str]:
     """The recommendation's lines: per B, then the pick for each goal the study can speak to; per model (and
     dataset) where the study ran several, as the findings are (per_model())."""
+    trials, no_bn = one_bn_rule(study.trials)
+    if no_bn:  # (identical runs under each BN momentum rule: one configuration)
+        return [no_bn, *recommend(replace(study, trials=trials))]
     groups = per_model(study)
     if len(groups) == 1 or study.objectives[0][0] == "param_rel_diff":  # (exactness already speaks per model)
         return _recommend(study)

@@ -122,3 +122,29 @@ def test_the_margin_of_a_metric_of_its_own_is_set_by_the_reference_and_not_moved
     said = [s for s in summarize(bad.trials, bad.history, None, bad.objectives[0]) if "LR rule against" in s]
     assert said and not any("equivalent within" in s and "at B = 256" in s.split("equivalent within")[1].split(";")[0]
                             for s in said), said
+
+
+def test_a_model_without_batchnorm_has_one_configuration_for_its_bn_momentum_rules_and_says_so():
+    """norm = none: the BN momentum rules set a momentum no layer uses, and each seed's runs under them are
+    identical. They were ranked against the true batch per k, and counted as 3 configurations in the best's
+    family."""
+    from batchsweep.analysis.findings import summarize
+
+    def acc(b, k, seed):
+        return 0.95 - 0.004 * math.log2(b * k / 32) + 0.002 * ((seed * 5 + k) % 3)
+
+    rows = []
+    for bn in ("default", "scaled", "matched"):
+        _, some = _grid(lambda rule, b, k, seed: acc(b, k, seed), rules=("none",), norm="none", bn_momentum_rule=bn)
+        rows += some
+    study = _study(rows, ("physical_batch", "accum_steps", "bn_momentum_rule"))
+    lines = recommend(study)
+    said = ("The model has no BatchNorm (norm = none): the BN momentum rules default, scaled and matched set a "
+            "momentum no layer uses, so their runs are identical and count as one configuration (the runs under "
+            "default); no BN momentum rule is ranked.")
+    assert lines[0] == said, lines
+    assert not any("BN momentum at k" in s or "BN scaled" in s or "BN matched" in s for s in lines), lines
+    [best] = [s for s in lines if s.startswith("The best")]
+    assert "of 5 configurations" in best or "over 4 comparisons" in best, best
+    found = summarize(study.trials, study.history)
+    assert found[0] == said and not any(s.startswith("Final accuracy at k") for s in found), found
