@@ -43,7 +43,7 @@ def _seed_note(t: pd.DataFrame) -> list[str]:
 
 def one_bn_rule(trials: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     """Where the trials record a model without BatchNorm (`norm` none or group in every finished trial) and vary
-    the BN momentum rule, that rule sets a momentum no layer uses: its runs are identical, one configuration, not
+    the BN momentum rule, that rule sets a momentum no layer uses: one configuration, however many rules, not
     several to rank. The trials of the first rule alone, and the sentence that says so; else (trials, '')."""
     t = finished(trials)
     if "norm" not in t or "bn_momentum_rule" not in t or t["bn_momentum_rule"].nunique() < 2:
@@ -54,8 +54,8 @@ def one_bn_rule(trials: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     rules = in_order("bn_momentum_rule", t["bn_momentum_rule"].dropna().unique())
     kept = trials[trials["bn_momentum_rule"] == rules[0]]
     return kept, (f"The model has no BatchNorm (norm = {' and '.join(sorted(norms.unique()))}): the BN momentum "
-                  f"rules {listed(rules)} set a momentum no layer uses, so their runs are identical and count as one "
-                  f"configuration (the runs under {rules[0]}); no BN momentum rule is ranked.")
+                  f"rules {listed(rules)} set a momentum no layer uses, so they count as one configuration (the runs "
+                  f"under {rules[0]}); no BN momentum rule is ranked.")
 
 
 def memory(trials: pd.DataFrame) -> list[str]:

@@ -140,8 +140,8 @@ def test_a_model_without_batchnorm_has_one_configuration_for_its_bn_momentum_rul
     study = _study(rows, ("physical_batch", "accum_steps", "bn_momentum_rule"))
     lines = recommend(study)
     said = ("The model has no BatchNorm (norm = none): the BN momentum rules default, scaled and matched set a "
-            "momentum no layer uses, so their runs are identical and count as one configuration (the runs under "
-            "default); no BN momentum rule is ranked.")
+            "momentum no layer uses, so they count as one configuration (the runs under default); no BN momentum rule "
+            "is ranked.")
     assert lines[0] == said, lines
     assert not any("BN momentum at k" in s or "BN scaled" in s or "BN matched" in s for s in lines), lines
     [best] = [s for s in lines if s.startswith("The best")]
