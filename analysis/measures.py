@@ -184,7 +184,7 @@ def own_margin(trials: pd.DataFrame, name: str) -> tuple[float, str]:
         where = "every configuration"
     keys = [c for c in CONFIGURATION if c in t and t[c].notna().any()]
     seeds = t.groupby([*keys, "seed"], dropna=False)[name].mean() if "seed" in t else pd.Series(dtype=float)
-    by = seeds.groupby(level=list(range(len(keys)))) if keys else seeds.groupby(lambda _: 0)
+    by = seeds.groupby(level=list(range(len(keys))), dropna=False) if keys else seeds.groupby(lambda _: 0)
     dof = (by.count() - 1).clip(lower=0)
     if dof.sum() < 1:
         return 0.0, f"the reference, the smallest B ({where}), ran fewer than 2 seeds"
