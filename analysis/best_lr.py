@@ -23,11 +23,22 @@ import pandas as pd
 from scipy import stats
 
 from .measures import WORSE  # (a trial that ended so was tried and did worse than any that finished)
+from .wording import listed
 
 RESAMPLES = 2000  # bootstrap resamples of the seeds
 ALSO_SCALED = ("beta1", "beta2", "eps", "decay", "bn_momentum")  # what an LR rule may move besides the LR
 STILL = 1e-9  # a spread of log best LR over B below this is one LR at every B (float noise of equal LRs)
 PEAKS = np.linspace(-4.0, 4.0, 801)  # candidate log2(peak / geometric middle of the Bs): 16x beyond either end
+# The LR rules as exponents of B: (exponent, its name, its reading).
+RULES = ((0.0, "LR unchanged", "no scaling"), (0.5, "square root", "square-root scaling"),
+         (1.0, "linear", "linear scaling"))
+# A rule is read only where the slope's interval lies within NEAR of its exponent: halfway to the neighbouring
+# rules', so the interval holds it and leaves the others out by that margin (an interval that holds 1 but reaches
+# 2.12 is not read as linear: a best LR that moves as B^1.5 holds 1 too).
+NEAR = 0.25
+# What a slope's bound is compared with in words (a direction, a rule, a rule's margin): shown() never rounds onto
+# or across one of them.
+MARKS = tuple(sorted({e + d for e, _, _ in RULES for d in (-NEAR, 0.0, NEAR)}))
 
 
 @dataclass(frozen=True)
@@ -85,7 +96,7 @@ class BestLR:
         elif self.shape == "did not move":
             text = (f"The best LR tried did not move with B from {lo} to {hi}: each seed's best LR was the same at "
                     f"every B (slope 0; each best is known to half the spacing of the LRs tried around it, so the "
-                    f"slope's 95% interval is {_two(self.slope_low)} to {_two(self.slope_high)}).")
+                    f"slope's 95% interval is {shown(self.slope_low)} to {shown(self.slope_high)}).")
         elif self.slope == 0 and all(np.allclose(p.seeds, self.points[0].seeds) for p in self.points):
             side = ("on either side" if math.isinf(self.slope_low) and math.isinf(self.slope_high)
                     else "above" if math.isinf(self.slope_high) else "below")
@@ -196,15 +207,44 @@ def _two(x: float) -> str:
     return f"{round(x, 2) + 0.0:.2f}"
 
 
+def shown(x: float, marks: tuple[float, ...] = MARKS) -> str:
+    """A bound of the slope's interval: two decimals, more where two would show it on or across a value the words
+    compare it with (0.0032 reads 0.003, not 0.00 beside 'it excludes 0'); within 1e-9 of a mark it is that mark."""
+    def side(v: float, m: float) -> int:
+        return 0 if abs(v - m) < 1e-9 else 1 if v > m else -1
+
+    for places in range(2, 10):
+        if all(side(round(x, places), m) == side(x, m) for m in marks):
+            break
+    return f"{round(x, places) + 0.0:.{places}f}"
+
+
+def rule_reading(low: float, high: float) -> str:
+    """Which LR rule the slope's 95% interval (low, high) reads as: one only where the interval lies within NEAR of
+    its exponent; otherwise the rules it is consistent with (those it holds), and each B's best LR to use."""
+    exponents = listed([f"{e:g} ({name})" for e, name, _ in RULES])
+    near = [(e, reading) for e, _, reading in RULES if e - NEAR <= low and high <= e + NEAR]
+    if near:
+        (e, reading), = near
+        return (f"It reads as {reading}: of the exponents {exponents}, the interval holds {e:g} and lies within "
+                f"{NEAR:g} of it (halfway to the neighbouring exponents)")
+    held = [(e, reading) for e, _, reading in RULES if low <= e <= high]
+    if not held:
+        return f"It is consistent with no rule: the interval holds none of the exponents {exponents}; use each B's best LR"
+    return (f"It is consistent with {listed([r for _, r in held])} (the interval holds "
+            f"{listed([f'{e:g}' for e, _ in held])}), but does not lie within {NEAR:g} of one exponent (halfway to the "
+            f"neighbouring ones), so no rule is read from it: use each B's best LR")
+
+
 def _span(low: float, high: float) -> str:
     """The slope's 95% interval in words, a side left open by a best at the edge of the LRs tried said so."""
     if math.isinf(low) and math.isinf(high):
         return "95% interval not bounded on either side: a seed's best sat at the edge of the LRs tried"
     if math.isinf(high):
-        return f"95% interval {_two(low)} or more, not bounded above: a seed's best sat at the edge of the LRs tried"
+        return f"95% interval {shown(low)} or more, not bounded above: a seed's best sat at the edge of the LRs tried"
     if math.isinf(low):
-        return f"95% interval {_two(high)} or less, not bounded below: a seed's best sat at the edge of the LRs tried"
-    return f"95% interval {_two(low)} to {_two(high)}"
+        return f"95% interval {shown(high)} or less, not bounded below: a seed's best sat at the edge of the LRs tried"
+    return f"95% interval {shown(low)} to {shown(high)}"
 
 
 def best_lr_against_b(trials: pd.DataFrame, metric: str, direction: str, seed: int = 0) -> BestLR:
