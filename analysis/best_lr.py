@@ -230,7 +230,8 @@ def rule_reading(low: float, high: float) -> str:
                 f"{NEAR:g} of it (halfway to the neighbouring exponents)")
     held = [(e, reading) for e, _, reading in RULES if low <= e <= high]
     if not held:
-        return f"It is consistent with no rule: the interval holds none of the exponents {exponents}; use each B's best LR"
+        return (f"It is consistent with no rule: the interval holds none of the exponents {exponents}; use each B's "
+                f"best LR")
     return (f"It is consistent with {listed([r for _, r in held])} (the interval holds "
             f"{listed([f'{e:g}' for e, _ in held])}), but does not lie within {NEAR:g} of one exponent (halfway to the "
             f"neighbouring ones), so no rule is read from it: use each B's best LR")

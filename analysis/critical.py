@@ -216,8 +216,8 @@ def _fitted(f: Fit | None, sizes: list[int], ratios: list[float], spans: dict,
     side = "on either side" if above and below else "above" if above else "below"
     past = listed([f"the {w} B fitted ({b})" for w, b, on in (("smallest", min(f.sizes), below),
                                                                 ("largest", max(f.sizes), above)) if on])
-    said = (f"; B_crit is not bounded {side} by the Bs fitted: {'the fit lies' if lo == hi else 'its interval reaches'} "
-            f"past {past} ({own}; {fitted})")
+    lies = "the fit lies" if lo == hi else "its interval reaches"
+    said = f"; B_crit is not bounded {side} by the Bs fitted: {lies} past {past} ({own}; {fitted})"
     if above:
         scale = "0.50 is perfect scaling, 1 none"
         said += (f": the last doubling's share of the steps of the B before is not resolved "

@@ -15,7 +15,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from .best_lr import BestLR, best_lr_against_b, draw as best_lr_figure  # noqa: E402
-from .critical import fit  # noqa: E402
+from .critical import critical  # noqa: E402
 from .measures import Measure, finished, last_noise, measure, one_batch, reliable_noise, tuned  # noqa: E402
 from .plotting import MEMORY_LABELS, Draw, Figure, colors, context, log2_axis, log_scale, split, varies  # noqa: E402
 from .runs import aggregate, ci95, reached, steps_to_target  # noqa: E402
@@ -286,18 +286,22 @@ def steps_vs_batch(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFr
     if keys == [field]:  # the split's own order and colours
         groups.sort(key=lambda g: list(palette).index(g[0][0]))
         lines = [palette[g[0]] for g, _ in groups]
-    runs = t[["run_id", *keys, "effective_batch"]].merge(reached(t, history, target, evals), on="run_id")
+    seed = ["seed"] if "seed" in t else []
+    runs = t[["run_id", *seed, *keys, "effective_batch"]].merge(reached(t, history, target, evals), on="run_id")
     for color, (group, rows) in zip(lines, groups):
         rows = rows.dropna(subset=["steps"]).sort_values("effective_batch")
         for ax, column in ((left, "steps"), (right, "samples")):
             ax.plot(rows["effective_batch"], rows[column], "o-", color=color, label=" / ".join(map(str, group)))
-        mine = runs[runs["effective_batch"].isin(rows["effective_batch"]) & runs["steps"].notna()]
+        mine = runs
         for key, value in zip(keys, group if isinstance(group, tuple) else (group,)):
             mine = mine[mine[key] == value]
-        fitted = fit(mine["effective_batch"], mine["steps"])  # the findings' fit, over every run that reached it
-        if fitted and rows["effective_batch"].min() <= fitted[0] <= rows["effective_batch"].max():
-            xs = np.geomspace(rows["effective_batch"].min(), rows["effective_batch"].max(), 50)
-            left.plot(xs, fitted[1] * (1 + fitted[0] / xs), ":", color=color, linewidth=1)
+        # The findings' fit: the Bs where every run reached the target, drawn where the seeds' interval lies
+        # within them (critical.py).
+        mine = mine[mine.groupby("effective_batch")["steps"].transform(lambda s: s.notna().all())]
+        fitted = critical(mine) if seed else None
+        if fitted and min(fitted.sizes) <= fitted.lo < fitted.hi <= max(fitted.sizes):
+            xs = np.geomspace(min(fitted.sizes), max(fitted.sizes), 50)
+            left.plot(xs, fitted.s_min * (1 + fitted.b_crit / xs), ":", color=color, linewidth=1)
     got = table.dropna(subset=["steps"]).sort_values("effective_batch")
     b0 = got["effective_batch"].iloc[0]
     first = got[got["effective_batch"] == b0]["steps"].min()
@@ -312,9 +316,10 @@ def steps_vs_batch(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFr
         ax.set(xlabel="effective batch B", ylabel=label)
     left.legend(title=" / ".join(keys) or None, fontsize=8)
     every = "once an epoch" if evals is None else "every eval_every_steps"
-    fig.suptitle(f"target: {100 * target:.1f}% validation accuracy (95% of the best mean), evaluated {every}; "
-                 f"lines: medians over every run at a B; dotted: S = S_min (1 + B_crit / B) fitted to the runs, where B_crit "
-                 f"lies within the Bs run; no point: most runs never reached the target", fontsize=9)
+    fig.suptitle(f"target: {100 * target:.1f}% validation accuracy (95% of the highest mean of an LR rule at a B), "
+                 f"evaluated {every}; lines: medians over every run at a B; dotted: S = S_min (1 + B_crit / B) fitted "
+                 f"to the runs, where the seeds' 95% interval of B_crit lies within the Bs fitted; no point: half or "
+                 f"more of the runs never reached the target", fontsize=9)
     fig.tight_layout()
     return Figure("steps_to_target", "Steps and samples to the target accuracy against effective batch (log–log)",
                   fig, context(t))

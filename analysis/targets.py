@@ -1,7 +1,7 @@
 """Steps and samples to a target accuracy: against B, fitted for the critical batch beside the noise scale at the
-target (critical.py), and each batch-size warmup against a fixed B, paired by seed. The target (target(), which the times to the
-target count to as well) is TARGET_SHARE of the highest mean final accuracy of an LR rule at a B, on the accuracy's
-own scale."""
+target (critical.py), and each batch-size warmup against a fixed B, paired by seed. The target
+(target(), which the times to the target count to as well) is TARGET_SHARE of the highest mean final accuracy of an
+LR rule at a B, on the accuracy's own scale."""
 from __future__ import annotations
 
 import math

@@ -2,6 +2,7 @@
 fitted it passes (critical.py)."""
 import numpy as np
 import pandas as pd
+import pytest
 
 from batchsweep.analysis import critical
 
@@ -27,7 +28,8 @@ def test_a_b_crit_whose_seeds_spread_past_the_bs_fitted_is_not_bounded_and_gives
     said = critical.reading(_points([358, 191, 172]), NONE_NOISE)
     assert "B_crit ≈" not in said, said
     assert ("B_crit is not bounded above by the Bs fitted: its interval reaches past the largest B fitted (256) "
-            "(each seed's own fit 358, 191, 172, 95% t-interval over the 3 seeds (on log B_crit) 85 to 609") in said, said
+            "(each seed's own fit 358, 191, 172, 95% t-interval over the 3 seeds (on log B_crit) 85 to 609") in said, \
+        said
 
 
 def test_series_whose_seeds_fits_overlap_are_worded_alike():
@@ -78,3 +80,30 @@ def test_a_b_where_half_the_runs_never_reached_the_target_gives_their_count():
     assert line.startswith("Over every run (at B = 512, 2 of 4 runs never reached it: half or more, left out of the "
                            "fit)"), line
     assert "most runs" not in line, line
+
+
+def _reaching(b_crits, sizes=(32, 64, 128, 256)):
+    """Trials and a history in which each seed's run at B first reaches 95% at 80 (1 + B_crit / B) steps."""
+    trials, history = [], []
+    for seed, b_crit in enumerate(b_crits):
+        for b in sizes:
+            run = f"{seed}-{b}"
+            trials.append(dict(run_id=run, seed=seed, lr_rule="sqrt", physical_batch=b, accum_steps=1,
+                               effective_batch=b, base_batch=32, status="FINISHED", val_acc=0.95))
+            history += [dict(run_id=run, epoch=1, steps=round(80 * (1 + b_crit / b)), val_acc=0.95),
+                        dict(run_id=run, epoch=2, steps=round(160 * (1 + b_crit / b)), val_acc=0.95)]
+    return pd.DataFrame(trials), pd.DataFrame(history)
+
+
+@pytest.mark.parametrize("b_crits, drawn", [([358, 191, 172], False), ([100, 110, 120], True)])
+def test_the_figure_draws_the_fit_only_where_the_sentence_gives_b_crit(b_crits, drawn):
+    """The seeds' fits 358, 191, 172 leave B_crit unbounded above B = 256, so the figure draws no fitted curve (it
+    drew the pooled fit, 225, inside the Bs); 100, 110, 120 bound it, and the curve is drawn."""
+    import matplotlib.pyplot as plt
+
+    from batchsweep.analysis.figures import steps_vs_batch
+
+    figure = steps_vs_batch(*_reaching(b_crits))
+    dotted = [line for line in figure.figure.axes[0].get_lines() if line.get_linestyle() == ":"]
+    plt.close(figure.figure)
+    assert bool(dotted) == drawn, dotted
