@@ -113,6 +113,14 @@ def _n(x: float) -> str:
     return f"{x:,.0f}"
 
 
+def _beside(x: float, marks: list[int]) -> str:
+    """An interval's end shown with the decimals that keep it off the Bs fitted's ends it is compared with (256.3
+    reads 256.3 beside 'reaches past 256', not 256)."""
+    places = next((p for p in range(0, 4) if all((round(x, p) > m) == (x > m) and (round(x, p) == m) == (x == m)
+                                                 for m in marks)), 4)
+    return f"{x:,.{places}f}"
+
+
 def _unresolved(points: pd.DataFrame, sizes: list) -> dict[int, tuple[float, float]]:
     """Per B (against the B before it): the range of its ratio where the steps are known only to within an evaluation
     (column `before`: the steps at the evaluation before the one that reached the target) and that range's ends lie
@@ -207,7 +215,7 @@ def _fitted(f: Fit | None, sizes: list[int], ratios: list[float], spans: dict,
     else:
         lo, hi = f.lo, f.hi
         own = (f"each seed's own fit {', '.join(f'above {_n(top / 0.999)}' if b >= top else _n(b) for b in f.seeds)}"
-               f", 95% t-interval over the {n} seeds (on log B_crit) {_n(lo)} to {_n(hi)}")
+               f", 95% t-interval over the {n} seeds (on log B_crit) {_beside(lo, f.sizes)} to {_beside(hi, f.sizes)}")
     above, below = hi > max(f.sizes), lo < min(f.sizes)
     if not above and not below:
         if lo == hi:

@@ -107,3 +107,9 @@ def test_the_figure_draws_the_fit_only_where_the_sentence_gives_b_crit(b_crits, 
     dotted = [line for line in figure.figure.axes[0].get_lines() if line.get_linestyle() == ":"]
     plt.close(figure.figure)
     assert bool(dotted) == drawn, dotted
+
+
+def test_an_end_of_b_crits_interval_is_never_shown_on_a_b_fitted_it_lies_past():
+    """An interval ending at 256.3 reaches past B = 256: shown as '256' it would read as ending on it."""
+    assert critical._beside(256.3, [32, 256]) == "256.3" and critical._beside(31.96, [32, 256]) == "31.96"
+    assert critical._beside(609.2, [32, 256]) == "609" and critical._beside(256.0, [32, 256]) == "256"
