@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from . import branching
-from .best_lr import moved, over_training
+from .best_lr import moved, over_training, rule_reading
 from .figures import best_lr, best_lr_of_seeds, trained_lr
 from .measures import (ACCURACY, Measure, finished, has_accuracy, measure, one_batch, reliable_noise,
                        unmoved)
@@ -29,9 +29,6 @@ from .wording import listed, lowered, significant, stated
 
 EXACT = 1e-4  # relative parameter difference below which accumulation is float rounding, not a change
 FLOAT64_ROUNDING = 1e-10  # in float64, a ghost twin this close shows that what is left in float32 is rounding
-# The LR rules as exponents of lr ~ B^alpha, and what the report calls the scaling each one is.
-RULE_EXPONENTS = ((0.0, "LR unchanged", "no scaling"), (0.5, "square root", "square-root scaling"),
-            (1.0, "linear", "linear scaling"))
 
 
 def _seed_note(t: pd.DataFrame) -> list[str]:
@@ -228,21 +225,10 @@ def exact_by_model(trials: pd.DataFrame) -> list[Exact]:
 
 
 def lr_rule_reading(lo: float, hi: float) -> str:
-    """Which LR rule an interval of the exponent singles out: one only when it holds that rule's exponent and no
-    other's (an interval that holds 0 cannot tell a rule from leaving the LR as it is). It is read from the ends
-    as the sentence shows them, to 2 places: 0.5036 reads 0.50, which holds 0.5."""
-    lo, hi = round(lo, 2), round(hi, 2)
-    held = [rule for rule in RULE_EXPONENTS if lo <= rule[0] <= hi]
-
-    def exponents(rules) -> str:
-        return listed([f"{value:g} ({name})" for value, name, _ in rules])
-
-    if len(held) == 1:
-        return (f"It reads as {held[0][2]}: of the exponents {exponents(RULE_EXPONENTS)}, the interval holds "
-                f"{held[0][0]:g} alone")
-    if held:
-        return f"It singles out no rule: the interval holds {exponents(held)}"
-    return f"It singles out no rule: the interval holds none of {exponents(RULE_EXPONENTS)}"
+    """Which LR rule an interval of the exponent reads as (best_lr.rule_reading: one only where the interval lies
+    within a quarter of its exponent). The sentence shows the ends with the digits that keep them on their side of
+    every exponent and margin (best_lr.shown), so the ends as printed read the same."""
+    return rule_reading(lo, hi)
 
 
 def lr_exponent(trials: pd.DataFrame, m: Measure = ACCURACY, history: pd.DataFrame | None = None) -> list[str]:
@@ -303,7 +289,7 @@ def _reading(found, trials: pd.DataFrame) -> str:
                 f"one power of B describes it here; use each B's best LR.")
     # An interval that holds 0 beside a step the seeds resolve: the flat reading would deny that move.
     moves = [(at[a], at[b]) for a, b, _, low, high in found.steps if low > 0 or high < 0]
-    if moves and round(found.slope_low, 2) <= 0 <= round(found.slope_high, 2):
+    if moves and found.slope_low <= 0 <= found.slope_high:
         a, b = moves[0]
         return (f" No LR rule is read from the slope: its interval holds 0, but the best LR moved from B = "
                 f"{a.batch} to {b.batch} ({a.lr:.3g} to {b.lr:.3g}, beyond the seeds' spread and the LR grid's "

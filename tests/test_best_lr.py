@@ -268,9 +268,11 @@ def test_a_best_lr_at_the_edge_of_the_grid_bounds_the_slope_from_one_side_and_re
 
 
 def test_the_rule_is_read_from_the_interval_as_printed():
-    """0.5036 prints as 0.50, which holds 0.5: the reading must not say "holds 1 alone" beside it."""
-    assert lr_rule_reading(0.5036, 1.2) == lr_rule_reading(0.4961, 1.2)
-    assert lr_rule_reading(0.5036, 1.2).startswith("It singles out no rule: the interval holds 0.5 (square root)")
+    """0.5036 prints as 0.504 (two decimals would show 0.50, which holds 0.5), so the reading of the interval as
+    printed is the reading of its value: it holds 1 and not 0.5."""
+    assert best_lr.shown(0.5036) == "0.504" and best_lr.shown(0.4961) == "0.496"
+    assert lr_rule_reading(0.5036, 1.2).startswith("It is consistent with linear scaling (the interval holds 1)")
+    assert lr_rule_reading(0.4961, 1.2).startswith("It is consistent with square-root scaling and linear scaling")
 
 
 def test_seeds_that_do_not_pair_across_the_bs_put_no_interval_on_the_exponent():
