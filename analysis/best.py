@@ -158,7 +158,7 @@ def highest(seeds: pd.DataFrame, points: pd.DataFrame, fields: list[str], value:
     mine = [seeds[of(seeds, fields, row)] for _, row in points.iterrows()]
     order = _ranked(mine, value, 1 if maximize else -1, stopped or [False] * len(mine))
     mean = [rounded(rows[value].mean()) for rows in mine]
-    top = points.iloc[order[0]].copy()
+    top = points.iloc[order[0]].astype(object)  # (a float row holds the list of ties only as objects)
     top["level"] = [label(points.iloc[i], fields) for i in order[1:] if mean[i] == mean[order[0]]]
     return top
 
