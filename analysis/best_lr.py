@@ -223,18 +223,32 @@ def rule_reading(low: float, high: float) -> str:
     """Which LR rule the slope's 95% interval (low, high) reads as: one only where the interval lies within NEAR of
     its exponent; otherwise the rules it is consistent with (those it holds), and each B's best LR to use."""
     exponents = listed([f"{e:g} ({name})" for e, name, _ in RULES])
-    near = [(e, reading) for e, _, reading in RULES if e - NEAR <= low and high <= e + NEAR]
+    held = [(e, reading) for e, _, reading in RULES if low <= e <= high]
+    near = [(e, reading) for e, reading in held if e - NEAR <= low and high <= e + NEAR]
     if near:
         (e, reading), = near
         return (f"It reads as {reading}: of the exponents {exponents}, the interval holds {e:g} and lies within "
                 f"{NEAR:g} of it (halfway to the neighbouring exponents)")
-    held = [(e, reading) for e, _, reading in RULES if low <= e <= high]
     if not held:
-        return (f"It is consistent with no rule: the interval holds none of the exponents {exponents}; use each B's "
-                f"best LR")
+        return (f"It is consistent with no rule: the interval holds none of the exponents {exponents}, and "
+                f"{_lies(low, high)}; use each B's best LR")
     return (f"It is consistent with {listed([r for _, r in held])} (the interval holds "
             f"{listed([f'{e:g}' for e, _ in held])}), but does not lie within {NEAR:g} of one exponent (halfway to the "
             f"neighbouring ones), so no rule is read from it: use each B's best LR")
+
+
+def _lies(low: float, high: float) -> str:
+    """Where an interval that holds no rule's exponent lies among them."""
+    span = f"{shown(low)} to {shown(high)}"
+    below = [(e, name) for e, name, _ in RULES if e > high]
+    above = [(e, name) for e, name, _ in RULES if e < low]
+    if not above:
+        return f"lies below {below[0][0]:g} (the best LR falls as B grows: {span} excludes {below[0][0]:g})"
+    if not below:
+        return f"lies above {above[-1][0]:g} (steeper than {above[-1][1]}: {span} excludes {above[-1][0]:g})"
+    (a, under), (b, over) = above[-1], below[0]
+    under, over = (n.replace("square root", "the square root") for n in (under, over))
+    return f"lies between {a:g} and {b:g} (between {under} and {over}: {span} excludes both)"
 
 
 def _span(low: float, high: float) -> str:

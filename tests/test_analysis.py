@@ -609,7 +609,12 @@ def test_an_interval_that_excludes_zero_never_reads_as_reaching_it():
                   "does not lie within 0.25 of one exponent (halfway to the neighbouring ones), so no rule is read "
                   "from it: use each B's best LR"),
     (1.2, 1.5, "It is consistent with no rule: the interval holds none of the exponents 0 (LR unchanged), 0.5 "
-               "(square root) and 1 (linear); use each B's best LR"),
+               "(square root) and 1 (linear), and lies above 1 (steeper than linear: 1.20 to 1.50 excludes 1); use "
+               "each B's best LR"),
+    # within 0.25 of 1 but excluding it: not read as linear
+    (0.8, 0.95, "It is consistent with no rule: the interval holds none of the exponents 0 (LR unchanged), 0.5 "
+                "(square root) and 1 (linear), and lies between 0.5 and 1 (between the square root and linear: 0.80 "
+                "to 0.95 excludes both); use each B's best LR"),
 ])
 def test_an_lr_rule_is_named_only_where_the_interval_lies_within_a_quarter_of_its_exponent(lo, hi, reading):
     assert lr_rule_reading(lo, hi) == reading

@@ -35,7 +35,8 @@ def test_an_interval_that_holds_linear_but_reaches_far_past_it_reads_no_rule():
     (0.8, 1.2, "It reads as linear scaling"), (0.3, 0.7, "It reads as square-root scaling"),
     (-0.1, 0.2, "It reads as no scaling"), (0.6, 1.2, "It is consistent with linear scaling (the interval holds 1)"),
     (-0.5, 0.6, "It is consistent with no scaling and square-root scaling (the interval holds 0 and 0.5)"),
-    (1.45, 1.95, "It is consistent with no rule: the interval holds none of the exponents")])
+    (1.45, 1.95, "It is consistent with no rule: the interval holds none of the exponents"),
+    (1.02, 1.22, "It is consistent with no rule: the interval holds none of the exponents")])
 def test_a_rule_is_read_only_where_the_interval_lies_within_a_quarter_of_its_exponent(low, high, reading):
     assert rule_reading(low, high).startswith(reading), rule_reading(low, high)
 
@@ -46,3 +47,22 @@ def test_a_bound_is_shown_with_the_digits_that_keep_it_on_its_side_of_zero():
     found = _search([0.3, 0.5, 0.7])
     assert found.shape == "only rises" and 0 < found.slope_low < 0.005, found
     assert "(slope 0.50 in log-log, 95% interval 0.003 to 0.997;" in found.sentence(), found.sentence()
+
+
+def test_an_interval_near_an_exponent_that_excludes_it_reads_no_rule_and_says_where_it_lies():
+    """Seeds' slopes 1.10, 1.12, 1.14: the interval 1.02 to 1.22 lies within 0.25 of 1 but excludes it, and read
+    'linear scaling ... the interval holds 1'; it is steeper than linear."""
+    found = _search([1.10, 1.12, 1.14])
+    reading = rule_reading(found.slope_low, found.slope_high)
+    assert not reading.startswith("It reads as"), reading
+    assert reading.endswith("lies above 1 (steeper than linear: 1.02 to 1.22 excludes 1); use each B's best LR"), \
+        reading
+
+
+@pytest.mark.parametrize("low, high, lies", [
+    (0.8, 0.95, "lies between 0.5 and 1 (between the square root and linear: 0.80 to 0.95 excludes both)"),
+    (0.1, 0.3, "lies between 0 and 0.5 (between LR unchanged and the square root: 0.10 to 0.30 excludes both)"),
+    (-0.2, -0.1, "lies below 0 (the best LR falls as B grows: -0.20 to -0.10 excludes 0)")])
+def test_an_interval_that_holds_no_exponent_says_where_it_lies(low, high, lies):
+    reading = rule_reading(low, high)
+    assert reading.startswith("It is consistent with no rule") and lies in reading, reading
