@@ -33,6 +33,9 @@ class Fit:
     sizes: list[int]  # the Bs the fit used
     runs: int
     seeds: list[float]  # each seed's own B_crit, in seed order (the seeds with 3 Bs or more)
+    sides: list[int]  # each seed's own fit: 1 at the search's upper bound, -1 at its lower, 0 within (a bound, no value)
+    names: list  # those seeds
+    side: int  # the fit over every run, likewise
 
 
 def fit(sizes, steps) -> tuple[float, float] | None:
@@ -76,8 +79,18 @@ def critical(points: pd.DataFrame) -> Fit | None:
     found = fit(points["effective_batch"], points["steps"])
     if found is None:
         return None
-    own = [f[0] for _, p in sorted(points.groupby("seed")) if (f := fit(p["effective_batch"], p["steps"]))]
-    return Fit(*found, *_log_t(own), sorted(int(b) for b in points["effective_batch"].unique()), len(points), own)
+    own = [(s, f[0], _bound(f[0], p["effective_batch"])) for s, p in sorted(points.groupby("seed"))
+           if (f := fit(p["effective_batch"], p["steps"]))]
+    values, sides = [b for _, b, _ in own], [side for _, _, side in own]
+    # (a seed's fit at a bound is no measurement of B_crit: no interval is taken over it)
+    lo, hi = _log_t(values) if not any(sides) else (math.nan, math.nan)
+    return Fit(*found, lo, hi, sorted(int(b) for b in points["effective_batch"].unique()), len(points), values, sides,
+               [s for s, _, _ in own], _bound(found[0], points["effective_batch"]))
+
+
+def _bound(b_crit: float, sizes) -> int:
+    """1 where a fit of B_crit over runs at `sizes` lies at the search's upper bound, -1 at its lower, 0 within."""
+    return 1 if b_crit >= max(sizes) * FAR * 0.999 else -1 if b_crit <= min(sizes) / FAR * 1.001 else 0
 
 
 def _log_t(values: list[float]) -> tuple[float, float]:
@@ -109,15 +122,21 @@ def _too_few(seeds: int) -> str:
             f"resample{'s' * (distinct != 1)}, too few for a 95% bootstrap interval ({FEWEST_SEEDS} seeds or more)")
 
 
+def _places(x: float) -> int:
+    """Decimals that show two significant digits below 10 (0.21 is no 0 on a log scale), none above."""
+    return max(0, 1 - math.floor(math.log10(x))) if x > 0 else 0
+
+
 def _n(x: float) -> str:
-    return f"{x:,.0f}"
+    return f"{x:,.{_places(x)}f}"
 
 
 def _beside(x: float, marks: list[int]) -> str:
     """An interval's end shown with the decimals that keep it off the Bs fitted's ends it is compared with (256.3
-    reads 256.3 beside 'reaches past 256', not 256)."""
-    places = next((p for p in range(0, 4) if all((round(x, p) > m) == (x > m) and (round(x, p) == m) == (x == m)
-                                                 for m in marks)), 4)
+    reads 256.3 beside 'reaches past 256', not 256), and two significant digits at least."""
+    first = _places(x)
+    places = next((p for p in range(first, first + 4)
+                   if all((round(x, p) > m) == (x > m) and (round(x, p) == m) == (x == m) for m in marks)), first + 4)
     return f"{x:,.{places}f}"
 
 
@@ -204,18 +223,22 @@ def _fitted(f: Fit | None, sizes: list[int], ratios: list[float], spans: dict,
     side of the Bs fitted that interval passes, where it bounds nothing."""
     if f is None:
         return "; B_crit could not be fitted (fewer than 3 Bs where every run reached the target)"
-    n, top = len(f.seeds), max(f.sizes) * FAR * 0.999  # (a fit at the search's bound: beyond, not a value)
-    fitted = f"from {f.runs} runs at B = {f.sizes[0]} to {f.sizes[-1]}"
+    n, fitted = len(f.seeds), f"from {f.runs} runs at B = {f.sizes[0]} to {f.sizes[-1]}"
+    if any(f.sides):
+        return _at_bound(f, fitted) + _beyond(f, sizes, ratios, spans, lost, 1 in f.sides)
     if n < 2 or np.ptp(np.log(f.seeds)) < 1e-9:  # (seeds whose steps agree: their spread is no measure of B_crit's)
         lo = hi = f.b_crit if n < 2 else f.seeds[0]
-        at = f"above {_n(top / 0.999)}" if lo >= top else _n(lo)
+        at = _n(lo)
+        if n < 2 and f.side:  # (a fit at the search's bound: beyond it, not a value)
+            lo = hi = math.inf if f.side > 0 else 0.0
+            at = f"a B_crit at the search's bound, so not bounded {'above' if f.side > 0 else 'below'}"
         own = (f"{'no seed' if n == 0 else 'only 1 seed'} reached the target at 3 Bs or more to be fitted on its "
                f"own, so there is no spread over seeds; the fit over every run gave {at}" if n < 2 else
                f"each of the {n} seeds' own fits gave {at}, so their spread measures nothing")
     else:
         lo, hi = f.lo, f.hi
-        own = (f"each seed's own fit {', '.join(f'above {_n(top / 0.999)}' if b >= top else _n(b) for b in f.seeds)}"
-               f", 95% t-interval over the {n} seeds (on log B_crit) {_beside(lo, f.sizes)} to {_beside(hi, f.sizes)}")
+        own = (f"each seed's own fit {', '.join(_n(b) for b in f.seeds)}, 95% t-interval over the {n} seeds (on log "
+               f"B_crit) {_beside(lo, f.sizes)} to {_beside(hi, f.sizes)}")
     above, below = hi > max(f.sizes), lo < min(f.sizes)
     if not above and not below:
         if lo == hi:
@@ -226,13 +249,38 @@ def _fitted(f: Fit | None, sizes: list[int], ratios: list[float], spans: dict,
                                                                 ("largest", max(f.sizes), above)) if on])
     lies = "the fit lies" if lo == hi else "its interval reaches"
     said = f"; B_crit is not bounded {side} by the Bs fitted: {lies} past {past} ({own}; {fitted})"
-    if above:
-        scale = "0.50 is perfect scaling, 1 none"
-        said += (f": the last doubling's share of the steps of the B before is not resolved "
-                 f"({_span(*spans[sizes[-1]])}; {scale})" if sizes[-1] in spans else
-                 f": the last doubling took the steps to {ratios[-1]:.2f} of the B before ({scale})")
-        beyond = [f"{never} of {runs} at B = {b}" for b, (never, runs) in sorted(lost.items()) if b > max(f.sizes)]
-        if beyond:  # (right-censored: their steps to the target exceed the runs' length, which no fit here counts)
-            said += (f"; runs beyond it never reached the target in their epochs ({', '.join(beyond)}), which "
-                     f"argues against a B_crit far above {max(f.sizes)} (those runs are censored, not fitted)")
+    return said + _beyond(f, sizes, ratios, spans, lost, above)
+
+
+def _at_bound(f: Fit, fitted: str) -> str:
+    """B_crit where a seed's own fit lies at the search's bound: that seed's fit is not bounded there, so neither is
+    B_crit, and no interval is taken over it."""
+    words = {1: ("above", f"past {FAR} times the largest B it ran"), -1: ("below", f"below the smallest B it ran / {FAR}")}
+    why = []
+    for at, (word, where) in words.items():
+        names = [str(s) for s, side in zip(f.names, f.sides) if side == at]
+        if names:
+            many = len(names) > 1
+            why.append(f"seed{'s' * many} {listed(names)}'s own fit{'s lie' if many else ' lies'} at the search's "
+                       f"bound (B_crit {where}), so {'they are' if many else 'it is'} not bounded {word}")
+    side = "on either side" if len(why) == 2 else "above" if 1 in f.sides else "below"
+    each = ", ".join(f"not bounded {words[at][0]}" if at else _n(b) for b, at in zip(f.seeds, f.sides))
+    each = f"each seed's own fit {each}; " if not all(f.sides) else ""
+    return f"; B_crit is not bounded {side}: {'; '.join(why)}, and neither is B_crit ({each}{fitted})"
+
+
+def _beyond(f: Fit, sizes: list[int], ratios: list[float], spans: dict, lost: dict[int, tuple[int, int]],
+            above: bool) -> str:
+    """Where B_crit is not bounded above: the last doubling's share of the steps, and the runs beyond the Bs fitted
+    that never reached the target."""
+    if not above:
+        return ""
+    scale = "0.50 is perfect scaling, 1 none"
+    said = (f": the last doubling's share of the steps of the B before is not resolved "
+            f"({_span(*spans[sizes[-1]])}; {scale})" if sizes[-1] in spans else
+            f": the last doubling took the steps to {ratios[-1]:.2f} of the B before ({scale})")
+    beyond = [f"{never} of {runs} at B = {b}" for b, (never, runs) in sorted(lost.items()) if b > max(f.sizes)]
+    if beyond:  # (right-censored: their steps to the target exceed the runs' length, which no fit here counts)
+        said += (f"; runs beyond it never reached the target in their epochs ({', '.join(beyond)}), which "
+                 f"argues against a B_crit far above {max(f.sizes)} (those runs are censored, not fitted)")
     return said

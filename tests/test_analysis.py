@@ -288,14 +288,14 @@ def test_steps_that_keep_halving_or_were_never_reached_leave_the_critical_batch_
     history = reaching(trials, lambda r: 4 if r.lr_rule == "sqrt" or r.effective_batch > 32 else 99)
     sentences = " ".join(summarize(trials, history))
     assert ("For none (at B = 32, 1 of 1 runs never reached it: half or more, left out of the fit), each doubling of "
-            "B took the median steps to 0.50, 0.48, 0.47 of the B before; B_crit is not bounded above by the Bs fitted: "
-            "the fit lies past the largest B fitted (512) (only 1 seed reached the target at 3 Bs or more to be fitted "
-            "on its own, so there is no spread over seeds; the fit over every run gave above 32,768; from 4 runs at "
-            "B = 64 to 512): the last doubling took the steps to 0.47 of the B before (0.50 is perfect scaling, 1 "
-            "none); no reliable noise scale was measured") in sentences
+            "B took the median steps to 0.50, 0.48, 0.47 of the B before; B_crit is not bounded above: seed 0's own fit "
+            "lies at the search's bound (B_crit past 64 times the largest B it ran), so it is not bounded above, and "
+            "neither is B_crit (from 4 runs at B = 64 to 512): the last doubling took the steps to 0.47 of the B before "
+            "(0.50 is perfect scaling, 1 none); no reliable noise scale was measured") in sentences
+    assert "32,768" not in sentences  # (the search's bound, no value of B_crit)
     assert "close to 1/B" not in sentences
     assert "For sqrt, each doubling of B took the median steps to 0.50, 0.50, 0.48, 0.47 of the B before; B_crit is " \
-           "not bounded above by the Bs fitted: the fit lies past the largest B fitted (512)" in sentences
+           "not bounded above: " in sentences
     one = trials[trials.effective_batch <= 64]  # two Bs: nothing to fit
     assert "B_crit could not be fitted" not in " ".join(summarize(one, history))  # (fewer than 3 Bs: no sentence)
 
@@ -321,8 +321,8 @@ def test_a_largest_b_that_never_reached_the_target_is_not_called_the_largest_b_r
     trials = trials[trials.physical_batch == 32].drop_duplicates(["seed", "effective_batch"]).assign(lr_rule="sqrt")
     history = reaching(trials, lambda r: 99 if r.effective_batch == 512 else 4)
     [sentence] = [s for s in summarize(trials, history) if s.startswith("For sqrt") or s.startswith("Over every")]
-    assert "B_crit is not bounded above by the Bs fitted: the fit lies past the largest B fitted (256)" in sentence \
-        and "largest B run" not in sentence, sentence
+    assert "B_crit is not bounded above: seeds 0, 1 and 2's own fits lie at the search's bound" in sentence \
+        and "(from 12 runs at B = 32 to 256)" in sentence and "largest B run" not in sentence, sentence
     assert ("runs beyond it never reached the target in their epochs (3 of 3 at B = 512), which argues against a "
             "B_crit far above 256") in sentence, sentence
 
@@ -396,8 +396,8 @@ def test_a_study_without_accuracy_reports_what_it_has(tmp_path):
     sentences = " ".join(summarize(trials, history, objective=("val_loss", "minimize")))
     assert "No finished trial has an accuracy (val_acc): configurations are compared in val_loss (lower is " \
            "better), and steps to a target accuracy and batch warmup are left out; ±" in sentences
-    assert "in val_loss is the equivalence margin δ: 2 times the sd of val_loss over the seeds of the reference, " \
-           "the smallest B (B = 32, sd 0.001 over 3 seeds)" in sentences
+    assert "±0.001 in val_loss is the equivalence margin δ: 1% of B = 32's mean 0.1 (the smallest B, its " \
+           "configurations over 3 seeds)" in sentences
     assert "at B = 512 rose (val_loss 0.0310 higher, 95% CI +0.0300 to +0.0320 over 3 seeds; kept by " \
            "Benjamini-Hochberg at 5% over 12 comparisons" in sentences  # a loss that rose did worse
     # (δ is twice the seeds' sd at B = 32, 0.001: a B whose seeds ended as B = 32's did is inside it)

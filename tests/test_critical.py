@@ -113,3 +113,35 @@ def test_an_end_of_b_crits_interval_is_never_shown_on_a_b_fitted_it_lies_past():
     """An interval ending at 256.3 reaches past B = 256: shown as '256' it would read as ending on it."""
     assert critical._beside(256.3, [32, 256]) == "256.3" and critical._beside(31.96, [32, 256]) == "31.96"
     assert critical._beside(609.2, [32, 256]) == "609" and critical._beside(256.0, [32, 256]) == "256"
+
+
+def test_a_seed_whose_own_fit_lies_at_the_search_bound_gives_no_interval_and_no_number_from_the_bound():
+    """Seeds 100, 120 and one whose steps fall as 1/B at every B (its own fit at the search's upper bound, 64 x the
+    largest B): it entered the t-interval as a measurement ('above 32,768 ... 95% t-interval ... 0 to 2,591,350');
+    that seed's fit is not bounded above, so neither is B_crit, and no interval or number from the bound is said."""
+    said = critical.reading(_points([100, 120, 1e7], sizes=(32, 64, 128, 256, 512)), NONE_NOISE)
+    assert "t-interval" not in said and "32,768" not in said and "B_crit ≈" not in said, said
+    assert ("B_crit is not bounded above: seed 2's own fit lies at the search's bound (B_crit past 64 times the "
+            "largest B it ran), so it is not bounded above, and neither is B_crit (each seed's own fit 100, 120, not "
+            "bounded above; from 30 runs at B = 32 to 512)") in said, said
+    f = critical.critical(_points([100, 120, 1e7], sizes=(32, 64, 128, 256, 512)))
+    assert f.sides == [0, 0, 1] and np.isnan(f.lo) and np.isnan(f.hi), f
+
+
+def test_a_seed_whose_own_fit_lies_at_the_lower_bound_leaves_b_crit_not_bounded_below():
+    """A seed whose steps do not fall with B at all fits at the search's lower bound (the smallest B / 64)."""
+    rows = _points([100, 120], sizes=(32, 64, 128, 256, 512))
+    flat = _points([0.0], sizes=(32, 64, 128, 256, 512)).assign(seed=2)
+    said = critical.reading(pd.concat([rows, flat]), NONE_NOISE)
+    assert "t-interval" not in said and "0.5" not in said, said
+    assert "seed 2's own fit lies at the search's bound (B_crit below the smallest B it ran / 64), so it is not " \
+           "bounded below, and neither is B_crit" in said, said
+
+
+def test_an_end_of_the_interval_below_one_is_shown_with_significant_digits():
+    """A low end of 0.21 printed '0', which on a log scale is no value."""
+    assert critical._beside(0.2099, [32, 512]) == "0.21"
+    assert critical._beside(0.00757, [32, 512]) == "0.0076"
+    assert critical._beside(5.34, [32, 512]) == "5.3"
+    assert critical._beside(256.3, [32, 256]) == "256.3"
+    assert critical._beside(609.4, [32, 256]) == "609"
