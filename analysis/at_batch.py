@@ -247,7 +247,7 @@ def largest_free(study: StudyRuns, m: Measure) -> list[str]:
     # (a B shown to cost little above one that was not is no run from the smallest B: named, not picked)
     above = [f"B = {x[1]} under the {x[0]} LR rule ({stated(x[3].d, m=m, v=x[3])}{_half(x)})" for x in judged
              if _costs_little(x[3], m) and x not in runs]
-    above = f"; shown to cost less than {m.margin_text}, but above a B of its rule that was not: {'; '.join(above)}" \
+    above = f"; shown to {m.costs_little}, but above a B of its rule that was not: {'; '.join(above)}" \
         if above else ""
     top = max((x[1] for x in ends), default=None)
     if top is not None:  # (rules that reach the same largest B are each named: the one listed first is no pick)
@@ -259,17 +259,18 @@ def largest_free(study: StudyRuns, m: Measure) -> list[str]:
             said.append(f"under the {rule} LR rule, {stated(v.d, m=m, v=v)} against B = {base}{_half(shown_free)}"
                         f"{between}{gap}")
         # ("together with every B below it": a B shown to cost little above one that was not is named after it)
-        return [f"The largest B shown to cost less than {m.margin_text} together with every B below it: B = {top} "
+        return [f"The largest B shown to {m.costs_little} together with every B below it: B = {top} "
                 + "; and ".join(said) + above + "."]
     costly = [x for x in judged if not _costs_little(x[3], m)]
     if not costly:  # (each rule's run broken by a B with no comparison below those shown to cost little)
         gaps = "; ".join(f"{r} {_gap(study.trials, r, b, diverged(study.trials))}" for r, b in broken.items() if b)
-        return [f"No B above the smallest was shown to cost less than {m.margin_text} together with every B below it: "
+        return [f"No B above the smallest was shown to {m.costs_little} together with every B below it: "
                 f"{gaps or 'no B was compared'}."]
     nearest = min(costly, key=lambda x: abs(x[3].d.mean) + x[3].d.half)
     rule, b, base, v = nearest
-    return [f"No B above the smallest was shown to cost less than {m.margin_text} (its whole 95% interval within "
-            f"±{m.margin_text}, or better than the smallest B's) together with every B below it; the nearest was B = {b} "
+    how = f" (its whole 95% interval {m.within}, or better than the smallest B's)" if m.margin else ""
+    return [f"No B above the smallest was shown to {m.costs_little}{how} together with every B below it; the nearest "
+            f"was B = {b} "
             f"under the {rule} LR rule against B = {base}: {stated(v.d, m=m, v=v)}{_half(nearest)}{above}."]
 
 

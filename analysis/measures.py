@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .runs import Difference, quantum
+from .runs import Difference
 
 WORSE = ("diverged", "pruned")  # a trial that ended so was stopped for doing worse: evidence, not a missing seed
 
@@ -58,7 +58,7 @@ class Measure:
     maximize: bool = True
     margin: float = 0.01  # equivalence margin: 1 accuracy point; for a metric of its own, own_margin()
     full: float = 1.0  # an accuracy's value at 100%: 1, or 100 where a script logs it in percent
-    reference: str = ""  # for a metric of its own: what its margin was read from ('B = 32, sd 0.015 over 3 seeds')
+    reference: str = ""  # for a metric of its own: what its margin was read from ("B = 32's mean 0.13 ...")
 
     @property
     def margin_why(self) -> str:
@@ -68,15 +68,25 @@ class Measure:
         if not self.margin:
             return (f"no equivalence margin δ is set for {self.name}: {self.reference}, so nothing is called "
                     f"equivalent")
-        return (f"±{self.margin_text} is the equivalence margin δ: {REFERENCE_SDS:g} times the sd of {self.name} over "
-                f"the seeds of the reference, the smallest B ({self.reference}); a difference inside it is smaller than "
-                f"what reseeding the reference moves it by (about 95% of reseeds fall within ±2 sd), and no other "
-                f"setting of the study, nor a constant added to the metric, moves δ")
+        return (f"±{self.margin_text} is the equivalence margin δ: {REFERENCE_SHARE:.0%} of {self.reference}, a "
+                f"share of the metric's level as accuracy's 1 point is; not the seeds' spread, which one bad seed can "
+                f"widen until every B reads equivalent")
 
     @property
     def margin_text(self) -> str:
         points = self.scaled(self.margin)
         return f"{points:g} point{'s' * (points != 1)}" if self.points else f"{_two_digits(self.margin)} in {self.name}"
+
+    @property
+    def within(self) -> str:
+        """'within ±δ', or where no margin is set, that none is."""
+        return f"within ±{self.margin_text}" if self.margin else "(no equivalence margin δ is set)"
+
+    @property
+    def costs_little(self) -> str:
+        """What a B shown to cost little against the smallest B was shown to do (at_batch.largest_free())."""
+        return (f"cost less than {self.margin_text}" if self.margin else
+                "do better than the smallest B (no equivalence margin δ is set)")
 
     @property
     def points(self) -> bool:
@@ -163,34 +173,32 @@ def measure(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> M
     return None
 
 
-REFERENCE_SDS = 2.0  # δ for a metric of its own, in sds of its values over the reference's seeds
-# (what tells configurations apart at the reference; a share of its values would move with their zero point)
+REFERENCE_SHARE = 0.01  # δ for a metric of its own, as a share of the magnitude of the reference's mean
 CONFIGURATION = ("physical_batch", "accum_steps", "lr", "lr_rule", "bn_momentum_rule", "base_lr")
 
 
 def own_margin(trials: pd.DataFrame, name: str) -> tuple[float, str]:
-    """The equivalence margin of a metric with no scale of its own to read a point in, and what it was read from:
-    twice the sd of its values over the seeds of the reference, the finished trials at the smallest B (pooled
-    within each configuration there; a seed's runs of one configuration averaged), never below the metric's
-    recording step / sqrt(6). It depends on the reference alone: a tenth of the 10-90% spread over every trial (as
-    it was) grew from 0.020 to 0.137 when one badly training B was added to the study, and called Bs equivalent
-    that were not. 0, said, where the reference ran fewer than 2 seeds."""
+    """The equivalence margin of a metric with no point of its own, and what it was read from: 1% of the magnitude
+    of its mean at the reference, the finished trials at the smallest B (each configuration's seeds averaged, the
+    configurations' means averaged). Not from the seeds' spread there: one bad seed at B = 32 made twice their sd
+    0.17, above B = 32's own mean loss (0.13), and every twin pair and every B read equivalent. 0, said, where the
+    reference ran fewer than 2 seeds, has a mean of 0, or no B was logged (then nothing is called equivalent)."""
     t = finished(trials)
     t = t[np.isfinite(pd.to_numeric(t[name], errors="coerce"))]
-    if "effective_batch" in t and t["effective_batch"].notna().any():
-        t = t[t["effective_batch"] == t["effective_batch"].min()]
-        where = f"B = {t['effective_batch'].iloc[0]:.0f}"
-    else:
-        where = "every configuration"
+    if "effective_batch" not in t or not t["effective_batch"].notna().any():
+        return 0.0, "no B was logged, so there is no reference (the smallest B) to read it from"
+    t = t[t["effective_batch"] == t["effective_batch"].min()]
+    where = f"B = {t['effective_batch'].iloc[0]:.0f}"
     keys = [c for c in CONFIGURATION if c in t and t[c].notna().any()]
     seeds = t.groupby([*keys, "seed"], dropna=False)[name].mean() if "seed" in t else pd.Series(dtype=float)
     by = seeds.groupby(level=list(range(len(keys))), dropna=False) if keys else seeds.groupby(lambda _: 0)
-    dof = (by.count() - 1).clip(lower=0)
-    if dof.sum() < 1:
+    if (by.count() - 1).clip(lower=0).sum() < 1:
         return 0.0, f"the reference, the smallest B ({where}), ran fewer than 2 seeds"
-    pooled = math.sqrt(float((by.var(ddof=1).fillna(0.0) * dof).sum() / dof.sum()))
-    sd = max(pooled, quantum(trials[name]) / math.sqrt(6))
-    return REFERENCE_SDS * sd, f"{where}, sd {sd:.2g} over {int(seeds.index.get_level_values('seed').nunique())} seeds"
+    mean = float(by.mean().mean())
+    n = int(seeds.index.get_level_values("seed").nunique())
+    if not mean:
+        return 0.0, f"the mean of {name} at the reference, the smallest B ({where}), is 0, and 1% of it is none"
+    return REFERENCE_SHARE * abs(mean), f"{where}'s mean {mean:.2g} (the smallest B, its configurations over {n} seeds)"
 
 
 def one_batch(trials: pd.DataFrame) -> pd.DataFrame:

@@ -198,10 +198,10 @@ def bn_rules(study: StudyRuns, m: Measure) -> list[str]:
                 out.append(f"BN momentum at k = {k} (B = {b}): no rule compared with the true batch{out_}.")
             continue
         better = [r for r, v in judged if v.resolved and not m.worse(v.d)]
-        same = [r for r, v in judged if v.equivalent and not v.resolved]
+        same = [r for r, v in judged if v.equivalent and not v.d.separated]  # (an interval off 0: said so)
         close = [r for r, v in judged if v.equivalent and v.resolved and m.worse(v.d)]
         worse = [r for r, v in judged if not v.equivalent and v.resolved and m.worse(v.d)]
-        open_ = [r for r, v in judged if not v.equivalent and not v.resolved]
+        open_ = [r for r, v in judged if not v.resolved and r not in same and r not in close]
         words = {r: stated(v.d, "above", "below", m, v) for r, v in judged}
 
         def each(names: list[str]) -> str:
@@ -210,9 +210,9 @@ def bn_rules(study: StudyRuns, m: Measure) -> list[str]:
                  f"{listed(same)} shown to match it ({each(same)})" if same else "",
                  f"{listed(close)} within ±{m.margin_text} of it but resolved worse ({each(close)})" if close else "",
                  f"{listed(worse)} resolved worse than it ({each(worse)})" if worse else "",
-                 f"{listed(open_)} neither shown to match it within ±{m.margin_text} nor resolved from it "
+                 f"{listed(open_)} neither shown to match it {m.within} nor resolved from it "
                  f"({each(open_)})" if open_ else ""]
-        none = "" if better or same or close else f"no rule shown to match it within ±{m.margin_text} or to do better: "
+        none = "" if better or same or close else f"no rule shown to match it {m.within} or to do better: "
         what = "accuracy" if m.points else m.name
         out.append(f"BN momentum at k = {k} (B = {b}), against the true batch's final {what}: "
                    f"{none}{'; '.join(p for p in parts if p)}{out_}.")
@@ -308,5 +308,6 @@ def _recommend(study: StudyRuns) -> list[str]:
                 "findings below answer its own question)."]
     if not lines:
         return ["Nothing is recommended: too few trials finished to compare configurations."]
-    margin = [f"In these lines {m.margin_why}."] if m.margin_why and any(m.margin_text in s for s in lines) else []
+    said = not m.margin or any(m.margin_text in s for s in lines)  # (no margin: said, as nothing is equivalent)
+    margin = [f"In these lines {m.margin_why}."] if m.margin_why and said else []
     return lines + margin

@@ -208,10 +208,10 @@ def lr_rules(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
             elif v is None:
                 said.append(f"at B = {b} {went(rule, gone[(rule, b)]).removeprefix(rule + ' ')}, not compared "
                             f"over the seeds that finished")
-            elif v.equivalent and not v.resolved:
+            elif v.equivalent and not v.d.separated:  # (inside the margin but off 0: stated() says both)
                 alike.append(f"{b} ({plus_minus(v.d, m, m.places(v.d.mean, v.d.half))}{each.format(v.d.n)})")
                 following = mine[i + 1][2] if i + 1 < len(mine) else None
-                if following is not None and following.equivalent and not following.resolved:
+                if following is not None and following.equivalent and not following.d.separated:
                     continue
                 said.append(f"equivalent within ±{m.margin_text} at B = {listed(alike)}")
                 alike = []
@@ -409,11 +409,15 @@ def twins(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
     n = min(d.n for _, d in pairs)
     verdicts = judge([d for _, d in pairs], m.margin)
     resolved = [(w, v) for (w, _), v in zip(pairs, verdicts) if v.resolved]
-    equivalent = [w for (w, _), v in zip(pairs, verdicts) if v.equivalent and not v.resolved]
+    equivalent = [w for (w, _), v in zip(pairs, verdicts) if v.equivalent and not v.d.separated]
+    off_zero = [(w, v) for (w, _), v in zip(pairs, verdicts) if v.equivalent and v.d.separated and not v.resolved]
     open_ = [(w, v) for (w, _), v in zip(pairs, verdicts) if not v.resolved and not v.equivalent]
     halves = [v.d.half for v in verdicts]
     named = f" ({'; '.join(equivalent)})" if equivalent else ""  # (each named, as the open pairs are)
-    parts = [f"equivalent within ±{m.margin_text} in {len(equivalent)}{named}"]
+    parts = [f"equivalent {m.within} in {len(equivalent)}{named}" if m.margin else f"none called equivalent {m.within}"]
+    if off_zero:  # (inside the margin, but its interval excludes 0: not "equivalent" alone)
+        parts.append(f"{m.within} but not equivalent alone in {len(off_zero)} (" + "; ".join(
+            f"{w}: {stated(v.d, *ahead, m=m, v=v)}" for w, v in off_zero) + ")")
     if open_:
         parts.append(f"not resolved in {len(open_)} (" + "; ".join(
             f"{w}: {plus_minus(v.d, m, m.places(v.d.mean, v.d.half))}" for w, v in open_) + ")")

@@ -54,13 +54,14 @@ def stated(d: Difference, ahead: str = "higher", behind: str = "lower", m: Measu
         return f"{m.amount(d.mean)} {ahead if d.mean > 0 else behind} in one seed, which cannot be told from seed noise"
     v = v or judge([d], m.margin)[0]
     places = m.interval_places(d.half)
-    if v.resolved:
+    if v.resolved or (v.equivalent and d.separated):  # (inside the margin but off 0: both said, not "equivalent")
         lo, hi = m.scaled(d.mean - d.half), m.scaled(d.mean + d.half)
         while places < 6 and not (round(lo, places) and round(hi, places)):  # (an end that read 0 would reach it)
             places += 1
         inside = f", inside the ±{m.margin_text} equivalence margin" if v.equivalent else ""
+        kept = control(v) if v.resolved else f"its own interval excludes 0, but it is {control(v)}"
         return (f"{m.amount(d.mean, places)} {ahead if d.mean > 0 else behind}, 95% CI {signed_end(lo, places)} to "
-                f"{signed_end(hi, places)} over {d.n} seeds; {control(v)}{inside}")
+                f"{signed_end(hi, places)} over {d.n} seeds; {kept}{inside}")
     if v.equivalent:
         return f"equivalent within ±{m.margin_text} ({plus_minus(d, m, places)} over {d.n} seeds)"
     why = f"; its own interval excludes 0, but it is {control(v)}" if d.separated else ""

@@ -50,10 +50,10 @@ def test_each_pick_at_a_b_is_the_findings_own_comparison():
     free = next(line for line in lines if "shown to cost less than 1 point" in line)
     found = re.match(r"The largest B shown to cost less than 1 point together with every B below it: "
                      r"B = (\d+) under the (\w+) LR rule, "
-                     r"(equivalent .*?\)) ", free)
-    if found:  # (this table: linear at B = 64, -0.6 ± 0.4 points)
+                     r"(equivalent .*?\)|[\d.]+ points (higher|lower), 95% CI .*?equivalence margin) ", free)
+    if found:  # (this table: linear at B = 64, 0.6 points lower, 95% CI -0.9 to -0.2, inside the margin)
         said = next(s for s in findings if s.startswith(f"The {found[2]} LR rule against B = 32"))
-        assert f"equivalent within ±1 point at B = {found[1]} " in said
+        assert f"equivalent within ±1 point at B = {found[1]} " in said or f"at B = {found[1]} {found[3]}" in said
     else:
         assert free.startswith("No B above the smallest") and "equivalent within ±1 point at B" not in " ".join(findings)
     best_line = next(line for line in lines if line.startswith("The best accuracy: "))
