@@ -162,11 +162,11 @@ def _span(least: float, most: float) -> str:
     return f"{least:.2f} to {'∞' if math.isinf(most) else f'{most:.2f}'}"
 
 
-def reading(points: pd.DataFrame, noise: pd.DataFrame, lost: dict[int, tuple[int, int]] | None = None,
+def reading(points: pd.DataFrame, noise: pd.DataFrame, lost: dict[int, tuple[int, int, int]] | None = None,
             censored: list[int] = ()) -> str:
     """One series' steps per doubling, its fitted B_crit, and the noise scale at the target, in words. `lost`: per B
-    run but left out of the doublings and the fit as most of its runs never reached the target, (those runs, all
-    runs); `censored`: the B of each run that never reached it at a B whose other runs did. Those Bs count in the
+    run but left out of the doublings and the fit as half or more of its runs did not reach the target, (the runs
+    that never reached it, those that diverged, all runs); `censored`: the B of each run that never reached it at a B whose other runs did. Those Bs count in the
     doublings (the run as slower than every one that reached it) but not in the fit: the runs there that reached
     it would enter it as if they were all, the slowest taken out."""
     said, sizes, ratios, spans = _doublings(points, censored)
@@ -279,8 +279,12 @@ def _beyond(f: Fit, sizes: list[int], ratios: list[float], spans: dict, lost: di
     said = (f": the last doubling's share of the steps of the B before is not resolved "
             f"({_span(*spans[sizes[-1]])}; {scale})" if sizes[-1] in spans else
             f": the last doubling took the steps to {ratios[-1]:.2f} of the B before ({scale})")
-    beyond = [f"{never} of {runs} at B = {b}" for b, (never, runs) in sorted(lost.items()) if b > max(f.sizes)]
+    past = [(b, never, diverged, runs) for b, (never, diverged, runs) in sorted(lost.items()) if b > max(f.sizes)]
+    beyond = [f"{never} of {runs} at B = {b}" for b, never, _, runs in past if never]
     if beyond:  # (right-censored: their steps to the target exceed the runs' length, which no fit here counts)
         said += (f"; runs beyond it never reached the target in their epochs ({', '.join(beyond)}), which "
                  f"argues against a B_crit far above {max(f.sizes)} (those runs are censored, not fitted)")
+    diverged = [f"{d} of {runs} at B = {b}" for b, _, d, runs in past if d]
+    if diverged:  # (a run that diverged took no steps to the target at all: no bound on B_crit either way)
+        said += f"; runs beyond it that diverged ({', '.join(diverged)}) say nothing of B_crit"
     return said

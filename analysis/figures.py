@@ -15,10 +15,11 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from .best_lr import BestLR, best_lr_against_b, draw as best_lr_figure  # noqa: E402
-from .critical import critical  # noqa: E402
-from .measures import Measure, finished, last_noise, measure, one_batch, reliable_noise, tuned  # noqa: E402
+from .measures import Measure, finished, full_scale, last_noise, measure, one_batch, reliable_noise, tuned  # noqa: E402
 from .plotting import MEMORY_LABELS, Draw, Figure, colors, context, log2_axis, log_scale, split, varies  # noqa: E402
-from .runs import aggregate, ci95, reached, steps_to_target  # noqa: E402
+from .runs import aggregate, ci95  # noqa: E402
+from .targets import to_target  # noqa: E402
+from .wording import percent  # noqa: E402
 
 def accuracy_vs_batch(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> Figure | None:
     """Accuracy against B, or for a study without one its objective (measure())."""
@@ -270,42 +271,36 @@ def health(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | None:
 
 
 def steps_vs_batch(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None) -> Figure | None:
-    """Steps and samples to the target accuracy against B on log-log axes, with perfect scaling (Shallue et al.)."""
+    """Steps and samples to the target accuracy against B on log-log axes, with perfect scaling (Shallue et al.):
+    the runs, medians and fit the findings' sentence reads (targets.to_target)."""
     t = one_batch(finished(trials))
-    if tuned(t) or "effective_batch" not in t or t["effective_batch"].nunique() < 3:
+    if tuned(t):
         return None
-    keys = [c for c in ("lr_rule", "bn_momentum_rule") if c in t and t[c].nunique() > 1]
-    found = steps_to_target(t, history, keys, evals)  # every run at a B: accumulated and true batch alike
-    if found is None or found[0]["steps"].notna().sum() < 2:
+    found = to_target(trials, history, evals)
+    if found is None or sum(len(s.kept) for s in found.series) < 2:
         return None
-    table, target = found
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     field, palette = split(trials)
-    groups = list(table.groupby(keys)) if keys else [(("all",), table)]
     lines = sns.color_palette()
-    if keys == [field]:  # the split's own order and colours
-        groups.sort(key=lambda g: list(palette).index(g[0][0]))
-        lines = [palette[g[0]] for g, _ in groups]
-    seed = ["seed"] if "seed" in t else []
-    runs = t[["run_id", *seed, *keys, "effective_batch"]].merge(reached(t, history, target, evals), on="run_id")
-    for color, (group, rows) in zip(lines, groups):
-        rows = rows.dropna(subset=["steps"]).sort_values("effective_batch")
+    if found.keys == [field]:  # the split's own order and colours
+        lines = [palette[s.group[0]] for s in found.series]
+    firsts = []
+    for color, series in zip(lines, found.series):
+        label = " / ".join(map(str, series.group)) if found.keys else "all"
         for ax, column in ((left, "steps"), (right, "samples")):
-            ax.plot(rows["effective_batch"], rows[column], "o-", color=color, label=" / ".join(map(str, group)))
-        mine = runs
-        for key, value in zip(keys, group if isinstance(group, tuple) else (group,)):
-            mine = mine[mine[key] == value]
-        # The findings' fit: the Bs where every run reached the target, drawn where the seeds' interval lies
-        # within them (critical.py).
-        mine = mine[mine.groupby("effective_batch")["steps"].transform(lambda s: s.notna().all())]
-        fitted = critical(mine) if seed else None
+            medians = series.medians(column)
+            ax.plot(medians.index, medians.values, "o-", color=color, label=label)
+        if len(series.kept):
+            firsts.append(series.medians("steps").sort_index().iloc[:1])
+        # The findings' fit, drawn where the seeds' interval of B_crit lies within the Bs fitted (critical.py).
+        fitted = series.fit()
         if fitted and min(fitted.sizes) <= fitted.lo < fitted.hi <= max(fitted.sizes):
             xs = np.geomspace(min(fitted.sizes), max(fitted.sizes), 50)
             left.plot(xs, fitted.s_min * (1 + fitted.b_crit / xs), ":", color=color, linewidth=1)
-    got = table.dropna(subset=["steps"]).sort_values("effective_batch")
-    b0 = got["effective_batch"].iloc[0]
-    first = got[got["effective_batch"] == b0]["steps"].min()
-    xs = np.array(sorted(table["effective_batch"].unique()), float)
+    got = pd.concat(firsts)
+    b0 = got.index.min()
+    first = got[got.index == b0].min()
+    xs = np.array(sorted(t["effective_batch"].unique()), float)
     left.plot(xs, first * b0 / xs, "--", color="gray", label="perfect scaling (steps ∝ 1/B)")
     right.plot(xs, np.full_like(xs, first * b0), "--", color="gray", label="perfect scaling (samples constant)")
     for ax, label in ((left, "optimizer steps to target"), (right, "training samples to target")):
@@ -314,12 +309,13 @@ def steps_vs_batch(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFr
         ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.set(xlabel="effective batch B", ylabel=label)
-    left.legend(title=" / ".join(keys) or None, fontsize=8)
+    left.legend(title=" / ".join(found.keys) or None, fontsize=8)
     every = "once an epoch" if evals is None else "every eval_every_steps"
-    fig.suptitle(f"target: {100 * target:.1f}% validation accuracy (95% of the highest mean of an LR rule at a B), "
-                 f"evaluated {every}; lines: medians over every run at a B; dotted: S = S_min (1 + B_crit / B) fitted "
-                 f"to the runs, where the seeds' 95% interval of B_crit lies within the Bs fitted; no point: half or "
-                 f"more of the runs never reached the target", fontsize=9)
+    fig.suptitle(f"target: {percent(found.goal, full_scale(t['val_acc']))} validation accuracy ({found.of}), "
+                 f"evaluated {every}; lines: medians over every run at a B (one that never reached the target counted "
+                 f"slowest); dotted: S = S_min (1 + B_crit / B) fitted as the findings fit it, where the seeds' 95% "
+                 f"interval of B_crit lies within the Bs fitted; no point: half or more of the runs never reached the "
+                 f"target or diverged", fontsize=9)
     fig.tight_layout()
     return Figure("steps_to_target", "Steps and samples to the target accuracy against effective batch (log–log)",
                   fig, context(t))

@@ -5,70 +5,121 @@ LR rule at a B, on the accuracy's own scale."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pandas as pd
 
 from . import critical
-from .measures import WORSE, finished, full_scale, one_batch, stopped, tuned
+from .measures import WORSE, finished, full_scale, one_batch, tuned
 from .plotting import in_order
 from .runs import TARGET_SHARE, aggregate, paired, reached, resolution
 from .verdicts import Verdict, control, judge
 from .wording import listed, percent, signed_end, stated
 
 
-def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None) -> list[str]:
-    """Steps to the target accuracy against B, every run at a B one point, fitted for the critical batch beside
-    the noise scale at the target (critical.py)."""
+@dataclass
+class Series:
+    """One series' runs to the target (an LR rule's, a BN momentum rule's, or every run), as the findings and the
+    figure both count them."""
+    group: tuple
+    rows: pd.DataFrame  # every run counted at each B: steps (samples) NaN where it never reached the target
+    kept: pd.DataFrame  # the runs that reached it at the Bs where more than half did
+    lost: dict[int, tuple[int, int, int]]  # per B where half or more did not: (never reached it, diverged, runs)
+    out_of_fit: list[int]  # the B of each run that did not reach it at a B where most did: in the medians only
+    dropped: dict[int, int]  # runs pruned before they reached it, left out where they would move a B's median
+
+    def medians(self, column: str) -> pd.Series:
+        """Per B where most runs reached the target, the median `column`, a run that did not counted as slower
+        than every one that did (as critical.reading's doublings count it)."""
+        at = self.rows[self.rows["effective_batch"].isin(self.kept["effective_batch"])]
+        return at[column].fillna(math.inf).groupby(at["effective_batch"]).median()
+
+    def fit(self) -> critical.Fit | None:
+        return critical.critical(self.kept[~self.kept["effective_batch"].isin(self.out_of_fit)])
+
+
+@dataclass
+class ToTarget:
+    goal: float
+    of: str  # what the target is of, in words
+    tuned: str  # how the LR was picked per B where base_lr was searched, in words ("" where not)
+    keys: list[str]
+    series: list[Series]
+
+
+def to_target(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None) -> ToTarget | None:
+    """Every run's steps to the target (target()) by series and B; None where the study has fewer than 3 Bs or no
+    history of steps and accuracy."""
     t = one_batch(finished(trials))
     if "effective_batch" not in t or t["effective_batch"].nunique() < 3:
-        return []
+        return None
     if history.empty or not {"steps", "val_acc"} <= set(history) or "seed" not in t:
-        return []
-    keys = [c for c in ("lr_rule", "bn_momentum_rule") if c in t and t[c].nunique() > 1]
-    searched = ["base_lr"] if tuned(t) else []
+        return None
     found = target(trials)
     if found is None:
-        return []
-    goal, of = found
+        return None
+    keys = [c for c in ("lr_rule", "bn_momentum_rule") if c in t and t[c].nunique() > 1]
+    searched = ["base_lr"] if tuned(t) else []
     worse = one_batch(trials[trials["reason"].isin(WORSE)]) if "reason" in trials else t.iloc[0:0].assign(reason="")
-    runs = _every_run(t, worse, ["run_id", "seed", *keys, "effective_batch", *searched], history, goal, evals)
-    tuned_note = ""
+    runs = _every_run(t, worse, ["run_id", "seed", *keys, "effective_batch", *searched], history, found[0], evals)
+    note = ""
     if searched:  # Shallue et al.: at each B, the LR that reached the target in the fewest steps
-        runs, tuned_note = _tuned_per_b(runs, keys, t["base_lr"].nunique())
-    noise = critical.noise_at_target(t, history, goal)
+        runs, note = _tuned_per_b(runs, keys, t["base_lr"].nunique())
     groups = list(runs.groupby(keys)) if keys else [(("",), runs)]
     if len(keys) == 1:  # the rules in their own order, as the figures draw them
         order = in_order(keys[0], runs[keys[0]])
         groups.sort(key=lambda g: order.index(g[0][0]))
+    return ToTarget(*found, note, keys, [_series(g if isinstance(g, tuple) else (g,), rows) for g, rows in groups])
+
+
+def _series(group: tuple, rows: pd.DataFrame) -> Series:
+    rows, dropped = _censored(rows)
+    runs_at = rows.groupby("effective_batch")
+    counted = runs_at["steps"].apply(lambda s: s.notna().sum() * 2 > len(s))
+    kept = rows[rows["effective_batch"].isin(counted[counted].index) & rows["steps"].notna()]
+    lost = {int(b): (int((g["steps"].isna() & ~g["diverged"]).sum()), int(g["diverged"].sum()), len(g))
+            for b, g in runs_at if not counted[b]}
+    # (a run at a B whose others reached the target keeps that B out of the fit)
+    censored = rows[rows["effective_batch"].isin(counted[counted].index) & rows["steps"].isna()]
+    return Series(group, rows, kept, lost, censored["effective_batch"].astype(int).tolist(), dropped)
+
+
+def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None) -> list[str]:
+    """Steps to the target accuracy against B, every run at a B one point, fitted for the critical batch beside
+    the noise scale at the target (critical.py)."""
+    found = to_target(trials, history, evals)
+    if found is None:
+        return []
+    t = one_batch(finished(trials))
+    noise = critical.noise_at_target(t, history, found.goal)
     both = "accum_steps" in t and (t["accum_steps"] > 1).any() and (t["accum_steps"] == 1).any()
     alike = ", accumulated and true batch alike" if both else ""
-    out = [f"Steps to reach {percent(goal, full_scale(t['val_acc']))} validation accuracy "
-           f"({of}; {resolution(t, evals)}{tuned_note}), each "
+    out = [f"Steps to reach {percent(found.goal, full_scale(t['val_acc']))} validation accuracy "
+           f"({found.of}; {resolution(t, evals)}{found.tuned}), each "
            f"run that reached it one point{alike}, fitted by S = S_min (1 + B_crit / B) "
            f"(McCandlish et al. 2018; least squares on log steps), beside the gradient noise scale at the end of the "
            f"epoch in which each run reached it."]
-    for group, rows in groups:
-        name = f"For {listed([str(g) for g in group])}" if keys else "Over every run"
-        rows, dropped = _censored(rows)
-        runs_at = rows.groupby("effective_batch")["steps"]
-        counted = runs_at.apply(lambda s: s.notna().sum() * 2 > len(s))
-        kept = rows[rows["effective_batch"].isin(counted[counted].index) & rows["steps"].notna()]
-        lost = {int(b): (int(s.isna().sum()), len(s)) for b, s in runs_at if not counted[b]}
-        ended = worse[worse["run_id"].isin(rows["run_id"]) & worse["effective_batch"].isin(lost)]["reason"]
-        how = f" or {stopped(ended)} first" if len(ended) else ""
-        never = listed([f"at B = {b}, {n} of {of} runs" for b, (n, of) in lost.items()]) if lost else ""
-        left = f" ({never} never reached it{how}: half or more, left out of the fit)" if lost else ""
-        if kept.empty:
+    for s in found.series:
+        name = f"For {listed([str(g) for g in s.group])}" if found.keys else "Over every run"
+        pruned = (s.rows["pruned_at"].notna() & s.rows["effective_batch"].isin(s.lost)).any()
+        left = f" ({_lost(s.lost, pruned)}: half or more, left out of the fit)" if s.lost else ""
+        if s.kept.empty:
             out.append(f"{name}, no B had most of its runs reach it{left}.")
             continue
-        # (the noise scale of the runs fitted; a run at a B whose others reached the target keeps that B out of the fit)
-        censored = rows[rows["effective_batch"].isin(counted[counted].index) & rows["steps"].isna()]
-        out_of_fit = censored["effective_batch"].astype(int).tolist()
-        fitted = noise[noise["run_id"].isin(kept.loc[~kept["effective_batch"].isin(out_of_fit), "run_id"])]
-        out.append(f"{name}{left}, "
-                   f"{critical.reading(kept, fitted, lost, out_of_fit)}"
-                   f"{_open(dropped, 'median steps')}.")
+        fitted = noise[noise["run_id"].isin(s.kept.loc[~s.kept["effective_batch"].isin(s.out_of_fit), "run_id"])]
+        out.append(f"{name}{left}, {critical.reading(s.kept, fitted, s.lost, s.out_of_fit)}"
+                   f"{_open(s.dropped, 'median steps')}.")
     return out
+
+
+def _lost(lost: dict[int, tuple[int, int, int]], pruned: bool) -> str:
+    """Per B left out, how many runs never reached the target and how many diverged, counted apart (a divergence
+    says nothing of the steps a run would have taken)."""
+    how = " or pruned first" if pruned else ""
+    return listed([f"at B = {b}, " + " and ".join(
+        ([f"{never} of {runs} runs never reached it{how}"] if never else []) +
+        ([f"{diverged} diverged" if never else f"{diverged} of {runs} runs diverged"] if diverged else []))
+        for b, (never, diverged, runs) in lost.items()])
 
 
 def target(trials: pd.DataFrame) -> tuple[float, str] | None:
@@ -100,7 +151,8 @@ def _every_run(t: pd.DataFrame, worse: pd.DataFrame, columns: list[str], history
     pruned = worse[worse["reason"] == "pruned"]
     cut = pruned[columns].merge(reached(pruned, history, target, evals), on="run_id")
     cut["pruned_at"] = cut["run_id"].map(_last_step(history, evals)).fillna(0.0).where(cut["steps"].isna())
-    runs = pd.concat([runs, worse.loc[worse["reason"] != "pruned", columns].assign(steps=math.nan), cut])
+    runs = pd.concat([runs.assign(diverged=False), cut.assign(diverged=False),
+                      worse.loc[worse["reason"] != "pruned", columns].assign(steps=math.nan, diverged=True)])
     return runs.assign(pruned_at=pd.to_numeric(runs["pruned_at"], errors="coerce"))  # (a column of no run is text)
 
 

@@ -145,3 +145,42 @@ def test_an_end_of_the_interval_below_one_is_shown_with_significant_digits():
     assert critical._beside(5.34, [32, 512]) == "5.3"
     assert critical._beside(256.3, [32, 256]) == "256.3"
     assert critical._beside(609.4, [32, 256]) == "609"
+
+
+def _diverging(b_crits, diverged=4, sizes=(32, 64, 128, 256, 512)):
+    """_reaching over `sizes`, with the first `diverged` seeds' runs at the largest B diverged (no run reached the
+    target there before it did)."""
+    trials, history = _reaching(b_crits, sizes)
+    top = (trials["effective_batch"] == max(sizes)) & (trials["seed"] < diverged)
+    trials["reason"] = None
+    trials.loc[top, ["status", "reason", "val_acc"]] = ["FAILED", "diverged", float("nan")]
+    history = history[~history["run_id"].isin(trials.loc[top, "run_id"])]
+    return trials, history
+
+
+def test_runs_that_diverged_are_counted_apart_and_argue_nothing_of_b_crit():
+    """At B = 512 4 of 6 runs diverged: they were read as censored, 'runs beyond it never reached the target in their
+    epochs (4 of 6 at B = 512), which argues against a B_crit far above 256'; a divergence says nothing of B_crit."""
+    from batchsweep.analysis.targets import steps
+
+    [_, line] = steps(*_diverging([400, 300, 500, 350, 450, 380]))
+    assert line.startswith("Over every run (at B = 512, 4 of 6 runs diverged: half or more, left out of the fit)"), \
+        line
+    assert "argues against" not in line and "never reached the target in their epochs" not in line, line
+    assert "B_crit is not bounded above" in line, line
+
+
+def test_the_steps_figure_counts_the_runs_the_sentence_counts():
+    """With 4 of 6 runs at B = 512 diverged, the sentence leaves B = 512 out of the fit and gives no point there; the
+    figure drew a B = 512 point from the 2 finished runs and fitted 32 to 512."""
+    import matplotlib.pyplot as plt
+
+    from batchsweep.analysis.figures import steps_vs_batch
+
+    figure = steps_vs_batch(*_diverging([100, 110, 120, 100, 110, 120]))
+    lines = figure.figure.axes[0].get_lines()
+    plt.close(figure.figure)
+    [points] = [line for line in lines if line.get_marker() == "o"]
+    assert max(points.get_xdata()) == 256, points.get_xdata()
+    [dotted] = [line for line in lines if line.get_linestyle() == ":"]
+    assert max(dotted.get_xdata()) == pytest.approx(256), dotted.get_xdata()
