@@ -336,11 +336,11 @@ def timed(study: StudyRuns):
     value, direction = study.objectives[0]
     if direction != "maximize" or not fields or len(t) < 2:
         return None
-    # The target: the steps to the target's (targets.py) for an accuracy, else a share of the best configuration's
-    # mean final value.
-    steps_target = targets.target(study.trials) if value == "val_acc" else None
-    target = steps_target[0] if steps_target else \
-        TARGET_SHARE * float(t.groupby(fields, dropna=False)[value].mean().max())
+    # The target: the steps to the target's (targets.py) on the objective's own scale (a [program]'s score = 100 x
+    # val_acc counts to 100 times the steps' accuracy), else, with no B to take it over, a share of the best
+    # configuration's mean final value.
+    one = targets.target(study.trials, value)
+    target = one[0] if one else TARGET_SHARE * float(t.groupby(fields, dropna=False)[value].mean().max())
     seconds = time_to_target(t, study.history, value, target)
     if seconds is None:
         return None

@@ -122,23 +122,24 @@ def _lost(lost: dict[int, tuple[int, int, int]], pruned: bool) -> str:
         for b, (never, diverged, runs) in lost.items()])
 
 
-def target(trials: pd.DataFrame) -> tuple[float, str] | None:
-    """The validation accuracy that steps and times to the target count to, and what it is of in words:
-    TARGET_SHARE of the highest mean final accuracy over the seeds of an LR rule (BN momentum rule, base_lr searched)
-    at a B, every run there counted, accumulated and true batch alike. None without a finished run at one B."""
+def target(trials: pd.DataFrame, metric: str = "val_acc") -> tuple[float, str] | None:
+    """The value of `metric` (validation accuracy, or a study's own objective to maximize) that steps and times to
+    the target count to, and what it is of in words: TARGET_SHARE of the highest mean final value over the seeds of
+    an LR rule (BN momentum rule, base_lr searched) at a B, every run there counted, accumulated and true batch
+    alike. None without a finished run at one B."""
     t = one_batch(finished(trials))
-    if "effective_batch" not in t or "val_acc" not in t:
+    if "effective_batch" not in t or metric not in t:
         return None
     keys = [c for c in ("lr_rule", "bn_momentum_rule", "base_lr") if c in t and t[c].nunique() > 1
             and (c != "base_lr" or tuned(t))]
-    finals = aggregate(t, [*keys, "effective_batch"], "val_acc")
+    finals = aggregate(t, [*keys, "effective_batch"], metric)
     if finals.empty:
         return None
     names = {"lr_rule": "an LR rule", "bn_momentum_rule": "a BN momentum rule", "base_lr": "a base_lr"}
     of = f"{listed([names[k] for k in keys])} at a B" if keys else "a B"
     return (TARGET_SHARE * float(finals["mean"].max()),
-            f"{100 * TARGET_SHARE:.0f}% of the highest mean final accuracy of {of}, over the seeds, every run there "
-            f"counted")
+            f"{100 * TARGET_SHARE:.0f}% of the highest mean final {'accuracy' if metric == 'val_acc' else metric} of "
+            f"{of}, over the seeds, every run there counted")
 
 
 def _every_run(t: pd.DataFrame, worse: pd.DataFrame, columns: list[str], history: pd.DataFrame, target: float,
