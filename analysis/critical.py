@@ -276,9 +276,11 @@ def _beyond(f: Fit, sizes: list[int], ratios: list[float], spans: dict, lost: di
     if not above:
         return ""
     scale = "0.50 is perfect scaling, 1 none"
-    said = (f": the last doubling's share of the steps of the B before is not resolved "
+    # (a B counted in the doublings but left out of the fit: its doubling is named, not taken for the fit's last)
+    last = f" (from {sizes[-2]} to {sizes[-1]}, outside the fit)" if sizes[-1] > max(f.sizes) else ""
+    said = (f": the last doubling's share of the steps of the B before{last} is not resolved "
             f"({_span(*spans[sizes[-1]])}; {scale})" if sizes[-1] in spans else
-            f": the last doubling took the steps to {ratios[-1]:.2f} of the B before ({scale})")
+            f": the last doubling{last} took the steps to {ratios[-1]:.2f} of the B before ({scale})")
     past = [(b, never, diverged, runs) for b, (never, diverged, runs) in sorted(lost.items()) if b > max(f.sizes)]
     beyond = [f"{never} of {runs} at B = {b}" for b, never, _, runs in past if never]
     if beyond:  # (right-censored: their steps to the target exceed the runs' length, which no fit here counts)

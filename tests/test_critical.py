@@ -184,3 +184,12 @@ def test_the_steps_figure_counts_the_runs_the_sentence_counts():
     assert max(points.get_xdata()) == 256, points.get_xdata()
     [dotted] = [line for line in lines if line.get_linestyle() == ":"]
     assert max(dotted.get_xdata()) == pytest.approx(256), dotted.get_xdata()
+
+
+def test_a_last_doubling_outside_the_fit_is_named_as_such():
+    """A run at B = 512 never reached the target: 512 counts in the doublings but not in the fit (32 to 256), and
+    'the last doubling took the steps to ...' quoted the 256 to 512 doubling as if it were the fit's last."""
+    points = _points([400, 300, 500], sizes=(32, 64, 128, 256, 512)).iloc[:-1]  # (its run at 512 is censored)
+    said = critical.reading(points, NONE_NOISE, censored=[512])
+    assert "from 24 runs at B = 32 to 256" in said and "(1 of 6 at B = 512)" in said and "B_crit is not bounded above" in said, said
+    assert ": the last doubling (from 256 to 512, outside the fit) took the steps to " in said, said
