@@ -38,10 +38,15 @@ def _seed_note(t: pd.DataFrame) -> list[str]:
     return []
 
 
+OTHER_FIELDS = ("physical_batch", "accum_steps", "lr_rule", "base_lr")  # what a BN momentum rule may be crossed with
+
+
 def one_bn_rule(trials: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     """Where the trials record a model without BatchNorm (`norm` none or group in every finished trial) and vary
-    the BN momentum rule, that rule sets a momentum no layer uses: one configuration, however many rules, not
-    several to rank. The trials of the first rule alone, and the sentence that says so; else (trials, '')."""
+    the BN momentum rule, that rule sets a momentum no layer uses. Where it ran under every combination of the
+    other fields, its rules are one configuration: the trials of the first rule alone, and the sentence that says
+    so. Where it moved with another field (zipped with the LR rule), every run is kept (the first rule's alone
+    would drop the other LR rules), and the sentence says the differences come from that field. Else (trials, '')."""
     t = finished(trials)
     if "norm" not in t or "bn_momentum_rule" not in t or t["bn_momentum_rule"].nunique() < 2:
         return trials, ""
@@ -49,10 +54,23 @@ def one_bn_rule(trials: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     if len(norms) < len(t) or (norms == "batch").any():
         return trials, ""
     rules = in_order("bn_momentum_rule", t["bn_momentum_rule"].dropna().unique())
-    kept = trials[trials["bn_momentum_rule"] == rules[0]]
-    return kept, (f"The model has no BatchNorm (norm = {' and '.join(sorted(norms.unique()))}): the BN momentum "
-                  f"rules {listed(rules)} set a momentum no layer uses, so they count as one configuration (the runs "
-                  f"under {rules[0]}); no BN momentum rule is ranked.")
+    said = f"The model has no BatchNorm (norm = {' and '.join(sorted(norms.unique()))}): "
+    others = [f for f in OTHER_FIELDS if f in t and t[f].nunique() > 1]
+    crossed = not others or (t.groupby(others)["bn_momentum_rule"].nunique() == len(rules)).all()
+    if crossed:
+        kept = trials[trials["bn_momentum_rule"] == rules[0]]
+        return kept, (f"{said}the BN momentum rules {listed(rules)} set a momentum no layer uses, so they count as "
+                      f"one configuration (the runs under {rules[0]}); no BN momentum rule is ranked.")
+    tied = [f for f in others if (t.groupby("bn_momentum_rule")[f].nunique() == 1).all()]
+    if not tied:
+        return trials, (f"{said}the BN momentum rule has no BatchNorm layer to act on, and its rules {listed(rules)} "
+                        f"did not each run under every value of the other fields, so differences between them come "
+                        f"from the fields they ran with.")
+    field = tied[0]
+    ran = listed([f"{r} ran with {t.loc[t['bn_momentum_rule'] == r, field].iloc[0]}" for r in rules])
+    return trials, (f"{said}the BN momentum rule has no BatchNorm layer to act on, so differences between its rules "
+                    f"{listed(rules)} come from the field it moves with, "
+                    f"{'the LR rule' if field == 'lr_rule' else field} ({ran}); every run is kept.")
 
 
 def memory(trials: pd.DataFrame) -> list[str]:

@@ -266,12 +266,13 @@ def recommend(study: StudyRuns) -> list[str]:
     """The recommendation's lines: per B, then the pick for each goal the study can speak to; per model (and
     dataset) where the study ran several, as the findings are (per_model())."""
     trials, no_bn = one_bn_rule(study.trials)
-    if no_bn:  # (identical runs under each BN momentum rule: one configuration)
-        return [no_bn, *recommend(replace(study, trials=trials))]
+    if no_bn:  # (BN momentum rules with no BatchNorm: one configuration, or every run kept and said)
+        study = replace(study, trials=trials)
     groups = per_model(study)
     if len(groups) == 1 or study.objectives[0][0] == "param_rel_diff":  # (exactness already speaks per model)
-        return _recommend(study)
-    return [f"On {name}: {lowered(line)}" for name, one in groups for line in _recommend(one)]
+        return [*filter(None, [no_bn]), *_recommend(study)]
+    return [*filter(None, [no_bn]), *(f"On {name}: {lowered(line)}" for name, one in groups
+                                     for line in _recommend(one))]
 
 
 def _one_b_search(study: StudyRuns, t: pd.DataFrame, m: Measure) -> list[str]:

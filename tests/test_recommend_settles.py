@@ -216,3 +216,24 @@ def test_an_interval_inside_the_margin_that_excludes_0_says_both_never_equivalen
     assert said.startswith("0.5 points higher, 95% CI +0.1 to +0.9 over 3 seeds; its own interval excludes 0, but it "
                            "is not kept by Benjamini-Hochberg") and said.endswith(
         ", inside the ±1 point equivalence margin"), said
+
+
+def test_a_model_without_batchnorm_whose_bn_momentum_rule_moves_with_the_lr_rule_keeps_every_run():
+    """norm = none, the BN momentum rule zipped with the LR rule (default with none, scaled with sqrt, matched with
+    linear): keeping the runs under default alone dropped the sqrt and linear runs, and the line said they 'count
+    as one configuration'. Every run is kept; the line says the differences come from the LR rule."""
+    from batchsweep.analysis.findings import summarize
+
+    zipped = {"none": "default", "sqrt": "scaled", "linear": "matched"}
+    _, rows = _grid(lambda rule, b, k, seed: 0.95 - 0.004 * math.log2(b * k / 32) * (rule != "sqrt") + 0.002 * seed,
+                    norm="none")
+    for r in rows:
+        r["bn_momentum_rule"] = zipped[r["lr_rule"]]
+    study = _study(rows, ("physical_batch", "accum_steps", "lr_rule", "bn_momentum_rule"))
+    said = ("The model has no BatchNorm (norm = none): the BN momentum rule has no BatchNorm layer to act on, so "
+            "differences between its rules default, scaled and matched come from the field it moves with, the LR rule "
+            "(default ran with none, scaled ran with sqrt and matched ran with linear); every run is kept.")
+    lines, found = recommend(study), summarize(study.trials, study.history)
+    assert lines[0] == said and found[0] == said, (lines[0], found[0])
+    for rule in ("none", "sqrt", "linear"):
+        assert any(s.startswith(f"The {rule} LR rule against B = 32") for s in found), found
