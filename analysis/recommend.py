@@ -115,10 +115,13 @@ def fastest(study: StudyRuns) -> list[str]:
     any is, none is resolved fastest, and they are named."""
     found = times(study)
     value, direction = study.objectives[0]
+    timed = not study.history.empty and bool({"epoch_time_s", "group_epoch_time_s"} & set(study.history))
     if found is None and direction != "maximize":  # (fused or not, no trial is timed to a target of a loss)
-        timed = not study.history.empty and bool({"epoch_time_s", "group_epoch_time_s"} & set(study.history))
         return [f"No time to the target is given: the target is a share of the best mean of an objective to "
                 f"maximize, and this study minimizes {value}."] if timed else []
+    if found is None and value not in study.history:  # (an objective logged once, at the end: a [program]'s score)
+        return [f"No time to the target is given: {value} has no per-epoch values, so no time to reach it can be "
+                f"read."] if timed else []
     if found is None:
         return _fused(study)
     line = _fastest(study.objectives[0][0], *found[:5])

@@ -55,3 +55,22 @@ def test_an_objective_of_its_own_is_timed_to_the_target_the_steps_count_to():
                       run_as="--study s")
     times = time_front(study).finding
     assert set(re.findall(r"to reach score (\d+\.\d+)", times)) == {"91.2"}, times
+
+
+def test_an_objective_with_no_per_epoch_values_says_no_time_to_reach_it_can_be_read():
+    """score = 100 x val_acc logged once, at the end, the trials timed alone: the time line said 'no configurations
+    were timed alone' (of 30 timed alone) where no time to reach a score can be read from its history."""
+    from batchsweep.analysis.recommend import fastest
+
+    rows, history = [], []
+    for seed in range(3):
+        for b in (32, 64, 128):
+            run = f"{seed}-{b}"
+            rows.append(dict(run_id=run, seed=seed, lr_rule="none", physical_batch=b, accum_steps=1,
+                             effective_batch=b, base_batch=32, status="FINISHED", val_acc=0.95, score=95.0))
+            history += [dict(run_id=run, epoch=e, steps=e * 4000 // b, val_acc=0.95 * e / 4, epoch_time_s=1.0)
+                        for e in range(1, 5)]
+    study = StudyRuns("s", pd.DataFrame(rows), pd.DataFrame(history), None, "",
+                      varied=("physical_batch",), objectives=(("score", "maximize"),), run_as="--study s")
+    assert fastest(study) == ["No time to the target is given: score has no per-epoch values, so no time to reach "
+                              "it can be read."]
