@@ -255,7 +255,7 @@ def paired(a: pd.DataFrame, b: pd.DataFrame, value: str, step: float | None = No
     return Difference(mean, float(stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n)), n, sd=sd)
 
 
-TARGET_SHARE = 0.95  # the target accuracy is this share of the best configuration's mean final accuracy
+TARGET_SHARE = 0.95  # the target accuracy is this share of a highest mean final accuracy (targets.target: of which)
 
 
 def reached(trials: pd.DataFrame, history: pd.DataFrame, target: float,
@@ -276,30 +276,6 @@ def reached(trials: pd.DataFrame, history: pd.DataFrame, target: float,
     out = trials[["run_id", "effective_batch"]].merge(hits, on="run_id", how="left")
     out["samples"] = out["samples"].fillna(out["steps"] * out["effective_batch"])
     return out.drop(columns="effective_batch")
-
-
-def steps_to_target(trials: pd.DataFrame, history: pd.DataFrame, keys: list[str],
-                    evals: pd.DataFrame | None = None) -> tuple[pd.DataFrame, float] | None:
-    """Optimizer steps and samples to first reach the target validation accuracy (`reached`), per
-    configuration (`keys` + effective_batch), median over the seeds that reached it, and the target: 95% of
-    the best configuration's mean final accuracy."""
-    if history.empty or not {"steps", "val_acc"} <= set(history) or "effective_batch" not in trials:
-        return None
-    finals = aggregate(trials, [*keys, "effective_batch"], "val_acc")
-    if finals.empty:
-        return None
-    target = TARGET_SHARE * float(finals["mean"].max())
-    per_trial = trials[["run_id", *keys, "effective_batch"]].merge(reached(trials, history, target, evals),
-                                                                   on="run_id")
-    rows = []
-    for group, g in per_trial.groupby([*keys, "effective_batch"], dropna=False):
-        group = group if isinstance(group, tuple) else (group,)
-        ok = g.dropna(subset=["steps"])
-        most = len(ok) * 2 > len(g)
-        rows.append({**dict(zip([*keys, "effective_batch"], group)), "seeds": len(g), "reached": len(ok),
-                     "steps": float(ok["steps"].median()) if most else math.nan,
-                     "samples": float(ok["samples"].median()) if most else math.nan})
-    return pd.DataFrame(rows), target
 
 
 def resolution(trials: pd.DataFrame, evals: pd.DataFrame | None) -> str:

@@ -21,7 +21,7 @@ from batchsweep.analysis import cli as report_cli
 from batchsweep.analysis.findings import lr_rule_reading, memory, summarize
 from batchsweep.analysis.wording import stated
 from batchsweep.analysis.render import MIB, _display, _table, write_report
-from batchsweep.analysis.runs import Difference, StudyRuns, aggregate, ci95, load_studies, steps_to_target
+from batchsweep.analysis.runs import Difference, StudyRuns, aggregate, ci95, load_studies, reached
 from batchsweep.analysis.space import (MIN_IMPORTANCE_TRIALS, front, importance, label, memory_front,
                                        parallel_coordinates, time_front)
 from tests.conftest import in_process, run_script
@@ -178,8 +178,8 @@ def test_steps_to_target_within_epochs():
                             for r in trials.run_id for e in (1, 2, 3)])
     evals = pd.DataFrame([dict(run_id=r, step=s, step_val_acc=0.5 if s < 14 else 0.95)
                           for r in trials.run_id for s in range(2, 31, 2)])
-    assert set(steps_to_target(trials, history, [])[0]["steps"]) == {20}
-    assert set(steps_to_target(trials, history, [], evals)[0]["steps"]) == {14}
+    assert set(reached(trials, history, 0.9)["steps"]) == {20}
+    assert set(reached(trials, history, 0.9, evals)["steps"]) == {14}
     sentences = " ".join(summarize(trials, history, evals))
     assert "evaluated every 2 optimizer steps (eval_every_steps), so steps are known to within 2)" in sentences
 
