@@ -313,9 +313,9 @@ def steps_vs_batch(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFr
     every = "once an epoch" if evals is None else "every eval_every_steps"
     fig.suptitle(f"target: {percent(found.goal, full_scale(t['val_acc']))} validation accuracy ({found.of}), "
                  f"evaluated {every}; lines: medians over every run at a B (one that never reached the target counted "
-                 f"slowest); dotted: S = S_min (1 + B_crit / B) fitted as the findings fit it, where the seeds' 95% "
-                 f"interval of B_crit lies within the Bs fitted; no point: half or more of the runs never reached the "
-                 f"target or diverged", fontsize=9)
+                 f"slowest, one that diverged left out); dotted: S = S_min (1 + B_crit / B) fitted as the findings "
+                 f"fit it, where the seeds' 95% interval of B_crit lies within the Bs fitted; no point: half or more "
+                 f"of the runs never reached the target or diverged", fontsize=9)
     fig.tight_layout()
     return Figure("steps_to_target", "Steps and samples to the target accuracy against effective batch (log–log)",
                   fig, context(t))

@@ -27,11 +27,12 @@ class Series:
     lost: dict[int, tuple[int, int, int]]  # per B where half or more did not: (never reached it, diverged, runs)
     out_of_fit: list[int]  # the B of each run that did not reach it at a B where most did: in the medians only
     dropped: dict[int, int]  # runs pruned before they reached it, left out where they would move a B's median
+    diverged: dict[int, tuple[int, int]]  # per B where most reached it: (runs that diverged, runs), in neither
 
     def medians(self, column: str) -> pd.Series:
         """Per B where most runs reached the target, the median `column`, a run that did not counted as slower
-        than every one that did (as critical.reading's doublings count it)."""
-        at = self.rows[self.rows["effective_batch"].isin(self.kept["effective_batch"])]
+        than every one that did (as critical.reading's doublings count it) and one that diverged left out."""
+        at = self.rows[self.rows["effective_batch"].isin(self.kept["effective_batch"]) & ~self.rows["diverged"]]
         return at[column].fillna(math.inf).groupby(at["effective_batch"]).median()
 
     def fit(self) -> critical.Fit | None:
@@ -79,9 +80,13 @@ def _series(group: tuple, rows: pd.DataFrame) -> Series:
     kept = rows[rows["effective_batch"].isin(counted[counted].index) & rows["steps"].notna()]
     lost = {int(b): (int((g["steps"].isna() & ~g["diverged"]).sum()), int(g["diverged"].sum()), len(g))
             for b, g in runs_at if not counted[b]}
-    # (a run at a B whose others reached the target keeps that B out of the fit)
-    censored = rows[rows["effective_batch"].isin(counted[counted].index) & rows["steps"].isna()]
-    return Series(group, rows, kept, lost, censored["effective_batch"].astype(int).tolist(), dropped)
+    # (a run that never reached the target at a B whose others did keeps that B out of the fit; one that diverged
+    # took no steps to it at all, so it is counted apart and its B stays in)
+    at = rows[rows["effective_batch"].isin(counted[counted].index) & rows["steps"].isna()]
+    diverged = {int(b): (int(g["diverged"].sum()), len(g)) for b, g in runs_at
+                if counted[b] and g["diverged"].any()}
+    return Series(group, rows, kept, lost, at.loc[~at["diverged"], "effective_batch"].astype(int).tolist(), dropped,
+                  diverged)
 
 
 def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None) -> list[str]:
@@ -102,7 +107,12 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
     for s in found.series:
         name = f"For {listed([str(g) for g in s.group])}" if found.keys else "Over every run"
         pruned = (s.rows["pruned_at"].notna() & s.rows["effective_batch"].isin(s.lost)).any()
-        left = f" ({_lost(s.lost, pruned)}: half or more, left out of the fit)" if s.lost else ""
+        left = [f"{_lost(s.lost, pruned)}: half or more, left out of the fit"] if s.lost else []
+        if s.diverged:
+            left.append(listed([f"{d} of {runs} at B = {b}" for b, (d, runs) in sorted(s.diverged.items())]) +
+                        " diverged, left out of its median and the fit: a divergence says nothing of the steps to the "
+                        "target")
+        left = f" ({'; '.join(left)})" if left else ""
         if s.kept.empty:
             out.append(f"{name}, no B had most of its runs reach it{left}.")
             continue
@@ -145,9 +155,9 @@ def target(trials: pd.DataFrame, metric: str = "val_acc") -> tuple[float, str] |
 def _every_run(t: pd.DataFrame, worse: pd.DataFrame, columns: list[str], history: pd.DataFrame, target: float,
                evals: pd.DataFrame | None) -> pd.DataFrame:
     """The finished runs (`t`) and those that ended worse, each with the steps it reached the target at (NaN where
-    it did not). A run that diverged counts at its B as one that never did; a run pruned before it reached it is
-    censored at its last evaluation (`pruned_at`): slower than the runs that reached it by then, and where it
-    stands against the rest is not known."""
+    it did not; `diverged` marks a run that diverged, which took no steps to it at all). A run pruned before it
+    reached it is censored at its last evaluation (`pruned_at`): slower than the runs that reached it by then, and
+    where it stands against the rest is not known."""
     runs = t[columns].merge(reached(t, history, target, evals), on="run_id")
     pruned = worse[worse["reason"] == "pruned"]
     cut = pruned[columns].merge(reached(pruned, history, target, evals), on="run_id")
@@ -207,8 +217,8 @@ def _censored(rows: pd.DataFrame) -> tuple[pd.DataFrame, dict[int, int]]:
     leaves their B's median as it is, wherever they would have reached it, and otherwise left out (counted by B)."""
     dropped, kept = {}, []
     for b, g in rows.groupby("effective_batch"):
-        least, most = _medians(g)
-        if least != most:
+        least, most = _medians(g[~g["diverged"]])  # (a diverged run is in no median)
+        if least != most and g["pruned_at"].notna().any():
             dropped[int(b)] = int(g["pruned_at"].notna().sum())
             g = g[g["pruned_at"].isna()]
         kept.append(g)

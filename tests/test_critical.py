@@ -193,3 +193,45 @@ def test_a_last_doubling_outside_the_fit_is_named_as_such():
     said = critical.reading(points, NONE_NOISE, censored=[512])
     assert "from 24 runs at B = 32 to 256" in said and "(1 of 6 at B = 512)" in said and "B_crit is not bounded above" in said, said
     assert ": the last doubling (from 256 to 512, outside the fit) took the steps to " in said, said
+
+
+def _one_diverged(b=256):
+    """Six seeds whose runs all reach the target from B = 32 to 512 but seed 0's at `b`, which diverged first."""
+    trials, history = _reaching([100, 110, 120, 100, 110, 120], (32, 64, 128, 256, 512))
+    gone = (trials["effective_batch"] == b) & (trials["seed"] == 0)
+    trials["reason"] = None
+    trials.loc[gone, ["status", "reason", "val_acc"]] = ["FAILED", "diverged", float("nan")]
+    return trials, history[~history["run_id"].isin(trials.loc[gone, "run_id"])]
+
+
+def test_a_run_that_diverged_where_most_reached_the_target_is_counted_apart_and_keeps_its_b_in_the_fit():
+    """One of 6 runs at B = 256 diverged: it was read as a run that ran out of epochs ('a run that never reached it
+    counted as slower than every run that did: 1 run at B = 256', 'B = 256 left out of the fit'). A divergence says
+    nothing of the steps to the target: it is counted apart, out of the median, and B = 256 stays in the fit."""
+    from batchsweep.analysis.targets import steps, to_target
+
+    [_, line] = steps(*_one_diverged())
+    assert line.startswith("Over every run (1 of 6 at B = 256 diverged, left out of its median and the fit: a "
+                           "divergence says nothing of the steps to the target)"), line
+    assert "never reached" not in line and "left out of the fit, as" not in line, line
+    assert "from 29 runs at B = 32 to 512" in line and "B_crit ≈ " in line, line
+    [series] = to_target(*_one_diverged()).series
+    assert series.medians("steps")[256] == round(80 * (1 + 110 / 256)), series.medians("steps")
+    assert series.fit().sizes == [32, 64, 128, 256, 512] and series.out_of_fit == [], series.out_of_fit
+
+
+def test_the_steps_figure_leaves_a_run_that_diverged_out_of_its_median():
+    """The figure's median at B = 256 counted the diverged run as slowest (between the 3rd and 4th of 6 runs); it is
+    the median of the 5 runs that did not diverge, as the sentence reads it."""
+    import matplotlib.pyplot as plt
+
+    from batchsweep.analysis.figures import steps_vs_batch
+
+    figure = steps_vs_batch(*_one_diverged())
+    lines = figure.figure.axes[0].get_lines()
+    plt.close(figure.figure)
+    [points] = [line for line in lines if line.get_marker() == "o"]
+    assert list(points.get_xdata()) == [32, 64, 128, 256, 512], points.get_xdata()
+    assert points.get_ydata()[3] == round(80 * (1 + 110 / 256)), points.get_ydata()
+    [dotted] = [line for line in lines if line.get_linestyle() == ":"]
+    assert max(dotted.get_xdata()) == pytest.approx(512), dotted.get_xdata()
