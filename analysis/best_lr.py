@@ -39,6 +39,7 @@ NEAR = 0.25
 # What a slope's bound is compared with in words (a direction, a rule, a rule's margin): shown() never rounds onto
 # or across one of them.
 MARKS = tuple(sorted({e + d for e, _, _ in RULES for d in (-NEAR, 0.0, NEAR)}))
+ON = 1e-9  # a bound within this of a mark is that mark: shown() prints it so and rule_reading() compares it so
 
 
 @dataclass(frozen=True)
@@ -209,22 +210,27 @@ def _two(x: float) -> str:
 
 def shown(x: float, marks: tuple[float, ...] = MARKS) -> str:
     """A bound of the slope's interval: two decimals, more where two would show it on or across a value the words
-    compare it with (0.0032 reads 0.003, not 0.00 beside 'it excludes 0'); within 1e-9 of a mark it is that mark."""
-    def side(v: float, m: float) -> int:
-        return 0 if abs(v - m) < 1e-9 else 1 if v > m else -1
-
+    compare it with (0.0032 reads 0.003, not 0.00 beside 'it excludes 0'); within ON of a mark it is that mark."""
     for places in range(2, 10):
-        if all(side(round(x, places), m) == side(x, m) for m in marks):
+        if all(_side(round(x, places), m) == _side(x, m) for m in marks):
             break
     return f"{round(x, places) + 0.0:.{places}f}"
 
 
+def _side(v: float, mark: float) -> int:
+    """1 above `mark`, -1 below, 0 within ON of it (where shown() prints it as the mark)."""
+    return 0 if abs(v - mark) < ON else 1 if v > mark else -1
+
+
 def rule_reading(low: float, high: float) -> str:
     """Which LR rule the slope's 95% interval (low, high) reads as: one only where the interval lies within NEAR of
-    its exponent; otherwise the rules it is consistent with (those it holds), and each B's best LR to use."""
+    its exponent; otherwise the rules it is consistent with (those it holds), and each B's best LR to use. Its ends
+    are compared as shown() prints them."""
+    if math.isnan(low) or math.isnan(high):
+        return "No LR rule can be read: the slope has no interval over the seeds; use each B's best LR"
     exponents = listed([f"{e:g} ({name})" for e, name, _ in RULES])
-    held = [(e, reading) for e, _, reading in RULES if low <= e <= high]
-    near = [(e, reading) for e, reading in held if e - NEAR <= low and high <= e + NEAR]
+    held = [(e, reading) for e, _, reading in RULES if _side(low, e) <= 0 <= _side(high, e)]
+    near = [(e, reading) for e, reading in held if _side(low, e - NEAR) >= 0 and _side(high, e + NEAR) <= 0]
     if near:
         (e, reading), = near
         return (f"It reads as {reading}: of the exponents {exponents}, the interval holds {e:g} and lies within "
@@ -240,8 +246,8 @@ def rule_reading(low: float, high: float) -> str:
 def _lies(low: float, high: float) -> str:
     """Where an interval that holds no rule's exponent lies among them."""
     span = f"{shown(low)} to {shown(high)}"
-    below = [(e, name) for e, name, _ in RULES if e > high]
-    above = [(e, name) for e, name, _ in RULES if e < low]
+    below = [(e, name) for e, name, _ in RULES if _side(high, e) < 0]
+    above = [(e, name) for e, name, _ in RULES if _side(low, e) > 0]
     if not above:
         return f"lies below {below[0][0]:g} (the best LR falls as B grows: {span} excludes {below[0][0]:g})"
     if not below:

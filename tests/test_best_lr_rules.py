@@ -66,3 +66,19 @@ def test_an_interval_near_an_exponent_that_excludes_it_reads_no_rule_and_says_wh
 def test_an_interval_that_holds_no_exponent_says_where_it_lies(low, high, lies):
     reading = rule_reading(low, high)
     assert reading.startswith("It is consistent with no rule") and lies in reading, reading
+
+
+@pytest.mark.parametrize("low, high, reading", [
+    (1.0000000000000002, 1.2, "It reads as linear scaling"), (0.8, 0.9999999999999998, "It reads as linear scaling"),
+    (0.9, 1.2500000000000002, "It reads as linear scaling"),
+    (-0.2500000000000001, 0.4999999999999999, "It is consistent with no scaling and square-root scaling")])
+def test_an_end_within_float_noise_of_a_mark_is_read_as_it_is_shown(low, high, reading):
+    """shown() prints an end within 1e-9 of an exponent (or its margin) as it: (1.0000000000000002, 1.2) read 'lies
+    above 1 (... 1.00 to 1.20 excludes 1)' where the interval is printed holding 1."""
+    assert rule_reading(low, high).startswith(reading), rule_reading(low, high)
+
+
+def test_an_interval_with_no_ends_reads_no_rule():
+    """A slope with no interval (NaN ends) raised IndexError."""
+    assert rule_reading(float("nan"), float("nan")) == ("No LR rule can be read: the slope has no interval over the "
+                                                        "seeds; use each B's best LR")
