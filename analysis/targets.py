@@ -110,7 +110,7 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
         left = [f"{_lost(s.lost, pruned)}: half or more, left out of the fit"] if s.lost else []
         if s.diverged:
             left.append(listed([f"{d} of {runs} at B = {b}" for b, (d, runs) in sorted(s.diverged.items())]) +
-                        " diverged, left out of its median and the fit: a divergence says nothing of the steps to the "
+                        " diverged, left out of the median and the fit: a divergence says nothing of the steps to the "
                         "target")
         left = f" ({'; '.join(left)})" if left else ""
         if s.kept.empty:

@@ -211,7 +211,7 @@ def test_a_run_that_diverged_where_most_reached_the_target_is_counted_apart_and_
     from batchsweep.analysis.targets import steps, to_target
 
     [_, line] = steps(*_one_diverged())
-    assert line.startswith("Over every run (1 of 6 at B = 256 diverged, left out of its median and the fit: a "
+    assert line.startswith("Over every run (1 of 6 at B = 256 diverged, left out of the median and the fit: a "
                            "divergence says nothing of the steps to the target)"), line
     assert "never reached" not in line and "left out of the fit, as" not in line, line
     assert "from 29 runs at B = 32 to 512" in line and "B_crit ≈ " in line, line
