@@ -22,7 +22,7 @@ from .measures import (ACCURACY, Measure, finished, has_accuracy, measure, one_b
                        unmoved)
 from .plotting import in_order
 from .rules import ended_worse, lr_rules, twins, went
-from .runs import paired, quantum, typed
+from .runs import DERIVED, METRICS, TAGS, paired, quantum, typed
 from .targets import steps, warmup
 from .verdicts import control, judge
 from .wording import listed, lowered, significant, stated
@@ -38,15 +38,17 @@ def _seed_note(t: pd.DataFrame) -> list[str]:
     return []
 
 
-OTHER_FIELDS = ("physical_batch", "accum_steps", "lr_rule", "base_lr")  # what a BN momentum rule may be crossed with
+NOT_SETTINGS = ("run_id", "status", "seed", "batch", "bn_momentum_rule", *DERIVED, *TAGS, *METRICS)
 
 
-def one_bn_rule(trials: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+def one_bn_rule(trials: pd.DataFrame, varied: tuple[str, ...] | None = None) -> tuple[pd.DataFrame, str]:
     """Where the trials record a model without BatchNorm (`norm` none or group in every finished trial) and vary
     the BN momentum rule, that rule sets a momentum no layer uses. Where it ran under every combination of the
-    other fields, its rules are one configuration: the trials of the first rule alone, and the sentence that says
-    so. Where it moved with another field (zipped with the LR rule), every run is kept (the first rule's alone
-    would drop the other LR rules), and the sentence says the differences come from that field. Else (trials, '')."""
+    study's other varied fields (`varied`; without it, every column of the trials that is not a result, tag or
+    derived value), its rules are one configuration: the trials of the first rule alone, and the sentence that says
+    so. Where it moved with another field (zipped with the LR rule, the weight decay, ...), every run is kept (the
+    first rule's alone would drop that field's other values), and the sentence names the field its differences
+    come from. Else (trials, '')."""
     t = finished(trials)
     if "norm" not in t or "bn_momentum_rule" not in t or t["bn_momentum_rule"].nunique() < 2:
         return trials, ""
@@ -55,8 +57,9 @@ def one_bn_rule(trials: pd.DataFrame) -> tuple[pd.DataFrame, str]:
         return trials, ""
     rules = in_order("bn_momentum_rule", t["bn_momentum_rule"].dropna().unique())
     said = f"The model has no BatchNorm (norm = {' and '.join(sorted(norms.unique()))}): "
-    others = [f for f in OTHER_FIELDS if f in t and t[f].nunique() > 1]
-    crossed = not others or (t.groupby(others)["bn_momentum_rule"].nunique() == len(rules)).all()
+    fields = t.columns if varied is None else varied
+    others = [f for f in fields if f in t and f not in NOT_SETTINGS and t[f].nunique() > 1]
+    crossed = not others or (t.groupby(others, dropna=False)["bn_momentum_rule"].nunique() == len(rules)).all()
     if crossed:
         kept = trials[trials["bn_momentum_rule"] == rules[0]]
         return kept, (f"{said}the BN momentum rules {listed(rules)} set a momentum no layer uses, so they count as "
@@ -65,7 +68,7 @@ def one_bn_rule(trials: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     if not tied:
         return trials, (f"{said}the BN momentum rule has no BatchNorm layer to act on, and its rules {listed(rules)} "
                         f"did not each run under every value of the other fields, so differences between them come "
-                        f"from the fields they ran with.")
+                        f"from the fields they ran with ({listed(others)}); every run is kept.")
     field = tied[0]
     ran = listed([f"{r} ran with {t.loc[t['bn_momentum_rule'] == r, field].iloc[0]}" for r in rules])
     return trials, (f"{said}the BN momentum rule has no BatchNorm layer to act on, so differences between its rules "
@@ -408,13 +411,14 @@ def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFram
 
 
 def summarize(trials: pd.DataFrame, history: pd.DataFrame | None = None, evals: pd.DataFrame | None = None,
-              objective: tuple[str, str] | None = None) -> list[str]:
+              objective: tuple[str, str] | None = None, varied: tuple[str, ...] | None = None) -> list[str]:
     """The findings. Sentences that compare configurations hold one model and one dataset at a time, in accuracy
     or, for a study without one, in its first objective (`objective`: metric and direction); a model without
-    BatchNorm's BN momentum rules as one configuration (one_bn_rule())."""
+    BatchNorm's BN momentum rules as one configuration where they crossed the study's other `varied` fields
+    (one_bn_rule())."""
     history = pd.DataFrame() if history is None else history
     trials = typed(trials, [objective[0]] if objective else [])  # (numbers read back as text)
-    compared, no_bn = one_bn_rule(trials)
+    compared, no_bn = one_bn_rule(trials, varied)
     keys = [c for c in ("model", "dataset") if c in compared and compared[c].nunique() > 1]
     if keys:
         comparisons = []

@@ -260,7 +260,7 @@ def per_model(study: StudyRuns) -> list[tuple[str, StudyRuns]]:
 
 def starred(study: StudyRuns) -> pd.Index | None:
     """The trials the trials table marks ★: each model's best and ties (named_best), None where none is named."""
-    named = [named_best(one) for _, one in per_model(replace(study, trials=one_bn_rule(study.trials)[0]))]
+    named = [named_best(one) for _, one in per_model(replace(study, trials=one_bn_rule(study.trials, study.varied)[0]))]
     named = [n.trials for n in named if n is not None and not n.refused]
     return named[0].append(named[1:]) if named else None
 
@@ -268,8 +268,8 @@ def starred(study: StudyRuns) -> pd.Index | None:
 def recommend(study: StudyRuns) -> list[str]:
     """The recommendation's lines: per B, then the pick for each goal the study can speak to; per model (and
     dataset) where the study ran several, as the findings are (per_model())."""
-    trials, no_bn = one_bn_rule(study.trials)
-    if no_bn:  # (BN momentum rules with no BatchNorm: one configuration, or every run kept and said)
+    trials, no_bn = one_bn_rule(study.trials, study.varied)
+    if no_bn:  # (BN momentum rules with no BatchNorm: one configuration, or left out)
         study = replace(study, trials=trials)
     groups = per_model(study)
     if len(groups) == 1 or study.objectives[0][0] == "param_rel_diff":  # (exactness already speaks per model)

@@ -337,7 +337,7 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
                 kinds.setdefault(fig.name, []).append((f"{study.name}: " if len(studies) > 1 else "", fig, path))
                 figures.append(fig)
                 bar.set_postfix(drawn=len(figures), refresh=False)
-        findings = (summarize(study.trials, study.history, study.evals, study.objectives[0])
+        findings = (summarize(study.trials, study.history, study.evals, study.objectives[0], study.varied)
                     + [f.finding for f in figures if f.finding])
         summaries.append((study.name, findings or ["No finished trials yet."], protocol(study.trials)))
         csv = folder / f"{prefix}trials.csv"

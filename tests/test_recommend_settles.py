@@ -237,3 +237,27 @@ def test_a_model_without_batchnorm_whose_bn_momentum_rule_moves_with_the_lr_rule
     assert lines[0] == said and found[0] == said, (lines[0], found[0])
     for rule in ("none", "sqrt", "linear"):
         assert any(s.startswith(f"The {rule} LR rule against B = 32") for s in found), found
+
+
+def test_a_model_without_batchnorm_whose_bn_momentum_rule_moves_with_a_field_beside_the_lr_rule_keeps_every_run():
+    """norm = none, every LR rule under every BN momentum rule, each BN rule zipped with its own weight decay: the
+    rules were checked for crossing against the LR rule and B alone, read as one configuration, and the runs under
+    default kept, dropping the weight decays 0.001 and 0.01 (two thirds of the runs) unsaid."""
+    from batchsweep.analysis.findings import summarize
+
+    decay = {"default": 0.0, "scaled": 0.001, "matched": 0.01}
+    rows = []
+    for bn, wd in decay.items():
+        _, some = _grid(lambda rule, b, k, seed: 0.95 - 0.004 * math.log2(b * k / 32) - 2 * wd + 0.002 * seed,
+                        norm="none", bn_momentum_rule=bn, weight_decay=wd)
+        rows += some
+    study = _study(rows, ("physical_batch", "accum_steps", "lr_rule", "bn_momentum_rule", "weight_decay"))
+    said = ("The model has no BatchNorm (norm = none): the BN momentum rule has no BatchNorm layer to act on, so "
+            "differences between its rules default, scaled and matched come from the field it moves with, "
+            "weight_decay (default ran with 0.0, scaled ran with 0.001 and matched ran with 0.01); every run is kept.")
+    lines = recommend(study)
+    found = summarize(study.trials, study.history, None, None, study.varied)
+    assert lines[0] == said and found[0] == said, (lines[0], found[0])
+    at_128 = next(s for s in lines if s.startswith("At B = 128"))
+    assert "weight_decay 0.0, 0.001 and 0.01, each seed's runs averaged)" in at_128, at_128
+    assert summarize(study.trials, study.history)[0] == said  # (without the study's fields: the trials' own)
