@@ -71,9 +71,11 @@ def _batching(t: pd.DataFrame, rule: str | None, b: int, twins: list, m: Measure
 
 def _pooled(study: StudyRuns, t: pd.DataFrame) -> str:
     """Where the study varies other fields beside the LR rule and B (BN momentum rules, a user's own), the per-B
-    lines pool their runs: said so."""
-    other = [f for f in study.varied if f in t and t[f].nunique() > 1
-             and f not in ("lr_rule", "physical_batch", "accum_steps", "effective_batch")]
+    lines pool their runs: said so, of a field that takes several values under one LR rule at one B (one that
+    moves with the LR rule is not averaged over)."""
+    per, b = [c for c in ("lr_rule", "effective_batch") if c in t], ("physical_batch", "accum_steps", "effective_batch")
+    other = [f for f in study.varied if f in t and f not in ("lr_rule", *b)
+             and (t.groupby(per, dropna=False)[f].nunique() > 1 if per else t[f].nunique() > 1).any()]
     named = [f"the BN momentum rules {listed(in_order(f, t[f].unique()))}" if f == "bn_momentum_rule" else
              f"{f} {listed([str(v) for v in in_order(f, t[f].unique())])}" for f in other]
     return f" (over {'; '.join(named)}, each seed's runs averaged)" if named else ""

@@ -41,6 +41,12 @@ def _seed_note(t: pd.DataFrame) -> list[str]:
 NOT_SETTINGS = ("run_id", "status", "seed", "batch", "bn_momentum_rule", *DERIVED, *TAGS, *METRICS)
 
 
+def no_batchnorm(t: pd.DataFrame) -> list[str]:
+    """The norms of a model without BatchNorm (none or group in every trial), else []."""
+    norms = t["norm"].dropna().astype(str) if "norm" in t else pd.Series(dtype=str)
+    return [] if norms.empty or len(norms) < len(t) or (norms == "batch").any() else sorted(norms.unique())
+
+
 def one_bn_rule(trials: pd.DataFrame, varied: tuple[str, ...] | None = None) -> tuple[pd.DataFrame, str]:
     """Where the trials record a model without BatchNorm (`norm` none or group in every finished trial) and vary
     the BN momentum rule, that rule sets a momentum no layer uses. Where it ran under every combination of the
@@ -48,15 +54,13 @@ def one_bn_rule(trials: pd.DataFrame, varied: tuple[str, ...] | None = None) -> 
     derived value), its rules are one configuration: the trials of the first rule alone, and the sentence that says
     so. Where it moved with another field (zipped with the LR rule, the weight decay, ...), every run is kept (the
     first rule's alone would drop that field's other values), and the sentence names the field its differences
-    come from. Else (trials, '')."""
+    come from; no sentence ranks its rules (bn(), bn_against_true()). Else (trials, '')."""
     t = finished(trials)
-    if "norm" not in t or "bn_momentum_rule" not in t or t["bn_momentum_rule"].nunique() < 2:
-        return trials, ""
-    norms = t["norm"].dropna().astype(str)
-    if len(norms) < len(t) or (norms == "batch").any():
+    norms = no_batchnorm(t)
+    if not norms or "bn_momentum_rule" not in t or t["bn_momentum_rule"].nunique() < 2:
         return trials, ""
     rules = in_order("bn_momentum_rule", t["bn_momentum_rule"].dropna().unique())
-    said = f"The model has no BatchNorm (norm = {' and '.join(sorted(norms.unique()))}): "
+    said = f"The model has no BatchNorm (norm = {' and '.join(norms)}): "
     fields = t.columns if varied is None else varied
     others = [f for f in fields if f in t and f not in NOT_SETTINGS and t[f].nunique() > 1]
     crossed = not others or (t.groupby(others, dropna=False)["bn_momentum_rule"].nunique() == len(rules)).all()
@@ -68,12 +72,14 @@ def one_bn_rule(trials: pd.DataFrame, varied: tuple[str, ...] | None = None) -> 
     if not tied:
         return trials, (f"{said}the BN momentum rule has no BatchNorm layer to act on, and its rules {listed(rules)} "
                         f"did not each run under every value of the other fields, so differences between them come "
-                        f"from the fields they ran with ({listed(others)}); every run is kept.")
+                        f"from the fields they ran with ({listed(others)}); every run is kept, and no BN momentum "
+                        f"rule is ranked.")
     field = tied[0]
     ran = listed([f"{r} ran with {t.loc[t['bn_momentum_rule'] == r, field].iloc[0]}" for r in rules])
     return trials, (f"{said}the BN momentum rule has no BatchNorm layer to act on, so differences between its rules "
                     f"{listed(rules)} come from the field it moves with, "
-                    f"{'the LR rule' if field == 'lr_rule' else field} ({ran}); every run is kept.")
+                    f"{'the LR rule' if field == 'lr_rule' else field} ({ran}); every run is kept, and no BN "
+                    f"momentum rule is ranked.")
 
 
 def memory(trials: pd.DataFrame) -> list[str]:
@@ -111,7 +117,7 @@ def bn(trials: pd.DataFrame, m: Measure = ACCURACY, final_too: bool = True) -> l
     what a momentum rule changes, how far the running statistics are from the population statistics of the final
     weights."""
     t = finished(trials)
-    if "bn_momentum_rule" not in t or t["bn_momentum_rule"].nunique() < 2:
+    if "bn_momentum_rule" not in t or t["bn_momentum_rule"].nunique() < 2 or no_batchnorm(t):
         return []
     out = []
     b = t["physical_batch"].min()
@@ -157,8 +163,8 @@ def bn_against_true(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[tuple[i
     paired by seed, one family per k. A rule whose accumulated run (or the true batch) diverged or was pruned in a
     seed has no verdict (None): over the seeds that survived it would be a pick among survivors."""
     t = finished(trials)
-    if "bn_momentum_rule" not in t or t["bn_momentum_rule"].nunique() < 2:
-        return []
+    if "bn_momentum_rule" not in t or t["bn_momentum_rule"].nunique() < 2 or no_batchnorm(t):
+        return []  # (a model without BatchNorm: its rules ranked would rank the fields they moved with)
     b, step, out = t["physical_batch"].min(), quantum(t[m.name]), []
     worse = "reason" in trials and "seed" in trials
     for k in sorted(t.loc[t["accum_steps"] > 1, "accum_steps"].unique()):

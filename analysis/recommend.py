@@ -269,7 +269,7 @@ def recommend(study: StudyRuns) -> list[str]:
     """The recommendation's lines: per B, then the pick for each goal the study can speak to; per model (and
     dataset) where the study ran several, as the findings are (per_model())."""
     trials, no_bn = one_bn_rule(study.trials, study.varied)
-    if no_bn:  # (BN momentum rules with no BatchNorm: one configuration, or left out)
+    if no_bn:  # (BN momentum rules with no BatchNorm: one configuration, or every run kept and said)
         study = replace(study, trials=trials)
     groups = per_model(study)
     if len(groups) == 1 or study.objectives[0][0] == "param_rel_diff":  # (exactness already speaks per model)

@@ -232,11 +232,27 @@ def test_a_model_without_batchnorm_whose_bn_momentum_rule_moves_with_the_lr_rule
     study = _study(rows, ("physical_batch", "accum_steps", "lr_rule", "bn_momentum_rule"))
     said = ("The model has no BatchNorm (norm = none): the BN momentum rule has no BatchNorm layer to act on, so "
             "differences between its rules default, scaled and matched come from the field it moves with, the LR rule "
-            "(default ran with none, scaled ran with sqrt and matched ran with linear); every run is kept.")
+            "(default ran with none, scaled ran with sqrt and matched ran with linear); every run is kept, and no BN "
+            "momentum rule is ranked.")
     lines, found = recommend(study), summarize(study.trials, study.history)
     assert lines[0] == said and found[0] == said, (lines[0], found[0])
     for rule in ("none", "sqrt", "linear"):
         assert any(s.startswith(f"The {rule} LR rule against B = 32") for s in found), found
+    # (each LR rule ran under one BN rule, and the BN rules of a model without BatchNorm are not ranked)
+    assert not any("BN momentum rules default" in s or "BN momentum at k" in s for s in lines), lines
+    assert not any(s.startswith("Final accuracy at k") for s in found), found
+
+
+def test_the_per_b_lines_say_they_average_over_a_field_only_where_it_took_several_values_under_one_lr_rule():
+    """BatchNorm, the BN momentum rule zipped with the LR rule: each LR rule at a B ran under one BN rule, and the
+    per-B lines said '(over the BN momentum rules default, scaled and matched, each seed's runs averaged)'."""
+    zipped = {"none": "default", "sqrt": "scaled", "linear": "matched"}
+    _, rows = _grid(lambda rule, b, k, seed: 0.95 - 0.004 * math.log2(b * k / 32) + 0.002 * seed, norm="batch")
+    for r in rows:
+        r["bn_momentum_rule"] = zipped[r["lr_rule"]]
+    lines = recommend(_study(rows, ("physical_batch", "accum_steps", "lr_rule", "bn_momentum_rule")))
+    at_128 = next(s for s in lines if s.startswith("At B = 128"))
+    assert at_128.startswith("At B = 128: the "), at_128
 
 
 def test_a_model_without_batchnorm_whose_bn_momentum_rule_moves_with_a_field_beside_the_lr_rule_keeps_every_run():
@@ -254,10 +270,12 @@ def test_a_model_without_batchnorm_whose_bn_momentum_rule_moves_with_a_field_bes
     study = _study(rows, ("physical_batch", "accum_steps", "lr_rule", "bn_momentum_rule", "weight_decay"))
     said = ("The model has no BatchNorm (norm = none): the BN momentum rule has no BatchNorm layer to act on, so "
             "differences between its rules default, scaled and matched come from the field it moves with, "
-            "weight_decay (default ran with 0.0, scaled ran with 0.001 and matched ran with 0.01); every run is kept.")
+            "weight_decay (default ran with 0.0, scaled ran with 0.001 and matched ran with 0.01); every run is kept, "
+            "and no BN momentum rule is ranked.")
     lines = recommend(study)
     found = summarize(study.trials, study.history, None, None, study.varied)
     assert lines[0] == said and found[0] == said, (lines[0], found[0])
     at_128 = next(s for s in lines if s.startswith("At B = 128"))
     assert "weight_decay 0.0, 0.001 and 0.01, each seed's runs averaged)" in at_128, at_128
+    assert not any("BN momentum at k" in s for s in lines), lines
     assert summarize(study.trials, study.history)[0] == said  # (without the study's fields: the trials' own)
