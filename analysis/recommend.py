@@ -190,7 +190,8 @@ def _fastest(value: str, t: pd.DataFrame, _, points: pd.DataFrame, fields: list[
 def bn_rules(study: StudyRuns, m: Measure) -> list[str]:
     """Per k, against the true batch's final value of the metric, as the findings compare them, every rule placed
     with its interval: resolved better than it, shown to match it (equivalent within the margin, not resolved
-    apart), within the margin but resolved worse, resolved worse, or neither resolved nor shown to match it."""
+    apart), within the margin but resolved worse, within the margin with an interval off 0 that false-discovery
+    control does not keep, resolved worse, or neither resolved nor shown to match it."""
     out = []
     for k, b, rules, verdicts, gone in bn_against_true(study.trials, m):
         judged = [(r, v) for r, v in zip(rules, verdicts) if v is not None and v.d.n >= 2]
@@ -203,8 +204,10 @@ def bn_rules(study: StudyRuns, m: Measure) -> list[str]:
         better = [r for r, v in judged if v.resolved and not m.worse(v.d)]
         same = [r for r, v in judged if v.equivalent and not v.d.separated]  # (an interval off 0: said so)
         close = [r for r, v in judged if v.equivalent and v.resolved and m.worse(v.d)]
+        inside = [r for r, v in judged if v.equivalent and v.d.separated and not v.resolved]
+        off = "its interval excludes 0 but is" if len(inside) == 1 else "their intervals exclude 0 but are"
         worse = [r for r, v in judged if not v.equivalent and v.resolved and m.worse(v.d)]
-        open_ = [r for r, v in judged if not v.resolved and r not in same and r not in close]
+        open_ = [r for r, v in judged if not v.resolved and r not in same and r not in inside]
         words = {r: stated(v.d, "above", "below", m, v) for r, v in judged}
 
         def each(names: list[str]) -> str:
@@ -212,10 +215,12 @@ def bn_rules(study: StudyRuns, m: Measure) -> list[str]:
         parts = [f"{listed(better)} resolved better than it ({each(better)})" if better else "",
                  f"{listed(same)} shown to match it ({each(same)})" if same else "",
                  f"{listed(close)} within ±{m.margin_text} of it but resolved worse ({each(close)})" if close else "",
+                 f"{listed(inside)} within ±{m.margin_text} of it; {off} not kept by Benjamini-Hochberg "
+                 f"({each(inside)})" if inside else "",
                  f"{listed(worse)} resolved worse than it ({each(worse)})" if worse else "",
                  f"{listed(open_)} neither shown to match it {m.within} nor resolved from it "
                  f"({each(open_)})" if open_ else ""]
-        none = "" if better or same or close else f"no rule shown to match it {m.within} or to do better: "
+        none = "" if better or same or close or inside else f"no rule shown to match it {m.within} or to do better: "
         what = "accuracy" if m.points else m.name
         out.append(f"BN momentum at k = {k} (B = {b}), against the true batch's final {what}: "
                    f"{none}{'; '.join(p for p in parts if p)}{out_}.")
