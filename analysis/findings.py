@@ -38,6 +38,7 @@ def _seed_note(t: pd.DataFrame) -> list[str]:
     return []
 
 
+SEARCHED = ("physical_batch", "accum_steps", "lr_rule", "base_lr")  # (checked where the study's list lacks them)
 NOT_SETTINGS = ("run_id", "status", "seed", "batch", "bn_momentum_rule", *DERIVED, *TAGS, *METRICS)
 
 
@@ -50,18 +51,19 @@ def no_batchnorm(t: pd.DataFrame) -> list[str]:
 def one_bn_rule(trials: pd.DataFrame, varied: tuple[str, ...] | None = None) -> tuple[pd.DataFrame, str]:
     """Where the trials record a model without BatchNorm (`norm` none or group in every finished trial) and vary
     the BN momentum rule, that rule sets a momentum no layer uses. Where it ran under every combination of the
-    study's other varied fields (`varied`; without it, every column of the trials that is not a result, tag or
-    derived value), its rules are one configuration: the trials of the first rule alone, and the sentence that says
-    so. Where it moved with another field (zipped with the LR rule, the weight decay, ...), every run is kept (the
-    first rule's alone would drop that field's other values), and the sentence names the field its differences
-    come from; no sentence ranks its rules (bn(), bn_against_true()). Else (trials, '')."""
+    study's other varied fields (`varied`, with b, k, the LR rule and base LR; without it, every column of the
+    trials that is not a result, tag or derived value), its rules are one configuration: the trials of the first
+    rule alone, and the sentence that says so. Where it moved with another field (zipped with the LR rule, the
+    weight decay, ...), every run is kept (the first rule's alone would drop that field's other values), and the
+    sentence names the field its differences come from; no sentence ranks its rules (bn(), bn_against_true()).
+    Else (trials, '')."""
     t = finished(trials)
     norms = no_batchnorm(t)
     if not norms or "bn_momentum_rule" not in t or t["bn_momentum_rule"].nunique() < 2:
         return trials, ""
     rules = in_order("bn_momentum_rule", t["bn_momentum_rule"].dropna().unique())
     said = f"The model has no BatchNorm (norm = {' and '.join(norms)}): "
-    fields = t.columns if varied is None else varied
+    fields = dict.fromkeys([*varied, *SEARCHED]) if varied else t.columns  # (none recorded: every column)
     others = [f for f in fields if f in t and f not in NOT_SETTINGS and t[f].nunique() > 1]
     crossed = not others or (t.groupby(others, dropna=False)["bn_momentum_rule"].nunique() == len(rules)).all()
     if crossed:

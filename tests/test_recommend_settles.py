@@ -279,6 +279,7 @@ def test_a_model_without_batchnorm_whose_bn_momentum_rule_moves_with_a_field_bes
     assert "weight_decay 0.0, 0.001 and 0.01, each seed's runs averaged)" in at_128, at_128
     assert not any("BN momentum at k" in s for s in lines), lines
     assert summarize(study.trials, study.history)[0] == said  # (without the study's fields: the trials' own)
+    assert recommend(type(study)(**{**study.__dict__, "varied": ()}))[0] == said  # (a store that recorded none)
 
 
 def test_a_bn_rule_inside_the_margin_off_0_but_not_kept_by_benjamini_hochberg_has_its_own_group():
