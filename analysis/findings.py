@@ -48,11 +48,17 @@ def no_batchnorm(t: pd.DataFrame) -> list[str]:
     return [] if norms.empty or len(norms) < len(t) or (norms == "batch").any() else sorted(norms.unique())
 
 
+def _settings(t: pd.DataFrame) -> list[str]:
+    """The trials' columns that may be settings where no varied fields are known: a result (a time, a metric not
+    named in METRICS) takes a value of its own in most runs; a setting's values are each shared by several."""
+    return [c for c in t.columns if (t[c].value_counts(dropna=False) == 1).sum() * 2 <= t[c].nunique(dropna=False)]
+
+
 def one_bn_rule(trials: pd.DataFrame, varied: tuple[str, ...] | None = None) -> tuple[pd.DataFrame, str]:
     """Where the trials record a model without BatchNorm (`norm` none or group in every finished trial) and vary
     the BN momentum rule, that rule sets a momentum no layer uses. Where it ran under every combination of the
     study's other varied fields (`varied`, with b, k, the LR rule and base LR; without it, every column of the
-    trials that is not a result, tag or derived value), its rules are one configuration: the trials of the first
+    trials that is not a result, tag or derived value (_settings())), its rules are one configuration: the trials of the first
     rule alone, and the sentence that says so. Where it moved with another field (zipped with the LR rule, the
     weight decay, ...), every run is kept (the first rule's alone would drop that field's other values), and the
     sentence names the field its differences come from; no sentence ranks its rules (bn(), bn_against_true()).
@@ -63,7 +69,7 @@ def one_bn_rule(trials: pd.DataFrame, varied: tuple[str, ...] | None = None) -> 
         return trials, ""
     rules = in_order("bn_momentum_rule", t["bn_momentum_rule"].dropna().unique())
     said = f"The model has no BatchNorm (norm = {' and '.join(norms)}): "
-    fields = dict.fromkeys([*varied, *SEARCHED]) if varied else t.columns  # (none recorded: every column)
+    fields = dict.fromkeys([*varied, *SEARCHED]) if varied else _settings(t)
     others = [f for f in fields if f in t and f not in NOT_SETTINGS and t[f].nunique() > 1]
     crossed = not others or (t.groupby(others, dropna=False)["bn_momentum_rule"].nunique() == len(rules)).all()
     if crossed:

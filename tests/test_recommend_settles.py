@@ -137,6 +137,7 @@ def test_a_model_without_batchnorm_has_one_configuration_for_its_bn_momentum_rul
     for bn in ("default", "scaled", "matched"):
         _, some = _grid(lambda rule, b, k, seed: acc(b, k, seed), rules=("none",), norm="none", bn_momentum_rule=bn)
         rows += some
+    rows = [{**r, "wall_time_s": 10.0 + i} for i, r in enumerate(rows)]  # (a result of each run's own)
     study = _study(rows, ("physical_batch", "accum_steps", "bn_momentum_rule"))
     lines = recommend(study)
     said = ("The model has no BatchNorm (norm = none): the BN momentum rules default, scaled and matched set a "
