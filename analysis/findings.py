@@ -48,20 +48,15 @@ def no_batchnorm(t: pd.DataFrame) -> list[str]:
     return [] if norms.empty or len(norms) < len(t) or (norms == "batch").any() else sorted(norms.unique())
 
 
-def _settings(t: pd.DataFrame) -> list[str]:
-    """The trials' columns that may be settings where no varied fields are known: a result (a time, a metric not
-    named in METRICS) takes a value of its own in most runs; a setting's values are each shared by several."""
-    return [c for c in t.columns if (t[c].value_counts(dropna=False) == 1).sum() * 2 <= t[c].nunique(dropna=False)]
-
-
 def one_bn_rule(trials: pd.DataFrame, varied: tuple[str, ...] | None = None) -> tuple[pd.DataFrame, str]:
     """Where the trials record a model without BatchNorm (`norm` none or group in every finished trial) and vary
     the BN momentum rule, that rule sets a momentum no layer uses. Where it ran under every combination of the
-    study's other varied fields (`varied`, with b, k, the LR rule and base LR; without it, every column of the
-    trials that is not a result, tag or derived value (_settings())), its rules are one configuration: the trials of the first
-    rule alone, and the sentence that says so. Where it moved with another field (zipped with the LR rule, the
-    weight decay, ...), every run is kept (the first rule's alone would drop that field's other values), and the
-    sentence names the field its differences come from; no sentence ranks its rules (bn(), bn_against_true()).
+    study's other varied fields (`varied`, with b, k, the LR rule and base LR), its rules are one configuration:
+    the trials of the first rule alone, and the sentence that says so. Without `varied` (trials from no store),
+    which fields are settings is not known (a result can repeat a value), so every run is kept. Where it moved
+    with another field (zipped with the LR rule, the weight decay, ...), every run is kept (the first rule's alone
+    would drop that field's other values), and the sentence names the field its differences come from; no
+    sentence ranks its rules (bn(), bn_against_true()).
     Else (trials, '')."""
     t = finished(trials)
     norms = no_batchnorm(t)
@@ -69,24 +64,28 @@ def one_bn_rule(trials: pd.DataFrame, varied: tuple[str, ...] | None = None) -> 
         return trials, ""
     rules = in_order("bn_momentum_rule", t["bn_momentum_rule"].dropna().unique())
     said = f"The model has no BatchNorm (norm = {' and '.join(norms)}): "
-    fields = dict.fromkeys([*varied, *SEARCHED]) if varied else _settings(t)
-    others = [f for f in fields if f in t and f not in NOT_SETTINGS and t[f].nunique() > 1]
-    crossed = not others or (t.groupby(others, dropna=False)["bn_momentum_rule"].nunique() == len(rules)).all()
+    if not varied:
+        return trials, (f"{said}the BN momentum rules {listed(rules)} set a momentum no layer uses; which fields they "
+                        f"ran with is not recorded, so every run is kept, and no BN momentum rule is ranked.")
+    ran = trials[trials["bn_momentum_rule"].notna()]  # (a run that diverged or failed ran under its settings too)
+    others = [f for f in dict.fromkeys([*varied, *SEARCHED]) if f in ran and f not in NOT_SETTINGS
+              and ran[f].nunique() > 1]
+    crossed = not others or (ran.groupby(others, dropna=False)["bn_momentum_rule"].nunique() == len(rules)).all()
     if crossed:
         kept = trials[trials["bn_momentum_rule"] == rules[0]]
         return kept, (f"{said}the BN momentum rules {listed(rules)} set a momentum no layer uses, so they count as "
                       f"one configuration (the runs under {rules[0]}); no BN momentum rule is ranked.")
-    tied = [f for f in others if (t.groupby("bn_momentum_rule")[f].nunique() == 1).all()]
+    tied = [f for f in others if (ran.groupby("bn_momentum_rule")[f].nunique() == 1).all()]
     if not tied:
         return trials, (f"{said}the BN momentum rule has no BatchNorm layer to act on, and its rules {listed(rules)} "
                         f"did not each run under every value of the other fields, so differences between them come "
                         f"from the fields they ran with ({listed(others)}); every run is kept, and no BN momentum "
                         f"rule is ranked.")
     field = tied[0]
-    ran = listed([f"{r} ran with {t.loc[t['bn_momentum_rule'] == r, field].iloc[0]}" for r in rules])
+    each = listed([f"{r} ran with {ran.loc[ran['bn_momentum_rule'] == r, field].iloc[0]}" for r in rules])
     return trials, (f"{said}the BN momentum rule has no BatchNorm layer to act on, so differences between its rules "
                     f"{listed(rules)} come from the field it moves with, "
-                    f"{'the LR rule' if field == 'lr_rule' else field} ({ran}); every run is kept, and no BN "
+                    f"{'the LR rule' if field == 'lr_rule' else field} ({each}); every run is kept, and no BN "
                     f"momentum rule is ranked.")
 
 

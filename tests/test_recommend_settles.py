@@ -147,8 +147,14 @@ def test_a_model_without_batchnorm_has_one_configuration_for_its_bn_momentum_rul
     assert not any("BN momentum at k" in s or "BN scaled" in s or "BN matched" in s for s in lines), lines
     [best] = [s for s in lines if s.startswith("The best")]
     assert "of 5 configurations" in best or "over 4 comparisons" in best, best
-    found = summarize(study.trials, study.history)
+    found = summarize(study.trials, study.history, None, None, study.varied)
     assert found[0] == said and not any(s.startswith("Final accuracy at k") for s in found), found
+    # A run that diverged ran under its settings too: the rules stay crossed (it read 'did not each run under
+    # every value of the other fields').
+    last = {key: rows[-1][key] for key in ("physical_batch", "accum_steps", "bn_momentum_rule")}
+    rows = [{**r, "status": "FAILED", "reason": "diverged", "val_acc": math.nan}
+            if all(r[key] == v for key, v in last.items()) else r for r in rows]  # (every seed's)
+    assert recommend(_study(rows, ("physical_batch", "accum_steps", "bn_momentum_rule")))[0] == said
 
 
 def _loss_rows(loss, seeds=(0, 1, 2)):
@@ -235,7 +241,7 @@ def test_a_model_without_batchnorm_whose_bn_momentum_rule_moves_with_the_lr_rule
             "differences between its rules default, scaled and matched come from the field it moves with, the LR rule "
             "(default ran with none, scaled ran with sqrt and matched ran with linear); every run is kept, and no BN "
             "momentum rule is ranked.")
-    lines, found = recommend(study), summarize(study.trials, study.history)
+    lines, found = recommend(study), summarize(study.trials, study.history, None, None, study.varied)
     assert lines[0] == said and found[0] == said, (lines[0], found[0])
     for rule in ("none", "sqrt", "linear"):
         assert any(s.startswith(f"The {rule} LR rule against B = 32") for s in found), found
@@ -279,8 +285,13 @@ def test_a_model_without_batchnorm_whose_bn_momentum_rule_moves_with_a_field_bes
     at_128 = next(s for s in lines if s.startswith("At B = 128"))
     assert "weight_decay 0.0, 0.001 and 0.01, each seed's runs averaged)" in at_128, at_128
     assert not any("BN momentum at k" in s for s in lines), lines
-    assert summarize(study.trials, study.history)[0] == said  # (without the study's fields: the trials' own)
-    assert recommend(type(study)(**{**study.__dict__, "varied": ()}))[0] == said  # (a store that recorded none)
+    # Without the study's fields, settings cannot be told from results (a result may repeat a value): every run
+    # kept, no crossing claimed.
+    unknown = ("The model has no BatchNorm (norm = none): the BN momentum rules default, scaled and matched set a "
+               "momentum no layer uses; which fields they ran with is not recorded, so every run is kept, and no BN "
+               "momentum rule is ranked.")
+    assert summarize(study.trials, study.history)[0] == unknown
+    assert recommend(type(study)(**{**study.__dict__, "varied": ()}))[0] == unknown
 
 
 def test_a_bn_rule_inside_the_margin_off_0_but_not_kept_by_benjamini_hochberg_has_its_own_group():
