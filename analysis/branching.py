@@ -128,9 +128,11 @@ def finding(trials: pd.DataFrame, history: pd.DataFrame) -> list[str]:
     if at:
         where = [f"{'inside' if lo <= n < hi else 'below' if n < lo else 'above'} it at epoch {t}"
                  for t, n in at for lo, hi in [brackets[t]]]
-        out += (f" The reference's noise scale at those epochs was {', '.join(f'{n:.0f}' for _, n in at)} "
-                f"(McCandlish et al. 2018): {', '.join(where)}; the branches bound the critical batch only to the "
-                f"Bs branched to, so no closer ratio is said.")
+        left = [str(t) for t in c["t"] if t not in dict(at)]  # (not bracketed, or no noise scale measured)
+        out += (f" The reference's noise scale was {', '.join(f'{n:.0f} at epoch {t}' for t, n in at)} "
+                f"(McCandlish et al. 2018{'; none set against it after epoch ' + ', '.join(left) if left else ''}): "
+                f"{', '.join(where)}; the branches bound the critical batch only to the Bs branched to, so no closer "
+                f"ratio is said.")
     return [out + seeds()]
 
 

@@ -216,11 +216,17 @@ def test_a_batch_warmup_is_paired_with_the_fixed_batches_it_grows_from_and_to():
     # noise scale finer than that is said ("0.85 times" was).
     ({1: 32, 2: 128, 4: 256}, "below 64 after epoch 1, between 128 and 256 after epoch 2, at least 256 after epoch 4 "
      "(Merrill et al. 2025; bounded by the Bs branched to: the largest that kept up, the next that did not). The "
-     "reference's noise scale at those epochs was 20, 40, 80 (McCandlish et al. 2018): inside it at epoch 1, below it "
-     "at epoch 2, below it at epoch 4; the branches bound the critical batch only to the Bs branched to, so no closer "
+     "reference's noise scale was 20 at epoch 1, 40 at epoch 2, 80 at epoch 4 (McCandlish et al. 2018): inside it at "
+     "epoch 1, below it at epoch 2, below it at epoch 4; the branches bound the critical batch only to the Bs branched to, so no closer "
      "ratio is said."),
     ({1: 64, 2: 256, 4: 256}, "between 64 and 128 after epoch 1, at least 256 after epoch 2, at least 256 after "
      "epoch 4 (Merrill"),
+    # B = 64 fails after epoch 2 while 128 keeps up: that epoch is not bracketed, and its noise scale is not
+    # listed, so each value names its epoch (it read "at those epochs was 20, 80" after four epochs named).
+    ({1: 32, 2: -128, 4: 256}, "below 64 after epoch 1, not bracketed after epoch 2 (B = 64 did not keep up while "
+     "B = 128 did), at least 256 after epoch 4 (Merrill et al. 2025; bounded by the Bs branched to: the largest "
+     "that kept up, the next that did not). The reference's noise scale was 20 at epoch 1, 80 at epoch 4 (McCandlish "
+     "et al. 2018; none set against it after epoch 2): inside it at epoch 1, below it at epoch 4;"),
 ])
 def test_the_critical_batch_by_branching_beside_the_noise_scale(critical, said):
     # Reference runs at B = 32 for 10 epochs (val_loss 1/epoch, noise scale 20 x epoch); branches at epochs 1,
@@ -237,7 +243,8 @@ def test_the_critical_batch_by_branching_beside_the_noise_scale(critical, said):
                 trials.append(dict(run_id=run, status="FINISHED", batch_warmup=",".join(["32"] * t),
                                    effective_batch=b, epochs=t + 2, seed=seed, val_acc=0.9, model="cnn1d",
                                    dataset="mnist1d", reason=None))
-                history.append(dict(run_id=run, epoch=t + 2, val_loss=(1.0 if b <= top else 1.1) / (t + 2),
+                keeps = b != 64 and b <= -top if top < 0 else b <= top  # (a negative top: B = 64 alone fails)
+                history.append(dict(run_id=run, epoch=t + 2, val_loss=(1.0 if keeps else 1.1) / (t + 2),
                                     val_acc=0.9, steps=1))
     trials, history = pd.DataFrame(trials), pd.DataFrame(history)
     sentences = " ".join(summarize(trials, history))
