@@ -15,7 +15,8 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from .best_lr import BestLR, best_lr_against_b, draw as best_lr_figure  # noqa: E402
-from .measures import Measure, finished, full_scale, last_noise, measure, one_batch, reliable_noise, tuned  # noqa: E402
+from .measures import (Measure, finished, full_scale, last_noise, measure, no_batchnorm, one_batch,  # noqa: E402
+                       reliable_noise, tuned)
 from .plotting import MEMORY_LABELS, Draw, Figure, colors, context, log2_axis, log_scale, split, varies  # noqa: E402
 from .runs import aggregate, ci95  # noqa: E402
 from .targets import to_target  # noqa: E402
@@ -204,10 +205,11 @@ def _t_interval(values) -> tuple[float, float]:
 
 
 def bn_rules(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> Figure | None:
-    """The final accuracy (or, without one, the objective: measure()) by BN momentum rule at each B."""
+    """The final accuracy (or, without one, the objective: measure()) by BN momentum rule at each B; none for a
+    model without BatchNorm, whose rules set a momentum no layer uses."""
     t = finished(trials)
     m = measure(t, objective)
-    if not varies(t, "bn_momentum_rule") or "accum_steps" not in t or m is None:
+    if not varies(t, "bn_momentum_rule") or "accum_steps" not in t or m is None or no_batchnorm(t):
         return None
     t = t.assign(rule=np.where(t["accum_steps"] > 1, t["bn_momentum_rule"], "true batch"),
                  B=t["effective_batch"])

@@ -18,8 +18,8 @@ import pandas as pd
 from . import branching
 from .best_lr import moved, over_training, rule_reading
 from .figures import best_lr, best_lr_of_seeds, trained_lr
-from .measures import (ACCURACY, Measure, finished, has_accuracy, measure, one_batch, reliable_noise,
-                       unmoved)
+from .measures import (ACCURACY, Measure, finished, has_accuracy, measure, no_batchnorm, one_batch,
+                       reliable_noise, unmoved)
 from .plotting import in_order
 from .rules import ended_worse, lr_rules, twins, went
 from .runs import DERIVED, METRICS, TAGS, paired, quantum, typed
@@ -42,37 +42,38 @@ SEARCHED = ("physical_batch", "accum_steps", "lr_rule", "base_lr")  # (checked w
 NOT_SETTINGS = ("run_id", "status", "seed", "batch", "bn_momentum_rule", *DERIVED, *TAGS, *METRICS)
 
 
-def no_batchnorm(t: pd.DataFrame) -> list[str]:
-    """The norms of a model without BatchNorm (none or group in every trial), else []."""
-    norms = t["norm"].dropna().astype(str) if "norm" in t else pd.Series(dtype=str)
-    return [] if norms.empty or len(norms) < len(t) or (norms == "batch").any() else sorted(norms.unique())
-
-
 def one_bn_rule(trials: pd.DataFrame, varied: tuple[str, ...] | None = None) -> tuple[pd.DataFrame, str]:
-    """Where the trials record a model without BatchNorm (`norm` none or group in every finished trial) and vary
-    the BN momentum rule, that rule sets a momentum no layer uses. Where it ran under every combination of the
-    study's other varied fields (`varied`, with b, k, the LR rule and base LR), its rules are one configuration:
-    the trials of the first rule alone, and the sentence that says so. Without `varied` (trials from no store),
-    which fields are settings is not known (a result can repeat a value), so every run is kept. Where it moved
-    with another field (zipped with the LR rule, the weight decay, ...), every run is kept (the first rule's alone
-    would drop that field's other values), and the sentence names the field its differences come from; no
+    """Where the trials record a model without BatchNorm (no_batchnorm()) and vary the BN momentum rule, that rule
+    sets a momentum no layer uses. Where it ran under every combination of the study's other varied fields
+    (`varied`, with b, k, the LR rule and base LR) at k > 1, its rules are one configuration: the trials of the
+    first rule alone (at k = 1, of one rule), and the sentence that says so. Without `varied` (trials from no
+    store), which fields are settings is not known (a result can repeat a value), so every run is kept. Where it
+    moved with another field (zipped with the LR rule, the weight decay, ...), every run is kept (the first rule's
+    alone would drop that field's other values), and the sentence names the field its differences come from; no
     sentence ranks its rules (bn(), bn_against_true()).
     Else (trials, '')."""
     t = finished(trials)
-    norms = no_batchnorm(t)
-    if not norms or "bn_momentum_rule" not in t or t["bn_momentum_rule"].nunique() < 2:
+    without = no_batchnorm(t)
+    if not without or "bn_momentum_rule" not in t or t["bn_momentum_rule"].nunique() < 2:
         return trials, ""
     rules = in_order("bn_momentum_rule", t["bn_momentum_rule"].dropna().unique())
-    said = f"The model has no BatchNorm (norm = {' and '.join(norms)}): "
+    said = f"The model has no BatchNorm ({without}): "
     if not varied:
         return trials, (f"{said}the BN momentum rules {listed(rules)} set a momentum no layer uses; which fields they "
                         f"ran with is not recorded, so every run is kept, and no BN momentum rule is ranked.")
     ran = trials[trials["bn_momentum_rule"].notna()]  # (a run that diverged or failed ran under its settings too)
+    # At k = 1 every rule sets the default momentum: one configuration, which the grid runs under default alone, so
+    # the rules are checked for crossing where k > 1.
+    at_1 = ran["accum_steps"] == 1 if "accum_steps" in ran else pd.Series(False, index=ran.index)
+    ran, ones = (ran[~at_1], ran[at_1]) if (~at_1).any() else (ran, ran.iloc[0:0])
+    rules = in_order("bn_momentum_rule", ran["bn_momentum_rule"].unique())
     others = [f for f in dict.fromkeys([*varied, *SEARCHED]) if f in ran and f not in NOT_SETTINGS
               and ran[f].nunique() > 1]
     crossed = not others or (ran.groupby(others, dropna=False)["bn_momentum_rule"].nunique() == len(rules)).all()
     if crossed:
-        kept = trials[trials["bn_momentum_rule"] == rules[0]]
+        first = in_order("bn_momentum_rule", ones["bn_momentum_rule"].unique())[:1]  # (k = 1 under one rule)
+        kept = trials[trials.index.isin([*ran.index[ran["bn_momentum_rule"] == rules[0]],
+                                         *ones.index[ones["bn_momentum_rule"].isin(first)]])]
         return kept, (f"{said}the BN momentum rules {listed(rules)} set a momentum no layer uses, so they count as "
                       f"one configuration (the runs under {rules[0]}); no BN momentum rule is ranked.")
     tied = [f for f in others if (ran.groupby("bn_momentum_rule")[f].nunique() == 1).all()]

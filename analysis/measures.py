@@ -44,6 +44,29 @@ def has_accuracy(trials: pd.DataFrame) -> bool:
     return "val_acc" in trials and bool(np.isfinite(trials["val_acc"].astype(float)).any())
 
 
+NO_BN_LAYER = "has no BatchNorm layer"  # the trainer's note where a BN momentum rule found no layer to act on
+
+
+def no_batchnorm(t: pd.DataFrame) -> str:
+    """How the trials show a model without BatchNorm ('norm = none', 'mlp, in whose runs the trainer found no
+    BatchNorm layer'), '' where they do not. A trial counts where its `norm` is none or group, or where a trial of
+    its model and norm carries the trainer's note that a BN momentum rule had no BatchNorm layer to act on: `norm`
+    is recorded as batch for a model it does not apply to (mlp, gpt, a user's own)."""
+    blank = pd.Series("", index=t.index)
+    norm, model, notes = (t[c].astype(object).fillna("").astype(str) if c in t else blank
+                          for c in ("norm", "model", "warnings"))
+    kind = model + "\0" + norm  # (the note holds for every run of the same model and norm)
+    noted = kind.isin(kind[notes.str.contains(NO_BN_LAYER, regex=False)])
+    by_norm = norm.isin(("none", "group"))
+    if t.empty or not (by_norm | noted).all():
+        return ""
+    said = [f"norm = {' and '.join(sorted(norm[by_norm].unique()))}"] if by_norm.any() else []
+    models = sorted(set(model[~by_norm]) - {""})
+    if models:
+        said.append(f"{' and '.join(models)}, in whose runs the trainer found no BatchNorm layer")
+    return "; ".join(said) or "the trainer found no BatchNorm layer in its runs"
+
+
 def not_rounded_away(x: float, places: int, sign: str = "") -> str:
     """`places` decimals, or two significant digits where those would show a non-zero x as zero."""
     return f"{x:{sign}.{places}f}" if round(abs(x), places) or not x else f"{x:{sign}.2g}"

@@ -13,6 +13,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
+from .measures import no_batchnorm  # noqa: E402
+
 
 # The fields a figure splits its trials by, the first that varies, with their values in the order they read (the
 # LR rules by their exponent of B, then Adam's whole rule; not the alphabet's). Each value keeps one colour in
@@ -99,8 +101,10 @@ def colors(trials: pd.DataFrame, column: str) -> dict:
 
 
 def split(trials: pd.DataFrame) -> tuple[str | None, dict]:
-    """The field that splits the trials (the first of SPLITS that varies), and colors() of it."""
-    column = next((c for c in SPLITS if varies(trials, c)), None)
+    """The field that splits the trials (the first of SPLITS that varies; not the BN momentum rule of a model
+    without BatchNorm, which no layer uses), and colors() of it."""
+    column = next((c for c in SPLITS if varies(trials, c) and not (c == "bn_momentum_rule" and no_batchnorm(trials))),
+                  None)
     return (column, colors(trials, column)) if column else (None, {})
 
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .measures import ACCURACY, WORSE, Measure, finished, one_batch, rounded, stopped, stopped_verb, tuned
+from .measures import (ACCURACY, WORSE, Measure, finished, no_batchnorm, one_batch, rounded, stopped, stopped_verb,
+                       tuned)
 from .plotting import in_order
 from .runs import Difference, paired, quantum
 from .verdicts import judge
@@ -367,7 +368,9 @@ def twin_pairs(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[tuple[dict, 
 
 
 def _twin_keys(t: pd.DataFrame) -> list[str]:
-    return [c for c in ("lr_rule", "bn_momentum_rule") if c in t and t[c].nunique() > 1]
+    """The rules a twin pair is keyed by: a model without BatchNorm has no BN momentum rule to name a pair by."""
+    return [c for c in ("lr_rule", "bn_momentum_rule") if c in t and t[c].nunique() > 1
+            and not (c == "bn_momentum_rule" and no_batchnorm(t))]
 
 
 def twins_diverged(trials: pd.DataFrame) -> list[tuple[dict, str]]:
