@@ -163,19 +163,23 @@ def _span(least: float, most: float) -> str:
 
 
 def reading(points: pd.DataFrame, noise: pd.DataFrame, lost: dict[int, tuple[int, int, int]] | None = None,
-            censored: list[int] = ()) -> str:
+            censored: list[int] = (), diverged: dict[int, tuple[int, int]] | None = None) -> str:
     """One series' steps per doubling, its fitted B_crit, and the noise scale at the target, in words. `lost`: per B
     run but left out of the doublings and the fit as half or more of its runs did not reach the target, (the runs
     that never reached it, those that diverged, all runs); `censored`: the B of each run that never reached it at a B whose other runs did. Those Bs count in the
     doublings (the run as slower than every one that reached it) but not in the fit: the runs there that reached
-    it would enter it as if they were all, the slowest taken out."""
+    it would enter it as if they were all, the slowest taken out. `diverged`: per B where most reached it, (the runs
+    that diverged, all runs there), so that the runs that never reached it are counted of the same total."""
     said, sizes, ratios, spans = _doublings(points, censored)
     out = sorted(set(censored))
     f = critical(points[~points["effective_batch"].isin(out)])
     said += _fitted(f, sizes, ratios, spans, lost or {})
     if out:
         runs = points["effective_batch"].value_counts()
-        each = ", ".join(f"{list(censored).count(b)} of {runs.get(b, 0) + list(censored).count(b)} at B = {b}"
+        gone = diverged or {}
+        each = ", ".join(f"{list(censored).count(b)} of {gone[b][1]} at B = {b}, where {gone[b][0]} other"
+                         f"{'s' * (gone[b][0] > 1)} diverged" if b in gone else
+                         f"{list(censored).count(b)} of {runs.get(b, 0) + list(censored).count(b)} at B = {b}"
                          for b in out)
         said += (f"; B = {', '.join(map(str, out))} left out of the fit, as some runs there never reached it "
                  f"({each}): the runs there that did would enter it as if complete, the slowest left out")

@@ -117,7 +117,7 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
             out.append(f"{name}, no B had most of its runs reach it{left}.")
             continue
         fitted = noise[noise["run_id"].isin(s.kept.loc[~s.kept["effective_batch"].isin(s.out_of_fit), "run_id"])]
-        out.append(f"{name}{left}, {critical.reading(s.kept, fitted, s.lost, s.out_of_fit)}"
+        out.append(f"{name}{left}, {critical.reading(s.kept, fitted, s.lost, s.out_of_fit, s.diverged)}"
                    f"{_open(s.dropped, 'median steps')}.")
     return out
 

@@ -215,3 +215,17 @@ def test_a_command_a_sentence_marks_with_backticks_is_a_code_span_not_escaped_te
     assert str(code("a `<b>x</b>`")) == "a `&lt;b&gt;x&lt;/b&gt;`"
     assert md("one ` stray and *this*") == "one \\` stray and \\*this\\*"
     assert md("`a | b`") == "\\`a \\| b\\`"  # (a '|' in a span would still split a table cell)
+
+
+def test_the_runs_that_never_reached_the_target_are_counted_of_the_same_total_as_those_that_diverged():
+    """At B = 256 of 6 runs, 1 diverged and 1 never reached the target: '1 of 6 at B = 256 diverged', then 'never
+    reached it (1 of 5 at B = 256)', the diverged run left out of the second total unsaid."""
+    from tests.test_critical import _one_diverged
+
+    trials, history = _one_diverged()
+    never = trials.loc[(trials["effective_batch"] == 256) & (trials["seed"] == 1), "run_id"]
+    history = history.assign(val_acc=history["val_acc"].where(~history["run_id"].isin(never), 0.5))
+    trials.loc[trials["run_id"].isin(never), "val_acc"] = 0.5
+    [_, line] = steps(trials, history)
+    assert line.startswith("Over every run (1 of 6 at B = 256 diverged, left out of the median and the fit"), line
+    assert "never reached it (1 of 6 at B = 256, where 1 other diverged)" in line and "of 5" not in line, line
