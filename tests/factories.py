@@ -634,6 +634,15 @@ def bn_mlp(input_shape, num_classes, **_):
                          nn.Linear(16, num_classes))
 
 
+class Subclassed(nn.Sequential):
+    """Layers in a subclass of nn.Sequential: a fused group stacks its forward through vmap, not as fused
+    operators (trainers/stacked.py fuses nn.Sequential itself only)."""
+
+
+def bn_mlp_through_vmap(input_shape, num_classes, **_):
+    return Subclassed(*bn_mlp(input_shape, num_classes))
+
+
 def dropout_mlp(input_shape, num_classes, **_):
     return nn.Sequential(nn.Flatten(), nn.Linear(int(np.prod(input_shape)), 16), nn.Dropout(0.1), nn.ReLU(),
                          nn.Linear(16, num_classes))

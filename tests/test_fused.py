@@ -44,8 +44,9 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("model", ["tests.factories:bn_mlp", "mlp"])
+@pytest.mark.parametrize("model", ["tests.factories:bn_mlp", "mlp", "tests.factories:bn_mlp_through_vmap"])
 def test_every_member_steps_as_its_solo_run_in_float64(model):
+    """As fused operators (the first two) and through vmap (the last)."""
     configs = [TrainConfig(**{**BASE, "model": model, **m}) for m in MEMBERS]
     assert len({group_key(c) for c in configs}) == 1
     probes, rows = [[Weights()] for _ in configs], [[] for _ in configs]
@@ -124,15 +125,17 @@ def test_members_that_end_a_window_together_step_as_one_and_as_their_solo_runs(m
 
 
 def test_batchnorm_in_the_stacked_forward_is_one_batch_norm_over_the_members_channels(monkeypatch):
-    """The stacked forward's BatchNorm (2d, 1d, without affine weights, without running statistics) runs as one
-    batch_norm over the members' channels side by side, with the outputs, gradients and running statistics of
+    """Through vmap (a model that is no nn.Sequential itself), the stacked forward's BatchNorm (2d, 1d, without
+    affine weights, without running statistics) runs as one batch_norm over the members' channels side by side, with the outputs, gradients and running statistics of
     vmap's own batching rule (each member's own statistics, updated in place)."""
     import torch.nn.functional as F
     from batchsweep.trainers.fused import _stacked_forward
 
-    def net(seed):
+    from .factories import Subclassed
+
+    def net(seed):  # (a subclass: through vmap, where the side-by-side op serves)
         torch.manual_seed(seed)
-        return nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 3, 1),
+        return Subclassed(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 3, 1),
                              nn.BatchNorm2d(3, affine=False), nn.Flatten(), nn.Linear(48, 5),
                              nn.BatchNorm1d(5, track_running_stats=False)).double()
 

@@ -40,6 +40,7 @@ from .loop import (EpochCallback, Setup, TrainResult, end_epoch, end_window, lr_
 from .losses import add_counts
 from .models import batchnorm_layers
 from .probes import Health, Micro, Noise, PeakMemory, Probe
+from .stacked import fused_forward
 from .stacked_norm import side_by_side
 from .together import batched, step_together
 
@@ -228,7 +229,12 @@ def _windows(micro: list[Window], k: int) -> list[Window]:
 
 
 def _stacked_forward(model: nn.Module):
-    """The members' forward in one call: the model's, over stacked parameters and buffers (their first dim)."""
+    """The members' forward in one call: the model's, over stacked parameters and buffers (their first dim): as
+    fused operators where the model has them (trainers/stacked.py), otherwise through vmap."""
+    fused = fused_forward(model)
+    if fused is not None:
+        return fused
+
     def one(params, buffers, x):
         return torch.func.functional_call(model, (params, buffers), (x,))
 
