@@ -75,14 +75,14 @@ def test_one_step_of_every_member_in_float32_is_its_solo_step():
 
 
 # Members whose windows end at the same micro-batch step in one batched update where their optimizer's settings
-# agree (k = 1 under none and linear at B = base_batch: the same LR), one update each where they differ
+# agree (k = 1 and 2 under none without warmup: the same LR at every step), one update each where they differ
 # (momentum, nesterov, weight decay, AdamW's betas and eps), and alone with clipping.
-TOGETHER = [dict(accum_steps=1, lr_rule="none", weight_decay=0.01),
-            dict(accum_steps=1, lr_rule="linear", weight_decay=0.01),
+TOGETHER = [dict(accum_steps=1, lr_rule="none", weight_decay=0.01, warmup_epochs=0),
+            dict(accum_steps=2, lr_rule="none", weight_decay=0.01, warmup_epochs=0),
             dict(accum_steps=2, momentum=0.5, nesterov=True), dict(accum_steps=2, momentum=0.0),
             dict(accum_steps=3, weight_decay=0.05), dict(accum_steps=3, grad_clip=0.5),
-            dict(accum_steps=1, optimizer="adamw", base_lr=0.01, weight_decay=0.01),
-            dict(accum_steps=1, optimizer="adamw", lr_rule="linear", base_lr=0.01, weight_decay=0.01),
+            dict(accum_steps=1, optimizer="adamw", base_lr=0.01, weight_decay=0.01, warmup_epochs=0),
+            dict(accum_steps=2, optimizer="adamw", base_lr=0.01, weight_decay=0.01, warmup_epochs=0),
             dict(accum_steps=2, optimizer="adamw", base_lr=0.01, adam_beta1=0.8, adam_beta2=0.99, adam_eps=1e-6)]
 
 
@@ -109,8 +109,8 @@ def test_members_that_end_a_window_together_step_as_one_and_as_their_solo_runs(m
     members = {id(probe.run.optimizer): i for i, (probe,) in enumerate(probes)}
     assert {members[id(o)] for o in stepped if id(o) in members} == {5}  # the clipping member's own step alone
     per_member = len(list(fused[0].model.parameters()))
-    assert max(n for name, n in sizes if name == "sgd") == 2 * per_member  # k = 1's two SGD members as one
-    assert max(n for name, n in sizes if name == "adam") == 2 * per_member  # and its two AdamW members
+    assert max(n for name, n in sizes if name == "sgd") == 2 * per_member  # the first two SGD members as one
+    assert max(n for name, n in sizes if name == "adam") == 2 * per_member  # and the two AdamW members
     monkeypatch.undo()
     for config, (probe,) in zip(configs, probes):
         alone = Weights()
@@ -269,7 +269,7 @@ def test_every_members_peak_is_measured_before_any_member_is_built():
     the CUDA figure then equals a solo run's needs a GPU.)"""
     EVENTS.clear()
     configs = [TrainConfig(**{**BASE, "model": "tests.test_fused:logged_mlp", "epochs": 1, **m})
-               for m in (dict(accum_steps=1), dict(accum_steps=2), dict(accum_steps=1, lr_rule="linear"))]
+               for m in (dict(accum_steps=1), dict(accum_steps=2), dict(accum_steps=2, lr_rule="linear"))]
     fused = train_fused(configs)
     built = [i for i, e in enumerate(EVENTS) if e == "built"]
     assert len(built) == 2 + 3  # two measured alone (the LR rule allocates nothing), three members
@@ -300,3 +300,75 @@ def test_on_the_cpu_members_with_large_micro_batches_train_alone(data_dir):
         train_fused([TrainConfig(**fixed, physical_batch=128, lr_rule=rule) for rule in ("none", "linear")])
     fused = train_fused([TrainConfig(**fixed, physical_batch=64, lr_rule=rule) for rule in ("none", "linear")])
     assert [r.status for r in fused] == ["ok", "ok"]
+
+
+def test_configurations_that_train_alike_train_once_and_each_keeps_its_own_run(tmp_path, monkeypatch):
+    """k = 1 under none, linear and sqrt at B = base_batch is one run: the group trains it once, beside k = 2, and
+    each configuration keeps its own result, rows and checkpoints (written with its own configuration, resumable
+    fused or alone); one stopped by its callback ends alone, the first one's included, while the others go on."""
+    from batchsweep.trainers import Checkpointing, fused as fused_module
+
+    configs = [TrainConfig(**{**BASE, "epochs": 3, "accum_steps": k, "lr_rule": rule})
+               for k, rule in ((1, "none"), (1, "linear"), (1, "sqrt"), (2, "linear"))]
+    stacked = []
+
+    def counted(active, *args):
+        stacked.append(len(active))
+        return real(active, *args)
+
+    real = fused_module._micro_batch
+    monkeypatch.setattr(fused_module, "_micro_batch", counted)
+    specs = [Checkpointing(str(tmp_path / str(i))) for i in range(4)]
+    rows = [[] for _ in configs]
+
+    def stop(i):
+        def on_epoch(row):
+            rows[i].append(row)
+            if row["epoch"] == 2:
+                raise KeyError("stopped")
+        return on_epoch
+
+    results = train_fused(configs, on_epoch=[stop(0), rows[1].append, stop(2), rows[3].append], checkpoints=specs)
+    assert set(stacked) == {2}  # k = 1's one member and k = 2's, every micro-batch
+    assert isinstance(results[0], KeyError) and isinstance(results[2], KeyError)
+    assert [len(r) for r in rows] == [2, 3, 2, 3]
+    monkeypatch.undo()
+    for i in (1, 3):
+        alone_result = train(configs[i])
+        assert results[i].config is configs[i] and results[i].history == rows[i]
+        assert [{n: r[n] for n in set(r) - TIMES} for r in rows[i]] == [
+            pytest.approx({n: r[n] for n in set(r) - TIMES}, rel=1e-10, abs=1e-12, nan_ok=True)
+            for r in alone_result.history]
+        resumed = train(configs[i], checkpoint=specs[i])  # its own last checkpoint: a finished run of its own
+        assert resumed.resumed_after == 3 and resumed.history[-1]["val_loss"] == rows[i][-1]["val_loss"]
+    assert torch.load(specs[2].path, weights_only=True)["progress"]["epoch"] == 2  # none written after its stop
+    assert torch.load(specs[2].path, weights_only=True)["config"]["lr_rule"] == "sqrt"
+
+
+def test_configurations_that_train_alike_go_on_from_their_checkpoints_together(tmp_path):
+    """Stopped after an epoch, they go on together from their own checkpoints; where one of them has since gone
+    on alone, theirs stand at different epochs and the group is refused (its members then train alone)."""
+    from batchsweep.trainers import Checkpointing
+
+    configs = [TrainConfig(**{**BASE, "epochs": 3, "lr_rule": rule}) for rule in ("none", "linear")]
+
+    def stopped_after_one_epoch(folder):
+        def stop_all(row):
+            if row["epoch"] == 1:
+                raise KeyboardInterrupt
+
+        specs = [Checkpointing(str(tmp_path / folder / rule)) for rule in ("none", "linear")]
+        with pytest.raises(KeyboardInterrupt):
+            train_fused(configs, on_epoch=[None, stop_all], checkpoints=specs)
+        return specs
+
+    specs = stopped_after_one_epoch("a")
+    resumed = train_fused(configs, checkpoints=specs)
+    whole = train(configs[1])
+    for result in resumed:
+        assert result.resumed_after == 1
+        assert result.history[-1]["val_loss"] == pytest.approx(whole.history[-1]["val_loss"], rel=1e-12)
+    specs = stopped_after_one_epoch("b")
+    train(configs[0], checkpoint=specs[0])
+    with pytest.raises(NotFusable, match=r"stand at different epochs \(3 and 1\)"):
+        train_fused(configs, checkpoints=specs)

@@ -7,12 +7,15 @@ members may differ in k, the LR rule and base LR, warmup and schedule, weight de
 settings. Each keeps its own parameters and its own torch.optim optimizer, the solo run's, stepped when its
 window of k micro-batches ends, at its own schedule's LR: the members whose windows end at the same micro-batch
 in one foreach update where their settings agree, into each one's own optimizer state (trainers/together.py).
-The forward runs once for all members, through torch.func.vmap over their stacked parameters, BatchNorm as one
-batch_norm over their channels side by side (trainers/stacked_norm.py); one backward of the members' summed
+The forward runs once for all members over their stacked parameters: as fused operators for an nn.Sequential
+of known layers (trainers/stacked.py), otherwise through torch.func.vmap, BatchNorm as one batch_norm over their
+channels side by side (trainers/stacked_norm.py); one backward of the members' summed
 window shares gives each member exactly its own gradient (a sum's gradient is each term's). BatchNorm's
 running statistics live in stacked buffers that each member's model views, so a member's evaluation is its
 solo evaluation.
 
+Configurations that train exactly alike (k = 1 under the linear or sqrt rule at B = base_batch is the none rule's
+run: the same LR at every step) are one member, trained once; each keeps its own result, rows and checkpoints.
 What can change a member's forward or its micro-batches is refused (`alone`); a forward that draws random
 numbers (dropout) is refused at its first micro-batch, before any step (`NotFusable`), since a stacked forward
 cannot draw what each solo run would."""
@@ -29,7 +32,7 @@ import torch
 from torch import nn
 
 from .build import load, resolve_device
-from .checkpoint import Checkpointing
+from .checkpoint import Checkpointer, Checkpointing
 from .config import TrainConfig
 from .data import Data
 from .errors import ConfigError
@@ -86,7 +89,7 @@ def group_key(config: TrainConfig) -> tuple | None:
 class Member:
     """One configuration of the group, set up as `train` sets up one process, and where it stands in the epoch."""
 
-    run: Setup
+    run: Setup  # its first configuration's
     steps: list[int]  # its optimizer steps in each epoch
     warmup: int
     windows: list[Window] = dataclasses.field(default_factory=list)  # the epoch's, of k micro-batches each
@@ -94,8 +97,19 @@ class Member:
     lr: float = 0.0
     samples: int = 0  # trained this epoch
     counted: object = 0  # a loss without counts(): the items its window's terms counted so far
-    stopped: Exception | None = None  # what its on_epoch raised: it ended there, alone
     weights: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # its model's parameters, by name
+
+
+@dataclass
+class Served:
+    """A configuration of the group and the member that trains it: its own, or one that trains exactly as it
+    would (`_training`), trained once and recorded as each configuration's own."""
+
+    member: Member
+    config: TrainConfig
+    checkpointer: Checkpointer | None  # its own (the member's run writes its first configuration's)
+    callback: EpochCallback | None
+    stopped: Exception | None = None  # what its on_epoch raised: it ended there, alone
 
 
 def train_fused(configs: list[TrainConfig], on_epoch: list[EpochCallback | None] | None = None,
@@ -124,30 +138,58 @@ def train_fused(configs: list[TrainConfig], on_epoch: list[EpochCallback | None]
     # Every member's peak before any member is built: on a GPU the allocator's peak counts whatever is resident,
     # and the members built before it (their weights, optimizer state, data) are no part of a solo run's.
     measured: dict[TrainConfig, tuple[float, int]] = {}
-    peaks = [_peak_alone(c, data, measured) if diagnostics else None for c in configs]
-    saved = max((peak.saved_peak for peak in peaks if peak is not None), default=0)
+    # A configuration that trains exactly as an earlier one (k = 1 under linear or sqrt at B = base_batch is the
+    # none rule's run) is trained once, by that one's member; one with probes of its own is a member itself.
+    firsts: dict[TrainConfig, int] = {}
+    own = [i if extra[i] else firsts.setdefault(_training(c), i) for i, c in enumerate(configs)]
+    peaks = {i: _peak_alone(configs[i], data, measured) if diagnostics else None for i in sorted(set(own))}
+    saved = max((peak.saved_peak for peak in peaks.values() if peak is not None), default=0)
     if saved > saved_most and resolve_device(configs[0].device).type == "cpu":
         raise NotFusable(f"on the CPU, members whose micro-batch saves {saved / 2**20:.1f} MiB for backward (more "
                          f"than {saved_most / 2**20:.1f}) train alone: such groups ran slower fused (docs/trainer.md)")
-    members = [_member(c, data, extra[i], peaks[i], specs[i]) for i, c in enumerate(configs)]
+    members = {i: _member(configs[i], data, extra[i], peaks[i], specs[i]) for i in peaks}
+    served = [_served(members, own[i], c, specs[i], (on_epoch or [None] * len(configs))[i])
+              for i, c in enumerate(configs)]
     try:
-        return _train(members, on_epoch or [None] * len(members))
+        return _train(list(members.values()), served)
     finally:
-        for m in members:
-            if m.run.checkpointer:  # (stopped by an exception: the last write lands before anyone reads or removes it)
-                m.run.checkpointer.join()
+        for s in served:
+            if s.checkpointer:  # (stopped by an exception: the last write lands before anyone reads or removes it)
+                s.checkpointer.join()
 
 
-def _train(members: list[Member], callbacks: list[EpochCallback | None]) -> list[TrainResult | Exception]:
-    """The group's epochs from where its members stand, then each member's result."""
-    active = [m for m in members if not m.run.progress.finished]
-    if len({m.run.progress.epoch for m in active}) > 1:
-        raise NotFusable(f"their checkpoints stand at different epochs "
-                         f"({', '.join(str(e) for e in sorted({m.run.progress.epoch for m in active}))})")
-    for m, callback in zip(members, callbacks):
-        for row in replayed(m.run.progress) if callback is not None else ():
-            _tell(m, callback, row)
-    active = [m for m in members if not m.run.progress.finished]
+def _training(config: TrainConfig) -> TrainConfig:
+    """What decides how `config` trains: itself, with an SGD rule that moves only the LR written as the LR it
+    gives (the Adam rules and wd_rule = timescale move more than the LR)."""
+    if config.lr_rule not in ("none", "linear", "sqrt") or config.wd_rule != "none":
+        return config
+    return dataclasses.replace(config, lr_rule="none", base_lr=config.lr)
+
+
+def _served(members: dict[int, Member], first: int, config: TrainConfig, spec: Checkpointing | None,
+            callback: EpochCallback | None) -> Served:
+    """Configuration `config` as trained by member `first` (its own where it is that member's): with its own
+    checkpoints, which must stand where the member's stand (else it is a member of its own, set up alone)."""
+    member = members[first]
+    if member.run.config is config:
+        return Served(member, config, member.run.checkpointer, callback)
+    checkpointer = Checkpointer(spec, config) if spec else None
+    saved = checkpointer.load() if checkpointer else None
+    if (saved["progress"]["epoch"] if saved else 0) != member.run.progress.epoch:
+        raise NotFusable(f"their checkpoints stand at different epochs ({member.run.progress.epoch} and "
+                         f"{saved['progress']['epoch'] if saved else 0})")
+    return Served(member, config, checkpointer, callback)
+
+
+def _train(members: list[Member], served: list[Served]) -> list[TrainResult | Exception]:
+    """The group's epochs from where its members stand, then each configuration's result."""
+    epochs = {m.run.progress.epoch for m in members if not m.run.progress.finished}
+    if len(epochs) > 1:
+        raise NotFusable(f"their checkpoints stand at different epochs ({', '.join(map(str, sorted(epochs)))})")
+    for s in served:
+        for row in replayed(s.member.run.progress) if s.callback is not None else ():
+            _tell(s, row)
+    active = [m for m in members if _live(m, served)]
     first = members[0]
     base = dataclasses.replace(first.run.config, accum_steps=1)  # its windows are the micro-batches
     feed = Feed(first.run.data, base, first.run.device, first.run.t.loss)
@@ -165,27 +207,42 @@ def _train(members: list[Member], callbacks: list[EpochCallback | None]) -> list
         trained = time.perf_counter()
         for m in active:  # each member's training time is the group's (the others' evaluations are not in it)
             row = end_epoch(m.run, epoch, m.step, m.lr, m.samples, start, time.perf_counter() - trained, (0, 0))
-            save(m.run)
-            callback = callbacks[members.index(m)]
-            if callback is not None:
-                _tell(m, callback, row)
-        if any(m.run.progress.finished for m in active):  # a member that diverged or was stopped ends; the others go on
-            active = [m for m in active if not m.run.progress.finished]
+            for s in served:
+                if s.member is m and s.stopped is None:
+                    if s.checkpointer:
+                        save(m.run, s.checkpointer)
+                    _tell(s, row)
+        if not all(_live(m, served) for m in active):  # a member that diverged or was stopped ends; the others go on
+            active = [m for m in active if _live(m, served)]
             if not active:
                 break
             buffers = _stack_buffers(active)
-    for m in members:
-        if m.run.checkpointer and not m.stopped:
-            m.run.checkpointer.wait()
-    return [m.stopped or result(m.run) for m in members]
+    for s in served:
+        if s.checkpointer and not s.stopped:
+            s.checkpointer.wait()
+    results = {id(s.member): result(s.member.run) for s in served if not s.stopped}
+    return [s.stopped or _own(results[id(s.member)], s.config) for s in served]
 
 
-def _tell(m: Member, callback: EpochCallback, row: dict[str, float]) -> None:
-    """A member's row to its callback; what the callback raises ends that member alone."""
+def _live(m: Member, served: list[Served]) -> bool:
+    """Whether member `m` trains on: its run goes on and some configuration it trains was not stopped."""
+    return not m.run.progress.finished and any(s.stopped is None for s in served if s.member is m)
+
+
+def _tell(s: Served, row: dict[str, float]) -> None:
+    """A configuration's row to its callback; what the callback raises ends that configuration alone."""
+    if s.callback is None:
+        return
     try:
-        callback(row)
+        s.callback(dict(row))
     except Exception as exc:
-        m.stopped, m.run.progress.finished = exc, True
+        s.stopped = exc
+
+
+def _own(r: TrainResult, config: TrainConfig) -> TrainResult:
+    """The member's result as `config`'s (the model is the member's, read only from here)."""
+    return r if r.config is config else dataclasses.replace(
+        r, config=config, metrics=dict(r.metrics), history=[dict(row) for row in r.history], warnings=list(r.warnings))
 
 
 def _member(config: TrainConfig, data: Data, extra: list[Probe], peak: PeakMemory | None,

@@ -327,9 +327,10 @@ def end_epoch(run: Setup, epoch: int, step: int, lr: float, samples: int, start:
     return row
 
 
-def save(run: Setup) -> None:
-    """The epoch's checkpoint, when one is due (by rank 0's clock under torchrun, with every rank's RNG states)."""
-    t, checkpointer = run.t, run.checkpointer
+def save(run: Setup, checkpointer: Checkpointer | None = None) -> None:
+    """The epoch's checkpoint, when one is due (by rank 0's clock under torchrun, with every rank's RNG states),
+    by the run's checkpointer, or by `checkpointer` (a configuration that a fused member trains for it)."""
+    t, checkpointer = run.t, checkpointer or run.checkpointer
     if checkpointer and t.parallel.rank0(checkpointer.due(run.progress)):
         checkpointer.save(run.progress, run.model, t.optimizer, t.probes, t.parallel.every_rank(rng_states()))
 
