@@ -177,7 +177,7 @@ def reading(points: pd.DataFrame, noise: pd.DataFrame, lost: dict[int, tuple[int
     if out:
         runs = points["effective_batch"].value_counts()
         gone = diverged or {}
-        each = ", ".join(f"{list(censored).count(b)} of {gone[b][1]} at B = {b}, where {gone[b][0]} other"
+        each = "; ".join(f"{list(censored).count(b)} of {gone[b][1]} at B = {b}, where {gone[b][0]} other"
                          f"{'s' * (gone[b][0] > 1)} diverged" if b in gone else
                          f"{list(censored).count(b)} of {runs.get(b, 0) + list(censored).count(b)} at B = {b}"
                          for b in out)

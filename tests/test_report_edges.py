@@ -229,3 +229,17 @@ def test_the_runs_that_never_reached_the_target_are_counted_of_the_same_total_as
     [_, line] = steps(trials, history)
     assert line.startswith("Over every run (1 of 6 at B = 256 diverged, left out of the median and the fit"), line
     assert "never reached it (1 of 6 at B = 256, where 1 other diverged)" in line and "of 5" not in line, line
+
+
+def test_the_bs_left_out_of_the_fit_are_told_apart_by_semicolons():
+    """B = 256 with 1 run that diverged and 1 that never reached the target, B = 512 with 1 that never reached it:
+    '(1 of 6 at B = 256, where 1 other diverged, 1 of 6 at B = 512)' read as one list of three."""
+    from tests.test_critical import _one_diverged
+
+    trials, history = _one_diverged()
+    for b, seed in ((256, 1), (512, 2)):
+        never = trials.loc[(trials["effective_batch"] == b) & (trials["seed"] == seed), "run_id"]
+        history = history.assign(val_acc=history["val_acc"].where(~history["run_id"].isin(never), 0.5))
+        trials.loc[trials["run_id"].isin(never), "val_acc"] = 0.5
+    [_, line] = steps(trials, history)
+    assert "never reached it (1 of 6 at B = 256, where 1 other diverged; 1 of 6 at B = 512)" in line, line
