@@ -253,11 +253,13 @@ def equivalence(trials: pd.DataFrame) -> Figure | None:
                   context(t))
 
 
-def health(trials: pd.DataFrame, history: pd.DataFrame) -> Figure | None:
-    """grad_norm and update_ratio over epochs for every trial: an LR scaled too far stands out."""
+def health(trials: pd.DataFrame, history: pd.DataFrame, compared: pd.DataFrame | None = None) -> Figure | None:
+    """grad_norm and update_ratio over epochs for every trial: an LR scaled too far stands out. Coloured by the
+    field that splits `compared` (candidates())."""
     if history.empty or "grad_norm" not in history or "update_ratio" not in history:
         return None
-    hue, palette = split(trials)
+    hue = split(trials if compared is None else compared)[0]
+    palette = colors(trials, hue) if hue else {}
     h = history.merge(trials[["run_id", *([hue] if hue else [])]], on="run_id")
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, label in ((left, "grad_norm", "gradient norm |G_B| (mean over steps)"),
@@ -347,18 +349,22 @@ def warmup_curves(trials: pd.DataFrame, evals: pd.DataFrame | None) -> Figure | 
 
 
 def candidates(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None,
-               objective: tuple[str, str] | None = None) -> list[Draw]:
+               objective: tuple[str, str] | None = None, compared: pd.DataFrame | None = None) -> list[Draw]:
     """Each figure the report may draw, as a call that draws it, or gives None where the data does not support it
-    (the report counts them on its bar). `objective` is the study's first (metric, direction)."""
-    return [partial(make, trials, *args) for make, args in (
-        (accuracy_vs_batch, (objective,)), (steps_vs_batch, (history, evals)), (warmup_curves, (evals,)),
-        (memory_vs_batch, ()), (throughput, ()), (learning_curves, (history, objective)),
-        (lr_scaling, (objective,)), (bn_rules, (objective,)), (equivalence, ()),
-        (health, (history,)))]
+    (the report counts them on its bar). `objective` is the study's first (metric, direction). `compared`: the
+    trials the findings compare (findings.one_bn_rule: a model without BatchNorm's BN momentum rules as one
+    configuration), which the figures of means, intervals and series draw, so that identical runs under rules no
+    layer uses are not counted as more seeds; training health draws every trial, split as `compared` is."""
+    compared = trials if compared is None else compared
+    return [partial(make, frame, *args) for make, frame, args in (
+        (accuracy_vs_batch, compared, (objective,)), (steps_vs_batch, compared, (history, evals)),
+        (warmup_curves, trials, (evals,)), (memory_vs_batch, trials, ()), (throughput, trials, ()),
+        (learning_curves, compared, (history, objective)), (lr_scaling, compared, (objective,)),
+        (bn_rules, trials, (objective,)), (equivalence, trials, ()), (health, trials, (history, compared)))]
 
 
 def all_figures(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None = None,
-                objective: tuple[str, str] | None = None) -> Iterator[Figure]:
+                objective: tuple[str, str] | None = None, compared: pd.DataFrame | None = None) -> Iterator[Figure]:
     """Each figure the data supports, drawn as it is asked for."""
-    return (figure for figure in (draw() for draw in candidates(trials, history, evals, objective))
+    return (figure for figure in (draw() for draw in candidates(trials, history, evals, objective, compared))
             if figure is not None)

@@ -74,8 +74,9 @@ def one_bn_rule(trials: pd.DataFrame, varied: tuple[str, ...] | None = None) -> 
         first = in_order("bn_momentum_rule", ones["bn_momentum_rule"].unique())[:1]  # (k = 1 under one rule)
         kept = trials[trials.index.isin([*ran.index[ran["bn_momentum_rule"] == rules[0]],
                                          *ones.index[ones["bn_momentum_rule"].isin(first)]])]
+        under = rules[0] if first in ([], rules[:1]) else f"{rules[0]} at k > 1 and under {first[0]} at k = 1"
         return kept, (f"{said}the BN momentum rules {listed(rules)} set a momentum no layer uses, so they count as "
-                      f"one configuration (the runs under {rules[0]}); no BN momentum rule is ranked.")
+                      f"one configuration (the runs under {under}); no BN momentum rule is ranked.")
     tied = [f for f in others if (ran.groupby("bn_momentum_rule")[f].nunique() == 1).all()]
     if not tied:
         return trials, (f"{said}the BN momentum rule has no BatchNorm layer to act on, and its rules {listed(rules)} "

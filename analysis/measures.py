@@ -45,26 +45,55 @@ def has_accuracy(trials: pd.DataFrame) -> bool:
 
 
 NO_BN_LAYER = "has no BatchNorm layer"  # the trainer's note where a BN momentum rule found no layer to act on
+NORM_ACTS_ON = ("", "cnn1d")  # the one model `norm` acts on, or a frame that names no model
+
+
+def _text(t: pd.DataFrame, column: str) -> pd.Series:
+    return t[column].astype(object).fillna("").astype(str) if column in t else pd.Series("", index=t.index)
 
 
 def no_batchnorm(t: pd.DataFrame) -> str:
-    """How the trials show a model without BatchNorm ('norm = none', 'mlp, in whose runs the trainer found no
-    BatchNorm layer'), '' where they do not. A trial counts where its `norm` is none or group, or where a trial of
-    its model and norm carries the trainer's note that a BN momentum rule had no BatchNorm layer to act on: `norm`
-    is recorded as batch for a model it does not apply to (mlp, gpt, a user's own)."""
-    blank = pd.Series("", index=t.index)
-    norm, model, notes = (t[c].astype(object).fillna("").astype(str) if c in t else blank
-                          for c in ("norm", "model", "warnings"))
-    kind = model + "\0" + norm  # (the note holds for every run of the same model and norm)
-    noted = kind.isin(kind[notes.str.contains(NO_BN_LAYER, regex=False)])
-    by_norm = norm.isin(("none", "group"))
-    if t.empty or not (by_norm | noted).all():
+    """How the trials show a model without BatchNorm ('mlp, in whose runs the trainer found no BatchNorm layer',
+    'norm = none'), '' where they do not, decided per model and norm (every trial must be of one without) from what
+    was measured. The trainer logs bn_mean_error exactly where the model has BatchNorm layers and the run finished,
+    so where the trials hold that column, a model's finished runs (of the trainer, not a [program]'s script) decide;
+    where a model has no finished run (or no run logged the column), the trainer's note that a BN momentum rule or
+    ghost batch found no BatchNorm layer; where neither is there, `norm` none or group of cnn1d, the one model it
+    acts on (a user's model ignores it, and may hold BatchNorm)."""
+    model, norm, program = _text(t, "model"), _text(t, "norm"), _text(t, "batchsweep.program") != ""
+    kind = model + "\0" + norm
+    ran = pd.Series(t.index.isin(finished(t).index) if "status" in t else False, index=t.index) & ~program
+    measured = set(kind[ran]) if "bn_mean_error" in t else set()
+    with_bn = set(kind[ran & t["bn_mean_error"].notna()]) if measured else set()
+    noted = set(kind[_text(t, "warnings").str.contains(NO_BN_LAYER, regex=False)]) - measured
+    by_norm = set(kind[model.isin(NORM_ACTS_ON) & norm.isin(("none", "group")) & ~program]) - measured - noted
+    found = (measured - with_bn) | noted
+    if t.empty or not kind.isin(found | by_norm).all():
         return ""
-    said = [f"norm = {' and '.join(sorted(norm[by_norm].unique()))}"] if by_norm.any() else []
-    models = sorted(set(model[~by_norm]) - {""})
-    if models:
-        said.append(f"{' and '.join(models)}, in whose runs the trainer found no BatchNorm layer")
-    return "; ".join(said) or "the trainer found no BatchNorm layer in its runs"
+    said = [_kinds(sorted(found), ", in whose runs the trainer found no BatchNorm layer")] if found else []
+    return "; ".join([*said, *([_kinds(sorted(by_norm), "")] if by_norm else [])])
+
+
+def _kinds(kinds: list[str], why: str) -> str:
+    """'mlp and cnn1d with norm = none' + why, or where no model is named, 'norm = none' (its runs)."""
+    names = []
+    for k in kinds:
+        model, norm = k.split("\0")
+        set_to = f"norm = {norm}" if norm not in ("", "batch") else ""
+        names.append(f"{model} with {set_to}" if model and set_to else model or set_to)
+    named = " and ".join(n for n in dict.fromkeys(names) if n)
+    return f"{named}{why}" if named else ("the trainer found no BatchNorm layer in its runs" if why else "")
+
+
+def bn_rules_apart(t: pd.DataFrame) -> bool:
+    """Whether the BN momentum rule keeps the trials apart (a figure's split, a series to the target): where it
+    varies, and for a model without BatchNorm only where it varies among the runs at k > 1, as it does where the
+    findings keep every run (findings.one_bn_rule: rules that moved with another field, or fields not known); where
+    they count as one configuration, the runs at k > 1 hold one rule and those at k = 1 may hold another."""
+    if "bn_momentum_rule" not in t or t["bn_momentum_rule"].nunique() < 2:
+        return False
+    accumulated = t[t["accum_steps"] > 1] if "accum_steps" in t else t
+    return not no_batchnorm(t) or accumulated["bn_momentum_rule"].nunique() > 1
 
 
 def not_rounded_away(x: float, places: int, sign: str = "") -> str:

@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from .measures import no_batchnorm  # noqa: E402
+from .measures import bn_rules_apart  # noqa: E402
 
 
 # The fields a figure splits its trials by, the first that varies, with their values in the order they read (the
@@ -101,9 +101,9 @@ def colors(trials: pd.DataFrame, column: str) -> dict:
 
 
 def split(trials: pd.DataFrame) -> tuple[str | None, dict]:
-    """The field that splits the trials (the first of SPLITS that varies; not the BN momentum rule of a model
-    without BatchNorm, which no layer uses), and colors() of it."""
-    column = next((c for c in SPLITS if varies(trials, c) and not (c == "bn_momentum_rule" and no_batchnorm(trials))),
+    """The field that splits the trials (the first of SPLITS that varies; the BN momentum rule of a model without
+    BatchNorm only where it keeps its runs apart, bn_rules_apart()), and colors() of it."""
+    column = next((c for c in SPLITS if varies(trials, c) and (c != "bn_momentum_rule" or bn_rules_apart(trials))),
                   None)
     return (column, colors(trials, column)) if column else (None, {})
 

@@ -27,7 +27,7 @@ from batchsweep.sweeps import commands
 
 from . import branching
 from .figures import candidates
-from .findings import summarize
+from .findings import one_bn_rule, summarize
 from .measures import has_accuracy
 from .plotting import Draw, Figure, protocol
 from .recommend import recommend, starred
@@ -284,7 +284,9 @@ def _markdown(studies, title: str, stamp: str, source: str, reproduce: str, summ
 def _candidates(study: StudyRuns) -> list[Draw]:
     """Every kind of figure the report knows (its bar's total): which ones the data supports is known as each is
     tried."""
-    return [*candidates(study.trials, study.history, study.evals, study.objectives[0]), *space_candidates(study),
+    compared = one_bn_rule(study.trials, study.varied)[0]  # (the trials the findings compare)
+    return [*candidates(study.trials, study.history, study.evals, study.objectives[0], compared),
+            *space_candidates(study),
             partial(branching.figure, study.trials, study.history)]
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from . import critical
-from .measures import WORSE, finished, full_scale, one_batch, tuned
+from .measures import WORSE, bn_rules_apart, finished, full_scale, one_batch, tuned
 from .plotting import in_order
 from .runs import TARGET_SHARE, aggregate, paired, reached, resolution
 from .verdicts import Verdict, control, judge
@@ -59,7 +59,8 @@ def to_target(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame |
     found = target(trials)
     if found is None:
         return None
-    keys = [c for c in ("lr_rule", "bn_momentum_rule") if c in t and t[c].nunique() > 1]
+    keys = [c for c in ("lr_rule", "bn_momentum_rule") if c in t and t[c].nunique() > 1
+            and (c != "bn_momentum_rule" or bn_rules_apart(t))]  # (a model without BatchNorm: its series as kept)
     searched = ["base_lr"] if tuned(t) else []
     worse = one_batch(trials[trials["reason"].isin(WORSE)]) if "reason" in trials else t.iloc[0:0].assign(reason="")
     runs = _every_run(t, worse, ["run_id", "seed", *keys, "effective_batch", *searched], history, found[0], evals)
@@ -141,7 +142,7 @@ def target(trials: pd.DataFrame, metric: str = "val_acc") -> tuple[float, str] |
     if "effective_batch" not in t or metric not in t:
         return None
     keys = [c for c in ("lr_rule", "bn_momentum_rule", "base_lr") if c in t and t[c].nunique() > 1
-            and (c != "base_lr" or tuned(t))]
+            and (c != "base_lr" or tuned(t)) and (c != "bn_momentum_rule" or bn_rules_apart(t))]
     finals = aggregate(t, [*keys, "effective_batch"], metric)
     if finals.empty:
         return None
