@@ -634,6 +634,12 @@ def bn_mlp(input_shape, num_classes, **_):
                          nn.Linear(16, num_classes))
 
 
+def bn_mlp_without_statistics(input_shape, num_classes, **_):
+    """BatchNorm that normalizes by its batch's statistics in evaluation too (no running statistics)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(int(np.prod(input_shape)), 16),
+                         nn.BatchNorm1d(16, track_running_stats=False), nn.ReLU(), nn.Linear(16, num_classes))
+
+
 class Subclassed(nn.Sequential):
     """Layers in a subclass of nn.Sequential: a fused group stacks its forward through vmap, not as fused
     operators (trainers/stacked.py fuses nn.Sequential itself only)."""

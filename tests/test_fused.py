@@ -372,3 +372,16 @@ def test_configurations_that_train_alike_go_on_from_their_checkpoints_together(t
     train(configs[0], checkpoint=specs[0])
     with pytest.raises(NotFusable, match=r"stand at different epochs \(3 and 1\)"):
         train_fused(configs, checkpoints=specs)
+
+
+def test_one_configuration_given_twice_writes_both_checkpoints_and_batchnorm_without_statistics_trains(tmp_path):
+    from batchsweep.trainers import Checkpointing
+
+    config = TrainConfig(**{**BASE, "model": "tests.factories:bn_mlp_without_statistics"})
+    specs = [Checkpointing(str(tmp_path / name)) for name in "ab"]
+    fused = train_fused([config, config], checkpoints=specs)
+    assert all(spec.path.exists() for spec in specs)
+    alone_result = train(config)  # (no running statistics: no population error to measure, alone or fused)
+    assert alone_result.status == fused[0].status == fused[1].status == "ok"
+    assert "bn_mean_error" not in alone_result.metrics
+    assert fused[1].history[-1]["val_loss"] == pytest.approx(alone_result.history[-1]["val_loss"], rel=1e-10)

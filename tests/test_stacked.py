@@ -61,7 +61,10 @@ def test_what_has_no_fused_form_is_left_to_vmap():
     layers = lambda: [nn.Linear(4, 4), nn.ReLU()]  # noqa: E731
     hooked = nn.Sequential(*layers())
     hooked[1].register_forward_hook(lambda *_: None)  # a hook would not see a fused layer
+    relu, linear, tied = nn.ReLU(), nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    tied[2].weight = tied[0].weight  # (named once, run twice: as a layer at two places)
     for model in (Subclassed(*layers()), hooked, nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)),
+                  nn.Sequential(linear, relu, nn.Linear(4, 4), relu), nn.Sequential(linear, relu, linear), tied,
                   nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None)),
                   nn.Sequential(nn.Conv1d(1, 2, 3, padding=1, padding_mode="reflect")),
                   nn.Sequential(nn.Flatten(0), nn.Linear(4, 4))):
@@ -72,3 +75,12 @@ def test_what_has_no_fused_form_is_left_to_vmap():
         assert fused_forward(nn.Sequential(*layers())) is None
     finally:
         handle.remove()
+
+
+def test_a_layer_that_would_read_a_members_batch_as_one_sample_is_refused():
+    """MaxPool1d on a (b, F) batch pools each sample's features as one unbatched (C = b, L = F) sample: side by
+    side its windows would cross from one member into the next."""
+    members = [nn.Sequential(nn.Linear(8, 4), nn.MaxPool1d(2)).double() for _ in range(2)]
+    params, buffers = torch.func.stack_module_state(members)
+    with pytest.raises(RuntimeError, match="MaxPool1d on a batch of rank 2 has no fused form"):
+        fused_forward(members[0])(params, buffers, torch.randn(6, 8, dtype=torch.float64))

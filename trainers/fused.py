@@ -148,7 +148,7 @@ def train_fused(configs: list[TrainConfig], on_epoch: list[EpochCallback | None]
         raise NotFusable(f"on the CPU, members whose micro-batch saves {saved / 2**20:.1f} MiB for backward (more "
                          f"than {saved_most / 2**20:.1f}) train alone: such groups ran slower fused (docs/trainer.md)")
     members = {i: _member(configs[i], data, extra[i], peaks[i], specs[i]) for i in peaks}
-    served = [_served(members, own[i], c, specs[i], (on_epoch or [None] * len(configs))[i])
+    served = [_served(members[own[i]], own[i] == i, c, specs[i], (on_epoch or [None] * len(configs))[i])
               for i, c in enumerate(configs)]
     try:
         return _train(list(members.values()), served)
@@ -166,12 +166,11 @@ def _training(config: TrainConfig) -> TrainConfig:
     return dataclasses.replace(config, lr_rule="none", base_lr=config.lr)
 
 
-def _served(members: dict[int, Member], first: int, config: TrainConfig, spec: Checkpointing | None,
+def _served(member: Member, first: bool, config: TrainConfig, spec: Checkpointing | None,
             callback: EpochCallback | None) -> Served:
-    """Configuration `config` as trained by member `first` (its own where it is that member's): with its own
-    checkpoints, which must stand where the member's stand (else it is a member of its own, set up alone)."""
-    member = members[first]
-    if member.run.config is config:
+    """Configuration `config` as trained by `member` (`first`: the member's own): with its own checkpoints, which
+    must stand where the member's stand (else the group is refused)."""
+    if first:
         return Served(member, config, member.run.checkpointer, callback)
     checkpointer = Checkpointer(spec, config) if spec else None
     saved = checkpointer.load() if checkpointer else None

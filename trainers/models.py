@@ -145,8 +145,9 @@ def bn_population_error(model: nn.Module, inputs) -> dict[str, float]:
     weights, recomputed in one pass over `inputs` (batches of the training inputs) with a cumulative average, as
     torch.optim.swa_utils.update_bn does. `bn_mean_error`: mean over channels and layers of
     |running mean - population mean| / population std; `bn_var_error`: mean of |ln(running var / population
-    var)|. What a momentum rule changes shows here, not in final accuracy. The model is left as it was."""
-    layers = batchnorm_layers(model)
+    var)|. What a momentum rule changes shows here, not in final accuracy. The model is left as it was. (A layer
+    without running statistics normalizes by its batch's in evaluation too: nothing to compare.)"""
+    layers = [layer for layer in batchnorm_layers(model) if layer.running_mean is not None]
     if not layers:
         return {}
     saved = [(layer.running_mean.clone(), layer.running_var.clone(), layer.num_batches_tracked.clone(),

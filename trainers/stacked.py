@@ -20,6 +20,11 @@ ELEMENTWISE = (nn.ReLU, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.
 PER_CHANNEL = (nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d)
 CONVOLUTIONS = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+# The ranks of a member's batch that these layers take as a batch (a convolution or pooling reads one of rank
+# one less as a single unbatched sample, which the members' side by side would not be).
+RANKS = {nn.Conv1d: (3,), nn.Conv2d: (4,), nn.Conv3d: (5,), nn.MaxPool1d: (3,), nn.MaxPool2d: (4,),
+         nn.AvgPool1d: (3,), nn.AvgPool2d: (4,), nn.AdaptiveAvgPool1d: (3,), nn.AdaptiveAvgPool2d: (4,),
+         nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}
 
 Forward = Callable[[dict, dict, torch.Tensor], torch.Tensor]
 
@@ -28,7 +33,7 @@ def fused_forward(model: nn.Module) -> Forward | None:
     """(stacked params, stacked buffers, input) -> the members' outputs (M, b, ...), as vmap over
     functional_call gives them; None where the model is not an nn.Sequential of layers with a fused form here, or
     where hooks would see its layers (a fused layer is not called)."""
-    if type(model) is not nn.Sequential or _hooked(model):
+    if type(model) is not nn.Sequential or _hooked(model) or _shared(model):
         return None
     layers = list(model.named_children())
     if not all(_fusable(layer) for _, layer in layers):
@@ -50,6 +55,12 @@ def _hooked(model: nn.Module) -> bool:
         getattr(m, name) for m in model.modules() for name in hooks)
 
 
+def _shared(model: nn.Sequential) -> bool:
+    """A layer at two places, or a parameter two layers hold (tied weights): named once, run twice."""
+    return len({id(layer) for layer in model}) < len(model) or len(list(
+        model.named_parameters(remove_duplicate=False))) > len(list(model.named_parameters()))
+
+
 def _fusable(layer: nn.Module) -> bool:
     kind = type(layer)
     if kind in CONVOLUTIONS:
@@ -64,7 +75,12 @@ def _fusable(layer: nn.Module) -> bool:
 def _layer(layer, name, params, buffers, h, shared, members):
     """One layer over the members: (its output, whether it is still one tensor for all)."""
     own = lambda leaf: params.get(f"{name}.{leaf}")  # (M, ...) stacked, or None  # noqa: E731
-    if isinstance(layer, ELEMENTWISE) or (shared and isinstance(layer, PER_CHANNEL)):
+    if isinstance(layer, ELEMENTWISE):
+        return layer(h), shared
+    rank = h.dim() - (0 if shared else 1)  # of each member's tensor
+    if rank not in RANKS.get(type(layer), (rank,)):
+        raise RuntimeError(f"{type(layer).__name__} on a batch of rank {rank} has no fused form")
+    if shared and isinstance(layer, PER_CHANNEL):
         return layer(h), shared
     if isinstance(layer, nn.Flatten):  # the member's dim d is dim d + 1 here
         shift = 0 if shared else 1
