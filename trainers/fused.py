@@ -54,11 +54,13 @@ SHARED = ("model", "dataset", "loss", "metrics", "label_key", "norm", "physical_
 
 # On the CPU, fusing pays where each member's micro-batch is small: there a solo run is mostly the framework's
 # per-operation overhead, which one stacked operation shares. Where a member's forward saves more than this for
-# backward, the stacked tensors outgrow the caches and vmap's BatchNorm runs as several passes over them: cnn1d
-# on MNIST-1D (2 epochs, one thread, 2-core AMD EPYC, 1 MiB L2 a core) ran 1.05-1.6x faster fused at b = 32
-# (0.4 MiB saved, 15 members), 1.05-1.15x at b = 64 (0.8 MiB, 3), 0.8-0.9x at b = 128 (1.6 MiB, 3) and
-# 0.55-0.9x at b = 256 and 512; gpt on pytext at b = 32 (19 MiB, 3 members, k = 1) 0.70x. (With the
-# diagnostics off nothing is measured: such a group is fused.)
+# backward, the stacked tensors outgrow the caches (and vmap's BatchNorm runs as several passes over them).
+# Through vmap, cnn1d on MNIST-1D (2 epochs, one thread, 2-core CPU) ran 1.05-1.6x faster fused at b = 32 (0.4
+# MiB saved, 15 members), 1.05-1.15x at b = 64 (0.8 MiB, 3), 0.8-0.9x at b = 128 (1.6 MiB, 3) and 0.55-0.9x at
+# b = 256 and 512; gpt on pytext at b = 32 (19 MiB, 3 members, k = 1) 0.70x. As fused operators
+# (trainers/stacked.py): 2.2x at b = 32 (15), 1.45x at 64, 1.21x at 128, 1.02x at 256, 0.89x at 512 (3 each;
+# docs/results/2026-12-07-fused-operators.md). (With the diagnostics off nothing is measured: such a group is
+# fused.)
 CPU_SAVED_MOST = 2**20
 
 
