@@ -42,6 +42,39 @@ SEARCHED = ("physical_batch", "accum_steps", "lr_rule", "base_lr")  # (checked w
 NOT_SETTINGS = ("run_id", "status", "seed", "batch", "bn_momentum_rule", *DERIVED, *TAGS, *METRICS)
 
 
+def rule_at_one(trials: pd.DataFrame, varied: tuple[str, ...] | None = None) -> pd.DataFrame:
+    """The grid runs every k = 1 point under the default BN momentum rule (there every rule sets the default
+    momentum), so a k = 1 run's label does not say whose arm it is. Where the rule moved with the study's other
+    `varied` fields ("bn_momentum_rule+weight_decay"), those fields say it: each k = 1 run takes the rule that ran
+    at k > 1 with its values of them, so an accumulated run's true-batch twin is the run at B with its weight decay,
+    not every run labelled default. Where the rules crossed those fields, or no fields are known, the trials as
+    they are (a k = 1 run is then every rule's twin)."""
+    fields = arm_fields(trials, varied)
+    up = trials[(trials["accum_steps"] > 1) & trials["bn_momentum_rule"].notna()] if fields else trials
+    if not fields or up["bn_momentum_rule"].nunique() < 2:
+        return trials
+    combo = _combos(trials, fields)
+    if (up.groupby(combo[up.index])["bn_momentum_rule"].nunique() > 1).any():
+        return trials  # (crossed with some field: no one rule is a k = 1 run's)
+    rule = combo[trials["accum_steps"] == 1].map(dict(zip(combo[up.index], up["bn_momentum_rule"]))).dropna()
+    return trials.assign(bn_momentum_rule=trials["bn_momentum_rule"].where(~trials.index.isin(rule.index), rule))
+
+
+def arm_fields(trials: pd.DataFrame, varied: tuple[str, ...] | None) -> list[str]:
+    """The varied fields besides b, k and the BN momentum rule that the accumulated runs took several values of: an
+    accumulated run's true-batch twin (b·k, 1, under default) holds the same values of them."""
+    if not varied or not {"bn_momentum_rule", "accum_steps"} <= set(trials) or trials.empty:
+        return []
+    up = trials[(trials["accum_steps"] > 1) & trials["bn_momentum_rule"].notna()]
+    return [f for f in dict.fromkeys([*varied, *SEARCHED]) if f in trials and f not in NOT_SETTINGS
+            and f not in ("physical_batch", "accum_steps") and up[f].nunique() > 1]
+
+
+def _combos(t: pd.DataFrame, fields: list[str]) -> pd.Series:
+    """Each run's values of `fields` as one text (a missing value too)."""
+    return pd.Series(["|".join(v) for v in zip(*(t[f].map(str) for f in fields))], index=t.index, dtype=object)
+
+
 def one_bn_rule(trials: pd.DataFrame, varied: tuple[str, ...] | None = None) -> tuple[pd.DataFrame, str]:
     """Where the trials record a model without BatchNorm (no_batchnorm()) and vary the BN momentum rule, that rule
     sets a momentum no layer uses. Where it ran under every combination of the study's other varied fields
@@ -51,7 +84,9 @@ def one_bn_rule(trials: pd.DataFrame, varied: tuple[str, ...] | None = None) -> 
     moved with another field (zipped with the LR rule, the weight decay, ...), every run is kept (the first rule's
     alone would drop that field's other values), and the sentence names the field its differences come from; no
     sentence ranks its rules (bn(), bn_against_true()).
-    Else (trials, '')."""
+    Else (trials, ''). Either way k = 1 runs take the rule of their arm where it moved with other fields
+    (rule_at_one())."""
+    trials = rule_at_one(trials, varied)
     t = finished(trials)
     without = no_batchnorm(t)
     if not without or "bn_momentum_rule" not in t or t["bn_momentum_rule"].nunique() < 2:
@@ -121,7 +156,8 @@ def memory(trials: pd.DataFrame) -> list[str]:
     return [sentence + "."]
 
 
-def bn(trials: pd.DataFrame, m: Measure = ACCURACY, final_too: bool = True) -> list[str]:
+def bn(trials: pd.DataFrame, m: Measure = ACCURACY, final_too: bool = True,
+       varied: tuple[str, ...] | None = None) -> list[str]:
     """BN momentum rules: the final measure (paired against the true batch; not where `final_too` is False) and,
     what a momentum rule changes, how far the running statistics are from the population statistics of the final
     weights."""
@@ -130,16 +166,19 @@ def bn(trials: pd.DataFrame, m: Measure = ACCURACY, final_too: bool = True) -> l
         return []
     out = []
     b = t["physical_batch"].min()
-    finals = {k: (verdicts, gone) for k, _, _, verdicts, gone in bn_against_true(trials, m)}  # (the same rules)
+    finals = {k: (verdicts, gone) for k, _, _, verdicts, gone in bn_against_true(trials, m, varied)}  # (the same)
+    fields = arm_fields(trials, varied)
     for k in sorted(t.loc[t["accum_steps"] > 1, "accum_steps"].unique()):
         at_k = t[(t["accum_steps"] == k) & (t["physical_batch"] == b)]
-        true = t[(t["accum_steps"] == 1) & (t["effective_batch"] == k * b)]
         rules = in_order("bn_momentum_rule", at_k["bn_momentum_rule"])
+        twin = {r: finished(true_twins(trials, at_k[at_k["bn_momentum_rule"] == r], int(k * b), fields))
+                for r in rules}
+        true = pd.concat(twin.values()).drop_duplicates("run_id") if "run_id" in t else pd.concat(twin.values())
         if "bn_mean_error" in t and not true.empty and true["bn_mean_error"].notna().any():
             errors = at_k.groupby("bn_momentum_rule")["bn_mean_error"].mean()
             listing = ", ".join(f"{r} {significant(errors[r])}" for r in rules)
             apart, alike = [], []
-            diffs = [paired(at_k[at_k["bn_momentum_rule"] == r], true, "bn_mean_error") for r in rules]
+            diffs = [paired(at_k[at_k["bn_momentum_rule"] == r], twin[r], "bn_mean_error") for r in rules]
             for r, v in zip(rules, judge(diffs, 0.0)):  # (no margin: any difference in tracking is the question)
                 d = v.d if v else None
                 if v is not None and v.resolved:
@@ -160,14 +199,15 @@ def bn(trials: pd.DataFrame, m: Measure = ACCURACY, final_too: bool = True) -> l
                        f"{significant(float(true['bn_mean_error'].mean()))}); {verdict_text}.")
         verdicts, gone = finals[int(k)]
         final = "; ".join(f"{r} {stated(v.d, 'above', 'below', m, v)}" if r not in gone else
-                          f"{gone[r]}, not compared over the seeds that finished"
+                          gone[r]
                           for r, v in zip(rules, verdicts) if v is not None or r in gone)
         if final and final_too:
             out.append(f"Final {'accuracy' if m.points else m.name} at k = {k} against the true batch: {final}.")
     return out
 
 
-def bn_against_true(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[tuple[int, int, list[str], list, dict]]:
+def bn_against_true(trials: pd.DataFrame, m: Measure = ACCURACY, varied: tuple[str, ...] | None = None
+                    ) -> list[tuple[int, int, list[str], list, dict]]:
     """Per k: (k, B, the BN rules, their verdicts against the true batch at B, {rule: why it is not compared}),
     paired by seed, one family per k. A rule whose accumulated run (or the true batch) diverged or was pruned in a
     seed has no verdict (None): over the seeds that survived it would be a pick among survivors."""
@@ -175,20 +215,33 @@ def bn_against_true(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[tuple[i
     if "bn_momentum_rule" not in t or t["bn_momentum_rule"].nunique() < 2 or no_batchnorm(t):
         return []  # (a model without BatchNorm: its rules ranked would rank the fields they moved with)
     b, step, out = t["physical_batch"].min(), quantum(t[m.name]), []
-    worse = "reason" in trials and "seed" in trials
+    worse, fields = "reason" in trials and "seed" in trials, arm_fields(trials, varied)
     for k in sorted(t.loc[t["accum_steps"] > 1, "accum_steps"].unique()):
         at_k = t[(t["accum_steps"] == k) & (t["physical_batch"] == b)]
-        true = t[(t["accum_steps"] == 1) & (t["effective_batch"] == k * b)]
         rules = in_order("bn_momentum_rule", at_k["bn_momentum_rule"])
         ran = trials[(trials["accum_steps"] == k) & (trials["physical_batch"] == b)]
-        lost = ended_worse(trials[(trials["accum_steps"] == 1) & (trials["effective_batch"] == k * b)]) \
-            if worse else None
-        gone = {r: went("the true batch", lost) if lost else went(r, found) for r in rules
-                if worse and (lost or (found := ended_worse(ran[ran["bn_momentum_rule"] == r])))}
-        diffs = [None if r in gone else paired(at_k[at_k["bn_momentum_rule"] == r], true, m.name, step)
-                 for r in rules]
+        gone, diffs = {}, []
+        for r in rules:
+            ran_1 = true_twins(trials, ran[ran["bn_momentum_rule"] == r], int(k * b), fields)
+            lost = ended_worse(ran_1) if worse else None
+            found = ended_worse(ran[ran["bn_momentum_rule"] == r]) if worse else None
+            if lost or found:
+                gone[r] = f"{went('the true batch' if lost else r, lost or found)}, not compared over the seeds " \
+                          f"that finished"
+            elif finished(ran_1).empty:
+                gone[r] = f"{r} has no true-batch twin (b = {int(k * b)}, k = 1 with its other settings), not compared"
+            diffs.append(None if r in gone else paired(at_k[at_k["bn_momentum_rule"] == r], finished(ran_1), m.name,
+                                                        step))
         out.append((int(k), int(k * b), rules, judge(diffs, m.margin), gone))
     return out
+
+
+def true_twins(trials: pd.DataFrame, runs: pd.DataFrame, b: int, fields: list[str]) -> pd.DataFrame:
+    """The true-batch runs (k = 1 at B = `b`) that twin accumulated `runs`: those with the values of the other
+    varied `fields` that `runs` hold (arm_fields(): a BN rule zipped with the weight decay has its twin at its own
+    weight decay, whatever the rule's label at k = 1), none where it has none."""
+    true = trials[(trials["accum_steps"] == 1) & (trials["effective_batch"] == b)]
+    return true[_combos(true, fields).isin(set(_combos(runs, fields)))] if fields else true
 
 
 @dataclass
@@ -399,7 +452,7 @@ def health(trials: pd.DataFrame) -> list[str]:
 
 
 def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | None,
-                 objective: tuple[str, str] | None) -> list[str]:
+                 objective: tuple[str, str] | None, varied: tuple[str, ...] | None = None) -> list[str]:
     m = measure(trials, objective)
     if m is None:
         return ["No finished trial has an accuracy (val_acc) or a value of the study's objective, in which "
@@ -409,8 +462,8 @@ def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFram
     # nothing differs to compare: that one sentence stands for the comparisons in it (the block says the same);
     # the BN running statistics are another measurement, still compared.
     still = unmoved(trials, m)
-    compared = [still, *bn(trials, m, final_too=False)] if still else [
-        *lr_rules(trials, m), *twins(trials, m), *bn(trials, m), *lr_exponent(trials, m, history)]
+    compared = [still, *bn(trials, m, False, varied)] if still else [
+        *lr_rules(trials, m), *twins(trials, m), *bn(trials, m, varied=varied), *lr_exponent(trials, m, history)]
     if not m.points:
         aimed = has_accuracy(finished(trials))  # (steps to a target and warmup aim at an accuracy)
         lead = (f"Configurations are compared in the study's objective, {m.name}{m.better}, not in val_acc; steps "
@@ -440,8 +493,8 @@ def summarize(trials: pd.DataFrame, history: pd.DataFrame | None = None, evals: 
         for group, rows in compared.groupby(keys):
             label = " on ".join(map(str, group if isinstance(group, tuple) else (group,)))
             part = history[history["run_id"].isin(rows["run_id"])] if not history.empty else history
-            comparisons += [f"{label}: {lowered(s)}" for s in _comparisons(rows, part, evals, objective)]
+            comparisons += [f"{label}: {lowered(s)}" for s in _comparisons(rows, part, evals, objective, varied)]
     else:
-        comparisons = _comparisons(compared, history, evals, objective)
+        comparisons = _comparisons(compared, history, evals, objective, varied)
     return [*filter(None, [no_bn]), *exactness(trials), *comparisons, *_seed_note(finished(trials)),
             *mismatches(trials), *failures(trials), *health(trials), *script_note(trials)]

@@ -193,10 +193,9 @@ def bn_rules(study: StudyRuns, m: Measure) -> list[str]:
     apart), within the margin but resolved worse, within the margin with an interval off 0 that false-discovery
     control does not keep, resolved worse, or neither resolved nor shown to match it."""
     out = []
-    for k, b, rules, verdicts, gone in bn_against_true(study.trials, m):
+    for k, b, rules, verdicts, gone in bn_against_true(study.trials, m, study.varied):
         judged = [(r, v) for r, v in zip(rules, verdicts) if v is not None and v.d.n >= 2]
-        out_ = (f"; {listed(list(dict.fromkeys(gone.values())))}, not compared over the seeds that finished"
-                if gone else "")
+        out_ = f"; {'; '.join(dict.fromkeys(gone.values()))}" if gone else ""
         if not judged:
             if gone:
                 out.append(f"BN momentum at k = {k} (B = {b}): no rule compared with the true batch{out_}.")
@@ -273,9 +272,8 @@ def starred(study: StudyRuns) -> pd.Index | None:
 def recommend(study: StudyRuns) -> list[str]:
     """The recommendation's lines: per B, then the pick for each goal the study can speak to; per model (and
     dataset) where the study ran several, as the findings are (per_model())."""
-    trials, no_bn = one_bn_rule(study.trials, study.varied)
-    if no_bn:  # (BN momentum rules with no BatchNorm: one configuration, or every run kept and said)
-        study = replace(study, trials=trials)
+    trials, no_bn = one_bn_rule(study.trials, study.varied)  # (and k = 1 runs under their arm's BN rule)
+    study = replace(study, trials=trials)
     groups = per_model(study)
     if len(groups) == 1 or study.objectives[0][0] == "param_rel_diff":  # (exactness already speaks per model)
         return [*filter(None, [no_bn]), *_recommend(study)]
