@@ -136,9 +136,12 @@ def _fused(study: StudyRuns) -> list[str]:
     h = study.history
     if h.empty or "group_epoch_time_s" not in h:
         return []
-    fused, total = h.loc[h["group_epoch_time_s"].notna(), "run_id"].nunique(), study.trials["run_id"].nunique()
+    ids = set(study.trials["run_id"])
+    fused, total = h.loc[h["group_epoch_time_s"].notna() & h["run_id"].isin(ids), "run_id"].nunique(), len(ids)
     rest = "" if fused >= total else _alone(study)
-    return [f"No time to the target is given: {'every one' if fused >= total else fused} of the {total} trials "
+    # (a model without BatchNorm's BN rules count as one configuration: the runs of the others are not counted)
+    counted = " counted (the runs under one BN momentum rule, as said above)" if set(h["run_id"]) - ids else ""
+    return [f"No time to the target is given: {'every one' if fused >= total else fused} of the {total} trials{counted} "
             f"trained fused (several configurations at once in one process), each with its group's time, not its "
             f"own{rest}; `{commands.command('run')} "
             f"{study.run_as or '--study ' + study.name} --no-fuse` in a new folder times each trial alone."]

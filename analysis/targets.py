@@ -126,8 +126,8 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
 def _lost(lost: dict[int, tuple[int, int, int]], pruned: bool) -> str:
     """Per B left out, how many runs never reached the target and how many diverged, counted apart (a divergence
     says nothing of the steps a run would have taken)."""
-    how = " or pruned first" if pruned else ""
-    return listed([f"at B = {b}, " + " and ".join(
+    how = " or pruned first" if pruned else ""  # (';' between the Bs: an item may hold 'and' itself)
+    return "; ".join([f"at B = {b}, " + " and ".join(
         ([f"{never} of {runs} runs never reached it{how}"] if never else []) +
         ([f"{diverged} diverged" if never else f"{diverged} of {runs} runs diverged"] if diverged else []))
         for b, (never, diverged, runs) in lost.items()])

@@ -1,0 +1,47 @@
+"""Sentences of the report that read wrong where a count or a list is: one BN rule named in the plural, a count of
+trials whose total is not said, a list of Bs whose items hold 'and' themselves."""
+import dataclasses
+
+import pandas as pd
+
+from batchsweep.analysis.findings import summarize
+from batchsweep.analysis.recommend import recommend
+from tests.test_recommend_edges import _study
+from tests.test_report_no_batchnorm import VARIED, _bn_grid
+
+
+def test_one_bn_rule_on_a_model_without_batchnorm_is_named_in_the_singular():
+    """mlp with bn_momentum_rule = ["scaled"] read 'the BN momentum rules scaled set a momentum ...'."""
+    rows = [r for r in _bn_grid("mlp", "batch", True) if r["bn_momentum_rule"] == "scaled" or r["accum_steps"] == 1]
+    study = _study(rows, VARIED)
+    first = summarize(study.trials, study.history, None, None, study.varied)[0]
+    assert "the BN momentum rule scaled sets a momentum no layer uses" in first, first
+    assert "rules scaled" not in first, first
+
+
+def test_the_fused_count_says_its_trials_are_those_of_one_bn_rule():
+    """mlp, 27 trials, 15 kept as one configuration, 6 of them fused: it read 'every one of the 15 trials trained
+    fused', counting the fused runs of every rule, and did not say why 15."""
+    rows = _bn_grid("mlp", "batch", True)
+    history = pd.DataFrame([dict(run_id=r["run_id"], epoch=1, steps=10, val_acc=r["val_acc"],
+                                 group_epoch_time_s=1.0 if r["accum_steps"] > 1 else float("nan"))
+                            for r in rows])
+    study = dataclasses.replace(_study(rows, VARIED), history=history)
+    [line] = [s for s in recommend(study) if s.startswith("No time to the target")]
+    assert "6 of the 15 trials counted (the runs under one BN momentum rule" in line, line
+
+
+def test_the_bs_left_out_of_a_fit_are_told_apart_where_an_item_holds_and():
+    """'(at B = 128, 3 of 6 runs never reached it and 1 diverged, at B = 256, 4 of 6 runs never reached it and at
+    B = 512, ...)': one list whose 'and' joins both items and their parts."""
+    from batchsweep.analysis.targets import steps
+    from tests.test_critical import _one_diverged
+
+    trials, history = _one_diverged(128)
+    for b, seeds in ((128, (1, 2, 3)), (256, (0, 1, 2, 3))):
+        never = trials.loc[(trials["effective_batch"] == b) & trials["seed"].isin(seeds), "run_id"]
+        history = history.assign(val_acc=history["val_acc"].where(~history["run_id"].isin(never), 0.5))
+        trials.loc[trials["run_id"].isin(never), "val_acc"] = 0.5
+    line = steps(trials, history)[1]
+    assert line.startswith("Over every run (at B = 128, 3 of 6 runs never reached it and 1 diverged; at B = 256, "
+                           "4 of 6 runs never reached it: half or more"), line
