@@ -480,6 +480,18 @@ def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFram
             *branching.finding(trials, history), *memory(trials)]
 
 
+def group_keys(trials: pd.DataFrame) -> list[str]:
+    """What findings are grouped by: the model, the dataset and the norm where the study varied them (a BN rule's
+    effect pooled with runs without BatchNorm is diluted)."""
+    return [c for c in ("model", "dataset", "norm") if c in trials and trials[c].nunique() > 1]
+
+
+def group_label(keys: list[str], group) -> str:
+    values = dict(zip(keys, group if isinstance(group, tuple) else (group,)))
+    norm = f", norm = {values.pop('norm')}" if "norm" in values else ""
+    return " on ".join(map(str, values.values())) + norm if values else norm.removeprefix(", ")
+
+
 def summarize(trials: pd.DataFrame, history: pd.DataFrame | None = None, evals: pd.DataFrame | None = None,
               objective: tuple[str, str] | None = None, varied: tuple[str, ...] | None = None) -> list[str]:
     """The findings. Sentences that compare configurations hold one model and one dataset at a time, in accuracy
@@ -488,15 +500,18 @@ def summarize(trials: pd.DataFrame, history: pd.DataFrame | None = None, evals: 
     (one_bn_rule())."""
     history = pd.DataFrame() if history is None else history
     trials = typed(trials, [objective[0]] if objective else [])  # (numbers read back as text)
-    compared, no_bn = one_bn_rule(trials, varied)
-    keys = [c for c in ("model", "dataset") if c in compared and compared[c].nunique() > 1]
-    if keys:
-        comparisons = []
-        for group, rows in compared.groupby(keys):
-            label = " on ".join(map(str, group if isinstance(group, tuple) else (group,)))
+    keys = group_keys(trials)
+    if keys:  # (each model's BN rules judged on its own runs: one with BatchNorm, one without)
+        no_bn, comparisons = "", []
+        for group, rows in trials.groupby(keys):
+            label = group_label(keys, group)
+            rows, said = one_bn_rule(rows, tuple(f for f in varied if f not in keys) if varied else varied)
+            no_bn += f" {label}: {lowered(said)}" if said else ""
             part = history[history["run_id"].isin(rows["run_id"])] if not history.empty else history
             comparisons += [f"{label}: {lowered(s)}" for s in _comparisons(rows, part, evals, objective, varied)]
+        no_bn = no_bn.strip()
     else:
+        compared, no_bn = one_bn_rule(trials, varied)
         comparisons = _comparisons(compared, history, evals, objective, varied)
     return [*filter(None, [no_bn]), *exactness(trials), *comparisons, *_seed_note(finished(trials)),
             *mismatches(trials), *failures(trials), *health(trials), *script_note(trials)]

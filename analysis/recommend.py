@@ -15,7 +15,7 @@ from batchsweep.sweeps import commands
 from .at_batch import largest_free, per_batch
 from .best import (Best, accounted, below_per_b, best_set, choices, diverged_in_a_seed, label, members, not_compared,
                    picked, stopped_in)
-from .findings import bn_against_true, exact_by_model, lr_exponent, one_bn_rule
+from .findings import bn_against_true, exact_by_model, group_keys, group_label, lr_exponent, one_bn_rule
 from .measures import Measure, finished, full_scale, measure, stopped_verb, tuned, unmoved
 from .runs import StudyRuns
 from .space import identical_spread, never_reached, not_timed, shown, timed, times
@@ -251,12 +251,12 @@ def exact_use(study: StudyRuns) -> list[str]:
 def per_model(study: StudyRuns) -> list[tuple[str, StudyRuns]]:
     """The study as one ('', study), or per model (and dataset) where it ran several, each with its own runs: a
     pick pooled over models holds for none of them."""
-    keys = [c for c in ("model", "dataset") if c in study.trials and study.trials[c].nunique() > 1]
+    keys = group_keys(study.trials)
     if not keys:
         return [("", study)]
     out = []
     for group, rows in study.trials.groupby(keys):
-        name = " on ".join(map(str, group if isinstance(group, tuple) else (group,)))
+        name = group_label(keys, group)
         history = study.history[study.history["run_id"].isin(rows["run_id"])] if not study.history.empty else \
             study.history
         evals = study.evals[study.evals["run_id"].isin(rows["run_id"])] if study.evals is not None else None
@@ -267,21 +267,26 @@ def per_model(study: StudyRuns) -> list[tuple[str, StudyRuns]]:
 
 def starred(study: StudyRuns) -> pd.Index | None:
     """The trials the trials table marks ★: each model's best and ties (named_best), None where none is named."""
-    named = [named_best(one) for _, one in per_model(replace(study, trials=one_bn_rule(study.trials, study.varied)[0]))]
+    named = [named_best(replace(one, trials=one_bn_rule(one.trials, one.varied)[0])) for _, one in per_model(study)]
     named = [n.trials for n in named if n is not None and not n.refused]
     return named[0].append(named[1:]) if named else None
 
 
 def recommend(study: StudyRuns) -> list[str]:
     """The recommendation's lines: per B, then the pick for each goal the study can speak to; per model (and
-    dataset) where the study ran several, as the findings are (per_model())."""
-    trials, no_bn = one_bn_rule(study.trials, study.varied)  # (and k = 1 runs under their arm's BN rule)
-    study = replace(study, trials=trials)
+    dataset, and norm) where the study ran several, as the findings are (per_model()), each with its BN momentum
+    rules judged on its own runs (one_bn_rule(): as one configuration without BatchNorm; k = 1 runs under their
+    arm's rule)."""
     groups = per_model(study)
     if len(groups) == 1 or study.objectives[0][0] == "param_rel_diff":  # (exactness already speaks per model)
-        return [*filter(None, [no_bn]), *_recommend(study)]
-    return [*filter(None, [no_bn]), *(f"On {name}: {lowered(line)}" for name, one in groups
-                                     for line in _recommend(one))]
+        trials, no_bn = one_bn_rule(study.trials, study.varied)
+        return [*filter(None, [no_bn]), *_recommend(replace(study, trials=trials))]
+    out = []
+    for name, one in groups:
+        trials, no_bn = one_bn_rule(one.trials, one.varied)
+        out += [f"On {name}: {lowered(line)}" for line in [*filter(None, [no_bn]),
+                                                           *_recommend(replace(one, trials=trials))]]
+    return out
 
 
 def _one_b_search(study: StudyRuns, t: pd.DataFrame, m: Measure) -> list[str]:

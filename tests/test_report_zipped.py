@@ -76,3 +76,29 @@ def test_the_accuracy_figure_draws_each_arm_s_true_batch_at_its_weight_decay():
             twin = lines[label.replace("true batch", "accumulated")]
             for b in (128, 512):
                 assert abs(points[b] - twin[b]) < 0.5, (label, points, twin)
+
+
+def test_a_study_varying_norm_judges_the_bn_rules_on_the_runs_with_batchnorm_alone():
+    """cnn1d with norm = batch and none in one study: scaled's 1.4 points above the true batch read '0.7 points
+    above ... inside the ±1 point equivalence margin', pooled with the runs without BatchNorm."""
+    from tests.test_report_no_batchnorm import _bn_grid as grid
+
+    bn = [{**r, "run_id": "b" + r["run_id"], "val_acc": r["val_acc"] + (0.014 + 0.001 * (r["seed"] - 1)
+           if r["bn_momentum_rule"] == "scaled" else 0)} for r in grid("cnn1d", "batch", False, measured=True)]
+    none = [{**r, "run_id": "n" + r["run_id"], "val_acc": r["val_acc"] - 0.05} for r in grid("cnn1d", "none", True)]
+    study = _study(bn + none, (*VARIED, "norm"))
+    found = summarize(study.trials, study.history, None, None, study.varied)
+    [final] = [s for s in found if s.startswith("norm = batch: final accuracy at k = 4")]
+    assert "scaled 1.4 points above, 95% CI +1.2 to +1.6" in final, final
+
+
+def test_a_study_mixing_models_counts_a_model_without_batchnorm_s_rules_as_one_configuration():
+    """cnn1d (BatchNorm) and mlp in one study: the BN rules were checked over the whole study, so mlp's identical
+    runs under its three rules counted as separate runs (its twin pairs over 9 runs a seed, not 3)."""
+    rows = _bn_grid("mlp", "batch", True) + [{**r, "run_id": "c" + r["run_id"]}
+                                             for r in _bn_grid("cnn1d", "batch", False, measured=True)]
+    study = _study(rows, (*VARIED, "model"))
+    found, lines = summarize(study.trials, study.history, None, None, study.varied), recommend(study)
+    assert any(s.startswith("mlp: the model has no BatchNorm") and "count as one configuration" in s
+               for s in found), found
+    assert any(s.startswith("On mlp: the model has no BatchNorm") for s in lines), lines
