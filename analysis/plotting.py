@@ -32,6 +32,7 @@ class Figure:
     figure: plt.Figure
     context: str  # which device, dataset, model, seeds and epochs stand behind it
     finding: str = ""  # the sentence it answers with, for the findings
+    group: str = ""  # the runs it draws where the findings group a study's runs ('cnn1d', 'norm = none'), else ''
 
 
 Draw = Callable[[], "Figure | None"]  # a figure of the report, drawn when called; None where the data has none

@@ -14,6 +14,7 @@ import re
 import shlex
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -26,13 +27,14 @@ from tqdm import tqdm
 from batchsweep.sweeps import commands
 
 from . import branching
-from .figures import candidates
+from .figures import candidates, equivalence
 from .findings import one_bn_rule, summarize
 from .measures import has_accuracy
 from .plotting import Draw, Figure, protocol
-from .recommend import recommend, starred
+from .recommend import per_model, recommend, starred
 from .runs import StudyRuns
 from .space import pareto_trials, space_candidates
+from .wording import lowered
 
 MANIFEST = ".batchsweep-report"  # the files the last report wrote in this folder, one name a line
 # Columns of the trials table in the report, when the study has them.
@@ -188,7 +190,8 @@ def _md_table(frame: pd.DataFrame) -> str:
 
 
 def _save(figure: Figure, folder: Path, prefix: str) -> Path:
-    path = folder / f"{prefix}{figure.name}.png"
+    group = f"{folder_name([figure.group])}-" if figure.group else ""
+    path = folder / f"{prefix}{group}{figure.name}.png"
     figure.figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure.figure)
     return path
@@ -283,11 +286,22 @@ def _markdown(studies, title: str, stamp: str, source: str, reproduce: str, summ
 
 def _candidates(study: StudyRuns) -> list[Draw]:
     """Every kind of figure the report knows (its bar's total): which ones the data supports is known as each is
-    tried."""
-    compared = one_bn_rule(study.trials, study.varied)[0]  # (the trials the findings compare)
-    return [*candidates(study.trials, study.history, study.evals, study.objectives[0], compared),
-            *space_candidates(study),
-            partial(branching.figure, study.trials, study.history)]
+    tried. Where the findings group the runs (per_model(): by model, dataset and norm where the study varies them),
+    each group's figures are drawn from its own runs and named by it, as a line pooled over two models holds for
+    neither; the figures over the search space take the whole study, where a model is one field of a configuration,
+    and so does equivalence's, which sets the models side by side itself (BN against no BN)."""
+    groups = [(name, one, one_bn_rule(one.trials, one.varied)[0]) for name, one in per_model(study)]
+    whole = [partial(equivalence, study.trials)] if len(groups) > 1 else []
+    return [*(partial(_grouped, draw, name) for name, one, compared in groups
+              for draw in candidates(one.trials, one.history, one.evals, one.objectives[0], compared)
+              if not (whole and draw.func is equivalence)),
+            *whole, *space_candidates(study),
+            *(partial(_grouped, partial(branching.figure, one.trials, one.history), name) for name, one, _ in groups)]
+
+
+def _grouped(draw: Draw, group: str) -> Figure | None:
+    figure = draw()
+    return figure if figure is None else replace(figure, group=group)
 
 
 def _shared_title(titles: list[str]) -> str:
@@ -336,11 +350,12 @@ def write_report(studies: list[StudyRuns], folder: Path) -> tuple[list[Path], di
                     continue
                 path = _save(fig, folder, prefix)
                 written.append(path)
-                kinds.setdefault(fig.name, []).append((f"{study.name}: " if len(studies) > 1 else "", fig, path))
+                label = (f"{study.name}: " if len(studies) > 1 else "") + (f"{fig.group}: " if fig.group else "")
+                kinds.setdefault(fig.name, []).append((label, fig, path))
                 figures.append(fig)
                 bar.set_postfix(drawn=len(figures), refresh=False)
         findings = (summarize(study.trials, study.history, study.evals, study.objectives[0], study.varied)
-                    + [f.finding for f in figures if f.finding])
+                    + [f"{f.group}: {lowered(f.finding)}" if f.group else f.finding for f in figures if f.finding])
         summaries.append((study.name, findings or ["No finished trials yet."], protocol(study.trials)))
         csv = folder / f"{prefix}trials.csv"
         _raw(study).to_csv(csv, index=False)
