@@ -21,7 +21,7 @@ from .figures import best_lr, best_lr_of_seeds, trained_lr
 from .measures import (ACCURACY, Measure, finished, has_accuracy, measure, no_batchnorm, one_batch,
                        reliable_noise, unmoved)
 from .plotting import in_order
-from .rules import ended_worse, lr_rules, twins, went
+from .rules import ended_how, ended_worse, lr_rules, twins, went
 from .runs import DERIVED, METRICS, TAGS, paired, quantum, typed
 from .targets import steps, warmup
 from .verdicts import control, judge
@@ -200,9 +200,9 @@ def bn(trials: pd.DataFrame, m: Measure = ACCURACY, final_too: bool = True,
                        f"deviations from the population means of the final weights (true batch: "
                        f"{significant(float(true['bn_mean_error'].mean()))}); {verdict_text}.")
         verdicts, gone = finals[int(k)]
-        final = "; ".join(f"{r} {stated(v.d, 'above', 'below', m, v)}" if r not in gone else
-                          gone[r]
-                          for r, v in zip(rules, verdicts) if v is not None or r in gone)
+        final = "; ".join(dict.fromkeys(f"{r} {stated(v.d, 'above', 'below', m, v)}" if r not in gone else gone[r]
+                                        for r, v in zip(rules, verdicts) if v is not None or r in gone))
+        final = f"no rule compared; {final}" if final and all(v is None for v in verdicts) else final
         if final and final_too:
             out.append(f"Final {'accuracy' if m.points else m.name} at k = {k} against the true batch: {final}.")
     return out
@@ -227,15 +227,33 @@ def bn_against_true(trials: pd.DataFrame, m: Measure = ACCURACY, varied: tuple[s
             ran_1 = true_twins(trials, ran[ran["bn_momentum_rule"] == r], int(k * b), fields)
             lost = ended_worse(ran_1) if worse else None
             found = ended_worse(ran[ran["bn_momentum_rule"] == r]) if worse else None
+            whose = f"{r}'s true batch" if fields else "the true batch"  # (without fields, every rule's twin)
             if lost or found:
-                gone[r] = f"{went('the true batch' if lost else r, lost or found)}, not compared over the seeds " \
-                          f"that finished"
+                gone[r] = f"{went(whose if lost else r, lost or found)}, not compared over the seeds that finished"
             elif finished(ran_1).empty:
-                gone[r] = f"{r} has no true-batch twin (b = {int(k * b)}, k = 1 with its other settings), not compared"
+                gone[r] = _unfinished_twin(r, ran_1, int(k * b), fields)
             diffs.append(None if r in gone else paired(at_k[at_k["bn_momentum_rule"] == r], finished(ran_1), m.name,
                                                         step))
         out.append((int(k), int(k * b), rules, judge(diffs, m.margin), gone))
     return out
+
+
+def _unfinished_twin(rule: str, ran_1: pd.DataFrame, b: int, fields: list[str]) -> str:
+    """Why `rule` has no finished true-batch twin: none ran at its settings, or its twin ran and did not finish
+    (out of memory, an error, still running, ...: how, in how many seeds). Without other varied fields every rule
+    shares one twin, so the words name no rule and are said once per k."""
+    at = f"b = {b}, k = 1{' with its other settings' if fields else ''}"
+    if ran_1.empty:
+        return f"{rule} has no true-batch twin ({at}), not compared" if fields else \
+            f"the true batch ({at}) has no run in this study"
+    seeds = ran_1["seed"] if "seed" in ran_1 else pd.Series(range(len(ran_1)), index=ran_1.index)
+    reason = ran_1["reason"] if "reason" in ran_1 else pd.Series(None, index=ran_1.index, dtype=object)
+    mismatch = ran_1["config_mismatch"] if "config_mismatch" in ran_1 else pd.Series(None, index=ran_1.index,
+                                                                                      dtype=object)
+    how = pd.Series([ended_how(*x) for x in zip(reason, ran_1["status"], mismatch)], index=ran_1.index)
+    n = seeds.nunique()
+    ways = listed([f"{w} in {seeds[g.index].nunique()} of {n} seed{'s' * (n != 1)}" for w, g in how.groupby(how)])
+    return f"{rule}'s true batch ({at}) {ways}, not compared" if fields else f"the true batch ({at}) {ways}"
 
 
 def true_twins(trials: pd.DataFrame, runs: pd.DataFrame, b: int, fields: list[str]) -> pd.DataFrame:

@@ -36,7 +36,7 @@ def missing_halves(trials: pd.DataFrame, b: int | None = None) -> list[tuple[str
     mismatch = rows["config_mismatch"] if "config_mismatch" in rows else pd.Series(None, index=rows.index, dtype=object)
     done = finished(rows)  # (a run that did not run as asked compares nothing: its half is missing as well)
     lost = rows[~rows.index.isin(done.index) & ~reason.isin(WORSE)]
-    lost = lost.assign(_why=[_ended(r, st, m) for r, st, m in
+    lost = lost.assign(_why=[ended_how(r, st, m) for r, st, m in
                              zip(reason[lost.index], lost["status"], mismatch[lost.index])])
     said = []
     for (bb, pb, k, why), g in pd.concat([lost, _absent(rows)]).groupby(
@@ -84,7 +84,7 @@ def one_half(trials: pd.DataFrame) -> dict[int, str]:
     return out
 
 
-def _ended(reason, status: str, mismatch=None) -> str:
+def ended_how(reason, status: str, mismatch=None) -> str:
     """How a run that did not finish as asked ended, in words: the mismatch the tracer saw, its reason where one was
     logged, else its status."""
     if isinstance(mismatch, str) and mismatch:

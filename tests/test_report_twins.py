@@ -1,0 +1,43 @@
+"""The BN momentum rules against their true-batch twin: a twin that ran and did not finish (out of memory, still
+running) is told apart from one that never ran, said once per k where the rules share it."""
+import pytest
+
+from batchsweep.analysis.findings import summarize
+from batchsweep.analysis.recommend import recommend
+from tests.test_recommend_edges import _study
+from tests.test_report_no_batchnorm import VARIED, _bn_grid
+
+
+def _said(rows: list[dict]) -> tuple[str, str]:
+    """The final-accuracy finding and the recommendation's line at k = 16."""
+    study = _study(rows, VARIED)
+    found, lines = summarize(study.trials, study.history, None, None, study.varied), recommend(study)
+    [final] = [s for s in found if s.startswith("Final accuracy at k = 16")]
+    [line] = [s for s in lines if s.startswith("BN momentum at k = 16")]
+    return final, line
+
+
+@pytest.mark.parametrize("status, reason, how", [("FAILED", "oom", "ran out of memory in 3 of 3 seeds"),
+                                                 ("RUNNING", None, "is still marked running in 3 of 3 seeds")])
+def test_a_true_batch_that_ran_and_did_not_finish_is_said_so_once(status, reason, how):
+    """bn_momentum whose true batch of 512 ran out of memory read 'default has no true-batch twin (b = 512, k = 1
+    with its other settings), not compared; scaled has no ...; matched has no ...' beside '2 of 18 trials did not
+    finish (2 oom)'."""
+    rows = [{**r, "status": status, "reason": reason, "val_acc": None, "bn_mean_error": None}
+            if r["effective_batch"] == 512 and r["accum_steps"] == 1 else r
+            for r in _bn_grid("cnn1d", "batch", False, measured=True)]
+    final, line = _said(rows)
+    said = f"the true batch (b = 512, k = 1) {how}"
+    assert final == f"Final accuracy at k = 16 against the true batch: no rule compared; {said}.", final
+    assert line == f"BN momentum at k = 16 (B = 512): no rule compared with the true batch; {said}.", line
+
+
+def test_a_true_batch_that_never_ran_is_said_to_have_no_run_once():
+    """With no run at b = 512, k = 1, every rule read 'has no true-batch twin (...) with its other settings', where
+    no other field varies."""
+    rows = [r for r in _bn_grid("cnn1d", "batch", False, measured=True)
+            if not (r["effective_batch"] == 512 and r["accum_steps"] == 1)]
+    final, line = _said(rows)
+    said = "the true batch (b = 512, k = 1) has no run in this study"
+    assert final == f"Final accuracy at k = 16 against the true batch: no rule compared; {said}.", final
+    assert line == f"BN momentum at k = 16 (B = 512): no rule compared with the true batch; {said}.", line
