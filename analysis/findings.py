@@ -175,30 +175,8 @@ def bn(trials: pd.DataFrame, m: Measure = ACCURACY, final_too: bool = True,
         rules = in_order("bn_momentum_rule", at_k["bn_momentum_rule"])
         twin = {r: finished(true_twins(trials, at_k[at_k["bn_momentum_rule"] == r], int(k * b), fields))
                 for r in rules}
-        true = pd.concat(twin.values()).drop_duplicates("run_id") if "run_id" in t else pd.concat(twin.values())
-        if "bn_mean_error" in t and not true.empty and true["bn_mean_error"].notna().any():
-            errors = at_k.groupby("bn_momentum_rule")["bn_mean_error"].mean()
-            listing = ", ".join(f"{r} {significant(errors[r])}" for r in rules)
-            apart, alike = [], []
-            diffs = [paired(at_k[at_k["bn_momentum_rule"] == r], twin[r], "bn_mean_error") for r in rules]
-            for r, v in zip(rules, judge(diffs, 0.0)):  # (no margin: any difference in tracking is the question)
-                d = v.d if v else None
-                if v is not None and v.resolved:
-                    apart.append(f"{r} {'further from' if d.mean > 0 else 'closer to'} it than the true batch "
-                                 f"({significant(d.mean, '+')}, 95% CI {significant(d.mean - d.half, '+')} to "
-                                 f"{significant(d.mean + d.half, '+')}; {control(v)})")
-                elif v is not None:
-                    alike.append(r)
-            n = int(true["seed"].nunique()) if "seed" in true else 1
-            verdict_text = (f"not resolved from the true batch's with {n} seeds: {', '.join(alike)}"
-                            if alike else "")
-            if n < 2:
-                verdict_text = "with one seed no rule can be told from the true batch"
-            elif apart:
-                verdict_text = "; ".join([*apart, *([verdict_text] if verdict_text else [])])
-            out.append(f"At k = {k} (B = {k * b}), the BN running means ended {listing} population standard "
-                       f"deviations from the population means of the final weights (true batch: "
-                       f"{significant(float(true['bn_mean_error'].mean()))}); {verdict_text}.")
+        if means := _running_means(at_k, rules, twin, fields):
+            out.append(f"At k = {k} (B = {k * b}), the BN running means ended {means}.")
         verdicts, gone = finals[int(k)]
         final = "; ".join(dict.fromkeys(f"{r} {stated(v.d, 'above', 'below', m, v)}" if r not in gone else gone[r]
                                         for r, v in zip(rules, verdicts) if v is not None or r in gone))
@@ -206,6 +184,39 @@ def bn(trials: pd.DataFrame, m: Measure = ACCURACY, final_too: bool = True,
         if final and final_too:
             out.append(f"Final {'accuracy' if m.points else m.name} at k = {k} against the true batch: {final}.")
     return out
+
+
+def _running_means(at_k: pd.DataFrame, rules: list[str], twin: dict, fields: list[str]) -> str:
+    """How far each rule's BN running means at one k ended from the population means of the final weights, against
+    its true-batch `twin` (each rule's own at its values of the other varied `fields`), paired by seed; a rule with
+    no finished twin is named; '' where no twin measured it."""
+    true = pd.concat(twin.values())
+    true = true.drop_duplicates("run_id") if "run_id" in true else true
+    if "bn_mean_error" not in at_k or true.empty or not true["bn_mean_error"].notna().any():
+        return ""
+    errors = at_k.groupby("bn_momentum_rule")["bn_mean_error"].mean()
+    listing = ", ".join(f"{r} {significant(errors[r])}" for r in rules)
+    own = {r: twin[r]["bn_mean_error"].mean() for r in rules}  # (NaN where it has no finished twin)
+    against = (f"each rule's true batch at its own {listed([f.replace('_', ' ') for f in fields])}: "
+               + ", ".join(f"{r} {significant(float(own[r])) if own[r] == own[r] else 'none'}" for r in rules)
+               if fields else f"true batch: {significant(float(true['bn_mean_error'].mean()))}")
+    apart, alike, lone = [], [], []
+    diffs = [paired(at_k[at_k["bn_momentum_rule"] == r], twin[r], "bn_mean_error") for r in rules]
+    for r, v in zip(rules, judge(diffs, 0.0)):  # (no margin: any difference in tracking is the question)
+        d = v.d if v else None
+        if v is not None and v.resolved:
+            apart.append(f"{r} {'further from' if d.mean > 0 else 'closer to'} it than the true batch "
+                         f"({significant(d.mean, '+')}, 95% CI {significant(d.mean - d.half, '+')} to "
+                         f"{significant(d.mean + d.half, '+')}; {control(v)})")
+        else:
+            (alike if v is not None else lone).append(r)
+    n = int(true["seed"].nunique()) if "seed" in true else 1
+    verdicts = [*apart, *[f"not resolved from the true batch's with {n} seeds: {', '.join(alike)}"] * bool(alike)]
+    if n < 2:
+        verdicts = ["with one seed no rule can be told from the true batch"]
+    verdicts += [f"no finished true-batch twin to compare with: {', '.join(lone)}"] if lone else []
+    return (f"{listing} population standard deviations from the population means of the final weights "
+            f"({against}); {'; '.join(verdicts)}")
 
 
 def bn_against_true(trials: pd.DataFrame, m: Measure = ACCURACY, varied: tuple[str, ...] | None = None

@@ -1,5 +1,6 @@
 """The BN momentum rules against their true-batch twin: a twin that ran and did not finish (out of memory, still
-running) is told apart from one that never ran, said once per k where the rules share it."""
+running) is told apart from one that never ran, said once per k where the rules share it; where the rule is zipped
+with another field, each rule's running means are held against its own twin's, and a rule with none is named."""
 import pytest
 
 from batchsweep.analysis.findings import summarize
@@ -41,3 +42,35 @@ def test_a_true_batch_that_never_ran_is_said_to_have_no_run_once():
     said = "the true batch (b = 512, k = 1) has no run in this study"
     assert final == f"Final accuracy at k = 16 against the true batch: no rule compared; {said}.", final
     assert line == f"BN momentum at k = 16 (B = 512): no rule compared with the true batch; {said}.", line
+
+
+def _running_means(rows: list[dict], k: int) -> str:
+    from tests.test_report_zipped import ZIP
+
+    study = _study(rows, (*VARIED, "weight_decay"))
+    assert set(study.trials["weight_decay"]) == set(ZIP.values())
+    [means] = [s for s in summarize(study.trials, study.history, None, None, study.varied)
+               if s.startswith(f"At k = {k} ")]
+    return means
+
+
+def test_a_zipped_bn_rule_s_running_means_are_held_against_its_own_twin():
+    """BN rule zipped with weight decay: '(true batch: 0.054)' was the mean over the twins at every weight decay,
+    while each rule is paired with its own (0.011, 0.041, 0.11)."""
+    from tests.test_report_zipped import _zipped
+
+    rows = [{**r, "bn_mean_error": round(0.01 + r["weight_decay"] + 0.001 * r["seed"], 4)} for r in _zipped()]
+    means = _running_means(rows, 16)
+    assert "(each rule's true batch at its own weight decay: default 0.011, scaled 0.041, matched 0.11)" in means, \
+        means
+
+
+def test_a_zipped_bn_rule_without_a_twin_is_named_beside_the_running_means():
+    """Without scaled's true batch at B = 128, the sentence read 'not resolved from the true batch's with 3 seeds:
+    default, matched', scaled left out unsaid."""
+    from tests.test_report_zipped import _zipped
+
+    rows = [r for r in _zipped() if not (r["accum_steps"] == 1 and r["effective_batch"] == 128
+                                         and r["weight_decay"] == 0.03)]
+    means = _running_means(rows, 4)
+    assert "scaled none" in means and means.endswith("no finished true-batch twin to compare with: scaled."), means
