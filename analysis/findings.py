@@ -110,10 +110,12 @@ def one_bn_rule(trials: pd.DataFrame, varied: tuple[str, ...] | None = None) -> 
         kept = trials[trials.index.isin([*ran.index[ran["bn_momentum_rule"] == rules[0]],
                                          *ones.index[ones["bn_momentum_rule"].isin(first)]])]
         under = rules[0] if first in ([], rules[:1]) else f"{rules[0]} at k > 1 and under {first[0]} at k = 1"
-        named = f"rules {listed(rules)} set" if len(rules) > 1 else f"rule {rules[0]} sets"
-        return kept, (f"{said}the BN momentum {named} a momentum no layer uses, so {'they count' * (len(rules) > 1)}"
-                      f"{'its runs and those at k = 1 count' * (len(rules) == 1)} as one configuration (the runs under "
-                      f"{under}); no BN momentum rule is ranked.")
+        if len(rules) == 1:  # (nothing to count as one: its label is all that differs from default)
+            return kept, (f"{said}the BN momentum rule {rules[0]} sets a momentum no layer uses, so its label "
+                          f"changes nothing: its runs are compared as the default's would be; no BN momentum rule "
+                          f"is ranked.")
+        return kept, (f"{said}the BN momentum rules {listed(rules)} set a momentum no layer uses, so they count as "
+                      f"one configuration (the runs under {under}); no BN momentum rule is ranked.")
     tied = [f for f in others if (ran.groupby("bn_momentum_rule")[f].nunique() == 1).all()]
     if not tied:
         return trials, (f"{said}the BN momentum rule has no BatchNorm layer to act on, and its rules {listed(rules)} "

@@ -17,6 +17,9 @@ def test_one_bn_rule_on_a_model_without_batchnorm_is_named_in_the_singular():
     first = summarize(study.trials, study.history, None, None, study.varied)[0]
     assert "the BN momentum rule scaled sets a momentum no layer uses" in first, first
     assert "rules scaled" not in first, first
+    # (runs at k > 1 and at k = 1 are not one configuration: it read 'its runs and those at k = 1 count as one')
+    assert "so its label changes nothing: its runs are compared as the default's would be" in first, first
+    assert "one configuration" not in first, first
 
 
 def test_the_fused_count_says_its_trials_are_those_of_one_bn_rule():
