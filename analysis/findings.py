@@ -202,7 +202,7 @@ def _running_means(at_k: pd.DataFrame, rules: list[str], twin: dict, fields: lis
     against = (f"each rule's true batch at its own {listed([f.replace('_', ' ') for f in fields])}: "
                + ", ".join(f"{r} {significant(float(own[r])) if own[r] == own[r] else 'none'}" for r in rules)
                if fields else f"true batch: {significant(float(true['bn_mean_error'].mean()))}")
-    apart, alike, lone = [], [], []
+    apart, alike, lone, unshared = [], [], [], []
     diffs = [paired(at_k[at_k["bn_momentum_rule"] == r], twin[r], "bn_mean_error") for r in rules]
     for r, v in zip(rules, judge(diffs, 0.0)):  # (no margin: any difference in tracking is the question)
         d = v.d if v else None
@@ -210,12 +210,15 @@ def _running_means(at_k: pd.DataFrame, rules: list[str], twin: dict, fields: lis
             apart.append(f"{r} {'further from' if d.mean > 0 else 'closer to'} it than the true batch "
                          f"({significant(d.mean, '+')}, 95% CI {significant(d.mean - d.half, '+')} to "
                          f"{significant(d.mean + d.half, '+')}; {control(v)})")
-        else:
-            (alike if v is not None else lone).append(r)
+        elif v is not None:
+            alike.append(r)
+        else:  # (a twin measured in other seeds than the rule's own runs is not a missing twin)
+            (unshared if twin[r]["bn_mean_error"].notna().any() else lone).append(r)
     n = int(true["seed"].nunique()) if "seed" in true else 1
     verdicts = [*apart, *[f"not resolved from the true batch's with {n} seeds: {', '.join(alike)}"] * bool(alike)]
-    if n < 2:
+    if n < 2 and (apart or alike):
         verdicts = ["with one seed no rule can be told from the true batch"]
+    verdicts += [f"no seed in common with its true batch: {', '.join(unshared)}"] if unshared else []
     verdicts += [f"no finished true-batch twin to compare with: {', '.join(lone)}"] if lone else []
     return (f"{listing} population standard deviations from the population means of the final weights "
             f"({against}); {'; '.join(verdicts)}")
@@ -247,6 +250,11 @@ def bn_against_true(trials: pd.DataFrame, m: Measure = ACCURACY, varied: tuple[s
                 gone[r] = _unfinished_twin(r, ran_1, int(k * b), fields)
             diffs.append(None if r in gone else paired(at_k[at_k["bn_momentum_rule"] == r], finished(ran_1), m.name,
                                                         step))
+        apart = [r for r, d in zip(rules, diffs) if d is None and r not in gone and "seed" in t]  # (other seeds)
+        for r in apart:  # (without fields the rules share one twin: said once)
+            gone[r] = (f"{r}'s true batch (b = {int(k * b)}, k = 1 with its other settings) finished in no seed that "
+                       f"{r} finished in, not compared" if fields else f"{listed(apart)}{' each' * (len(apart) > 1)} "
+                       f"finished in no seed that the true batch (b = {int(k * b)}, k = 1) finished in")
         out.append((int(k), int(k * b), rules, judge(diffs, m.margin), gone))
     return out
 

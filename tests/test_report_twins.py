@@ -74,3 +74,35 @@ def test_a_zipped_bn_rule_without_a_twin_is_named_beside_the_running_means():
                                          and r["weight_decay"] == 0.03)]
     means = _running_means(rows, 4)
     assert "scaled none" in means and means.endswith("no finished true-batch twin to compare with: scaled."), means
+
+
+def test_a_bn_rule_and_its_true_batch_that_share_no_seed_are_said_so():
+    """The true batch of 512 finished in seed 0 only, the rules' runs at k = 16 in seeds 1 and 2: the running means
+    read '(true batch: 0.010); ... no finished true-batch twin to compare with: default, scaled, matched', and no
+    final-accuracy line at k = 16 was given (zipped: 'default and matched shown to match it', scaled unsaid)."""
+    from tests.test_report_zipped import ZIP, _zipped
+
+    def failed(r):
+        return {**r, "status": "FAILED", "reason": "oom", "val_acc": None, "bn_mean_error": None}
+    rows = [failed(r) if (r["accum_steps"] == 1 and r["effective_batch"] == 512 and r["seed"] > 0)
+            or (r["accum_steps"] == 16 and r["seed"] == 0) else r
+            for r in _bn_grid("cnn1d", "batch", False, measured=True)]
+    final, line = _said(rows)
+    said = "default, scaled and matched each finished in no seed that the true batch (b = 512, k = 1) finished in"
+    assert final == f"Final accuracy at k = 16 against the true batch: no rule compared; {said}.", final
+    assert line == f"BN momentum at k = 16 (B = 512): no rule compared with the true batch; {said}.", line
+    study = _study(rows, VARIED)
+    [means] = [s for s in summarize(study.trials, study.history, None, None, study.varied) if s.startswith("At k = 16")]
+    assert means.endswith("(true batch: 0.010); no seed in common with its true batch: default, scaled, matched."), \
+        means
+
+    rows = [failed(r) if r["effective_batch"] == 512 and r["weight_decay"] == ZIP["scaled"] and (
+        (r["accum_steps"] == 1 and r["seed"] > 0) or (r["accum_steps"] == 16 and r["seed"] == 0)) else r
+            for r in _zipped()]
+    assert _running_means(rows, 16).endswith("no seed in common with its true batch: scaled."), _running_means(rows, 16)
+    study = _study(rows, (*VARIED, "weight_decay"))
+    apart = ("scaled's true batch (b = 512, k = 1 with its other settings) finished in no seed that scaled finished "
+             "in, not compared")
+    assert any(s.startswith("Final accuracy at k = 16") and apart in s
+               for s in summarize(study.trials, study.history, None, None, study.varied))
+    assert any(s.startswith("BN momentum at k = 16") and s.endswith(f"; {apart}.") for s in recommend(study))
