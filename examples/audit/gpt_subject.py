@@ -14,6 +14,7 @@ all-reduces).
 The model is a small causal transformer on a synthetic token stream (no download), in float64.
 """
 import argparse
+import gc
 import os
 
 import torch
@@ -101,3 +102,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # DDP's reducer, in a cycle, freed while torch is whole: at exit it can abort the rank

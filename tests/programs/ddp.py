@@ -29,6 +29,7 @@ in DDP(static_graph=True), which PyTorch #187732 reports to stop all-reducing af
 no_sync() is used.
 """
 import argparse
+import gc
 import contextlib
 
 import torch
@@ -128,3 +129,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # DDP's reducer, in a cycle, freed while torch is whole: at exit it can abort the rank

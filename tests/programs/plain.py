@@ -222,6 +222,7 @@ def rank_main(rank: int, args) -> None:
     try:
         train(args, rank)
     finally:
+        gc.collect()  # DDP's reducer, in a cycle, freed while torch is whole: at exit it can abort the rank
         dist.destroy_process_group()
 
 
