@@ -353,12 +353,13 @@ def candidates(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame 
     """Each figure the report may draw, as a call that draws it, or gives None where the data does not support it
     (the report counts them on its bar). `objective` is the study's first (metric, direction). `compared`: the
     trials the findings compare (findings.one_bn_rule: a model without BatchNorm's BN momentum rules as one
-    configuration), which the figures of means, intervals and series draw, so that identical runs under rules no
-    layer uses are not counted as more seeds; training health draws every trial, split as `compared` is."""
+    configuration), which the figures of means, intervals, series, memory and throughput draw, so that identical
+    runs under rules no layer uses are not counted as more seeds or trials; training health draws every trial,
+    split as `compared` is."""
     compared = trials if compared is None else compared
     return [partial(make, frame, *args) for make, frame, args in (
         (accuracy_vs_batch, compared, (objective,)), (steps_vs_batch, compared, (history, evals)),
-        (warmup_curves, trials, (evals,)), (memory_vs_batch, trials, ()), (throughput, trials, ()),
+        (warmup_curves, trials, (evals,)), (memory_vs_batch, compared, ()), (throughput, compared, ()),
         (learning_curves, compared, (history, objective)), (lr_scaling, compared, (objective,)),
         (bn_rules, trials, (objective,)), (equivalence, trials, ()), (health, trials, (history, compared)))]
 

@@ -22,6 +22,7 @@ from . import targets
 from .best import (EVERY_BN, EVERY_RULE, SHORT, accounted, below_per_b, choices, diverged_in_a_seed, highest, label,
                    naming, not_compared, of, one_at_base, per_configuration, per_seed, picked, settled_by, shown_value,
                    stopped_in, ties, without)
+from .findings import group_keys, group_label, one_bn_rule
 from .measures import Measure, finished, measure, stopped_verb
 from .plotting import Draw, Figure, context, in_order, log_scale
 from .runs import TARGET_SHARE, StudyRuns, ci95
@@ -37,6 +38,28 @@ def _objective_trials(study: StudyRuns) -> pd.DataFrame:
     if not set(metrics) <= set(t):
         return t.iloc[0:0]
     return t[np.isfinite(t[metrics].astype(float)).all(axis=1)]
+
+
+def counted(study: StudyRuns, t: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """`t`'s runs as the findings count them (findings.one_bn_rule, per group as they group the study): a model
+    without BatchNorm has its runs under the BN momentum rules, identical, once (those of one rule), not as a
+    configuration per rule; with the words that say so ('' where no run was left out). Which fields are choices is
+    read before (best.choices): a rule left out for one model is no design that tied it to the model."""
+    keys = group_keys(study.trials)
+    groups = study.trials.groupby(keys) if keys else [((), study.trials)]
+    varied = tuple(f for f in study.varied if f not in keys) if study.varied else study.varied
+    kept, without = [], []
+    for group, rows in groups:
+        one = one_bn_rule(rows, varied)[0]
+        kept += list(one.index)
+        if len(one) < len(rows):
+            without.append(group_label(keys, group) if keys else "the model")
+    if not without:
+        return t, ""
+    one = len(without) == 1
+    return t[t.index.isin(kept)], (f"{' and '.join(without)} {'has' if one else 'have'} no BatchNorm, so "
+                                       f"{'its' if one else 'their'} runs under the BN momentum rules count as one "
+                                       f"configuration, those of one rule")
 
 
 def _fields(study: StudyRuns, t: pd.DataFrame) -> list[str]:
@@ -77,6 +100,8 @@ def importance(study: StudyRuns) -> Figure | None:
 
     t = _objective_trials(study)
     fields, note = choices(study, t)
+    t, once = counted(study, t)
+    note += f"; {once}" if once else ""
     if len(t) < MIN_IMPORTANCE_TRIALS or len(fields) < 2:  # (one field takes all the variance: nothing to rank)
         return None
     distributions = {}
@@ -120,6 +145,7 @@ def parallel_coordinates(study: StudyRuns) -> Figure | None:
     """Every finished trial as a line over the varied fields and the objectives, coloured by the first one."""
     t = _objective_trials(study)
     fields, _ = choices(study, t)
+    t = counted(study, t)[0]
     metrics = [m for m, _ in study.objectives]
     if len(t) < 2 or not fields:
         return None
@@ -251,6 +277,7 @@ def memory_front(study: StudyRuns) -> Figure | None:
     """The first objective against peak memory, per configuration."""
     t = _objective_trials(study)
     fields = naming(study, t)
+    t, once = counted(study, t)
     value, direction = study.objectives[0]
     if "peak_memory_bytes" not in t or not fields or len(t) < 2 or t["peak_memory_bytes"].isna().all():
         return None
@@ -272,6 +299,7 @@ def memory_front(study: StudyRuns) -> Figure | None:
     if len(unmeasured):
         finding += (f" Left out, no peak memory measured in any seed: "
                     f"{'; '.join(label(row, fields) for _, row in unmeasured.iterrows())}.")
+    finding += f" Of the runs counted: {once}." if once else ""
     return _front_figure(points, fields, "memory_mib", value, "peak memory, MiB", percent, maximize, "memory_front",
                          f"Pareto front: {value} against peak memory", t, finding)
 
@@ -333,6 +361,7 @@ def timed(study: StudyRuns):
     configuration with no seed timed is left out by label."""
     t = _objective_trials(study)
     fields = naming(study, t)
+    t = counted(study, t)[0]  # (the recommendation's time line passes runs already counted so: kept as they are)
     value, direction = study.objectives[0]
     if direction != "maximize" or not fields or len(t) < 2:
         return None
@@ -422,6 +451,8 @@ def time_front(study: StudyRuns) -> Figure | None:
     tied, _, _ = ties(seeds[kept], points.sort_values("seconds", kind="stable"), fields, value, True)
     saving = float(tied["seconds"].iloc[0] - tied["seconds"].min())
     finding = finding[:-1] + never_reached(late) + not_timed(study, untimed) + "." + _timing_note(t, fields, saving)
+    once = counted(study, _objective_trials(study))[1]
+    finding += f" Of the runs counted: {once}." if once else ""
     return _front_figure(points, fields, "seconds", value, f"seconds to reach {value} {target_text} (median over seeds)",
                          percent, True, "time_front", f"Pareto front: {value} against time to the target", t, finding)
 
@@ -430,7 +461,7 @@ def pareto_trials(study: StudyRuns) -> pd.Index:
     """The finished trials on Optuna's Pareto front of the study's objectives (its `best_trials`)."""
     import optuna
 
-    t = _objective_trials(study)
+    t = counted(study, _objective_trials(study))[0]
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     rebuilt = optuna.create_study(directions=[d for _, d in study.objectives])
     for i, (_, row) in enumerate(t.iterrows()):
@@ -443,7 +474,7 @@ def objectives_front(study: StudyRuns) -> Figure | None:
     """A study of two objectives: every finished trial, and Optuna's Pareto front of them."""
     if len(study.objectives) != 2:
         return None
-    t = _objective_trials(study)
+    t = counted(study, _objective_trials(study))[0]
     if len(t) < 2:
         return None
     (m1, d1), (m2, d2) = study.objectives
