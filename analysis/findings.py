@@ -519,6 +519,45 @@ def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFram
             *branching.finding(trials, history), *memory(trials)]
 
 
+def _norms_at(t: pd.DataFrame, m: Measure) -> str:
+    """The norms at each B of `t` (one model and dataset): each against the norm of the best mean there, paired by
+    seed over every run at the B (a seed's runs averaged: accumulated and true batch, and any other field), under
+    Benjamini-Hochberg over every B's contrasts; a norm is said to do better only where every contrast with it is
+    resolved its way, else that none was shown to. '' where no B ran two norms."""
+    step, contrasts = quantum(t[m.name]), []
+    for b, rows in t.groupby("effective_batch"):
+        means = rows.groupby("norm")[m.name].mean().sort_values(ascending=not m.maximize, kind="stable")
+        for other in means.index[1:]:
+            d = paired(rows[rows["norm"] == means.index[0]], rows[rows["norm"] == other], m.name, step)
+            level = round(means.iloc[0], 9) == round(means[other], 9)  # (an exact tie of the best mean)
+            contrasts.append((int(b), means.index[0], other, d, level))
+    parts = []
+    for b in dict.fromkeys(c[0] for c in contrasts):
+        mine = [(c, v) for c, v in zip(contrasts, judge([c[3] for c in contrasts], m.margin)) if c[0] == b]
+        best = mine[0][0][1]
+        against = "; ".join(f"{best} against {other}: {stated(d, m=m, v=v)}" if d is not None else
+                            f"{best} against {other}: no seed ran both" for (_, _, other, d, _), v in mine)
+        if all(v is not None and v.resolved and (c[3].mean > 0) == m.maximize for c, v in mine):
+            parts.append(f"at B = {b}, norm = {best} did better ({against})")
+            continue
+        tied = [c[2] for c, _ in mine if c[4]]
+        mean = (f"{listed([best, *tied])} had the same mean" if tied else
+                f"{best} had the {'highest' if m.maximize else 'lowest'} mean")
+        parts.append(f"at B = {b}, no norm was shown to do better ({mean}; {against})")
+    return f"The norms at each B, every run at a B counted (a seed's runs averaged), paired by seed: {'; '.join(parts)}."
+
+
+def norms(trials: pd.DataFrame, m: Measure | None) -> list[str]:
+    """Where the study varied the norm, which did better at each B (_norms_at), per model and dataset."""
+    t = finished(trials)
+    if m is None or "norm" not in t or t["norm"].nunique() < 2 or not {m.name, "effective_batch"} <= set(t):
+        return []
+    keys = [k for k in group_keys(t) if k != "norm"]
+    groups = t.groupby(keys) if keys else [((), t)]
+    said = [(group_label(keys, group), _norms_at(rows.dropna(subset=[m.name]), m)) for group, rows in groups]
+    return [f"{name}: {lowered(s)}" if name else s for name, s in said if s]
+
+
 def group_keys(trials: pd.DataFrame) -> list[str]:
     """What findings are grouped by: the model, the dataset and the norm where the study varied them (a BN rule's
     effect pooled with runs without BatchNorm is diluted)."""
@@ -541,14 +580,16 @@ def summarize(trials: pd.DataFrame, history: pd.DataFrame | None = None, evals: 
     trials = typed(trials, [objective[0]] if objective else [])  # (numbers read back as text)
     keys = group_keys(trials)
     if keys:  # (each model's BN rules judged on its own runs: one with BatchNorm, one without)
-        no_bn, comparisons = "", []
+        no_bn, comparisons, kept = "", [], []
         for group, rows in trials.groupby(keys):
             label = group_label(keys, group)
             rows, said = one_bn_rule(rows, tuple(f for f in varied if f not in keys) if varied else varied)
             no_bn += f" {label}: {lowered(said)}" if said else ""
             part = history[history["run_id"].isin(rows["run_id"])] if not history.empty else history
             comparisons += [f"{label}: {lowered(s)}" for s in _comparisons(rows, part, evals, objective, varied)]
+            kept.append(rows)
         no_bn = no_bn.strip()
+        comparisons += norms(pd.concat(kept), measure(trials, objective))
     else:
         compared, no_bn = one_bn_rule(trials, varied)
         comparisons = _comparisons(compared, history, evals, objective, varied)

@@ -4,10 +4,10 @@ study that varies the norm says which norm did better at each B, or that its see
 import math
 
 from batchsweep.analysis.figures import candidates
-from batchsweep.analysis.findings import one_bn_rule
+from batchsweep.analysis.findings import one_bn_rule, summarize
 from batchsweep.analysis.space import importance, memory_front, parallel_coordinates
 from tests.test_recommend_edges import _study
-from tests.test_report_no_batchnorm import NOTE, VARIED
+from tests.test_report_no_batchnorm import NOTE, VARIED, _bn_grid
 
 RULES = ("default", "scaled", "matched")
 
@@ -56,3 +56,34 @@ def test_the_memory_and_throughput_figures_count_a_model_without_batchnorm_once(
              if f is not None}
     for name in ("memory_vs_batch", "throughput"):
         assert drawn[name].context.endswith("12 trials"), (name, drawn[name].context)
+
+
+def _norms(shift: float) -> list[dict]:
+    """A study of the norm (batch against group on cnn1d, no BN rule varied): group `shift` off batch at every B."""
+    rows = []
+    for norm, off in (("batch", 0.0), ("group", shift)):
+        rows += [{**r, "norm": norm, "run_id": norm + r["run_id"], "val_acc": round(r["val_acc"] + off, 3)}
+                 for r in _bn_grid("cnn1d", norm, False, measured=norm == "batch") if r["bn_momentum_rule"] == "default"]
+    return rows
+
+
+def _norm_line(shift: float) -> str:
+    study = _study(_norms(shift), ("physical_batch", "accum_steps", "norm"))
+    return next((s for s in summarize(study.trials, study.history, None, None, study.varied)
+                 if s.startswith("The norms at each B")), "")
+
+
+def test_a_study_of_the_norm_says_which_norm_did_better_at_each_b_or_that_none_was_shown_to():
+    """Grouped by norm, the findings read each norm on its own and no line said which did better: batch 3 points
+    above group at every B went unsaid. Equal runs are no win for either."""
+    line = _norm_line(-0.03)
+    for b in (32, 128, 512):
+        assert f"at B = {b}, norm = batch did better (batch against group: 3.0 points higher, 95% CI" in line, line
+    line = _norm_line(0.0)
+    assert "did better (" not in line and line.count("no norm was shown to do better (batch and group had the same "
+                                                    "mean; batch against group: equivalent within ±1 point") == 3, line
+    noisy = [{**r, "val_acc": round(r["val_acc"] + (0.02 if r["seed"] == 1 else -0.01) * (r["norm"] == "group"), 3)}
+             for r in _norms(-0.005)]
+    study = _study(noisy, ("physical_batch", "accum_steps", "norm"))
+    [line] = [s for s in summarize(study.trials, study.history, None, None, study.varied) if "norms at" in s]
+    assert "did better (" not in line and "not resolved with 3 seeds" in line, line
