@@ -225,13 +225,23 @@ class Difference:
 
 
 def quantum(values) -> float:
-    """The step a metric is recorded in, as the values show it: the smallest gap between two distinct values
-    (val_acc over 1,000 samples moves in steps of 0.001); 0 where every value is the same."""
+    """The step a metric is recorded in, as the values show it: the largest step of which every gap between two
+    distinct values is a whole multiple (val_acc over 1,000 samples moves in steps of 0.001: where few runs
+    ended at 0.275, 0.292 and 0.366, the smallest gap, 0.017, would take 17 of them for one); 0 where every value
+    is the same. A metric with no such step (a loss) gets a thousandth of its smallest gap."""
     v = np.asarray(pd.Series(values).dropna(), dtype=float)
     v = np.unique(np.round(v[np.isfinite(v)], 12))  # (0.951 - 0.950 is 0.000999... in floats)
+    tol = 1e-6 * max(1.0, float(np.abs(v).max(initial=0.0)))  # (above a float32 metric's rounding)
     gaps = np.diff(v)
-    gaps = gaps[gaps > 1e-9 * max(1.0, float(np.abs(v).max(initial=0.0)))]
-    return float(gaps.min()) if len(gaps) else 0.0
+    gaps = gaps[gaps > tol]
+    if not len(gaps):
+        return 0.0
+    smallest = float(gaps.min())
+    for n in range(1, 1001):  # the smallest gap, or its largest whole fraction that every gap is a multiple of
+        step = smallest / n
+        if np.all(np.abs(gaps - np.round(gaps / step) * step) <= tol):
+            return step
+    return smallest / 1000
 
 
 def paired(a: pd.DataFrame, b: pd.DataFrame, value: str, step: float | None = None) -> Difference | None:

@@ -21,7 +21,7 @@ from batchsweep.analysis import cli as report_cli
 from batchsweep.analysis.findings import lr_rule_reading, memory, summarize
 from batchsweep.analysis.wording import stated
 from batchsweep.analysis.render import MIB, _display, _table, write_report
-from batchsweep.analysis.runs import Difference, StudyRuns, aggregate, ci95, load_studies, reached
+from batchsweep.analysis.runs import Difference, StudyRuns, aggregate, ci95, load_studies, quantum, reached
 from batchsweep.analysis.space import (MIN_IMPORTANCE_TRIALS, front, importance, label, memory_front,
                                        parallel_coordinates, time_front)
 from tests.conftest import in_process, run_script
@@ -82,6 +82,23 @@ def test_a_difference_inside_the_noise_is_indistinguishable():
     assert "at B = 512 not resolved with 3 seeds (-0.5 ± 6.2 points; about 99 seeds would show equivalence " \
            "within ±1 point at this spread)" in sentences
     assert "fell" not in sentences
+
+
+def test_identical_twins_among_few_values_are_known_to_the_recording_step_not_the_smallest_gap():
+    """val_acc over 1,000 samples moves in steps of 0.001; three rules in two seeds ending between 0.275 and 0.44
+    show a smallest gap of 0.017, which taken for the step gave every identical pair "0.0 ± 6.2 points" over 2
+    seeds."""
+    assert quantum([0.275, 0.292, 0.366, 0.388]) == pytest.approx(0.001)
+    assert quantum(np.float32([0.275, 0.292, 0.366, 0.388])) == pytest.approx(0.001, rel=1e-4)  # (a float32 metric)
+    assert quantum([0.25, 0.5, 0.75]) == 0.25 and quantum([0.5, 0.5]) == 0.0
+
+    def apart(rule, B, kind, seed):
+        return {0: 0.275, 1: 0.366}.get(seed, 0.5) + {"none": 0.0, "linear": 0.017, "sqrt": 0.074}[rule]
+
+    two = synthetic(apart)
+    sentences = " ".join(summarize(two[two.seed < 2]))
+    assert "The linear LR rule against B = 32 over 2 seeds: equivalent within ±1 point at B = 64 (0.0 ± 0.4 " \
+           "points)" in sentences, sentences
 
 
 def test_one_seed_cannot_separate_anything():
@@ -394,9 +411,10 @@ def test_a_study_without_accuracy_reports_what_it_has(tmp_path):
     """Float targets (a regression) log val_loss and no accuracy: the report neither fails on comparisons stated in
     accuracy points nor draws an empty accuracy figure or column; it compares the configurations in the study's
     objective, where lower is better, and says what it left out."""
-    def loss(rule, B, kind, seed):  # linear worse at B = 512; one twin pair where accumulation is ahead
+    def loss(rule, B, kind, seed):  # linear worse at B = 512; one twin pair where accumulation is ahead (every
+        # value a multiple of 0.001: the loss read in steps of 0.001)
         return (0.1 + 0.001 * seed + (0.031 if rule == "linear" and B == 512 else 0.0)
-                - (0.0042 if rule == "sqrt" and B == 128 and kind == "accumulated" else 0.0))
+                - (0.004 if rule == "sqrt" and B == 128 and kind == "accumulated" else 0.0))
 
     trials = synthetic(loss).rename(columns={"val_acc": "val_loss"}).assign(val_acc=np.nan, noise_scale=40.0)
     history = pd.DataFrame([dict(run_id=r, epoch=e, val_loss=1.0 / e) for r in trials.run_id for e in (1, 2)])
@@ -414,11 +432,11 @@ def test_a_study_without_accuracy_reports_what_it_has(tmp_path):
     assert "At the largest batch, B = 512, the none rule was tied for the lowest mean with sqrt (val_loss 0.101; sqrt " \
            "val_loss 0.101, " \
            "linear val_loss 0.132); against it: sqrt not resolved with 3 seeds" in sentences
-    assert "resolved in 1: sqrt at B = 128: val_loss 0.0042 accumulated ahead" in sentences
+    assert "resolved in 1: sqrt at B = 128: val_loss 0.0040 accumulated ahead" in sentences
     assert "The gradient noise scale" in sentences and "peak memory" in sentences
     # Which way is better follows the objective's direction: a higher r2 is.
     scored = trials.rename(columns={"val_loss": "r2"}).assign(r2=lambda t: 1 - t.r2)
-    assert "sqrt at B = 128: r2 0.0042 accumulated ahead" in " ".join(summarize(scored, objective=("r2", "maximize")))
+    assert "sqrt at B = 128: r2 0.0040 accumulated ahead" in " ".join(summarize(scored, objective=("r2", "maximize")))
     assert "compared in" not in " ".join(summarize(trials.assign(val_loss=np.nan)))
     # An exact twin's loss differs by rounding: two significant digits, not "+0.0000".
     assert stated(Difference(3e-8, 1e-7, 3), m=Measure("val_loss", False)) == \
