@@ -21,7 +21,7 @@ from .figures import best_lr, best_lr_of_seeds, trained_lr
 from .measures import (ACCURACY, Measure, finished, has_accuracy, measure, no_batchnorm, one_batch,
                        reliable_noise, unmoved)
 from .plotting import in_order
-from .rules import ended_how, ended_worse, lr_rules, twins, went
+from .rules import ended_how, ended_worse, lr_rules, twins, unlogged, went
 from .runs import DERIVED, METRICS, TAGS, paired, quantum, typed
 from .targets import steps, warmup
 from .verdicts import control, judge
@@ -474,7 +474,8 @@ def failures(trials: pd.DataFrame) -> list[str]:
     bad = trials[trials["status"] != "FINISHED"]
     if bad.empty:
         return []
-    reasons = bad["reason"].astype(object).fillna("unknown").value_counts()  # (a column of NaN alone is float)
+    reasons = bad["reason"].astype(object)  # (a column of NaN alone is float)
+    reasons = reasons.where(reasons.notna() & (reasons != ""), bad["status"].map(unlogged)).value_counts()
     listing = ", ".join(f"{n} {reason}" for reason, n in reasons.items())
     health = ", except training health, which draws every trial" if "grad_norm" in trials else ""
     they = "it is" if len(bad) == 1 else "they are"

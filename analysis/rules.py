@@ -15,9 +15,10 @@ from .verdicts import judge
 from .wording import controlled, listed, plus_minus, stated, where_at
 
 
-# How a run with no reason logged ended, by its MLflow status (FINISHED runs are never missing).
-STATES = {"RUNNING": "is still marked running", "KILLED": "was killed", "SCHEDULED": "never started",
-          "FAILED": "failed with no reason logged"}
+# How a run with no reason logged ended, by its MLflow status (FINISHED runs are never missing): the verb a twin's
+# sentence puts first, then the words that the count of trials that did not finish uses too (one state, one name).
+STATES = {"RUNNING": ("is ", "still marked running"), "KILLED": ("was ", "killed"), "SCHEDULED": ("", "never started"),
+          "FAILED": ("", "failed with no reason logged")}
 ABSENT = "has no run logged"  # a (b, k) that makes a B in other seeds, with no row in this one (never logged)
 
 
@@ -95,7 +96,13 @@ def ended_how(reason, status: str, mismatch=None) -> str:
         return "ended with an error"
     if isinstance(reason, str) and reason:
         return f"ended ({reason})"
-    return STATES.get(str(status), f"ended with status {status}")
+    verb, state = STATES.get(str(status), ("ended ", f"with status {status}"))
+    return verb + state
+
+
+def unlogged(status: str) -> str:
+    """A run with no reason logged, by its status, as a count names it: 'still marked running', 'killed'."""
+    return STATES.get(str(status), ("", f"status {status}"))[1]
 
 
 def _absent(rows: pd.DataFrame) -> pd.DataFrame:

@@ -106,3 +106,29 @@ def test_a_bn_rule_and_its_true_batch_that_share_no_seed_are_said_so():
     assert any(s.startswith("Final accuracy at k = 16") and apart in s
                for s in summarize(study.trials, study.history, None, None, study.varied))
     assert any(s.startswith("BN momentum at k = 16") and s.endswith(f"; {apart}.") for s in recommend(study))
+
+
+def _failed(r: dict, status: str = "FAILED", reason: str | None = "oom") -> dict:
+    return {**r, "status": status, "reason": reason, "val_acc": None, "bn_mean_error": None}
+
+
+def _twin(r: dict, seeds) -> bool:
+    return r["accum_steps"] == 1 and r["effective_batch"] == 512 and r["seed"] in seeds
+
+
+def _own(r: dict, seeds) -> bool:
+    return r["accum_steps"] == 16 and r["bn_momentum_rule"] == "scaled" and r["seed"] in seeds
+
+
+@pytest.mark.parametrize("status, state", [("RUNNING", "still marked running"), ("KILLED", "killed")])
+def test_a_twin_with_no_reason_logged_is_named_as_the_count_of_unfinished_trials_names_it(status, state):
+    """A true batch still marked running read 'is still marked running in 3 of 3 seeds' in its twin line and '(3
+    unknown)' in the count of trials that did not finish: one state, two names."""
+    rows = [_failed(r, status, None) if _twin(r, {0, 1, 2}) else r
+            for r in _bn_grid("cnn1d", "batch", False, measured=True)]
+    study = _study(rows, VARIED)
+    found = summarize(study.trials, study.history, None, None, study.varied)
+    [final] = [s for s in found if s.startswith("Final accuracy at k = 16")]
+    [count] = [s for s in found if "trials did not finish" in s]
+    assert final.endswith(f" {state} in 3 of 3 seeds."), final
+    assert f"(3 {state})" in count, count
