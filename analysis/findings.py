@@ -21,7 +21,7 @@ from .figures import best_lr, best_lr_of_seeds, trained_lr
 from .measures import (ACCURACY, Measure, finished, has_accuracy, measure, no_batchnorm, one_batch,
                        reliable_noise, unmoved)
 from .plotting import in_order
-from .rules import ended_how, ended_worse, lr_rules, twins, unlogged, went
+from .rules import ended_how, ended_worse, lr_rules, twins, unlogged, unpaired, went
 from .runs import DERIVED, METRICS, TAGS, paired, quantum, typed
 from .targets import steps, warmup
 from .verdicts import control, judge
@@ -177,7 +177,7 @@ def bn(trials: pd.DataFrame, m: Measure = ACCURACY, final_too: bool = True,
         rules = in_order("bn_momentum_rule", at_k["bn_momentum_rule"])
         twin = {r: finished(true_twins(trials, at_k[at_k["bn_momentum_rule"] == r], int(k * b), fields))
                 for r in rules}
-        if means := _running_means(at_k, rules, twin, fields):
+        if means := _running_means(at_k, rules, twin, fields, trials["seed"].unique() if "seed" in trials else []):
             out.append(f"At k = {k} (B = {k * b}), the BN running means ended {means}.")
         verdicts, gone = finals[int(k)]
         final = "; ".join(dict.fromkeys(f"{r} {stated(v.d, 'above', 'below', m, v)}" if r not in gone else gone[r]
@@ -188,10 +188,11 @@ def bn(trials: pd.DataFrame, m: Measure = ACCURACY, final_too: bool = True,
     return out
 
 
-def _running_means(at_k: pd.DataFrame, rules: list[str], twin: dict, fields: list[str]) -> str:
+def _running_means(at_k: pd.DataFrame, rules: list[str], twin: dict, fields: list[str], seeds) -> str:
     """How far each rule's BN running means at one k ended from the population means of the final weights, against
-    its true-batch `twin` (each rule's own at its values of the other varied `fields`), paired by seed; a rule with
-    no finished twin is named; '' where no twin measured it."""
+    its true-batch `twin` (each rule's own at its values of the other varied `fields`), paired by seed over the
+    seeds both finished, and the study's `seeds` left out said; a rule with no finished twin is named; '' where no
+    twin measured it."""
     true = pd.concat(twin.values())
     true = true.drop_duplicates("run_id") if "run_id" in true else true
     if "bn_mean_error" not in at_k or true.empty or not true["bn_mean_error"].notna().any():
@@ -202,21 +203,26 @@ def _running_means(at_k: pd.DataFrame, rules: list[str], twin: dict, fields: lis
     against = (f"each rule's true batch at its own {listed([f.replace('_', ' ') for f in fields])}: "
                + ", ".join(f"{r} {significant(float(own[r])) if own[r] == own[r] else 'none'}" for r in rules)
                if fields else f"true batch: {significant(float(true['bn_mean_error'].mean()))}")
-    apart, alike, lone, unshared = [], [], [], []
+    apart, lone, unshared = [], [], []
+    alike: dict[str, list[str]] = {}  # (a verdict over the same seeds -> its rules, said once)
     diffs = [paired(at_k[at_k["bn_momentum_rule"] == r], twin[r], "bn_mean_error") for r in rules]
     for r, v in zip(rules, judge(diffs, 0.0)):  # (no margin: any difference in tracking is the question)
-        d = v.d if v else None
-        if v is not None and v.resolved:
+        if v is None:  # (a twin measured in other seeds than the rule's own runs is not a missing twin)
+            (unshared if twin[r]["bn_mean_error"].notna().any() else lone).append(r)
+            continue
+        d, mine = v.d, at_k[at_k["bn_momentum_rule"] == r]
+        left = unpaired(seeds, mine, twin[r], "bn_mean_error", r, f"{r}'s true batch" if fields else "the true batch")
+        over = f"paired over {d.n} of {len(seeds)} seeds ({left})" if left else ""
+        if v.resolved:
             apart.append(f"{r} {'further from' if d.mean > 0 else 'closer to'} it than the true batch "
                          f"({significant(d.mean, '+')}, 95% CI {significant(d.mean - d.half, '+')} to "
-                         f"{significant(d.mean + d.half, '+')}; {control(v)})")
-        elif v is not None:
-            alike.append(r)
-        else:  # (a twin measured in other seeds than the rule's own runs is not a missing twin)
-            (unshared if twin[r]["bn_mean_error"].notna().any() else lone).append(r)
-    n = int(true["seed"].nunique()) if "seed" in true else 1
-    verdicts = [*apart, *[f"not resolved from the true batch's with {n} seeds: {', '.join(alike)}"] * bool(alike)]
-    if n < 2 and (apart or alike):
+                         f"{significant(d.mean + d.half, '+')}; {control(v)}{'; ' * bool(over)}{over})")
+        else:  # (one seed resolves nothing: said as such, not as 'not resolved with 1 seeds')
+            words = ("cannot be told from the true batch's with one seed" if d.n < 2 else
+                     f"not resolved from the true batch's{'' if over else f' with {d.n} seeds'}")
+            alike.setdefault(f"{words}{', ' * bool(over)}{over}", []).append(r)
+    verdicts = [*apart, *(f"{words}: {', '.join(rs)}" for words, rs in alike.items())]
+    if len(seeds) < 2 and (apart or alike):
         verdicts = ["with one seed no rule can be told from the true batch"]
     verdicts += [f"no seed in common with its true batch: {', '.join(unshared)}"] if unshared else []
     verdicts += [f"no finished true-batch twin to compare with: {', '.join(lone)}"] if lone else []

@@ -105,6 +105,19 @@ def unlogged(status: str) -> str:
     return STATES.get(str(status), ("", f"status {status}"))[1]
 
 
+def unpaired(seeds, mine: pd.DataFrame, twin: pd.DataFrame, value: str, rule: str, whose: str) -> str:
+    """The study's `seeds` that pairing a rule's finished runs (`mine`) with its finished true-batch `twin` on
+    `value` left out, and why: 'the true batch did not finish in seed 2; scaled did not finish in seeds 0 and 1';
+    '' where none was left out."""
+    has = [set(rows.loc[rows[value].notna(), "seed"]) for rows in (mine, twin)]
+    why: dict[str, list[str]] = {}  # (what happened -> the seeds it happened in)
+    for seed in sorted(set(seeds) - (has[0] & has[1])):
+        said = [f"{name} {f'logged no {value}' if seed in set(rows['seed']) else 'did not finish'}"
+                for name, rows, got in ((rule, mine, has[0]), (whose, twin, has[1])) if seed not in got]
+        why.setdefault(" and ".join(said), []).append(str(int(seed)))
+    return "; ".join(f"{said} in seed{'s' * (len(s) > 1)} {listed(s)}" for said, s in why.items())
+
+
 def _absent(rows: pd.DataFrame) -> pd.DataFrame:
     """The (B, b, k, LR rule, seed) cells with no row: a (b, k) that ran at its B under some rule, under a rule and
     in a seed that ran at that B, with no run logged (an interrupted study, a run never recorded)."""

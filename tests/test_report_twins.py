@@ -120,6 +120,37 @@ def _own(r: dict, seeds) -> bool:
     return r["accum_steps"] == 16 and r["bn_momentum_rule"] == "scaled" and r["seed"] in seeds
 
 
+@pytest.mark.parametrize("lost, said", [
+    (lambda r: _twin(r, {0}), "not resolved from the true batch's, paired over 2 of 3 seeds (the true batch did not "
+                              "finish in seed 0): default, scaled, matched."),
+    (lambda r: _twin(r, {0, 1}), "cannot be told from the true batch's with one seed, paired over 1 of 3 seeds (the "
+                                 "true batch did not finish in seeds 0 and 1): default, scaled, matched."),
+    (lambda r: _own(r, {0, 1}), "not resolved from the true batch's with 3 seeds: default, matched; cannot be told "
+                                "from the true batch's with one seed, paired over 1 of 3 seeds (scaled did not finish "
+                                "in seeds 0 and 1): scaled.")], ids=["twin-lost-in-1", "twin-lost-in-2", "own-lost-in-2"])
+def test_a_bn_rule_s_running_means_give_the_seeds_it_was_paired_over_with_its_twin(lost, said):
+    """The true batch of 512 out of memory in seed 0 read 'not resolved from the true batch's with 2 seeds', the
+    seed left out unsaid; in seeds 0 and 1 'with one seed no rule can be told from the true batch', the seeds that
+    ran unsaid; scaled's own runs out of memory in seeds 0 and 1 read 'with 3 seeds: default, scaled, matched', as
+    if scaled were paired over 3 seeds, not 1."""
+    rows = [_failed(r) if lost(r) else r for r in _bn_grid("cnn1d", "batch", False, measured=True)]
+    study = _study(rows, VARIED)
+    [means] = [s for s in summarize(study.trials, study.history, None, None, study.varied) if s.startswith("At k = 16")]
+    assert means.endswith(f"; {said}"), means
+
+
+def test_a_zipped_bn_rule_s_running_means_give_the_seeds_its_own_twin_finished_in():
+    """scaled's true batch (weight decay 0.03) out of memory in seed 0 read 'not resolved from the true batch's
+    with 3 seeds: default, scaled, matched': scaled was paired over 2."""
+    from tests.test_report_zipped import ZIP, _zipped
+
+    rows = [_failed(r) if _twin(r, {0}) and r["weight_decay"] == ZIP["scaled"] else r for r in _zipped()]
+    means = _running_means(rows, 16)
+    assert means.endswith("; not resolved from the true batch's with 3 seeds: default, matched; not resolved from the "
+                          "true batch's, paired over 2 of 3 seeds (scaled's true batch did not finish in seed 0): "
+                          "scaled."), means
+
+
 @pytest.mark.parametrize("status, state", [("RUNNING", "still marked running"), ("KILLED", "killed")])
 def test_a_twin_with_no_reason_logged_is_named_as_the_count_of_unfinished_trials_names_it(status, state):
     """A true batch still marked running read 'is still marked running in 3 of 3 seeds' in its twin line and '(3
