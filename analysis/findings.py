@@ -111,9 +111,13 @@ def one_bn_rule(trials: pd.DataFrame, varied: tuple[str, ...] | None = None) -> 
                                          *ones.index[ones["bn_momentum_rule"].isin(first)]])]
         under = rules[0] if first in ([], rules[:1]) else f"{rules[0]} at k > 1 and under {first[0]} at k = 1"
         if len(rules) == 1:  # (nothing to count as one: its label is all that differs from default)
+            again = ones[~ones["bn_momentum_rule"].isin(first)]
+            repeat = (f"; at k = 1, where every rule sets the default momentum, the runs under {first[0]} count, and "
+                      f"the {len(again)} under {listed(in_order('bn_momentum_rule', again['bn_momentum_rule'].unique()))}"
+                      f" repeat them" if len(again) else "")
             return kept, (f"{said}the BN momentum rule {rules[0]} sets a momentum no layer uses, so its label "
-                          f"changes nothing: its runs are compared as the default's would be; no BN momentum rule "
-                          f"is ranked.")
+                          f"changes nothing: its runs are compared as the default's would be{repeat}; no BN momentum "
+                          f"rule is ranked.")
         return kept, (f"{said}the BN momentum rules {listed(rules)} set a momentum no layer uses, so they count as "
                       f"one configuration (the runs under {under}); no BN momentum rule is ranked.")
     tied = [f for f in others if (ran.groupby("bn_momentum_rule")[f].nunique() == 1).all()]

@@ -18,7 +18,15 @@ def test_one_bn_rule_on_a_model_without_batchnorm_is_named_in_the_singular():
     assert "the BN momentum rule scaled sets a momentum no layer uses" in first, first
     assert "rules scaled" not in first, first
     # (runs at k > 1 and at k = 1 are not one configuration: it read 'its runs and those at k = 1 count as one')
-    assert "so its label changes nothing: its runs are compared as the default's would be" in first, first
+    assert "so its label changes nothing: its runs are compared as the default's would be; no BN" in first, first
+    # Runs at k = 1 under both labels (the same configuration twice): those left out are said, not dropped unsaid.
+    twice = [dict(r, bn_momentum_rule="scaled", run_id=r["run_id"] + "s") for r in rows
+             if r["accum_steps"] == 1 and r["physical_batch"] == 32]
+    study = _study(rows + twice, VARIED)
+    first = summarize(study.trials, study.history, None, None, study.varied)[0]
+    assert ("its runs are compared as the default's would be; at k = 1, where every rule sets the default momentum, "
+            "the runs under default count, and the 3 under scaled repeat them; no BN momentum rule is ranked.") in \
+        first, first
     assert "one configuration" not in first, first
 
 
