@@ -198,9 +198,11 @@ def bn_rules(study: StudyRuns, m: Measure) -> list[str]:
     out = []
     for k, b, rules, verdicts, gone in bn_against_true(study.trials, m, study.varied):
         judged = [(r, v) for r, v in zip(rules, verdicts) if v is not None and v.d.n >= 2]
-        out_ = f"; {'; '.join(dict.fromkeys(gone.values()))}" if gone else ""
+        one = [(r, v) for r, v in zip(rules, verdicts) if v is not None and v.d.n < 2]  # (one seed tells nothing)
+        out_ = "".join(f"; {r} {stated(v.d, 'above', 'below', m, v)}" for r, v in one)  # ('in one seed, ...')
+        out_ += f"; {'; '.join(dict.fromkeys(gone.values()))}" if gone else ""
         if not judged:
-            if gone:
+            if gone or one:
                 out.append(f"BN momentum at k = {k} (B = {b}): no rule compared with the true batch{out_}.")
             continue
         better = [r for r, v in judged if v.resolved and not m.worse(v.d)]
