@@ -87,3 +87,58 @@ def test_a_study_of_the_norm_says_which_norm_did_better_at_each_b_or_that_none_w
     study = _study(noisy, ("physical_batch", "accum_steps", "norm"))
     [line] = [s for s in summarize(study.trials, study.history, None, None, study.varied) if "norms at" in s]
     assert "did better (" not in line and "not resolved with 3 seeds" in line, line
+
+
+def _norm_grid(cells: dict, varied: tuple[str, ...]) -> list[str]:
+    """The norm sentence of a study of batch against group on cnn1d at b = 32 (k = 1, 4, 16) and the true batches
+    128 and 512: `cells` maps (norm, LR rule, b, k) to the accuracy of seed 0 (seed s adds 0.002·s), None where the
+    run diverged, "oom" where it ran out of memory."""
+    rows = []
+    for seed in (0, 1, 2):
+        for (norm, rule, b, k), value in cells.items():
+            done = isinstance(value, float)
+            rows.append(dict(seed=seed, physical_batch=b, accum_steps=k, effective_batch=b * k, base_batch=32,
+                             bn_momentum_rule="default", lr_rule=rule, model="cnn1d", norm=norm,
+                             status="FINISHED" if done else "FAILED", reason=None if done else value or "diverged",
+                             run_id=f"r{len(rows)}", peak_memory_bytes=1e3 * b,
+                             val_acc=round(value + 0.002 * seed, 3) if done else None))
+    study = _study(rows, varied)
+    return [s for s in summarize(study.trials, study.history, None, None, study.varied) if "norms at each B" in s]
+
+
+POINTS = ((32, 1), (32, 4), (128, 1), (32, 16), (512, 1))
+
+
+def test_the_norms_are_compared_over_the_configurations_that_finished_under_both():
+    """batch 2 points above group under both LR rules at every B; group's linear runs diverged at B = 512 alone.
+    Every run counted read 'at B = 512, norm = group did better (group against batch: 2.0 points higher ... kept
+    by Benjamini-Hochberg': batch's mean there held its linear runs (0.80), group's its sqrt runs alone (0.86)."""
+    cells = {}
+    for b, k in POINTS:
+        cells.update({("batch", "sqrt", b, k): 0.88, ("batch", "linear", b, k): 0.80, ("group", "sqrt", b, k): 0.86,
+                      ("group", "linear", b, k): None if b * k == 512 else 0.78})
+    [line] = _norm_grid(cells, ("physical_batch", "accum_steps", "norm", "lr_rule"))
+    assert "every run at a B counted" not in line and "norm = group did better" not in line, line
+    for b in (32, 128, 512):
+        assert f"at B = {b}, norm = batch did better (batch against group: 2.0 points higher, 95% CI" in line, line
+    assert ("left out: b = 32, k = 16, linear, where group diverged in seeds 0, 1 and 2; b = 512, k = 1, linear, "
+            "where group diverged in seeds 0, 1 and 2)") in line, line
+    assert line.count("left out") == 1, line
+
+
+def test_a_norm_whose_true_batch_ran_out_of_memory_is_compared_over_the_accumulated_runs_alone():
+    """batch's true batch (b = 512) ran out of memory: batch at B = 512 was its accumulated runs (0.85) against
+    group's over both kinds (0.875): 'group did better ... 2.5 points', where matched it is 2.0. Where no
+    configuration is left, no verdict: 'not compared'."""
+    cells = {}
+    for b, k in POINTS:
+        cells.update({("batch", "sqrt", b, k): "oom" if b == 512 else 0.85 if k > 1 else 0.90,
+                      ("group", "sqrt", b, k): 0.87 if k > 1 else 0.88})
+    [line] = _norm_grid(cells, ("physical_batch", "accum_steps", "norm"))
+    assert ("at B = 512, norm = group did better (group against batch: 2.0 points higher, 95% CI +1.8 to +2.2 over "
+            "3 seeds") in line, line
+    assert "left out: b = 512, k = 1, where batch ran out of memory in seeds 0, 1 and 2)" in line, line
+    del cells[("batch", "sqrt", 32, 16)], cells[("group", "sqrt", 32, 16)]
+    [line] = _norm_grid(cells, ("physical_batch", "accum_steps", "norm"))
+    assert line.endswith("; at B = 512, not compared: no configuration finished under both norms in one seed "
+                         "(b = 512, k = 1, where batch ran out of memory in seeds 0, 1 and 2)."), line
