@@ -105,15 +105,20 @@ def unlogged(status: str) -> str:
     return STATES.get(str(status), ("", f"status {status}"))[1]
 
 
-def unpaired(seeds, mine: pd.DataFrame, twin: pd.DataFrame, value: str, rule: str, whose: str) -> str:
-    """The study's `seeds` that pairing a rule's finished runs (`mine`) with its finished true-batch `twin` on
-    `value` left out, and why: 'the true batch did not finish in seed 2; scaled did not finish in seeds 0 and 1';
-    '' where none was left out."""
+def unpaired(seeds, mine: pd.DataFrame, twin: pd.DataFrame, value: str, rule: str, whose: str,
+             ran: tuple[pd.DataFrame, pd.DataFrame] | None = None) -> str:
+    """The `seeds` that pairing a rule's finished runs (`mine`) with its finished true-batch `twin` on `value` left
+    out, and why: 'the true batch has no run in seed 2; scaled did not finish in seeds 0 and 1'; '' where none was
+    left out. `ran` holds the rule's runs and its twin's of every status, so that a seed with no run reads 'has no
+    run', apart from one that ran and did not finish (without it, both read 'did not finish'). `seeds` are those
+    that ran at the rule's k and b or at its true batch: a seed the study ran only elsewhere leaves nothing out."""
     has = [set(rows.loc[rows[value].notna(), "seed"]) for rows in (mine, twin)]
+    tried = [set(rows["seed"]) for rows in ran] if ran is not None else [set(seeds)] * 2
     why: dict[str, list[str]] = {}  # (what happened -> the seeds it happened in)
     for seed in sorted(set(seeds) - (has[0] & has[1])):
-        said = [f"{name} {f'logged no {value}' if seed in set(rows['seed']) else 'did not finish'}"
-                for name, rows, got in ((rule, mine, has[0]), (whose, twin, has[1])) if seed not in got]
+        said = [f"{name} " + (f"logged no {value}" if seed in set(rows["seed"]) else
+                              "did not finish" if seed in run else "has no run")
+                for name, rows, got, run in zip((rule, whose), (mine, twin), has, tried) if seed not in got]
         why.setdefault(" and ".join(said), []).append(str(int(seed)))
     return "; ".join(f"{said} in seed{'s' * (len(s) > 1)} {listed(s)}" for said, s in why.items())
 

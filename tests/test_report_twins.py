@@ -163,3 +163,19 @@ def test_a_twin_with_no_reason_logged_is_named_as_the_count_of_unfinished_trials
     [count] = [s for s in found if "trials did not finish" in s]
     assert final.endswith(f" {state} in 3 of 3 seeds."), final
     assert f"(3 {state})" in count, count
+
+
+def test_a_seed_with_no_run_is_told_apart_from_a_run_that_did_not_finish():
+    """A true batch with no run logged in seed 0 read 'paired over 2 of 3 seeds (the true batch did not finish in
+    seed 0)', as if it had started; given every run's status, a seed with none is said to have none."""
+    from batchsweep.analysis.measures import finished
+    from batchsweep.analysis.rules import unpaired
+
+    rows = [_failed(r) if _own(r, {1}) else r for r in _bn_grid("cnn1d", "batch", False, measured=True)
+            if not (_twin(r, {0}) or _own(r, {0}))]
+    t = _study(rows, VARIED).trials
+    mine = t[(t["accum_steps"] == 16) & (t["bn_momentum_rule"] == "scaled")]
+    twin = t[(t["accum_steps"] == 1) & (t["effective_batch"] == 512)]
+    said = unpaired([0, 1, 2], finished(mine), finished(twin), "bn_mean_error", "scaled", "the true batch",
+                    (mine, twin))
+    assert said == "scaled has no run and the true batch has no run in seed 0; scaled did not finish in seed 1", said
