@@ -18,12 +18,12 @@ import pandas as pd
 from . import branching
 from .best_lr import moved, over_training, rule_reading
 from .figures import best_lr, best_lr_of_seeds, trained_lr
-from .best import label
-from .measures import (ACCURACY, WORSE, Measure, finished, has_accuracy, measure, no_batchnorm, one_batch,
-                       reliable_noise, stopped_verb, unmoved)
+from .measures import (ACCURACY, NOT_SETTINGS, SEARCHED, Measure, finished, group_keys, group_label, has_accuracy,
+                       measure, no_batchnorm, one_batch, reliable_noise, unmoved)
+from .norms import norms
 from .plotting import in_order
 from .rules import ended_how, ended_worse, lr_rules, twins, unlogged, unpaired, went
-from .runs import DERIVED, METRICS, TAGS, paired, quantum, typed
+from .runs import paired, quantum, typed
 from .targets import steps, warmup
 from .verdicts import control, judge
 from .wording import listed, lowered, significant, stated
@@ -37,10 +37,6 @@ def _seed_note(t: pd.DataFrame) -> list[str]:
         return ["With one seed no difference between configurations can be told from seed noise; run the study "
                 "with --seeds 3 (or more) to separate them."]
     return []
-
-
-SEARCHED = ("physical_batch", "accum_steps", "lr_rule", "base_lr")  # (checked where the study's list lacks them)
-NOT_SETTINGS = ("run_id", "status", "seed", "batch", "bn_momentum_rule", *DERIVED, *TAGS, *METRICS)
 
 
 def rule_at_one(trials: pd.DataFrame, varied: tuple[str, ...] | None = None) -> pd.DataFrame:
@@ -529,110 +525,6 @@ def _comparisons(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFram
         return [*lead, *compared, *noise_scale(trials), *aimed_at, *memory(trials)]
     return [*compared, *noise_scale(trials), *steps(trials, history, evals), *warmup(trials, history, evals),
             *branching.finding(trials, history), *memory(trials)]
-
-
-def _norms_at(t: pd.DataFrame, m: Measure, fields: list[str]) -> str:
-    """The norms at each B of `t` (one model and dataset, every run): each against the norm of the best mean there,
-    paired by seed over the configurations (`fields`' values) that finished under every norm in that seed (_matched:
-    a norm that lost a configuration to divergence or memory is not averaged over others than the rest), under
-    Benjamini-Hochberg over every B's contrasts; a norm is said to do better only where every contrast with it is
-    resolved its way, else that none was shown to. '' where no B ran two norms."""
-    step, at = quantum(finished(t)[m.name]), []
-    for b, rows in t.groupby("effective_batch"):
-        if rows["norm"].nunique() < 2:
-            continue
-        kept, left = _matched(rows, fields, m.name)
-        cells = kept.groupby(["norm", "seed", *fields], dropna=False)[m.name].mean().reset_index()  # (once each)
-        means = (cells.groupby(["norm", "seed"])[m.name].mean().groupby("norm").mean()
-                 .sort_values(ascending=not m.maximize, kind="stable"))
-        mine = [(other, paired(cells[cells["norm"] == means.index[0]], cells[cells["norm"] == other], m.name, step),
-                 round(means.iloc[0], 9) == round(means[other], 9)) for other in means.index[1:]]
-        at.append((int(b), means.index[0] if mine else None, mine, left, rows["norm"].nunique()))
-    verdicts = iter(judge([d for _, _, mine, _, _ in at for _, d, _ in mine], m.margin))
-    parts = []
-    for b, best, mine, left, ran in at:
-        if not mine:
-            parts.append(f"at B = {b}, not compared: no configuration finished under {'both' if ran == 2 else 'every'}"
-                         f" norm{'s' * (ran == 2)} in one seed ({left})")
-            continue
-        mine = [(other, d, level, next(verdicts)) for other, d, level in mine]
-        against = "; ".join(f"{best} against {other}: {stated(d, m=m, v=v)}" for other, d, _, v in mine)
-        against += f"; left out: {left}" if left else ""
-        if all(v is not None and v.resolved and (d.mean > 0) == m.maximize for _, d, _, v in mine):
-            parts.append(f"at B = {b}, norm = {best} did better ({against})")
-            continue
-        tied = [other for other, _, level, _ in mine if level]
-        mean = (f"{listed([best, *tied])} had the same mean" if tied else
-                f"{best} had the {'highest' if m.maximize else 'lowest'} mean")
-        parts.append(f"at B = {b}, no norm was shown to do better ({mean}; {against})")
-    return (f"The norms at each B, each over the configurations that finished under every norm in the same seed (a "
-            f"seed's configurations averaged), paired by seed: {'; '.join(parts)}." if parts else "")
-
-
-def _matched(rows: pd.DataFrame, fields: list[str], value: str) -> tuple[pd.DataFrame, str]:
-    """The runs at one B in the (seed, configuration) cells where every norm there finished with `value`, and the
-    cells left out and why ('b = 512, k = 1, where batch ran out of memory in seeds 0, 1 and 2'; '' where none)."""
-    names = in_order("norm", rows["norm"].unique())
-    kept, why = [], {}  # (configuration -> what happened -> the seeds it happened in)
-    for key, cell in rows.groupby(["seed", *fields], dropna=False):
-        said = {n: _why_not(cell[cell["norm"] == n], value) for n in names}
-        if not any(said.values()):
-            kept += list(cell.index)
-            continue
-        config = label(dict(zip(fields, key[1:])), fields) or "the runs"
-        for n, s in said.items():
-            if s:
-                why.setdefault(config, {}).setdefault(f"{n} {s}", []).append(str(int(key[0])))
-    return rows.loc[kept], "; ".join(f"{config}, where " + listed(
-        [f"{s} in seed{'s' * (len(seeds) > 1)} {listed(seeds)}" for s, seeds in whys.items()])
-        for config, whys in why.items())
-
-
-def _why_not(runs: pd.DataFrame, value: str) -> str:
-    """How a norm's runs of one configuration in one seed gave no `value` ('diverged', 'ran out of memory', 'did not
-    run'), '' where each finished with one."""
-    if runs.empty:
-        return "did not run"
-    done = finished(runs)
-    for _, run in runs.drop(done.index).iterrows():
-        reason = run.get("reason")
-        return stopped_verb(reason) if reason in WORSE else ended_how(reason, run["status"], run.get("config_mismatch"))
-    return f"logged no {value}" if done[value].isna().any() else ""
-
-
-def _norm_fields(t: pd.DataFrame, varied: tuple[str, ...] | None) -> list[str]:
-    """The fields besides the norm that make a configuration at a B (b, k, the LR rule, the BN momentum rule, any
-    other varied field), where they took several values. Where a norm has no BatchNorm its BN rule sets nothing
-    (one_bn_rule() may have kept one rule's runs), so the BN rule is no field there."""
-    fields = [f for f in dict.fromkeys([*SEARCHED, *(varied or ()), "bn_momentum_rule"]) if f in t and f != "norm"
-              and (f == "bn_momentum_rule" or f not in NOT_SETTINGS) and t[f].nunique(dropna=False) > 1]
-    if "bn_momentum_rule" in fields and any(no_batchnorm(rows) for _, rows in t.groupby("norm")):
-        fields.remove("bn_momentum_rule")
-    return fields
-
-
-def norms(trials: pd.DataFrame, m: Measure | None, varied: tuple[str, ...] | None = None) -> list[str]:
-    """Where the study varied the norm, which did better at each B (_norms_at), per model and dataset, over the
-    configurations of the study's `varied` fields that finished under every norm."""
-    t = finished(trials)
-    if m is None or "norm" not in t or t["norm"].nunique() < 2 or not {m.name, "effective_batch", "seed"} <= set(t):
-        return []
-    keys = [k for k in group_keys(trials) if k != "norm"]
-    groups = trials.groupby(keys) if keys else [((), trials)]
-    said = [(group_label(keys, group), _norms_at(rows, m, _norm_fields(rows, varied))) for group, rows in groups]
-    return [f"{name}: {lowered(s)}" if name else s for name, s in said if s]
-
-
-def group_keys(trials: pd.DataFrame) -> list[str]:
-    """What findings are grouped by: the model, the dataset and the norm where the study varied them (a BN rule's
-    effect pooled with runs without BatchNorm is diluted)."""
-    return [c for c in ("model", "dataset", "norm") if c in trials and trials[c].nunique() > 1]
-
-
-def group_label(keys: list[str], group) -> str:
-    values = dict(zip(keys, group if isinstance(group, tuple) else (group,)))
-    norm = f", norm = {values.pop('norm')}" if "norm" in values else ""
-    return " on ".join(map(str, values.values())) + norm if values else norm.removeprefix(", ")
 
 
 def summarize(trials: pd.DataFrame, history: pd.DataFrame | None = None, evals: pd.DataFrame | None = None,

@@ -9,9 +9,13 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .runs import Difference
+from .runs import DERIVED, METRICS, TAGS, Difference
 
 WORSE = ("diverged", "pruned")  # a trial that ended so was stopped for doing worse: evidence, not a missing seed
+
+
+SEARCHED = ("physical_batch", "accum_steps", "lr_rule", "base_lr")  # (checked where the study's list lacks them)
+NOT_SETTINGS = ("run_id", "status", "seed", "batch", "bn_momentum_rule", *DERIVED, *TAGS, *METRICS)
 
 
 def stopped(reasons) -> str:
@@ -293,3 +297,15 @@ def unmoved(trials: pd.DataFrame, m: Measure) -> str | None:
     return (f"Every finished trial ended at the same {'accuracy' if m.points else m.name} ({m.level(values.iloc[0])}): "
             f"no configuration differed from another in it (a model that learned nothing, or a metric that does not "
             f"move), so none is compared or recommended.")
+
+
+def group_keys(trials: pd.DataFrame) -> list[str]:
+    """What findings are grouped by: the model, the dataset and the norm where the study varied them (a BN rule's
+    effect pooled with runs without BatchNorm is diluted)."""
+    return [c for c in ("model", "dataset", "norm") if c in trials and trials[c].nunique() > 1]
+
+
+def group_label(keys: list[str], group) -> str:
+    values = dict(zip(keys, group if isinstance(group, tuple) else (group,)))
+    norm = f", norm = {values.pop('norm')}" if "norm" in values else ""
+    return " on ".join(map(str, values.values())) + norm if values else norm.removeprefix(", ")

@@ -15,8 +15,8 @@ from batchsweep.sweeps import commands
 from .at_batch import largest_free, per_batch
 from .best import (Best, accounted, below_per_b, best_set, choices, diverged_in_a_seed, label, members, not_compared,
                    picked, stopped_in)
-from .findings import bn_against_true, exact_by_model, group_keys, group_label, lr_exponent, one_bn_rule
-from .measures import Measure, finished, full_scale, measure, stopped_verb, tuned, unmoved
+from .findings import bn_against_true, exact_by_model, lr_exponent, one_bn_rule
+from .measures import Measure, finished, full_scale, group_keys, group_label, measure, stopped_verb, tuned, unmoved
 from .runs import StudyRuns
 from .space import identical_spread, never_reached, not_timed, shown, timed, times
 from .wording import listed, lowered, stated

@@ -22,8 +22,8 @@ from . import targets
 from .best import (EVERY_BN, EVERY_RULE, SHORT, accounted, below_per_b, choices, diverged_in_a_seed, highest, label,
                    naming, not_compared, of, one_at_base, per_configuration, per_seed, picked, settled_by, shown_value,
                    stopped_in, ties, without)
-from .findings import group_keys, group_label, one_bn_rule
-from .measures import Measure, finished, measure, stopped_verb
+from .findings import one_bn_rule
+from .measures import Measure, finished, group_keys, group_label, measure, stopped_verb
 from .plotting import Draw, Figure, context, in_order, log_scale
 from .runs import TARGET_SHARE, StudyRuns, ci95
 

@@ -1,5 +1,5 @@
 """A study that mixes models (or datasets, or norms) gets each group's figures drawn from its own runs, as its
-findings group them (findings.group_keys): a line pooled over cnn1d and mlp holds for neither."""
+findings group them (measures.group_keys): a line pooled over cnn1d and mlp holds for neither."""
 from batchsweep.analysis.render import _candidates, write_report
 from tests.test_recommend_edges import _study
 from tests.test_report_no_batchnorm import VARIED, _bars, _bn_grid
