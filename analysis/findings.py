@@ -176,9 +176,10 @@ def bn(trials: pd.DataFrame, m: Measure = ACCURACY, final_too: bool = True,
     for k in sorted(t.loc[t["accum_steps"] > 1, "accum_steps"].unique()):
         at_k = t[(t["accum_steps"] == k) & (t["physical_batch"] == b)]
         rules = in_order("bn_momentum_rule", at_k["bn_momentum_rule"])
-        twin = {r: finished(true_twins(trials, at_k[at_k["bn_momentum_rule"] == r], int(k * b), fields))
-                for r in rules}
-        if means := _running_means(at_k, rules, twin, fields, trials["seed"].unique() if "seed" in trials else []):
+        ran = {r: true_twins(trials, at_k[at_k["bn_momentum_rule"] == r], int(k * b), fields) for r in rules}
+        twin = {r: finished(x) for r, x in ran.items()}
+        if means := _running_means(at_k, rules, twin, fields,
+                                   trials[(trials["accum_steps"] == k) & (trials["physical_batch"] == b)], ran):
             out.append(f"At k = {k} (B = {k * b}), the BN running means ended {means}.")
         verdicts, gone = finals[int(k)]
         final = "; ".join(dict.fromkeys(f"{r} {stated(v.d, 'above', 'below', m, v)}" if r not in gone else gone[r]
@@ -189,11 +190,13 @@ def bn(trials: pd.DataFrame, m: Measure = ACCURACY, final_too: bool = True,
     return out
 
 
-def _running_means(at_k: pd.DataFrame, rules: list[str], twin: dict, fields: list[str], seeds) -> str:
+def _running_means(at_k: pd.DataFrame, rules: list[str], twin: dict, fields: list[str], tried: pd.DataFrame,
+                   ran: dict) -> str:
     """How far each rule's BN running means at one k ended from the population means of the final weights, against
     its true-batch `twin` (each rule's own at its values of the other varied `fields`), paired by seed over the
-    seeds both finished, and the study's `seeds` left out said; a rule with no finished twin is named; '' where no
-    twin measured it."""
+    seeds both finished, and the seeds left out said: of those that ran at this k (`tried`, every status) or at a
+    rule's true batch (`ran`, every status); a rule with no finished twin is named; '' where no twin measured it."""
+    seeds = sorted(set(tried["seed"]).union(*(x["seed"] for x in ran.values()))) if "seed" in tried else []
     true = pd.concat(twin.values())
     true = true.drop_duplicates("run_id") if "run_id" in true else true
     if "bn_mean_error" not in at_k or true.empty or not true["bn_mean_error"].notna().any():
@@ -212,7 +215,8 @@ def _running_means(at_k: pd.DataFrame, rules: list[str], twin: dict, fields: lis
             (unshared if twin[r]["bn_mean_error"].notna().any() else lone).append(r)
             continue
         d, mine = v.d, at_k[at_k["bn_momentum_rule"] == r]
-        left = unpaired(seeds, mine, twin[r], "bn_mean_error", r, f"{r}'s true batch" if fields else "the true batch")
+        left = unpaired(seeds, mine, twin[r], "bn_mean_error", r, f"{r}'s true batch" if fields else "the true batch",
+                        (tried[tried["bn_momentum_rule"] == r], ran[r]))
         over = f"paired over {d.n} of {len(seeds)} seeds ({left})" if left else ""
         if v.resolved:
             apart.append(f"{r} {'further from' if d.mean > 0 else 'closer to'} it than the true batch "

@@ -106,14 +106,14 @@ def unlogged(status: str) -> str:
 
 
 def unpaired(seeds, mine: pd.DataFrame, twin: pd.DataFrame, value: str, rule: str, whose: str,
-             ran: tuple[pd.DataFrame, pd.DataFrame] | None = None) -> str:
+             ran: tuple[pd.DataFrame, pd.DataFrame]) -> str:
     """The `seeds` that pairing a rule's finished runs (`mine`) with its finished true-batch `twin` on `value` left
     out, and why: 'the true batch has no run in seed 2; scaled did not finish in seeds 0 and 1'; '' where none was
     left out. `ran` holds the rule's runs and its twin's of every status, so that a seed with no run reads 'has no
-    run', apart from one that ran and did not finish (without it, both read 'did not finish'). `seeds` are those
+    run', apart from one that ran and did not finish. `seeds` are those
     that ran at the rule's k and b or at its true batch: a seed the study ran only elsewhere leaves nothing out."""
     has = [set(rows.loc[rows[value].notna(), "seed"]) for rows in (mine, twin)]
-    tried = [set(rows["seed"]) for rows in ran] if ran is not None else [set(seeds)] * 2
+    tried = [set(rows["seed"]) for rows in ran]
     why: dict[str, list[str]] = {}  # (what happened -> the seeds it happened in)
     for seed in sorted(set(seeds) - (has[0] & has[1])):
         said = [f"{name} " + (f"logged no {value}" if seed in set(rows["seed"]) else

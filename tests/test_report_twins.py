@@ -179,3 +179,35 @@ def test_a_seed_with_no_run_is_told_apart_from_a_run_that_did_not_finish():
     said = unpaired([0, 1, 2], finished(mine), finished(twin), "bn_mean_error", "scaled", "the true batch",
                     (mine, twin))
     assert said == "scaled has no run and the true batch has no run in seed 0; scaled did not finish in seed 1", said
+
+
+@pytest.mark.parametrize("gone, said", [
+    (lambda r: _twin(r, {0}), "not resolved from the true batch's, paired over 2 of 3 seeds (the true batch has no "
+                              "run in seed 0): default, scaled, matched."),
+    (lambda r: _own(r, {0, 1}), "not resolved from the true batch's with 3 seeds: default, matched; cannot be told "
+                                "from the true batch's with one seed, paired over 1 of 3 seeds (scaled has no run in "
+                                "seeds 0 and 1): scaled.")], ids=["twin-absent-in-1", "own-absent-in-2"])
+def test_a_bn_rule_s_running_means_say_a_seed_with_no_run_has_none(gone, said):
+    """With no true batch of 512 logged in seed 0 the line read '(the true batch did not finish in seed 0)', as if
+    it had run; with no run of scaled at k = 16 in seeds 0 and 1, '(scaled did not finish in seeds 0 and 1)'."""
+    study = _study([r for r in _bn_grid("cnn1d", "batch", False, measured=True) if not gone(r)], VARIED)
+    [means] = [s for s in summarize(study.trials, study.history, None, None, study.varied) if s.startswith("At k = 16")]
+    assert means.endswith(f"; {said}"), means
+
+
+@pytest.mark.parametrize("lost, said", [
+    (lambda r: False, "not resolved from the true batch's with 3 seeds: default, scaled, matched."),
+    (lambda r: _twin(r, {0}), "not resolved from the true batch's, paired over 2 of 3 seeds (the true batch did not "
+                              "finish in seed 0): default, scaled, matched.")], ids=["none-lost", "twin-lost-in-1"])
+def test_a_seed_run_only_at_other_settings_leaves_out_no_bn_rule_s_seed(lost, said):
+    """A seed 3 run only at b = 32, k = 1 read at k = 16 'paired over 3 of 4 seeds (default did not finish and the
+    true batch did not finish in seed 3): default; ... scaled; ... matched', once per rule: the seeds counted were
+    the study's, not those that ran at k = 16 or its true batch."""
+    base = _bn_grid("cnn1d", "batch", False, measured=True)
+    rows = [_failed(r) if lost(r) else r for r in base] + [
+        dict(r, seed=3, run_id=f"{r['run_id']}-3") for r in base
+        if r["seed"] == 0 and r["accum_steps"] == 1 and r["physical_batch"] == 32]
+    study = _study(rows, VARIED)
+    assert set(study.trials["seed"]) == {0, 1, 2, 3}
+    [means] = [s for s in summarize(study.trials, study.history, None, None, study.varied) if s.startswith("At k = 16")]
+    assert means.endswith(f"; {said}"), means
