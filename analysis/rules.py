@@ -110,8 +110,8 @@ def unpaired(seeds, mine: pd.DataFrame, twin: pd.DataFrame, value: str, rule: st
     """The `seeds` that pairing a rule's finished runs (`mine`) with its finished true-batch `twin` on `value` left
     out, and why: 'the true batch has no run in seed 2; scaled did not finish in seeds 0 and 1'; '' where none was
     left out. `ran` holds the rule's runs and its twin's of every status, so that a seed with no run reads 'has no
-    run', apart from one that ran and did not finish. `seeds` are those
-    that ran at the rule's k and b or at its true batch: a seed the study ran only elsewhere leaves nothing out."""
+    run', apart from one that ran and did not finish. `seeds` are those that ran at the rule's k and b or at its
+    true batch: a seed the study ran only elsewhere leaves nothing out."""
     has = [set(rows.loc[rows[value].notna(), "seed"]) for rows in (mine, twin)]
     tried = [set(rows["seed"]) for rows in ran]
     why: dict[str, list[str]] = {}  # (what happened -> the seeds it happened in)
