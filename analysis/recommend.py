@@ -203,7 +203,8 @@ def bn_rules(study: StudyRuns, m: Measure) -> list[str]:
         out_ += f"; {'; '.join(dict.fromkeys(gone.values()))}" if gone else ""
         if not judged:
             if gone or one:
-                out.append(f"BN momentum at k = {k} (B = {b}): no rule compared with the true batch{out_}.")
+                over = " over two seeds or more" if one else ""  # (a rule compared in one seed follows)
+                out.append(f"BN momentum at k = {k} (B = {b}): no rule compared with the true batch{over}{out_}.")
             continue
         better = [r for r, v in judged if v.resolved and not m.worse(v.d)]
         same = [r for r, v in judged if v.equivalent and not v.d.separated]  # (an interval off 0: said so)

@@ -451,7 +451,8 @@ def twins(trials: pd.DataFrame, m: Measure = ACCURACY) -> list[str]:
             f"{w}: {plus_minus(v.d, m, m.places(v.d.mean, v.d.half))}" for w, v in open_) + ")")
     parts.append(f"resolved in {len(resolved)}" + (": " + "; ".join(f"{w}: {stated(v.d, *ahead, m=m, v=v)}"
                                                                      for w, v in resolved) if resolved else ""))
-    return [f"Accumulation and its true-batch twin at the same B were compared in {len(pairs)} pairs, paired by seed "
+    return [f"Accumulation and its true-batch twin at the same B were compared in {len(pairs)} "
+            f"pair{'s' * (len(pairs) != 1)}, paired by seed "
             f"over {n} seeds (95% t-intervals, median half-width {m.amount(float(np.median(halves)))}): "
             + "; ".join(parts)
             + "." + left, *controlled(pairs, "twin pairs")]

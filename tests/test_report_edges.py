@@ -82,6 +82,20 @@ def test_a_bn_momentum_rule_paired_in_one_seed_is_named_in_the_recommendation():
     [k16] = [line for line in recommend(_study(rows, ("physical_batch", "accum_steps", "bn_momentum_rule")))
              if line.startswith("BN momentum at k = 16")]
     assert k16.endswith("; scaled 0.0 points below in one seed, which cannot be told from seed noise."), k16
+    # Where every other rule diverged in a seed, scaled's one-seed comparison is no comparison over the seeds.
+    rows = [dict(r, status="FAILED", reason="diverged", val_acc=np.nan) if r["accum_steps"] == 16 and r["seed"] == 0
+            and r["bn_momentum_rule"] != "scaled" else r for r in rows]
+    [k16] = [line for line in recommend(_study(rows, ("physical_batch", "accum_steps", "bn_momentum_rule")))
+             if line.startswith("BN momentum at k = 16")]
+    assert k16.startswith("BN momentum at k = 16 (B = 512): no rule compared with the true batch over two seeds or "
+                          "more; scaled 0.0 points below in one seed, which cannot be told from seed noise; "), k16
+
+
+def test_one_twin_pair_is_one_pair():
+    from tests.test_analysis import flat, synthetic
+    t = synthetic(flat)
+    said = " ".join(summarize(t[(t["lr_rule"] == "none") & (t["effective_batch"] <= 64)]))
+    assert "Accumulation and its true-batch twin at the same B were compared in 1 pair, paired by seed" in said, said
 
 
 def test_a_bn_momentum_rule_that_diverged_in_a_seed_is_not_shown_to_match_the_true_batch():
