@@ -14,7 +14,7 @@ from .verdicts import judge
 from .wording import listed, lowered, stated
 
 
-def _norms_at(t: pd.DataFrame, m: Measure, fields: list[str]) -> str:
+def _norms_at(t: pd.DataFrame, m: Measure, fields: list[str], inner: list[str]) -> str:
     """The norms at each B of `t` (one model and dataset, every run): each against the norm of the best mean there,
     paired by seed over the configurations (`fields`' values) that finished under every norm in that seed (_matched:
     a norm that lost a configuration to divergence or memory is not averaged over others than the rest), under
@@ -24,7 +24,7 @@ def _norms_at(t: pd.DataFrame, m: Measure, fields: list[str]) -> str:
     for b, rows in t.groupby("effective_batch"):
         if rows["norm"].nunique() < 2:
             continue
-        kept, left = _matched(rows, fields, m.name)
+        kept, left = _matched(rows, fields, inner, m.name)
         cells = kept.groupby(["norm", "seed", *fields], dropna=False)[m.name].mean().reset_index()  # (once each)
         means = (cells.groupby(["norm", "seed"])[m.name].mean().groupby("norm").mean()
                  .sort_values(ascending=not m.maximize, kind="stable"))
@@ -52,46 +52,64 @@ def _norms_at(t: pd.DataFrame, m: Measure, fields: list[str]) -> str:
             f"seed's configurations averaged), paired by seed: {'; '.join(parts)}." if parts else "")
 
 
-def _matched(rows: pd.DataFrame, fields: list[str], value: str) -> tuple[pd.DataFrame, str]:
+def _matched(rows: pd.DataFrame, fields: list[str], inner: list[str], value: str) -> tuple[pd.DataFrame, str]:
     """The runs at one B in the (seed, configuration) cells where every norm there finished with `value`, and the
     cells left out and why ('b = 512, k = 1, where batch ran out of memory in seeds 0, 1 and 2'; '' where none)."""
     names = in_order("norm", rows["norm"].unique())
     kept, why = [], {}  # (configuration -> what happened -> the seeds it happened in)
     for key, cell in rows.groupby(["seed", *fields], dropna=False):
-        said = {n: _why_not(cell[cell["norm"] == n], value) for n in names}
-        if not any(said.values()):
+        said = [s for n in names for s in _why_not(cell[cell["norm"] == n], value, n, inner)]
+        if not said:
             kept += list(cell.index)
             continue
         config = label(dict(zip(fields, key[1:])), fields) or "the runs"
-        for n, s in said.items():
-            if s:
-                why.setdefault(config, {}).setdefault(f"{n} {s}", []).append(str(int(key[0])))
-    return rows.loc[kept], "; ".join(f"{config}, where " + listed(
-        [f"{s} in seed{'s' * (len(seeds) > 1)} {listed(seeds)}" for s, seeds in whys.items()])
-        for config, whys in why.items())
+        for s in said:
+            why.setdefault(config, {}).setdefault(s, []).append(str(int(key[0])))
+    told = [f"{config}, where " + listed([f"{s} in seed{'s' * (len(seeds) > 1)} {listed(seeds)}"
+                                         for s, seeds in whys.items()]) for config, whys in why.items()]
+    return rows.loc[kept], "; ".join(told)
 
 
-def _why_not(runs: pd.DataFrame, value: str) -> str:
-    """How a norm's runs of one configuration in one seed gave no `value` ('diverged', 'ran out of memory', 'did not
-    run'), '' where each finished with one."""
+def _why_not(runs: pd.DataFrame, value: str, norm: str, inner: list[str]) -> list[str]:
+    """How a norm's runs of one configuration in one seed gave no `value`, each way once ('batch diverged', 'batch
+    (BN scaled) diverged', 'group did not run'); [] where each finished with one."""
     if runs.empty:
-        return "did not run"
-    done = finished(runs)
-    for _, run in runs.drop(done.index).iterrows():
-        reason = run.get("reason")
-        return stopped_verb(reason) if reason in WORSE else ended_how(reason, run["status"], run.get("config_mismatch"))
-    return f"logged no {value}" if done[value].isna().any() else ""
+        return [f"{norm} did not run"]
+    done, how = finished(runs), {}
+    for i, run in runs.iterrows():
+        if i not in done.index:
+            reason = run.get("reason")
+            said = (stopped_verb(reason) if reason in WORSE else
+                    ended_how(reason, run["status"], run.get("config_mismatch")))
+        elif pd.isna(run[value]):
+            said = f"logged no {value}"
+        else:
+            continue
+        how.setdefault(said, []).append(i)
+    return [f"{_whose(runs, ids, norm, inner)} {said}" for said, ids in how.items()]
 
 
-def _norm_fields(t: pd.DataFrame, varied: tuple[str, ...] | None) -> list[str]:
+def _whose(runs: pd.DataFrame, ids: list, norm: str, inner: list[str]) -> str:
+    """The runs `ids` of a norm's `runs` in one cell, as a sentence names them: the norm where they are all its runs
+    there; else with the fields that tell its runs apart ('batch (BN scaled)': a BN rule is no field of the
+    configuration where another norm has no BatchNorm), or as one of so many where none does (a run repeated)."""
+    if len(ids) == len(runs):
+        return norm
+    apart = [f for f in inner if f in runs and runs[f].nunique(dropna=False) > 1]
+    if apart:
+        return f"{norm} ({listed([label(runs.loc[i], apart) for i in ids])})"
+    return f"{'one' if len(ids) == 1 else len(ids)} of {norm}'s {len(runs)} runs"
+
+
+def _norm_fields(t: pd.DataFrame, varied: tuple[str, ...] | None) -> tuple[list[str], list[str]]:
     """The fields besides the norm that make a configuration at a B (b, k, the LR rule, the BN momentum rule, any
-    other varied field), where they took several values. Where a norm has no BatchNorm its BN rule sets nothing
-    (one_bn_rule() may have kept one rule's runs), so the BN rule is no field there."""
-    fields = [f for f in dict.fromkeys([*SEARCHED, *(varied or ()), "bn_momentum_rule"]) if f in t and f != "norm"
-              and (f == "bn_momentum_rule" or f not in NOT_SETTINGS) and t[f].nunique(dropna=False) > 1]
-    if "bn_momentum_rule" in fields and any(no_batchnorm(rows) for _, rows in t.groupby("norm")):
-        fields.remove("bn_momentum_rule")
-    return fields
+    other varied field), where they took several values; and all of those, which tell a norm's runs in one
+    configuration apart. Where a norm has no BatchNorm its BN rule sets nothing (one_bn_rule() may have kept one
+    rule's runs), so the BN rule is no field of the configuration there."""
+    every = [f for f in dict.fromkeys([*SEARCHED, *(varied or ()), "bn_momentum_rule"]) if f in t and f != "norm"
+             and (f == "bn_momentum_rule" or f not in NOT_SETTINGS) and t[f].nunique(dropna=False) > 1]
+    without = any(no_batchnorm(rows) for _, rows in t.groupby("norm"))
+    return [f for f in every if f != "bn_momentum_rule" or not without], every
 
 
 def norms(trials: pd.DataFrame, m: Measure | None, varied: tuple[str, ...] | None = None) -> list[str]:
@@ -102,5 +120,5 @@ def norms(trials: pd.DataFrame, m: Measure | None, varied: tuple[str, ...] | Non
         return []
     keys = [k for k in group_keys(trials) if k != "norm"]
     groups = trials.groupby(keys) if keys else [((), trials)]
-    said = [(group_label(keys, group), _norms_at(rows, m, _norm_fields(rows, varied))) for group, rows in groups]
+    said = [(group_label(keys, group), _norms_at(rows, m, *_norm_fields(rows, varied))) for group, rows in groups]
     return [f"{name}: {lowered(s)}" if name else s for name, s in said if s]

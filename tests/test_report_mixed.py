@@ -142,3 +142,41 @@ def test_a_norm_whose_true_batch_ran_out_of_memory_is_compared_over_the_accumula
     [line] = _norm_grid(cells, ("physical_batch", "accum_steps", "norm"))
     assert line.endswith("; at B = 512, not compared: no configuration finished under both norms in one seed "
                          "(b = 512, k = 1, where batch ran out of memory in seeds 0, 1 and 2)."), line
+
+
+def _bn_beside_group() -> list[dict]:
+    """batch under three BN rules at k = 4 (one at k = 1), group (no BatchNorm: no bn_mean_error) under the default
+    alone; batch's scaled run at k = 4 diverged in seed 0, its default and matched finished there."""
+    rows = []
+    for seed in (0, 1, 2):
+        for b, k in ((32, 1), (32, 4), (128, 1)):
+            for norm in ("batch", "group"):
+                for rule in RULES if norm == "batch" and k > 1 else ("default",):
+                    failed = norm == "batch" and rule == "scaled" and k == 4 and seed == 0
+                    value = 0.88 if norm == "batch" else 0.86
+                    rows.append(dict(seed=seed, physical_batch=b, accum_steps=k, effective_batch=b * k, base_batch=32,
+                                     bn_momentum_rule=rule, lr_rule="sqrt", model="cnn1d", norm=norm,
+                                     status="FAILED" if failed else "FINISHED", reason="diverged" if failed else None,
+                                     run_id=f"r{len(rows)}", val_acc=None if failed else value + 0.002 * seed,
+                                     bn_mean_error=0.01 if norm == "batch" and not failed else None))
+    return rows
+
+
+def _norm_sentence(rows: list[dict], varied: tuple[str, ...]) -> str:
+    study = _study(rows, varied)
+    [line] = [s for s in summarize(study.trials, study.history, None, None, study.varied) if "norms at each B" in s]
+    return line
+
+
+def test_a_configuration_left_out_names_the_run_of_the_norm_that_did_not_finish():
+    """The BN rule is no field of the configuration beside group (no BatchNorm), so batch's default, scaled and
+    matched runs share a cell: it read 'left out: b = 32, k = 4, where batch diverged in seed 0', where batch's
+    default and matched finished there. A run repeated in its cell, failed once and finished once, read the same."""
+    rows = _bn_beside_group()
+    line = _norm_sentence(rows, ("physical_batch", "accum_steps", "norm", "bn_momentum_rule"))
+    assert "left out: b = 32, k = 4, where batch (BN scaled) diverged in seed 0)" in line, line
+    repeated = [r for r in rows if r["status"] == "FINISHED"]
+    [again] = [r for r in repeated if r["norm"] == "group" and r["effective_batch"] == 32 and r["seed"] == 2]
+    repeated.append(dict(again, run_id="again", status="FAILED", reason="oom", val_acc=None))
+    line = _norm_sentence(repeated, ("physical_batch", "accum_steps", "norm"))
+    assert "left out: b = 32, k = 1, where one of group's 2 runs ran out of memory in seed 2)" in line, line
