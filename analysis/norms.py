@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .best import label
+from .best import CONTINUOUS, label
 from .measures import (NOT_SETTINGS, SEARCHED, WORSE, Measure, finished, group_keys, group_label, no_batchnorm,
                        stopped_verb)
 from .plotting import in_order
@@ -13,14 +13,21 @@ from .runs import paired, quantum
 from .verdicts import judge
 from .wording import listed, lowered, stated
 
+SHOWN = 5  # configurations a 'left out' list names before it counts the rest
+
 
 def _norms_at(t: pd.DataFrame, m: Measure, fields: list[str], inner: list[str]) -> str:
     """The norms at each B of `t` (one model and dataset, every run): each against the norm of the best mean there,
     paired by seed over the configurations (`fields`' values) that finished under every norm in that seed (_matched:
     a norm that lost a configuration to divergence or memory is not averaged over others than the rest), under
     Benjamini-Hochberg over every B's contrasts; a norm is said to do better only where every contrast with it is
-    resolved its way, else that none was shown to. '' where no B ran two norms."""
+    resolved its way, else that none was shown to; once that none is compared where one field leaves the norms no
+    configuration in common (_unshared). '' where no B ran two norms."""
     step, at = quantum(finished(t)[m.name]), []
+    if not any(rows["norm"].nunique() > 1 for _, rows in t.groupby("effective_batch")):
+        return ""
+    if unshared := _unshared(t, fields):
+        return unshared
     for b, rows in t.groupby("effective_batch"):
         if rows["norm"].nunique() < 2:
             continue
@@ -52,9 +59,30 @@ def _norms_at(t: pd.DataFrame, m: Measure, fields: list[str], inner: list[str]) 
             f"seed's configurations averaged), paired by seed: {'; '.join(parts)}." if parts else "")
 
 
+def _unshared(t: pd.DataFrame, fields: list[str]) -> str:
+    """That the norms are not compared, said once, where one field alone leaves them no configuration in common: no
+    value of it ran under every norm (a searched learning rate, each trial its own value), so each B's list of the
+    configurations left out would name every trial; '' where each field has a value that every norm ran."""
+    names = in_order("norm", t["norm"].unique())
+    for f in fields:
+        values = t[f].astype(str)
+        if set.intersection(*(set(values[t["norm"] == n]) for n in names)):
+            continue
+        n = t[f].nunique()
+        took = ""
+        if pd.api.types.is_numeric_dtype(t[f]) and (n == len(t) or n > CONTINUOUS):
+            took = (f"{f} took a value of its own in each of the {n} trials, and " if n == len(t) else
+                    f"{f} took {n} values over {len(t)} trials, and ")
+        whom = f"both {names[0]} and {names[1]}" if len(names) == 2 else f"every norm ({listed(names)})"
+        return (f"The norms at each B are not compared: {took}no value of {'it' if took else f} ran under {whom}, so "
+                f"they share no configuration.")
+    return ""
+
+
 def _matched(rows: pd.DataFrame, fields: list[str], inner: list[str], value: str) -> tuple[pd.DataFrame, str]:
     """The runs at one B in the (seed, configuration) cells where every norm there finished with `value`, and the
-    cells left out and why ('b = 512, k = 1, where batch ran out of memory in seeds 0, 1 and 2'; '' where none)."""
+    cells left out and why ('b = 512, k = 1, where batch ran out of memory in seeds 0, 1 and 2'; '' where none), the
+    first SHOWN configurations named and the rest counted."""
     names = in_order("norm", rows["norm"].unique())
     kept, why = [], {}  # (configuration -> what happened -> the seeds it happened in)
     for key, cell in rows.groupby(["seed", *fields], dropna=False):
@@ -67,6 +95,8 @@ def _matched(rows: pd.DataFrame, fields: list[str], inner: list[str], value: str
             why.setdefault(config, {}).setdefault(s, []).append(str(int(key[0])))
     told = [f"{config}, where " + listed([f"{s} in seed{'s' * (len(seeds) > 1)} {listed(seeds)}"
                                          for s, seeds in whys.items()]) for config, whys in why.items()]
+    if len(told) > SHOWN + 1:  # (one more is named rather than counted)
+        told = [*told[:SHOWN], f"and {len(told) - SHOWN} more configurations"]
     return rows.loc[kept], "; ".join(told)
 
 

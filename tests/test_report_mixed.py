@@ -180,3 +180,46 @@ def test_a_configuration_left_out_names_the_run_of_the_norm_that_did_not_finish(
     repeated.append(dict(again, run_id="again", status="FAILED", reason="oom", val_acc=None))
     line = _norm_sentence(repeated, ("physical_batch", "accum_steps", "norm"))
     assert "left out: b = 32, k = 1, where one of group's 2 runs ran out of memory in seed 2)" in line, line
+
+
+def _lr_rows(lrs: list[float]) -> list[dict]:
+    """batch (0.88) and group (0.86) at b = 32, k = 1 and 4, one run per base_lr of `lrs` in turn (seed i % 3)."""
+    rows = []
+    for i, lr in enumerate(lrs):
+        k, norm = (1, 4)[i // 2 % 2], ("batch", "group")[i % 2]
+        rows.append(dict(seed=i % 3, physical_batch=32, accum_steps=k, effective_batch=32 * k, base_batch=32,
+                         bn_momentum_rule="default", lr_rule="sqrt", base_lr=lr, model="cnn1d", norm=norm,
+                         status="FINISHED", reason=None, run_id=f"r{i}", val_acc=0.88 - 0.02 * (norm == "group")))
+    return rows
+
+
+def test_a_sampled_field_that_leaves_the_norms_no_configuration_in_common_is_said_once():
+    """base_lr sampled, each trial its own value: at each B it read 'not compared: no configuration finished under
+    both norms in one seed (k = 1, base_lr = 0.00346, where batch did not run in seed 0; …)', a clause per trial."""
+    varied = ("physical_batch", "accum_steps", "norm", "base_lr")
+    lrs = [round(1e-3 * 1.1 ** i, 6) for i in range(40)]
+    line = _norm_sentence(_lr_rows(lrs), varied)
+    assert line == ("The norms at each B are not compared: base_lr took a value of its own in each of the 40 trials, "
+                    "and no value of it ran under both batch and group, so they share no configuration."), line
+    line = _norm_sentence(_lr_rows(lrs + lrs[:2]), varied)  # (each run twice under its own norm)
+    assert line.startswith("The norms at each B are not compared: base_lr took 40 values over 42 trials, and no "), line
+
+
+def test_a_left_out_list_names_five_configurations_and_counts_the_rest():
+    """Every configuration of a long grid of base_lr left out at B = 128 (group diverged there) was named."""
+    rows = []
+    for seed in (0, 1, 2):
+        for k in (1, 4):
+            for lr in [0.01 * (i + 1) for i in range(8)]:
+                for norm in ("batch", "group"):
+                    failed = norm == "group" and k == 4 and lr > 0.015
+                    rows.append(dict(seed=seed, physical_batch=32, accum_steps=k, effective_batch=32 * k,
+                                     base_batch=32, bn_momentum_rule="default", lr_rule="sqrt", base_lr=lr,
+                                     model="cnn1d", norm=norm, status="FAILED" if failed else "FINISHED",
+                                     reason="diverged" if failed else None, run_id=f"r{len(rows)}",
+                                     val_acc=None if failed else 0.88 - 0.02 * (norm == "group") + 0.002 * seed))
+    line = _norm_sentence(rows, ("physical_batch", "accum_steps", "norm", "base_lr"))
+    assert ("left out: k = 4, base_lr = 0.02, where group diverged in seeds 0, 1 and 2; k = 4, base_lr = 0.03, "
+            "where") in line, line
+    assert "base_lr = 0.06, where group diverged in seeds 0, 1 and 2; and 2 more configurations)" in line, line
+    assert "base_lr = 0.07" not in line, line
