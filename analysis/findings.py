@@ -104,17 +104,15 @@ def one_bn_rule(trials: pd.DataFrame, varied: tuple[str, ...] | None = None) -> 
     crossed = not others or (ran.groupby(others, dropna=False)["bn_momentum_rule"].nunique() == len(rules)).all()
     if crossed:
         first = in_order("bn_momentum_rule", ones["bn_momentum_rule"].unique())[:1]  # (k = 1 under one rule)
-        kept = trials[trials.index.isin([*ran.index[ran["bn_momentum_rule"] == rules[0]],
-                                         *ones.index[ones["bn_momentum_rule"].isin(first)]])]
+        at_one, how = _one_run_at_k1(ones, varied)
+        kept = trials[trials.index.isin([*ran.index[ran["bn_momentum_rule"] == rules[0]], *at_one])]
         under = rules[0] if first in ([], rules[:1]) else f"{rules[0]} at k > 1 and under {first[0]} at k = 1"
+        if set(ones.loc[at_one, "bn_momentum_rule"]) - set(first):  # (else the repeats are that one configuration)
+            under = f"{rules[0]} at k > 1; {how}"
         if len(rules) == 1:  # (nothing to count as one: its label is all that differs from default)
-            again = ones[~ones["bn_momentum_rule"].isin(first)]
-            repeat = (f"; at k = 1, where every rule sets the default momentum, the runs under {first[0]} count, and "
-                      f"the {len(again)} under {listed(in_order('bn_momentum_rule', again['bn_momentum_rule'].unique()))}"
-                      f" repeat them" if len(again) else "")
             return kept, (f"{said}the BN momentum rule {rules[0]} sets a momentum no layer uses, so its label "
-                          f"changes nothing: its runs are compared as the default's would be{repeat}; no BN momentum "
-                          f"rule is ranked.")
+                          f"changes nothing: its runs are compared as the default's would be{'; ' * bool(how)}{how}; "
+                          f"no BN momentum rule is ranked.")
         return kept, (f"{said}the BN momentum rules {listed(rules)} set a momentum no layer uses, so they count as "
                       f"one configuration (the runs under {under}); no BN momentum rule is ranked.")
     tied = [f for f in others if (ran.groupby("bn_momentum_rule")[f].nunique() == 1).all()]
@@ -129,6 +127,42 @@ def one_bn_rule(trials: pd.DataFrame, varied: tuple[str, ...] | None = None) -> 
                     f"{listed(rules)} come from the field it moves with, "
                     f"{'the LR rule' if field == 'lr_rule' else field} ({each}); every run is kept, and no BN "
                     f"momentum rule is ranked.")
+
+
+def _one_run_at_k1(ones: pd.DataFrame, varied: tuple[str, ...]) -> tuple[pd.Index, str]:
+    """At k = 1 every BN rule sets the default momentum, so runs of one configuration and seed under several rules
+    are one run repeated: one counts, a finished one first, then the first rule's, so a run under another rule
+    counts where the first rule has none. Their index, and which counted and which were left out ('' where every
+    run at k = 1 is under one rule and counts)."""
+    if ones.empty:
+        return ones.index, ""
+    order = in_order("bn_momentum_rule", ones["bn_momentum_rule"].unique())
+    fields = [f for f in dict.fromkeys(["seed", *varied, *SEARCHED]) if f in ones
+              and (f == "seed" or f not in NOT_SETTINGS)]
+    combo = _combos(ones, fields)
+    rank = pd.DataFrame({"not_done": ~ones.index.isin(finished(ones).index), "combo": combo,
+                         "rule": ones["bn_momentum_rule"].map(order.index)}, index=ones.index)
+    kept = rank.sort_values(["not_done", "rule"], kind="stable").groupby("combo", sort=False).head(1).index
+    kept = ones.index[ones.index.isin(kept)]
+    rule, left = ones.loc[kept, "bn_momentum_rule"], ones.drop(kept)
+    other = rule[rule != order[0]]
+    if other.empty and left.empty:
+        return kept, ""
+    instead = other[combo[other.index].isin(combo[ones["bn_momentum_rule"] == order[0]])]
+
+    def counts(runs: pd.Series) -> str:
+        return listed([f"{(runs == r).sum()} under {r}" for r in in_order("bn_momentum_rule", runs.unique())])
+
+    how = f"a run under {order[0]} counts where there is one"
+    if len(instead):  # (a finished run counts before one of the first rule's that did not finish)
+        how = (f"one run counts per configuration and seed, a finished one before one that did not and then one "
+               f"under {order[0]} before one under another rule, so {counts(other)} {'count' + 's' * (len(other) == 1)}")
+    elif len(other):
+        how += f", {counts(other)} where there is none"
+    if len(left):
+        how += (f", and the {counts(left['bn_momentum_rule'])} that "
+                f"{'repeats one is' if len(left) == 1 else 'repeat one are'} left out")
+    return kept, f"at k = 1, where every rule sets the default momentum, {how}"
 
 
 def memory(trials: pd.DataFrame) -> list[str]:

@@ -3,6 +3,7 @@ trials whose total is not said, a list of Bs whose items hold 'and' themselves."
 import dataclasses
 
 import pandas as pd
+import pytest
 
 from batchsweep.analysis.findings import summarize
 from batchsweep.analysis.recommend import recommend
@@ -25,9 +26,46 @@ def test_one_bn_rule_on_a_model_without_batchnorm_is_named_in_the_singular():
     study = _study(rows + twice, VARIED)
     first = summarize(study.trials, study.history, None, None, study.varied)[0]
     assert ("its runs are compared as the default's would be; at k = 1, where every rule sets the default momentum, "
-            "the runs under default count, and the 3 under scaled repeat them; no BN momentum rule is ranked.") in \
-        first, first
+            "a run under default counts where there is one, and the 3 under scaled that repeat one are left out; no BN "
+            "momentum rule is ranked.") in first, first
     assert "one configuration" not in first, first
+
+
+@pytest.mark.parametrize("seeds, said", [
+    ((2,), "a run under default counts where there is one, 1 under scaled where there is none, and the 2 under scaled "
+           "that repeat one are left out"),
+    ((1, 2), "a run under default counts where there is one, 2 under scaled where there is none, and the 1 under "
+             "scaled that repeats one is left out")])
+def test_one_bn_rule_keeps_a_run_at_k_1_under_another_label_where_it_is_the_only_one(seeds, said):
+    """mlp, scaled at k > 1, k = 1 under default and scaled, default's k = 1, b = 32 run missing in `seeds`: the k = 1
+    runs of default alone were kept, so scaled's run there, which repeats nothing, was dropped unsaid beside 'the
+    runs under default count, and the 3 under scaled repeat them'."""
+    from batchsweep.analysis.findings import one_bn_rule
+
+    rows = [r for r in _bn_grid("mlp", "batch", True) if r["bn_momentum_rule"] == "scaled" or r["accum_steps"] == 1]
+    small = [r for r in rows if r["accum_steps"] == 1 and r["physical_batch"] == 32]
+    rows = [r for r in rows if r not in small or r["seed"] not in seeds]
+    study = _study(rows + [dict(r, bn_momentum_rule="scaled", run_id=r["run_id"] + "s") for r in small], VARIED)
+    kept = one_bn_rule(study.trials, study.varied)[0]
+    ones = kept[(kept["accum_steps"] == 1) & (kept["physical_batch"] == 32)]
+    assert sorted(ones["seed"]) == [0, 1, 2], ones
+    assert set(ones.loc[ones["seed"].isin(seeds), "bn_momentum_rule"]) == {"scaled"}, ones
+    first = summarize(study.trials, study.history, None, None, study.varied)[0]
+    assert f"; at k = 1, where every rule sets the default momentum, {said}; no BN momentum rule is ranked." in first, \
+        first
+
+
+def test_bn_rules_counted_as_one_name_a_run_at_k_1_kept_under_another_label():
+    """mlp, every rule at k > 1, k = 1 under default and scaled, default's k = 1, b = 32 run missing in seed 2: it read
+    '(the runs under default)', and scaled's run there was dropped unsaid."""
+    rows = _bn_grid("mlp", "batch", True)
+    small = [r for r in rows if r["accum_steps"] == 1 and r["physical_batch"] == 32]
+    rows = [r for r in rows if r not in small or r["seed"] != 2]
+    study = _study(rows + [dict(r, bn_momentum_rule="scaled", run_id=r["run_id"] + "s") for r in small], VARIED)
+    first = summarize(study.trials, study.history, None, None, study.varied)[0]
+    assert ("so they count as one configuration (the runs under default at k > 1; at k = 1, where every rule sets the "
+            "default momentum, a run under default counts where there is one, 1 under scaled where there is none, and "
+            "the 2 under scaled that repeat one are left out); no BN momentum rule is ranked.") in first, first
 
 
 def test_the_fused_count_says_its_trials_are_those_of_one_bn_rule():
