@@ -60,22 +60,27 @@ def _norms_at(t: pd.DataFrame, m: Measure, fields: list[str], inner: list[str]) 
 
 
 def _unshared(t: pd.DataFrame, fields: list[str]) -> str:
-    """That the norms are not compared, said once, where one field alone leaves them no configuration in common: no
-    value of it ran under every norm (a searched learning rate, each trial its own value), so each B's list of the
-    configurations left out would name every trial; '' where each field has a value that every norm ran."""
+    """That the norms are not compared, said once, where one field alone leaves them no configuration in common: at
+    no B did one value of it run under every norm that ran there (a searched learning rate, each trial its own
+    value), so each B's list of the configurations left out would name every trial; '' where at some B each field
+    has a value that every norm there ran."""
     names = in_order("norm", t["norm"].unique())
+    at = [rows for _, rows in t.groupby("effective_batch") if rows["norm"].nunique() > 1]
     for f in fields:
-        values = t[f].astype(str)
-        if set.intersection(*(set(values[t["norm"] == n]) for n in names)):
+        if any(set.intersection(*(set(rows.loc[rows["norm"] == n, f].astype(str)) for n in rows["norm"].unique()))
+               for rows in at):
             continue
         n = t[f].nunique()
         took = ""
         if pd.api.types.is_numeric_dtype(t[f]) and (n == len(t) or n > CONTINUOUS):
             took = (f"{f} took a value of its own in each of the {n} trials, and " if n == len(t) else
                     f"{f} took {n} values over {len(t)} trials, and ")
-        whom = f"both {names[0]} and {names[1]}" if len(names) == 2 else f"every norm ({listed(names)})"
-        return (f"The norms at each B are not compared: {took}no value of {'it' if took else f} ran under {whom}, so "
-                f"they share no configuration.")
+        it = "it" if took else f
+        if len(names) == 2:
+            return (f"The norms at each B are not compared: {took}no value of {it} ran under both {names[0]} and "
+                    f"{names[1]} at one B, so no configuration ran under both.")
+        return (f"The norms at each B are not compared: {took}at no B did one value of {it} run under every norm that "
+                f"ran there ({listed(names)} in all), so no configuration ran under every norm at one B.")
     return ""
 
 
@@ -126,8 +131,9 @@ def _whose(runs: pd.DataFrame, ids: list, norm: str, inner: list[str]) -> str:
     if len(ids) == len(runs):
         return norm
     apart = [f for f in inner if f in runs and runs[f].nunique(dropna=False) > 1]
-    if apart:
-        return f"{norm} ({listed([label(runs.loc[i], apart) for i in ids])})"
+    if apart:  # (a run repeated under one label: counted, not named twice)
+        names = pd.Series([label(runs.loc[i], apart) for i in ids]).value_counts(sort=False)
+        return f"{norm} ({listed([name if n == 1 else f'{name}, {n} runs' for name, n in names.items()])})"
     return f"{'one' if len(ids) == 1 else len(ids)} of {norm}'s {len(runs)} runs"
 
 

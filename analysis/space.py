@@ -42,7 +42,7 @@ def _objective_trials(study: StudyRuns) -> pd.DataFrame:
 
 def counted(study: StudyRuns, t: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     """`t`'s runs as the findings count them (findings.one_bn_rule, per group as they group the study): a model
-    without BatchNorm has its runs under the BN momentum rules, identical, once (those of one rule), not as a
+    without BatchNorm has its runs under the BN momentum rules, identical, once (one per seed), not as a
     configuration per rule; with the words that say so ('' where no run was left out). Which fields are choices is
     read before (best.choices): a rule left out for one model is no design that tied it to the model."""
     keys = group_keys(study.trials)
@@ -59,7 +59,7 @@ def counted(study: StudyRuns, t: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     one = len(without) == 1
     return t[t.index.isin(kept)], (f"{' and '.join(without)} {'has' if one else 'have'} no BatchNorm, so "
                                        f"{'its' if one else 'their'} runs under the BN momentum rules count as one "
-                                       f"configuration, those of one rule")
+                                       f"configuration, one run per configuration and seed")
 
 
 def _fields(study: StudyRuns, t: pd.DataFrame) -> list[str]:

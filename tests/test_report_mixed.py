@@ -39,7 +39,7 @@ def test_the_views_of_the_search_count_a_model_without_batchnorm_once_under_its_
     k = 4 as three configurations (8 for its 4 ran), importance 'from 72 finished trials' and the parallel
     coordinates drew 72 lines, where 48 ran distinctly."""
     study = _study(_crossed(), (*VARIED, "model"))
-    said = "mlp has no BatchNorm, so its runs under the BN momentum rules count as one configuration"
+    said = "mlp has no BatchNorm, so its runs under the BN momentum rules count as one configuration, one run per configuration and seed"
     front = memory_front(study).finding
     assert "of the 12 configurations" in front and said in front, front
     assert "BN scaled, model = mlp" not in front and "BN matched, model = mlp" not in front, front
@@ -180,6 +180,38 @@ def test_a_configuration_left_out_names_the_run_of_the_norm_that_did_not_finish(
     repeated.append(dict(again, run_id="again", status="FAILED", reason="oom", val_acc=None))
     line = _norm_sentence(repeated, ("physical_batch", "accum_steps", "norm"))
     assert "left out: b = 32, k = 1, where one of group's 2 runs ran out of memory in seed 2)" in line, line
+    # scaled's run repeated, both diverged: one label, counted ('batch (BN scaled and BN scaled)' before)
+    [twice] = [r for r in rows if r["status"] == "FAILED"]
+    line = _norm_sentence([*rows, dict(twice, run_id="twice")], ("physical_batch", "accum_steps", "norm",
+                                                                  "bn_momentum_rule"))
+    assert "left out: b = 32, k = 4, where batch (BN scaled, 2 runs) diverged in seed 0)" in line, line
+
+
+def test_norms_that_share_a_configuration_at_a_b_are_compared_there_though_no_value_ran_under_every_norm():
+    """batch and group shared sqrt at B = 128, batch and layer linear at B = 512; group never ran linear, layer never
+    sqrt: it read 'not compared: no value of lr_rule ran under every norm (batch, group and layer), so they share no
+    configuration', where batch is 4 points above group at B = 128 and 6 above layer at B = 512."""
+    rows = []
+    for seed in range(5):
+        for (norm, rule, k), value in {("batch", "sqrt", 4): 0.88, ("group", "sqrt", 4): 0.84,
+                                       ("batch", "linear", 16): 0.86, ("layer", "linear", 16): 0.80,
+                                       ("batch", "sqrt", 1): 0.88, ("group", "sqrt", 1): 0.85,
+                                       ("layer", "linear", 1): 0.83, ("batch", "linear", 1): 0.88}.items():
+            rows.append(dict(seed=seed, physical_batch=32, accum_steps=k, effective_batch=32 * k, base_batch=32,
+                             bn_momentum_rule="default", lr_rule=rule, model="cnn1d", norm=norm, status="FINISHED",
+                             reason=None, run_id=f"r{len(rows)}", val_acc=round(value + 0.002 * seed, 3)))
+    line = _norm_sentence(rows, ("physical_batch", "accum_steps", "norm", "lr_rule"))
+    assert "at B = 128, norm = batch did better (batch against group: 4.0 points higher" in line, line
+    assert "at B = 512, norm = batch did better (batch against layer: 6.0 points higher" in line, line
+    # Three norms at every B, layer under linear alone: no configuration ran under all three at one B.
+    at_32 = [r for r in rows if r["effective_batch"] == 32]  # (batch under both rules, group sqrt, layer linear)
+    at_128 = [dict(r, physical_batch=128, accum_steps=1, effective_batch=128, run_id=r["run_id"] + "+")
+              for r in at_32 if r["norm"] != "batch" or r["lr_rule"] == "sqrt"]
+    rows = at_32 + at_128
+    line = _norm_sentence(rows, ("physical_batch", "accum_steps", "norm", "lr_rule"))
+    assert line == ("The norms at each B are not compared: at no B did one value of lr_rule run under every norm "
+                    "that ran there (batch, group and layer in all), so no configuration ran under every norm at "
+                    "one B."), line
 
 
 def _lr_rows(lrs: list[float]) -> list[dict]:
@@ -200,7 +232,8 @@ def test_a_sampled_field_that_leaves_the_norms_no_configuration_in_common_is_sai
     lrs = [round(1e-3 * 1.1 ** i, 6) for i in range(40)]
     line = _norm_sentence(_lr_rows(lrs), varied)
     assert line == ("The norms at each B are not compared: base_lr took a value of its own in each of the 40 trials, "
-                    "and no value of it ran under both batch and group, so they share no configuration."), line
+                    "and no value of it ran under both batch and group at one B, so no configuration ran under "
+                    "both."), line
     line = _norm_sentence(_lr_rows(lrs + lrs[:2]), varied)  # (each run twice under its own norm)
     assert line.startswith("The norms at each B are not compared: base_lr took 40 values over 42 trials, and no "), line
 
