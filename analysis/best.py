@@ -91,11 +91,17 @@ def choices(study: StudyRuns, t: pd.DataFrame, merge_batch: bool = True) -> tupl
 
 def naming(study: StudyRuns, t: pd.DataFrame) -> list[str]:
     """The fields that name a configuration where one is ranked (the best, a Pareto front): the choices, b and k
-    kept apart; none where a varied field was left out as tied, since a configuration named without it would
-    average runs that differ in it (equivalence's k, over three models)."""
+    kept apart; none where a varied field was left out as tied (unnamed()), since a configuration named without it
+    would average runs that differ in it (equivalence's k, over three models)."""
     fields, _ = choices(study, t, merge_batch=False)
-    left = [f for f in study.varied if f in t and t[f].nunique() > 1 and f not in fields and f != "effective_batch"]
-    return [] if left else fields
+    return [] if unnamed(study, t) else fields
+
+
+def unnamed(study: StudyRuns, t: pd.DataFrame) -> list[str]:
+    """The varied fields left out of the choices as tied in the design (a BN rule run at k > 1 alone): where there
+    is one, no configuration is named."""
+    fields, _ = choices(study, t, merge_batch=False)
+    return [f for f in study.varied if f in t and t[f].nunique() > 1 and f not in fields and f != "effective_batch"]
 
 
 def one_at_base(t: pd.DataFrame, fields: list[str]) -> pd.DataFrame:

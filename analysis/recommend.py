@@ -14,7 +14,7 @@ from batchsweep.sweeps import commands
 
 from .at_batch import largest_free, per_batch
 from .best import (Best, accounted, below_per_b, best_set, choices, diverged_in_a_seed, label, members, not_compared,
-                   picked, stopped_in)
+                   picked, stopped_in, unnamed)
 from .findings import bn_against_true, exact_by_model, lr_exponent, one_bn_rule
 from .measures import Measure, finished, full_scale, group_keys, group_label, measure, stopped_verb, tuned, unmoved
 from .runs import StudyRuns
@@ -122,6 +122,9 @@ def fastest(study: StudyRuns) -> list[str]:
     if found is None and value not in study.history:  # (an objective logged once, at the end: a [program]'s score)
         return [f"No time to the target is given: {value} has no per-epoch values, so no time to reach it can be "
                 f"read."] if timed else []
+    if found is None and timed and (tied := unnamed(study, finished(study.trials))):  # (fused or not)
+        return [f"No time to the target is given: {listed(tied)} did not each run against every value of the other "
+                f"varied fields (tied in the design), so no configuration is named apart to time."]
     if found is None:
         return _fused(study)
     line = _fastest(study.objectives[0][0], *found[:5])

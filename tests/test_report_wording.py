@@ -80,6 +80,22 @@ def test_the_fused_count_says_its_trials_are_those_of_one_bn_rule():
     assert "6 of the 15 trials counted (the runs under one BN momentum rule" in line, line
 
 
+def test_a_design_that_names_no_configuration_says_so_for_its_time_not_that_none_was_timed_alone():
+    """bn_momentum (cnn1d with BatchNorm): its BN rules run at k > 1 alone, so no configuration is named; 18 of its
+    27 trials trained alone, and it read 'no configurations were timed alone: too few to compare; `... --no-fuse`'
+    (which would time none either)."""
+    rows = _bn_grid("cnn1d", "batch", False, measured=True)
+    fused = {r["run_id"] for r in rows if r["physical_batch"] == 32 and r["bn_momentum_rule"] == "default"}
+    history = pd.DataFrame([dict(run_id=r["run_id"], epoch=1, steps=10, val_acc=r["val_acc"],
+                                 **({"group_epoch_time_s": 1.0} if r["run_id"] in fused else {"epoch_time_s": 1.0}))
+                            for r in rows])
+    study = dataclasses.replace(_study(rows, VARIED), history=history)
+    [line] = [s for s in recommend(study) if s.startswith("No time to the target")]
+    assert line == ("No time to the target is given: physical_batch, accum_steps and bn_momentum_rule did not each run "
+                    "against every value of the other varied fields (tied in the design), so no configuration is "
+                    "named apart to time."), line
+
+
 def test_the_bs_left_out_of_a_fit_are_told_apart_where_an_item_holds_and():
     """'(at B = 128, 3 of 6 runs never reached it and 1 diverged, at B = 256, 4 of 6 runs never reached it and at
     B = 512, ...)': one list whose 'and' joins both items and their parts."""
