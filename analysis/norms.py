@@ -133,7 +133,7 @@ def _whose(runs: pd.DataFrame, ids: list, norm: str, inner: list[str]) -> str:
     apart = [f for f in inner if f in runs and runs[f].nunique(dropna=False) > 1]
     if apart:  # (a run repeated under one label: counted, not named twice)
         names = pd.Series([label(runs.loc[i], apart) for i in ids]).value_counts(sort=False)
-        return f"{norm} ({listed([name if n == 1 else f'{name}, {n} runs' for name, n in names.items()])})"
+        return f"{norm} ({listed([name if n == 1 else f'{name} ×{n}' for name, n in names.items()])})"
     return f"{'one' if len(ids) == 1 else len(ids)} of {norm}'s {len(runs)} runs"
 
 

@@ -13,12 +13,12 @@ import pandas as pd
 from batchsweep.sweeps import commands
 
 from .at_batch import largest_free, per_batch
-from .best import (Best, accounted, below_per_b, best_set, choices, diverged_in_a_seed, label, members, not_compared,
+from .best import (LENGTHS, Best, accounted, below_per_b, best_set, choices, diverged_in_a_seed, label, members, not_compared,
                    picked, stopped_in, unnamed)
 from .findings import bn_against_true, exact_by_model, lr_exponent, one_bn_rule
 from .measures import Measure, finished, full_scale, group_keys, group_label, measure, stopped_verb, tuned, unmoved
 from .runs import StudyRuns
-from .space import identical_spread, never_reached, not_timed, shown, timed, times
+from .space import identical_spread, never_reached, not_timed, objective_trials, shown, timed, times
 from .wording import listed, lowered, stated
 from .wording import percent as full_percent
 
@@ -122,7 +122,9 @@ def fastest(study: StudyRuns) -> list[str]:
     if found is None and value not in study.history:  # (an objective logged once, at the end: a [program]'s score)
         return [f"No time to the target is given: {value} has no per-epoch values, so no time to reach it can be "
                 f"read."] if timed else []
-    if found is None and timed and (tied := unnamed(study, finished(study.trials))):  # (fused or not)
+    # (fused or not; a length of training, as batch_warmup's arms, is its findings' question: not said so)
+    tied = unnamed(study, objective_trials(study)) if found is None and timed else []
+    if tied and not set(tied) & set(LENGTHS):
         return [f"No time to the target is given: {listed(tied)} did not each run against every value of the other "
                 f"varied fields (tied in the design), so no configuration is named apart to time."]
     if found is None:

@@ -31,7 +31,7 @@ MIN_IMPORTANCE_TRIALS = 10  # fewer finished trials say nothing about which fiel
 MIB = 2 ** 20
 
 
-def _objective_trials(study: StudyRuns) -> pd.DataFrame:
+def objective_trials(study: StudyRuns) -> pd.DataFrame:
     """Finished trials whose objective values are all finite."""
     t = finished(study.trials)
     metrics = [m for m, _ in study.objectives]
@@ -98,7 +98,7 @@ def importance(study: StudyRuns) -> Figure | None:
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
     from optuna.importance import FanovaImportanceEvaluator, get_param_importances
 
-    t = _objective_trials(study)
+    t = objective_trials(study)
     fields, note = choices(study, t)
     t, once = counted(study, t)
     note += f"; {once}" if once else ""
@@ -143,7 +143,7 @@ def importance(study: StudyRuns) -> Figure | None:
 
 def parallel_coordinates(study: StudyRuns) -> Figure | None:
     """Every finished trial as a line over the varied fields and the objectives, coloured by the first one."""
-    t = _objective_trials(study)
+    t = objective_trials(study)
     fields, _ = choices(study, t)
     t = counted(study, t)[0]
     metrics = [m for m, _ in study.objectives]
@@ -275,7 +275,7 @@ def _budget_sentence(study: StudyRuns, seeds: pd.DataFrame, points: pd.DataFrame
 
 def memory_front(study: StudyRuns) -> Figure | None:
     """The first objective against peak memory, per configuration."""
-    t = _objective_trials(study)
+    t = objective_trials(study)
     fields = naming(study, t)
     t, once = counted(study, t)
     value, direction = study.objectives[0]
@@ -359,7 +359,7 @@ def timed(study: StudyRuns):
     slower than every seed that did (where such seeds are half or more, the median is one of them: no time); a trial
     with no epoch time of its own (fused: it logged its group's time; or none logged) is not timed, and a
     configuration with no seed timed is left out by label."""
-    t = _objective_trials(study)
+    t = objective_trials(study)
     fields = naming(study, t)
     t = counted(study, t)[0]  # (the recommendation's time line passes runs already counted so: kept as they are)
     value, direction = study.objectives[0]
@@ -451,7 +451,7 @@ def time_front(study: StudyRuns) -> Figure | None:
     tied, _, _ = ties(seeds[kept], points.sort_values("seconds", kind="stable"), fields, value, True)
     saving = float(tied["seconds"].iloc[0] - tied["seconds"].min())
     finding = finding[:-1] + never_reached(late) + not_timed(study, untimed) + "." + _timing_note(t, fields, saving)
-    once = counted(study, _objective_trials(study))[1]
+    once = counted(study, objective_trials(study))[1]
     finding += f" Of the runs counted: {once}." if once else ""
     return _front_figure(points, fields, "seconds", value, f"seconds to reach {value} {target_text} (median over seeds)",
                          percent, True, "time_front", f"Pareto front: {value} against time to the target", t, finding)
@@ -461,7 +461,7 @@ def pareto_trials(study: StudyRuns) -> pd.Index:
     """The finished trials on Optuna's Pareto front of the study's objectives (its `best_trials`)."""
     import optuna
 
-    t = counted(study, _objective_trials(study))[0]
+    t = counted(study, objective_trials(study))[0]
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     rebuilt = optuna.create_study(directions=[d for _, d in study.objectives])
     for i, (_, row) in enumerate(t.iterrows()):
@@ -474,7 +474,7 @@ def objectives_front(study: StudyRuns) -> Figure | None:
     """A study of two objectives: every finished trial, and Optuna's Pareto front of them."""
     if len(study.objectives) != 2:
         return None
-    t = counted(study, _objective_trials(study))[0]
+    t = counted(study, objective_trials(study))[0]
     if len(t) < 2:
         return None
     (m1, d1), (m2, d2) = study.objectives

@@ -184,7 +184,7 @@ def test_a_configuration_left_out_names_the_run_of_the_norm_that_did_not_finish(
     [twice] = [r for r in rows if r["status"] == "FAILED"]
     line = _norm_sentence([*rows, dict(twice, run_id="twice")], ("physical_batch", "accum_steps", "norm",
                                                                   "bn_momentum_rule"))
-    assert "left out: b = 32, k = 4, where batch (BN scaled, 2 runs) diverged in seed 0)" in line, line
+    assert "left out: b = 32, k = 4, where batch (BN scaled ×2) diverged in seed 0)" in line, line
 
 
 def test_norms_that_share_a_configuration_at_a_b_are_compared_there_though_no_value_ran_under_every_norm():

@@ -96,6 +96,35 @@ def test_a_design_that_names_no_configuration_says_so_for_its_time_not_that_none
                     "named apart to time."), line
 
 
+@pytest.mark.parametrize("name", ["batch_warmup", "critical_batch"])
+def test_a_study_of_lengths_of_training_with_epoch_times_still_says_nothing_is_a_choice(name):
+    """Their arms differ in a length of training (batch_warmup, epochs), which their findings compare: with per-epoch
+    times logged, as real runs log them, the block read 'no configuration is named apart to time'."""
+    from tests.test_recommend import built_in
+    study = built_in(name)
+    study.trials["run_id"] = [f"r{i}" for i in range(len(study.trials))]
+    history = pd.DataFrame([dict(run_id=r.run_id, epoch=e, steps=10 * e, epoch_time_s=1.0, val_acc=r.val_acc * e / 4)
+                            for r in study.trials.itertuples() for e in range(1, 5)])
+    lines = recommend(dataclasses.replace(study, history=history))
+    assert lines[0].startswith("Nothing here is a choice to recommend"), lines
+    assert not any("named apart to time" in line for line in lines), lines
+
+
+def test_a_finished_trial_without_its_objective_does_not_make_the_fields_tied():
+    """Every trial fused, and one finished at k = 16 under sqrt alone that logged no val_acc: the fields read as tied
+    ('accum_steps and lr_rule did not each run against every value ...') beside a best line naming 7 configurations
+    by them; the time is read from trials with a value, as the best is."""
+    from tests.test_recommend_edges import _rows
+    rows = _rows(lambda s, rule, b, k: 0.95 - (0.01 if b * k > 32 else 0) + 0.001 * s)
+    rows = [dict(r, run_id=f"r{i}") for i, r in enumerate(rows)]
+    rows.append(dict(rows[0], run_id="x", accum_steps=16, effective_batch=512, lr_rule="sqrt", val_acc=float("nan")))
+    history = pd.DataFrame([dict(run_id=r["run_id"], epoch=e, steps=10 * e, group_epoch_time_s=1.0,
+                                 val_acc=r["val_acc"] * e / 4) for r in rows for e in range(1, 5)])
+    study = dataclasses.replace(_study(rows, ("physical_batch", "accum_steps", "lr_rule")), history=history)
+    [line] = [s for s in recommend(study) if s.startswith("No time to the target")]
+    assert line.startswith("No time to the target is given: every one of the 28 trials trained fused"), line
+
+
 def test_the_bs_left_out_of_a_fit_are_told_apart_where_an_item_holds_and():
     """'(at B = 128, 3 of 6 runs never reached it and 1 diverged, at B = 256, 4 of 6 runs never reached it and at
     B = 512, ...)': one list whose 'and' joins both items and their parts."""
