@@ -51,7 +51,8 @@ def _batching(t: pd.DataFrame, rule: str | None, b: int, twins: list, m: Measure
     accumulated = [f"b = {bb:.0f}, k = {k:.0f}{_memory(t, bb, k)}" for bb, k in made.itertuples(index=False) if k > 1]
     averaged = " (each seed's runs averaged)" if len(accumulated) > 1 else ""
     said = "; ".join(_under(key, rule is None) + stated(v.d, 'higher', 'lower', m, v) for key, v in mine)
-    made = (f"accumulating ({'; '.join(accumulated)}){averaged} against the true batch (b = {b}, k = 1"
+    whose = f" under {rule}" if rule else ""  # (the picked rule's twins: another rule's may read otherwise)
+    made = (f"accumulating{whose} ({'; '.join(accumulated)}){averaged} against the true batch (b = {b}, k = 1"
             f"{_memory(t, b, 1)}): {said}")
     plan = f"`{commands.command('plan')} --target-batch {b} --memory-budget SIZE`"
     ahead = {_under(key, rule is None).removesuffix(": ") or "here": "accumulation" if (v.d.mean > 0) == m.maximize
@@ -65,8 +66,8 @@ def _batching(t: pd.DataFrame, rule: str | None, b: int, twins: list, m: Measure
     if all(v.equivalent for _, v in mine):
         return f"; {made}; b: the largest that fits your memory ({plan})"
     n = min(v.d.n for _, v in mine)
-    return (f"; {made}; accumulation was neither shown equivalent to the true batch nor resolved from it with {n} "
-            f"seeds, so no b is advised")
+    return (f"; {made}; accumulation{whose} was neither shown equivalent to the true batch nor resolved from it "
+            f"with {n} seeds, so no b is advised")
 
 
 def _pooled(study: StudyRuns, t: pd.DataFrame) -> str:
