@@ -125,8 +125,8 @@ def fastest(study: StudyRuns) -> list[str]:
     # (fused or not; a length of training, as batch_warmup's arms, is its findings' question: not said so)
     tied = unnamed(study, objective_trials(study)) if found is None and timed else []
     if tied and not set(tied) & set(LENGTHS):
-        return [f"No time to the target is given: {listed(tied)} did not each run against every value of the other "
-                f"varied fields (tied in the design), so no configuration is named apart to time."]
+        return [f"No time to the target is given: the study's varied fields were not crossed ({listed(tied)} did not "
+                f"each run against every value of the others), so no configuration can be named apart to time."]
     if found is None:
         return _fused(study)
     line = _fastest(study.objectives[0][0], *found[:5])

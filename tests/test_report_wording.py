@@ -91,9 +91,9 @@ def test_a_design_that_names_no_configuration_says_so_for_its_time_not_that_none
                             for r in rows])
     study = dataclasses.replace(_study(rows, VARIED), history=history)
     [line] = [s for s in recommend(study) if s.startswith("No time to the target")]
-    assert line == ("No time to the target is given: physical_batch, accum_steps and bn_momentum_rule did not each run "
-                    "against every value of the other varied fields (tied in the design), so no configuration is "
-                    "named apart to time."), line
+    assert line == ("No time to the target is given: the study's varied fields were not crossed (physical_batch, "
+                    "accum_steps and bn_momentum_rule did not each run against every value of the others), so no "
+                    "configuration can be named apart to time."), line
 
 
 @pytest.mark.parametrize("name", ["batch_warmup", "critical_batch"])
