@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from . import critical
-from .measures import WORSE, bn_rules_apart, finished, full_scale, one_batch, tuned
+from .measures import NOT_SETTINGS, WORSE, bn_rules_apart, finished, full_scale, one_batch, tuned
 from .plotting import in_order
 from .runs import TARGET_SHARE, aggregate, paired, reached, resolution
 from .verdicts import Verdict, control, judge
@@ -63,7 +63,11 @@ def to_target(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame |
             and (c != "bn_momentum_rule" or bn_rules_apart(t))]  # (a model without BatchNorm: its series as kept)
     searched = ["base_lr"] if tuned(t) else []
     worse = one_batch(trials[trials["reason"].isin(WORSE)]) if "reason" in trials else t.iloc[0:0].assign(reason="")
-    runs = _every_run(t, worse, ["run_id", "seed", *keys, "effective_batch", *searched], history, found[0], evals)
+    tied = _tied(t, keys)
+    at = ["accum_steps"] if "accum_steps" in t else []
+    runs = _every_run(t, worse, ["run_id", "seed", *keys, "effective_batch", *searched, *at, *tied], history, found[0],
+                      evals)
+    runs = _shared_at_one(runs, keys, tied)
     note = ""
     if searched:  # Shallue et al.: at each B, the LR that reached the target in the fewest steps
         runs, note = _tuned_per_b(runs, keys, t["base_lr"].nunique())
@@ -72,6 +76,36 @@ def to_target(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame |
         order = in_order(keys[0], runs[keys[0]])
         groups.sort(key=lambda g: order.index(g[0][0]))
     return ToTarget(*found, note, keys, [_series(g if isinstance(g, tuple) else (g,), rows) for g, rows in groups])
+
+
+def _tied(t: pd.DataFrame, keys: list[str]) -> list[str]:
+    """The fields that moved with the BN momentum rule (a study that zips it with the weight decay): at k > 1 each
+    rule's runs hold one value of it, not every rule the same, and every run at k = 1 holds one of those values."""
+    if "bn_momentum_rule" not in keys or "accum_steps" not in t:
+        return []
+    up, one = t[(t["accum_steps"] > 1) & t["bn_momentum_rule"].notna()], t[t["accum_steps"] == 1]
+    skip = {*NOT_SETTINGS, *keys, "physical_batch", "accum_steps"}
+    return [c for c in t if c not in skip and up[c].nunique() > 1 and one[c].isin(set(up[c])).all()
+            and (up.groupby("bn_momentum_rule")[c].nunique(dropna=False) == 1).all()]
+
+
+def _shared_at_one(runs: pd.DataFrame, keys: list[str], tied: list[str]) -> pd.DataFrame:
+    """At k = 1 every BN momentum rule sets the default momentum, and the grid runs k = 1 (B = base and the
+    true-batch twins) under default alone: such a run belongs to the series of each rule whose runs at k > 1 hold
+    its values of the other keys and of the `tied` fields (a rule zipped with the weight decay: its own), not to
+    default's alone. A run at k = 1 that matches no rule stays under its label."""
+    if "bn_momentum_rule" not in keys or "accum_steps" not in runs:
+        return runs
+    one = runs["accum_steps"] == 1
+    up = runs[~one & runs["bn_momentum_rule"].notna()]
+    match = [c for c in (*keys, *tied) if c != "bn_momentum_rule"]
+    arms = up[[*match, "bn_momentum_rule"]].drop_duplicates()
+    if arms.empty or not one.any():
+        return runs
+    ones = runs[one].drop(columns="bn_momentum_rule")
+    joined = ones.merge(arms, on=match) if match else ones.merge(arms, how="cross")
+    alone = runs[one & ~runs["run_id"].isin(joined["run_id"])]
+    return pd.concat([runs[~one], joined, alone], ignore_index=True)
 
 
 def _series(group: tuple, rows: pd.DataFrame) -> Series:
