@@ -210,15 +210,34 @@ def _doublings(points: pd.DataFrame, censored: list[int]) -> tuple[str, list[int
             f"run{'s' * (len(censored) > 1)} at B = {', '.join(map(str, sorted(set(censored))))})" if censored else "")
     if not ratios:
         return f"only B = {sizes[0]} reached it", sizes, ratios, spans
-    if not spans:
+    pairs = list(zip(sizes, sizes[1:], ratios))
+    if not spans and all(_doubled(a, b) == 1 for a, b, _ in pairs):
         return (f"each doubling of B took the median steps to {', '.join(f'{r:.2f}' for r in ratios)} of the B "
                 f"before{slow}"), sizes, ratios, spans
+    if not spans:  # (Bs more than a doubling apart: the share over them, and the share a doubling it makes)
+        each = [f"from B = {a} to {b} ({_times(a, b)}) the median steps went to {(r ** _doubled(a, b)):.2f} of "
+                f"B = {a}'s" + (f" ({r:.2f} a doubling)" if _doubled(a, b) != 1 else "") for a, b, r in pairs]
+        return "; ".join(each) + slow, sizes, ratios, spans
     # (a ratio the evaluations cannot resolve is its range, never a number first)
-    each = [f"not resolved at B = {b} ({_span(*spans[b])})" if b in spans else f"{r:.2f} at B = {b}"
-            for b, r in zip(sizes[1:], ratios)]
+    each = [f"not resolved at B = {b} ({_span(*spans[b])}" + (f"; a doubling's share from B = {a}, {_times(a, b)})"
+                                                          if _doubled(a, b) != 1 else ")")
+            if b in spans else f"{r:.2f} at B = {b}" + (f" (a doubling's share from B = {a}, {_times(a, b)}: "
+                                                       f"{r ** _doubled(a, b):.2f} over them)" if _doubled(a, b) != 1
+                                                       else "") for a, b, r in pairs]
     return (f"each doubling of B took the median steps to this share of the B before's: {'; '.join(each)} (a "
             f"ratio is not resolved at this evaluation's granularity where the steps, known only to within an "
             f"evaluation, leave a range whose ends lie twofold or more apart){slow}"), sizes, ratios, spans
+
+
+def _doubled(a: float, b: float) -> float:
+    """How many doublings take B = a to b (2 from 32 to 128; 1.58 from 32 to 96), rounded to two decimals."""
+    return round(math.log2(b / a), 2)
+
+
+def _times(a: float, b: float) -> str:
+    n = _doubled(a, b)
+    words = {1: "one doubling", 2: "two doublings", 3: "three doublings", 4: "four doublings"}
+    return words.get(n, f"{n:g} doublings")
 
 
 def _fitted(f: Fit | None, sizes: list[int], ratios: list[float], spans: dict,
@@ -281,10 +300,17 @@ def _beyond(f: Fit, sizes: list[int], ratios: list[float], spans: dict, lost: di
         return ""
     scale = "0.50 is perfect scaling, 1 none"
     # (a B counted in the doublings but left out of the fit: its doubling is named, not taken for the fit's last)
-    last = f" (from {sizes[-2]} to {sizes[-1]}, outside the fit)" if sizes[-1] > max(f.sizes) else ""
+    a, b = sizes[-2], sizes[-1]
+    outside = b > max(f.sizes)
+    last = f" (from {a} to {b}, outside the fit)" if outside else ""
     said = (f": the last doubling's share of the steps of the B before{last} is not resolved "
-            f"({_span(*spans[sizes[-1]])}; {scale})" if sizes[-1] in spans else
+            f"({_span(*spans[b])}; {scale})" if b in spans else
             f": the last doubling{last} took the steps to {ratios[-1]:.2f} of the B before ({scale})")
+    if _doubled(a, b) != 1:  # (the last two Bs lie more than a doubling apart: the share a doubling between them)
+        between = f"from B = {a} to {b} ({_times(a, b)}{', outside the fit' if outside else ''})"
+        said = (f": the share of the steps a doubling {between} is not resolved ({_span(*spans[b])}; {scale})"
+                if b in spans else f": {between} the steps went to {ratios[-1] ** _doubled(a, b):.2f} of B = "
+                f"{a}'s ({ratios[-1]:.2f} a doubling; {scale})")
     past = [(b, never, diverged, runs) for b, (never, diverged, runs) in sorted(lost.items()) if b > max(f.sizes)]
     beyond = [f"{never} of {runs} at B = {b}" for b, never, _, runs in past if never]
     if beyond:  # (right-censored: their steps to the target exceed the runs' length, which no fit here counts)

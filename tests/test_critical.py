@@ -235,3 +235,23 @@ def test_the_steps_figure_leaves_a_run_that_diverged_out_of_its_median():
     assert points.get_ydata()[3] == round(80 * (1 + 110 / 256)), points.get_ydata()
     [dotted] = [line for line in lines if line.get_linestyle() == ":"]
     assert max(dotted.get_xdata()) == pytest.approx(512), dotted.get_xdata()
+
+
+def test_bs_two_doublings_apart_are_said_so_with_the_share_over_them():
+    """bn_momentum's only Bs reached, 32 and 128: 'each doubling of B took the median steps to 0.55 of the B
+    before', where 625 -> 192 steps is 0.31 over two doublings."""
+    said = critical.reading(_points([100, 110, 120], sizes=(32, 128)), NONE_NOISE)
+    assert "each doubling" not in said, said
+    assert said.startswith("from B = 32 to 128 (two doublings) the median steps went to 0.42 of B = 32's (0.65 a "
+                           "doubling); "), said
+
+
+def test_a_last_step_of_two_doublings_past_the_fit_is_said_so():
+    """B_crit not bounded above, the last Bs 128 and 512: 'the last doubling took the steps to 0.74 of the B
+    before' named a per-doubling share as the step from 128 to 512."""
+    said = critical.reading(_points([358, 191, 172], sizes=(32, 64, 128, 512)), NONE_NOISE)
+    assert "the last doubling" not in said, said
+    assert ("from B = 128 to 512 (two doublings) the median steps went to 0.55 of B = 128's (0.74 a doubling); "
+            in said), said
+    assert (": from B = 128 to 512 (two doublings) the steps went to 0.55 of B = 128's (0.74 a doubling; 0.50 is "
+            "perfect scaling, 1 none)") in said, said
