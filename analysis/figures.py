@@ -3,6 +3,7 @@ study has no data for it."""
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Iterator
 from functools import partial
 
@@ -289,11 +290,14 @@ def steps_vs_batch(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFr
     if found.keys == [field]:  # the split's own order and colours
         lines = [palette[s.group[0]] for s in found.series]
     firsts = []
-    for color, series in zip(lines, found.series):
+    for i, (color, series) in enumerate(zip(lines, found.series)):
         label = " / ".join(map(str, series.group)) if found.keys else "all"
         for ax, column in ((left, "steps"), (right, "samples")):
             medians = series.medians(column)
-            ax.plot(medians.index, medians.values, "o-", color=color, label=label)
+            # (each series a size smaller than the one before: identical medians, BN rules that share their k = 1
+            # runs and train alike, show nested instead of the last drawn hiding the others)
+            ax.plot(medians.index, medians.values, "o-", color=color, label=label, markersize=max(8 - 2 * i, 3),
+                    linewidth=max(3 - 0.8 * i, 1))
         if len(series.kept):
             firsts.append(series.medians("steps").sort_index().iloc[:1])
         # The findings' fit, drawn where the seeds' interval of B_crit lies within the Bs fitted (critical.py).
@@ -315,11 +319,13 @@ def steps_vs_batch(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFr
         ax.set(xlabel="effective batch B", ylabel=label)
     left.legend(title=" / ".join(found.keys) or None, fontsize=8)
     every = "once an epoch" if evals is None else "every eval_every_steps"
-    fig.suptitle(f"target: {percent(found.goal, full_scale(t['val_acc']))} validation accuracy ({found.of}), "
-                 f"evaluated {every}; lines: medians over every run at a B (one that never reached the target counted "
-                 f"slowest, one that diverged left out); dotted: S = S_min (1 + B_crit / B) fitted as the findings "
-                 f"fit it, where the seeds' 95% interval of B_crit lies within the Bs fitted; no point: half or more "
-                 f"of the runs never reached the target or diverged", fontsize=9)
+    # (wrapped to the figure's width: one line of it made the saved image 3,457 px wide, its panels a third of it)
+    fig.suptitle(textwrap.fill(
+        f"target: {percent(found.goal, full_scale(t['val_acc']))} validation accuracy ({found.of}), evaluated "
+        f"{every}; lines: medians over every run at a B (one that never reached the target counted slowest, one "
+        f"that diverged left out); dotted: S = S_min (1 + B_crit / B) fitted as the findings fit it, where the seeds' "
+        f"95% interval of B_crit lies within the Bs fitted; no point: half or more of the runs never reached the "
+        f"target or diverged", 150), fontsize=9)
     fig.tight_layout()
     return Figure("steps_to_target", "Steps and samples to the target accuracy against effective batch (log–log)",
                   fig, context(t))
