@@ -73,13 +73,15 @@ def test_a_b_where_half_the_runs_never_reached_the_target_gives_their_count():
             rows.append(dict(run_id=run, seed=seed, lr_rule="sqrt", physical_batch=32, accum_steps=b // 32,
                              effective_batch=b, base_batch=32, status="FINISHED", val_acc=0.95))
             never = b == 512 and seed < 2
-            history += [dict(run_id=run, epoch=e, steps=e * 32000 // b,
+            history += [dict(run_id=run, epoch=e, steps=e * 32000 // b, noise_scale=100.0, noise_scale_reliable=1.0,
                              val_acc=0.5 if never else min(0.95, 0.5 + 0.45 * e / (2 + b / 64)))
                         for e in range(1, 11)]
     [_, line] = steps(pd.DataFrame(rows), pd.DataFrame(history))
     assert line.startswith("Over every run (at B = 512, 2 of 4 runs never reached it: half or more, left out of the "
                            "fit)"), line
     assert "most runs" not in line, line
+    # The 2 runs at B = 512 that reached it are no part of the noise scale's median: said so.
+    assert "(median of the 16 runs at the Bs fitted that measured it there" in line, line
 
 
 def _reaching(b_crits, sizes=(32, 64, 128, 256)):
