@@ -170,10 +170,10 @@ def reading(points: pd.DataFrame, noise: pd.DataFrame, lost: dict[int, tuple[int
     doublings (the run as slower than every one that reached it) but not in the fit: the runs there that reached
     it would enter it as if they were all, the slowest taken out. `diverged`: per B where most reached it, (the runs
     that diverged, all runs there), so that the runs that never reached it are counted of the same total."""
-    said, sizes, ratios, spans = _doublings(points, censored)
+    said, sizes, shares, spans = _doublings(points, censored)
     out = sorted(set(censored))
     f = critical(points[~points["effective_batch"].isin(out)])
-    said += _fitted(f, sizes, ratios, spans, lost or {})
+    said += _fitted(f, sizes, shares, spans, lost or {})
     if out:
         runs = points["effective_batch"].value_counts()
         gone = diverged or {}
@@ -195,8 +195,8 @@ def reading(points: pd.DataFrame, noise: pd.DataFrame, lost: dict[int, tuple[int
 
 
 def _doublings(points: pd.DataFrame, censored: list[int]) -> tuple[str, list[int], list[float], dict]:
-    """The median steps' share from each B to the next, in words, with the Bs, the shares and the unresolved
-    spans."""
+    """The median steps' share from each B to the next, in words, with the Bs, the shares (the medians' own ratio,
+    never a per-doubling rate raised back to a rounded exponent) and the unresolved spans."""
     # A censored run took more steps than its B's runs last, so more than every run there that reached it: in the
     # medians it counts as slower than all of them (fewer than half of a fitted B's runs are censored, so each
     # median is the true one; leaving them out would bias it low).
@@ -204,30 +204,35 @@ def _doublings(points: pd.DataFrame, censored: list[int]) -> tuple[str, list[int
     every = pd.concat([points, beyond]) if censored else points
     medians = every.groupby("effective_batch")["steps"].median().sort_index()
     sizes = list(medians.index)
-    ratios = [(medians.iloc[i] / medians.iloc[i - 1]) ** (1 / math.log2(sizes[i] / sizes[i - 1]))
-              for i in range(1, len(sizes))]
+    shares = [medians.iloc[i] / medians.iloc[i - 1] for i in range(1, len(sizes))]
     spans = _unresolved(every if "before" in points and points["before"].notna().any() else points, sizes)
     slow = (f" (a run that never reached it counted as slower than every run that did: {len(censored)} "
             f"run{'s' * (len(censored) > 1)} at B = {', '.join(map(str, sorted(set(censored))))})" if censored else "")
-    if not ratios:
-        return f"only B = {sizes[0]} reached it", sizes, ratios, spans
-    pairs = list(zip(sizes, sizes[1:], ratios))
+    if not shares:
+        return f"only B = {sizes[0]} reached it", sizes, shares, spans
+    pairs = list(zip(sizes, sizes[1:], shares))
     if not spans and all(_doubled(a, b) == 1 for a, b, _ in pairs):
-        return (f"each doubling of B took the median steps to {', '.join(f'{r:.2f}' for r in ratios)} of the B "
-                f"before{slow}"), sizes, ratios, spans
+        return (f"each doubling of B took the median steps to {', '.join(f'{r:.2f}' for r in shares)} of the B "
+                f"before{slow}"), sizes, shares, spans
     if not spans:  # (Bs more than a doubling apart: the share over them, and the share a doubling it makes)
-        each = [f"from B = {a} to {b} ({_times(a, b)}) the median steps went to {(r ** _doubled(a, b)):.2f} of "
-                f"B = {a}'s" + (f" ({r:.2f} a doubling)" if _doubled(a, b) != 1 else "") for a, b, r in pairs]
-        return "; ".join(each) + slow, sizes, ratios, spans
+        each = [f"from B = {a} to {b} ({_times(a, b)}) the median steps went to {r:.2f} of B = {a}'s"
+                + (f" ({_rate(r, a, b):.2f} a doubling)" if _doubled(a, b) != 1 else "") for a, b, r in pairs]
+        return "; ".join(each) + slow, sizes, shares, spans
     # (a ratio the evaluations cannot resolve is its range, never a number first)
     each = [f"not resolved at B = {b} ({_span(*spans[b])}" + (f"; a doubling's share from B = {a}, {_times(a, b)})"
                                                           if _doubled(a, b) != 1 else ")")
-            if b in spans else f"{r:.2f} at B = {b}" + (f" (a doubling's share from B = {a}, {_times(a, b)}: "
-                                                       f"{r ** _doubled(a, b):.2f} over them)" if _doubled(a, b) != 1
-                                                       else "") for a, b, r in pairs]
+            if b in spans else f"{_rate(r, a, b):.2f} at B = {b}" + (f" (a doubling's share from B = {a}, "
+                                                                    f"{_times(a, b)}: {r:.2f} over them)"
+                                                                    if _doubled(a, b) != 1 else "")
+            for a, b, r in pairs]
     return (f"each doubling of B took the median steps to this share of the B before's: {'; '.join(each)} (a "
             f"ratio is not resolved at this evaluation's granularity where the steps, known only to within an "
-            f"evaluation, leave a range whose ends lie twofold or more apart){slow}"), sizes, ratios, spans
+            f"evaluation, leave a range whose ends lie twofold or more apart){slow}"), sizes, shares, spans
+
+
+def _rate(share: float, a: float, b: float) -> float:
+    """The share a doubling that compounds to `share` from B = a to b."""
+    return share ** (1 / math.log2(b / a))
 
 
 def _doubled(a: float, b: float) -> float:
@@ -241,7 +246,7 @@ def _times(a: float, b: float) -> str:
     return words.get(n, f"{n:g} doublings")
 
 
-def _fitted(f: Fit | None, sizes: list[int], ratios: list[float], spans: dict,
+def _fitted(f: Fit | None, sizes: list[int], shares: list[float], spans: dict,
             lost: dict[int, tuple[int, int]]) -> str:
     """What the fit of S = S_min (1 + B_crit / B) says: B_crit with the t-interval of the seeds' own fits, or the
     side of the Bs fitted that interval passes, where it bounds nothing."""
@@ -249,7 +254,7 @@ def _fitted(f: Fit | None, sizes: list[int], ratios: list[float], spans: dict,
         return "; B_crit could not be fitted (fewer than 3 Bs where every run reached the target)"
     n, fitted = len(f.seeds), f"from {f.runs} runs at B = {f.sizes[0]} to {f.sizes[-1]}"
     if any(f.sides):
-        return _at_bound(f, fitted) + _beyond(f, sizes, ratios, spans, lost, 1 in f.sides)
+        return _at_bound(f, fitted) + _beyond(f, sizes, shares, spans, lost, 1 in f.sides)
     if n < 2 or np.ptp(np.log(f.seeds)) < 1e-9:  # (seeds whose steps agree: their spread is no measure of B_crit's)
         lo = hi = f.b_crit if n < 2 else f.seeds[0]
         at = _n(lo)
@@ -273,7 +278,7 @@ def _fitted(f: Fit | None, sizes: list[int], ratios: list[float], spans: dict,
                                                                 ("largest", max(f.sizes), above)) if on])
     lies = "the fit lies" if lo == hi else "its interval reaches"
     said = f"; B_crit is not bounded {side} by the Bs fitted: {lies} past {past} ({own}; {fitted})"
-    return said + _beyond(f, sizes, ratios, spans, lost, above)
+    return said + _beyond(f, sizes, shares, spans, lost, above)
 
 
 def _at_bound(f: Fit, fitted: str) -> str:
@@ -293,7 +298,7 @@ def _at_bound(f: Fit, fitted: str) -> str:
     return f"; B_crit is not bounded {side}: {'; '.join(why)}, and neither is B_crit ({each}{fitted})"
 
 
-def _beyond(f: Fit, sizes: list[int], ratios: list[float], spans: dict, lost: dict[int, tuple[int, int]],
+def _beyond(f: Fit, sizes: list[int], shares: list[float], spans: dict, lost: dict[int, tuple[int, int]],
             above: bool) -> str:
     """Where B_crit is not bounded above: the last doubling's share of the steps, and the runs beyond the Bs fitted
     that never reached the target."""
@@ -306,12 +311,12 @@ def _beyond(f: Fit, sizes: list[int], ratios: list[float], spans: dict, lost: di
     last = f" (from {a} to {b}, outside the fit)" if outside else ""
     said = (f": the last doubling's share of the steps of the B before{last} is not resolved "
             f"({_span(*spans[b])}; {scale})" if b in spans else
-            f": the last doubling{last} took the steps to {ratios[-1]:.2f} of the B before ({scale})")
+            f": the last doubling{last} took the steps to {shares[-1]:.2f} of the B before ({scale})")
     if _doubled(a, b) != 1:  # (the last two Bs lie more than a doubling apart: the share a doubling between them)
         between = f"from B = {a} to {b} ({_times(a, b)}{', outside the fit' if outside else ''})"
         said = (f": the share of the steps a doubling {between} is not resolved ({_span(*spans[b])}; {scale})"
-                if b in spans else f": {between} the steps went to {ratios[-1] ** _doubled(a, b):.2f} of B = "
-                f"{a}'s ({ratios[-1]:.2f} a doubling; {scale})")
+                if b in spans else f": {between} the steps went to {shares[-1]:.2f} of B = "
+                f"{a}'s ({_rate(shares[-1], a, b):.2f} a doubling; {scale})")
     past = [(b, never, diverged, runs) for b, (never, diverged, runs) in sorted(lost.items()) if b > max(f.sizes)]
     beyond = [f"{never} of {runs} at B = {b}" for b, never, _, runs in past if never]
     if beyond:  # (right-censored: their steps to the target exceed the runs' length, which no fit here counts)

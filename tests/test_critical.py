@@ -257,3 +257,28 @@ def test_a_last_step_of_two_doublings_past_the_fit_is_said_so():
             in said), said
     assert (": from B = 128 to 512 (two doublings) the steps went to 0.55 of B = 128's (0.74 a doubling; 0.50 is "
             "perfect scaling, 1 none)") in said, said
+
+
+def _steps(per_b: dict, before: dict | None = None) -> pd.DataFrame:
+    """One run per seed at each B with the steps given (`before`: the steps at the evaluation before, per B)."""
+    return pd.DataFrame([dict(seed=seed, effective_batch=b, steps=s, run_id=f"{seed}-{b}",
+                              before=(before or {}).get(b, [s - 1] * len(steps))[seed])
+                         for b, steps in per_b.items() for seed, s in enumerate(steps)])
+
+
+def test_the_share_over_bs_not_a_power_of_2_apart_is_the_medians_own_ratio():
+    """From B = 32 to 96 the medians 330 -> 163 are 0.494 of B = 32's: it read 0.50, the per-doubling rate raised back
+    to 1.58 (a rounded log2 3) instead of the medians' ratio; likewise in the mixed sentence and the last step past
+    the fit."""
+    plain = critical.reading(_steps({32: [330] * 3, 96: [163] * 3, 288: [108] * 3}), NONE_NOISE)
+    assert plain.startswith("from B = 32 to 96 (1.58 doublings) the median steps went to 0.49 of B = 32's (0.64 a "
+                            "doubling); "), plain
+    mixed = critical.reading(_steps({32: [330] * 3, 96: [163] * 3, 288: [108] * 3}, before={288: [20] * 3}),
+                             NONE_NOISE)
+    assert "0.64 at B = 96 (a doubling's share from B = 32, 1.58 doublings: 0.49 over them)" in mixed, mixed
+    beyond = critical.reading(_steps({32: [800, 700, 900], 64: [500, 420, 560], 96: [330, 390, 300],
+                                      288: [163, 210, 150]}), NONE_NOISE)
+    assert ("B_crit is not bounded above by the Bs fitted: its interval reaches past the largest B fitted (288)"
+            in beyond), beyond
+    assert (": from B = 96 to 288 (1.58 doublings) the steps went to 0.49 of B = 96's (0.64 a doubling; 0.50 is "
+            "perfect scaling, 1 none)") in beyond, beyond
