@@ -31,7 +31,8 @@ def _memory(t: pd.DataFrame, b: int, k: int) -> str:
 def _under(key: dict, every_rule: bool = False) -> str:
     """The other rules a twin pair ran under (BN momentum's; the LR rule's too where `every_rule`), as its verdict
     is prefixed."""
-    named = [f"BN {key[f]}" if f == "bn_momentum_rule" else f"{key[f]}" if f == "lr_rule" else f"{f} {key[f]}"
+    named = [f"BN {key[f]}" if f == "bn_momentum_rule" else f"the {key[f]} LR rule" if f == "lr_rule" else
+             f"{f} {key[f]}"
              for f in sorted(key, key=lambda f: (f != "lr_rule", f))
              if f != "effective_batch" and (every_rule or f != "lr_rule")]
     return f"under {', '.join(named)}: " if named else ""
@@ -51,7 +52,8 @@ def _batching(t: pd.DataFrame, rule: str | None, b: int, twins: list, m: Measure
     accumulated = [f"b = {bb:.0f}, k = {k:.0f}{_memory(t, bb, k)}" for bb, k in made.itertuples(index=False) if k > 1]
     averaged = " (each seed's runs averaged)" if len(accumulated) > 1 else ""
     said = "; ".join(_under(key, rule is None) + stated(v.d, 'higher', 'lower', m, v) for key, v in mine)
-    whose = f" under {rule}" if rule else ""  # (the picked rule's twins: another rule's may read otherwise)
+    # (the picked rule's twins: another rule's may read otherwise; 'under none' alone read as 'with no condition')
+    whose = f" under the {rule} LR rule" if rule else ""
     made = (f"accumulating{whose} ({'; '.join(accumulated)}){averaged} against the true batch (b = {b}, k = 1"
             f"{_memory(t, b, 1)}): {said}")
     plan = f"`{commands.command('plan')} --target-batch {b} --memory-budget SIZE`"

@@ -39,7 +39,7 @@ def test_each_pick_at_a_b_is_the_findings_own_comparison():
         cost = line.split("against B = 32: ")[1].split("; accumulating")[0]
         said = next(s for s in findings if s.startswith(f"The {rule} LR rule against B = 32"))
         assert f"at B = {b} " in said and cost.removesuffix(".") in said, (line, said)
-        assert f"accumulating under {rule} (b = 32, k = " in line  # (the picked rule's twins, named)
+        assert f"accumulating under the {rule} LR rule (b = 32, k = " in line  # (the picked rule's twins, named)
         # (a b is advised, with the planner, only where the twins were shown equivalent or resolved apart)
         assert ("plan --target-batch" in line) == ("; b: the largest that fits" in line or "; they differ" in line)
     # At B = 512 the findings name the best rule and its ties; so does the pick.

@@ -182,9 +182,9 @@ def test_each_bn_rules_twin_verdict_is_named_none_overwritten():
     study = _study(rows, ("physical_batch", "accum_steps", "lr_rule", "bn_momentum_rule"))
     [at_128] = [line for line in recommend(study) if line.startswith("At B = 128")]
     # (the twins resolved apart at B = 128: each half is picked on its own, and every LR rule's verdicts named)
-    assert re.search(r"against the true batch \(b = 128, k = 1\): under none, BN default: [23]\.\d points lower, "
-                     r"95% CI", at_128), at_128
-    assert re.search(r"; under (none|sqrt), BN scaled: equivalent within ±1 point \(", at_128), at_128
+    assert re.search(r"against the true batch \(b = 128, k = 1\): under the none LR rule, BN default: [23]\.\d points "
+                     r"lower, 95% CI", at_128), at_128
+    assert re.search(r"; under the (none|sqrt) LR rule, BN scaled: equivalent within ±1 point \(", at_128), at_128
     assert "b: the largest that fits your memory" not in at_128
 
 
@@ -222,8 +222,8 @@ def test_the_accumulation_verdict_names_the_b_and_k_that_ran():
     rows = _rows(lambda s, rule, b, k: 0.95 + rng.normal(0, 0.001), bs=((32, 1), (64, 2), (128, 1)))
     [at_128] = [line for line in recommend(_study(rows, ("physical_batch", "accum_steps", "lr_rule")))
                 if line.startswith("At B = 128")]
-    assert re.search(r"accumulating under \w+ \(b = 64, k = 2\) against the true batch \(b = 128, k = 1\): ", at_128), \
-        at_128
+    assert re.search(r"accumulating under the \w+ LR rule \(b = 64, k = 2\) against the true batch "
+                     r"\(b = 128, k = 1\): ", at_128), at_128
     assert "k = 4" not in at_128
 
 
@@ -236,8 +236,8 @@ def test_no_b_is_advised_where_the_twins_were_not_resolved_either_way():
                 if line.startswith("At B = 128")]
     assert "b: the largest that fits your memory" not in at_128 and "plan --target-batch" not in at_128
     rule = at_128.split("the ")[1].split(" LR rule")[0]  # (the picked rule, whose twins the line reads)
-    assert at_128.endswith(f"accumulation under {rule} was neither shown equivalent to the true batch nor resolved "
-                           f"from it with 3 seeds, so no b is advised."), at_128
+    assert at_128.endswith(f"accumulation under the {rule} LR rule was neither shown equivalent to the true batch "
+                           f"nor resolved from it with 3 seeds, so no b is advised."), at_128
     rows = _rows(lambda s, rule, b, k: 0.95 + 0.001 * s)  # (the twins equal in every seed: equivalent)
     [at_128] = [line for line in recommend(_study(rows, ("physical_batch", "accum_steps", "lr_rule")))
                 if line.startswith("At B = 128")]
