@@ -287,8 +287,8 @@ def steps_vs_batch(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFr
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     field, palette = split(trials)
     lines = sns.color_palette()
-    if found.keys == [field]:  # the split's own order and colours
-        lines = [palette[s.group[0]] for s in found.series]
+    if found.keys == [field]:  # the split's own order and colours (the true batches' series beside BN rules: gray)
+        lines = [palette.get(s.group[0], "gray") for s in found.series]
     firsts = []
     for i, (color, series) in enumerate(zip(lines, found.series)):
         label = " / ".join(map(str, series.group)) if found.keys else "all"
@@ -296,8 +296,8 @@ def steps_vs_batch(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFr
             medians = series.medians(column)
             # (each series a size smaller than the one before: identical medians, BN rules that share their k = 1
             # runs and train alike, show nested instead of the last drawn hiding the others)
-            ax.plot(medians.index, medians.values, "o-", color=color, label=label, markersize=max(8 - 2 * i, 3),
-                    linewidth=max(3 - 0.8 * i, 1))
+            ax.plot(medians.index, medians.values, "o-", color=color, label=label, markersize=max(9 - 1.5 * i, 2),
+                    linewidth=max(3 - 0.5 * i, 0.6))
         if len(series.kept):
             firsts.append(series.medians("steps").sort_index().iloc[:1])
         # The findings' fit, drawn where the seeds' interval of B_crit lies within the Bs fitted (critical.py).

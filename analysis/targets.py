@@ -89,11 +89,17 @@ def _tied(t: pd.DataFrame, keys: list[str]) -> list[str]:
             and (up.groupby("bn_momentum_rule")[c].nunique(dropna=False) == 1).all()]
 
 
+TRUE_BATCH = "true batch"  # the series of the true batches at each B beside the BN rules' (_shared_at_one)
+
+
 def _shared_at_one(runs: pd.DataFrame, keys: list[str], tied: list[str]) -> pd.DataFrame:
-    """At k = 1 every BN momentum rule sets the default momentum, and the grid runs k = 1 (B = base and the
-    true-batch twins) under default alone: such a run belongs to the series of each rule whose runs at k > 1 hold
-    its values of the other keys and of the `tied` fields (a rule zipped with the weight decay: its own), not to
-    default's alone. A run at k = 1 that matches no rule stays under its label."""
+    """At k = 1 every BN momentum rule sets the default momentum (the grid runs k = 1 under default alone, or under
+    each rule alike). The runs at k = 1 at the b the rules accumulate at (B = b, where each series starts) count,
+    once a seed, in the series of each rule whose runs at k > 1 hold their values of the other keys and of the
+    `tied` fields (a rule zipped with the weight decay: its own). Every run at k = 1, those at B = b and the true
+    batches at a larger B that no rule accumulated, is also a series of its own (TRUE_BATCH; one per arm where
+    fields are tied), so that a rule's point at a B is its own accumulated runs, not a blend with the true batch's.
+    A run at k = 1 that matches no rule stays under its label."""
     if "bn_momentum_rule" not in keys or "accum_steps" not in runs:
         return runs
     one = runs["accum_steps"] == 1
@@ -102,10 +108,15 @@ def _shared_at_one(runs: pd.DataFrame, keys: list[str], tied: list[str]) -> pd.D
     arms = up[[*match, "bn_momentum_rule"]].drop_duplicates()
     if arms.empty or not one.any():
         return runs
-    ones = runs[one].drop(columns="bn_momentum_rule")
+    cell = ["seed", *match, "effective_batch"]  # (a run at k = 1 under each rule's label is one run, counted once)
+    ones = runs[one].drop_duplicates(cell).drop(columns="bn_momentum_rule")
     joined = ones.merge(arms, on=match) if match else ones.merge(arms, how="cross")
-    alone = runs[one & ~runs["run_id"].isin(joined["run_id"])]
-    return pd.concat([runs[~one], joined, alone], ignore_index=True)
+    base = joined["effective_batch"].isin(up["effective_batch"] // up["accum_steps"])
+    true = joined.assign(bn_momentum_rule=joined["bn_momentum_rule"].map(
+        lambda rule: f"{TRUE_BATCH} at {rule}'s settings" if tied else TRUE_BATCH)).drop_duplicates(
+        ["run_id", "bn_momentum_rule"])
+    alone = runs[one & ~runs[cell].apply(tuple, axis=1).isin(set(joined[cell].apply(tuple, axis=1)))]
+    return pd.concat([runs[~one], joined[base], true, alone], ignore_index=True)
 
 
 def _series(group: tuple, rows: pd.DataFrame) -> Series:
@@ -134,6 +145,9 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
     noise = critical.noise_at_target(t, history, found.goal)
     both = "accum_steps" in t and (t["accum_steps"] > 1).any() and (t["accum_steps"] == 1).any()
     alike = ", accumulated and true batch alike" if both else ""
+    if any(str(s.group[-1]).startswith(TRUE_BATCH) for s in found.series):  # (BN rules: _shared_at_one)
+        alike = (", each BN momentum rule's accumulated runs beside the runs at k = 1 where they start, the true "
+                 "batches (k = 1) a series of their own")
     out = [f"Steps to reach {percent(found.goal, full_scale(t['val_acc']))} validation accuracy "
            f"({found.of}; {resolution(t, evals)}{found.tuned}), each "
            f"run that reached it one point{alike}, fitted by S = S_min (1 + B_crit / B) "

@@ -1,5 +1,6 @@
 """Steps to the target per BN momentum rule (targets.py): at k = 1 every rule is the default momentum, which the
-grid runs under default alone, so those runs (B = 32 and the true-batch twins) count in every rule's series."""
+grid runs under default alone, so the runs at B = 32 count in every rule's series, once a seed, and the true
+batches at every B are a series of their own, not blended into one rule's."""
 import pandas as pd
 
 from batchsweep.analysis.figures import steps_vs_batch
@@ -10,25 +11,48 @@ from tests.test_report_zipped import _zipped
 
 def _lines(rows: list[dict]) -> dict[str, str]:
     said = steps(pd.DataFrame(rows), _history(rows))
-    return {s.split(" ")[1].strip(","): s for s in said if s.startswith("For ")}
+    return {s.removeprefix("For ").split(",")[0].split(" (")[0]: s for s in said if s.startswith("For ")}
 
 
 def test_the_runs_at_k_1_count_in_every_bn_rule_s_series():
-    """bn_momentum: 'For scaled (...), only B = 128 reached it; B_crit could not be fitted', where B = 32 and the
-    true batches at 128 and 512 (under default) are scaled's runs at k = 1 as much as default's."""
+    """bn_momentum: 'For scaled (...), only B = 128 reached it; B_crit could not be fitted', where B = 32 (under
+    default) is scaled's start as much as default's; and default's series blended its accumulated runs with the
+    true batches at 128 and 512, scaled's not."""
     lines = _lines(_bn_grid("cnn1d", "batch", False, measured=True))
-    assert set(lines) == {"default", "scaled", "matched"}, lines
+    assert set(lines) == {"default", "scaled", "matched", "true batch"}, lines
     for rule, line in lines.items():
-        assert "from 15 runs at B = 32 to 512" in line, line
+        assert "from 9 runs at B = 32 to 512" in line, line
+
+
+def test_a_bn_rule_s_series_is_its_own_runs_not_a_blend_with_the_true_batch_s():
+    """scaled's accumulated runs took twice the steps: its medians (298 and 194 at B = 128 and 512) read 219.5 and
+    145.5, each the mean of its runs' and the shared true batch's middle values. Where the grid ran k = 1 under
+    every rule's label, each run counts once (it counted 3 times: 'from 33 runs')."""
+    from batchsweep.analysis.targets import to_target
+    from tests.test_report_no_batchnorm import _history
+
+    rows = _bn_grid("cnn1d", "batch", False, measured=True)
+    history = _history(rows)
+    slow = {r["run_id"] for r in rows if r["bn_momentum_rule"] == "scaled" and r["accum_steps"] > 1}
+    history.loc[history["run_id"].isin(slow), "steps"] *= 2
+    series = {s.group[0]: s for s in to_target(pd.DataFrame(rows), history).series}
+    assert dict(series["scaled"].medians("steps"))[128] == 2 * dict(series["default"].medians("steps"))[128]
+    assert list(series["true batch"].medians("steps").index) == [32, 128, 512]
+    every = [{**r, "bn_momentum_rule": rule, "run_id": r["run_id"] + rule} if r["accum_steps"] == 1 else r
+             for r in rows for rule in (("default", "scaled", "matched") if r["accum_steps"] == 1 else (None,))]
+    lines = _lines(every)
+    assert all("from 9 runs at B = 32 to 512" in line for line in lines.values()), lines
+
 
 
 def test_a_bn_rule_zipped_with_the_weight_decay_counts_the_runs_at_k_1_at_its_own():
     """Each rule with its own weight decay, every k = 1 run labelled default and no varied fields known: each
     rule's series holds the k = 1 runs at its weight decay alone (3 at B = 32), not every one's (9)."""
     lines = _lines([{**r, "val_acc": r["val_acc"] + 0.1 * (r["weight_decay"] > 0)} for r in _zipped()])
-    assert set(lines) == {"default", "scaled", "matched"}, lines
+    assert set(lines) == {"default", "scaled", "matched", "true batch at default's settings",
+                          "true batch at scaled's settings", "true batch at matched's settings"}, lines
     for rule, line in lines.items():
-        assert "from 15 runs at B = 32 to 512" in line, line
+        assert "from 9 runs at B = 32 to 512" in line, line
 
 
 def test_the_steps_figure_draws_every_bn_rule_from_b_32():
@@ -36,5 +60,5 @@ def test_the_steps_figure_draws_every_bn_rule_from_b_32():
     rows = _bn_grid("cnn1d", "batch", False, measured=True)
     figure = steps_vs_batch(pd.DataFrame(rows), _history(rows))
     drawn = {line.get_label(): list(line.get_xdata()) for line in figure.figure.axes[0].get_lines()}
-    for rule in ("default", "scaled", "matched"):
+    for rule in ("default", "scaled", "matched", "true batch"):
         assert drawn[rule] == [32, 128, 512], drawn

@@ -53,13 +53,16 @@ def test_a_bn_rule_without_a_true_batch_at_its_weight_decay_is_said_to_have_none
 
 def test_the_steps_finding_counts_each_arm_at_its_own_weight_decay():
     """'For default (at B = 128, 4 of 8 runs ...)': default's series held the runs at every weight decay at
-    k = 1 (3 seeds at B = 128: its 3 accumulated runs and 3 true-batch runs, not 9)."""
+    k = 1. Its series is its 3 accumulated runs at B = 128; the true batch at its weight decay is a series of its
+    own, 3 runs there, not 9."""
     rows = _zipped()
     rows = [{**r, "val_acc": 0.5} if r["effective_batch"] == 128 and r["seed"] < 2 else r for r in rows]
     study = dataclasses.replace(_study(rows, (*VARIED, "weight_decay")), history=_history(rows))
     found = summarize(study.trials, study.history, None, None, study.varied)
     default = [s for s in found if s.startswith("For default")]
-    assert default and "4 of 6 runs" in default[0], default
+    assert default and "at B = 128, 2 of 3 runs never reached it" in default[0], default
+    [true] = [s for s in found if s.startswith("For true batch at default's settings")]
+    assert "at B = 128, 2 of 3 runs never reached it" in true, true
 
 
 def test_the_accuracy_figure_draws_each_arm_s_true_batch_at_its_weight_decay():
