@@ -20,7 +20,7 @@ from .measures import (Measure, finished, full_scale, last_noise, measure, no_ba
                        reliable_noise, tuned)
 from .plotting import MEMORY_LABELS, Draw, Figure, colors, context, log2_axis, log_scale, split, varies  # noqa: E402
 from .runs import aggregate, ci95  # noqa: E402
-from .targets import to_target  # noqa: E402
+from .targets import TRUE_BATCH, to_target  # noqa: E402
 from .wording import percent  # noqa: E402
 
 def accuracy_vs_batch(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> Figure | None:
@@ -287,17 +287,20 @@ def steps_vs_batch(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFr
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     field, palette = split(trials)
     lines = sns.color_palette()
-    if found.keys == [field]:  # the split's own order and colours (the true batches' series beside BN rules: gray)
-        lines = [palette.get(s.group[0], "gray") for s in found.series]
+    if found.keys == [field]:  # the split's own order and colours
+        # (beside the BN rules, the true batches (targets.TRUE_BATCH): squares, in their arm's colour or dark gray)
+        lines = [palette.get(s.group[0], palette.get(str(s.group[0]).split(" at ")[-1].removesuffix("'s settings"),
+                                                     "0.2")) for s in found.series]
     firsts = []
     for i, (color, series) in enumerate(zip(lines, found.series)):
         label = " / ".join(map(str, series.group)) if found.keys else "all"
+        true = str(series.group[-1]).startswith(TRUE_BATCH)
         for ax, column in ((left, "steps"), (right, "samples")):
             medians = series.medians(column)
             # (each series a size smaller than the one before: identical medians, BN rules that share their k = 1
             # runs and train alike, show nested instead of the last drawn hiding the others)
-            ax.plot(medians.index, medians.values, "o-", color=color, label=label, markersize=max(9 - 1.5 * i, 2),
-                    linewidth=max(3 - 0.5 * i, 0.6))
+            ax.plot(medians.index, medians.values, "s-." if true else "o-", color=color, label=label,
+                    markersize=max(9 - 1.5 * i, 2), linewidth=max(3 - 0.5 * i, 0.6))
         if len(series.kept):
             firsts.append(series.medians("steps").sort_index().iloc[:1])
         # The findings' fit, drawn where the seeds' interval of B_crit lies within the Bs fitted (critical.py).

@@ -111,10 +111,14 @@ def _shared_at_one(runs: pd.DataFrame, keys: list[str], tied: list[str]) -> pd.D
     cell = ["seed", *match, "effective_batch"]  # (a run at k = 1 under each rule's label is one run, counted once)
     ones = runs[one].drop_duplicates(cell).drop(columns="bn_momentum_rule")
     joined = ones.merge(arms, on=match) if match else ones.merge(arms, how="cross")
-    base = joined["effective_batch"].isin(up["effective_batch"] // up["accum_steps"])
+    # (each rule's own b: a rule that accumulates from b = 128 does not start at B = 32)
+    starts = set(zip(*(up[c] for c in (*match, "bn_momentum_rule")), up["effective_batch"] // up["accum_steps"]))
+    base = [key in starts for key in zip(*(joined[c] for c in (*match, "bn_momentum_rule")), joined["effective_batch"])]
     true = joined.assign(bn_momentum_rule=joined["bn_momentum_rule"].map(
         lambda rule: f"{TRUE_BATCH} at {rule}'s settings" if tied else TRUE_BATCH)).drop_duplicates(
         ["run_id", "bn_momentum_rule"])
+    # (a true batch at one B alone has no steps against B to read: no series)
+    true = true[true.groupby("bn_momentum_rule")["effective_batch"].transform("nunique") > 1]
     alone = runs[one & ~runs[cell].apply(tuple, axis=1).isin(set(joined[cell].apply(tuple, axis=1)))]
     return pd.concat([runs[~one], joined[base], true, alone], ignore_index=True)
 

@@ -62,3 +62,35 @@ def test_the_steps_figure_draws_every_bn_rule_from_b_32():
     drawn = {line.get_label(): list(line.get_xdata()) for line in figure.figure.axes[0].get_lines()}
     for rule in ("default", "scaled", "matched", "true batch"):
         assert drawn[rule] == [32, 128, 512], drawn
+
+
+def test_each_bn_rule_starts_at_its_own_b_and_a_true_batch_at_one_b_is_no_series():
+    """matched accumulated from b = 128, default and scaled from b = 32: default's B = 128 read 219.5, its k = 4
+    runs (298) blended with the true batch's there (149), and matched's series started at B = 32. Where k = 1 ran
+    at B = 32 alone, 'For true batch, only B = 32 reached it' was said of a B no other true batch ran beside."""
+    from batchsweep.analysis.targets import to_target
+    from tests.test_report_no_batchnorm import _history
+
+    rows = [r for r in _bn_grid("cnn1d", "batch", False, measured=True) if r["bn_momentum_rule"] != "matched"]
+    for seed in (0, 1, 2):
+        four = next(r for r in rows if r["seed"] == seed and r["accum_steps"] == 4)
+        rows.append({**four, "physical_batch": 128, "effective_batch": 512, "bn_momentum_rule": "matched",
+                     "run_id": f"m{seed}"})
+    history = _history(rows)
+    accumulated = {r["run_id"] for r in rows if r["accum_steps"] > 1}
+    history.loc[history["run_id"].isin(accumulated), "steps"] *= 2
+    series = {s.group[0]: s.medians("steps") for s in to_target(pd.DataFrame(rows), history).series}
+    assert series["default"][128] == 2 * series["true batch"][128], series
+    assert list(series["matched"].index) == [128, 512], series
+    rows = [r for r in _bn_grid("cnn1d", "batch", False, measured=True)
+            if r["effective_batch"] == 32 or r["accum_steps"] > 1]
+    assert "true batch" not in _lines(rows), _lines(rows)
+
+
+def test_the_steps_figure_draws_the_true_batches_apart_from_the_reference_line():
+    """The true batches' series was drawn in the gray of 'perfect scaling', with its circles."""
+    rows = _bn_grid("cnn1d", "batch", False, measured=True)
+    figure = steps_vs_batch(pd.DataFrame(rows), _history(rows))
+    [true] = [line for line in figure.figure.axes[0].get_lines() if line.get_label() == "true batch"]
+    [ideal] = [line for line in figure.figure.axes[0].get_lines() if line.get_label().startswith("perfect")]
+    assert true.get_marker() == "s" and true.get_color() != ideal.get_color()
