@@ -108,8 +108,13 @@ def _shared_at_one(runs: pd.DataFrame, keys: list[str], tied: list[str]) -> pd.D
     arms = up[[*match, "bn_momentum_rule"]].drop_duplicates()
     if arms.empty or not one.any():
         return runs
-    cell = ["seed", *match, "effective_batch"]  # (a run at k = 1 under each rule's label is one run, counted once)
-    ones = runs[one].drop_duplicates(cell).drop(columns="bn_momentum_rule")
+    # A run at k = 1 filed under each rule's label is one run, counted once: in each (seed, B, other keys) cell the
+    # runs under its first label are kept, every one of them (runs apart in a field not here: models, weight decays).
+    cell = ["seed", *match, "effective_batch"]
+    order = {r: i for i, r in enumerate(in_order("bn_momentum_rule", runs["bn_momentum_rule"].dropna()))}
+    ones = runs[one].assign(_first=runs.loc[one, "bn_momentum_rule"].map(order))
+    ones = ones[ones["_first"].isna() | (ones["_first"] == ones.groupby(cell, dropna=False)["_first"].transform("min"))]
+    ones = ones.drop(columns=["bn_momentum_rule", "_first"])
     joined = ones.merge(arms, on=match) if match else ones.merge(arms, how="cross")
     # (each rule's own b: a rule that accumulates from b = 128 does not start at B = 32)
     starts = set(zip(*(up[c] for c in (*match, "bn_momentum_rule")), up["effective_batch"] // up["accum_steps"]))
@@ -150,8 +155,11 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
     both = "accum_steps" in t and (t["accum_steps"] > 1).any() and (t["accum_steps"] == 1).any()
     alike = ", accumulated and true batch alike" if both else ""
     if any(str(s.group[-1]).startswith(TRUE_BATCH) for s in found.series):  # (BN rules: _shared_at_one)
-        alike = (", each BN momentum rule's accumulated runs beside the runs at k = 1 where they start, the true "
-                 "batches (k = 1) a series of their own")
+        start = any((s.rows["accum_steps"] == 1).any() for s in found.series
+                    if not str(s.group[-1]).startswith(TRUE_BATCH))
+        beside = ("beside the runs at k = 1 where they start" if start else
+                  "alone (no run at k = 1 at the b they accumulate from)")
+        alike = f", each BN momentum rule's accumulated runs {beside}, the true batches (k = 1) a series of their own"
     out = [f"Steps to reach {percent(found.goal, full_scale(t['val_acc']))} validation accuracy "
            f"({found.of}; {resolution(t, evals)}{found.tuned}), each "
            f"run that reached it one point{alike}, fitted by S = S_min (1 + B_crit / B) "

@@ -94,3 +94,28 @@ def test_the_steps_figure_draws_the_true_batches_apart_from_the_reference_line()
     [true] = [line for line in figure.figure.axes[0].get_lines() if line.get_label() == "true batch"]
     [ideal] = [line for line in figure.figure.axes[0].get_lines() if line.get_label().startswith("perfect")]
     assert true.get_marker() == "s" and true.get_color() != ideal.get_color()
+
+
+def test_runs_at_k_1_apart_in_a_field_crossed_with_the_rules_all_count():
+    """The weight decay crossed with every rule (not tied to one): the 9 runs at k = 1 at the second weight decay,
+    sharing seed and B with the first's, were counted once with them and dropped from every series."""
+    from batchsweep.analysis.targets import to_target
+    from tests.test_report_no_batchnorm import _history
+
+    rows = [{**r, "weight_decay": wd, "run_id": f"w{wd}{r['run_id']}"} for wd in (0.0, 0.001)
+            for r in _bn_grid("cnn1d", "batch", False, measured=True)]
+    for s in to_target(pd.DataFrame(rows), _history(rows)).series:
+        at_one = s.rows[s.rows["accum_steps"] == 1]
+        assert len(at_one) == (18 if s.group[0] == "true batch" else 6), (s.group, len(at_one))
+
+
+def test_rules_with_no_run_at_k_1_where_they_start_are_said_to_stand_alone():
+    """k = 1 ran only at B = 128 and 512: it read 'each BN momentum rule's accumulated runs beside the runs at k = 1
+    where they start', none of which ran."""
+    rows = [r for r in _bn_grid("cnn1d", "batch", False, measured=True)
+            if r["accum_steps"] > 1 or r["effective_batch"] > 32]
+    rows += [{**r, "accum_steps": 2, "effective_batch": 64, "run_id": r["run_id"] + "k2"} for r in rows
+             if r["accum_steps"] == 4]  # (three Bs accumulated: 64, 128 and 512)
+    first = steps(pd.DataFrame(rows), _history(rows))[0]
+    assert "each BN momentum rule's accumulated runs alone (no run at k = 1 at the b they accumulate from)" in first, \
+        first
