@@ -155,10 +155,11 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
     both = "accum_steps" in t and (t["accum_steps"] > 1).any() and (t["accum_steps"] == 1).any()
     alike = ", accumulated and true batch alike" if both else ""
     if any(str(s.group[-1]).startswith(TRUE_BATCH) for s in found.series):  # (BN rules: _shared_at_one)
-        start = any((s.rows["accum_steps"] == 1).any() for s in found.series
-                    if not str(s.group[-1]).startswith(TRUE_BATCH))
-        beside = ("beside the runs at k = 1 where they start" if start else
-                  "alone (no run at k = 1 at the b they accumulate from)")
+        rules = [s for s in found.series if not str(s.group[-1]).startswith(TRUE_BATCH)]
+        bare = [" / ".join(map(str, s.group)) for s in rules if not (s.rows["accum_steps"] == 1).any()]
+        beside = ("alone (no run at k = 1 at the b they accumulate from)" if len(bare) == len(rules) else
+                  "beside the runs at k = 1 where they start" + (
+                      f" ({listed(bare)}: none at {'its' if len(bare) == 1 else 'their'} b)" if bare else ""))
         alike = f", each BN momentum rule's accumulated runs {beside}, the true batches (k = 1) a series of their own"
     out = [f"Steps to reach {percent(found.goal, full_scale(t['val_acc']))} validation accuracy "
            f"({found.of}; {resolution(t, evals)}{found.tuned}), each "

@@ -119,3 +119,9 @@ def test_rules_with_no_run_at_k_1_where_they_start_are_said_to_stand_alone():
     first = steps(pd.DataFrame(rows), _history(rows))[0]
     assert "each BN momentum rule's accumulated runs alone (no run at k = 1 at the b they accumulate from)" in first, \
         first
+    # scaled alone accumulating from b = 64, where k = 1 never ran: named, not said to start beside one
+    rows = _bn_grid("cnn1d", "batch", False, measured=True)
+    rows = [{**r, "physical_batch": 64, "accum_steps": r["accum_steps"] // 2} if r["bn_momentum_rule"] == "scaled"
+            and r["accum_steps"] > 1 else r for r in rows]
+    first = steps(pd.DataFrame(rows), _history(rows))[0]
+    assert "runs beside the runs at k = 1 where they start (scaled: none at its b), the true batches" in first, first
