@@ -94,9 +94,9 @@ TRUE_BATCH = "true batch"  # the series of the true batches at each B beside the
 
 def _shared_at_one(runs: pd.DataFrame, keys: list[str], tied: list[str]) -> pd.DataFrame:
     """At k = 1 every BN momentum rule sets the default momentum (the grid runs k = 1 under default alone, or under
-    each rule alike). The runs at k = 1 at the b the rules accumulate at (B = b, where each series starts) count,
-    once a seed, in the series of each rule whose runs at k > 1 hold their values of the other keys and of the
-    `tied` fields (a rule zipped with the weight decay: its own). Every run at k = 1, those at B = b and the true
+    each rule alike: one run, counted once). The runs at k = 1 at the b a rule accumulates from (B = b, where its
+    series starts) count in the series of each rule whose runs at k > 1 hold their values of the other keys and of
+    the `tied` fields (a rule zipped with the weight decay: its own). Every run at k = 1, those at B = b and the true
     batches at a larger B that no rule accumulated, is also a series of its own (TRUE_BATCH; one per arm where
     fields are tied), so that a rule's point at a B is its own accumulated runs, not a blend with the true batch's.
     A run at k = 1 that matches no rule stays under its label."""
