@@ -173,7 +173,11 @@ def reading(points: pd.DataFrame, noise: pd.DataFrame, lost: dict[int, tuple[int
     said, sizes, shares, spans = _doublings(points, censored)
     out = sorted(set(censored))
     f = critical(points[~points["effective_batch"].isin(out)])
-    said += _fitted(f, sizes, shares, spans, lost or {})
+    ran = points["effective_batch"].nunique()
+    if f is None and not lost and ran < 3:  # (not that runs failed: the series ran at fewer Bs than a fit takes)
+        said += f"; B_crit could not be fitted (the runs are at {ran} Bs; a fit takes 3)"
+    else:
+        said += _fitted(f, sizes, shares, spans, lost or {})
     if out:
         runs = points["effective_batch"].value_counts()
         gone = diverged or {}

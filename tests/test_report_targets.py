@@ -116,9 +116,13 @@ def test_rules_with_no_run_at_k_1_where_they_start_are_said_to_stand_alone():
             if r["accum_steps"] > 1 or r["effective_batch"] > 32]
     rows += [{**r, "accum_steps": 2, "effective_batch": 64, "run_id": r["run_id"] + "k2"} for r in rows
              if r["accum_steps"] == 4]  # (three Bs accumulated: 64, 128 and 512)
-    first = steps(pd.DataFrame(rows), _history(rows))[0]
+    said = steps(pd.DataFrame(rows), _history(rows))
+    first = said[0]
     assert "each BN momentum rule's accumulated runs alone (no run at k = 1 at the b they accumulate from)" in first, \
         first
+    # The true batches ran at 2 Bs, every run reaching the target: it read 'fewer than 3 Bs where every run reached'.
+    [true] = [s for s in said if s.startswith("For true batch")]
+    assert "B_crit could not be fitted (the runs are at 2 Bs; a fit takes 3)" in true, true
     # scaled alone accumulating from b = 64, where k = 1 never ran: named, not said to start beside one
     rows = _bn_grid("cnn1d", "batch", False, measured=True)
     rows = [{**r, "physical_batch": 64, "accum_steps": r["accum_steps"] // 2} if r["bn_momentum_rule"] == "scaled"
