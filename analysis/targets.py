@@ -168,6 +168,8 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
            f"epoch in which each run reached it."]
     for s in found.series:
         name = f"For {listed([str(g) for g in s.group])}" if found.keys else "Over every run"
+        if found.keys and len(s.group) > 1 and str(s.group[-1]).startswith(TRUE_BATCH):  # ('linear and true batch')
+            name = f"For the {s.group[-1]} under {listed([str(g) for g in s.group[:-1]])}"
         pruned = (s.rows["pruned_at"].notna() & s.rows["effective_batch"].isin(s.lost)).any()
         left = [f"{_lost(s.lost, pruned)}: half or more, left out of the fit"] if s.lost else []
         if s.diverged:

@@ -129,3 +129,13 @@ def test_rules_with_no_run_at_k_1_where_they_start_are_said_to_stand_alone():
             and r["accum_steps"] > 1 else r for r in rows]
     first = steps(pd.DataFrame(rows), _history(rows))[0]
     assert "runs beside the runs at k = 1 where they start (scaled: none at its b), the true batches" in first, first
+
+
+def test_the_true_batches_under_an_lr_rule_are_named_as_such():
+    """The LR rule and the BN rule both varied: the true batches' series read 'For linear and true batch', as two
+    rules."""
+    rows = [{**r, "lr_rule": lr, "run_id": lr + r["run_id"]} for lr in ("linear", "sqrt")
+            for r in _bn_grid("cnn1d", "batch", False, measured=True)]
+    said = [s for s in steps(pd.DataFrame(rows), _history(rows)) if "true batch" in s.split(",")[0]]
+    assert sorted(s.split(",")[0].split(" (")[0] for s in said) == ["For the true batch under linear",
+                                                                     "For the true batch under sqrt"], said
