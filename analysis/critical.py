@@ -193,7 +193,7 @@ def reading(points: pd.DataFrame, noise: pd.DataFrame, lost: dict[int, tuple[int
     seeds = noise["seed"].nunique()
     spread = f"; {_too_few(seeds)}" if seeds < FEWEST_SEEDS else "" if math.isnan(lo) else \
         f", 95% bootstrap interval over the seeds {_n(lo)} to {_n(hi)}"
-    where = " at the Bs fitted" if lost or out else ""  # (a run that reached it at a B left out is not among them)
+    where = " at the Bs not left out" if lost or out else ""  # (a run that reached it at a B left out: not among them)
     return (said + f"; the gradient noise scale at the epoch the target was reached was {_n(noise['noise'].median())}"
             f" (median of the {len(noise)} runs{where} that measured it there{spread})")
 
