@@ -1,6 +1,7 @@
 """Run under torchrun by tests/test_distributed.py: train each job of a JSON list ({"config": ...,
 "no_sync": ..., and optionally "checkpoint": a folder and "stop_after": an epoch}) in turn, and have rank 0 save
 every result's weights and metrics (None for a job stopped early) to the path given."""
+import gc
 import json
 import os
 import sys
@@ -40,4 +41,5 @@ for job in jobs:
 if os.environ["RANK"] == "0":
     torch.save(results, out)
 dist.barrier()  # torn down together (gloo can abort a rank whose peer has gone first)
+gc.collect()  # DDP's reducer, in a cycle, freed while torch is whole: at exit it can abort the rank
 dist.destroy_process_group()

@@ -20,7 +20,8 @@ from .test_workloads import TOKENS, rel_diff
 def torchrun(tmp_path, jobs: list[dict]) -> list[dict]:
     """The jobs trained by 2 ranks in one torchrun launch; rank 0's results."""
     out = tmp_path / "results.pt"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    # (--standalone: a free port of its own; the default 29500 is taken by another test's launch run beside it)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "--log-dir", str(tmp_path / "elastic"),  # (not a folder left in /tmp each launch)
                            str(ROOT / "tests/ddp_train.py"), json.dumps(jobs), str(out)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path,
