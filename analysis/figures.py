@@ -20,7 +20,7 @@ from .measures import (Measure, finished, full_scale, last_noise, measure, no_ba
                        reliable_noise, tuned)
 from .plotting import MEMORY_LABELS, Draw, Figure, colors, context, log2_axis, log_scale, split, varies  # noqa: E402
 from .runs import aggregate, ci95  # noqa: E402
-from .targets import TRUE_BATCH, to_target  # noqa: E402
+from .targets import to_target, true_batch_arm  # noqa: E402
 from .wording import percent  # noqa: E402
 
 def accuracy_vs_batch(trials: pd.DataFrame, objective: tuple[str, str] | None = None) -> Figure | None:
@@ -288,13 +288,12 @@ def steps_vs_batch(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFr
     field, palette = split(trials)
     lines = sns.color_palette()
     if found.keys == [field]:  # the split's own order and colours
-        # (beside the BN rules, the true batches (targets.TRUE_BATCH): squares, in their arm's colour or dark gray)
-        lines = [palette.get(s.group[0], palette.get(str(s.group[0]).split(" at ")[-1].removesuffix("'s settings"),
-                                                     "0.2")) for s in found.series]
+        # (beside the BN rules, the true batches (targets.true_batch_arm): squares, in their arm's colour or dark gray)
+        lines = [palette.get(s.group[0], palette.get(true_batch_arm(s), "0.2")) for s in found.series]
     firsts = []
     for i, (color, series) in enumerate(zip(lines, found.series)):
         label = " / ".join(map(str, series.group)) if found.keys else "all"
-        true = str(series.group[-1]).startswith(TRUE_BATCH)
+        true = true_batch_arm(series) is not None
         for ax, column in ((left, "steps"), (right, "samples")):
             medians = series.medians(column)
             # (each series a size smaller than the one before: identical medians, BN rules that share their k = 1

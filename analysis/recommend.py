@@ -13,8 +13,8 @@ import pandas as pd
 from batchsweep.sweeps import commands
 
 from .at_batch import largest_free, per_batch
-from .best import (LENGTHS, Best, accounted, below_per_b, best_set, choices, diverged_in_a_seed, label, members, not_compared,
-                   picked, stopped_in, unnamed)
+from .best import (LENGTHS, Best, accounted, below_per_b, best_set, choices, diverged_in_a_seed, label, members,
+                   not_compared, picked, stopped_in, unnamed)
 from .findings import bn_against_true, exact_by_model, lr_exponent, one_bn_rule
 from .measures import Measure, finished, full_scale, group_keys, group_label, measure, stopped_verb, tuned, unmoved
 from .runs import StudyRuns

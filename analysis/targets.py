@@ -92,6 +92,15 @@ def _tied(t: pd.DataFrame, keys: list[str]) -> list[str]:
 TRUE_BATCH = "true batch"  # the series of the true batches at each B beside the BN rules' (_shared_at_one)
 
 
+def true_batch_arm(series: Series) -> str | None:
+    """Where `series` is the true batches' (_shared_at_one), the BN rule whose settings it holds ('' where every
+    rule's); None for any other series."""
+    name = str(series.group[-1])
+    if not name.startswith(TRUE_BATCH):
+        return None
+    return name.removeprefix(f"{TRUE_BATCH} at ").removesuffix("'s settings") if name != TRUE_BATCH else ""
+
+
 def _shared_at_one(runs: pd.DataFrame, keys: list[str], tied: list[str]) -> pd.DataFrame:
     """At k = 1 every BN momentum rule sets the default momentum (the grid runs k = 1 under default alone, or under
     each rule alike: one run, counted once). The runs at k = 1 at the b a rule accumulates from (B = b, where its
@@ -154,8 +163,8 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
     noise = critical.noise_at_target(t, history, found.goal)
     both = "accum_steps" in t and (t["accum_steps"] > 1).any() and (t["accum_steps"] == 1).any()
     alike = ", accumulated and true batch alike" if both else ""
-    if any(str(s.group[-1]).startswith(TRUE_BATCH) for s in found.series):  # (BN rules: _shared_at_one)
-        rules = [s for s in found.series if not str(s.group[-1]).startswith(TRUE_BATCH)]
+    if any(true_batch_arm(s) is not None for s in found.series):  # (BN rules: _shared_at_one)
+        rules = [s for s in found.series if true_batch_arm(s) is None]
         bare = [" / ".join(map(str, s.group)) for s in rules if not (s.rows["accum_steps"] == 1).any()]
         beside = ("alone (no run at k = 1 at the b they accumulate from)" if len(bare) == len(rules) else
                   "beside the runs at k = 1 where they start" + (
@@ -168,7 +177,7 @@ def steps(trials: pd.DataFrame, history: pd.DataFrame, evals: pd.DataFrame | Non
            f"epoch in which each run reached it."]
     for s in found.series:
         name = f"For {listed([str(g) for g in s.group])}" if found.keys else "Over every run"
-        if found.keys and len(s.group) > 1 and str(s.group[-1]).startswith(TRUE_BATCH):  # ('linear and true batch')
+        if found.keys and len(s.group) > 1 and true_batch_arm(s) is not None:  # ('linear and true batch')
             name = f"For the {s.group[-1]} under {listed([str(g) for g in s.group[:-1]])}"
         pruned = (s.rows["pruned_at"].notna() & s.rows["effective_batch"].isin(s.lost)).any()
         left = [f"{_lost(s.lost, pruned)}: half or more, left out of the fit"] if s.lost else []
